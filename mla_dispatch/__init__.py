@@ -1,0 +1,42 @@
+"""mla_dispatch: one call for the decode step of Multi-head Latent Attention.
+
+>>> out, lse = mla_dispatch.mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale=...)
+
+See :func:`mla_decode` for the canonical layout, :func:`plan_decode` for the
+plan-once/run-per-layer form, and ``python -m mla_dispatch info`` for what
+runs here.
+"""
+
+from mla_dispatch.api import DecodePlan, mla_decode, plan_decode
+from mla_dispatch.backend import CGSupport, MLABackend, Reason, ReasonCode, Tolerance
+from mla_dispatch.cache import PagedMLACache
+from mla_dispatch.platform import Platform, detect_platform
+from mla_dispatch.problem import DecodeProblem
+from mla_dispatch.registry import get_backend, register_backend, registered_names
+from mla_dispatch.select import NoBackendError, SelectionReport, explain, priority, select_backend, use_backends
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "mla_decode",
+    "plan_decode",
+    "DecodePlan",
+    "PagedMLACache",
+    "DecodeProblem",
+    "Platform",
+    "detect_platform",
+    "MLABackend",
+    "Reason",
+    "ReasonCode",
+    "CGSupport",
+    "Tolerance",
+    "register_backend",
+    "get_backend",
+    "registered_names",
+    "priority",
+    "select_backend",
+    "explain",
+    "use_backends",
+    "NoBackendError",
+    "SelectionReport",
+]

@@ -1,0 +1,342 @@
+"""The public front end: :func:`mla_decode`, :func:`plan_decode` and :class:`DecodePlan`."""
+
+from __future__ import annotations
+
+import torch
+
+from mla_dispatch.backend import BackendState, MLABackend
+from mla_dispatch.platform import Platform, platform_for
+from mla_dispatch.problem import DecodeProblem, check_values, default_softmax_scale, describe_inputs
+from mla_dispatch.select import select_backend
+
+__all__ = ["mla_decode", "plan_decode", "DecodePlan"]
+
+
+def _unwrap_cache(kv_cache, kv_format, kv_scale):
+    """A PagedMLACache contributes its tensor, format and scale."""
+    from mla_dispatch.cache import PagedMLACache
+
+    if isinstance(kv_cache, PagedMLACache):
+        if kv_format == "auto":
+            kv_format = kv_cache.kv_format
+        if kv_scale is None and kv_cache.kv_format == "fp8_e4m3":
+            kv_scale = kv_cache.kv_scale
+        return kv_cache.kv, kv_format, kv_scale
+    return kv_cache, kv_format, kv_scale
+
+
+def _as_scale_tensor(kv_scale, device) -> torch.Tensor | None:
+    if kv_scale is None or isinstance(kv_scale, torch.Tensor):
+        return kv_scale
+    return torch.tensor([float(kv_scale)], dtype=torch.float32, device=device)
+
+
+class DecodePlan:
+    """A decode step planned once and run once per layer.
+
+    Built by :func:`plan_decode`. Holds the chosen backend, the frozen
+    :class:`~mla_dispatch.problem.DecodeProblem` it was planned for, and the
+    backend's per-step state (split-KV schedule, workspace). :meth:`run` checks
+    each call against the plan with cheap shape comparisons, does no host sync,
+    and, for backends that declare CUDA-graph support, no allocation when
+    ``out`` and ``lse`` are given: it can be captured in a CUDA graph.
+
+    Attributes
+    ----------
+    backend : str
+        Name of the backend that runs this plan.
+    problem : DecodeProblem
+        What the plan was built for.
+    softmax_scale : float
+    """
+
+    __slots__ = ("backend", "problem", "platform", "softmax_scale", "block_table", "cache_seqlens", "_cls", "_state",
+                 "_q_shape", "_kv_tail", "_kv_dtype")
+
+    def __init__(self, backend_cls: type[MLABackend], problem: DecodeProblem, platform: Platform,
+                 softmax_scale: float, block_table, cache_seqlens, state: BackendState, q_shape, kv_tail, kv_dtype):
+        self.backend = backend_cls.NAME
+        self.problem = problem
+        self.platform = platform
+        self.softmax_scale = softmax_scale
+        self.block_table = block_table
+        self.cache_seqlens = cache_seqlens
+        self._cls = backend_cls
+        self._state = state
+        self._q_shape = q_shape
+        self._kv_tail = kv_tail
+        self._kv_dtype = kv_dtype
+
+    def __repr__(self) -> str:
+        p = self.problem
+        return (f"DecodePlan(backend={self.backend!r}, q=[{p.batch}, {p.q_len}, {p.num_heads_q}, {p.head_dim_qk}], "
+                f"page_size={p.page_size}, h_kv={p.num_heads_kv}, kv_format={p.kv_format!r}, causal={p.causal}, "
+                f"topk={p.topk})")
+
+    @property
+    def state(self) -> BackendState:
+        """The backend's per-step state (schedule, workspace); for tests and adapters."""
+        return self._state
+
+    def update(self, block_table: torch.Tensor | None = None, cache_seqlens: torch.Tensor | None = None) -> None:
+        """Re-plan for new block-table / sequence-length *values* of the same shapes.
+
+        Copies the new values into the tensors the plan was built with (if
+        other tensors are given) and refreshes the backend's schedule in place,
+        so CUDA graphs captured over :meth:`run` stay valid.
+
+        Raises
+        ------
+        ValueError
+            A new tensor's shape or dtype differs from the planned one.
+        """
+        for name, new in (("block_table", block_table), ("cache_seqlens", cache_seqlens)):
+            if new is None:
+                continue
+            old = getattr(self, name)
+            if old is None or new.shape != old.shape or new.dtype != old.dtype:
+                raise ValueError(f"{name} must keep the planned shape/dtype "
+                                 f"{None if old is None else (list(old.shape), old.dtype)}, got {list(new.shape)} {new.dtype}")
+            if new.data_ptr() != old.data_ptr():
+                old.copy_(new)
+        self._cls.update(self._state, self.block_table, self.cache_seqlens)
+
+    def run(self, q: torch.Tensor, kv_cache, *, kv_scale: torch.Tensor | float | None = None,
+            indices: torch.Tensor | None = None, out: torch.Tensor | None = None,
+            lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run one layer's decode attention.
+
+        Parameters
+        ----------
+        q : Tensor
+            ``[B, s_q, h_q, D_qk]``, the planned shape and dtype.
+        kv_cache : Tensor or PagedMLACache
+            The planned geometry (page size, heads, format); any number of blocks.
+        kv_scale : float or Tensor, optional
+            Per-tensor fp32 scale (``fp8_e4m3`` only); per layer.
+        indices : Tensor, optional
+            int32 ``[B, s_q, topk]`` sparse token ids (sparse plans only); per layer.
+        out : Tensor, optional
+            ``[B, s_q, h_q, D_v]`` in q's dtype, written in place.
+        lse : Tensor, optional
+            fp32 ``[B, h_q, s_q]``, written in place.
+
+        Returns
+        -------
+        (out, lse)
+            ``lse`` is None when the plan was made with ``return_lse=False`` and
+            no ``lse`` buffer was passed.
+
+        Raises
+        ------
+        ValueError
+            An argument does not match the plan.
+        """
+        p = self.problem
+        kv, _, kv_scale = _unwrap_cache(kv_cache, "auto", kv_scale)
+        if kv.dim() == 3:
+            kv = kv.unsqueeze(2)
+        if q.shape != self._q_shape or q.dtype != p.q_dtype:
+            raise ValueError(f"q must be {list(self._q_shape)} {p.q_dtype} as planned, got {list(q.shape)} {q.dtype}")
+        if q.stride(-1) != 1:
+            raise ValueError(f"q must be contiguous in its last dim, got strides {list(q.stride())}")
+        if kv.shape[1:] != self._kv_tail or kv.dtype != self._kv_dtype:
+            raise ValueError(f"kv_cache must be [num_blocks, {', '.join(map(str, self._kv_tail))}] {self._kv_dtype} "
+                             f"as planned, got {list(kv.shape)} {kv.dtype}")
+        if kv.stride(-1) != 1:
+            raise ValueError(f"kv_cache must be contiguous in its last dim, got strides {list(kv.stride())}")
+        if p.kv_format == "fp8_e4m3":
+            if kv_scale is None:
+                raise ValueError("kv_scale is required for kv_format='fp8_e4m3'")
+            kv_scale = _as_scale_tensor(kv_scale, q.device)
+        elif kv_scale is not None:
+            raise ValueError(f"kv_scale is only used with kv_format='fp8_e4m3' (planned: {p.kv_format!r})")
+        if p.sparse:
+            if indices is None or indices.shape != (p.batch, p.q_len, p.topk) or indices.dtype != torch.int32:
+                got = None if indices is None else f"{list(indices.shape)} {indices.dtype}"
+                raise ValueError(f"indices must be int32 [{p.batch}, {p.q_len}, {p.topk}] as planned, got {got}")
+        elif indices is not None:
+            raise ValueError("indices were given but the plan is dense (plan with indices to run sparse)")
+        out_shape = (p.batch, p.q_len, p.num_heads_q, p.head_dim_v)
+        if out is None:
+            out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+        elif out.shape != out_shape or out.dtype != q.dtype or out.device != q.device:
+            raise ValueError(f"out must be {list(out_shape)} {q.dtype} on {q.device}, got {list(out.shape)} {out.dtype} "
+                             f"on {out.device}")
+        lse_shape = (p.batch, p.num_heads_q, p.q_len)
+        give_lse = p.return_lse or lse is not None
+        if lse is None:
+            lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+        elif lse.shape != lse_shape or lse.dtype != torch.float32 or lse.device != q.device:
+            raise ValueError(f"lse must be {list(lse_shape)} float32 on {q.device}, got {list(lse.shape)} {lse.dtype}")
+        self._cls.run(self._state, q, kv, self.block_table, self.cache_seqlens, problem=p,
+                      softmax_scale=self.softmax_scale, kv_scale=kv_scale, indices=indices, out=out, lse=lse)
+        return out, (lse if give_lse else None)
+
+
+def plan_decode(
+    q: torch.Tensor,
+    kv_cache,
+    block_table: torch.Tensor | None,
+    cache_seqlens: torch.Tensor | None,
+    *,
+    head_dim_v: int = 512,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    kv_format: str = "auto",
+    kv_scale: torch.Tensor | float | None = None,
+    indices: torch.Tensor | None = None,
+    return_lse: bool = True,
+    backend: str = "auto",
+    cuda_graph: bool = False,
+    validate: bool = False,
+) -> DecodePlan:
+    """Plan one decode step: choose the backend and compute its per-step state.
+
+    ``q``, ``kv_cache`` and ``indices`` are read for their shapes, dtypes and
+    device only (pass layer 0's tensors, or any tensors of the same geometry);
+    ``block_table`` and ``cache_seqlens`` are kept and used by every
+    :meth:`DecodePlan.run`. Arguments are those of :func:`mla_decode`, plus:
+
+    Parameters
+    ----------
+    cuda_graph : bool
+        Require a backend whose ``run`` can be captured in a CUDA graph. After
+        capture, change the *values* of ``block_table``/``cache_seqlens`` and
+        call :meth:`DecodePlan.update` before replaying.
+
+    Returns
+    -------
+    DecodePlan
+
+    Raises
+    ------
+    ValueError, TypeError
+        Invalid arguments (see :func:`mla_decode`).
+    NoBackendError
+        No backend here can run the problem (the message lists every
+        candidate's reasons), or the named ``backend`` cannot.
+    """
+    kv, kv_format, kv_scale = _unwrap_cache(kv_cache, kv_format, kv_scale)
+    problem = describe_inputs(q, kv, block_table, cache_seqlens, head_dim_v=head_dim_v, causal=causal,
+                              kv_format=kv_format, kv_scale=kv_scale, indices=indices, return_lse=return_lse,
+                              cuda_graph=cuda_graph)
+    if kv.dim() == 3:
+        kv = kv.unsqueeze(2)
+    if validate:
+        check_values(problem, kv.shape[0], block_table, cache_seqlens, indices)
+    if softmax_scale is None:
+        softmax_scale = default_softmax_scale(problem.head_dim_qk)
+    elif not softmax_scale > 0:
+        raise ValueError(f"softmax_scale must be a positive float, got {softmax_scale!r}")
+    platform = platform_for(q.device)
+    cls = select_backend(problem, platform, backend)
+    state = cls.plan(problem, platform, block_table, cache_seqlens, softmax_scale=float(softmax_scale))
+    return DecodePlan(cls, problem, platform, float(softmax_scale), block_table, cache_seqlens, state,
+                      tuple(q.shape), tuple(kv.shape[1:]), kv.dtype)
+
+
+def mla_decode(
+    q: torch.Tensor,
+    kv_cache,
+    block_table: torch.Tensor | None,
+    cache_seqlens: torch.Tensor | None,
+    *,
+    head_dim_v: int = 512,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    kv_format: str = "auto",
+    kv_scale: torch.Tensor | float | None = None,
+    indices: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    return_lse: bool = True,
+    backend: str = "auto",
+    plan: DecodePlan | None = None,
+    validate: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Decode-step Multi-head Latent Attention (DeepSeek MLA, absorbed "MQA mode").
+
+    For request ``b``, query token ``i`` and head ``h`` (KV head ``h // (h_q/h_kv)``)::
+
+        S[j] = softmax_scale * <q[b, i, h, :], K[b, j, :]>     over the request's cached tokens j
+        out  = sum_j softmax(S)[j] * K[b, j, :head_dim_v]     (V is the first head_dim_v channels of K)
+        lse  = log sum_j exp(S[j])                            (natural log)
+
+    Parameters
+    ----------
+    q : Tensor
+        ``[B, s_q, h_q, D_qk]`` bfloat16 or float16, last dim contiguous.
+        DeepSeek-V3: ``D_qk = 576`` (512 latent + 64 RoPE).
+    kv_cache : Tensor or PagedMLACache
+        ``[num_blocks, page_size, h_kv, D_qk]`` (or 3-D ``[num_blocks, page_size, D_qk]``
+        for ``h_kv = 1``), in q's dtype, ``float8_e4m3fn`` (``"fp8_e4m3"``) or
+        ``uint8 [..., 656]`` (``"fp8_ds_mla"``).
+    block_table : Tensor
+        int32 ``[B, max_blocks]``: request ``b``'s token ``j`` is in block
+        ``block_table[b, j // page_size]``. Entries past ``ceil(L_b / page_size)``
+        are never read. Unused (None) with sparse ``indices``.
+    cache_seqlens : Tensor
+        int32 ``[B]``, ``L_b``: cached tokens per request (including the
+        ``s_q`` new ones). Slots past ``L_b`` are never read.
+    head_dim_v : int
+        ``D_v`` (DeepSeek: 512 = kv_lora_rank); ``<= D_qk``.
+    softmax_scale : float, optional
+        Defaults to ``1/sqrt(D_qk)``. **DeepSeek models need
+        ``1/sqrt(192) * mscale**2``** (qk_nope + qk_rope head dims, YaRN): pass
+        it explicitly, as every serving engine does.
+    causal : bool
+        With ``s_q > 1`` (speculative / multi-token decode), query token ``i``
+        sees keys ``0 .. L_b - s_q + i``. No effect when ``s_q == 1``.
+    kv_format : {"auto", "bf16", "fp16", "fp8_e4m3", "fp8_ds_mla"}
+        ``"auto"`` infers it from the cache dtype.
+    kv_scale : float or Tensor, optional
+        The per-tensor fp32 dequantisation scale; required for ``"fp8_e4m3"``.
+    indices : Tensor, optional
+        int32 ``[B, s_q, topk]`` sparse attention (DeepSeek Sparse Attention):
+        entry ``block_id * page_size + offset``, ``-1`` = skip.
+    out : Tensor, optional
+        ``[B, s_q, h_q, D_v]`` in q's dtype, written in place.
+    return_lse : bool
+        Return the LSE (otherwise the second element is None).
+    backend : str
+        ``"auto"`` or a registered name (``python -m mla_dispatch info`` lists
+        them); a named backend that cannot run the problem raises.
+    plan : DecodePlan, optional
+        Reuse a plan from :func:`plan_decode` (then only ``q``, ``kv_cache``,
+        ``kv_scale``, ``indices`` and ``out`` are used).
+    validate : bool
+        Also check values (block ids, sequence lengths, indices); syncs.
+
+    Returns
+    -------
+    out : Tensor
+        ``[B, s_q, h_q, D_v]`` in q's dtype. Rows with no visible key are 0.
+    lse : Tensor or None
+        fp32 ``[B, h_q, s_q]`` natural-log sum-exp (FlashMLA's layout); ``+inf``
+        for rows with no visible key.
+
+    Raises
+    ------
+    ValueError
+        An argument has the wrong dtype, rank, shape, device or layout; the
+        message names it and the expected value.
+    NoBackendError
+        No available backend can run the problem; the message lists the
+        problem and every candidate's reasons.
+
+    Examples
+    --------
+    >>> import torch, mla_dispatch
+    >>> q = torch.randn(2, 1, 16, 576, dtype=torch.bfloat16)
+    >>> kv = torch.randn(4, 64, 1, 576, dtype=torch.bfloat16)
+    >>> table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    >>> lens = torch.tensor([100, 7], dtype=torch.int32)
+    >>> out, lse = mla_dispatch.mla_decode(q, kv, table, lens, softmax_scale=192**-0.5)
+    >>> out.shape, lse.shape
+    (torch.Size([2, 1, 16, 512]), torch.Size([2, 16, 1]))
+    """
+    if plan is None:
+        plan = plan_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=head_dim_v, softmax_scale=softmax_scale,
+                           causal=causal, kv_format=kv_format, kv_scale=kv_scale, indices=indices,
+                           return_lse=return_lse, backend=backend, validate=validate)
+    return plan.run(q, kv_cache, kv_scale=kv_scale, indices=indices, out=out)
