@@ -150,6 +150,8 @@ BUILTIN_BACKENDS = {
     "aiter": "mla_dispatch.backends.aiter:AiterBackend",
     "ascend_amla": "mla_dispatch.backends.ascend_amla:AscendAMLABackend",
     "torch_npu": "mla_dispatch.backends.torch_npu:TorchNpuBackend",
+    # Conformance-only: the bit-faithful AMLA emulation, never chosen by "auto".
+    "amla_emulation": "mla_dispatch.backends.amla_emulation:AMLAEmulationBackend",
 }
 for _name, _qualname in BUILTIN_BACKENDS.items():
     register_backend(_name, _qualname)

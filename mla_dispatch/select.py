@@ -18,7 +18,7 @@ from typing import Iterator, Sequence
 from mla_dispatch.backend import MLABackend, Reason
 from mla_dispatch.platform import Platform
 from mla_dispatch.problem import DecodeProblem
-from mla_dispatch.registry import get_backend, registered_names
+from mla_dispatch.registry import BUILTIN_BACKENDS, get_backend, registered_names
 
 __all__ = [
     "priority",
@@ -67,10 +67,11 @@ def priority(problem: DecodeProblem, platform: Platform, tuned: dict[str, str] |
     ``tuned`` maps a shape bucket (see :func:`shape_bucket`) to the measured
     fastest backend on this device; when the problem's bucket is in it, that
     backend moves to the front. Third-party backends (registered but absent
-    from the default table) go just before ``reference``.
+    from the built-in table) go just before ``reference``; built-in names
+    outside the table (``amla_emulation``) are never candidates for "auto".
     """
     order = list(_DEFAULT_ORDER.get(platform_key(platform), ("reference",)))
-    extra = [n for n in registered_names() if n not in _ALL_DEFAULT]
+    extra = [n for n in registered_names() if n not in BUILTIN_BACKENDS]  # third-party plugins
     order[-1:-1] = extra
     if tuned:
         best = tuned.get(shape_bucket(problem))
@@ -78,9 +79,6 @@ def priority(problem: DecodeProblem, platform: Platform, tuned: dict[str, str] |
             order.remove(best)
             order.insert(0, best)
     return tuple(order)
-
-
-_ALL_DEFAULT = frozenset(n for row in _DEFAULT_ORDER.values() for n in row)
 
 
 def shape_bucket(problem: DecodeProblem) -> str:

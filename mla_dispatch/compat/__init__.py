@@ -1,0 +1,1 @@
+"""Drop-in replacements for other libraries' APIs, implemented on mla_dispatch."""

@@ -1,0 +1,1 @@
+"""Serving-engine integrations (vLLM, SGLang); each imports its engine lazily."""
