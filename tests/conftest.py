@@ -1,0 +1,39 @@
+"""Shared pytest configuration.
+
+- Tests marked ``gpu`` run only where torch sees a CUDA device (the device tool's H100);
+  elsewhere they are skipped with that reason.
+- Every test gets a fresh random seed, printed in the header, so failures can be replayed
+  with ``MLA_DISPATCH_SEED=<seed>``.
+"""
+
+import os
+import random
+
+import pytest
+import torch
+
+SEED = int(os.environ.get("MLA_DISPATCH_SEED", random.SystemRandom().randrange(1 << 31)))
+
+
+def pytest_report_header(config):
+    return f"mla_dispatch test seed: {SEED} (replay with MLA_DISPATCH_SEED={SEED})"
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device tool: see README 'GPU runs')")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """A per-test seed derived from the session seed and the test id."""
+    return (SEED + hash(request.node.nodeid)) % (1 << 31)
+
+
+@pytest.fixture
+def gen(seed) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
