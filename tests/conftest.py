@@ -8,6 +8,7 @@
 
 import os
 import random
+import zlib
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def seed(request) -> int:
     """A per-test seed derived from the session seed and the test id."""
-    return (SEED + hash(request.node.nodeid)) % (1 << 31)
+    return (SEED + zlib.crc32(request.node.nodeid.encode())) % (1 << 31)
 
 
 @pytest.fixture
