@@ -107,7 +107,7 @@ def make_case(
     elif kv_format == "fp8_e4m3":
         kv_scale = torch.tensor([values.abs().max().item() / 448.0 * 1.25], dtype=torch.float32)
         kv = quantize_fp8_e4m3(values, kv_scale)
-        kv[~used] = float("nan")
+        kv.view(torch.uint8)[~used] = 0x7F  # e4m3fn NaN
     elif kv_format == "fp8_ds_mla":
         kv = pack_ds_mla(values)
         nan_token = pack_ds_mla(torch.full((head_dim_qk,), float("nan")))

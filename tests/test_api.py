@@ -1,0 +1,143 @@
+"""Front-end validation (every documented error) and plan/run behaviour."""
+
+import pytest
+import torch
+
+import mla_dispatch
+from mla_dispatch.backends.reference import reference_attention
+from mla_dispatch.testing import make_case
+
+BF = torch.bfloat16
+
+
+def _inputs(B=2, s_q=1, h_q=4, D=64, nb=6, ps=8, h_kv=1, max_blocks=3):
+    q = torch.randn(B, s_q, h_q, D, dtype=BF)
+    kv = torch.randn(nb, ps, h_kv, D, dtype=BF)
+    table = torch.arange(B * max_blocks, dtype=torch.int32).view(B, max_blocks) % nb
+    lens = torch.full((B,), 10, dtype=torch.int32)
+    return q, kv, table, lens
+
+
+def _call(**overrides):
+    q, kv, table, lens = _inputs()
+    args = dict(q=q, kv_cache=kv, block_table=table, cache_seqlens=lens)
+    kwargs = dict(head_dim_v=32)
+    for k, v in overrides.items():
+        (args if k in args else kwargs)[k] = v
+    return mla_dispatch.mla_decode(args["q"], args["kv_cache"], args["block_table"], args["cache_seqlens"], **kwargs)
+
+
+BAD_INPUTS = [
+    ("q-rank", dict(q=torch.randn(2, 4, 64, dtype=BF)), ValueError, r"q must be 4-D \[batch, s_q, h_q, D_qk\], got shape \[2, 4, 64\]"),
+    ("q-dtype", dict(q=torch.randn(2, 1, 4, 64)), ValueError, "q.dtype must be bfloat16 or float16, got float32"),
+    ("q-stride", dict(q=torch.randn(2, 1, 64, 4, dtype=BF).transpose(2, 3)), ValueError, "q must be contiguous in its last dim"),
+    ("s_q-0", dict(q=torch.randn(2, 0, 4, 64, dtype=BF)), ValueError, r"q.shape\[1\] \(s_q.*\) must be >= 1, got 0"),
+    ("kv-dim", dict(kv_cache=torch.randn(6, 8, 1, 65, dtype=BF)), ValueError, r"kv_cache.shape\[-1\] \(D_qk\) must equal q.shape\[-1\]=64, got 65"),
+    ("kv-rank", dict(kv_cache=torch.randn(6, 8 * 64, dtype=BF)), ValueError, "kv_cache must be .num_blocks, page_size, h_kv, D_qk."),
+    ("kv-dtype", dict(kv_cache=torch.randn(6, 8, 1, 64, dtype=torch.float16)), ValueError, "kv_cache.dtype float16 does not match q.dtype bfloat16"),
+    ("h_kv", dict(kv_cache=torch.randn(6, 8, 3, 64, dtype=BF)), ValueError, r"h_q=4 must be a multiple of h_kv \(kv_cache.shape\[2\]\)=3"),
+    ("dv", dict(head_dim_v=65), ValueError, r"head_dim_v must be in \[1, D_qk=64\], got 65"),
+    ("table-dtype", dict(block_table=torch.zeros(2, 3, dtype=torch.int64)), ValueError, "block_table must be int32 .batch, max_blocks., got shape .2, 3. int64"),
+    ("table-batch", dict(block_table=torch.zeros(3, 3, dtype=torch.int32)), ValueError, r"block_table.shape\[0\] must equal batch=2"),
+    ("seqlens", dict(cache_seqlens=torch.zeros(3, dtype=torch.int32)), ValueError, r"cache_seqlens must be int32 \[batch=2\], got shape \[3\] int32"),
+    ("missing-table", dict(block_table=None), ValueError, "block_table and cache_seqlens are required unless sparse indices"),
+    ("format", dict(kv_format="int4"), ValueError, "kv_format must be one of 'auto'"),
+    ("format-dtype", dict(kv_format="fp8_e4m3", kv_scale=1.0), ValueError, "kv_cache.dtype must be float8_e4m3fn for kv_format='fp8_e4m3', got bfloat16"),
+    ("scale-needed", dict(kv_cache=torch.zeros(6, 8, 1, 64, dtype=torch.float8_e4m3fn)), ValueError, "kv_scale is required for kv_format='fp8_e4m3'"),
+    ("scale-unused", dict(kv_scale=0.5), ValueError, "kv_scale is only used with kv_format='fp8_e4m3'"),
+    ("ds-mla-bytes", dict(kv_cache=torch.zeros(6, 8, 1, 600, dtype=torch.uint8)), ValueError, "kv_cache.shape.-1. must be 656 bytes"),
+    ("indices", dict(indices=torch.zeros(2, 1, 4, dtype=torch.int64)), ValueError, r"indices must be int32 \[batch=2, s_q=1, topk\]"),
+    ("sparse-causal", dict(q=torch.randn(2, 2, 4, 64, dtype=BF), indices=torch.zeros(2, 2, 4, dtype=torch.int32), causal=True), ValueError, "causal=True cannot be combined with sparse indices"),
+    ("scale-neg", dict(softmax_scale=-1.0), ValueError, "softmax_scale must be a positive float, got -1.0"),
+    ("q-type", dict(q=[1, 2]), TypeError, "q must be a torch.Tensor, got list"),
+    ("backend", dict(backend="fastest"), ValueError, "unknown backend 'fastest'"),
+]
+
+
+@pytest.mark.parametrize("name,overrides,exc,match", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_raises_documented_error(name, overrides, exc, match):
+    with pytest.raises(exc, match=match):
+        _call(**overrides)
+
+
+def test_good_call_passes_and_three_d_cache_means_one_kv_head(gen):
+    q, kv, table, lens = _inputs()
+    out4, lse4 = mla_dispatch.mla_decode(q, kv, table, lens, head_dim_v=32)
+    out3, lse3 = mla_dispatch.mla_decode(q, kv[:, :, 0], table, lens, head_dim_v=32)
+    assert torch.equal(out4, out3) and torch.equal(lse4, lse3)
+
+
+def test_validate_names_offending_rows():
+    q, kv, table, lens = _inputs()
+    bad_table = table.clone()
+    bad_table[1, 0] = 99
+    with pytest.raises(ValueError, match=r"block ids outside \[0, 6\).*rows \[1\] \(row 1, columns \[0\]: \[99\]\)"):
+        mla_dispatch.mla_decode(q, kv, bad_table, lens, head_dim_v=32, validate=True)
+    # Garbage past a request's length is allowed: only ceil(L/ps) entries are checked.
+    ok_table = table.clone()
+    ok_table[:, 2] = 2147480000
+    mla_dispatch.mla_decode(q, kv, ok_table, lens, head_dim_v=32, validate=True)
+    with pytest.raises(ValueError, match=r"exceed the block table's capacity max_blocks\*page_size=24 in rows \[0\]: \[25\]"):
+        mla_dispatch.mla_decode(q, kv, table, torch.tensor([25, 3], dtype=torch.int32), head_dim_v=32, validate=True)
+    with pytest.raises(ValueError, match=r"cache_seqlens must be >= 0; rows \[1\]"):
+        mla_dispatch.mla_decode(q, kv, table, torch.tensor([2, -3], dtype=torch.int32), head_dim_v=32, validate=True)
+    with pytest.raises(ValueError, match=r"indices must be in \[-1, num_blocks\*page_size=48\); offending batch rows \[0\]"):
+        mla_dispatch.mla_decode(q, kv, None, None, head_dim_v=32, validate=True,
+                                indices=torch.tensor([[[48, 1]], [[0, -1]]], dtype=torch.int32))
+
+
+def test_out_buffer_is_written_in_place_and_checked(gen):
+    case = make_case(2, 1, 4, 30, page_size=8, generator=gen, head_dim_qk=64, head_dim_v=32)
+    out = torch.full((2, 1, 4, 32), float("nan"), dtype=BF)
+    got, lse = mla_dispatch.mla_decode(*case.args(), **case.kwargs(), out=out)
+    assert got.data_ptr() == out.data_ptr() and not torch.isnan(out).any()
+    with pytest.raises(ValueError, match=r"out must be \[2, 1, 4, 32\] torch.bfloat16"):
+        mla_dispatch.mla_decode(*case.args(), **case.kwargs(), out=torch.empty(2, 1, 4, 32))
+
+
+def test_return_lse_false_gives_none(gen):
+    case = make_case(2, 1, 4, 30, page_size=8, generator=gen, head_dim_qk=64, head_dim_v=32)
+    out, lse = mla_dispatch.mla_decode(*case.args(), **case.kwargs(), return_lse=False)
+    assert lse is None and out.shape == (2, 1, 4, 32)
+
+
+def test_plan_once_run_many_and_checks_calls_against_plan(gen):
+    case = make_case(3, 2, 8, 40, page_size=16, causal=True, generator=gen, head_dim_qk=64, head_dim_v=32)
+    plan = mla_dispatch.plan_decode(*case.args(), **case.kwargs())
+    assert plan.backend == "reference" and "page_size=16" in repr(plan)
+    for _ in range(2):  # two "layers" with different data
+        q = torch.randn_like(case.q.float()).to(BF)
+        kv = case.kv_cache.clone()
+        kv[~torch.isnan(kv)] = torch.randn(int((~torch.isnan(kv)).sum()), generator=gen).to(BF)
+        out, lse = plan.run(q, kv)
+        want_out, want_lse = reference_attention(q, kv, case.block_table, case.cache_seqlens, **case.kwargs())
+        assert torch.equal(out, want_out.to(BF)) and torch.equal(lse, want_lse)
+    with pytest.raises(ValueError, match=r"q must be \[3, 2, 8, 64\] torch.bfloat16 as planned"):
+        plan.run(case.q[:2], case.kv_cache)
+    with pytest.raises(ValueError, match=r"kv_cache must be \[num_blocks, 16, 1, 64\]"):
+        plan.run(case.q, case.kv_cache[:, :8])
+    with pytest.raises(ValueError, match="indices were given but the plan is dense"):
+        plan.run(case.q, case.kv_cache, indices=torch.zeros(3, 2, 4, dtype=torch.int32))
+
+
+def test_plan_update_sees_new_lengths(gen):
+    case = make_case(2, 1, 4, 40, page_size=8, varlen=False, generator=gen, head_dim_qk=64, head_dim_v=32)
+    plan = mla_dispatch.plan_decode(*case.args(), **case.kwargs())
+    shorter = torch.tensor([5, 0], dtype=torch.int32)
+    plan.update(cache_seqlens=shorter)
+    assert plan.cache_seqlens.tolist() == [5, 0]
+    out, lse = plan.run(case.q, case.kv_cache)
+    want_out, want_lse = reference_attention(case.q, case.kv_cache, case.block_table, shorter, **case.kwargs())
+    assert torch.equal(lse, want_lse) and torch.isposinf(lse[1]).all()
+    with pytest.raises(ValueError, match="cache_seqlens must keep the planned shape"):
+        plan.update(cache_seqlens=torch.zeros(3, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("kv_format", ["fp8_e4m3", "fp8_ds_mla"])
+def test_quantised_formats_are_inferred_from_the_cache(kv_format, gen):
+    case = make_case(2, 1, 4, 30, page_size=16, kv_format=kv_format, generator=gen)
+    kwargs = case.kwargs()
+    kwargs["kv_format"] = "auto"
+    out, lse = mla_dispatch.mla_decode(*case.args(), **kwargs)
+    want_out, want_lse = reference_attention(*case.args(), **case.kwargs())
+    assert torch.equal(lse, want_lse)

@@ -1,0 +1,129 @@
+"""The reference backend against an independent float64 computation.
+
+The naive oracle below walks every request, query token and head with Python
+loops, gathers tokens one by one through the block table and dequantises them
+with its own code, so it shares nothing with the reference's vectorised gather
+and masking except the format definitions in DESIGN.md.
+"""
+
+import math
+import random
+
+import pytest
+import torch
+
+import mla_dispatch
+from mla_dispatch.backends.reference import reference_attention
+from mla_dispatch.formats import DS_MLA_TOKEN_BYTES
+from mla_dispatch.testing import check_close, make_case
+
+
+def _decode_token(raw: torch.Tensor, kv_format: str, kv_scale) -> torch.Tensor:
+    """float64 [h_kv, D] values of one cached token, decoded independently of formats.py."""
+    if kv_format in ("bf16", "fp16"):
+        return raw.double()
+    if kv_format == "fp8_e4m3":
+        return raw.double() * float(kv_scale)
+    assert raw.shape[-1] == DS_MLA_TOKEN_BYTES
+    rows = []
+    for head in raw:
+        b = head.contiguous()
+        nope = b[:512].view(torch.float8_e4m3fn).double()
+        scales = b[512:528].view(torch.float32).double()
+        rope = b[528:656].view(torch.bfloat16).double()
+        rows.append(torch.cat([nope * scales.repeat_interleave(128), rope]))
+    return torch.stack(rows)
+
+
+def naive_attention(case, head_dim_v):
+    q = case.q.double()
+    batch, q_len, h_q, _ = q.shape
+    nb, ps, h_kv, _ = case.kv_cache.shape
+    scale = case.softmax_scale
+    out = torch.zeros(batch, q_len, h_q, head_dim_v, dtype=torch.float64)
+    lse = torch.zeros(batch, h_q, q_len, dtype=torch.float64)
+    for b in range(batch):
+        for i in range(q_len):
+            if case.indices is not None:
+                slots = [int(s) for s in case.indices[b, i] if int(s) >= 0]
+            else:
+                length = int(case.cache_seqlens[b])
+                visible = length - q_len + i + 1 if case.causal else length
+                slots = [int(case.block_table[b, j // ps]) * ps + j % ps for j in range(max(visible, 0))]
+            keys = [_decode_token(case.kv_cache[s // ps, s % ps], case.kv_format, case.kv_scale) for s in slots]
+            for h in range(h_q):
+                if not keys:
+                    lse[b, h, i] = math.inf
+                    continue
+                k = torch.stack([key[h // (h_q // h_kv)] for key in keys])
+                s = (k @ q[b, i, h]) * scale
+                m = s.max()
+                p = torch.exp(s - m)
+                out[b, i, h] = (p[:, None] * k[:, :head_dim_v]).sum(0) / p.sum()
+                lse[b, h, i] = m + torch.log(p.sum())
+    return out, lse
+
+
+def _cases():
+    rng = random.Random(1234)  # the case *shapes* are fixed; the data are fresh each run (gen fixture)
+    cases = []
+    for page_size in (1, 16, 64, 128):
+        for kv_format in ("bf16", "fp16", "fp8_e4m3", "fp8_ds_mla"):
+            h_kv = 1 if kv_format == "fp8_ds_mla" else rng.choice((1, 2))
+            h_q = rng.choice([h for h in (1, 3, 16, 64, 128) if h % h_kv == 0])
+            q_len = rng.choice((1, 2, 4))
+            causal = rng.random() < 0.6
+            sparse = kv_format in ("bf16", "fp8_ds_mla") and page_size in (16, 64) and not causal
+            cases.append((page_size, kv_format, h_q, h_kv, q_len, causal, sparse))
+    return cases
+
+
+@pytest.mark.parametrize(
+    "page_size,kv_format,h_q,h_kv,q_len,causal,sparse",
+    _cases(),
+    ids=lambda v: str(v),
+)
+def test_reference_matches_float64(page_size, kv_format, h_q, h_kv, q_len, causal, sparse, gen):
+    dtype = torch.float16 if kv_format == "fp16" else torch.bfloat16
+    head_dim_v = 512 if kv_format == "fp8_ds_mla" else 64
+    head_dim_qk = 576 if kv_format == "fp8_ds_mla" else 96
+    case = make_case(3, q_len, h_q, 40, num_heads_kv=h_kv, head_dim_qk=head_dim_qk, head_dim_v=head_dim_v,
+                     page_size=page_size, dtype=dtype, kv_format=kv_format, causal=causal, zero_len_rows=1,
+                     topk=24 if sparse else 0, generator=gen)
+    out, lse = reference_attention(*case.args(), **case.kwargs())
+    want_out, want_lse = naive_attention(case, head_dim_v)
+    assert check_close("out", out, want_out, 1e-5, 1e-4)
+    assert check_close("lse", lse, want_lse, 1e-5, 1e-5)
+    # Zero-length requests: out = 0, lse = +inf (the last request is empty).
+    assert torch.all(out[-1] == 0) and torch.all(torch.isposinf(lse[-1]))
+    assert not torch.isnan(out).any()
+
+
+def test_mla_decode_output_dtype_and_layout(gen):
+    case = make_case(2, 2, 8, 50, page_size=16, causal=True, generator=gen, head_dim_qk=64, head_dim_v=32)
+    out, lse = mla_dispatch.mla_decode(*case.args(), **case.kwargs())
+    ref_out, ref_lse = reference_attention(*case.args(), **case.kwargs())
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 2, 8, 32)
+    assert lse.dtype == torch.float32 and lse.shape == (2, 8, 2)
+    assert torch.equal(out, ref_out.to(torch.bfloat16))
+    assert torch.equal(lse, ref_lse)
+
+
+def test_causal_cut_rows_see_nothing(gen):
+    # L=2, s_q=4, causal: query token i sees keys 0..L-s_q+i, so tokens 0 and 1 see nothing.
+    case = make_case(1, 4, 2, 2, page_size=4, varlen=False, causal=True, generator=gen, head_dim_qk=32, head_dim_v=16)
+    out, lse = reference_attention(*case.args(), **case.kwargs())
+    assert torch.all(torch.isposinf(lse[0, :, :2])) and torch.all(torch.isfinite(lse[0, :, 2:]))
+    assert torch.all(out[0, :2] == 0)
+
+
+def test_reference_op_registered_and_opcheck(gen):
+    case = make_case(2, 1, 4, 20, page_size=8, generator=gen, head_dim_qk=32, head_dim_v=16)
+    out = torch.full((2, 1, 4, 16), float("nan"), dtype=torch.bfloat16)
+    lse = torch.full((2, 4, 1), float("nan"))
+    args = (case.q, case.kv_cache, case.block_table, case.cache_seqlens, None, None, out, lse,
+            case.softmax_scale, False, "bf16")
+    torch.library.opcheck(torch.ops.mla_dispatch.reference_decode.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.ops.mla_dispatch.reference_decode(*args)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
