@@ -7,6 +7,8 @@ plan-once/run-per-layer form, and ``python -m mla_dispatch info`` for what
 runs here.
 """
 
+import logging
+
 from mla_dispatch.api import DecodePlan, mla_decode, plan_decode
 from mla_dispatch.backend import CGSupport, MLABackend, Reason, ReasonCode, Tolerance
 from mla_dispatch.cache import PagedMLACache
@@ -16,6 +18,9 @@ from mla_dispatch.registry import get_backend, register_backend, registered_name
 from mla_dispatch.select import NoBackendError, SelectionReport, explain, priority, select_backend, use_backends
 
 __version__ = "0.1.0"
+
+# Silent by default; enable with logging.getLogger("mla_dispatch").setLevel(logging.INFO) and a handler.
+logging.getLogger("mla_dispatch").addHandler(logging.NullHandler())
 
 __all__ = [
     "mla_decode",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from mla_dispatch.backend import BackendState, MLABackend
+from mla_dispatch.cache import PagedMLACache
 from mla_dispatch.platform import Platform, platform_for
 from mla_dispatch.problem import DecodeProblem, check_values, default_softmax_scale, describe_inputs
 from mla_dispatch.select import select_backend
@@ -14,8 +15,6 @@ __all__ = ["mla_decode", "plan_decode", "DecodePlan"]
 
 def _unwrap_cache(kv_cache, kv_format, kv_scale):
     """A PagedMLACache contributes its tensor, format and scale."""
-    from mla_dispatch.cache import PagedMLACache
-
     if isinstance(kv_cache, PagedMLACache):
         if kv_format == "auto":
             kv_format = kv_cache.kv_format
