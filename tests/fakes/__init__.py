@@ -1,0 +1,37 @@
+"""Fake vendor modules (FlashMLA, FlashInfer, AITER) for CPU contract tests, and the
+helpers that install them and simulate a platform for one test."""
+
+from __future__ import annotations
+
+import torch
+
+from mla_dispatch.platform import Platform
+
+H100 = Platform("cuda", "NVIDIA H100 80GB HBM3", (9, 0), "sm_90", 132)
+B200 = Platform("cuda", "NVIDIA B200", (10, 0), "sm_100", 148)
+MI300X = Platform("rocm", "AMD Instinct MI300X", None, "gfx942", 304)
+MI355X = Platform("rocm", "AMD Instinct MI355X", None, "gfx950", 256)
+
+
+def simulate(monkeypatch, platform: Platform, backend_cls) -> None:
+    """Make every device look like ``platform`` and forget what ``backend_cls`` cached."""
+    import mla_dispatch.platform as plat
+    import mla_dispatch.select as sel
+
+    monkeypatch.setattr(plat, "detect_platform", lambda device=None: platform)
+    plat.platform_for.cache_clear()
+    sel.clear_selection_cache()
+    forget(backend_cls)
+
+
+def forget(backend_cls) -> None:
+    """Drop the backend's cached availability and feature probes (another fake may be installed next)."""
+    if "_availability_cache" in backend_cls.__dict__:
+        delattr(backend_cls, "_availability_cache")
+    import sys
+
+    module = sys.modules[backend_cls.__module__]
+    for name in dir(module):
+        obj = getattr(module, name)
+        if hasattr(obj, "cache_clear") and callable(obj):
+            obj.cache_clear()
