@@ -1,5 +1,7 @@
 """Foundation layers on a CUDA device (run on the device tool; skipped without a GPU)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -32,10 +34,8 @@ def test_schedule_and_combine_do_not_sync_with_the_host(gen):
 def test_reference_on_cuda_matches_cpu(gen):
     case = make_case(4, 2, 16, 300, page_size=64, causal=True, zero_len_rows=1, generator=gen)
     out_cpu, lse_cpu = reference_attention(*case.args(), **case.kwargs())
-    cuda_case = make_case(4, 2, 16, 300, page_size=64, causal=True, zero_len_rows=1,
-                          generator=torch.Generator().manual_seed(0), device="cuda")
-    for name in ("q", "kv_cache", "block_table", "cache_seqlens"):
-        setattr(cuda_case, name, getattr(case, name).cuda())
+    cuda_case = dataclasses.replace(case, q=case.q.cuda(), kv_cache=case.kv_cache.cuda(),
+                                    block_table=case.block_table.cuda(), cache_seqlens=case.cache_seqlens.cuda())
     out, lse = mla_dispatch.mla_decode(*cuda_case.args(), **cuda_case.kwargs(), backend="reference")
     assert compare_outputs(out.cpu(), lse.cpu(), out_cpu, lse_cpu, mla_dispatch.Tolerance())
 
