@@ -1,0 +1,356 @@
+"""Split-KV paged MLA decode in Triton (absorbed / "MQA mode" MLA).
+
+Algorithm
+---------
+For one KV head, every query row ``r = (query token i, query head h)`` of a
+request attends to the same latent cache: ``K[t] = kv[t, :D_qk]`` and
+``V[t] = kv[t, :D_v]``.  The kernel loads each KV token once for all the rows of
+a head tile and uses the same registers/shared-memory tile for both products
+(the MLA trick: V is the first ``D_v`` channels of K)::
+
+    S = Q_nope @ K_nope^T + Q_rope @ K_rope^T        # 576-wide dot split 512 + 64
+    online softmax over token tiles in fp32, base 2   # FlashAttention-2 (Dao, 2023)
+    O += P @ K_nope                                    # V == K_nope
+
+The work is driven by the shared split-KV schedule
+(:func:`mla_dispatch.metadata.split_kv_schedule`, after FlashMLA's tile
+scheduler): program ``(part, tile)`` walks the items of its part; an item is a
+token range of one request.  An item that covers a whole request writes the
+final ``out``/``lse`` (``slot = -1``); otherwise it writes a partial result
+(normalised output and natural-log LSE) that :mod:`.combine` merges.
+
+Two pipelines, chosen per problem class by measurement (``CONFIGS`` below):
+
+* heads on M (``TOKENS_ON_M=False``): ``S[M=rows, N=tokens]`` -- the usual
+  layout; with few rows (tensor-parallel DeepSeek: 16 heads per GPU) most of a
+  64-row Hopper MMA is padding.
+* tokens on M (``TOKENS_ON_M=True``): the transposed pipeline of FlashMLA-ETAP
+  (``S^T = K Q^T``, ``O^T = V^T P^T``): KV tokens fill M and the few query rows
+  sit on N, where 16 is a legal MMA width.
+
+KV formats are dequantised in the kernel, in registers, right after the load:
+``fp8_e4m3`` values are cast to the query dtype (exact) and the per-tensor scale
+is folded into the softmax scale and the final output; ``fp8_ds_mla`` tokens
+(512 fp8 NoPE + 4 fp32 scales + 64 bf16 RoPE in 656 bytes) are scaled per 128
+channels (the scales are powers of two, so the product is exact) and cast.
+
+Never read: cache slots at or past a request's length, block-table entries past
+``ceil(L / page_size)`` (every load is masked by ``t < token_end``), and sparse
+``indices`` entries equal to -1.
+
+Tuning happens *offline*: the config table is keyed on the problem class
+(rows per KV head, D, kv format), never on sequence lengths, and there is no
+autotuner at run time, so a CUDA graph captured after the first (compiling)
+call stays valid for every ``cache_seqlens``.  Triton compiles on first use:
+run once before capturing a graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import triton
+import triton.language as tl
+
+__all__ = ["KernelConfig", "choose_config", "launch_decode", "KV_FORMAT_IDS"]
+
+KV_FORMAT_IDS = {"bf16": 0, "fp16": 0, "fp8_e4m3": 1, "fp8_ds_mla": 2}
+DS_MLA_SCALE_OFFSET = 512  # bytes
+DS_MLA_ROPE_OFFSET = 528  # bytes
+
+
+# ----------------------------------------------------------------------------------------
+# jit helpers
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _token_rows(BlockTable, Indices, req, i_row0, start, end, page_size, stride_bt, stride_ib, stride_is,
+                stride_kb, stride_kt, kv_head_off, BLOCK_N: tl.constexpr, SPARSE: tl.constexpr):
+    """Token positions, validity mask and int64 cache offsets of one token tile."""
+    n = start + tl.arange(0, BLOCK_N)
+    in_range = n < end
+    if SPARSE:
+        # n indexes the request's top-k list for query token i_row0; -1 = skip
+        idx = tl.load(Indices + req.to(tl.int64) * stride_ib + i_row0 * stride_is + n, mask=in_range, other=-1)
+        valid = in_range & (idx >= 0)
+        idx = tl.maximum(idx, 0).to(tl.int64)
+        block = idx // page_size
+        offset = idx - block * page_size
+    else:
+        valid = in_range
+        # masked: table entries past the request's length are never read
+        block = tl.load(BlockTable + req.to(tl.int64) * stride_bt + n // page_size, mask=valid, other=0).to(tl.int64)
+        offset = (n % page_size).to(tl.int64)
+    rows = block * stride_kb + offset * stride_kt + kv_head_off
+    return n, valid, rows
+
+
+@triton.jit
+def _load_nope(KV, rows, valid, DTYPE: tl.constexpr, D_V: tl.constexpr, KV_FORMAT: tl.constexpr):
+    """``[BLOCK_N, D_V]`` latent (NoPE) channels in the query dtype; 0 for invalid tokens."""
+    d = tl.arange(0, D_V)
+    ptrs = KV + rows[:, None] + d[None, :]
+    if KV_FORMAT == 2:  # fp8_ds_mla: fp8 bytes, one fp32 scale per 128 channels (powers of two)
+        raw = tl.load(ptrs, mask=valid[:, None], other=0)
+        val = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        sptr = (KV + rows[:, None] + DS_MLA_SCALE_OFFSET + (d[None, :] // 128) * 4).to(tl.pointer_type(tl.float32))
+        scale = tl.load(sptr, mask=valid[:, None], other=0.0)
+        return (val * scale).to(DTYPE)
+    else:  # native, or fp8_e4m3 whose per-tensor scale is folded in later (the cast is exact)
+        return tl.load(ptrs, mask=valid[:, None], other=0.0).to(DTYPE)
+
+
+@triton.jit
+def _load_rope(KV, rows, valid, DTYPE: tl.constexpr, D_V: tl.constexpr, D_ROPE: tl.constexpr,
+               KV_FORMAT: tl.constexpr):
+    """``[BLOCK_N, D_ROPE]`` RoPE channels in the query dtype."""
+    d = tl.arange(0, D_ROPE)
+    if KV_FORMAT == 2:  # bf16 values at byte 528 of the 656-byte token
+        ptrs = (KV + rows[:, None] + DS_MLA_ROPE_OFFSET + 2 * d[None, :]).to(tl.pointer_type(tl.bfloat16))
+    else:
+        ptrs = KV + rows[:, None] + D_V + d[None, :]
+    return tl.load(ptrs, mask=valid[:, None], other=0.0).to(DTYPE)
+
+
+# ----------------------------------------------------------------------------------------
+# the kernel
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def mla_decode_kernel(
+    Q, KV, BlockTable, Seqlens, Indices, KVScale,
+    Items, PartOffsets,
+    Out, Lse, PartialOut, PartialLse,
+    qk_scale,  # softmax_scale * log2(e)
+    q_len, group, page_size,  # s_q, h_q // h_kv
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_bt, stride_ib, stride_is,
+    stride_ob, stride_os, stride_oh,
+    stride_lb, stride_lh, stride_ls,
+    stride_pob, stride_pos, stride_poh,
+    stride_plb, stride_pls, stride_plh,
+    H_KV, NUM_M_TILES,
+    D_V: tl.constexpr, D_ROPE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    KV_FORMAT: tl.constexpr, CAUSAL: tl.constexpr, SPARSE: tl.constexpr, TOKENS_ON_M: tl.constexpr,
+):
+    tl.static_assert(D_V % 128 == 0 or KV_FORMAT != 2)
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
+    HAS_ROPE: tl.constexpr = D_ROPE > 0
+    DTYPE = Q.dtype.element_ty
+    LN2: tl.constexpr = 0.6931471805599453
+
+    # -- which rows this program owns ------------------------------------------------
+    # tile id = (sparse query token, M tile, KV head); dense problems flatten
+    # (query token, head) into rows, sparse ones keep one query token per tile
+    # because every query token has its own key list.
+    part = tl.program_id(0)
+    tile = tl.program_id(1)
+    kv_head = tile % H_KV
+    m_tile = (tile // H_KV) % NUM_M_TILES
+    flat = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    if SPARSE:
+        i_row0 = tile // (H_KV * NUM_M_TILES)
+        row_ok = flat < group
+        q_tok = i_row0 + flat * 0
+        head = kv_head * group + flat
+    else:
+        i_row0 = 0
+        row_ok = flat < q_len * group
+        q_tok = flat // group
+        head = kv_head * group + flat % group
+    kv_head_off = kv_head.to(tl.int64) * stride_kh
+    kv_scale = 1.0
+    if KV_FORMAT == 1:
+        kv_scale = tl.load(KVScale)
+    d_v = tl.arange(0, D_V)
+
+    item_begin = tl.load(PartOffsets + part)
+    item_end = tl.load(PartOffsets + part + 1)
+    for item in range(item_begin, item_end):
+        req = tl.load(Items + item * 4 + 0)
+        tok_begin = tl.load(Items + item * 4 + 1)
+        tok_end = tl.load(Items + item * 4 + 2)
+        slot = tl.load(Items + item * 4 + 3)
+        seqlen = tl.load(Seqlens + req)
+        # key t is visible to row (i, h) iff t < limit[i]
+        if CAUSAL:
+            limit = seqlen - q_len + 1 + q_tok
+        else:
+            limit = seqlen + q_tok * 0
+
+        # -- load the query tile once per item ---------------------------------------
+        q_off = req.to(tl.int64) * stride_qb + q_tok.to(tl.int64) * stride_qs + head.to(tl.int64) * stride_qh
+        q_nope = tl.load(Q + q_off[:, None] + d_v[None, :], mask=row_ok[:, None], other=0.0)
+        if HAS_ROPE:
+            d_r = tl.arange(0, D_ROPE)
+            q_rope = tl.load(Q + q_off[:, None] + D_V + d_r[None, :], mask=row_ok[:, None], other=0.0)
+
+        # -- online softmax over the item's token tiles (base 2) -----------------------
+        if TOKENS_ON_M:
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([D_V, BLOCK_M], tl.float32)  # O^T
+        else:
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, D_V], tl.float32)
+        for start in range(tok_begin, tok_end, BLOCK_N):
+            n, valid, rows = _token_rows(BlockTable, Indices, req, i_row0, start, tok_end, page_size, stride_bt,
+                                         stride_ib, stride_is, stride_kb, stride_kt, kv_head_off, BLOCK_N, SPARSE)
+            k_nope = _load_nope(KV, rows, valid, DTYPE, D_V, KV_FORMAT)
+            if TOKENS_ON_M:
+                # S^T = K Q^T : tokens on M, query rows on N
+                s = tl.dot(k_nope, tl.trans(q_nope))
+                if HAS_ROPE:
+                    k_rope = _load_rope(KV, rows, valid, DTYPE, D_V, D_ROPE, KV_FORMAT)
+                    s = tl.dot(k_rope, tl.trans(q_rope), s)
+                vis = valid[:, None] & (n[:, None] < limit[None, :])
+                s = tl.where(vis, s * (qk_scale * kv_scale), float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 0))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_safe)
+                p = tl.exp2(s - m_safe[None, :])
+                l_i = l_i * alpha + tl.sum(p, 0)
+                # O^T = V^T P^T : the 512 latent channels fill M
+                acc = tl.dot(tl.trans(k_nope), p.to(DTYPE), acc * alpha[None, :])
+            else:
+                s = tl.dot(q_nope, tl.trans(k_nope))
+                if HAS_ROPE:
+                    k_rope = _load_rope(KV, rows, valid, DTYPE, D_V, D_ROPE, KV_FORMAT)
+                    s = tl.dot(q_rope, tl.trans(k_rope), s)
+                vis = valid[None, :] & (n[None, :] < limit[:, None])
+                s = tl.where(vis, s * (qk_scale * kv_scale), float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_safe)
+                p = tl.exp2(s - m_safe[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = tl.dot(p.to(DTYPE), k_nope, acc * alpha[:, None])
+            m_i = m_new
+
+        # -- epilogue: normalise; natural-log LSE ----------------------------------------
+        has_key = l_i > 0.0
+        inv_l = tl.where(has_key, kv_scale / tl.where(has_key, l_i, 1.0), 0.0)
+        lse_nat = (m_i + tl.log2(tl.where(has_key, l_i, 1.0))) * LN2
+        if TOKENS_ON_M:
+            o = acc * inv_l[None, :]
+        else:
+            o = acc * inv_l[:, None]
+        if slot < 0:  # the item is the whole request: final out / lse
+            o_off = req.to(tl.int64) * stride_ob + q_tok.to(tl.int64) * stride_os + head.to(tl.int64) * stride_oh
+            if TOKENS_ON_M:
+                tl.store(Out + o_off[None, :] + d_v[:, None], o.to(Out.dtype.element_ty), mask=row_ok[None, :])
+            else:
+                tl.store(Out + o_off[:, None] + d_v[None, :], o.to(Out.dtype.element_ty), mask=row_ok[:, None])
+            lse_val = tl.where(has_key, lse_nat, float("inf"))
+            l_off = req.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + q_tok.to(tl.int64) * stride_ls
+            tl.store(Lse + l_off, lse_val, mask=row_ok)
+        else:  # a piece of a split request: fp32 partials for the combine
+            p_off = slot.to(tl.int64) * stride_pob + q_tok.to(tl.int64) * stride_pos + head.to(tl.int64) * stride_poh
+            if TOKENS_ON_M:
+                tl.store(PartialOut + p_off[None, :] + d_v[:, None], o, mask=row_ok[None, :])
+            else:
+                tl.store(PartialOut + p_off[:, None] + d_v[None, :], o, mask=row_ok[:, None])
+            lse_val = tl.where(has_key, lse_nat, float("-inf"))
+            pl_off = slot.to(tl.int64) * stride_plb + q_tok.to(tl.int64) * stride_pls + head.to(tl.int64) * stride_plh
+            tl.store(PartialLse + pl_off, lse_val, mask=row_ok)
+
+
+# ----------------------------------------------------------------------------------------
+# configs (measured on H100, see kernels/triton/NOTES.md) and the launcher
+# ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Tile shape and launch parameters for one problem class."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    tokens_on_m: bool = False
+    chunk_size: int = 64  # split-KV schedule granularity (multiple of block_n)
+
+    def __post_init__(self):
+        if self.chunk_size % self.block_n:
+            raise ValueError(f"chunk_size={self.chunk_size} must be a multiple of block_n={self.block_n}")
+
+
+def _rows_bucket(rows: int) -> int:
+    for b in (16, 32, 64):
+        if rows <= b:
+            return b
+    return 128
+
+
+# (rows bucket, kv quantised?) -> config. rows = query rows per KV head (s_q*h_q/h_kv,
+# or h_q/h_kv for sparse). Never keyed on sequence length (CUDA graphs stay valid).
+CONFIGS: dict[tuple[int, bool], KernelConfig] = {
+    (16, False): KernelConfig(16, 64, 4, 2, tokens_on_m=True),
+    (32, False): KernelConfig(32, 64, 4, 2),
+    (64, False): KernelConfig(64, 32, 8, 2),
+    (128, False): KernelConfig(64, 32, 8, 2),
+    (16, True): KernelConfig(16, 64, 4, 2, tokens_on_m=True),
+    (32, True): KernelConfig(32, 64, 4, 2),
+    (64, True): KernelConfig(64, 32, 8, 2),
+    (128, True): KernelConfig(64, 32, 8, 2),
+}
+INTERPRETER_CONFIG = KernelConfig(16, 16, 4, 1, chunk_size=16)
+
+
+def choose_config(rows: int, kv_format: str, *, interpret: bool = False) -> KernelConfig:
+    """The config for a problem class (see ``CONFIGS``)."""
+    if interpret:
+        return INTERPRETER_CONFIG
+    return CONFIGS[(_rows_bucket(rows), kv_format in ("fp8_e4m3", "fp8_ds_mla"))]
+
+
+def num_m_tiles(rows: int, cfg: KernelConfig) -> int:
+    return triton.cdiv(rows, cfg.block_m)
+
+
+def launch_decode(q, kv, block_table, cache_seqlens, indices, kv_scale, schedule, out, lse, partial_out,
+                  partial_lse, *, softmax_scale: float, causal: bool, kv_format: str, head_dim_v: int,
+                  cfg: KernelConfig) -> None:
+    """Launch :func:`mla_decode_kernel` over ``schedule`` (no allocation, no sync).
+
+    Shapes: q ``[B, s_q, h_q, D_qk]``; kv ``[nb, ps, h_kv, D_qk or 656]``; out
+    ``[B, s_q, h_q, D_v]``; lse ``[B, h_q, s_q]`` fp32; partial_out fp32
+    ``[max_slots, s_q, h_q, D_v]``; partial_lse fp32 ``[max_slots, s_q, h_q]``.
+    """
+    batch, q_len, h_q, d_qk = q.shape
+    _, page_size, h_kv, _ = kv.shape
+    group = h_q // h_kv
+    sparse = indices is not None
+    rows = group if sparse else q_len * group
+    tiles_m = num_m_tiles(rows, cfg)
+    grid = (schedule.num_parts, h_kv * tiles_m * (q_len if sparse else 1))
+    bt = block_table if block_table is not None else cache_seqlens  # dummy pointer when sparse
+    idx = indices if sparse else cache_seqlens
+    scale_ptr = kv_scale if kv_scale is not None else cache_seqlens
+    stride_bt = block_table.stride(0) if block_table is not None else 0
+    stride_ib, stride_is = (indices.stride(0), indices.stride(1)) if sparse else (0, 0)
+    return mla_decode_kernel[grid](
+        q, kv, bt, cache_seqlens, idx, scale_ptr,
+        schedule.items, schedule.part_offsets,
+        out, lse, partial_out, partial_lse,
+        softmax_scale * 1.4426950408889634,
+        q_len, group, page_size,
+        q.stride(0), q.stride(1), q.stride(2),
+        kv.stride(0), kv.stride(1), kv.stride(2),
+        stride_bt, stride_ib, stride_is,
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1), lse.stride(2),
+        partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
+        partial_lse.stride(0), partial_lse.stride(1), partial_lse.stride(2),
+        H_KV=h_kv, NUM_M_TILES=tiles_m,
+        D_V=head_dim_v, D_ROPE=d_qk - head_dim_v,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        KV_FORMAT=KV_FORMAT_IDS[kv_format], CAUSAL=causal, SPARSE=sparse, TOKENS_ON_M=cfg.tokens_on_m,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )

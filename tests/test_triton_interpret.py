@@ -1,0 +1,134 @@
+"""The Triton kernel under Triton's CPU interpreter (CI), against the reference.
+
+``TRITON_INTERPRET=1`` must be set before triton is imported, so the cases run
+in one child process (``python tests/test_triton_interpret.py SEED``) that
+prints one JSON line per case; each parametrized test checks its line. Nothing
+leaks into this process's environment.
+
+fp16 only: ``tl.dot`` on bf16 operands is wrong in the interpreter (DESIGN.md
+§7); bf16 is tested on the GPU (tests/test_triton_gpu.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+# (id, make_case kwargs, make_state overrides)
+CASES = [
+    ("fp16-b3xs1xh4-ps16", dict(batch=3, q_len=1, num_heads_q=4, seqlen=40, page_size=16), {}),
+    ("fp16-b2xs1xh4-hkv2-ps1", dict(batch=2, q_len=1, num_heads_q=4, num_heads_kv=2, seqlen=24, page_size=1), {}),
+    ("fp16-b3xs3xh2-ps7-causal-zero", dict(batch=3, q_len=3, num_heads_q=2, seqlen=40, page_size=7, causal=True,
+                                           zero_len_rows=1), {}),
+    ("fp16-b2xs2xh2-ps256", dict(batch=2, q_len=2, num_heads_q=2, seqlen=50, page_size=256), {}),
+    ("fp16-b2xs1xh3-ps16-d512", dict(batch=2, q_len=1, num_heads_q=3, seqlen=30, page_size=16, head_dim_qk=512), {}),
+    ("fp8e4m3-b2xs1xh2-ps16", dict(batch=2, q_len=1, num_heads_q=2, seqlen=30, page_size=16, kv_format="fp8_e4m3"),
+     {}),
+    ("fp8dsmla-b2xs1xh2-ps16", dict(batch=2, q_len=1, num_heads_q=2, seqlen=30, page_size=16,
+                                    kv_format="fp8_ds_mla"), {}),
+    ("fp16-sparse-b2xs2xh2-topk20", dict(batch=2, q_len=2, num_heads_q=2, seqlen=30, page_size=16, topk=20), {}),
+    ("fp16-split-b3xs2xh17-ps16-causal", dict(batch=3, q_len=2, num_heads_q=17, seqlen=70, page_size=16,
+                                             causal=True, zero_len_rows=1), dict(num_parts=9, overhead=1)),
+    ("fp8dsmla-split-b2xs1xh2-ps8", dict(batch=2, q_len=1, num_heads_q=2, seqlen=60, page_size=8,
+                                         kv_format="fp8_ds_mla"), dict(num_parts=5, overhead=1)),
+]
+
+
+def _run_cases(seed: int) -> None:
+    """Child process: run every case, print one JSON line each."""
+    import torch
+
+    from mla_dispatch import plan_decode
+    from mla_dispatch.backends.reference import reference_attention
+    from mla_dispatch.backends.triton import TritonBackend
+    from mla_dispatch.platform import platform_for
+    from mla_dispatch.testing import compare_outputs, make_case
+
+    for i, (cid, kw, overrides) in enumerate(CASES):
+        try:
+            g = torch.Generator().manual_seed(seed + i)
+            case = make_case(dtype=torch.float16, generator=g, **kw)
+            plan = plan_decode(*case.args(), backend="triton", **case.kwargs())
+            split = False
+            if overrides:
+                # swap in a schedule that forces split requests (exercises the combine)
+                plan._state = TritonBackend.make_state(plan.problem, platform_for(case.q.device), plan.cache_seqlens,
+                                                       **overrides)
+                split = bool((plan.state.schedule.num_splits > 1).any())
+            b, s, h, _ = case.q.shape
+            out = torch.full((b, s, h, case.head_dim_v), float("nan"), dtype=case.q.dtype)
+            lse = torch.full((b, h, s), float("nan"))
+            plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale, indices=case.indices, out=out, lse=lse)
+            ref_out, ref_lse = reference_attention(*case.args(), **case.kwargs())
+            rep = compare_outputs(out, lse, ref_out, ref_lse, TritonBackend.TOLERANCE)
+            ok = bool(rep) and (split or not overrides)
+            msg = rep.message + ("" if split or not overrides else " (schedule did not split)")
+        except Exception as exc:  # reported to the parent
+            ok, msg = False, f"{type(exc).__name__}: {exc}"
+        print(json.dumps({"id": cid, "ok": ok, "message": msg}), flush=True)
+
+
+@pytest.fixture(scope="module")
+def interpreter_results(request) -> dict:
+    pytest.importorskip("triton")
+    from tests.conftest import SEED
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, __file__, str(SEED)], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            rec = json.loads(line)
+            results[rec["id"]] = rec
+    if not results:
+        pytest.fail(f"interpreter child produced no results (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
+    return results
+
+
+@pytest.mark.parametrize("case_id", [c[0] for c in CASES])
+def test_triton_interpreter_matches_reference(interpreter_results, case_id):
+    rec = interpreter_results.get(case_id)
+    assert rec is not None, f"case {case_id} did not report (child crashed?)"
+    assert rec["ok"], rec["message"]
+
+
+def test_triton_not_runnable_on_cpu_without_interpreter():
+    """Without TRITON_INTERPRET the backend says why it cannot run on a CPU, and 'auto' never picks it."""
+    pytest.importorskip("triton")
+    code = (
+        "import os, torch\n"
+        "os.environ.pop('TRITON_INTERPRET', None)\n"
+        "from mla_dispatch.registry import get_backend\n"
+        "from mla_dispatch.platform import platform_for\n"
+        "from mla_dispatch.problem import describe_inputs\n"
+        "from mla_dispatch.select import priority\n"
+        "from mla_dispatch.testing import make_case\n"
+        "c = make_case(1, 1, 2, 8, page_size=4, dtype=torch.float16)\n"
+        "p = describe_inputs(*c.args(), head_dim_v=512, causal=False, kv_format='auto', kv_scale=None, indices=None,"
+        " return_lse=True)\n"
+        "plat = platform_for(c.q.device)\n"
+        "print([r.message for r in get_backend('triton').not_supported_reasons(p, plat)])\n"
+        "print('triton' in priority(p, plat))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    reasons, in_priority = proc.stdout.strip().splitlines()[-2:]
+    assert "TRITON_INTERPRET=1" in reasons
+    assert in_priority == "False"
+
+
+def test_import_mla_dispatch_does_not_import_triton():
+    code = "import sys, mla_dispatch, mla_dispatch.backends.triton; print('triton' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "False"
+
+
+if __name__ == "__main__":
+    _run_cases(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
