@@ -1,0 +1,130 @@
+"""Our native CUDA MLA decode kernel for Hopper (SM90a): the flagship backend.
+
+The kernel lives in ``kernels/cuda/mla_decode_sm90/`` (see its NOTES.md) and is
+built just in time by :mod:`mla_dispatch.kernels.cuda.build` (nvcc >= 12.4 and
+the ``nvidia-cutlass`` headers). One registered op,
+``torch.ops.mla_dispatch.cuda_sm90_decode``, runs a persistent grid over the
+shared split-KV schedule (:func:`mla_dispatch.metadata.split_kv_schedule`) and
+then the combine of split requests.
+
+Plan computes the schedule and allocates the workspace (partial outputs); run
+allocates nothing and does not sync, so it can be captured in a CUDA graph;
+update refreshes the schedule in place before a replay.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mla_dispatch.backend import BackendState, CGSupport, MLABackend, Reason, ReasonCode
+from mla_dispatch.metadata import split_kv_schedule
+from mla_dispatch.platform import Platform
+from mla_dispatch.problem import DecodeProblem
+
+__all__ = ["CudaSM90Backend", "load_ops"]
+
+_KV_FORMAT_CODE = {"bf16": 0, "fp16": 0, "fp8_e4m3": 1, "fp8_ds_mla": 2}
+BLOCK_M = 64  # query rows per CTA tile (kernels/cuda/mla_decode_sm90/config.cuh)
+BLOCK_N = 64  # KV tokens per mainloop step = split-KV chunk size
+SCHEDULE_OVERHEAD = 5  # fixed per-request cost in chunks (FlashMLA uses 5 blocks of 64)
+
+_fake_registered = False
+
+
+def load_ops():
+    """Build/load the extension and return ``torch.ops.mla_dispatch``.
+
+    Raises
+    ------
+    mla_dispatch.kernels.cuda.build.KernelBuildError
+        nvcc or CUTLASS missing, or the build failed (with the compiler's text).
+    """
+    global _fake_registered
+    from mla_dispatch.kernels.cuda.build import load_sm90
+
+    load_sm90()
+    if not _fake_registered:
+        @torch.library.register_fake("mla_dispatch::cuda_sm90_decode")
+        def _decode_fake(q, kv_cache, block_table, cache_seqlens, items, part_offsets, kv_scale, out, lse,
+                         partial_out, partial_lse, num_splits, first_slot, softmax_scale, causal, kv_format):
+            return None
+
+        _fake_registered = True
+    return torch.ops.mla_dispatch
+
+
+def _first_slots(num_splits: torch.Tensor) -> torch.Tensor:
+    """int32 [B]: first partial slot of each split request (slots are laid out request by request)."""
+    slots = torch.where(num_splits > 1, num_splits, torch.zeros_like(num_splits)).to(torch.int64)
+    return (torch.cumsum(slots, 0) - slots).to(torch.int32)
+
+
+class CudaSM90Backend(MLABackend):
+    """Native SM90 MLA decode (mma.sync + cp.async v1; see kernels/cuda/mla_decode_sm90/NOTES.md)."""
+
+    NAME = "cuda_sm90"
+    DESCRIPTION = "our CUDA MLA decode kernel for Hopper (sm_90a), persistent split-KV grid + combine"
+    PLATFORMS = frozenset({"cuda"})
+    MIN_CAPABILITY = (9, 0)
+    MAX_CAPABILITY = (9, 0)
+    Q_DTYPES = frozenset({torch.bfloat16, torch.float16})
+    KV_FORMATS = frozenset({"bf16", "fp16", "fp8_e4m3", "fp8_ds_mla"})
+    HEAD_DIMS = frozenset({(576, 512)})
+    PAGE_SIZES = None  # any page size >= 1
+    MAX_HEADS_Q = None
+    MAX_Q_LEN = None
+    SUPPORTS_CAUSAL = True
+    SUPPORTS_LSE = True
+    SUPPORTS_SPARSE = False
+    CUDA_GRAPH = CGSupport.ALWAYS
+
+    @classmethod
+    def _check_availability(cls) -> list[Reason]:
+        reasons = super()._check_availability()
+        if reasons:
+            return reasons
+        if not torch.cuda.is_available():
+            return [Reason(ReasonCode.UNAVAILABLE, "no CUDA device visible to torch (the kernel is built on first use)")]
+        try:
+            load_ops()
+        except Exception as exc:
+            return [Reason(ReasonCode.UNAVAILABLE, f"cuda_sm90 extension unavailable: {exc}")]
+        return []
+
+    @classmethod
+    def plan(cls, problem: DecodeProblem, platform: Platform, block_table, cache_seqlens, *,
+             softmax_scale: float) -> BackendState:
+        p = problem
+        device = cache_seqlens.device
+        rows = p.q_len * p.num_heads_q // p.num_heads_kv
+        tiles = p.num_heads_kv * math.ceil(rows / BLOCK_M)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        num_parts = max(sms // tiles, 1)
+        schedule = split_kv_schedule(cache_seqlens, num_parts=num_parts, chunk_size=BLOCK_N,
+                                     overhead=SCHEDULE_OVERHEAD)
+        max_slots = schedule.max_slots
+        return BackendState(
+            op=load_ops().cuda_sm90_decode.default,
+            schedule=schedule,
+            first_slot=_first_slots(schedule.num_splits),
+            partial_out=torch.empty(max_slots, p.q_len, p.num_heads_q, p.head_dim_v, dtype=torch.float32,
+                                    device=device),
+            partial_lse=torch.empty(max_slots, p.q_len, p.num_heads_q, dtype=torch.float32, device=device),
+            kv_format_code=_KV_FORMAT_CODE[p.kv_format],
+        )
+
+    @classmethod
+    def update(cls, state: BackendState, block_table, cache_seqlens) -> None:
+        state.schedule.update_(cache_seqlens)
+        state.first_slot.copy_(_first_slots(state.schedule.num_splits))
+
+    @classmethod
+    def run(cls, state: BackendState, q, kv_cache, block_table, cache_seqlens, *, problem: DecodeProblem,
+            softmax_scale: float, kv_scale, indices, out, lse) -> None:
+        s = state.schedule
+        state.op(
+            q, kv_cache, block_table, cache_seqlens, s.items, s.part_offsets,
+            kv_scale if state.kv_format_code == 1 else None, out, lse, state.partial_out, state.partial_lse,
+            s.num_splits, state.first_slot, softmax_scale, problem.causal, state.kv_format_code)

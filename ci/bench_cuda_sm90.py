@@ -1,0 +1,140 @@
+"""Benchmark of the native SM90 kernel (backend cuda_sm90) on issue 4's configs.
+
+Counting as DESIGN.md §6: FLOPs = 2*s_q*h_q*(D_qk+D_v)*sum(L); bytes = cache bytes
+of sum(L) tokens (2*h_kv*D_qk per token for bf16; 1*h_kv*576 for fp8_e4m3; 656 for
+fp8_ds_mla) + 2*B*s_q*h_q*(D_qk+D_v); roofline = max(FLOPs/peak_flops,
+bytes/peak_bw) with both peaks measured in this run (1 GiB device copy counting
+read+write; 8192^3 bf16 matmul). Times: triton.testing.do_bench median (L2
+flushed) of the eager plan.run, and of CUDA-graph replay of plan.run.
+
+    python ci/bench_cuda_sm90.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+import triton.testing
+
+from mla_dispatch import plan_decode
+from mla_dispatch.formats import pack_ds_mla
+
+
+def measure_peaks():
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    t = triton.testing.do_bench(lambda: b.copy_(a), warmup=50, rep=300, return_mode="median") * 1e-3
+    bw = 2 * n / t
+    del a, b
+    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    t = triton.testing.do_bench(lambda: x @ y, warmup=50, rep=300, return_mode="median") * 1e-3
+    flops = 2 * 8192**3 / t
+    return bw, flops
+
+
+def make_inputs(b, s_q, h_q, L, *, page_size=64, varlen=True, kv_format="bf16", h_kv=1, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    if varlen:
+        lens = torch.normal(float(L), L / 2, (b,), generator=g, device="cuda").round().clamp_min(s_q).to(torch.int32)
+    else:
+        lens = torch.full((b,), L, dtype=torch.int32, device="cuda")
+    max_blocks = math.ceil(int(lens.max()) / page_size)
+    nb = b * max_blocks
+    table = torch.randperm(nb, generator=g, device="cuda").to(torch.int32).view(b, max_blocks)
+    q = (torch.randn(b, s_q, h_q, 576, generator=g, device="cuda") / 10).clamp(-1, 1).to(torch.bfloat16)
+    kv_scale = None
+    if kv_format == "fp8_ds_mla":
+        kv = torch.empty(nb, page_size, h_kv, 656, dtype=torch.uint8, device="cuda")
+        for i in range(0, nb, 4096):  # chunked to bound temporaries
+            vals = (torch.randn(min(4096, nb - i), page_size, h_kv, 576, generator=g, device="cuda") / 10).clamp(-1, 1)
+            kv[i:i + vals.shape[0]] = pack_ds_mla(vals)
+    else:
+        kv = (torch.randn(nb, page_size, h_kv, 576, generator=g, device="cuda") / 10).clamp(-1, 1)
+        if kv_format == "fp8_e4m3":
+            kv_scale = torch.tensor([1.25 / 448], device="cuda")
+            kv = (kv / kv_scale).to(torch.float8_e4m3fn)
+        else:
+            kv = kv.to(torch.bfloat16)
+    return q, kv, table, lens, kv_scale
+
+
+def bench_one(cfg, peaks):
+    b, s_q, h_q, L = cfg["b"], cfg["s_q"], cfg["h_q"], cfg["L"]
+    fmt = cfg.get("fmt", "bf16")
+    ps = cfg.get("ps", 64)
+    causal = cfg.get("causal", False)
+    q, kv, table, lens, kv_scale = make_inputs(b, s_q, h_q, L, page_size=ps, varlen=cfg.get("varlen", True),
+                                               kv_format=fmt)
+    plan = plan_decode(q, kv, table, lens, causal=causal, kv_format=fmt, kv_scale=kv_scale, backend="cuda_sm90",
+                       cuda_graph=True)
+    out = torch.empty(b, s_q, h_q, 512, dtype=q.dtype, device="cuda")
+    lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device="cuda")
+    run = lambda: plan.run(q, kv, kv_scale=kv_scale, out=out, lse=lse)  # noqa: E731
+    t_eager = triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median") * 1e-3
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    t_graph = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e-3
+    sum_l = int(lens.sum())
+    tok_bytes = {"bf16": 2 * 576, "fp8_e4m3": 576, "fp8_ds_mla": 656}[fmt]
+    flops = 2 * s_q * h_q * (576 + 512) * sum_l
+    nbytes = tok_bytes * sum_l + 2 * b * s_q * h_q * (576 + 512)
+    roof = max(flops / peaks[1], nbytes / peaks[0])
+    t = min(t_eager, t_graph)
+    row = dict(cfg, us_eager=t_eager * 1e6, us_graph=t_graph * 1e6, tflops=flops / t / 1e12, gbps=nbytes / t / 1e9,
+               roofline_pct=100 * roof / t, bound="compute" if flops / peaks[1] > nbytes / peaks[0] else "memory")
+    del q, kv, table, plan, graph
+    torch.cuda.empty_cache()
+    return row
+
+
+CONFIGS = (
+    [dict(group="flashmla", b=128, s_q=s, h_q=128, L=L, causal=(s > 1)) for s in (1, 2) for L in (4096, 8192, 16384, 32768)]
+    + [dict(group="membound", b=64, s_q=1, h_q=h, L=8192, varlen=False) for h in (16, 32, 64)]
+    + [dict(group="small", b=1, s_q=1, h_q=128, L=4096, varlen=False), dict(group="small", b=1, s_q=1, h_q=128, L=32768, varlen=False),
+       dict(group="small", b=8, s_q=1, h_q=128, L=8192, varlen=False), dict(group="small", b=32, s_q=1, h_q=128, L=4096, varlen=False)]
+    + [dict(group="pages", b=64, s_q=1, h_q=64, L=8192, varlen=False, ps=ps) for ps in (16, 128, 256)]
+    + [dict(group="fp8", b=64, s_q=1, h_q=16, L=8192, varlen=False, fmt=f) for f in ("fp8_e4m3", "fp8_ds_mla")]
+    + [dict(group="fp8", b=128, s_q=1, h_q=128, L=8192, fmt=f) for f in ("fp8_e4m3", "fp8_ds_mla")]
+)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="a few configs only")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    peaks = measure_peaks()
+    print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
+    print(f"measured peaks: copy {peaks[0] / 1e12:.2f} TB/s, bf16 matmul {peaks[1] / 1e12:.0f} TFLOP/s")
+    configs = CONFIGS if not args.quick else [CONFIGS[0], CONFIGS[2], CONFIGS[8], CONFIGS[11], CONFIGS[13]]
+    rows = []
+    hdr = f"{'group':9s} {'b':>4s} {'s_q':>3s} {'h_q':>4s} {'L':>6s} {'ps':>4s} {'fmt':10s} {'causal':6s} {'eager us':>9s} {'graph us':>9s} {'TFLOP/s':>8s} {'GB/s':>7s} {'%roof':>6s} bound"
+    for cfg in configs:
+        try:
+            r = bench_one(cfg, peaks)
+        except Exception as exc:  # keep going; report the failure
+            print(f"FAILED {cfg}: {type(exc).__name__}: {exc}")
+            continue
+        rows.append(r)
+        print(f"{r['group']:9s} {r['b']:4d} {r['s_q']:3d} {r['h_q']:4d} {r['L']:6d} {r.get('ps', 64):4d} "
+              f"{r.get('fmt', 'bf16'):10s} {str(r.get('causal', False)):6s} {r['us_eager']:9.1f} {r['us_graph']:9.1f} "
+              f"{r['tflops']:8.1f} {r['gbps']:7.0f} {r['roofline_pct']:6.1f} {r['bound']}", flush=True)
+    print(hdr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(peaks=peaks, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Just-in-time build of the native CUDA kernels (``python -m mla_dispatch build``).
+
+The SM90 MLA decode family lives in ``mla_decode_sm90/`` next to this file. It is
+compiled with :func:`torch.utils.cpp_extension.load` for ``sm_90a`` against the
+CUTLASS/CuTe headers of the ``nvidia-cutlass`` pip package
+(``cutlass_library/source/include``). The extension name carries a hash of every
+source and header, so a changed source gives a fresh build and an unchanged one
+loads from the cache (``$MLA_DISPATCH_CACHE`` or ``~/.cache/mla_dispatch``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import os
+import pathlib
+import shutil
+import sys
+
+__all__ = ["KernelBuildError", "SM90_SOURCE_DIR", "nvcc_path", "cutlass_include_dir", "nvcc_flags", "load_sm90", "main"]
+
+SM90_SOURCE_DIR = pathlib.Path(__file__).resolve().parent / "mla_decode_sm90"
+_SM90_SOURCES = ("binding.cpp", "launch.cu")
+SM90_GENCODE = "-gencode=arch=compute_90a,code=sm_90a"
+
+
+class KernelBuildError(RuntimeError):
+    """The CUDA kernels could not be built (missing nvcc/CUTLASS, compiler error); the text says why."""
+
+
+def nvcc_path() -> str | None:
+    """Path of nvcc: ``$CUDA_HOME/bin/nvcc`` if set, else the one on PATH."""
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home and (pathlib.Path(home) / "bin" / "nvcc").exists():
+        return str(pathlib.Path(home) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def cutlass_include_dir() -> str:
+    """The CUTLASS/CuTe include folder shipped by the ``nvidia-cutlass`` package."""
+    try:
+        import cutlass_library
+    except ImportError as exc:
+        raise KernelBuildError(
+            "the CUDA kernels need the CUTLASS/CuTe headers from the nvidia-cutlass package "
+            f"(pip install 'mla-dispatch[cuda]'): import cutlass_library failed: {exc}"
+        ) from exc
+    inc = pathlib.Path(cutlass_library.__file__).resolve().parent / "source" / "include"
+    if not (inc / "cute").is_dir():
+        raise KernelBuildError(f"nvidia-cutlass is installed but has no headers at {inc}")
+    return str(inc)
+
+
+def nvcc_flags() -> list[str]:
+    """nvcc flags of the SM90 family (also used by the CI compile check)."""
+    return ["-std=c++17", "-O3", SM90_GENCODE, "-lineinfo", "--expt-relaxed-constexpr",
+            "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+            "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__"]
+
+
+def _source_hash() -> str:
+    h = hashlib.sha256()
+    for path in sorted(SM90_SOURCE_DIR.iterdir()):
+        if path.suffix in (".cu", ".cuh", ".h", ".cpp"):
+            h.update(path.name.encode())
+            h.update(path.read_bytes())
+    h.update(" ".join(nvcc_flags()).encode())
+    return h.hexdigest()[:12]
+
+
+def _cache_dir() -> pathlib.Path:
+    root = os.environ.get("MLA_DISPATCH_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "mla_dispatch")
+    return pathlib.Path(root)
+
+
+@functools.lru_cache(maxsize=1)
+def load_sm90(verbose: bool = False):
+    """Build (or load from the cache) the SM90 extension; registers ``torch.ops.mla_dispatch.cuda_sm90_decode``.
+
+    Raises
+    ------
+    KernelBuildError
+        nvcc or the CUTLASS headers are missing, or compilation failed (the
+        compiler's message is included).
+    """
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise KernelBuildError(
+            "building the cuda_sm90 kernel needs nvcc (CUDA >= 12.4) on PATH or under $CUDA_HOME; none was found"
+        )
+    import torch
+    from torch.utils import cpp_extension
+
+    if torch.version.cuda is None:
+        raise KernelBuildError(f"torch {torch.__version__} is a CPU-only build; the cuda_sm90 kernel needs CUDA torch")
+    include = cutlass_include_dir()
+    name = f"mla_dispatch_cuda_sm90_{_source_hash()}"
+    build_dir = _cache_dir() / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("CUDA_HOME", str(pathlib.Path(nvcc).resolve().parent.parent))
+    try:
+        cpp_extension.load(
+            name=name,
+            sources=[str(SM90_SOURCE_DIR / s) for s in _SM90_SOURCES],
+            extra_include_paths=[str(SM90_SOURCE_DIR), include],
+            extra_cflags=["-O3", "-std=c++17"],
+            extra_cuda_cflags=nvcc_flags(),
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=verbose,
+        )
+    except Exception as exc:  # compiler output is in the exception text
+        raise KernelBuildError(f"building the cuda_sm90 kernel failed: {type(exc).__name__}: {exc}") from exc
+    return name
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mla_dispatch build [--verbose]``: build the native CUDA kernels now."""
+    parser = argparse.ArgumentParser(prog="python -m mla_dispatch build", description=main.__doc__)
+    parser.add_argument("--verbose", action="store_true", help="show the compiler commands")
+    args = parser.parse_args(argv)
+    try:
+        name = load_sm90(verbose=args.verbose)
+    except KernelBuildError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"built {name} (sources: {SM90_SOURCE_DIR})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,56 @@
+// Traits of the SM90 MLA decode kernel (tile shapes, shared-memory layout,
+// swizzle). Kept apart from the mainloop (mainloop.cuh) so a new version of the
+// hot path can reuse or replace them independently.
+#pragma once
+#include <cstdint>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+namespace mla_sm90 {
+
+struct DecodeConfig {
+  static constexpr int kHeadDimQK = 576;  // kv_lora_rank 512 + rope 64
+  static constexpr int kHeadDimV = 512;
+  static constexpr int kBlockM = 64;   // query rows (s_q x heads of one KV head) per CTA tile
+  static constexpr int kBlockN = 64;   // KV tokens per mainloop step (= split-KV chunk_size)
+  static constexpr int kWarps = 8;
+  static constexpr int kThreads = kWarps * 32;
+  // Warp roles (v1, mma.sync): warp w owns query rows 16*(w%4) .. +16; for
+  // S = Q K^T it owns tokens 32*(w/4) .. +32, for O = P V output dims 256*(w/4) .. +256.
+  static constexpr int kRowGroups = 4;
+  static constexpr int kChunksQK = kHeadDimQK / 8;  // 16-byte chunks of a bf16/fp16 row: 72
+  static constexpr int kChunksP = kBlockN / 8;      // 8
+  // Shared memory: Q [64][576], K/V 2 stages of [64][576], P [64][64] (all in the
+  // q dtype, 16-byte chunks XOR-swizzled by row), row max / row sum exchange.
+  static constexpr int kQElems = kBlockM * kHeadDimQK;
+  static constexpr int kKElems = kBlockN * kHeadDimQK;
+  static constexpr int kStages = 2;
+  static constexpr int kPElems = kBlockM * kBlockN;
+  static constexpr int kSmemBytes =
+      2 * (kQElems + kStages * kKElems + kPElems) + 2 * 2 * kBlockM * (int)sizeof(float);
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory over the SM90 per-block limit");
+};
+
+// Element offset of (row, col) in a row-major tile of `chunks_per_row` 16-byte
+// chunks whose chunk index is XOR-swizzled with (row & 7): eight consecutive rows
+// read by one ldmatrix hit eight different bank groups (rows are 1152 or 128
+// bytes, multiples of 128, so unswizzled they would all hit the same banks).
+__device__ __forceinline__ int swizzled(int row, int col, int chunks_per_row) {
+  const int chunk = (col >> 3) ^ (row & 7);
+  return row * chunks_per_row * 8 + chunk * 8 + (col & 7);
+}
+
+template <typename T> struct TypeTraits;
+template <> struct TypeTraits<__nv_bfloat16> {
+  using T2 = __nv_bfloat162;
+  static __device__ __forceinline__ T2 from_float2(float a, float b) { return __floats2bfloat162_rn(a, b); }
+  static constexpr bool kIsBf16 = true;
+};
+template <> struct TypeTraits<__half> {
+  using T2 = __half2;
+  static __device__ __forceinline__ T2 from_float2(float a, float b) { return __floats2half2_rn(a, b); }
+  static constexpr bool kIsBf16 = false;
+};
+
+}  // namespace mla_sm90

@@ -1,0 +1,401 @@
+// SM90 MLA decode, version 1: a persistent CTA per (split-KV part, 64-row query
+// tile, KV head) walking its items of the shared split-KV schedule
+// (mla_dispatch/metadata.py). For each item it streams the item's KV tokens in
+// 64-token tiles through a two-stage shared-memory ring (cp.async for bf16/fp16
+// caches; fp8 caches are loaded into registers one tile ahead and dequantised
+// while being stored), computes S = Q K^T and O += P V with warp-level
+// mma.sync (m16n8k16, fp32 accumulate), and keeps an online softmax in fp32
+// (FlashAttention-2's rescaling; the base-2 exponent trick of FlashMLA).
+// V is the first 512 channels of K, so one shared-memory tile feeds both GEMMs
+// (the MQA-mode absorption FlashMLA and the FlashMLA-ETAP paper build on).
+//
+// Warp layout (8 warps): warp w owns query rows 16*(w%4)..+16. For S it owns
+// tokens 32*(w/4)..+32; the two warps of a row group exchange row maxima and
+// their halves of P through shared memory (a 64-thread named barrier), then
+// each computes O for its 256 of the 512 output channels.
+//
+// Masking: tokens past the item's end are zero-filled (never read), so NaN
+// poison in unused cache slots cannot reach P*V; causal rows mask tokens past
+// L - s_q + i. A row with no visible key gets out = 0 and lse = +inf (final)
+// or lse = -inf (partial, so the combine gives it zero weight).
+#pragma once
+#include <cmath>
+#include <cstdint>
+
+#include "config.cuh"
+#include "params.h"
+#include "ptx.cuh"
+
+namespace mla_sm90 {
+
+using Cfg = DecodeConfig;
+
+// ---- KV tile loaders --------------------------------------------------------------------
+// Thread mapping for all loaders: 8 threads per token (consecutive 16-byte chunks, so a
+// warp reads 4 tokens x 128 contiguous bytes per instruction), 32 tokens per pass, 2 passes.
+
+template <typename T>
+__device__ __forceinline__ const uint8_t* token_ptr(const DecodeParams& p, int req, int t, int kvh) {
+  const int page = p.block_table[(int64_t)req * p.bt_stride + t / p.page_size];
+  const int off = t % p.page_size;
+  const int64_t elem = (int64_t)page * p.kv_stride_block + (int64_t)off * p.kv_stride_tok + (int64_t)kvh * p.kv_stride_head;
+  return reinterpret_cast<const uint8_t*>(p.kv) + elem * (int64_t)sizeof(T);
+}
+
+// bf16/fp16 cache: cp.async straight into the swizzled tile.
+template <typename T>
+__device__ __forceinline__ void load_kv_async(const DecodeParams& p, T* sK, int req, int kvh, int t0, int t_end) {
+  const int tid = threadIdx.x;
+#pragma unroll
+  for (int pass = 0; pass < 2; ++pass) {
+    const int row = tid / 8 + 32 * pass;
+    const int t = t0 + row;
+    const bool valid = t < t_end;
+    const T* src = valid ? reinterpret_cast<const T*>(token_ptr<T>(p, req, t, kvh)) : reinterpret_cast<const T*>(p.kv);
+#pragma unroll
+    for (int k = 0; k < Cfg::kChunksQK / 8; ++k) {
+      const int chunk = tid % 8 + 8 * k;
+      cp_async_16(sK + swizzled(row, chunk * 8, Cfg::kChunksQK), src + (valid ? chunk * 8 : 0), valid);
+    }
+  }
+}
+
+// fp8 tiles travel through registers: up to 12 x 16 bytes per thread.
+struct Fp8Stage {
+  uint4 v[2][6];
+  bool valid[2];
+};
+
+template <int KvFmt>
+__device__ __forceinline__ void load_kv_fp8_regs(const DecodeParams& p, Fp8Stage& st, int req, int kvh, int t0,
+                                                 int t_end) {
+  const int tid = threadIdx.x;
+#pragma unroll
+  for (int pass = 0; pass < 2; ++pass) {
+    const int t = t0 + tid / 8 + 32 * pass;
+    st.valid[pass] = t < t_end;
+    if (!st.valid[pass]) continue;
+    const uint8_t* src = token_ptr<uint8_t>(p, req, t, kvh);
+    const int c = tid % 8;
+    if constexpr (KvFmt == kKvFp8E4M3) {
+      // 576 bytes = 36 chunks of 16 fp8 values: chunk c + 8k, k = 0..4 (k = 4 only for c < 4)
+#pragma unroll
+      for (int k = 0; k < 5; ++k) {
+        if (k < 4 || c < 4) st.v[pass][k] = __ldg(reinterpret_cast<const uint4*>(src) + c + 8 * k);
+      }
+    } else {
+      // 512 fp8 NoPE bytes (chunk c + 8k lies in scale group k), 16 scale bytes, 128 rope bytes
+#pragma unroll
+      for (int k = 0; k < 4; ++k) st.v[pass][k] = __ldg(reinterpret_cast<const uint4*>(src) + c + 8 * k);
+      st.v[pass][4] = __ldg(reinterpret_cast<const uint4*>(src + 512));
+      st.v[pass][5] = __ldg(reinterpret_cast<const uint4*>(src + 528) + c);
+    }
+  }
+}
+
+// 16 e4m3 values -> 16 values of T (times `scale`), stored as two swizzled 16-byte chunks.
+template <typename T>
+__device__ __forceinline__ void store_fp8x16(T* sK, int row, int first_chunk, uint4 raw, float scale) {
+  using TT = TypeTraits<T>;
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+  uint32_t packed[8];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const __nv_fp8x2_storage_t pair = static_cast<__nv_fp8x2_storage_t>((w[i] >> (16 * h)) & 0xffff);
+      const __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3);
+      const float2 f = __half22float2(__half2(hr));
+      typename TT::T2 v = TT::from_float2(f.x * scale, f.y * scale);
+      packed[i * 2 + h] = *reinterpret_cast<uint32_t*>(&v);
+    }
+  }
+  *reinterpret_cast<uint4*>(sK + swizzled(row, first_chunk * 8, Cfg::kChunksQK)) =
+      make_uint4(packed[0], packed[1], packed[2], packed[3]);
+  *reinterpret_cast<uint4*>(sK + swizzled(row, first_chunk * 8 + 8, Cfg::kChunksQK)) =
+      make_uint4(packed[4], packed[5], packed[6], packed[7]);
+}
+
+template <typename T, int KvFmt>
+__device__ __forceinline__ void store_kv_fp8(T* sK, const Fp8Stage& st) {
+  const int tid = threadIdx.x;
+  const int c = tid % 8;
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+#pragma unroll
+  for (int pass = 0; pass < 2; ++pass) {
+    const int row = tid / 8 + 32 * pass;
+    if (!st.valid[pass]) {
+      // zero-fill the whole token row (72 chunks: c + 8k, k = 0..8)
+#pragma unroll
+      for (int k = 0; k < 9; ++k) *reinterpret_cast<uint4*>(sK + swizzled(row, (c + 8 * k) * 8, Cfg::kChunksQK)) = zero;
+      continue;
+    }
+    if constexpr (KvFmt == kKvFp8E4M3) {
+      // unscaled: the per-tensor scale is folded into the softmax scale and the output
+#pragma unroll
+      for (int k = 0; k < 5; ++k) {
+        if (k < 4 || c < 4) store_fp8x16<T>(sK, row, 2 * (c + 8 * k), st.v[pass][k], 1.0f);
+      }
+    } else {
+      const float scales[4] = {__uint_as_float(st.v[pass][4].x), __uint_as_float(st.v[pass][4].y),
+                               __uint_as_float(st.v[pass][4].z), __uint_as_float(st.v[pass][4].w)};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) store_fp8x16<T>(sK, row, 2 * (c + 8 * k), st.v[pass][k], scales[k]);
+      // rope: 8 bf16 values -> chunk 64 + c
+      uint4 rope = st.v[pass][5];
+      if constexpr (!TypeTraits<T>::kIsBf16) {
+        uint32_t w[4] = {rope.x, rope.y, rope.z, rope.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 f = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&w[i]));
+          __half2 h = __floats2half2_rn(f.x, f.y);
+          w[i] = *reinterpret_cast<uint32_t*>(&h);
+        }
+        rope = make_uint4(w[0], w[1], w[2], w[3]);
+      }
+      *reinterpret_cast<uint4*>(sK + swizzled(row, (64 + c) * 8, Cfg::kChunksQK)) = rope;
+    }
+  }
+}
+
+// ---- the kernel ---------------------------------------------------------------------------
+
+template <typename T, int KvFmt>
+__global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel(const __grid_constant__ DecodeParams p) {
+  using TT = TypeTraits<T>;
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sK = sQ + Cfg::kQElems;
+  T* sP = sK + Cfg::kStages * Cfg::kKElems;
+  float* sMax = reinterpret_cast<float*>(sP + Cfg::kPElems);  // [2][64]
+  float* sSum = sMax + 2 * Cfg::kBlockM;                        // [2][64]
+
+  const int part = blockIdx.x, row_tile = blockIdx.y, kvh = blockIdx.z;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int rg = warp % Cfg::kRowGroups, half = warp / Cfg::kRowGroups;
+  const int heads_per_kv = p.heads_q / p.heads_kv;
+  constexpr float kLog2e = 1.4426950408889634f;
+  constexpr float kLn2 = 0.6931471805599453f;
+
+  float out_scale = 1.0f;
+  if constexpr (KvFmt == kKvFp8E4M3) out_scale = *p.kv_scale;
+  const float score_scale = p.softmax_scale * out_scale * kLog2e;
+
+  // This thread's two accumulator rows (mma C layout: lane/4 and lane/4 + 8 of the warp's 16).
+  int row_local[2], row_i[2], row_head[2];
+  bool row_ok[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    row_local[h] = rg * 16 + lane / 4 + 8 * h;
+    const int r = row_tile * Cfg::kBlockM + row_local[h];
+    row_ok[h] = r < p.rows_per_kv_head;
+    const int rc = row_ok[h] ? r : 0;
+    row_i[h] = rc / heads_per_kv;
+    row_head[h] = kvh * heads_per_kv + rc % heads_per_kv;
+  }
+
+  const int item_begin = p.part_offsets[part], item_end = p.part_offsets[part + 1];
+  for (int item = item_begin; item < item_end; ++item) {
+    const int4 it = reinterpret_cast<const int4*>(p.items)[item];
+    const int req = it.x, tok_begin = it.y, tok_end = it.z, slot = it.w;
+    if (req < 0) continue;
+    const int seqlen = p.cache_seqlens[req];
+    int limit[2];  // last visible token of each row (inclusive)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) limit[h] = p.causal ? seqlen - p.q_len + row_i[h] : seqlen - 1;
+
+    // -- Q tile (rows past rows_per_kv_head are zero-filled)
+#pragma unroll
+    for (int pass = 0; pass < 2; ++pass) {
+      const int row = tid / 8 + 32 * pass;
+      const int r = row_tile * Cfg::kBlockM + row;
+      const bool valid = r < p.rows_per_kv_head;
+      const int rc = valid ? r : 0;
+      const T* src = reinterpret_cast<const T*>(p.q) + (int64_t)req * p.q_stride_b +
+                     (int64_t)(rc / heads_per_kv) * p.q_stride_s +
+                     (int64_t)(kvh * heads_per_kv + rc % heads_per_kv) * p.q_stride_h;
+#pragma unroll
+      for (int k = 0; k < Cfg::kChunksQK / 8; ++k) {
+        const int chunk = tid % 8 + 8 * k;
+        cp_async_16(sQ + swizzled(row, chunk * 8, Cfg::kChunksQK), src + chunk * 8, valid);
+      }
+    }
+    const int num_tiles = (tok_end - tok_begin + Cfg::kBlockN - 1) / Cfg::kBlockN;
+    Fp8Stage fp8_stage;
+    if (num_tiles > 0) {
+      if constexpr (KvFmt == kKvSameAsQ) {
+        load_kv_async<T>(p, sK, req, kvh, tok_begin, tok_end);
+      } else {
+        load_kv_fp8_regs<KvFmt>(p, fp8_stage, req, kvh, tok_begin, tok_end);
+        store_kv_fp8<T, KvFmt>(sK, fp8_stage);
+      }
+    }
+    cp_async_commit();
+    cp_async_wait_all();
+    __syncthreads();
+
+    float acc_o[32][4];
+#pragma unroll
+    for (int n = 0; n < 32; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[n][e] = 0.f;
+    float row_max[2] = {-INFINITY, -INFINITY};
+    float row_sum[2] = {0.f, 0.f};
+
+    for (int j = 0; j < num_tiles; ++j) {
+      const int t0 = tok_begin + j * Cfg::kBlockN;
+      const T* sKj = sK + (j & 1) * Cfg::kKElems;
+      T* sKnext = sK + ((j + 1) & 1) * Cfg::kKElems;
+      const bool has_next = j + 1 < num_tiles;
+      // -- prefetch tile j+1 (its buffer was last read in step j-1, before the barrier)
+      if (has_next) {
+        if constexpr (KvFmt == kKvSameAsQ) {
+          load_kv_async<T>(p, sKnext, req, kvh, t0 + Cfg::kBlockN, tok_end);
+          cp_async_commit();
+        } else {
+          load_kv_fp8_regs<KvFmt>(p, fp8_stage, req, kvh, t0 + Cfg::kBlockN, tok_end);
+        }
+      }
+
+      // -- S = Q K^T for rows rg*16..+16, tokens half*32..+32
+      float acc_s[4][4];
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_s[n][e] = 0.f;
+#pragma unroll 4
+      for (int kk = 0; kk < Cfg::kHeadDimQK / 16; ++kk) {
+        uint32_t a[4];
+        ldmatrix_x4(a, sQ + swizzled(rg * 16 + lane % 16, kk * 16 + (lane / 16) * 8, Cfg::kChunksQK));
+#pragma unroll
+        for (int np = 0; np < 2; ++np) {
+          uint32_t b[4];
+          const int tok = half * 32 + np * 16 + (lane / 16) * 8 + lane % 8;
+          ldmatrix_x4(b, sKj + swizzled(tok, kk * 16 + ((lane / 8) % 2) * 8, Cfg::kChunksQK));
+          mma_16816<T>(acc_s[np * 2], a, b[0], b[1]);
+          mma_16816<T>(acc_s[np * 2 + 1], a, b[2], b[3]);
+        }
+      }
+
+      // -- mask, scale (log2 domain), partial row max
+      float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int t = t0 + half * 32 + n * 8 + (lane % 4) * 2 + (e & 1);
+          const int h = e >> 1;
+          const bool visible = t < tok_end && t <= limit[h];
+          acc_s[n][e] = visible ? acc_s[n][e] * score_scale : -INFINITY;
+          tile_max[h] = fmaxf(tile_max[h], acc_s[n][e]);
+        }
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffff, tile_max[h], 1));
+        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffff, tile_max[h], 2));
+        if (lane % 4 == 0) sMax[half * Cfg::kBlockM + row_local[h]] = tile_max[h];
+      }
+      named_barrier(1 + rg, 64);
+      float scale_o[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float other = sMax[(1 - half) * Cfg::kBlockM + row_local[h]];
+        const float m_new = fmaxf(row_max[h], fmaxf(tile_max[h], other));
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;
+        scale_o[h] = exp2f(row_max[h] - m_use);  // 0 when row_max was -inf
+        row_max[h] = m_new;
+        row_sum[h] *= scale_o[h];
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+#pragma unroll
+          for (int e = 2 * h; e < 2 * h + 2; ++e) {
+            acc_s[n][e] = exp2f(acc_s[n][e] - m_use);
+            row_sum[h] += acc_s[n][e];
+          }
+        }
+      }
+      // -- P (q dtype) to shared memory, rescale O
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+        const int col = half * 32 + n * 8 + (lane % 4) * 2;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          typename TT::T2 v = TT::from_float2(acc_s[n][2 * h], acc_s[n][2 * h + 1]);
+          *reinterpret_cast<typename TT::T2*>(sP + swizzled(row_local[h], col, Cfg::kChunksP)) = v;
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < 32; ++n) {
+        acc_o[n][0] *= scale_o[0];
+        acc_o[n][1] *= scale_o[0];
+        acc_o[n][2] *= scale_o[1];
+        acc_o[n][3] *= scale_o[1];
+      }
+      named_barrier(1 + rg, 64);
+
+      // -- O += P V for rows rg*16..+16, dims half*256..+256 (V = first 512 channels of K)
+#pragma unroll
+      for (int kt = 0; kt < Cfg::kBlockN / 16; ++kt) {
+        uint32_t a[4];
+        ldmatrix_x4(a, sP + swizzled(rg * 16 + lane % 16, kt * 16 + (lane / 16) * 8, Cfg::kChunksP));
+#pragma unroll
+        for (int np = 0; np < 16; ++np) {
+          uint32_t b[4];
+          const int tok = kt * 16 + (lane % 8) + ((lane / 8) % 2) * 8;
+          const int dim = half * 256 + np * 16 + (lane / 16) * 8;
+          ldmatrix_x4_trans(b, sKj + swizzled(tok, dim, Cfg::kChunksQK));
+          mma_16816<T>(acc_o[np * 2], a, b[0], b[1]);
+          mma_16816<T>(acc_o[np * 2 + 1], a, b[2], b[3]);
+        }
+      }
+
+      // -- land tile j+1
+      if (has_next) {
+        if constexpr (KvFmt == kKvSameAsQ) {
+          cp_async_wait_all();
+        } else {
+          store_kv_fp8<T, KvFmt>(sKnext, fp8_stage);
+        }
+      }
+      __syncthreads();
+    }
+
+    // -- epilogue: total row sum over both token halves, normalise, write
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      row_sum[h] += __shfl_xor_sync(0xffffffff, row_sum[h], 1);
+      row_sum[h] += __shfl_xor_sync(0xffffffff, row_sum[h], 2);
+      if (lane % 4 == 0) sSum[half * Cfg::kBlockM + row_local[h]] = row_sum[h];
+    }
+    named_barrier(1 + rg, 64);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float total = row_sum[h] + sSum[(1 - half) * Cfg::kBlockM + row_local[h]];
+      const bool has_keys = total > 0.f;
+      const float inv = has_keys ? out_scale / total : 0.f;
+      const float lse_val = has_keys ? (row_max[h] + log2f(total)) * kLn2 : (slot < 0 ? INFINITY : -INFINITY);
+      if (!row_ok[h]) continue;
+      if (slot < 0) {
+        T* dst = reinterpret_cast<T*>(p.out) + (int64_t)req * p.out_stride_b + (int64_t)row_i[h] * p.out_stride_s +
+                 (int64_t)row_head[h] * p.out_stride_h + half * 256 + (lane % 4) * 2;
+#pragma unroll
+        for (int n = 0; n < 32; ++n)
+          *reinterpret_cast<typename TT::T2*>(dst + n * 8) =
+              TT::from_float2(acc_o[n][2 * h] * inv, acc_o[n][2 * h + 1] * inv);
+        if (half == 0 && lane % 4 == 0)
+          p.lse[(int64_t)req * p.lse_stride_b + (int64_t)row_head[h] * p.lse_stride_h + row_i[h]] = lse_val;
+      } else {
+        const int64_t prow = ((int64_t)slot * p.q_len + row_i[h]) * p.heads_q + row_head[h];
+        float* dst = p.partial_out + prow * Cfg::kHeadDimV + half * 256 + (lane % 4) * 2;
+#pragma unroll
+        for (int n = 0; n < 32; ++n)
+          *reinterpret_cast<float2*>(dst + n * 8) = make_float2(acc_o[n][2 * h] * inv, acc_o[n][2 * h + 1] * inv);
+        if (half == 0 && lane % 4 == 0) p.partial_lse[prow] = lse_val;
+      }
+    }
+    __syncthreads();  // sQ, sSum and the K ring are reused by the next item
+  }
+}
+
+}  // namespace mla_sm90

@@ -1,0 +1,68 @@
+// Host/device parameter block of the SM90 MLA decode kernel family.
+// Plain C++ (no torch, no CUDA headers needed): shared by the torch binding
+// (binding.cpp, host compiler) and the kernels/launchers (launch.cu, nvcc).
+#pragma once
+#include <cstdint>
+
+namespace mla_sm90 {
+
+// KV storage formats (mirror mla_dispatch/formats.py).
+enum KvFormat : int {
+  kKvSameAsQ = 0,   // bf16 or fp16, same dtype as q
+  kKvFp8E4M3 = 1,   // float8_e4m3fn, one per-tensor fp32 scale (kv_scale)
+  kKvFp8DsMla = 2,  // 656-byte token: 512 fp8 NoPE, 4 fp32 scales, 64 bf16 RoPE
+};
+
+struct DecodeParams {
+  // q [B, s_q, h_q, 576] (last dim contiguous), element strides
+  const void* q;
+  int64_t q_stride_b, q_stride_s, q_stride_h;
+  // kv [num_blocks, page_size, h_kv, D or 656] (last dim contiguous), element strides
+  // (bytes for fp8 formats: one element is one byte there)
+  const void* kv;
+  int64_t kv_stride_block, kv_stride_tok, kv_stride_head;
+  const int32_t* block_table;  // [B, max_blocks]
+  int64_t bt_stride;
+  const int32_t* cache_seqlens;  // [B]
+  const float* kv_scale;         // [1] device pointer, fp8_e4m3 only, else nullptr
+  // split-KV schedule (mla_dispatch/metadata.py): items [max_items, 4], part_offsets [P+1]
+  const int32_t* items;
+  const int32_t* part_offsets;
+  int num_parts;
+  // outputs
+  void* out;  // [B, s_q, h_q, 512] in q dtype
+  int64_t out_stride_b, out_stride_s, out_stride_h;
+  float* lse;  // [B, h_q, s_q] fp32
+  int64_t lse_stride_b, lse_stride_h;
+  float* partial_out;  // [max_slots, s_q, h_q, 512] fp32, contiguous
+  float* partial_lse;  // [max_slots, s_q, h_q] fp32, contiguous
+  // geometry
+  int batch, q_len, heads_q, heads_kv, page_size;
+  int rows_per_kv_head;  // s_q * h_q / h_kv
+  int num_row_tiles;     // ceil(rows_per_kv_head / 64)
+  float softmax_scale;
+  int causal;
+  int kv_format;  // KvFormat
+  int q_is_bf16;  // 1: bf16, 0: fp16
+};
+
+struct CombineParams {
+  const float* partial_out;  // [max_slots, s_q, h_q, 512]
+  const float* partial_lse;  // [max_slots, s_q, h_q]
+  const int32_t* num_splits;  // [B]
+  const int32_t* first_slot;  // [B]
+  void* out;
+  int64_t out_stride_b, out_stride_s, out_stride_h;
+  float* lse;
+  int64_t lse_stride_b, lse_stride_h;
+  int batch, q_len, heads_q;
+  int q_is_bf16;
+};
+
+// Launchers (launch.cu). Return a cudaError_t value as int (0 = success).
+int launch_decode(const DecodeParams& p, int grid_parts, void* stream);
+int launch_combine(const CombineParams& p, void* stream);
+// Dynamic shared memory the decode kernel needs (bytes).
+int decode_smem_bytes();
+
+}  // namespace mla_sm90

@@ -1,0 +1,217 @@
+"""GPU feature grid of the native SM90 kernel (backend ``cuda_sm90``) against the reference.
+
+Runs on the device tool's H100 (skipped elsewhere). Fresh random data per test
+(``gen`` fixture), outputs poisoned with NaN before every run, DESIGN.md §5
+tolerances (the backend's declared TOLERANCE).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mla_dispatch import plan_decode
+from mla_dispatch.backends.reference import reference_attention
+from mla_dispatch.testing import compare_outputs, make_case
+
+pytestmark = pytest.mark.gpu
+
+
+def _sm90():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.fixture(autouse=True)
+def _need_sm90():
+    if not _sm90():
+        pytest.skip("cuda_sm90 needs an SM90 (Hopper) GPU")
+
+
+def _backend():
+    from mla_dispatch.registry import get_backend
+
+    return get_backend("cuda_sm90")
+
+
+def _reference(case):
+    return reference_attention(case.q, case.kv_cache if case.kv_cache.dim() == 4 else case.kv_cache.unsqueeze(2),
+                               case.block_table, case.cache_seqlens, head_dim_v=case.head_dim_v,
+                               softmax_scale=case.softmax_scale, causal=case.causal, kv_format=case.kv_format,
+                               kv_scale=case.kv_scale)
+
+
+def _poisoned(case):
+    b, s_q, h_q, _ = case.q.shape
+    out = torch.full((b, s_q, h_q, case.head_dim_v), float("nan"), dtype=case.q.dtype, device=case.q.device)
+    lse = torch.full((b, h_q, s_q), float("nan"), dtype=torch.float32, device=case.q.device)
+    return out, lse
+
+
+def _check(case, out, lse):
+    ref_out, ref_lse = _reference(case)
+    report = compare_outputs(out, lse, ref_out, ref_lse, _backend().TOLERANCE)
+    assert report, report.message
+
+
+def _run_case(case):
+    plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
+    assert plan.backend == "cuda_sm90"
+    out, lse = _poisoned(case)
+    plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale, out=out, lse=lse)
+    torch.cuda.synchronize()
+    _check(case, out, lse)
+    return plan
+
+
+# (batch, s_q, h_q, h_kv, seqlen, page_size, causal, zero_len_rows)
+GRID = [
+    (4, 1, 16, 1, 300, 16, False, 0),
+    (4, 1, 16, 1, 300, 32, False, 0),
+    (4, 1, 16, 1, 300, 64, False, 0),
+    (4, 1, 16, 1, 300, 128, False, 0),
+    (4, 1, 16, 1, 300, 256, False, 0),
+    (3, 1, 1, 1, 200, 64, False, 0),
+    (3, 1, 2, 1, 777, 64, False, 0),
+    (5, 1, 128, 1, 1000, 64, False, 1),
+    (2, 2, 128, 1, 513, 64, True, 0),
+    (3, 4, 32, 1, 257, 32, True, 0),
+    (2, 16, 16, 1, 120, 16, True, 0),
+    (2, 16, 8, 1, 40, 64, True, 0),
+    (3, 3, 12, 1, 90, 128, True, 1),
+    (2, 1, 32, 2, 400, 64, False, 0),
+    (2, 2, 16, 4, 300, 16, True, 0),
+    (6, 1, 64, 1, 5000, 64, False, 2),
+    (1, 1, 128, 1, 20000, 256, False, 0),
+    (8, 1, 16, 1, 1, 64, False, 0),
+]
+
+
+def _grid_id(c):
+    b, s, h, hk, L, ps, causal, z = c
+    return f"b{b}xs{s}xh{h}-hkv{hk}-L{L}-ps{ps}" + ("-causal" if causal else "") + (f"-zero{z}" if z else "")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("cfg", GRID, ids=[_grid_id(c) for c in GRID])
+def test_dense_matches_reference(cfg, dtype, gen):
+    b, s_q, h_q, h_kv, L, ps, causal, zero = cfg
+    case = make_case(b, s_q, h_q, L, num_heads_kv=h_kv, page_size=ps, dtype=dtype, causal=causal,
+                     zero_len_rows=zero, device="cuda", generator=gen)
+    _run_case(case)
+
+
+FP8_GRID = [
+    (4, 1, 16, 1, 300, 64, False, 0),
+    (3, 2, 128, 1, 700, 16, True, 1),
+    (2, 1, 32, 2, 260, 128, False, 0),
+]
+
+
+@pytest.mark.parametrize("kv_format", ["fp8_e4m3", "fp8_ds_mla"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("cfg", FP8_GRID, ids=[_grid_id(c) for c in FP8_GRID])
+def test_fp8_matches_reference(cfg, dtype, kv_format, gen):
+    b, s_q, h_q, h_kv, L, ps, causal, zero = cfg
+    if kv_format == "fp8_ds_mla" and h_kv != 1:
+        h_kv = 1
+    case = make_case(b, s_q, h_q, L, num_heads_kv=h_kv, page_size=ps, dtype=dtype, causal=causal,
+                     zero_len_rows=zero, kv_format=kv_format, device="cuda", generator=gen)
+    _run_case(case)
+
+
+def test_long_context_128k(gen):
+    # 131072 tokens x 1152 bytes: 64-bit offsets into the cache are exercised
+    case = make_case(1, 1, 64, 131072, varlen=False, page_size=64, device="cuda", generator=gen)
+    _run_case(case)
+
+
+def test_batch_1024(gen):
+    case = make_case(1024, 1, 16, 64, page_size=64, device="cuda", generator=gen)
+    _run_case(case)
+
+
+def test_cuda_graph_capture_and_replay_with_update(gen):
+    case = make_case(6, 2, 64, 700, page_size=64, causal=True, device="cuda", generator=gen)
+    plan = plan_decode(*case.args(), backend="cuda_sm90", cuda_graph=True, **case.kwargs())
+    out, lse = _poisoned(case)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up off the capture
+        plan.run(case.q, case.kv_cache, out=out, lse=lse)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.run(case.q, case.kv_cache, out=out, lse=lse)
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(case, out, lse)
+
+    # New lengths (shorter, never past the table's blocks; one request emptied) and fresh q in place.
+    new_lens = (case.cache_seqlens.float() * torch.rand(6, generator=gen).to("cuda")).to(torch.int32).clamp_min(2)
+    new_lens[-1] = 0
+    case.cache_seqlens.copy_(new_lens)
+    case.q.copy_((torch.randn(case.q.shape, generator=gen) / 10).clamp(-1, 1).to(case.q.dtype))
+    plan.update()
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(case, out, lse)
+
+
+def test_out_argument_and_default_allocation(gen):
+    case = make_case(3, 1, 16, 200, page_size=32, device="cuda", generator=gen)
+    plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
+    out, lse = plan.run(case.q, case.kv_cache)
+    torch.cuda.synchronize()
+    _check(case, out, lse)
+    out2, _ = _poisoned(case)
+    got, _ = plan.run(case.q, case.kv_cache, out=out2)
+    assert got.data_ptr() == out2.data_ptr()
+    torch.cuda.synchronize()
+    _check(case, out2, lse)
+
+
+def test_binding_rejects_bad_arguments(gen):
+    case = make_case(2, 1, 16, 100, page_size=64, device="cuda", generator=gen)
+    plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
+    st = plan.state
+    s = st.schedule
+    out, lse = _poisoned(case)
+
+    def call(**over):
+        args = dict(q=case.q, kv_cache=case.kv_cache, block_table=case.block_table, cache_seqlens=case.cache_seqlens,
+                    items=s.items, part_offsets=s.part_offsets, kv_scale=None, out=out, lse=lse,
+                    partial_out=st.partial_out, partial_lse=st.partial_lse, num_splits=s.num_splits,
+                    first_slot=st.first_slot, softmax_scale=0.1, causal=False, kv_format=0)
+        args.update(over)
+        torch.ops.mla_dispatch.cuda_sm90_decode(*args.values())
+
+    with pytest.raises(ValueError, match="q must be bfloat16 or float16"):
+        call(q=case.q.float())
+    with pytest.raises(ValueError, match=r"q must be \[B, s_q, h_q, 576\]"):
+        call(q=case.q[..., :512])
+    with pytest.raises(ValueError, match="block_table must be int32"):
+        call(block_table=case.block_table.long())
+    with pytest.raises(ValueError, match="out must be"):
+        call(out=out[:, :, :8])
+    with pytest.raises(ValueError, match="lse must be float32"):
+        call(lse=lse.double())
+    with pytest.raises(ValueError, match="kv_scale must be"):
+        call(kv_format=1, kv_cache=case.kv_cache.view(torch.uint8)[..., :576].contiguous())
+    with pytest.raises(ValueError, match="must be a CUDA tensor"):
+        call(q=case.q.cpu())
+    call()  # the unmodified call is accepted
+
+
+def test_opcheck(gen):
+    case = make_case(2, 1, 16, 100, page_size=64, device="cuda", generator=gen)
+    plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
+    st, s = plan.state, plan.state.schedule
+    out, lse = _poisoned(case)
+    args = (case.q, case.kv_cache, case.block_table, case.cache_seqlens, s.items, s.part_offsets, None, out, lse,
+            st.partial_out, st.partial_lse, s.num_splits, st.first_slot, case.softmax_scale, False, 0)
+    torch.library.opcheck(torch.ops.mla_dispatch.cuda_sm90_decode.default, args,
+                          test_utils=("test_schema", "test_faketensor"))

@@ -1,0 +1,63 @@
+"""CPU checks of the native SM90 kernel: it compiles for sm_90a (nvcc, no GPU
+needed), the build reports a missing nvcc clearly, and the backend declares
+what it supports."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from mla_dispatch.kernels.cuda import build
+
+
+def test_kernel_sources_compile_for_sm90a(tmp_path):
+    nvcc = build.nvcc_path()
+    if nvcc is None:
+        pytest.skip("nvcc not found (needs CUDA >= 12.4): the sm_90a compile check cannot run here")
+    include = build.cutlass_include_dir()
+    obj = tmp_path / "launch.o"
+    cmd = [nvcc, "-c", str(build.SM90_SOURCE_DIR / "launch.cu"), "-o", str(obj), "-I", str(build.SM90_SOURCE_DIR),
+           "-I", include, "-Xptxas=-warn-spills", *build.nvcc_flags()]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"nvcc failed:\n{proc.stdout}\n{proc.stderr}"
+    assert obj.stat().st_size > 0
+    cuobjdump = shutil.which("cuobjdump")
+    if cuobjdump:  # the object carries sm_90a machine code
+        listing = subprocess.run([cuobjdump, "--list-elf", str(obj)], capture_output=True, text=True)
+        assert "sm_90a" in listing.stdout, listing.stdout + listing.stderr
+
+
+def test_missing_nvcc_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(build, "nvcc_path", lambda: None)
+    with pytest.raises(build.KernelBuildError, match="needs nvcc"):
+        build.load_sm90.__wrapped__()
+
+
+def test_build_cli_reports_failure(monkeypatch, capsys):
+    monkeypatch.setattr(build, "nvcc_path", lambda: None)
+    build.load_sm90.cache_clear()
+    assert build.main([]) == 1
+    assert "needs nvcc" in capsys.readouterr().err
+    build.load_sm90.cache_clear()
+
+
+def test_backend_declares_capabilities_and_reasons():
+    from mla_dispatch.backend import ReasonCode
+    from mla_dispatch.platform import Platform
+    from mla_dispatch.problem import DecodeProblem
+    from mla_dispatch.registry import get_backend
+
+    cls = get_backend("cuda_sm90")
+    assert cls.NAME == "cuda_sm90"
+    assert cls.KV_FORMATS == {"bf16", "fp16", "fp8_e4m3", "fp8_ds_mla"}
+    problem = DecodeProblem(batch=2, q_len=1, num_heads_q=16, num_heads_kv=1, head_dim_qk=512, head_dim_v=512,
+                            page_size=16, max_blocks=4, q_dtype=torch.float32, kv_format="bf16", causal=False,
+                            topk=8, return_lse=True, device_type="cpu")
+    codes = {r.code for r in cls.not_supported_reasons(problem, Platform(kind="cpu", name="cpu", capability=None, arch="cpu", num_compute_units=2))}
+    assert {ReasonCode.DEVICE, ReasonCode.DTYPE, ReasonCode.HEAD_DIM, ReasonCode.FEATURE} <= codes
+    if not torch.cuda.is_available():
+        reasons = cls.availability_reasons()
+        assert reasons and reasons[0].code is ReasonCode.UNAVAILABLE
