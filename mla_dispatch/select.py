@@ -45,6 +45,7 @@ _DEFAULT_ORDER = {
 # A measured dispatch table: (device fingerprint, ((shape bucket, backend name), ...)).
 # Data, not a toggle: installed from a file written by `python -m mla_dispatch tune`.
 _TUNED: tuple[str, tuple[tuple[str, str], ...]] | None = None
+_tuned_loaded = False  # has the on-disk table (mla_dispatch.tune) been looked for yet?
 _OVERRIDE: contextvars.ContextVar[tuple[tuple[str, ...], bool] | None] = contextvars.ContextVar(
     "mla_dispatch_backends", default=None
 )
@@ -139,6 +140,7 @@ def _active_candidates(problem: DecodeProblem, platform: Platform) -> tuple[str,
 
 def explain(problem: DecodeProblem, platform: Platform, candidates: Sequence[str] | None = None) -> SelectionReport:
     """Every candidate (default: the active priority order) with its reasons, for this problem."""
+    _ensure_tuned_loaded(platform)
     names = tuple(candidates) if candidates is not None else _active_candidates(problem, platform)
     rows = []
     for name in names:
@@ -174,6 +176,7 @@ def select_backend(problem: DecodeProblem, platform: Platform, backend: str = "a
     ValueError
         ``backend`` is not a registered name.
     """
+    _ensure_tuned_loaded(platform)
     name = _select_cached(problem, platform, backend, _OVERRIDE.get(), _TUNED)
     return get_backend(name)
 
@@ -212,9 +215,23 @@ def fingerprint(platform: Platform) -> str:
     return f"{platform.name}|{platform.arch}"
 
 
+def _ensure_tuned_loaded(platform: Platform) -> None:
+    """At the first selection (never at import), install the table `tune` wrote for this device, if any."""
+    global _tuned_loaded
+    if not _tuned_loaded:
+        _tuned_loaded = True
+        from mla_dispatch.tune import install_active_table  # never raises
+
+        install_active_table(platform)
+
+
 def set_tuned_table(device_fingerprint: str | None, table: dict[str, str] | None) -> None:
-    """Install a measured dispatch table (bucket -> backend) for one device; None clears it."""
-    global _TUNED
+    """Install a measured dispatch table (bucket -> backend) for one device; None clears it.
+
+    An explicit call wins over the on-disk table (which is then not loaded).
+    """
+    global _TUNED, _tuned_loaded
+    _tuned_loaded = True
     _TUNED = None if table is None else (device_fingerprint, tuple(sorted(table.items())))
 
 
