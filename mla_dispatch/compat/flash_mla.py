@@ -1,0 +1,569 @@
+"""FlashMLA's public decode API, implemented on :func:`mla_dispatch.plan_decode`.
+
+Code written for ``flash_mla`` runs unchanged on every backend mla_dispatch has
+(Hopper, other NVIDIA GPUs through Triton, AMD, Ascend, the CPU reference)::
+
+    from mla_dispatch.compat.flash_mla import flash_mla_with_kvcache, get_mla_metadata
+
+    sched_meta, _ = get_mla_metadata()          # one per decode step, shared by all layers
+    for layer in layers:
+        out, lse = flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, 512,
+                                          sched_meta, softmax_scale=scale, causal=True)
+
+The contract implemented is that of deepseek-ai/FlashMLA
+``flash_mla/flash_mla_interface.py`` (read at commits 02fe0d0 / 323f076, 2026):
+
+- **Current convention.** ``get_mla_metadata(*args, **kwargs)`` ignores its
+  arguments and returns ``(FlashMLASchedMeta(), None)``; the first
+  ``flash_mla_with_kvcache`` call that receives the object fills it (here: with a
+  :class:`~mla_dispatch.DecodePlan`), and later calls reuse it. As in FlashMLA,
+  the object may be reused only while the shapes and the *values* of
+  ``cache_seqlens`` / ``topk_length`` stay the same: one per decode step.
+  ``num_splits`` must be None.
+- **Old convention** (FlashMLA up to Sep 2025, commit c28eca9, still what older
+  SGLang calls): ``get_mla_metadata(cache_seqlens, num_q_tokens_per_head_k,
+  num_heads_k, num_heads_q=None, is_fp8_kvcache=False, topk=None)`` returns two
+  int32 tensors ``(tile_scheduler_metadata [num_sm_parts, 8], num_splits [b + 1])``
+  that are passed back to ``flash_mla_with_kvcache``. Here it is
+  :func:`get_mla_metadata_legacy` (and ``get_mla_metadata`` of the ``"legacy"``
+  alias, see below). The tensors hold mla_dispatch's split-KV schedule in
+  FlashMLA's layout; ``flash_mla_with_kvcache`` accepts them and plans from
+  ``cache_seqlens`` on each call (no state can ride on plain tensors).
+
+Arguments, defaults, shapes and returns are FlashMLA's: ``q [b, s_q, h_q, d]``,
+``k_cache [num_blocks, page_block_size, h_k, d]``, ``block_table [b, max_blocks]``
+int32, ``cache_seqlens [b]`` int32; returns ``out [b, s_q, h_q, head_dim_v]`` and
+``softmax_lse [b, h_q, s_q]`` fp32 (natural log, ``+inf`` for rows that see no
+key). ``softmax_scale`` defaults to ``d ** -0.5`` — DeepSeek models need
+``1/sqrt(192) * mscale**2``: pass it. ``is_fp8_kvcache=True`` means DeepSeek's
+656-byte token format (``kv_format="fp8_ds_mla"``). Sparse ``indices``,
+``topk_length``, ``attn_sink`` and the ``extra_*`` second cache are supported.
+Unlike FlashMLA, any page size works and the dense path runs on any device.
+
+Making ``import flash_mla`` resolve here (opt-in; importing mla_dispatch never does it):
+
+- in-process: :func:`install_flash_mla_alias` (``api="current"`` or ``"legacy"``);
+- one command, unedited: ``python -m mla_dispatch.compat.flash_mla run [--legacy] script.py ARGS``;
+- every Python process of an environment (multi-process servers):
+  ``python -m mla_dispatch.compat.flash_mla install-pth [--legacy]``, undone with
+  ``uninstall-pth``.
+
+Errors that FlashMLA reports with ``assert`` raise :class:`FlashMLAArgumentError`,
+which is both a ``ValueError`` and an ``AssertionError``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+import sysconfig
+import types
+from pathlib import Path
+from typing import Optional, Tuple
+
+import torch
+
+from mla_dispatch.api import DecodePlan, plan_decode
+from mla_dispatch.formats import DS_MLA_TOKEN_BYTES
+from mla_dispatch.metadata import ITEM_BEGIN, ITEM_END, ITEM_REQ, default_num_parts, split_kv_schedule
+from mla_dispatch.platform import platform_for
+
+__all__ = [
+    "FlashMLASchedMeta",
+    "FlashMLAArgumentError",
+    "get_mla_metadata",
+    "get_mla_metadata_legacy",
+    "flash_mla_with_kvcache",
+    "install_flash_mla_alias",
+    "uninstall_flash_mla_alias",
+]
+
+#: FlashMLA's ``TileSchedulerMetaDataSize`` (csrc/params.h ``DecodingSchedMeta``: 8 ints)
+TILE_SCHEDULER_METADATA_SIZE = 8
+# FlashMLA's scheduler parameters: 64-token blocks, 5 blocks of fixed cost per request.
+_BLOCK_N = 64
+_FIXED_OVERHEAD_BLOCKS = 5
+
+
+class FlashMLAArgumentError(ValueError, AssertionError):
+    """An argument FlashMLA would reject with ``assert``; also a ``ValueError``."""
+
+
+@dataclasses.dataclass
+class FlashMLASchedMeta:
+    """Per-step scheduling state, filled by the first :func:`flash_mla_with_kvcache` call.
+
+    Field names follow FlashMLA's class of the same name. ``plan`` is the
+    :class:`~mla_dispatch.DecodePlan` the first call made (``plan.backend`` says
+    which backend runs); ``backend`` (mla_dispatch extension) names the backend to
+    plan with, ``"auto"`` by default.
+    """
+
+    @dataclasses.dataclass
+    class Config:
+        b: int
+        s_q: int
+        h_q: int
+        page_block_size: int
+        h_k: int
+        causal: bool
+        is_fp8_kvcache: bool
+        topk: Optional[int]
+        extra_page_block_size: Optional[int]
+        extra_topk: Optional[int]
+
+    have_initialized: bool = False
+    config: Optional[Config] = None
+    tile_scheduler_metadata: Optional[torch.Tensor] = None
+    num_splits: Optional[torch.Tensor] = None
+    plan: Optional[DecodePlan] = None
+    extra_plan: Optional[DecodePlan] = None
+    backend: str = "auto"
+
+
+# --------------------------------------------------------------------------------------
+# Metadata
+# --------------------------------------------------------------------------------------
+
+
+def get_mla_metadata(*args, **kwargs) -> Tuple[FlashMLASchedMeta, None]:
+    """An empty :class:`FlashMLASchedMeta` (FlashMLA's current convention).
+
+    All arguments are accepted and ignored, as in FlashMLA, so callers written
+    for the old signature keep working when they only pass the first element on.
+    The plan is made by the first :func:`flash_mla_with_kvcache` call.
+
+    Returns
+    -------
+    (FlashMLASchedMeta, None)
+    """
+    return FlashMLASchedMeta(), None
+
+
+def get_mla_metadata_legacy(
+    cache_seqlens: torch.Tensor,
+    num_q_tokens_per_head_k: int,
+    num_heads_k: int,
+    num_heads_q: Optional[int] = None,
+    is_fp8_kvcache: bool = False,
+    topk: Optional[int] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """FlashMLA's old ``get_mla_metadata``: scheduling tensors for one decode step.
+
+    Parameters
+    ----------
+    cache_seqlens : Tensor
+        int32 ``[b]``.
+    num_q_tokens_per_head_k : int
+        ``s_q * h_q // h_k``.
+    num_heads_k : int
+    num_heads_q, is_fp8_kvcache
+        Accepted for compatibility.
+    topk : int, optional
+        Sparse attention: every request is scheduled as ``topk`` tokens.
+
+    Returns
+    -------
+    tile_scheduler_metadata : Tensor
+        int32 ``[num_sm_parts, 8]``, FlashMLA's ``DecodingSchedMeta`` layout:
+        ``(begin_req, begin_token, end_req, end_token, begin_split, 0, 0, 0)`` —
+        the requests and token ranges each persistent CTA works on.
+    num_splits : Tensor
+        int32 ``[b + 1]``: exclusive prefix sum of the number of pieces each
+        request is split into.
+
+    Raises
+    ------
+    FlashMLAArgumentError
+        ``cache_seqlens`` is not a 1-D int32 tensor or a count is < 1.
+    """
+    if not isinstance(cache_seqlens, torch.Tensor) or cache_seqlens.dim() != 1 or cache_seqlens.dtype != torch.int32:
+        got = f"{list(cache_seqlens.shape)} {cache_seqlens.dtype}" if isinstance(cache_seqlens, torch.Tensor) else type(cache_seqlens).__name__
+        raise FlashMLAArgumentError(f"cache_seqlens must be a 1-D int32 tensor, got {got}")
+    if num_q_tokens_per_head_k < 1 or num_heads_k < 1:
+        raise FlashMLAArgumentError(
+            f"num_q_tokens_per_head_k and num_heads_k must be >= 1, got {num_q_tokens_per_head_k}, {num_heads_k}"
+        )
+    seqlens = cache_seqlens if topk is None else torch.full_like(cache_seqlens, int(topk))
+    platform = platform_for(cache_seqlens.device)
+    num_parts = default_num_parts(platform.num_compute_units, num_heads_k, num_q_tokens_per_head_k)
+    sched = split_kv_schedule(seqlens, num_parts=num_parts, chunk_size=_BLOCK_N, overhead=_FIXED_OVERHEAD_BLOCKS)
+    return _flashmla_layout(sched)
+
+
+def _flashmla_layout(sched) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Our split-KV schedule written in FlashMLA's two metadata tensors (device ops only)."""
+    items = sched.items.to(torch.int64)
+    offsets = sched.part_offsets.to(torch.int64)
+    first, last = offsets[:-1], offsets[1:] - 1
+    empty = last < first
+    first_c = first.clamp(0, items.shape[0] - 1)
+    last_c = last.clamp(0, items.shape[0] - 1)
+    req = items[:, ITEM_REQ].clamp_min(0)
+    item_idx = torch.arange(items.shape[0], device=items.device)
+    splits = sched.num_splits.to(torch.int64)
+    first_item_of_req = torch.cumsum(splits, 0) - splits
+    rank_in_req = item_idx - first_item_of_req[req] if splits.numel() else item_idx
+    meta = torch.zeros(sched.num_parts, TILE_SCHEDULER_METADATA_SIZE, dtype=torch.int64, device=items.device)
+    meta[:, 0] = items[first_c, ITEM_REQ]
+    meta[:, 1] = items[first_c, ITEM_BEGIN]
+    meta[:, 2] = items[last_c, ITEM_REQ]
+    meta[:, 3] = items[last_c, ITEM_END]
+    meta[:, 4] = rank_in_req[first_c]
+    meta = torch.where(empty[:, None], torch.zeros_like(meta), meta)
+    num_splits = torch.cat([splits.new_zeros(1), torch.cumsum(splits, 0)])
+    return meta.to(torch.int32), num_splits.to(torch.int32)
+
+
+# --------------------------------------------------------------------------------------
+# The decode call
+# --------------------------------------------------------------------------------------
+
+
+def _cache_and_format(k_cache: torch.Tensor, q: torch.Tensor, is_fp8_kvcache: bool, name: str):
+    """FlashMLA's cache argument -> (tensor for mla_dispatch, kv_format)."""
+    if not is_fp8_kvcache:
+        if k_cache.dtype != q.dtype:
+            raise FlashMLAArgumentError(
+                f"{name}.dtype must equal q.dtype ({q.dtype}) when is_fp8_kvcache=False, got {k_cache.dtype}"
+            )
+        return k_cache, "auto"
+    if k_cache.shape[-1] != DS_MLA_TOKEN_BYTES:
+        raise FlashMLAArgumentError(
+            f"is_fp8_kvcache=True expects DeepSeek's {DS_MLA_TOKEN_BYTES}-byte token format, so {name}.shape[-1] "
+            f"must be {DS_MLA_TOKEN_BYTES}, got {k_cache.shape[-1]} (per-tensor-scale fp8 caches have no scale "
+            "argument in FlashMLA's API: call mla_dispatch.mla_decode with kv_format='fp8_e4m3', kv_scale=...)"
+        )
+    if k_cache.dtype not in (torch.uint8, torch.int8):
+        if k_cache.element_size() != 1:
+            raise FlashMLAArgumentError(f"{name} must hold 1-byte elements for is_fp8_kvcache=True, got {k_cache.dtype}")
+        k_cache = k_cache.view(torch.uint8)
+    return k_cache, "fp8_ds_mla"
+
+
+def _limit_topk(indices: Optional[torch.Tensor], topk_length: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """Only the leftmost ``topk_length[b]`` indices of request b are used (others become -1)."""
+    if indices is None or topk_length is None:
+        return indices
+    keep = torch.arange(indices.shape[-1], device=indices.device)[None, None, :] < topk_length.to(indices.device)[:, None, None]
+    return torch.where(keep, indices, torch.full_like(indices, -1))
+
+
+def _config_of(q, k_cache, causal, is_fp8_kvcache, topk, extra_k_cache, extra_topk) -> FlashMLASchedMeta.Config:
+    return FlashMLASchedMeta.Config(
+        q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1], k_cache.shape[2] if k_cache.dim() == 4 else 1,
+        bool(causal), bool(is_fp8_kvcache), topk,
+        None if extra_k_cache is None else extra_k_cache.shape[1], extra_topk,
+    )
+
+
+def _check_same_config(have: FlashMLASchedMeta.Config, want: FlashMLASchedMeta.Config) -> None:
+    for field in dataclasses.fields(have):
+        a, b = getattr(have, field.name), getattr(want, field.name)
+        if a != b:
+            raise FlashMLAArgumentError(
+                f"tile_scheduler_metadata was initialised for {field.name}={a!r}, this call has {field.name}={b!r}: "
+                "a FlashMLASchedMeta may be reused only while shapes and cache_seqlens/topk_length values stay the "
+                "same (make a new one with get_mla_metadata() for each decode step)"
+            )
+
+
+def _merge(out1, lse1, out2, lse2):
+    """LSE-weighted merge of two attention results over disjoint key sets (lse +inf = no key)."""
+    l1 = torch.where(torch.isposinf(lse1), torch.full_like(lse1, -math.inf), lse1)
+    l2 = torch.where(torch.isposinf(lse2), torch.full_like(lse2, -math.inf), lse2)
+    lse = torch.logaddexp(l1, l2)
+    empty = torch.isneginf(lse)
+    safe = torch.where(empty, torch.zeros_like(lse), lse)
+    w1 = torch.exp(l1 - safe).transpose(1, 2)[..., None]  # [b, s_q, h_q, 1]
+    w2 = torch.exp(l2 - safe).transpose(1, 2)[..., None]
+    out = (out1.float() * w1 + out2.float() * w2).to(out1.dtype)
+    return out, torch.where(empty, torch.full_like(lse, math.inf), lse)
+
+
+def _apply_sink(out: torch.Tensor, lse: torch.Tensor, attn_sink: torch.Tensor) -> torch.Tensor:
+    """out * exp(lse) / (exp(lse) + exp(sink)); a +inf sink (or no key at all) gives 0."""
+    factor = torch.sigmoid(lse - attn_sink.float()[None, :, None]).nan_to_num(nan=0.0)  # [b, h_q, s_q]
+    return (out.float() * factor.transpose(1, 2)[..., None]).to(out.dtype)
+
+
+def flash_mla_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: Optional[torch.Tensor],
+    cache_seqlens: Optional[torch.Tensor],
+    head_dim_v: int,
+    tile_scheduler_metadata,
+    num_splits=None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    is_fp8_kvcache: bool = False,
+    indices: Optional[torch.Tensor] = None,
+    attn_sink: Optional[torch.Tensor] = None,
+    extra_k_cache: Optional[torch.Tensor] = None,
+    extra_indices_in_kvcache: Optional[torch.Tensor] = None,
+    topk_length: Optional[torch.Tensor] = None,
+    extra_topk_length: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """FlashMLA's decode call (see the module docstring for both conventions).
+
+    Parameters
+    ----------
+    q : Tensor
+        ``[b, s_q, h_q, d]`` bf16/fp16.
+    k_cache : Tensor
+        ``[num_blocks, page_block_size, h_k, d]`` in q's dtype, or with
+        ``is_fp8_kvcache=True`` the 656-byte DeepSeek format ``[..., 656]``.
+    block_table, cache_seqlens : Tensor or None
+        int32 ``[b, max_blocks]`` and ``[b]``; may be None with ``indices``.
+    head_dim_v : int
+    tile_scheduler_metadata : FlashMLASchedMeta or Tensor
+        From :func:`get_mla_metadata` (current) or :func:`get_mla_metadata_legacy` (old).
+    num_splits : None or Tensor
+        None with a ``FlashMLASchedMeta``; the old convention's tensor otherwise.
+    softmax_scale : float, optional
+        Default ``d ** -0.5``.
+    causal : bool
+    is_fp8_kvcache : bool
+    indices : Tensor, optional
+        int32 ``[b, s_q, topk]`` sparse token ids ``block * page_block_size + offset``, -1 = skip.
+    attn_sink : Tensor, optional
+        fp32 ``[h_q]``: the output is scaled by ``exp(lse) / (exp(lse) + exp(sink))``; lse unchanged.
+    extra_k_cache, extra_indices_in_kvcache : Tensor, optional
+        A second sparse cache attended to together with the first.
+    topk_length, extra_topk_length : Tensor, optional
+        int32 ``[b]``: only the leftmost that many indices are used.
+
+    Returns
+    -------
+    out : Tensor
+        ``[b, s_q, h_q, head_dim_v]`` in q's dtype.
+    softmax_lse : Tensor
+        fp32 ``[b, h_q, s_q]``.
+
+    Raises
+    ------
+    FlashMLAArgumentError
+        Where FlashMLA asserts (wrong metadata type, mismatch with a reused
+        ``FlashMLASchedMeta``, sparse with causal, ...).
+    ValueError, NoBackendError
+        From :func:`mla_dispatch.plan_decode` / :meth:`~mla_dispatch.DecodePlan.run`.
+    """
+    sparse = indices is not None
+    current = isinstance(tile_scheduler_metadata, FlashMLASchedMeta)
+    if current:
+        if num_splits is not None:
+            raise FlashMLAArgumentError("num_splits must be None when tile_scheduler_metadata is a FlashMLASchedMeta")
+    elif not isinstance(tile_scheduler_metadata, torch.Tensor):
+        raise FlashMLAArgumentError(
+            "tile_scheduler_metadata must be a FlashMLASchedMeta from get_mla_metadata() (or, old convention, the "
+            f"tensor from get_mla_metadata_legacy()), got {type(tile_scheduler_metadata).__name__}"
+        )
+    if sparse:
+        if causal:
+            raise FlashMLAArgumentError("causal must be False when sparse attention is enabled (indices given)")
+        if not is_fp8_kvcache:
+            raise FlashMLAArgumentError("is_fp8_kvcache must be True when sparse attention is enabled (FlashMLA's contract)")
+    else:
+        if any(t is not None for t in (attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length, extra_topk_length)):
+            raise FlashMLAArgumentError(
+                "attn_sink, extra_k_cache, extra_indices_in_kvcache, topk_length and extra_topk_length must be None "
+                "when dense attention is used"
+            )
+        if block_table is None or cache_seqlens is None:
+            raise FlashMLAArgumentError("block_table and cache_seqlens must be provided when dense attention is used")
+    if (extra_k_cache is None) != (extra_indices_in_kvcache is None):
+        raise FlashMLAArgumentError("extra_k_cache and extra_indices_in_kvcache must be given together")
+
+    kv, kv_format = _cache_and_format(k_cache, q, is_fp8_kvcache, "k_cache")
+    idx = _limit_topk(indices, topk_length)
+    extra_kv = extra_idx = None
+    if extra_k_cache is not None:
+        extra_kv, _ = _cache_and_format(extra_k_cache, q, is_fp8_kvcache, "extra_k_cache")
+        extra_idx = _limit_topk(extra_indices_in_kvcache, extra_topk_length)
+    topk = None if indices is None else indices.shape[-1]
+    extra_topk = None if extra_indices_in_kvcache is None else extra_indices_in_kvcache.shape[-1]
+
+    def make_plans(backend: str):
+        common = dict(head_dim_v=head_dim_v, softmax_scale=softmax_scale, causal=causal and not sparse,
+                      kv_format=kv_format, backend=backend)
+        main = plan_decode(q, kv, None if sparse else block_table, None if sparse else cache_seqlens,
+                           indices=idx, **common)
+        extra = None
+        if extra_kv is not None:
+            extra = plan_decode(q, extra_kv, None, None, indices=extra_idx, **common)
+        return main, extra
+
+    if current:
+        meta = tile_scheduler_metadata
+        config = _config_of(q, k_cache, causal, is_fp8_kvcache, topk, extra_k_cache, extra_topk)
+        if not meta.have_initialized:
+            meta.plan, meta.extra_plan = make_plans(meta.backend)
+            meta.config = config
+            meta.have_initialized = True
+        else:
+            _check_same_config(meta.config, config)
+        plan, extra_plan = meta.plan, meta.extra_plan
+    else:
+        plan, extra_plan = make_plans("auto")
+
+    out, lse = plan.run(q, kv, indices=idx)
+    if extra_plan is not None:
+        out2, lse2 = extra_plan.run(q, extra_kv, indices=extra_idx)
+        out, lse = _merge(out, lse, out2, lse2)
+    if attn_sink is not None:
+        out = _apply_sink(out, lse, attn_sink)
+    return out, lse
+
+
+# --------------------------------------------------------------------------------------
+# Making `import flash_mla` resolve here (opt-in)
+# --------------------------------------------------------------------------------------
+
+_ALIAS_NAMES = ("flash_mla", "flash_mla.flash_mla_interface")
+_PTH_NAME = "mla_dispatch_flash_mla_alias"
+
+
+def _alias_module(api: str) -> types.ModuleType:
+    if api not in ("current", "legacy"):
+        raise ValueError(f"api must be 'current' or 'legacy', got {api!r}")
+    module = types.ModuleType("flash_mla", f"mla_dispatch's FlashMLA-compatible API ({api} convention)")
+    module.__version__ = "mla_dispatch"
+    module.FlashMLASchedMeta = FlashMLASchedMeta
+    module.get_mla_metadata = get_mla_metadata if api == "current" else get_mla_metadata_legacy
+    module.flash_mla_with_kvcache = flash_mla_with_kvcache
+    module.__all__ = ["get_mla_metadata", "flash_mla_with_kvcache", "FlashMLASchedMeta"]
+    module.__path__ = []  # a package, so `flash_mla.flash_mla_interface` imports
+    module.flash_mla_interface = module
+    module.MLA_DISPATCH_ALIAS = api
+    return module
+
+
+def install_flash_mla_alias(api: str = "current", *, replace: bool = True) -> types.ModuleType:
+    """Make ``import flash_mla`` (and ``flash_mla.flash_mla_interface``) return this API.
+
+    Parameters
+    ----------
+    api : {"current", "legacy"}
+        Which ``get_mla_metadata`` the alias exposes: FlashMLA's current one
+        (returns a ``FlashMLASchedMeta``) or the old one (returns tensors), for
+        code written against FlashMLA before Sep 2025 (e.g. older SGLang).
+    replace : bool
+        Replace an already imported ``flash_mla`` (the real one included). With
+        False an existing module is left alone and returned.
+
+    Returns
+    -------
+    The module now in ``sys.modules["flash_mla"]``.
+    """
+    existing = sys.modules.get("flash_mla")
+    if existing is not None and not replace:
+        return existing
+    module = _alias_module(api)
+    for name in _ALIAS_NAMES:
+        sys.modules[name] = module
+    return module
+
+
+def uninstall_flash_mla_alias() -> None:
+    """Remove the alias from ``sys.modules`` (a real ``flash_mla`` imports again afterwards)."""
+    for name in _ALIAS_NAMES:
+        if getattr(sys.modules.get(name), "MLA_DISPATCH_ALIAS", None) is not None:
+            del sys.modules[name]
+
+
+def _pth_paths(site_dir: str | None) -> tuple[Path, Path]:
+    base = Path(site_dir or sysconfig.get_paths()["purelib"])
+    return base / f"{_PTH_NAME}.pth", base / f"{_PTH_NAME}.py"
+
+
+def _finder_source(api: str) -> str:
+    # Imported at interpreter start by the .pth file: it must stay cheap, so it
+    # only installs a finder; mla_dispatch (and torch) load when flash_mla is imported.
+    return f'''"""Written by `python -m mla_dispatch.compat.flash_mla install-pth`; remove with uninstall-pth."""
+import importlib.abc
+import importlib.util
+import sys
+
+
+class _FlashMLAAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path=None, target=None):
+        if name in ("flash_mla", "flash_mla.flash_mla_interface"):
+            return importlib.util.spec_from_loader(name, self)
+        return None
+
+    def create_module(self, spec):
+        from mla_dispatch.compat.flash_mla import install_flash_mla_alias
+        return install_flash_mla_alias({api!r}, replace=False)
+
+    def exec_module(self, module):
+        pass
+
+
+sys.meta_path.insert(0, _FlashMLAAlias())
+'''
+
+
+def install_pth(api: str = "current", site_dir: str | None = None) -> tuple[Path, Path]:
+    """Write ``<site-packages>/mla_dispatch_flash_mla_alias.{pth,py}``: every Python
+    process of this environment then resolves ``import flash_mla`` here."""
+    _alias_module(api)  # validates api
+    pth, py = _pth_paths(site_dir)
+    py.write_text(_finder_source(api))
+    pth.write_text(f"import {_PTH_NAME}\n")
+    return pth, py
+
+
+def uninstall_pth(site_dir: str | None = None) -> list[Path]:
+    """Remove the files :func:`install_pth` wrote; returns those that existed."""
+    removed = []
+    for path in _pth_paths(site_dir):
+        if path.exists():
+            path.unlink()
+            removed.append(path)
+    return removed
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mla_dispatch.compat.flash_mla {run,install-pth,uninstall-pth}``."""
+    parser = argparse.ArgumentParser(prog="python -m mla_dispatch.compat.flash_mla",
+                                     description="Run FlashMLA code on mla_dispatch without editing it.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a script (or -m module) with `import flash_mla` resolved to mla_dispatch")
+    run.add_argument("--legacy", action="store_true", help="expose the old get_mla_metadata (returns tensors)")
+    run.add_argument("-m", dest="module", help="run a module instead of a script")
+    run.add_argument("target", nargs=argparse.REMAINDER, help="script path (or module arguments) and its arguments")
+    inst = sub.add_parser("install-pth", help="alias flash_mla in every Python process of this environment")
+    inst.add_argument("--legacy", action="store_true")
+    inst.add_argument("--site-dir", help="site-packages directory (default: this interpreter's purelib)")
+    uninst = sub.add_parser("uninstall-pth", help="remove what install-pth wrote")
+    uninst.add_argument("--site-dir")
+    args = parser.parse_args(argv)
+
+    if args.command == "install-pth":
+        for path in install_pth("legacy" if args.legacy else "current", args.site_dir):
+            print(f"wrote {path}")
+        return 0
+    if args.command == "uninstall-pth":
+        removed = uninstall_pth(args.site_dir)
+        print("\n".join(f"removed {p}" for p in removed) or "nothing to remove")
+        return 0
+
+    import runpy
+
+    install_flash_mla_alias("legacy" if args.legacy else "current")
+    if args.module:
+        sys.argv = [args.module] + args.target
+        runpy.run_module(args.module, run_name="__main__", alter_sys=True)
+    else:
+        if not args.target:
+            parser.error("run needs a script path (or -m module)")
+        sys.argv = list(args.target)
+        runpy.run_path(args.target[0], run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
