@@ -1,0 +1,181 @@
+"""The benchmark harness on CPU: the quick grid end to end, and the correctness gate.
+
+Speed is never asserted; what is checked is that every artefact is produced,
+that numbers are counted from the measured times, and that a wrong backend is
+reported and never timed.
+"""
+
+import csv
+import json
+import math
+
+import pytest
+import torch
+
+import mla_dispatch
+from mla_dispatch import bench
+from mla_dispatch.backends.reference import ReferenceBackend, reference_attention
+from mla_dispatch.registry import unregister_backend
+from mla_dispatch.roofline import Ceilings
+from mla_dispatch.select import clear_selection_cache
+from mla_dispatch.testing import UNUSED_BLOCK_ID
+
+FIXED_CEILINGS = Ceilings("test", bytes_per_s=1e10, flops_per_s=1e11, how="fixed for the test")
+
+
+class _Counting(ReferenceBackend):
+    runs = 0
+
+    @classmethod
+    def run(cls, state, q, kv_cache, block_table, cache_seqlens, **kw):
+        cls.runs += 1
+        super().run(state, q, kv_cache, block_table, cache_seqlens, **kw)
+
+
+class WrongOffset(_Counting):
+    """Right everywhere except a constant 0.01 added to the output (10x the bf16 atol)."""
+
+    NAME = "test_wrong_offset"
+
+    @classmethod
+    def run(cls, state, q, kv_cache, block_table, cache_seqlens, **kw):
+        super().run(state, q, kv_cache, block_table, cache_seqlens, **kw)
+        kw["out"].add_(0.01)
+
+
+class WrongOneElement(_Counting):
+    """Off in a single output element: the gate is per element, not an average."""
+
+    NAME = "test_wrong_one_element"
+
+    @classmethod
+    def run(cls, state, q, kv_cache, block_table, cache_seqlens, **kw):
+        super().run(state, q, kv_cache, block_table, cache_seqlens, **kw)
+        kw["out"].view(-1)[7] += 0.05
+
+
+class OnlyPage64(ReferenceBackend):
+    NAME = "test_only_page64"
+    PAGE_SIZES = frozenset({64})
+
+
+@pytest.fixture
+def registered():
+    """Register test backends by class; always unregistered afterwards."""
+    names = []
+
+    def register(cls):
+        cls.runs = 0
+        mla_dispatch.register_backend(cls.NAME, cls)
+        names.append(cls.NAME)
+        return cls.NAME
+
+    yield register
+    for name in names:
+        unregister_backend(name)
+    clear_selection_cache()
+
+
+def test_quick_grid_end_to_end(tmp_path, capsys, seed):
+    rc = bench.main(["--grid", "quick", "--backends", "reference", "--out", str(tmp_path), "--plot", "--quiet",
+                     "--rep-ms", "5", "--seed", str(seed)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    configs = bench.grid_configs("quick")
+    assert "| config | backend | status | run µs |" in printed
+    for cfg in configs:
+        assert f"| {cfg.label} | reference | ok |" in printed
+    assert "ceilings (measured in this run)" in printed and "CPU" in printed  # says the CPU sizes differ
+
+    doc = json.loads((tmp_path / "bench-quick.json").read_text())
+    assert doc["environment"]["torch"] == torch.__version__
+    assert doc["ceilings"]["bytes_per_s"] > 0 and doc["ceilings"]["flops_per_s"] > 0
+    rows = doc["rows"]
+    assert [r["config"] for r in rows] == [c.label for c in configs]
+    for r in rows:
+        assert r["status"] == "ok" and r["us_run"] > 0 and r["us_call"] > 0
+        assert r["us_graph"] is None  # no CUDA here
+        # the derived columns are the counted work over the measured time
+        assert r["tflops_run"] == pytest.approx(r["flops"] / r["us_run"] * 1e-6)
+        assert r["gbps_run"] == pytest.approx(r["bytes"] / r["us_run"] * 1e-3)
+        assert r["roof_pct_run"] == pytest.approx(100 * r["roofline_us"] / r["us_run"])
+        assert r["max_abs_err"] == 0.0  # the reference against itself
+
+    with (tmp_path / "bench-quick.csv").open() as fh:
+        csv_rows = list(csv.DictReader(fh))
+    assert [r["config"] for r in csv_rows] == [c.label for c in configs]
+    assert float(csv_rows[0]["us_run"]) == pytest.approx(rows[0]["us_run"])
+    png = (tmp_path / "bench-quick.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+@pytest.mark.parametrize("wrong", [WrongOffset, WrongOneElement], ids=["offset", "one-element"])
+def test_wrong_backend_is_caught_by_the_gate_and_never_timed(wrong, registered, seed):
+    name = registered(wrong)
+    configs = bench.grid_configs("quick")[:2]
+    rows, _ = bench.run_bench(configs, ["reference", name], device=torch.device("cpu"), ceilings=FIXED_CEILINGS,
+                              rep_ms=2, seed=seed, progress=False)
+    by = {(r.config, r.backend): r for r in rows}
+    for cfg in configs:
+        bad = by[(cfg.label, name)]
+        assert bad.status == "wrong", bad
+        assert "out of tolerance" in bad.note
+        assert bad.us_run is None and bad.us_call is None and bad.us_graph is None
+        assert by[(cfg.label, "reference")].status == "ok"
+    assert wrong.runs == len(configs)  # one checking run per config, none timed
+    table = bench.format_table(rows)
+    assert f"| {configs[0].label} | {name} | wrong: out:" in table
+
+
+def test_cli_exit_code_is_nonzero_when_a_backend_is_wrong(registered, tmp_path, monkeypatch):
+    name = registered(WrongOffset)
+    monkeypatch.setattr(bench, "measure_ceilings", lambda device: FIXED_CEILINGS)
+    monkeypatch.setattr(bench, "GRIDS", {"quick": ("two configs", lambda: bench._quick_grid()[:1])})
+    rc = bench.main(["--grid", "quick", "--backends", f"reference,{name}", "--out", str(tmp_path), "--quiet",
+                     "--rep-ms", "2"])
+    assert rc == 1
+    rows = json.loads((tmp_path / "bench-quick.json").read_text())["rows"]
+    assert {r["backend"]: r["status"] for r in rows} == {"reference": "ok", name: "wrong"}
+
+
+def test_unsupported_config_reports_the_backends_reason(registered):
+    name = registered(OnlyPage64)
+    cfg = bench.BenchConfig(2, 1, 16, 64, page_size=16)
+    (row,), _ = bench.run_bench([cfg], [name], device=torch.device("cpu"), ceilings=FIXED_CEILINGS, rep_ms=2,
+                                progress=False)
+    assert row.status == "unsupported"
+    assert "page_size=16 (supported: {64})" in row.note
+    assert row.us_run is None
+
+
+@pytest.mark.parametrize("cfg", [
+    bench.BenchConfig(5, 2, 16, 150, varlen=True, causal=True, page_size=16),
+    bench.BenchConfig(3, 1, 16, 100, varlen=True, page_size=64, kv_format="fp8_e4m3"),
+    bench.BenchConfig(4, 2, 16, 90, varlen=True, page_size=1, kv_format="fp8_ds_mla", topk=32),
+], ids=lambda c: c.label)
+def test_generated_case_honours_the_data_contract(cfg, seed):
+    """DESIGN.md §5 data: lengths >= s_q, NaN in every unused slot, unused table entries, valid sparse ids."""
+    case = bench.make_bench_case(cfg, seed=seed)
+    nb, ps, hkv, _ = case.kv_cache.shape
+    lens = case.cache_seqlens.long()
+    assert case.q.shape == (cfg.batch, cfg.q_len, cfg.num_heads_q, 576) and bool((lens >= cfg.q_len).all())
+    used = torch.zeros(nb, ps, dtype=torch.bool)
+    for b in range(cfg.batch):
+        n = int(lens[b])
+        nblk = math.ceil(n / ps)
+        assert bool((case.block_table[b, nblk:] == UNUSED_BLOCK_ID).all())
+        for j in range(n):
+            used[case.block_table[b, j // ps], j % ps] = True
+    from mla_dispatch.formats import dequantize_tokens
+
+    values = dequantize_tokens(case.kv_cache, case.kv_format, case.kv_scale)
+    assert bool(values[~used].isnan().all()), "an unused slot is not poisoned"
+    assert bool(values[used].isfinite().all()) and float(values[used].abs().max()) <= 1.0 + 1e-6
+    if cfg.topk:
+        idx = case.indices.long()
+        for b in range(cfg.batch):
+            live = idx[b][idx[b] >= 0]
+            assert bool(used.view(-1)[live].all()), "a sparse index points at an unused slot"
+    out, lse = reference_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens, causal=case.causal,
+                                   kv_format=case.kv_format, kv_scale=case.kv_scale, indices=case.indices)
+    assert bool(out.isfinite().all())
