@@ -1,0 +1,157 @@
+"""The conformance matrix on CPU: the reference passes, deliberately wrong backends are caught
+cell by cell, unsupported cells carry the backend's own reason, and the exit code says so."""
+
+import json
+
+import pytest
+import torch
+
+import mla_dispatch
+from mla_dispatch import conformance
+from mla_dispatch.backends.reference import ReferenceBackend
+from mla_dispatch.registry import unregister_backend
+from mla_dispatch.select import clear_selection_cache
+
+CPU = torch.device("cpu")
+
+
+class WrongOffset(ReferenceBackend):
+    NAME = "test_conf_offset"
+
+    @classmethod
+    def run(cls, state, q, kv_cache, block_table, cache_seqlens, **kw):
+        super().run(state, q, kv_cache, block_table, cache_seqlens, **kw)
+        kw["out"].add_(0.01)
+
+
+class IgnoresCausal(ReferenceBackend):
+    """Right except that it never applies the causal mask."""
+
+    NAME = "test_conf_ignores_causal"
+
+    @classmethod
+    def run(cls, state, q, kv_cache, block_table, cache_seqlens, *, problem, **kw):
+        import dataclasses
+
+        super().run(state, q, kv_cache, block_table, cache_seqlens, problem=dataclasses.replace(problem, causal=False),
+                    **kw)
+
+
+class Base2Lse(ReferenceBackend):
+    """Returns a base-2 LSE (the mistake DESIGN.md §2 tells adapters to convert)."""
+
+    NAME = "test_conf_base2_lse"
+
+    @classmethod
+    def run(cls, state, q, kv_cache, block_table, cache_seqlens, **kw):
+        super().run(state, q, kv_cache, block_table, cache_seqlens, **kw)
+        kw["lse"].mul_(1.4426950408889634)
+
+
+class ReadsPastLength(ReferenceBackend):
+    """Reads one slot past every request's length: the NaN poison (or the bad table entry) must show."""
+
+    NAME = "test_conf_reads_past_length"
+
+    @classmethod
+    def run(cls, state, q, kv_cache, block_table, cache_seqlens, **kw):
+        super().run(state, q, kv_cache, block_table, cache_seqlens + 1, **kw)
+
+
+class Bf16Only(ReferenceBackend):
+    NAME = "test_conf_bf16_only"
+    KV_FORMATS = frozenset({"bf16"})
+    SUPPORTS_SPARSE = False
+
+
+@pytest.fixture
+def registered():
+    names = []
+
+    def register(cls):
+        mla_dispatch.register_backend(cls.NAME, cls)
+        names.append(cls.NAME)
+        return cls.NAME
+
+    yield register
+    for name in names:
+        unregister_backend(name)
+    clear_selection_cache()
+
+
+def _cases(*names):
+    by_name = {c.name: c for c in conformance.case_set(quick=False)}
+    return [by_name[n] for n in names]
+
+
+def test_case_set_covers_the_design_features():
+    quick, full = conformance.case_set(quick=True), conformance.case_set(quick=False)
+    assert {c.name for c in quick} < {c.name for c in full}
+    params = [c.params for c in quick]
+    assert {p.get("page_size") for p in params} >= {1, 16, 64, 256}
+    assert {p.get("num_heads_q") for p in params} >= {16, 64, 128}
+    assert any(p.get("num_heads_kv", 1) > 1 for p in params)
+    assert any(p.get("causal") for p in params) and any(p.get("q_len", 1) > 1 and not p.get("causal") for p in params)
+    assert any(not p.get("varlen") for p in params) and any(p.get("zero_len_rows") for p in params)
+    assert {p.get("kv_format") for p in params} >= {None, "fp8_e4m3", "fp8_ds_mla"}
+    assert any(p.get("dtype") == torch.float16 for p in params)
+    assert any(p.get("topk") for p in params) and any(p.get("head_dim_qk", 576) != 576 for p in params)
+
+
+def test_quick_matrix_reference_passes_wrong_backend_fails(registered, tmp_path, capsys, seed):
+    wrong = registered(WrongOffset)
+    path = tmp_path / "conf.json"
+    rc = conformance.main(["--quick", "--backends", f"reference,{wrong}", "--quiet", "--seed", str(seed),
+                           "--json", str(path)])
+    assert rc == 1
+    printed = capsys.readouterr().out
+    assert f"| case | reference | {wrong} |" in printed
+    doc = json.loads(path.read_text())
+    assert doc["seed"] == seed
+    matrix = doc["matrix"]
+    assert set(matrix) == {c.name for c in conformance.case_set(quick=True)}
+    for case, cells in matrix.items():
+        assert cells["reference"]["status"] == "pass", (case, cells["reference"])
+        assert cells[wrong]["status"] == "fail", (case, cells[wrong])
+        assert cells[wrong]["max_abs"] >= 0.005  # the worst error is reported
+    assert "| baseline | pass | FAIL (max abs" in printed
+
+
+def test_cells_fail_only_where_the_bug_shows(registered, seed):
+    causal_bug, lse_bug = registered(IgnoresCausal), registered(Base2Lse)
+    cases = _cases("baseline", "s_q=2", "s_q=2 causal", "zero-length rows")
+    matrix = conformance.run_conformance(cases, [causal_bug, lse_bug], device=CPU, seed=seed, progress=False)
+    assert matrix["baseline"][causal_bug].status == "pass"
+    assert matrix["s_q=2"][causal_bug].status == "pass"
+    assert matrix["s_q=2 causal"][causal_bug].status == "fail"
+    for case in ("baseline", "s_q=2", "s_q=2 causal"):
+        assert matrix[case][lse_bug].status == "fail" and "lse" in matrix[case][lse_bug].detail
+    # +inf stays +inf when scaled: zero-length rows alone would not catch it, the other rows do
+    assert matrix["zero-length rows"][lse_bug].status == "fail"
+
+
+def test_reading_poisoned_slots_is_caught(registered, seed):
+    leak = registered(ReadsPastLength)
+    matrix = conformance.run_conformance(_cases("nan-poison", "page_size=1"), [leak], device=CPU, seed=seed,
+                                         progress=False)
+    for case, cells in matrix.items():
+        assert cells[leak].status in ("fail", "error"), (case, cells[leak])
+
+
+def test_unsupported_cells_carry_the_backends_reason(registered, seed):
+    name = registered(Bf16Only)
+    cases = _cases("baseline", "fp8_e4m3", "sparse topk=64")
+    matrix = conformance.run_conformance(cases, [name], device=CPU, seed=seed, progress=False)
+    assert matrix["baseline"][name].status == "pass"
+    assert matrix["fp8_e4m3"][name].status == "unsupported"
+    assert "kv_format=fp8_e4m3 (supported: {bf16})" in matrix["fp8_e4m3"][name].detail
+    assert "sparse indices" in matrix["sparse topk=64"][name].detail
+    text = conformance.format_matrix(matrix, [name])
+    assert "| fp8_e4m3 | unsupported [1] |" in text
+    assert f"[1] {name}: kv_format=fp8_e4m3 (supported: {{bf16}})" in text
+
+
+def test_all_pass_exits_zero(capsys, seed):
+    rc = conformance.main(["--quick", "--backends", "reference", "--quiet", "--seed", str(seed)])
+    assert rc == 0
+    assert "cells pass or are unsupported" in capsys.readouterr().out
