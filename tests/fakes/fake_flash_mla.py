@@ -1,0 +1,156 @@
+"""A fake ``flash_mla`` implementing FlashMLA's decode signatures on CPU.
+
+Mirrors deepseek-ai/FlashMLA ``flash_mla/flash_mla_interface.py`` at HEAD 9241ae3 (the
+``FlashMLASchedMeta`` interface) and, with ``legacy=True``, the interface up to commit
+c28eca9 (``get_mla_metadata(cache_seqlens, num_q_tokens_per_head_k, num_heads_k,
+num_heads_q=None, is_fp8_kvcache=False, topk=None) -> (tile_scheduler_metadata,
+num_splits)``). Host checks follow ``csrc/api/dense_decode.h`` / ``sparse_decode.h``:
+dense page size 64 only, q/kv same dtype, D_qk 576|512, D_v 512, h_q % h_kv == 0;
+sparse needs ``is_fp8_kvcache``, h_kv 1, h_q in {64, 128}, bf16 q, 656-byte tokens.
+
+Metadata misuse is detected the way the real asserts would surface it: the
+``FlashMLASchedMeta`` remembers the config *and* the seqlens it was filled for
+(reusing it across steps gives wrong splits upstream); the legacy tensors encode
+``num_q_tokens_per_head_k`` and the lengths they were computed from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import types
+
+import torch
+
+from mla_dispatch.formats import unpack_ds_mla
+
+from ._attend import attend
+
+
+@dataclasses.dataclass
+class FlashMLASchedMeta:
+    config: tuple | None = None
+    tile_scheduler_metadata: torch.Tensor | None = None
+    num_splits: torch.Tensor | None = None
+    _seqlens: torch.Tensor | None = None
+
+
+def get_mla_metadata(*args, **kwargs):
+    """Current interface: ignores its arguments, returns an empty meta object."""
+    return FlashMLASchedMeta(), None
+
+
+def get_mla_metadata_legacy(cache_seqlens, num_q_tokens_per_head_k, num_heads_k, num_heads_q=None,
+                            is_fp8_kvcache=False, topk=None):
+    if cache_seqlens.dtype != torch.int32:
+        raise ValueError("cache_seqlens must be int32")
+    tile = torch.zeros(4, 8, dtype=torch.int32)
+    tile[0, 0], tile[0, 1] = num_q_tokens_per_head_k, num_heads_k
+    num_splits = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(cache_seqlens, 0).to(torch.int32)])
+    return tile, num_splits
+
+
+def _compute(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, is_fp8_kvcache, indices):
+    b, s_q, h_q, d = q.shape
+    nb, ps, h_k, dk = k_cache.shape
+    if softmax_scale is None:
+        softmax_scale = d ** -0.5
+    if indices is None:
+        if q.dtype not in (torch.bfloat16, torch.float16) or k_cache.dtype != q.dtype:
+            raise RuntimeError("Dense FP8 MLA is not supported on SM90 (kcache dtype must equal q dtype)")
+        if ps != 64:
+            raise RuntimeError("Currently page_block_size must be 64")
+        if dk not in (576, 512) or dk != d or head_dim_v != 512:
+            raise RuntimeError(f"head_size_k must be 576 or 512 and head_size_v 512, got {dk}, {head_dim_v}")
+        if h_q % h_k or block_table.dtype != torch.int32 or cache_seqlens.dtype != torch.int32:
+            raise RuntimeError("h_q % h_k, int32 block_table/cache_seqlens")
+        causal = causal and s_q > 1
+    else:
+        if not is_fp8_kvcache or causal or h_k != 1 or h_q not in (64, 128) or q.dtype != torch.bfloat16:
+            raise RuntimeError("sparse decode: fp8 kv, causal=False, h_kv 1, h_q in {64,128}, bf16 q")
+        if dk != 656 or k_cache.stride(1) != 656 * h_k:
+            raise RuntimeError("sparse decode: 656-byte tokens, stride(1) == bytes_per_token")
+    out = torch.empty(b, s_q, h_q, head_dim_v, dtype=q.dtype)
+    lse = torch.empty(b, h_q, s_q, dtype=torch.float32)
+    g = h_q // h_k
+    for i in range(b):
+        for kh in range(h_k):
+            qi = q[i, :, kh * g:(kh + 1) * g].float()
+            if indices is None:
+                length = int(cache_seqlens[i])
+                tok = torch.arange(length)
+                keys = k_cache[block_table[i].long()[tok // ps], tok % ps, kh].float()
+                o, l = attend(qi, keys, head_dim_v, softmax_scale, causal)
+            else:
+                o = torch.empty(s_q, g, head_dim_v)
+                l = torch.empty(s_q, g)
+                flat = k_cache.view(nb * ps, 656)
+                for t in range(s_q):
+                    idx = indices[i, t].long()
+                    keys = unpack_ds_mla(flat[idx[idx >= 0]])
+                    o[t:t + 1], l[t:t + 1] = attend(qi[t:t + 1], keys, head_dim_v, softmax_scale, False)
+            empty = torch.isneginf(l)  # FlashMLA's convention: out 0, lse +inf
+            o = torch.where(empty[..., None], 0.0, o)
+            l = torch.where(empty, float("inf"), l)
+            out[i, :, kh * g:(kh + 1) * g] = o.to(q.dtype)
+            lse[i, kh * g:(kh + 1) * g] = l.transpose(0, 1)
+    return out, lse
+
+
+def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+                           num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=False, indices=None,
+                           attn_sink=None, extra_k_cache=None, extra_indices_in_kvcache=None, topk_length=None,
+                           extra_topk_length=None):
+    meta = tile_scheduler_metadata
+    if not isinstance(meta, FlashMLASchedMeta):
+        raise TypeError("tile_scheduler_metadata must be a FlashMLASchedMeta (from get_mla_metadata())")
+    if num_splits is not None:
+        raise AssertionError("num_splits must be None")
+    b, s_q, h_q, _ = q.shape
+    config = (b, s_q, h_q, k_cache.shape[1], k_cache.shape[2], causal, is_fp8_kvcache,
+              None if indices is None else indices.shape[-1])
+    if meta.config is None:
+        meta.config = config
+        meta._seqlens = None if cache_seqlens is None else cache_seqlens.clone()
+        meta.tile_scheduler_metadata = torch.zeros(4, 8, dtype=torch.int32)
+        meta.num_splits = torch.zeros(b + 1, dtype=torch.int32)
+    elif meta.config != config:
+        raise AssertionError(f"FlashMLASchedMeta reused for another config {meta.config} != {config}")
+    elif cache_seqlens is not None and not torch.equal(meta._seqlens, cache_seqlens):
+        raise AssertionError("FlashMLASchedMeta reused after cache_seqlens changed (make one per decode step)")
+    return _compute(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, is_fp8_kvcache,
+                    indices)
+
+
+def flash_mla_with_kvcache_legacy(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+                                  num_splits, softmax_scale=None, causal=False, is_fp8_kvcache=False, indices=None):
+    b, s_q, h_q, _ = q.shape
+    h_k = k_cache.shape[2]
+    if int(tile_scheduler_metadata[0, 0]) != s_q * h_q // h_k or int(tile_scheduler_metadata[0, 1]) != h_k:
+        raise AssertionError("tile_scheduler_metadata was computed for another num_q_tokens_per_head_k / num_heads_k")
+    if cache_seqlens is not None and indices is None:
+        expect = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(cache_seqlens, 0).to(torch.int32)])
+        if not torch.equal(num_splits, expect):
+            raise AssertionError("num_splits was computed for other cache_seqlens")
+    return _compute(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, is_fp8_kvcache,
+                    indices)
+
+
+def install(monkeypatch, legacy: bool = False, version: str = "1.0.0") -> types.ModuleType:
+    """Put the fake into ``sys.modules`` as ``flash_mla`` (+ ``.flash_mla_interface``) for one test."""
+    pkg = types.ModuleType("flash_mla")
+    iface = types.ModuleType("flash_mla.flash_mla_interface")
+    pkg.__version__ = version
+    if legacy:
+        iface.get_mla_metadata = get_mla_metadata_legacy
+        iface.flash_mla_with_kvcache = flash_mla_with_kvcache_legacy
+    else:
+        iface.FlashMLASchedMeta = FlashMLASchedMeta
+        iface.get_mla_metadata = get_mla_metadata
+        iface.flash_mla_with_kvcache = flash_mla_with_kvcache
+    pkg.get_mla_metadata = iface.get_mla_metadata
+    pkg.flash_mla_with_kvcache = iface.flash_mla_with_kvcache
+    pkg.flash_mla_interface = iface
+    monkeypatch.setitem(sys.modules, "flash_mla", pkg)
+    monkeypatch.setitem(sys.modules, "flash_mla.flash_mla_interface", iface)
+    return pkg

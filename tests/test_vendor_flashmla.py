@@ -1,0 +1,83 @@
+"""Contract tests of the FlashMLA adapter against a fake ``flash_mla`` (CPU), both interfaces.
+
+The fake (tests/fakes/fake_flash_mla.py) enforces page size 64, the metadata contract of
+each interface (a FlashMLASchedMeta is one per step; legacy tensors encode s_q*h_q//h_kv
+and the lengths), and the sparse-decode rules.
+"""
+
+import pytest
+import torch
+
+import mla_dispatch
+from backends.reference import reference_attention
+from fakes import B200, H100, fake_flash_mla, forget, simulate
+from mla_dispatch.backends.flashmla import FlashMLABackend
+from mla_dispatch.select import NoBackendError
+from mla_dispatch.testing import compare_outputs, make_case
+
+
+@pytest.fixture(params=[False, True], ids=["schedmeta", "legacy"])
+def fake(request, monkeypatch):
+    pkg = fake_flash_mla.install(monkeypatch, legacy=request.param)
+    yield request.param
+    forget(FlashMLABackend)
+
+
+def _reference(case, seqlens=None):
+    return reference_attention(case.q, case.kv_cache, case.block_table,
+                               case.cache_seqlens if seqlens is None else seqlens, head_dim_v=case.head_dim_v,
+                               softmax_scale=case.softmax_scale, causal=case.causal, kv_format=case.kv_format,
+                               indices=case.indices)
+
+
+@pytest.mark.parametrize("page_size,q_len,h_q,h_kv,causal", [(64, 1, 16, 1, False), (128, 2, 8, 2, True),
+                                                             (64, 2, 3, 1, False)])
+def test_dense_matches_reference(monkeypatch, fake, gen, page_size, q_len, h_q, h_kv, causal):
+    simulate(monkeypatch, H100, FlashMLABackend)
+    case = make_case(3, q_len, h_q, 150, num_heads_kv=h_kv, page_size=page_size, causal=causal, zero_len_rows=1,
+                     generator=gen)
+    out, lse = mla_dispatch.mla_decode(*case.args(), backend="flashmla", **case.kwargs())
+    assert compare_outputs(out, lse, *_reference(case), FlashMLABackend.TOLERANCE)
+
+
+def test_plan_update_refreshes_metadata(monkeypatch, fake, gen):
+    simulate(monkeypatch, H100, FlashMLABackend)
+    case = make_case(2, 1, 16, 100, generator=gen)
+    plan = mla_dispatch.plan_decode(*case.args(), backend="flashmla", **case.kwargs())
+    plan.run(case.q, case.kv_cache)
+    plan.run(case.q, case.kv_cache)  # second layer, same step
+    shorter = (case.cache_seqlens - 5).clamp_min(1)
+    plan.update(cache_seqlens=shorter)
+    out, lse = plan.run(case.q, case.kv_cache)
+    assert compare_outputs(out, lse, *_reference(case, shorter), FlashMLABackend.TOLERANCE)
+
+
+@pytest.mark.parametrize("platform", [H100, B200], ids=["sm90", "sm100"])
+def test_sparse_fp8_ds_mla_matches_reference(monkeypatch, fake, gen, platform):
+    simulate(monkeypatch, platform, FlashMLABackend)
+    case = make_case(2, 2, 64, 90, page_size=32, kv_format="fp8_ds_mla", topk=24, generator=gen)
+    out, lse = mla_dispatch.mla_decode(*case.args(), backend="flashmla", **case.kwargs())
+    ref = _reference(case)
+    tol = FlashMLABackend.TOLERANCE
+    assert compare_outputs(out, lse, *ref, tol)
+
+
+def test_reasons(monkeypatch, fake):
+    simulate(monkeypatch, B200, FlashMLABackend)
+    q = torch.zeros(1, 1, 16, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(2, 16, 1, 576, dtype=torch.bfloat16)
+    with pytest.raises(NoBackendError) as err:
+        mla_dispatch.mla_decode(q, kv, torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+                                backend="flashmla")
+    text = str(err.value)
+    assert "page_size=16" in text and "compute capability 10.0 for dense decode" in text
+
+
+def test_cuda_graph_refused_only_for_schedmeta(monkeypatch, fake):
+    simulate(monkeypatch, H100, FlashMLABackend)
+    legacy = fake
+    from mla_dispatch.problem import DecodeProblem
+
+    p = DecodeProblem(2, 1, 16, 1, 576, 512, 64, 4, torch.bfloat16, "bf16", False, 0, True, "cuda", cuda_graph=True)
+    codes = [r.message for r in FlashMLABackend.not_supported_reasons(p, H100)]
+    assert (codes == []) == legacy, codes
