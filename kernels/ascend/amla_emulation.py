@@ -31,6 +31,8 @@ Per query row (head x query token) and KV block ``i`` of ``BLOCK`` = 512 tokens
    operands, fp32 accumulation). Before block 0, ``O`` is filled with
    ``2**-80`` (bits 0x17800000) so that no element is ever exactly zero when
    the first integer add lands (``0 + N`` would be a huge number or a NaN).
+   The price: an output column whose V is zero in every token comes out as
+   ``2**(-80 + n_last - n_0) / (l * s16)`` (~1e-27), not exactly 0.
 8. After the last block: every element that is not ``|O| <= 1e10`` (underflow
    through the sign bit, NaN) is set to 0, then ``out = O / (l * s16_last)``,
    ``lse = m + log(l)``.
