@@ -1,0 +1,167 @@
+"""The measured dispatch table: written by `tune`, read back, loaded lazily at the first
+selection, and able to reorder `priority()` — but never to pick a backend that was wrong."""
+
+import json
+
+import pytest
+import torch
+
+import mla_dispatch
+from mla_dispatch import select, tune
+from mla_dispatch.backends.reference import ReferenceBackend
+from mla_dispatch.bench import BenchConfig, BenchRow
+from mla_dispatch.platform import detect_platform
+from mla_dispatch.registry import unregister_backend
+from mla_dispatch.testing import make_case
+
+CPU = detect_platform("cpu")
+
+
+class FakeFast(ReferenceBackend):
+    """A correct third-party backend: on a CPU, "auto" tries it before the reference."""
+
+    NAME = "test_tune_fake_fast"
+
+
+class WrongButInstant(ReferenceBackend):
+    """Fastest of all because it computes nothing: the gate must keep it out of the table."""
+
+    NAME = "test_tune_wrong_instant"
+
+    @classmethod
+    def run(cls, state, q, kv_cache, block_table, cache_seqlens, *, out, lse, **kw):
+        out.zero_()
+        lse.zero_()
+
+
+@pytest.fixture
+def clean(monkeypatch, tmp_path):
+    """No table from the environment or the user's cache; state restored afterwards."""
+    monkeypatch.delenv(tune.ENV_VAR, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    tune.reload_table()
+    names = []
+
+    def register(cls):
+        mla_dispatch.register_backend(cls.NAME, cls)
+        names.append(cls.NAME)
+        return cls.NAME
+
+    yield register
+    for name in names:
+        unregister_backend(name)
+    tune.reload_table()
+
+
+def _problem(gen, **kw):
+    case = make_case(2, 1, 16, 64, generator=gen, **kw)
+    plan = mla_dispatch.plan_decode(*case.args(), **case.kwargs(), backend="reference")
+    return plan.problem
+
+
+def _doc(fingerprint, table):
+    return {"format": tune.TABLE_FORMAT, "fingerprint": fingerprint, "device": "x", "versions": {},
+            "created": "today", "metric": "run", "table": table, "measurements": {}}
+
+
+def test_round_trip(clean, tmp_path):
+    doc = _doc(select.fingerprint(CPU), {"rows16-hkv1-d576x512-ps64-bf16-dense": "reference", "b": "triton"})
+    path = tmp_path / "sub" / "t.json"
+    tune.write_table(path, doc)
+    assert tune.read_table(path) == doc
+
+
+@pytest.mark.parametrize("text, message", [
+    ("not json", "not JSON"),
+    ('{"format": "other/9", "table": {}}', "expected 'mla_dispatch-tuned-table/1'"),
+    ('{"format": "mla_dispatch-tuned-table/1", "fingerprint": "x", "table": {"a": 3}}', "map shape buckets"),
+])
+def test_bad_files_are_rejected_with_a_reason(tmp_path, text, message):
+    path = tmp_path / "t.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        tune.read_table(path)
+
+
+def test_table_reorders_selection_loaded_lazily_from_env(clean, tmp_path, monkeypatch, gen):
+    fake = clean(FakeFast)
+    problem = _problem(gen)
+    other_bucket = _problem(gen, page_size=16)
+    assert select.select_backend(problem, CPU) is FakeFast  # default: plugins before the reference
+    bucket = select.shape_bucket(problem)
+    path = tmp_path / "table.json"
+    tune.write_table(path, _doc(select.fingerprint(CPU), {bucket: "reference"}))
+    monkeypatch.setenv(tune.ENV_VAR, str(path))
+    tune.reload_table()  # forget the earlier look-up; nothing is read until the next selection
+    assert select.tuned_table() is None
+    assert select.select_backend(problem, CPU).NAME == "reference"
+    assert select.tuned_table() == (select.fingerprint(CPU), {bucket: "reference"})
+    assert select.explain(problem, CPU).chosen == "reference"
+    assert select.priority(problem, CPU, select.tuned_table()[1])[0] == "reference"
+    assert select.select_backend(other_bucket, CPU).NAME == fake  # buckets not in the table keep the default
+    out, _ = mla_dispatch.mla_decode(*make_case(2, 1, 16, 64, generator=gen).args())
+    assert out.shape == (2, 1, 16, 512)
+    description = tune.active_table_description(CPU)
+    assert str(path) in description and "in use" in description and "1 buckets" in description
+
+
+def test_table_of_another_device_is_ignored(clean, tmp_path, monkeypatch, gen):
+    clean(FakeFast)
+    problem = _problem(gen)
+    path = tmp_path / "table.json"
+    tune.write_table(path, _doc("NVIDIA H100 80GB HBM3|sm_90", {select.shape_bucket(problem): "reference"}))
+    monkeypatch.setenv(tune.ENV_VAR, str(path))
+    tune.reload_table()
+    assert select.select_backend(problem, CPU) is FakeFast
+    assert "NOT used: measured on NVIDIA H100" in tune.active_table_description(CPU)
+
+
+def test_unreadable_table_never_breaks_selection(clean, tmp_path, monkeypatch, gen):
+    path = tmp_path / "table.json"
+    path.write_text("{broken")
+    monkeypatch.setenv(tune.ENV_VAR, str(path))
+    tune.reload_table()
+    assert select.select_backend(_problem(gen), CPU).NAME == "reference"
+    assert "unreadable" in tune.active_table_description(CPU)
+
+
+def test_default_path_is_per_device_under_the_cache_dir(clean, tmp_path):
+    path = tune.table_path(CPU)
+    assert path == tmp_path / "cache" / "mla_dispatch" / "tuned-cpu_cpu.json"
+    assert "none (default order" in tune.active_table_description(CPU)
+
+
+def test_pick_winners_needs_every_config_correct():
+    rows = [
+        BenchRow("c1", "a", "", "ok", us_run=10.0), BenchRow("c2", "a", "", "ok", us_run=10.0),
+        BenchRow("c1", "b", "", "ok", us_run=5.0), BenchRow("c2", "b", "", "wrong"),
+        BenchRow("c1", "c", "", "ok", us_run=30.0, us_graph=1.0), BenchRow("c2", "c", "", "ok", us_run=30.0, us_graph=2.0),
+        BenchRow("c3", "a", "", "unsupported"), BenchRow("c3", "b", "", "error"),
+    ]
+    buckets = {"c1": "x", "c2": "x", "c3": "y"}
+    table, measured = tune.pick_winners(rows, buckets, "run")
+    assert table == {"x": "a"} and measured == {"x": {"a": 20.0, "c": 60.0}}
+    table, measured = tune.pick_winners(rows, buckets, "graph")  # graph time where there is one
+    assert table == {"x": "c"} and measured["x"] == {"a": 20.0, "c": 3.0}
+
+
+def test_tune_cli_end_to_end(clean, tmp_path, monkeypatch, capsys, gen):
+    wrong = clean(WrongButInstant)
+    out = tmp_path / "tuned.json"
+    rc = tune.main(["--quick", "--backends", f"reference,{wrong}", "--out", str(out), "--quiet", "--rep-ms", "3"])
+    assert rc == 0
+    doc = tune.read_table(out)
+    buckets = {tune.config_bucket(c) for c in tune.tune_configs(quick=True)}
+    assert set(doc["table"]) == buckets
+    assert set(doc["table"].values()) == {"reference"}  # the instant-but-wrong one never wins
+    assert all(wrong not in m for m in doc["measurements"].values())
+    assert doc["fingerprint"] == select.fingerprint(CPU) and doc["versions"]["torch"] == torch.__version__
+    assert "excluded: " + wrong in capsys.readouterr().err
+    # the bucket a config lands in is the one selection computes for its problems
+    cfg = tune.tune_configs(quick=True)[3]
+    problem = _problem(gen, page_size=cfg.page_size)
+    assert tune.config_bucket(cfg) == select.shape_bucket(problem)
+    # and the written file, pointed to, drives selection
+    monkeypatch.setenv(tune.ENV_VAR, str(out))
+    tune.reload_table()
+    assert select.select_backend(problem, CPU).NAME == "reference"
