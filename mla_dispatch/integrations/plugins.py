@@ -1,0 +1,53 @@
+"""Entry points the engines call to register mla_dispatch (declared in pyproject.toml).
+
+Kept apart from :mod:`~mla_dispatch.integrations.vllm` and
+:mod:`~mla_dispatch.integrations.sglang` so that loading a plugin imports only
+the engine's small registry module: the backend classes, which import the
+engine's attention machinery, load only when the engine selects the backend.
+Both functions are idempotent (engines load plugins once per process, in every
+process).
+
+- vLLM: group ``vllm.general_plugins`` (``vllm/plugins/__init__.py``,
+  ``DEFAULT_PLUGINS_GROUP``); registers the class path under
+  ``AttentionBackendEnum.CUSTOM`` (``vllm/v1/attention/backends/registry.py``).
+  Select it with ``--attention-backend CUSTOM``.
+- SGLang: group ``sglang.srt.plugins`` (``python/sglang/srt/plugins/__init__.py``,
+  ``GENERAL_PLUGINS_GROUP``); adds ``"mla_dispatch"`` to
+  ``ATTENTION_BACKENDS`` (``attention_registry.register_attention_backend``) and to
+  the CLI's choices (``server_args.add_attention_backend_choices``). Select it
+  with ``--attention-backend mla_dispatch``.
+"""
+
+from __future__ import annotations
+
+VLLM_BACKEND_CLASS = "mla_dispatch.integrations.vllm.MLADispatchBackend"
+SGLANG_BACKEND_NAME = "mla_dispatch"
+
+__all__ = ["register_vllm", "register_sglang", "VLLM_BACKEND_CLASS", "SGLANG_BACKEND_NAME"]
+
+
+def register_vllm() -> None:
+    """Register mla_dispatch's MLA backend as vLLM's ``CUSTOM`` attention backend."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CUSTOM, VLLM_BACKEND_CLASS)
+
+
+def _create_sglang_backend(model_runner):
+    from mla_dispatch.integrations.sglang import MLADispatchAttnBackend
+
+    return MLADispatchAttnBackend(model_runner)
+
+
+def register_sglang() -> None:
+    """Register ``--attention-backend mla_dispatch`` with SGLang."""
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
+
+    if SGLANG_BACKEND_NAME not in ATTENTION_BACKENDS:
+        register_attention_backend(SGLANG_BACKEND_NAME)(_create_sglang_backend)
+    try:
+        from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+    except ImportError:  # older SGLang: no CLI whitelist helper; the Python API still works
+        return
+    if SGLANG_BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([SGLANG_BACKEND_NAME])

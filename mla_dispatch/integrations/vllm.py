@@ -1,0 +1,200 @@
+"""vLLM MLA attention backend whose decode runs on mla_dispatch.
+
+Use::
+
+    pip install mla-dispatch            # declares the vllm.general_plugins entry point
+    vllm serve deepseek-ai/DeepSeek-V2-Lite --attention-backend CUSTOM
+
+The plugin (:func:`mla_dispatch.integrations.plugins.register_vllm`) registers
+:class:`MLADispatchBackend` as ``AttentionBackendEnum.CUSTOM``. Prefill keeps
+vLLM's own MLA prefill path (``MLACommonImpl.forward_mha``); decode tokens go
+through :meth:`MLADispatchImpl.forward_mqa` to :func:`mla_dispatch.plan_decode`
+/ :meth:`~mla_dispatch.DecodePlan.run`, which picks the best backend on the
+device (native SM90 kernel, FlashMLA, FlashInfer, Triton, AITER, Ascend, the
+reference).
+
+Contract implemented (vLLM main, files read at these commits):
+``vllm/model_executor/layers/attention/mla_attention.py`` and
+``vllm/v1/attention/backend.py`` @ 0014ca6b (``MLACommonBackend``,
+``MLACommonMetadataBuilder._build_decode``, ``MLACommonImpl.forward_mqa``,
+``QueryLenSupport``, ``AttentionCGSupport``, ``MultipleOf``);
+``vllm/v1/attention/backends/mla/triton_mla.py`` @ 0155494b and ``flashmla.py`` @
+01b1d340 (how an MLA decode backend is shaped); ``vllm/v1/attention/backends/registry.py``
+@ 0033bf03 (``register_backend``). That is the layout of vLLM 0.2x–0.32, where
+the MLA base classes live in ``mla_attention.py`` and the decode hook is
+``forward_mqa`` (``_forward_decode`` is kept as an alias for the releases just
+before the rename).
+
+What is declared to vLLM comes from mla_dispatch's registry for the current
+device (:func:`~mla_dispatch.integrations.layouts.engine_capabilities` over
+the backends ``"auto"`` may choose): block sizes (any, when some backend takes
+any page size; else the union), model dtypes, KV-cache dtypes, CUDA-graph
+support. Limits: dense MLA only (no sparse / DeepSeek-V3.2 indexer path), uniform
+decode query lengths (spec decode with a fixed number of draft tokens), ``fp8``
+caches as ``float8_e4m3fn`` with a per-tensor scale (not ROCm's ``e4m3fnuz``).
+This module imports vLLM; nothing else in mla_dispatch does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import ClassVar
+
+import torch
+from vllm.model_executor.layers.attention.mla_attention import (
+    MLACommonBackend,
+    MLACommonDecodeMetadata,
+    MLACommonImpl,
+    MLACommonMetadata,
+    MLACommonMetadataBuilder,
+    QueryLenSupport,
+)
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionLayer, AttentionType, MultipleOf
+
+from mla_dispatch.api import DecodePlan, plan_decode
+from mla_dispatch.integrations.layouts import (
+    EngineCapabilities,
+    auto_candidates,
+    engine_capabilities,
+    vllm_decode_outputs,
+    vllm_decode_query,
+    vllm_kv_cache,
+    vllm_kv_cache_dtypes,
+    vllm_kv_format,
+)
+from mla_dispatch.platform import detect_platform
+
+__all__ = ["MLADispatchBackend", "MLADispatchMetadataBuilder", "MLADispatchImpl", "capabilities"]
+
+
+@functools.lru_cache(maxsize=1)
+def capabilities() -> EngineCapabilities:
+    """What mla_dispatch can run on this process's device (computed once)."""
+    platform = detect_platform()
+    return engine_capabilities(auto_candidates(platform), platform.kind)
+
+
+class MLADispatchBackend(MLACommonBackend):
+    """``AttentionBackendEnum.CUSTOM``: vLLM's MLA layout, decode through mla_dispatch."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_builder_cls() -> type["MLADispatchMetadataBuilder"]:
+        return MLADispatchMetadataBuilder
+
+    @staticmethod
+    def get_impl_cls() -> type["MLADispatchImpl"]:
+        return MLADispatchImpl
+
+    @staticmethod
+    def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
+        sizes = capabilities().page_sizes
+        return [MultipleOf(1)] if sizes is None else list(sizes)
+
+    @classmethod
+    def supports_dtype(cls, dtype: torch.dtype) -> bool:
+        return dtype in capabilities().q_dtypes
+
+    @classmethod
+    def supports_kv_cache_dtype(cls, kv_cache_dtype) -> bool:
+        return kv_cache_dtype is None or kv_cache_dtype in vllm_kv_cache_dtypes(capabilities())
+
+    @classmethod
+    def supports_compute_capability(cls, capability) -> bool:
+        return True  # the reference runs anywhere; plan_decode picks the fast path
+
+    @classmethod
+    def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse,
+                             *args, **kwargs) -> str | None:
+        if use_sparse:
+            return "mla_dispatch's vLLM backend runs dense MLA only (sparse: use FLASHMLA_SPARSE)"
+        if has_sink:
+            return "attention sinks are not supported by mla_dispatch's vLLM backend"
+        return None
+
+
+class _PlanSlot:
+    """One decode step's plan, made by the first layer that runs and reused by the rest."""
+
+    __slots__ = ("plan",)
+
+    def __init__(self) -> None:
+        self.plan: DecodePlan | None = None
+
+
+@dataclasses.dataclass
+class MLADispatchDecodeMetadata(MLACommonDecodeMetadata):
+    plan_slot: _PlanSlot = dataclasses.field(default_factory=_PlanSlot)
+
+
+class MLADispatchMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
+    """Decode metadata: vLLM's block table and sequence lengths plus an empty plan slot.
+
+    The plan itself needs the query's geometry, which the builder does not see,
+    so the first layer's ``forward_mqa`` makes it (FlashMLA's ``FlashMLASchedMeta``
+    works the same way). Under full CUDA-graph capture that planning is captured
+    with the layer, so every replay re-plans from the live ``seq_lens`` buffer on
+    the device.
+    """
+
+    query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.UNIFORM
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        return AttentionCGSupport.UNIFORM_BATCH if capabilities().cuda_graph else AttentionCGSupport.NEVER
+
+    def _build_decode(self, block_table_tensor, seq_lens_device, max_seq_len, query_start_loc_cpu,
+                      query_start_loc_device, num_decode_tokens, dcp_tot_seq_lens_device) -> MLADispatchDecodeMetadata:
+        return MLADispatchDecodeMetadata(
+            block_table=block_table_tensor,
+            seq_lens=seq_lens_device,
+            dcp_tot_seq_lens=dcp_tot_seq_lens_device,
+        )
+
+
+class MLADispatchImpl(MLACommonImpl[MLACommonMetadata]):
+    """``forward_mqa`` on :func:`mla_dispatch.plan_decode` / :meth:`DecodePlan.run`."""
+
+    can_return_lse_for_decode: bool = True
+
+    def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
+                 logits_soft_cap, attn_type, kv_sharing_target_layer_name, **mla_args) -> None:
+        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
+                         logits_soft_cap, attn_type, kv_sharing_target_layer_name, **mla_args)
+        if alibi_slopes or sliding_window or logits_soft_cap:
+            raise NotImplementedError("mla_dispatch's vLLM backend does not support alibi_slopes, sliding_window "
+                                      "or logits_soft_cap")
+        if attn_type != AttentionType.DECODER:
+            raise NotImplementedError(f"mla_dispatch's vLLM backend supports decoder attention only, got {attn_type}")
+        self.kv_format = vllm_kv_format(kv_cache_dtype)
+        # q reaches us in the model dtype even with an fp8 cache (mla_dispatch dequantises the cache).
+        self.supports_quant_query_input = False
+
+    def forward_mqa(self, q, kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: MLACommonMetadata,
+                    layer: AttentionLayer) -> tuple[torch.Tensor, torch.Tensor | None]:
+        decode = attn_metadata.decode
+        if decode is None:
+            raise ValueError("forward_mqa was called without decode metadata")
+        query = vllm_decode_query(q, attn_metadata.num_decodes)
+        kv = vllm_kv_cache(kv_c_and_k_pe_cache)
+        kv_scale = layer._k_scale if self.kv_format == "fp8_e4m3" else None
+        slot = getattr(decode, "plan_slot", None)
+        plan = slot.plan if slot is not None else None
+        if plan is None:
+            plan = plan_decode(
+                query, kv, decode.block_table, decode.seq_lens,
+                head_dim_v=self.kv_lora_rank, softmax_scale=self.scale, causal=True,
+                kv_format=self.kv_format, kv_scale=kv_scale,
+                cuda_graph=query.is_cuda and torch.cuda.is_current_stream_capturing(),
+            )
+            if slot is not None:
+                slot.plan = plan
+        out, lse = plan.run(query, kv, kv_scale=kv_scale)
+        return vllm_decode_outputs(out, lse)
+
+    # The same hook's name in the vLLM releases before forward_mqa.
+    _forward_decode = forward_mqa
