@@ -28,7 +28,9 @@ __all__ = ["CudaSM90Backend", "load_ops"]
 _KV_FORMAT_CODE = {"bf16": 0, "fp16": 0, "fp8_e4m3": 1, "fp8_ds_mla": 2}
 BLOCK_M = 64  # query rows per CTA tile (kernels/cuda/mla_decode_sm90/config.cuh)
 BLOCK_N = 64  # KV tokens per mainloop step = split-KV chunk size
-SCHEDULE_OVERHEAD = 5  # fixed per-request cost in chunks (FlashMLA uses 5 blocks of 64)
+SCHEDULE_OVERHEAD = 5
+#: mainloop of kernels/cuda/mla_decode_sm90: 2 = wgmma (default), 1 = mma.sync (v1, kept for comparison)
+KERNEL_VARIANT = 2  # fixed per-request cost in chunks (FlashMLA uses 5 blocks of 64)
 
 _fake_registered = False
 
@@ -48,7 +50,8 @@ def load_ops():
     if not _fake_registered:
         @torch.library.register_fake("mla_dispatch::cuda_sm90_decode")
         def _decode_fake(q, kv_cache, block_table, cache_seqlens, items, part_offsets, kv_scale, out, lse,
-                         partial_out, partial_lse, num_splits, first_slot, softmax_scale, causal, kv_format):
+                         partial_out, partial_lse, num_splits, first_slot, softmax_scale, causal, kv_format,
+                         variant=2):
             return None
 
         _fake_registered = True
@@ -113,6 +116,7 @@ class CudaSM90Backend(MLABackend):
                                     device=device),
             partial_lse=torch.empty(max_slots, p.q_len, p.num_heads_q, dtype=torch.float32, device=device),
             kv_format_code=_KV_FORMAT_CODE[p.kv_format],
+            variant=KERNEL_VARIANT,
         )
 
     @classmethod
@@ -127,4 +131,4 @@ class CudaSM90Backend(MLABackend):
         state.op(
             q, kv_cache, block_table, cache_seqlens, s.items, s.part_offsets,
             kv_scale if state.kv_format_code == 1 else None, out, lse, state.partial_out, state.partial_lse,
-            s.num_splits, state.first_slot, softmax_scale, problem.causal, state.kv_format_code)
+            s.num_splits, state.first_slot, softmax_scale, problem.causal, state.kv_format_code, state.variant)

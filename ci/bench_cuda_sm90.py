@@ -63,7 +63,7 @@ def make_inputs(b, s_q, h_q, L, *, page_size=64, varlen=True, kv_format="bf16", 
     return q, kv, table, lens, kv_scale
 
 
-def bench_one(cfg, peaks):
+def bench_one(cfg, peaks, variant=2):
     b, s_q, h_q, L = cfg["b"], cfg["s_q"], cfg["h_q"], cfg["L"]
     fmt = cfg.get("fmt", "bf16")
     ps = cfg.get("ps", 64)
@@ -72,6 +72,7 @@ def bench_one(cfg, peaks):
                                                kv_format=fmt)
     plan = plan_decode(q, kv, table, lens, causal=causal, kv_format=fmt, kv_scale=kv_scale, backend="cuda_sm90",
                        cuda_graph=True)
+    plan.state.variant = variant
     out = torch.empty(b, s_q, h_q, 512, dtype=q.dtype, device="cuda")
     lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device="cuda")
     run = lambda: plan.run(q, kv, kv_scale=kv_scale, out=out, lse=lse)  # noqa: E731
@@ -91,7 +92,7 @@ def bench_one(cfg, peaks):
     nbytes = tok_bytes * sum_l + 2 * b * s_q * h_q * (576 + 512)
     roof = max(flops / peaks[1], nbytes / peaks[0])
     t = min(t_eager, t_graph)
-    row = dict(cfg, us_eager=t_eager * 1e6, us_graph=t_graph * 1e6, tflops=flops / t / 1e12, gbps=nbytes / t / 1e9,
+    row = dict(cfg, variant=variant, us_eager=t_eager * 1e6, us_graph=t_graph * 1e6, tflops=flops / t / 1e12, gbps=nbytes / t / 1e9,
                roofline_pct=100 * roof / t, bound="compute" if flops / peaks[1] > nbytes / peaks[0] else "memory")
     del q, kv, table, plan, graph
     torch.cuda.empty_cache()
@@ -113,21 +114,22 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="a few configs only")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--variants", default="2", help="mainloop variants to time, e.g. 2,1 (1 = mma.sync v1)")
     args = ap.parse_args()
     peaks = measure_peaks()
     print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
     print(f"measured peaks: copy {peaks[0] / 1e12:.2f} TB/s, bf16 matmul {peaks[1] / 1e12:.0f} TFLOP/s")
     configs = CONFIGS if not args.quick else [CONFIGS[0], CONFIGS[2], CONFIGS[8], CONFIGS[11], CONFIGS[13]]
     rows = []
-    hdr = f"{'group':9s} {'b':>4s} {'s_q':>3s} {'h_q':>4s} {'L':>6s} {'ps':>4s} {'fmt':10s} {'causal':6s} {'eager us':>9s} {'graph us':>9s} {'TFLOP/s':>8s} {'GB/s':>7s} {'%roof':>6s} bound"
-    for cfg in configs:
+    hdr = f"{'v':1s} {'group':9s} {'b':>4s} {'s_q':>3s} {'h_q':>4s} {'L':>6s} {'ps':>4s} {'fmt':10s} {'causal':6s} {'eager us':>9s} {'graph us':>9s} {'TFLOP/s':>8s} {'GB/s':>7s} {'%roof':>6s} bound"
+    for cfg, variant in [(c, int(v)) for v in args.variants.split(",") for c in configs]:
         try:
-            r = bench_one(cfg, peaks)
+            r = bench_one(cfg, peaks, variant)
         except Exception as exc:  # keep going; report the failure
             print(f"FAILED {cfg}: {type(exc).__name__}: {exc}")
             continue
         rows.append(r)
-        print(f"{r['group']:9s} {r['b']:4d} {r['s_q']:3d} {r['h_q']:4d} {r['L']:6d} {r.get('ps', 64):4d} "
+        print(f"{variant:1d} {r['group']:9s} {r['b']:4d} {r['s_q']:3d} {r['h_q']:4d} {r['L']:6d} {r.get('ps', 64):4d} "
               f"{r.get('fmt', 'bf16'):10s} {str(r.get('causal', False)):6s} {r['us_eager']:9.1f} {r['us_graph']:9.1f} "
               f"{r['tflops']:8.1f} {r['gbps']:7.0f} {r['roofline_pct']:6.1f} {r['bound']}", flush=True)
     print(hdr)

@@ -119,6 +119,19 @@ def test_fp8_matches_reference(cfg, dtype, kv_format, gen):
     _run_case(case)
 
 
+@pytest.mark.parametrize("cfg", [GRID[0], GRID[8], GRID[12], GRID[15]], ids=lambda c: "v1-" + _grid_id(c))
+def test_v1_mainloop_matches_reference(cfg, gen):
+    b, s_q, h_q, h_kv, L, ps, causal, zero = cfg
+    case = make_case(b, s_q, h_q, L, num_heads_kv=h_kv, page_size=ps, causal=causal, zero_len_rows=zero,
+                     device="cuda", generator=gen)
+    plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
+    plan.state.variant = 1
+    out, lse = _poisoned(case)
+    plan.run(case.q, case.kv_cache, out=out, lse=lse)
+    torch.cuda.synchronize()
+    _check(case, out, lse)
+
+
 def test_long_context_128k(gen):
     # 131072 tokens x 1152 bytes: 64-bit offsets into the cache are exercised
     case = make_case(1, 1, 64, 131072, varlen=False, page_size=64, device="cuda", generator=gen)
@@ -185,7 +198,7 @@ def test_binding_rejects_bad_arguments(gen):
         args = dict(q=case.q, kv_cache=case.kv_cache, block_table=case.block_table, cache_seqlens=case.cache_seqlens,
                     items=s.items, part_offsets=s.part_offsets, kv_scale=None, out=out, lse=lse,
                     partial_out=st.partial_out, partial_lse=st.partial_lse, num_splits=s.num_splits,
-                    first_slot=st.first_slot, softmax_scale=0.1, causal=False, kv_format=0)
+                    first_slot=st.first_slot, softmax_scale=0.1, causal=False, kv_format=0, variant=2)
         args.update(over)
         torch.ops.mla_dispatch.cuda_sm90_decode(*args.values())
 
@@ -196,11 +209,13 @@ def test_binding_rejects_bad_arguments(gen):
     with pytest.raises(ValueError, match="block_table must be int32"):
         call(block_table=case.block_table.long())
     with pytest.raises(ValueError, match="out must be"):
-        call(out=out[:, :, :8])
+        call(out=out.float())
     with pytest.raises(ValueError, match="lse must be float32"):
         call(lse=lse.double())
     with pytest.raises(ValueError, match="kv_scale must be"):
         call(kv_format=1, kv_cache=case.kv_cache.view(torch.uint8)[..., :576].contiguous())
+    with pytest.raises(ValueError, match="variant must be 1"):
+        call(variant=3)
     with pytest.raises(ValueError, match="must be a CUDA tensor"):
         call(q=case.q.cpu())
     call()  # the unmodified call is accepted
@@ -212,6 +227,6 @@ def test_opcheck(gen):
     st, s = plan.state, plan.state.schedule
     out, lse = _poisoned(case)
     args = (case.q, case.kv_cache, case.block_table, case.cache_seqlens, s.items, s.part_offsets, None, out, lse,
-            st.partial_out, st.partial_lse, s.num_splits, st.first_slot, case.softmax_scale, False, 0)
+            st.partial_out, st.partial_lse, s.num_splits, st.first_slot, case.softmax_scale, False, 0, 2)
     torch.library.opcheck(torch.ops.mla_dispatch.cuda_sm90_decode.default, args,
                           test_utils=("test_schema", "test_faketensor"))

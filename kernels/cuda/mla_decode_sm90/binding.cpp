@@ -30,7 +30,8 @@ void cuda_sm90_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tenso
                       const at::Tensor& cache_seqlens, const at::Tensor& items, const at::Tensor& part_offsets,
                       const c10::optional<at::Tensor>& kv_scale, const at::Tensor& out, const at::Tensor& lse,
                       const at::Tensor& partial_out, const at::Tensor& partial_lse, const at::Tensor& num_splits,
-                      const at::Tensor& first_slot, double softmax_scale, bool causal, int64_t kv_format) {
+                      const at::Tensor& first_slot, double softmax_scale, bool causal, int64_t kv_format,
+                      int64_t variant) {
   MLA_CHECK(q.is_cuda(), "q must be a CUDA tensor, got device ", q.device());
   const at::Device dev = q.device();
   MLA_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
@@ -94,6 +95,7 @@ void cuda_sm90_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tenso
             "partial_lse must be contiguous float32 [max_slots, ", s_q, ", ", h_q, "], got ", shape_str(partial_lse));
   MLA_CHECK(max_slots >= items.size(0), "partial buffers need max_slots >= max_items (", items.size(0), "), got ",
             max_slots);
+  MLA_CHECK(variant == 1 || variant == 2, "variant must be 1 (mma.sync) or 2 (wgmma), got ", variant);
   MLA_CHECK(softmax_scale > 0, "softmax_scale must be > 0, got ", softmax_scale);
   // 16-byte vector loads: every token/row start must be 16-byte aligned
   const auto aligned16 = [](const at::Tensor& t, int64_t dims) {
@@ -134,6 +136,7 @@ void cuda_sm90_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tenso
   p.causal = causal ? 1 : 0;
   p.kv_format = static_cast<int>(kv_format);
   p.q_is_bf16 = q.scalar_type() == at::kBFloat16;
+  p.variant = static_cast<int>(variant);
   void* stream = at::cuda::getCurrentCUDAStream(dev.index()).stream();
   int err = mla_sm90::launch_decode(p, p.num_parts, stream);
   TORCH_CHECK(err == 0, "cuda_sm90_decode: kernel launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
@@ -156,7 +159,7 @@ TORCH_LIBRARY_FRAGMENT(mla_dispatch, m) {
       "cuda_sm90_decode(Tensor q, Tensor kv_cache, Tensor block_table, Tensor cache_seqlens, Tensor items, "
       "Tensor part_offsets, Tensor? kv_scale, Tensor(a!) out, Tensor(b!) lse, Tensor(c!) partial_out, "
       "Tensor(d!) partial_lse, Tensor num_splits, Tensor first_slot, float softmax_scale, bool causal, "
-      "int kv_format) -> ()");
+      "int kv_format, int variant=2) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(mla_dispatch, CUDA, m) { m.impl("cuda_sm90_decode", &cuda_sm90_decode); }

@@ -28,7 +28,7 @@ struct DecodeConfig {
   static constexpr int kStages = 2;
   static constexpr int kPElems = kBlockM * kBlockN;
   static constexpr int kSmemBytes =
-      2 * (kQElems + kStages * kKElems + kPElems) + 2 * 2 * kBlockM * (int)sizeof(float);
+      2 * (kQElems + kStages * kKElems + kPElems) + 2 * 2 * kBlockM * (int)sizeof(float) + 1024;  // + alignment slack
   static_assert(kSmemBytes <= 227 * 1024, "shared memory over the SM90 per-block limit");
 };
 
@@ -40,6 +40,22 @@ __device__ __forceinline__ int swizzled(int row, int col, int chunks_per_row) {
   const int chunk = (col >> 3) ^ (row & 7);
   return row * chunks_per_row * 8 + chunk * 8 + (col & 7);
 }
+
+// v1 tile layout: rows of 576 elements, chunks swizzled within the row.
+struct RowSwizzled {
+  static __device__ __forceinline__ int offset(int row, int col) { return swizzled(row, col, DecodeConfig::kChunksQK); }
+};
+
+// v2 tile layout (wgmma operands): the canonical 128-byte-swizzled layout of
+// CUTLASS/CuTe (Swizzle<3,4,3>): the 576 columns are cut into 9 blocks of 64
+// (128 bytes); block b is a [64 rows][64] sub-tile at b * 64 * 64 elements, whose
+// 16-byte chunks are XOR-swizzled by (row & 7). With a 1024-byte aligned base this
+// is at once K-major for Q and K (S = Q K^T) and MN-major for V (O = P V).
+struct Gmma128Tile64 {
+  static __device__ __forceinline__ int offset(int row, int col) {
+    return (col >> 6) * (64 * 64) + row * 64 + ((((col & 63) >> 3) ^ (row & 7)) << 3) + (col & 7);
+  }
+};
 
 template <typename T> struct TypeTraits;
 template <> struct TypeTraits<__nv_bfloat16> {

@@ -5,6 +5,7 @@
 
 #include "combine.cuh"
 #include "mainloop.cuh"
+#include "mainloop_wgmma.cuh"
 #include "params.h"
 
 namespace mla_sm90 {
@@ -13,12 +14,13 @@ int decode_smem_bytes() { return DecodeConfig::kSmemBytes; }
 
 template <typename T, int KvFmt>
 static cudaError_t launch_decode_t(const DecodeParams& p, int grid_parts, cudaStream_t stream) {
-  auto kernel = mla_decode_kernel<T, KvFmt>;
-  static bool configured = false;  // per instantiation; a benign race sets the same value
-  if (!configured) {
+  // variant 1: warp-level mma.sync (mainloop.cuh); 2: wgmma (mainloop_wgmma.cuh)
+  auto kernel = p.variant == 1 ? mla_decode_kernel_v1<T, KvFmt> : mla_decode_kernel_v2<T, KvFmt>;
+  static bool configured[2] = {false, false};  // per instantiation; a benign race sets the same value
+  if (!configured[p.variant == 1]) {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, DecodeConfig::kSmemBytes);
     if (e != cudaSuccess) return e;
-    configured = true;
+    configured[p.variant == 1] = true;
   }
   dim3 grid(grid_parts, p.num_row_tiles, p.heads_kv);
   kernel<<<grid, DecodeConfig::kThreads, DecodeConfig::kSmemBytes, stream>>>(p);

@@ -43,7 +43,7 @@ __device__ __forceinline__ const uint8_t* token_ptr(const DecodeParams& p, int r
 }
 
 // bf16/fp16 cache: cp.async straight into the swizzled tile.
-template <typename T>
+template <typename T, class Layout>
 __device__ __forceinline__ void load_kv_async(const DecodeParams& p, T* sK, int req, int kvh, int t0, int t_end) {
   const int tid = threadIdx.x;
 #pragma unroll
@@ -55,7 +55,7 @@ __device__ __forceinline__ void load_kv_async(const DecodeParams& p, T* sK, int 
 #pragma unroll
     for (int k = 0; k < Cfg::kChunksQK / 8; ++k) {
       const int chunk = tid % 8 + 8 * k;
-      cp_async_16(sK + swizzled(row, chunk * 8, Cfg::kChunksQK), src + (valid ? chunk * 8 : 0), valid);
+      cp_async_16(sK + Layout::offset(row, chunk * 8), src + (valid ? chunk * 8 : 0), valid);
     }
   }
 }
@@ -94,7 +94,7 @@ __device__ __forceinline__ void load_kv_fp8_regs(const DecodeParams& p, Fp8Stage
 }
 
 // 16 e4m3 values -> 16 values of T (times `scale`), stored as two swizzled 16-byte chunks.
-template <typename T>
+template <typename T, class Layout>
 __device__ __forceinline__ void store_fp8x16(T* sK, int row, int first_chunk, uint4 raw, float scale) {
   using TT = TypeTraits<T>;
   const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
@@ -110,13 +110,13 @@ __device__ __forceinline__ void store_fp8x16(T* sK, int row, int first_chunk, ui
       packed[i * 2 + h] = *reinterpret_cast<uint32_t*>(&v);
     }
   }
-  *reinterpret_cast<uint4*>(sK + swizzled(row, first_chunk * 8, Cfg::kChunksQK)) =
+  *reinterpret_cast<uint4*>(sK + Layout::offset(row, first_chunk * 8)) =
       make_uint4(packed[0], packed[1], packed[2], packed[3]);
-  *reinterpret_cast<uint4*>(sK + swizzled(row, first_chunk * 8 + 8, Cfg::kChunksQK)) =
+  *reinterpret_cast<uint4*>(sK + Layout::offset(row, first_chunk * 8 + 8)) =
       make_uint4(packed[4], packed[5], packed[6], packed[7]);
 }
 
-template <typename T, int KvFmt>
+template <typename T, int KvFmt, class Layout>
 __device__ __forceinline__ void store_kv_fp8(T* sK, const Fp8Stage& st) {
   const int tid = threadIdx.x;
   const int c = tid % 8;
@@ -127,20 +127,20 @@ __device__ __forceinline__ void store_kv_fp8(T* sK, const Fp8Stage& st) {
     if (!st.valid[pass]) {
       // zero-fill the whole token row (72 chunks: c + 8k, k = 0..8)
 #pragma unroll
-      for (int k = 0; k < 9; ++k) *reinterpret_cast<uint4*>(sK + swizzled(row, (c + 8 * k) * 8, Cfg::kChunksQK)) = zero;
+      for (int k = 0; k < 9; ++k) *reinterpret_cast<uint4*>(sK + Layout::offset(row, (c + 8 * k) * 8)) = zero;
       continue;
     }
     if constexpr (KvFmt == kKvFp8E4M3) {
       // unscaled: the per-tensor scale is folded into the softmax scale and the output
 #pragma unroll
       for (int k = 0; k < 5; ++k) {
-        if (k < 4 || c < 4) store_fp8x16<T>(sK, row, 2 * (c + 8 * k), st.v[pass][k], 1.0f);
+        if (k < 4 || c < 4) store_fp8x16<T, Layout>(sK, row, 2 * (c + 8 * k), st.v[pass][k], 1.0f);
       }
     } else {
       const float scales[4] = {__uint_as_float(st.v[pass][4].x), __uint_as_float(st.v[pass][4].y),
                                __uint_as_float(st.v[pass][4].z), __uint_as_float(st.v[pass][4].w)};
 #pragma unroll
-      for (int k = 0; k < 4; ++k) store_fp8x16<T>(sK, row, 2 * (c + 8 * k), st.v[pass][k], scales[k]);
+      for (int k = 0; k < 4; ++k) store_fp8x16<T, Layout>(sK, row, 2 * (c + 8 * k), st.v[pass][k], scales[k]);
       // rope: 8 bf16 values -> chunk 64 + c
       uint4 rope = st.v[pass][5];
       if constexpr (!TypeTraits<T>::kIsBf16) {
@@ -153,15 +153,15 @@ __device__ __forceinline__ void store_kv_fp8(T* sK, const Fp8Stage& st) {
         }
         rope = make_uint4(w[0], w[1], w[2], w[3]);
       }
-      *reinterpret_cast<uint4*>(sK + swizzled(row, (64 + c) * 8, Cfg::kChunksQK)) = rope;
+      *reinterpret_cast<uint4*>(sK + Layout::offset(row, (64 + c) * 8)) = rope;
     }
   }
 }
 
-// ---- the kernel ---------------------------------------------------------------------------
+// ---- the kernel (v1: warp-level mma.sync) ---------------------------------------------------------------------------
 
 template <typename T, int KvFmt>
-__global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel(const __grid_constant__ DecodeParams p) {
+__global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v1(const __grid_constant__ DecodeParams p) {
   using TT = TypeTraits<T>;
   extern __shared__ __align__(128) uint8_t smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
@@ -224,10 +224,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel(const __gr
     Fp8Stage fp8_stage;
     if (num_tiles > 0) {
       if constexpr (KvFmt == kKvSameAsQ) {
-        load_kv_async<T>(p, sK, req, kvh, tok_begin, tok_end);
+        load_kv_async<T, RowSwizzled>(p, sK, req, kvh, tok_begin, tok_end);
       } else {
         load_kv_fp8_regs<KvFmt>(p, fp8_stage, req, kvh, tok_begin, tok_end);
-        store_kv_fp8<T, KvFmt>(sK, fp8_stage);
+        store_kv_fp8<T, KvFmt, RowSwizzled>(sK, fp8_stage);
       }
     }
     cp_async_commit();
@@ -250,7 +250,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel(const __gr
       // -- prefetch tile j+1 (its buffer was last read in step j-1, before the barrier)
       if (has_next) {
         if constexpr (KvFmt == kKvSameAsQ) {
-          load_kv_async<T>(p, sKnext, req, kvh, t0 + Cfg::kBlockN, tok_end);
+          load_kv_async<T, RowSwizzled>(p, sKnext, req, kvh, t0 + Cfg::kBlockN, tok_end);
           cp_async_commit();
         } else {
           load_kv_fp8_regs<KvFmt>(p, fp8_stage, req, kvh, t0 + Cfg::kBlockN, tok_end);
@@ -355,7 +355,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel(const __gr
         if constexpr (KvFmt == kKvSameAsQ) {
           cp_async_wait_all();
         } else {
-          store_kv_fp8<T, KvFmt>(sKnext, fp8_stage);
+          store_kv_fp8<T, KvFmt, RowSwizzled>(sKnext, fp8_stage);
         }
       }
       __syncthreads();

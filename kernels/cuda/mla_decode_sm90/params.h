@@ -44,6 +44,7 @@ struct DecodeParams {
   int causal;
   int kv_format;  // KvFormat
   int q_is_bf16;  // 1: bf16, 0: fp16
+  int variant;    // 1: mma.sync mainloop (v1), 2: wgmma mainloop (v2)
 };
 
 struct CombineParams {

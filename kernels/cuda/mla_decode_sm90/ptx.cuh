@@ -58,3 +58,11 @@ __device__ __forceinline__ void named_barrier(int id, int threads) {
 }
 
 }  // namespace mla_sm90
+
+namespace mla_sm90 {
+// Order this thread's generic-proxy shared-memory writes (st.shared, cp.async)
+// before later async-proxy reads (wgmma operands); put it before the barrier.
+__device__ __forceinline__ void fence_proxy_async_smem() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+}  // namespace mla_sm90

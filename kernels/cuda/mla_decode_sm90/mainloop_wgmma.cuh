@@ -1,0 +1,292 @@
+// SM90 MLA decode, version 2: the v1 schedule (mainloop.cuh: persistent CTA per
+// split-KV part x 64-row tile x KV head, two-stage KV ring, online softmax) with
+// both GEMMs moved to Hopper warpgroup MMA (wgmma, HGMMA in SASS) fed from
+// shared memory, through CuTe's SM90 GMMA atoms (cute/arch/mma_sm90_gmma.hpp).
+//
+// Two consumer warpgroups (FlashMLA's split of the 512-wide output):
+//   S = Q K^T : warpgroup g computes S[:, 32g .. 32g+32) with m64n32k16 (A = Q,
+//               B = K, both K-major, 128-byte swizzle), 36 k-steps over D_qk = 576;
+//   softmax   : the two warpgroups exchange row maxima through shared memory and
+//               write their halves of P (q dtype) to one [64 x 64] tile;
+//   O += P V  : warpgroup g computes O[:, 256g .. 256g+256) with m64n256k16,
+//               A = P (K-major), B = V = the same K tile read MN-major.
+// The wgmma accumulator layout of a warp equals the mma.sync C layout of v1, so
+// the softmax and epilogue arithmetic are v1's.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cute/arch/mma_sm90_desc.hpp>
+#include <cute/arch/mma_sm90_gmma.hpp>
+
+#include "mainloop.cuh"
+
+namespace mla_sm90 {
+
+// Shared-memory matrix descriptor, 128-byte swizzle (PTX ISA "matrix descriptor";
+// LBO/SBO in 16-byte units: K-major uses SBO = 1024 B between 8-row groups; MN-major
+// uses LBO = distance between 64-element column blocks, SBO = 1024 B between 8-row
+// groups along K).
+__device__ __forceinline__ uint64_t gmma_desc_sw128(const void* smem, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+  const uint32_t addr = smem_u32(smem);
+  uint64_t d = 0;
+  d |= (uint64_t)((addr >> 4) & 0x3FFF);
+  d |= (uint64_t)((lbo_bytes >> 4) & 0x3FFF) << 16;
+  d |= (uint64_t)((sbo_bytes >> 4) & 0x3FFF) << 32;
+  d |= (uint64_t)1 << 62;  // SWIZZLE_128B
+  return d;
+}
+
+template <typename T> struct Gmma;
+template <> struct Gmma<__nv_bfloat16> {
+  using QK = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
+  using PV = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>;
+};
+template <> struct Gmma<__half> {
+  using QK = cute::SM90::GMMA::MMA_64x32x16_F32F16F16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
+  using PV = cute::SM90::GMMA::MMA_64x256x16_F32F16F16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>;
+};
+
+template <class Op, size_t... I>
+__device__ __forceinline__ void gmma_call(uint64_t da, uint64_t db, float* acc, bool accumulate,
+                                          std::index_sequence<I...>) {
+  Op::fma(da, db, acc[I]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+}
+
+template <int N>
+__device__ __forceinline__ void fence_regs(float* r) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) cute::warpgroup_fence_operand(r[i]);
+}
+
+template <typename T, int KvFmt>
+__global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const __grid_constant__ DecodeParams p) {
+  using TT = TypeTraits<T>;
+  using L = Gmma128Tile64;
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  // wgmma's 128-byte swizzle is a function of address bits [4:10): tiles start at
+  // 1024-byte boundaries (kSmemBytes reserves the slack).
+  uint8_t* smem_base = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  T* sQ = reinterpret_cast<T*>(smem_base);
+  T* sK = sQ + Cfg::kQElems;
+  T* sP = sK + Cfg::kStages * Cfg::kKElems;
+  float* sMax = reinterpret_cast<float*>(sP + Cfg::kPElems);  // [2][64]
+  float* sSum = sMax + 2 * Cfg::kBlockM;                        // [2][64]
+
+  const int part = blockIdx.x, row_tile = blockIdx.y, kvh = blockIdx.z;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int rg = warp % Cfg::kRowGroups, half = warp / Cfg::kRowGroups;  // half = warpgroup
+  const int heads_per_kv = p.heads_q / p.heads_kv;
+  constexpr float kLog2e = 1.4426950408889634f;
+  constexpr float kLn2 = 0.6931471805599453f;
+
+  float out_scale = 1.0f;
+  if constexpr (KvFmt == kKvFp8E4M3) out_scale = *p.kv_scale;
+  const float score_scale = p.softmax_scale * out_scale * kLog2e;
+
+  int row_local[2], row_i[2], row_head[2];
+  bool row_ok[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    row_local[h] = rg * 16 + lane / 4 + 8 * h;
+    const int r = row_tile * Cfg::kBlockM + row_local[h];
+    row_ok[h] = r < p.rows_per_kv_head;
+    const int rc = row_ok[h] ? r : 0;
+    row_i[h] = rc / heads_per_kv;
+    row_head[h] = kvh * heads_per_kv + rc % heads_per_kv;
+  }
+
+  const int item_begin = p.part_offsets[part], item_end = p.part_offsets[part + 1];
+  for (int item = item_begin; item < item_end; ++item) {
+    const int4 it = reinterpret_cast<const int4*>(p.items)[item];
+    const int req = it.x, tok_begin = it.y, tok_end = it.z, slot = it.w;
+    if (req < 0) continue;
+    const int seqlen = p.cache_seqlens[req];
+    int limit[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) limit[h] = p.causal ? seqlen - p.q_len + row_i[h] : seqlen - 1;
+
+    // -- Q tile
+#pragma unroll
+    for (int pass = 0; pass < 2; ++pass) {
+      const int row = tid / 8 + 32 * pass;
+      const int r = row_tile * Cfg::kBlockM + row;
+      const bool valid = r < p.rows_per_kv_head;
+      const int rc = valid ? r : 0;
+      const T* src = reinterpret_cast<const T*>(p.q) + (int64_t)req * p.q_stride_b +
+                     (int64_t)(rc / heads_per_kv) * p.q_stride_s +
+                     (int64_t)(kvh * heads_per_kv + rc % heads_per_kv) * p.q_stride_h;
+#pragma unroll
+      for (int k = 0; k < Cfg::kChunksQK / 8; ++k) {
+        const int chunk = tid % 8 + 8 * k;
+        cp_async_16(sQ + L::offset(row, chunk * 8), src + chunk * 8, valid);
+      }
+    }
+    const int num_tiles = (tok_end - tok_begin + Cfg::kBlockN - 1) / Cfg::kBlockN;
+    Fp8Stage fp8_stage;
+    if (num_tiles > 0) {
+      if constexpr (KvFmt == kKvSameAsQ) {
+        load_kv_async<T, L>(p, sK, req, kvh, tok_begin, tok_end);
+      } else {
+        load_kv_fp8_regs<KvFmt>(p, fp8_stage, req, kvh, tok_begin, tok_end);
+        store_kv_fp8<T, KvFmt, L>(sK, fp8_stage);
+      }
+    }
+    cp_async_commit();
+    cp_async_wait_all();
+    fence_proxy_async_smem();
+    __syncthreads();
+
+    float acc_o[128];
+#pragma unroll
+    for (int n = 0; n < 128; ++n) acc_o[n] = 0.f;
+    float row_max[2] = {-INFINITY, -INFINITY};
+    float row_sum[2] = {0.f, 0.f};
+
+    for (int j = 0; j < num_tiles; ++j) {
+      const int t0 = tok_begin + j * Cfg::kBlockN;
+      const T* sKj = sK + (j & 1) * Cfg::kKElems;
+      T* sKnext = sK + ((j + 1) & 1) * Cfg::kKElems;
+      const bool has_next = j + 1 < num_tiles;
+      if (has_next) {
+        if constexpr (KvFmt == kKvSameAsQ) {
+          load_kv_async<T, L>(p, sKnext, req, kvh, t0 + Cfg::kBlockN, tok_end);
+          cp_async_commit();
+        } else {
+          load_kv_fp8_regs<KvFmt>(p, fp8_stage, req, kvh, t0 + Cfg::kBlockN, tok_end);
+        }
+      }
+
+      // -- S = Q K^T, this warpgroup's 32 tokens
+      float acc_s[16];
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int kk = 0; kk < Cfg::kHeadDimQK / 16; ++kk) {
+        const int blk = kk / 4, kin = (kk % 4) * 16;
+        const uint64_t da = gmma_desc_sw128(sQ + blk * 64 * 64 + kin, 16, 1024);
+        const uint64_t db = gmma_desc_sw128(sKj + blk * 64 * 64 + half * 32 * 64 + kin, 16, 1024);
+        gmma_call<typename Gmma<T>::QK>(da, db, acc_s, kk > 0, std::make_index_sequence<16>{});
+      }
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<0>();
+      fence_regs<16>(acc_s);
+
+      float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int t = t0 + half * 32 + n * 8 + (lane % 4) * 2 + (e & 1);
+          const int h = e >> 1;
+          const bool visible = t < tok_end && t <= limit[h];
+          float& s = acc_s[4 * n + e];
+          s = visible ? s * score_scale : -INFINITY;
+          tile_max[h] = fmaxf(tile_max[h], s);
+        }
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffff, tile_max[h], 1));
+        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffff, tile_max[h], 2));
+        if (lane % 4 == 0) sMax[half * Cfg::kBlockM + row_local[h]] = tile_max[h];
+      }
+      named_barrier(1 + rg, 64);
+      float scale_o[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float other = sMax[(1 - half) * Cfg::kBlockM + row_local[h]];
+        const float m_new = fmaxf(row_max[h], fmaxf(tile_max[h], other));
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;
+        scale_o[h] = exp2f(row_max[h] - m_use);
+        row_max[h] = m_new;
+        row_sum[h] *= scale_o[h];
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+#pragma unroll
+          for (int e = 2 * h; e < 2 * h + 2; ++e) {
+            acc_s[4 * n + e] = exp2f(acc_s[4 * n + e] - m_use);
+            row_sum[h] += acc_s[4 * n + e];
+          }
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+        const int col = half * 32 + n * 8 + (lane % 4) * 2;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          typename TT::T2 v = TT::from_float2(acc_s[4 * n + 2 * h], acc_s[4 * n + 2 * h + 1]);
+          *reinterpret_cast<typename TT::T2*>(sP + L::offset(row_local[h], col)) = v;
+        }
+      }
+#pragma unroll
+      for (int n = 0; n < 32; ++n) {
+        acc_o[4 * n + 0] *= scale_o[0];
+        acc_o[4 * n + 1] *= scale_o[0];
+        acc_o[4 * n + 2] *= scale_o[1];
+        acc_o[4 * n + 3] *= scale_o[1];
+      }
+      fence_proxy_async_smem();
+      __syncthreads();  // both halves of P are in place
+
+      // -- O += P V, this warpgroup's 256 output channels
+      fence_regs<128>(acc_o);
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int kt = 0; kt < Cfg::kBlockN / 16; ++kt) {
+        const uint64_t da = gmma_desc_sw128(sP + kt * 16, 16, 1024);
+        const uint64_t db = gmma_desc_sw128(sKj + (4 * half) * 64 * 64 + kt * 16 * 64, 64 * 64 * 2, 1024);
+        gmma_call<typename Gmma<T>::PV>(da, db, acc_o, true, std::make_index_sequence<128>{});
+      }
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<0>();
+      fence_regs<128>(acc_o);
+
+      if (has_next) {
+        if constexpr (KvFmt == kKvSameAsQ) {
+          cp_async_wait_all();
+        } else {
+          store_kv_fp8<T, KvFmt, L>(sKnext, fp8_stage);
+        }
+        fence_proxy_async_smem();
+      }
+      __syncthreads();
+    }
+
+    // -- epilogue (as v1)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      row_sum[h] += __shfl_xor_sync(0xffffffff, row_sum[h], 1);
+      row_sum[h] += __shfl_xor_sync(0xffffffff, row_sum[h], 2);
+      if (lane % 4 == 0) sSum[half * Cfg::kBlockM + row_local[h]] = row_sum[h];
+    }
+    named_barrier(1 + rg, 64);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float total = row_sum[h] + sSum[(1 - half) * Cfg::kBlockM + row_local[h]];
+      const bool has_keys = total > 0.f;
+      const float inv = has_keys ? out_scale / total : 0.f;
+      const float lse_val = has_keys ? (row_max[h] + log2f(total)) * kLn2 : (slot < 0 ? INFINITY : -INFINITY);
+      if (!row_ok[h]) continue;
+      if (slot < 0) {
+        T* dst = reinterpret_cast<T*>(p.out) + (int64_t)req * p.out_stride_b + (int64_t)row_i[h] * p.out_stride_s +
+                 (int64_t)row_head[h] * p.out_stride_h + half * 256 + (lane % 4) * 2;
+#pragma unroll
+        for (int n = 0; n < 32; ++n)
+          *reinterpret_cast<typename TT::T2*>(dst + n * 8) =
+              TT::from_float2(acc_o[4 * n + 2 * h] * inv, acc_o[4 * n + 2 * h + 1] * inv);
+        if (half == 0 && lane % 4 == 0)
+          p.lse[(int64_t)req * p.lse_stride_b + (int64_t)row_head[h] * p.lse_stride_h + row_i[h]] = lse_val;
+      } else {
+        const int64_t prow = ((int64_t)slot * p.q_len + row_i[h]) * p.heads_q + row_head[h];
+        float* dst = p.partial_out + prow * Cfg::kHeadDimV + half * 256 + (lane % 4) * 2;
+#pragma unroll
+        for (int n = 0; n < 32; ++n)
+          *reinterpret_cast<float2*>(dst + n * 8) =
+              make_float2(acc_o[4 * n + 2 * h] * inv, acc_o[4 * n + 2 * h + 1] * inv);
+        if (half == 0 && lane % 4 == 0) p.partial_lse[prow] = lse_val;
+      }
+    }
+    __syncthreads();
+  }
+}
+
+}  // namespace mla_sm90
