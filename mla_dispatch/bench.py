@@ -196,15 +196,17 @@ def make_bench_case(cfg: BenchConfig, *, dtype: torch.dtype = torch.bfloat16, de
         vals = (torch.randn(min(chunk, num_blocks - s), ps, hkv, D, generator=gen, device=device) / 10).clamp(-1, 1)
         kv[s:s + chunk] = _encode(vals, kv_format, kv_scale)
     # Poison every slot no request uses: the junk blocks and the tail of each last block.
-    nan = _encode(torch.full((D,), float("nan"), device=device), kv_format, kv_scale)
-    kv[perm[total:].to(device)] = nan
+    # (Written through byte views: index_put has no float8 kernel on every device.)
+    nan = _encode(torch.full((D,), float("nan"), device=device), kv_format, kv_scale).view(torch.uint8)
+    raw = kv.view(torch.uint8)
+    raw[perm[total:].to(device)] = nan
     has = nblk > 0
     last = block_table[has, nblk[has] - 1]
     used_in_last = lens[has] - (nblk[has] - 1) * ps
     tail = torch.arange(ps)[None, :] >= used_in_last[:, None]
     rows, offs = tail.nonzero(as_tuple=True)
     if rows.numel():
-        kv[last[rows].to(device), offs.to(device)] = nan
+        raw[last[rows].to(device), offs.to(device)] = nan
 
     indices = None
     if cfg.topk:
@@ -382,8 +384,12 @@ def unavailable_backends() -> dict[str, str]:
     return out
 
 
-def environment(device: torch.device) -> dict:
-    """Device, date, software versions: the header of every published number."""
+def environment(device: torch.device, backends: Sequence[str] | None = None) -> dict:
+    """Device, date, software versions: the header of every published number.
+
+    Versions are those of ``backends`` (default: every available one; asking
+    imports, and for JIT-built kernels builds, each backend).
+    """
     from mla_dispatch import __version__
 
     env = {
@@ -403,7 +409,8 @@ def environment(device: torch.device) -> dict:
         env["triton"] = md.version("triton")
     except Exception:
         env["triton"] = None
-    env["backends"] = {n: get_backend(n).version() for n in registered_names() if not get_backend(n).availability_reasons()}
+    names = backends if backends is not None else [n for n in registered_names() if not get_backend(n).availability_reasons()]
+    env["backends"] = {n: get_backend(n).version() for n in names}
     return env
 
 
@@ -557,19 +564,20 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(c.label for c in configs))
         return 0
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    backends = _split_names(args.backends) or default_backends(device)
+    chosen = _split_names(args.backends)
+    backends = chosen or default_backends(device)
     known = registered_names()
     for name in backends:
         if name not in known:
             print(f"unknown backend {name!r} (registered: {', '.join(known)})", file=sys.stderr)
             return 2
     command = "python -m mla_dispatch bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
-    env = environment(device)
+    env = environment(device, backends)
     rows, ceilings = run_bench(configs, backends, device=device, dtype=_DTYPES[args.dtype], graphs=not args.no_graph,
                                rep_ms=args.rep_ms, seed=args.seed, progress=not args.quiet)
     print(f"## bench {'+'.join(grid_names)} ({args.dtype})\n")
     print(format_header(env, ceilings, command.strip()))
-    skipped = {n: r for n, r in unavailable_backends().items() if n not in backends}
+    skipped = {} if chosen else {n: r for n, r in unavailable_backends().items() if n not in backends}
     if skipped:
         print("- not available here: " + "; ".join(f"{n} ({r})" for n, r in skipped.items()))
     print()

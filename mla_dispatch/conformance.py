@@ -210,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"## conformance ({'quick' if args.quick else 'full'}) on {plat.describe()}, torch {torch.__version__}, "
           f"seed {seed} (replay: --seed {seed})\n")
     print(format_matrix(matrix, backends))
-    unavailable = {n: "; ".join(map(str, get_backend(n).availability_reasons())) for n in known if n not in backends}
+    unavailable = {} if args.backends else {
+        n: "; ".join(map(str, get_backend(n).availability_reasons())) for n in known if n not in backends}
     unavailable = {n: r for n, r in unavailable.items() if r}
     if unavailable:
         print("\nnot available here: " + "; ".join(f"{n} ({r})" for n, r in unavailable.items()))

@@ -81,6 +81,10 @@ def decode_work(*, batch: int, q_len: int, num_heads_q: int, num_heads_kv: int, 
 def timer_name(device: torch.device) -> str:
     """How :func:`time_fn` times on ``device`` (for result headers)."""
     if device.type == "cuda":
+        try:
+            import triton.testing  # noqa: F401
+        except ImportError:
+            return "CUDA events, median, L2 flushed before each run (triton missing: do_bench's method re-implemented)"
         return "triton.testing.do_bench (median, L2 flushed before each run)"
     return "time.perf_counter wall clock (median of repeats; CPU fallback, no cache flush)"
 
@@ -94,8 +98,10 @@ def time_fn(fn: Callable[[], object], device: torch.device, *, rep_ms: float = 1
     (at least 3 and at most 1000 times).
     """
     if device.type == "cuda":
-        from triton.testing import do_bench
-
+        try:
+            from triton.testing import do_bench
+        except ImportError:
+            return _cuda_event_median(fn, rep_ms)
         return do_bench(fn, warmup=max(1, int(rep_ms // 4)), rep=int(rep_ms), return_mode="median") * 1e-3
     fn()
     samples: list[float] = []
@@ -105,6 +111,26 @@ def time_fn(fn: Callable[[], object], device: torch.device, *, rep_ms: float = 1
         fn()
         samples.append(time.perf_counter() - t0)
     return statistics.median(samples)
+
+
+def _cuda_event_median(fn: Callable[[], object], rep_ms: float) -> float:
+    """do_bench's method without triton: CUDA events around each call, a 256 MB buffer zeroed before it."""
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    n = int(min(1000, max(3, rep_ms * 1e-3 / max(time.perf_counter() - t0, 1e-6))))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    for start, end in zip(starts, ends):
+        flush.zero_()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e-3
 
 
 # -- ceilings ---------------------------------------------------------------------------------

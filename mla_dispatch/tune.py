@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
                                rep_ms=args.rep_ms, progress=not args.quiet)
     buckets = {c.label: config_bucket(c, dtype) for c in configs}
     table, measurements = pick_winners(rows, buckets, args.metric)
-    env = environment(device)
+    env = environment(device, backends)
     command = "python -m mla_dispatch tune " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     doc = {
         "format": TABLE_FORMAT,
