@@ -27,7 +27,7 @@ SM100/SM103: ``trtllm_batch_decode_with_kv_cache_mla`` (trtllm-gen):
   are zero-padded up to the next allowed one.
 - bf16 only (its output is bf16); ``bmm1_scale = softmax_scale``, ``bmm2_scale = 1``;
   s_q > 1 is the causal MTP mask; the semaphore workspace is zeroed once per device.
-- no LSE before the versions whose signature has ``return_lse``.
+- no LSE: 0.6.0 returns none; later versions' ``return_lse`` is not wired (unverified base/layout).
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class FlashInferBackend(MLABackend):
     HEAD_DIMS = frozenset({(576, 512)})  # head_dim_ckv 512 + head_dim_kpe 64
     PAGE_SIZES = None  # wrapper: any; SM100: multiples of 32 (extra_reasons)
     MAX_HEADS_KV = 1  # one latent KV head
-    SUPPORTS_LSE = True  # SM100 only where the installed version returns it (extra_reasons)
+    SUPPORTS_LSE = True  # SM80/SM90 wrapper only; SM100 trtllm-gen: no (extra_reasons)
     CUDA_GRAPH = CGSupport.ALWAYS  # wrapper in use_cuda_graph mode with plan-owned buffers
     REQUIRES = ("flashinfer",)
 
@@ -148,10 +148,9 @@ class FlashInferBackend(MLABackend):
             reasons.append(Reason(R.HEADS, f"h_q={p.num_heads_q} on SM100 trtllm-gen (supported: <= 128)"))
         if p.q_len > 1 and not p.causal:
             reasons.append(Reason(R.FEATURE, "causal=False with s_q > 1 on SM100 trtllm-gen (its MTP mask is causal)"))
-        if p.return_lse and not cls.availability_reasons() and not _signature_has(
-                "decode.trtllm_batch_decode_with_kv_cache_mla", "return_lse"):
-            reasons.append(Reason(R.FEATURE, f"return_lse=True on SM100 trtllm-gen with flashinfer {cls.version()} "
-                                             "(this version returns no LSE)"))
+        if p.return_lse:
+            reasons.append(Reason(R.FEATURE, "return_lse=True on SM100 trtllm-gen (0.6.0 returns no LSE; the later "
+                                             "return_lse is not wired here: its base and layout are unverified)"))
         return reasons
 
     # -- plan ------------------------------------------------------------------------
@@ -274,16 +273,10 @@ class FlashInferBackend(MLABackend):
             q = state.q_pad
         pages = kv_cache.shape[0] * (p.page_size // state.page)
         kv = kv_cache.view(pages, state.page, p.head_dim_qk).unsqueeze(1)  # [pages, 1, ps, 576]
-        extra = {}
-        if p.return_lse:
-            extra = {"return_lse": True}
-        result = trtllm_batch_decode_with_kv_cache_mla(
+        o = trtllm_batch_decode_with_kv_cache_mla(
             query=q, kv_cache=kv, workspace_buffer=state.workspace,
             qk_nope_head_dim=128, kv_lora_rank=p.head_dim_v, qk_rope_head_dim=p.head_dim_qk - p.head_dim_v,
             block_tables=state.table, seq_lens=cache_seqlens, max_seq_len=p.max_blocks * p.page_size,
-            bmm1_scale=state.softmax_scale, bmm2_scale=1.0, **extra)
-        o, l = result if isinstance(result, tuple) else (result, None)
+            bmm1_scale=state.softmax_scale, bmm2_scale=1.0)
         out.copy_(o.view(p.batch, p.q_len, state.heads, p.head_dim_v)[:, :, : p.num_heads_q])
-        if l is not None:
-            # trtllm-gen's LSE is natural-log [B*s_q, H] (mla/_core.py, return_lse).
-            lse.copy_(l.view(p.batch, p.q_len, state.heads)[:, :, : p.num_heads_q].transpose(1, 2))
+        lse.fill_(float("nan"))  # not computed: plans on SM100 are made with return_lse=False

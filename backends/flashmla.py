@@ -73,7 +73,14 @@ class FlashMLABackend(MLABackend):
 
     @classmethod
     def _check_availability(cls) -> list[Reason]:
-        return import_reasons("flash_mla")
+        reasons = import_reasons("flash_mla")
+        if not reasons:
+            import flash_mla
+
+            if getattr(flash_mla, "MLA_DISPATCH_ALIAS", None) is not None:  # would call back into mla_dispatch
+                reasons.append(Reason(ReasonCode.UNAVAILABLE, "flash_mla in this process is mla_dispatch's own alias "
+                                                              "(mla_dispatch.compat.flash_mla), not DeepSeek FlashMLA"))
+        return reasons
 
     @classmethod
     def extra_reasons(cls, problem: DecodeProblem, platform: Platform) -> list[Reason]:

@@ -81,3 +81,16 @@ def test_cuda_graph_refused_only_for_schedmeta(monkeypatch, fake):
     p = DecodeProblem(2, 1, 16, 1, 576, 512, 64, 4, torch.bfloat16, "bf16", False, 0, True, "cuda", cuda_graph=True)
     codes = [r.message for r in FlashMLABackend.not_supported_reasons(p, H100)]
     assert (codes == []) == legacy, codes
+
+
+def test_compat_alias_is_not_mistaken_for_flashmla(monkeypatch):
+    from mla_dispatch.compat.flash_mla import install_flash_mla_alias, uninstall_flash_mla_alias
+
+    forget(FlashMLABackend)
+    install_flash_mla_alias()
+    try:
+        reasons = FlashMLABackend.availability_reasons()
+        assert reasons and "own alias" in reasons[0].message
+    finally:
+        uninstall_flash_mla_alias()
+        forget(FlashMLABackend)
