@@ -91,7 +91,7 @@ class TritonBackend(MLABackend):
         table's); ``num_parts`` persistent programs along the schedule (default: one
         per SM and tile); ``overhead`` the schedule's fixed cost per item, in chunks.
         """
-        from mla_dispatch.kernels.triton.decode import choose_config, num_m_tiles
+        from mla_dispatch.kernels.triton.decode import choose_config, num_m_tiles, programs_per_tile
 
         p = problem
         device = torch.device(p.device_type, torch.cuda.current_device()) if p.device_type == "cuda" else torch.device(
@@ -101,7 +101,8 @@ class TritonBackend(MLABackend):
         group = p.num_heads_q // p.num_heads_kv
         rows = group if p.sparse else p.q_len * group
         cfg = config or choose_config(rows, p.kv_format, interpret=platform.kind == "cpu")
-        tiles = p.num_heads_kv * num_m_tiles(rows, cfg) * (p.q_len if p.sparse else 1)
+        tiles = (p.num_heads_kv * num_m_tiles(rows, cfg) * programs_per_tile(cfg, p.head_dim_v)
+                 * (p.q_len if p.sparse else 1))
         if num_parts is None:
             num_parts = max(1, platform.num_compute_units // tiles)
         if p.sparse:

@@ -35,6 +35,17 @@ CASES = [
                                              causal=True, zero_len_rows=1), dict(num_parts=9, overhead=1)),
     ("fp8dsmla-split-b2xs1xh2-ps8", dict(batch=2, q_len=1, num_heads_q=2, seqlen=60, page_size=8,
                                          kv_format="fp8_ds_mla"), dict(num_parts=5, overhead=1)),
+    # the register-saving variants: V split over programs, chunked latent dot, tokens on M
+    ("fp16-vsplit2-qk128-b2xs2xh3-ps16-causal", dict(batch=2, q_len=2, num_heads_q=3, seqlen=40, page_size=16,
+                                                     causal=True),
+     dict(config=dict(block_m=16, block_n=16, num_warps=4, num_stages=1, v_split=2, qk_chunk=128, chunk_size=16))),
+    ("fp8dsmla-vsplit2-qk128-b2xs1xh2-ps16", dict(batch=2, q_len=1, num_heads_q=2, seqlen=40, page_size=16,
+                                                  kv_format="fp8_ds_mla"),
+     dict(config=dict(block_m=16, block_n=16, num_warps=4, num_stages=1, v_split=2, qk_chunk=128, chunk_size=16))),
+    ("fp16-tokensM-vsplit4-b2xs1xh4-ps16", dict(batch=2, q_len=1, num_heads_q=4, seqlen=40, page_size=16,
+                                                kv_format="fp8_e4m3"),
+     dict(config=dict(block_m=16, block_n=16, num_warps=4, num_stages=1, v_split=4, qk_chunk=256,
+                      tokens_on_m=True, chunk_size=16), num_parts=4, overhead=1)),
 ]
 
 
@@ -54,10 +65,16 @@ def _run_cases(seed: int) -> None:
             case = make_case(dtype=torch.float16, generator=g, **kw)
             plan = plan_decode(*case.args(), backend="triton", **case.kwargs())
             split = False
+            wants_split = "num_parts" in overrides
             if overrides:
-                # swap in a schedule that forces split requests (exercises the combine)
+                from mla_dispatch.kernels.triton.decode import KernelConfig
+
+                ov = dict(overrides)
+                if "config" in ov:
+                    ov["config"] = KernelConfig(**ov["config"])
+                # swap in a schedule that forces split requests (exercises the combine) or another config
                 plan._state = TritonBackend.make_state(plan.problem, platform_for(case.q.device), plan.cache_seqlens,
-                                                       **overrides)
+                                                       **ov)
                 split = bool((plan.state.schedule.num_splits > 1).any())
             b, s, h, _ = case.q.shape
             out = torch.full((b, s, h, case.head_dim_v), float("nan"), dtype=case.q.dtype)
@@ -65,8 +82,8 @@ def _run_cases(seed: int) -> None:
             plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale, indices=case.indices, out=out, lse=lse)
             ref_out, ref_lse = reference_attention(*case.args(), **case.kwargs())
             rep = compare_outputs(out, lse, ref_out, ref_lse, TritonBackend.TOLERANCE)
-            ok = bool(rep) and (split or not overrides)
-            msg = rep.message + ("" if split or not overrides else " (schedule did not split)")
+            ok = bool(rep) and (split or not wants_split)
+            msg = rep.message + ("" if split or not wants_split else " (schedule did not split)")
         except Exception as exc:  # reported to the parent
             ok, msg = False, f"{type(exc).__name__}: {exc}"
         print(json.dumps({"id": cid, "ok": ok, "message": msg}), flush=True)

@@ -10,7 +10,7 @@ slot saw no key for that row).  With ``M = max_s lse_s``::
 
 A row whose every slot is ``-inf`` gets ``out = 0`` and ``lse = +inf``.
 Requests that were not split are left untouched (the decode kernel wrote them).
-One program per (request, tile of query rows); the rows are ``(query token, head)``.
+One program per (request, tile of query rows, tile of channels); rows are ``(query token, head)``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def combine_kernel(
     stride_plb, stride_pls, stride_plh,
     stride_ob, stride_os, stride_oh,
     stride_lb, stride_lh, stride_ls,
-    ROWS: tl.constexpr, D_V: tl.constexpr, BLOCK_R: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     b = tl.program_id(0)
     n_splits = tl.load(NumSplits + b)
@@ -39,7 +39,7 @@ def combine_kernel(
         ok = r < ROWS
         i = (r // num_heads).to(tl.int64)
         h = (r % num_heads).to(tl.int64)
-        d = tl.arange(0, D_V)
+        d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
 
         # pass 1: the maximum LSE over the request's slots
         m = tl.full([BLOCK_R], float("-inf"), tl.float32)
@@ -51,7 +51,7 @@ def combine_kernel(
 
         # pass 2: weighted sum of the partial outputs
         denom = tl.zeros([BLOCK_R], tl.float32)
-        acc = tl.zeros([BLOCK_R, D_V], tl.float32)
+        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
         for s in range(n_splits):
             slot = first + s
             lse_s = tl.load(PartialLse + slot * stride_plb + i * stride_pls + h * stride_plh,
@@ -69,14 +69,20 @@ def combine_kernel(
         bo = b.to(tl.int64)
         tl.store(Out + bo * stride_ob + (i * stride_os + h * stride_oh)[:, None] + d[None, :],
                  out.to(Out.dtype.element_ty), mask=ok[:, None])
-        tl.store(Lse + bo * stride_lb + h * stride_lh + i * stride_ls, lse, mask=ok)
+        tl.store(Lse + bo * stride_lb + h * stride_lh + i * stride_ls, lse, mask=ok & ((r * 0 + tl.program_id(2)) == 0))
 
 
-def launch_combine(partial_out, partial_lse, num_splits, first_slot, out, lse, *, block_r: int = 16) -> None:
-    """Merge partials into ``out`` ``[B, s_q, h_q, D_v]`` / ``lse`` ``[B, h_q, s_q]`` (no allocation)."""
+def launch_combine(partial_out, partial_lse, num_splits, first_slot, out, lse, *, block_r: int = 4,
+                   block_d: int = 128) -> None:
+    """Merge partials into ``out`` ``[B, s_q, h_q, D_v]`` / ``lse`` ``[B, h_q, s_q]`` (no allocation).
+
+    One program per (request, ``block_r`` rows, ``block_d`` channels): many small
+    programs, so a single long request split over every SM still merges in parallel.
+    """
     batch, q_len, h_q, d_v = out.shape
     rows = q_len * h_q
-    grid = (batch, triton.cdiv(rows, block_r))
+    block_d = min(block_d, d_v)
+    grid = (batch, triton.cdiv(rows, block_r), triton.cdiv(d_v, block_d))
     return combine_kernel[grid](
         partial_out, partial_lse, out, lse, num_splits, first_slot,
         h_q,
@@ -84,6 +90,6 @@ def launch_combine(partial_out, partial_lse, num_splits, first_slot, out, lse, *
         partial_lse.stride(0), partial_lse.stride(1), partial_lse.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1), lse.stride(2),
-        ROWS=rows, D_V=d_v, BLOCK_R=block_r,
+        ROWS=rows, BLOCK_R=block_r, BLOCK_D=block_d,
         num_warps=4,
     )

@@ -55,8 +55,9 @@ import triton.language as tl
 __all__ = ["KernelConfig", "choose_config", "launch_decode", "KV_FORMAT_IDS"]
 
 KV_FORMAT_IDS = {"bf16": 0, "fp16": 0, "fp8_e4m3": 1, "fp8_ds_mla": 2}
-DS_MLA_SCALE_OFFSET = 512  # bytes
-DS_MLA_ROPE_OFFSET = 528  # bytes
+DS_MLA_SCALE_OFFSET = tl.constexpr(512)  # bytes
+DS_MLA_ROPE_OFFSET = tl.constexpr(528)  # bytes
+DS_MLA_TILE = tl.constexpr(128)  # channels per fp32 scale
 
 
 # ----------------------------------------------------------------------------------------
@@ -87,16 +88,22 @@ def _token_rows(BlockTable, Indices, req, i_row0, start, end, page_size, stride_
 
 
 @triton.jit
-def _load_nope(KV, rows, valid, DTYPE: tl.constexpr, D_V: tl.constexpr, KV_FORMAT: tl.constexpr):
-    """``[BLOCK_N, D_V]`` latent (NoPE) channels in the query dtype; 0 for invalid tokens."""
-    d = tl.arange(0, D_V)
+def _load_latent(KV, rows, valid, col0, DTYPE: tl.constexpr, NCOLS: tl.constexpr, KV_FORMAT: tl.constexpr):
+    """``[BLOCK_N, NCOLS]`` latent (NoPE) channels ``col0 ..`` in the query dtype; 0 for invalid tokens."""
+    d = col0 + tl.arange(0, NCOLS)
     ptrs = KV + rows[:, None] + d[None, :]
-    if KV_FORMAT == 2:  # fp8_ds_mla: fp8 bytes, one fp32 scale per 128 channels (powers of two)
+    if KV_FORMAT == 2:  # fp8_ds_mla: fp8 bytes, one fp32 scale per 128 channels (powers of two: exact)
         raw = tl.load(ptrs, mask=valid[:, None], other=0)
         val = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        sptr = (KV + rows[:, None] + DS_MLA_SCALE_OFFSET + (d[None, :] // 128) * 4).to(tl.pointer_type(tl.float32))
-        scale = tl.load(sptr, mask=valid[:, None], other=0.0)
-        return (val * scale).to(DTYPE)
+        if NCOLS <= DS_MLA_TILE:  # one scale per token
+            sptr = (KV + rows + DS_MLA_SCALE_OFFSET + (col0 // DS_MLA_TILE) * 4).to(tl.pointer_type(tl.float32))
+            scale = tl.load(sptr, mask=valid, other=0.0)
+            return (val * scale[:, None]).to(DTYPE)
+        else:
+            sptr = (KV + rows[:, None] + DS_MLA_SCALE_OFFSET + (d[None, :] // DS_MLA_TILE) * 4).to(
+                tl.pointer_type(tl.float32))
+            scale = tl.load(sptr, mask=valid[:, None], other=0.0)
+            return (val * scale).to(DTYPE)
     else:  # native, or fp8_e4m3 whose per-tensor scale is folded in later (the cast is exact)
         return tl.load(ptrs, mask=valid[:, None], other=0.0).to(DTYPE)
 
@@ -111,6 +118,44 @@ def _load_rope(KV, rows, valid, DTYPE: tl.constexpr, D_V: tl.constexpr, D_ROPE: 
     else:
         ptrs = KV + rows[:, None] + D_V + d[None, :]
     return tl.load(ptrs, mask=valid[:, None], other=0.0).to(DTYPE)
+
+
+@triton.jit
+def _scores(Q, q_off, row_ok, q_whole, q_rope, KV, rows, valid, DTYPE: tl.constexpr, D_V: tl.constexpr,
+            D_ROPE: tl.constexpr, QK_CHUNK: tl.constexpr, KV_FORMAT: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, TOKENS_ON_M: tl.constexpr):
+    """Raw scores of one token tile: ``[BLOCK_M, BLOCK_N]`` (heads on M) or its transpose.
+
+    The latent dot runs in ``D_V / QK_CHUNK`` pieces; with ``QK_CHUNK < D_V`` the
+    query chunks are re-read from L1/L2 inside the loop instead of being held in
+    registers (the register budget is what limits this kernel).
+    """
+    if TOKENS_ON_M:
+        s = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    else:
+        s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if QK_CHUNK == D_V:
+        k = _load_latent(KV, rows, valid, 0, DTYPE, D_V, KV_FORMAT)
+        if TOKENS_ON_M:
+            s = tl.dot(k, tl.trans(q_whole), s)
+        else:
+            s = tl.dot(q_whole, tl.trans(k), s)
+    else:
+        for c in tl.static_range(D_V // QK_CHUNK):
+            dq = c * QK_CHUNK + tl.arange(0, QK_CHUNK)
+            q_c = tl.load(Q + q_off[:, None] + dq[None, :], mask=row_ok[:, None], other=0.0)
+            k_c = _load_latent(KV, rows, valid, c * QK_CHUNK, DTYPE, QK_CHUNK, KV_FORMAT)
+            if TOKENS_ON_M:
+                s = tl.dot(k_c, tl.trans(q_c), s)
+            else:
+                s = tl.dot(q_c, tl.trans(k_c), s)
+    if D_ROPE > 0:
+        k_r = _load_rope(KV, rows, valid, DTYPE, D_V, D_ROPE, KV_FORMAT)
+        if TOKENS_ON_M:
+            s = tl.dot(k_r, tl.trans(q_rope), s)
+        else:
+            s = tl.dot(q_rope, tl.trans(k_r), s)
+    return s
 
 
 # ----------------------------------------------------------------------------------------
@@ -135,25 +180,30 @@ def mla_decode_kernel(
     H_KV, NUM_M_TILES,
     D_V: tl.constexpr, D_ROPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    V_SPLIT: tl.constexpr, QK_CHUNK: tl.constexpr,
     KV_FORMAT: tl.constexpr, CAUSAL: tl.constexpr, SPARSE: tl.constexpr, TOKENS_ON_M: tl.constexpr,
 ):
-    tl.static_assert(D_V % 128 == 0 or KV_FORMAT != 2)
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
-    HAS_ROPE: tl.constexpr = D_ROPE > 0
+    tl.static_assert(D_V % V_SPLIT == 0 and D_V % QK_CHUNK == 0)
+    tl.static_assert(KV_FORMAT != 2 or (D_V == 512 and D_ROPE == 64))
+    DV_BLOCK: tl.constexpr = D_V // V_SPLIT  # output channels this program accumulates
+    # V can reuse the K tile only when one program holds all of it
+    REUSE_K: tl.constexpr = V_SPLIT == 1 and QK_CHUNK == D_V
     DTYPE = Q.dtype.element_ty
     LN2: tl.constexpr = 0.6931471805599453
 
-    # -- which rows this program owns ------------------------------------------------
-    # tile id = (sparse query token, M tile, KV head); dense problems flatten
-    # (query token, head) into rows, sparse ones keep one query token per tile
-    # because every query token has its own key list.
+    # -- which rows and output channels this program owns -------------------------------
+    # tile id = (((sparse query token, M tile), V split), KV head). Dense problems
+    # flatten (query token, head) into rows; sparse ones keep one query token per
+    # tile because every query token has its own key list.
     part = tl.program_id(0)
     tile = tl.program_id(1)
     kv_head = tile % H_KV
-    m_tile = (tile // H_KV) % NUM_M_TILES
+    v_idx = (tile // H_KV) % V_SPLIT
+    m_tile = (tile // (H_KV * V_SPLIT)) % NUM_M_TILES
     flat = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
     if SPARSE:
-        i_row0 = tile // (H_KV * NUM_M_TILES)
+        i_row0 = tile // (H_KV * V_SPLIT * NUM_M_TILES)
         row_ok = flat < group
         q_tok = i_row0 + flat * 0
         head = kv_head * group + flat
@@ -166,7 +216,8 @@ def mla_decode_kernel(
     kv_scale = 1.0
     if KV_FORMAT == 1:
         kv_scale = tl.load(KVScale)
-    d_v = tl.arange(0, D_V)
+    v_lo = v_idx * DV_BLOCK
+    d_o = v_lo + tl.arange(0, DV_BLOCK)
 
     item_begin = tl.load(PartOffsets + part)
     item_end = tl.load(PartOffsets + part + 1)
@@ -182,32 +233,45 @@ def mla_decode_kernel(
         else:
             limit = seqlen + q_tok * 0
 
-        # -- load the query tile once per item ---------------------------------------
+        # -- the query tile: held for the whole item, or re-read per token tile ---------
         q_off = req.to(tl.int64) * stride_qb + q_tok.to(tl.int64) * stride_qs + head.to(tl.int64) * stride_qh
-        q_nope = tl.load(Q + q_off[:, None] + d_v[None, :], mask=row_ok[:, None], other=0.0)
-        if HAS_ROPE:
-            d_r = tl.arange(0, D_ROPE)
-            q_rope = tl.load(Q + q_off[:, None] + D_V + d_r[None, :], mask=row_ok[:, None], other=0.0)
+        q_whole = q_off  # placeholder when the latent dot is chunked
+        if QK_CHUNK == D_V:
+            q_whole = tl.load(Q + q_off[:, None] + tl.arange(0, D_V)[None, :], mask=row_ok[:, None], other=0.0)
+        q_rope = q_off
+        if D_ROPE > 0:
+            q_rope = tl.load(Q + q_off[:, None] + D_V + tl.arange(0, D_ROPE)[None, :], mask=row_ok[:, None],
+                             other=0.0)
 
-        # -- online softmax over the item's token tiles (base 2) -----------------------
+        # -- online softmax over the item's token tiles (base 2) ---------------------------
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
         if TOKENS_ON_M:
-            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            l_i = tl.zeros([BLOCK_M], tl.float32)
-            acc = tl.zeros([D_V, BLOCK_M], tl.float32)  # O^T
+            acc = tl.zeros([DV_BLOCK, BLOCK_M], tl.float32)  # O^T
         else:
-            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            l_i = tl.zeros([BLOCK_M], tl.float32)
-            acc = tl.zeros([BLOCK_M, D_V], tl.float32)
+            acc = tl.zeros([BLOCK_M, DV_BLOCK], tl.float32)
         for start in range(tok_begin, tok_end, BLOCK_N):
             n, valid, rows = _token_rows(BlockTable, Indices, req, i_row0, start, tok_end, page_size, stride_bt,
                                          stride_ib, stride_is, stride_kb, stride_kt, kv_head_off, BLOCK_N, SPARSE)
-            k_nope = _load_nope(KV, rows, valid, DTYPE, D_V, KV_FORMAT)
+            if REUSE_K:
+                k = _load_latent(KV, rows, valid, 0, DTYPE, D_V, KV_FORMAT)
+                if TOKENS_ON_M:
+                    s = tl.dot(k, tl.trans(q_whole))
+                else:
+                    s = tl.dot(q_whole, tl.trans(k))
+                if D_ROPE > 0:
+                    k_r = _load_rope(KV, rows, valid, DTYPE, D_V, D_ROPE, KV_FORMAT)
+                    if TOKENS_ON_M:
+                        s = tl.dot(k_r, tl.trans(q_rope), s)
+                    else:
+                        s = tl.dot(q_rope, tl.trans(k_r), s)
+                v = k
+            else:
+                s = _scores(Q, q_off, row_ok, q_whole, q_rope, KV, rows, valid, DTYPE, D_V, D_ROPE, QK_CHUNK,
+                            KV_FORMAT, BLOCK_M, BLOCK_N, TOKENS_ON_M)
+                v = _load_latent(KV, rows, valid, v_lo, DTYPE, DV_BLOCK, KV_FORMAT)
             if TOKENS_ON_M:
                 # S^T = K Q^T : tokens on M, query rows on N
-                s = tl.dot(k_nope, tl.trans(q_nope))
-                if HAS_ROPE:
-                    k_rope = _load_rope(KV, rows, valid, DTYPE, D_V, D_ROPE, KV_FORMAT)
-                    s = tl.dot(k_rope, tl.trans(q_rope), s)
                 vis = valid[:, None] & (n[:, None] < limit[None, :])
                 s = tl.where(vis, s * (qk_scale * kv_scale), float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 0))
@@ -215,13 +279,9 @@ def mla_decode_kernel(
                 alpha = tl.exp2(m_i - m_safe)
                 p = tl.exp2(s - m_safe[None, :])
                 l_i = l_i * alpha + tl.sum(p, 0)
-                # O^T = V^T P^T : the 512 latent channels fill M
-                acc = tl.dot(tl.trans(k_nope), p.to(DTYPE), acc * alpha[None, :])
+                # O^T = V^T P^T : the latent channels fill M
+                acc = tl.dot(tl.trans(v), p.to(DTYPE), acc * alpha[None, :])
             else:
-                s = tl.dot(q_nope, tl.trans(k_nope))
-                if HAS_ROPE:
-                    k_rope = _load_rope(KV, rows, valid, DTYPE, D_V, D_ROPE, KV_FORMAT)
-                    s = tl.dot(q_rope, tl.trans(k_rope), s)
                 vis = valid[None, :] & (n[None, :] < limit[:, None])
                 s = tl.where(vis, s * (qk_scale * kv_scale), float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -229,7 +289,7 @@ def mla_decode_kernel(
                 alpha = tl.exp2(m_i - m_safe)
                 p = tl.exp2(s - m_safe[:, None])
                 l_i = l_i * alpha + tl.sum(p, 1)
-                acc = tl.dot(p.to(DTYPE), k_nope, acc * alpha[:, None])
+                acc = tl.dot(p.to(DTYPE), v, acc * alpha[:, None])
             m_i = m_new
 
         # -- epilogue: normalise; natural-log LSE ----------------------------------------
@@ -240,24 +300,25 @@ def mla_decode_kernel(
             o = acc * inv_l[None, :]
         else:
             o = acc * inv_l[:, None]
+        lse_row_ok = row_ok & ((flat * 0 + v_idx) == 0)
         if slot < 0:  # the item is the whole request: final out / lse
             o_off = req.to(tl.int64) * stride_ob + q_tok.to(tl.int64) * stride_os + head.to(tl.int64) * stride_oh
             if TOKENS_ON_M:
-                tl.store(Out + o_off[None, :] + d_v[:, None], o.to(Out.dtype.element_ty), mask=row_ok[None, :])
+                tl.store(Out + o_off[None, :] + d_o[:, None], o.to(Out.dtype.element_ty), mask=row_ok[None, :])
             else:
-                tl.store(Out + o_off[:, None] + d_v[None, :], o.to(Out.dtype.element_ty), mask=row_ok[:, None])
+                tl.store(Out + o_off[:, None] + d_o[None, :], o.to(Out.dtype.element_ty), mask=row_ok[:, None])
             lse_val = tl.where(has_key, lse_nat, float("inf"))
             l_off = req.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + q_tok.to(tl.int64) * stride_ls
-            tl.store(Lse + l_off, lse_val, mask=row_ok)
+            tl.store(Lse + l_off, lse_val, mask=lse_row_ok)
         else:  # a piece of a split request: fp32 partials for the combine
             p_off = slot.to(tl.int64) * stride_pob + q_tok.to(tl.int64) * stride_pos + head.to(tl.int64) * stride_poh
             if TOKENS_ON_M:
-                tl.store(PartialOut + p_off[None, :] + d_v[:, None], o, mask=row_ok[None, :])
+                tl.store(PartialOut + p_off[None, :] + d_o[:, None], o, mask=row_ok[None, :])
             else:
-                tl.store(PartialOut + p_off[:, None] + d_v[None, :], o, mask=row_ok[:, None])
+                tl.store(PartialOut + p_off[:, None] + d_o[None, :], o, mask=row_ok[:, None])
             lse_val = tl.where(has_key, lse_nat, float("-inf"))
             pl_off = slot.to(tl.int64) * stride_plb + q_tok.to(tl.int64) * stride_pls + head.to(tl.int64) * stride_plh
-            tl.store(PartialLse + pl_off, lse_val, mask=row_ok)
+            tl.store(PartialLse + pl_off, lse_val, mask=lse_row_ok)
 
 
 # ----------------------------------------------------------------------------------------
@@ -274,6 +335,8 @@ class KernelConfig:
     num_warps: int
     num_stages: int
     tokens_on_m: bool = False
+    v_split: int = 1  # programs sharing one head tile, each accumulating D_v / v_split channels
+    qk_chunk: int = 512  # latent-dot chunk; < D_v re-reads Q chunks per token tile (fewer registers)
     chunk_size: int = 64  # split-KV schedule granularity (multiple of block_n)
 
     def __post_init__(self):
@@ -314,6 +377,19 @@ def num_m_tiles(rows: int, cfg: KernelConfig) -> int:
     return triton.cdiv(rows, cfg.block_m)
 
 
+def effective_splits(cfg: KernelConfig, head_dim_v: int) -> tuple[int, int]:
+    """(v_split, qk_chunk) clipped to D_v (D_v is a power of two >= 128 or the whole width)."""
+    v_split = cfg.v_split if head_dim_v % cfg.v_split == 0 and head_dim_v // cfg.v_split >= 16 else 1
+    qk_chunk = min(cfg.qk_chunk, head_dim_v)
+    if head_dim_v % qk_chunk:
+        qk_chunk = head_dim_v
+    return v_split, qk_chunk
+
+
+def programs_per_tile(cfg: KernelConfig, head_dim_v: int) -> int:
+    return effective_splits(cfg, head_dim_v)[0]
+
+
 def launch_decode(q, kv, block_table, cache_seqlens, indices, kv_scale, schedule, out, lse, partial_out,
                   partial_lse, *, softmax_scale: float, causal: bool, kv_format: str, head_dim_v: int,
                   cfg: KernelConfig) -> None:
@@ -329,7 +405,8 @@ def launch_decode(q, kv, block_table, cache_seqlens, indices, kv_scale, schedule
     sparse = indices is not None
     rows = group if sparse else q_len * group
     tiles_m = num_m_tiles(rows, cfg)
-    grid = (schedule.num_parts, h_kv * tiles_m * (q_len if sparse else 1))
+    v_split, qk_chunk = effective_splits(cfg, head_dim_v)
+    grid = (schedule.num_parts, h_kv * v_split * tiles_m * (q_len if sparse else 1))
     bt = block_table if block_table is not None else cache_seqlens  # dummy pointer when sparse
     idx = indices if sparse else cache_seqlens
     scale_ptr = kv_scale if kv_scale is not None else cache_seqlens
@@ -350,7 +427,7 @@ def launch_decode(q, kv, block_table, cache_seqlens, indices, kv_scale, schedule
         partial_lse.stride(0), partial_lse.stride(1), partial_lse.stride(2),
         H_KV=h_kv, NUM_M_TILES=tiles_m,
         D_V=head_dim_v, D_ROPE=d_qk - head_dim_v,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, V_SPLIT=v_split, QK_CHUNK=qk_chunk,
         KV_FORMAT=KV_FORMAT_IDS[kv_format], CAUSAL=causal, SPARSE=sparse, TOKENS_ON_M=cfg.tokens_on_m,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -1,0 +1,224 @@
+"""Benchmark the Triton MLA decode kernel against the roofline measured in the same run.
+
+    python ci/bench_triton.py [--grids flashmla,mem,pages,fp8,graph,choice] [--json PATH]
+
+Prints, per config: µs (triton.testing.do_bench median, L2 flushed) for
+``DecodePlan.run`` (decode + combine), for ``update + run`` (the per-step
+schedule included, FlashMLA's "whole call"), and for a CUDA-graph replay of
+``run``; TFLOP/s, GB/s and % of the roofline (DESIGN.md §6):
+
+    FLOPs = 2 * s_q * h_q * (D_qk + D_v) * sum(L)
+    bytes = h_kv * token_bytes * sum(L) + 2 * B * s_q * h_q * (D_qk + D_v)
+            (token_bytes = 2 * D_qk for bf16 = the DESIGN formula; 576 fp8_e4m3; 656 fp8_ds_mla)
+    roofline = max(FLOPs / matmul_peak, bytes / copy_peak), both measured here.
+
+Also reports the compiled kernel's registers, spills and whether the PTX holds
+wgmma (Hopper warpgroup MMA) or only mma.sync.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+import triton
+import triton.testing
+
+from mla_dispatch import plan_decode
+from mla_dispatch.backends.triton import TritonBackend
+from mla_dispatch.formats import pack_ds_mla
+
+D_QK, D_V = 576, 512
+
+
+def measure_peaks() -> tuple[float, float]:
+    """(bytes/s of a 1 GiB device copy counting read + write, FLOP/s of an 8192^3 bf16 matmul)."""
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
+    dst = torch.empty_like(src)
+    t_copy = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median") * 1e-3
+    del src, dst
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    t_mm = triton.testing.do_bench(lambda: a @ b, warmup=100, rep=500, return_mode="median") * 1e-3
+    return 2 * n / t_copy, 2 * 8192**3 / t_mm
+
+
+def make_inputs(batch, q_len, h_q, seqlen, *, page_size=64, kv_format="bf16", varlen=True, seed=0):
+    """FlashMLA-benchmark-style inputs generated directly on the GPU (no NaN poison: speed only)."""
+    g = torch.Generator().manual_seed(seed)
+    if varlen:
+        lens = torch.normal(float(seqlen), seqlen / 2, (batch,), generator=g).round().clamp_min(q_len).int()
+    else:
+        lens = torch.full((batch,), seqlen, dtype=torch.int32)
+    max_blocks = math.ceil(int(lens.max()) / page_size)
+    num_blocks = batch * max_blocks
+    table = torch.randperm(num_blocks, device="cuda").view(batch, max_blocks).int()
+    q = (torch.randn(batch, q_len, h_q, D_QK, device="cuda", dtype=torch.bfloat16) / 10).clamp(-1, 1)
+    kv_scale = None
+    if kv_format == "bf16":
+        kv = (torch.randn(num_blocks, page_size, 1, D_QK, device="cuda", dtype=torch.bfloat16) / 10).clamp(-1, 1)
+    else:
+        kv = torch.empty(num_blocks, page_size, 1, D_QK if kv_format == "fp8_e4m3" else 656, device="cuda",
+                         dtype=torch.float8_e4m3fn if kv_format == "fp8_e4m3" else torch.uint8)
+        step = max(1, (1 << 26) // (page_size * D_QK))
+        for b0 in range(0, num_blocks, step):  # quantise in slices to bound memory
+            vals = (torch.randn(min(step, num_blocks - b0), page_size, 1, D_QK, device="cuda") / 10).clamp(-1, 1)
+            if kv_format == "fp8_e4m3":
+                kv[b0:b0 + step] = (vals / 0.002).clamp(-448, 448).to(torch.float8_e4m3fn)
+            else:
+                kv[b0:b0 + step] = pack_ds_mla(vals)
+        if kv_format == "fp8_e4m3":
+            kv_scale = torch.tensor([0.002], device="cuda")
+    return q, kv, table, lens.cuda(), kv_scale
+
+
+def kernel_report(plan, q, kv, kv_scale) -> dict:
+    """Registers / spills / MMA flavour of the decode kernel this plan launches."""
+    from mla_dispatch.kernels.triton.decode import launch_decode
+
+    p, st = plan.problem, plan.state
+    out = torch.empty(p.batch, p.q_len, p.num_heads_q, p.head_dim_v, dtype=q.dtype, device="cuda")
+    lse = torch.empty(p.batch, p.num_heads_q, p.q_len, device="cuda")
+    k = launch_decode(q, kv, plan.block_table, plan.cache_seqlens, None, kv_scale, st.schedule, out, lse,
+                      st.partial_out, st.partial_lse, softmax_scale=plan.softmax_scale, causal=p.causal,
+                      kv_format=p.kv_format, head_dim_v=p.head_dim_v, cfg=st.cfg)
+    ptx = k.asm.get("ptx", "")
+    return dict(regs=getattr(k, "n_regs", None), spills=getattr(k, "n_spills", None),
+                smem=k.metadata.shared if hasattr(k.metadata, "shared") else None,
+                wgmma=ptx.count("wgmma.mma_async"), mma_sync=ptx.count("mma.sync"))
+
+
+def bench_one(name, peaks, batch, q_len, h_q, seqlen, *, page_size=64, kv_format="bf16", varlen=True,
+              config=None, graph=True, report=False) -> dict:
+    q, kv, table, lens, kv_scale = make_inputs(batch, q_len, h_q, seqlen, page_size=page_size, kv_format=kv_format,
+                                               varlen=varlen)
+    plan = plan_decode(q, kv, table, lens, kv_format=kv_format, kv_scale=kv_scale, causal=q_len > 1,
+                       backend="triton", cuda_graph=True)
+    if config is not None:
+        plan._state = TritonBackend.make_state(plan.problem, plan.platform, lens, config=config)
+    out = torch.empty(batch, q_len, h_q, D_V, dtype=q.dtype, device="cuda")
+    lse = torch.empty(batch, h_q, q_len, device="cuda")
+
+    def run():
+        plan.run(q, kv, kv_scale=kv_scale, out=out, lse=lse)
+
+    def step():
+        plan.update()
+        run()
+
+    run()
+    torch.cuda.synchronize()
+    t_run = triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median") * 1e-3
+    t_step = triton.testing.do_bench(step, warmup=10, rep=50, return_mode="median") * 1e-3
+    t_graph = None
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            run()
+        t_graph = triton.testing.do_bench(g.replay, warmup=25, rep=100, return_mode="median") * 1e-3
+    total = int(lens.sum())
+    token_bytes = {"bf16": 2 * D_QK, "fp8_e4m3": D_QK, "fp8_ds_mla": 656}[kv_format]
+    flops = 2 * q_len * h_q * (D_QK + D_V) * total
+    nbytes = token_bytes * total + 2 * batch * q_len * h_q * (D_QK + D_V)
+    bw, fl = peaks
+    roof = max(flops / fl, nbytes / bw)
+    res = dict(name=name, batch=batch, q_len=q_len, h_q=h_q, seqlen=seqlen, page_size=page_size, kv_format=kv_format,
+               varlen=varlen, config=str(plan.state.cfg), us=t_run * 1e6, us_step=t_step * 1e6,
+               us_graph=None if t_graph is None else t_graph * 1e6, tflops=flops / t_run / 1e12,
+               gbs=nbytes / t_run / 1e9, roofline_us=roof * 1e6, pct_roofline=100 * roof / t_run,
+               bound="compute" if flops / fl > nbytes / bw else "memory")
+    if report:
+        res.update(kernel_report(plan, q, kv, kv_scale))
+    del q, kv, table, plan, out, lse
+    torch.cuda.empty_cache()
+    return res
+
+
+def grids(names):
+    from mla_dispatch.kernels.triton.decode import KernelConfig
+
+    g = []
+    if "quick" in names:
+        g.append(("flashmla-s1-L8192", dict(batch=128, q_len=1, h_q=128, seqlen=8192), True))
+        g.append(("mem-h16", dict(batch=64, q_len=1, h_q=16, seqlen=8192, varlen=False), True))
+        g.append(("mem-h64", dict(batch=64, q_len=1, h_q=64, seqlen=8192, varlen=False), True))
+        g.append(("graph-b1-L4096", dict(batch=1, q_len=1, h_q=128, seqlen=4096, varlen=False), True))
+    if "flashmla" in names:
+        for s_q in (1, 2):
+            for L in (4096, 8192, 16384, 32768):
+                g.append((f"flashmla-s{s_q}-L{L}", dict(batch=128, q_len=s_q, h_q=128, seqlen=L), True))
+    if "mem" in names:
+        for h in (16, 32, 64):
+            g.append((f"mem-h{h}", dict(batch=64, q_len=1, h_q=h, seqlen=8192, varlen=False), True))
+    if "pages" in names:
+        for ps in (1, 16, 128):
+            for h in (16, 64):
+                g.append((f"page{ps}-h{h}", dict(batch=64, q_len=1, h_q=h, seqlen=8192, varlen=False,
+                                                 page_size=ps), False))
+    if "fp8" in names:
+        for fmt in ("fp8_e4m3", "fp8_ds_mla"):
+            for h in (16, 32, 64):
+                g.append((f"{fmt}-h{h}", dict(batch=64, q_len=1, h_q=h, seqlen=8192, varlen=False,
+                                              kv_format=fmt), True))
+    if "graph" in names:
+        g.append(("graph-b1-L4096", dict(batch=1, q_len=1, h_q=128, seqlen=4096, varlen=False), False))
+        g.append(("graph-b1-L32768", dict(batch=1, q_len=1, h_q=128, seqlen=32768, varlen=False), False))
+    if "choice" in names:
+        # heads on M vs tokens on M for h_q*s_q < 64, and tile shapes for 128 rows
+        variants = {
+            "hM16": KernelConfig(16, 64, 4, 2), "hM32": KernelConfig(32, 64, 4, 2),
+            "hM64w8": KernelConfig(64, 32, 8, 2), "tM16n64": KernelConfig(16, 64, 4, 2, tokens_on_m=True),
+            "tM16n128w8": KernelConfig(16, 128, 8, 2, tokens_on_m=True, chunk_size=128),
+            "tM32n64": KernelConfig(32, 64, 4, 2, tokens_on_m=True),
+        }
+        picks = {16: ("hM16", "hM32", "tM16n64", "tM16n128w8"), 32: ("hM32", "hM64w8", "tM16n64", "tM32n64")}
+        for h in (16, 32):
+            for vname in picks[h]:
+                cfg = variants[vname]
+                g.append((f"choice-h{h}-{vname}", dict(batch=64, q_len=1, h_q=h, seqlen=8192, varlen=False,
+                                                      config=cfg), False))
+        for vname, cfg in {"hM64n32w8": KernelConfig(64, 32, 8, 2), "hM64n64w8": KernelConfig(64, 64, 8, 2),
+                           "hM64n16w4": KernelConfig(64, 16, 4, 2, chunk_size=64),
+                           "hM128n32w8": KernelConfig(128, 32, 8, 2)}.items():
+            g.append((f"choice-h128-{vname}", dict(batch=128, q_len=1, h_q=128, seqlen=8192, config=cfg), False))
+    return g
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--grids", default="flashmla,mem,pages,fp8,graph")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--report", action="store_true", help="registers/spills/wgmma per config")
+    args = ap.parse_args()
+    names = set(args.grids.split(","))
+    print(f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}, triton {triton.__version__}")
+    peaks = measure_peaks()
+    print(f"measured peaks: copy {peaks[0] / 1e12:.2f} TB/s, bf16 matmul {peaks[1] / 1e12:.0f} TFLOP/s")
+    results = []
+    for name, kw, graph in grids(names):
+        t0 = time.time()
+        try:
+            r = bench_one(name, peaks, graph=graph, report=args.report, **kw)
+        except Exception as exc:
+            print(f"{name}: FAILED {type(exc).__name__}: {exc}")
+            continue
+        r["wall_s"] = time.time() - t0
+        results.append(r)
+        extra = f" regs={r.get('regs')} spills={r.get('spills')} wgmma={r.get('wgmma')} mma={r.get('mma_sync')}" \
+            if args.report else ""
+        print(f"{name:28s} {r['us']:9.1f} us  step {r['us_step']:9.1f}  graph "
+              f"{r['us_graph'] if r['us_graph'] is None else round(r['us_graph'], 1)!s:>8}  "
+              f"{r['tflops']:6.1f} TF/s {r['gbs']:7.0f} GB/s  {r['pct_roofline']:5.1f}% ({r['bound']}) "
+              f"[{r['config']}] ({r['wall_s']:.0f}s){extra}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__,
+                           copy_Bps=peaks[0], matmul_flops=peaks[1], results=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

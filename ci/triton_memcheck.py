@@ -1,0 +1,22 @@
+"""A few small Triton decode runs for `compute-sanitizer --tool memcheck` (dense split, causal page 1, sparse ds_mla)."""
+import torch
+
+from mla_dispatch import plan_decode
+from mla_dispatch.backends.reference import reference_attention
+from mla_dispatch.backends.triton import TritonBackend
+from mla_dispatch.testing import compare_outputs, make_case
+
+g = torch.Generator().manual_seed(7)
+cases = [
+    (dict(batch=3, q_len=2, num_heads_q=16, seqlen=300, page_size=64, causal=True, zero_len_rows=1), dict(num_parts=20, overhead=1)),
+    (dict(batch=2, q_len=1, num_heads_q=128, seqlen=200, page_size=1), {}),
+    (dict(batch=2, q_len=2, num_heads_q=16, seqlen=300, page_size=64, topk=64, kv_format="fp8_ds_mla"), {}),
+]
+for kw, ov in cases:
+    c = make_case(device="cuda", generator=g, **kw)
+    plan = plan_decode(*c.args(), backend="triton", **c.kwargs())
+    if ov:
+        plan._state = TritonBackend.make_state(plan.problem, plan.platform, plan.cache_seqlens, **ov)
+    out, lse = plan.run(c.q, c.kv_cache, kv_scale=c.kv_scale, indices=c.indices)
+    ro, rl = reference_attention(*c.args(), **c.kwargs())
+    print(kw, compare_outputs(out, lse, ro, rl, TritonBackend.TOLERANCE).message)

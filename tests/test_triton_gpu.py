@@ -1,0 +1,143 @@
+"""The Triton backend on a GPU against the fp32 reference (DESIGN.md §5 tolerances).
+
+Fresh random data every run (the session seed in the header replays it), output
+poisoned with NaN before every run, NaN in every unused cache slot and garbage
+block ids past every request's length (``make_case``). Speed is never asserted
+here: see ci/bench_triton.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+# (make_case kwargs, make_state overrides); ids are generated from the kwargs
+CASES = [
+    (dict(batch=4, q_len=1, num_heads_q=16, seqlen=300, page_size=64), {}),
+    (dict(batch=4, q_len=1, num_heads_q=128, seqlen=300, page_size=64), {}),
+    (dict(batch=3, q_len=2, num_heads_q=128, seqlen=200, page_size=1, causal=True), {}),
+    (dict(batch=3, q_len=16, num_heads_q=16, seqlen=200, page_size=16, causal=True, zero_len_rows=1), {}),
+    (dict(batch=3, q_len=16, num_heads_q=16, seqlen=200, page_size=16), {}),
+    (dict(batch=4, q_len=1, num_heads_q=1, seqlen=600, page_size=256), {}),
+    (dict(batch=3, q_len=1, num_heads_q=32, num_heads_kv=2, seqlen=300, page_size=100), {}),
+    (dict(batch=2, q_len=4, num_heads_q=8, seqlen=150, page_size=33, causal=True), {}),
+    (dict(batch=4, q_len=1, num_heads_q=64, seqlen=300, page_size=64, dtype=torch.float16), {}),
+    (dict(batch=3, q_len=2, num_heads_q=16, seqlen=300, page_size=16, dtype=torch.float16, causal=True), {}),
+    (dict(batch=4, q_len=1, num_heads_q=16, seqlen=300, page_size=64, kv_format="fp8_e4m3"), {}),
+    (dict(batch=4, q_len=1, num_heads_q=128, seqlen=300, page_size=64, kv_format="fp8_e4m3"), {}),
+    (dict(batch=4, q_len=1, num_heads_q=16, seqlen=300, page_size=64, kv_format="fp8_ds_mla"), {}),
+    (dict(batch=3, q_len=2, num_heads_q=128, seqlen=300, page_size=64, kv_format="fp8_ds_mla", causal=True), {}),
+    (dict(batch=3, q_len=2, num_heads_q=16, seqlen=300, page_size=64, topk=128), {}),
+    (dict(batch=2, q_len=1, num_heads_q=128, seqlen=600, page_size=64, topk=256, kv_format="fp8_ds_mla"), {}),
+    (dict(batch=3, q_len=2, num_heads_q=128, seqlen=400, page_size=64, causal=True, zero_len_rows=1),
+     dict(num_parts=40, overhead=1)),
+    (dict(batch=3, q_len=1, num_heads_q=16, seqlen=400, page_size=16, kv_format="fp8_e4m3"),
+     dict(num_parts=33, overhead=1)),
+    (dict(batch=2, q_len=1, num_heads_q=16, seqlen=200, page_size=64, head_dim_qk=512), {}),
+    (dict(batch=2, q_len=1, num_heads_q=128, seqlen=5000, page_size=64, varlen=False), {}),
+]
+
+
+def _case_id(kw: dict, overrides: dict) -> str:
+    dt = "fp16" if kw.get("dtype") is torch.float16 else "bf16"
+    fmt = kw.get("kv_format") or dt
+    parts = [f"triton-{dt}-{fmt}", f"b{kw['batch']}xs{kw['q_len']}xh{kw['num_heads_q']}",
+             f"ps{kw['page_size']}", f"L{kw['seqlen']}"]
+    if kw.get("num_heads_kv", 1) > 1:
+        parts.append(f"hkv{kw['num_heads_kv']}")
+    if kw.get("head_dim_qk", 576) != 576:
+        parts.append(f"d{kw['head_dim_qk']}")
+    if kw.get("causal"):
+        parts.append("causal")
+    if kw.get("topk"):
+        parts.append(f"topk{kw['topk']}")
+    if kw.get("zero_len_rows"):
+        parts.append("zero")
+    if overrides:
+        parts.append(f"split{overrides['num_parts']}")
+    return "-".join(parts)
+
+
+def _poisoned(case):
+    b, s, h, _ = case.q.shape
+    out = torch.full((b, s, h, case.head_dim_v), float("nan"), dtype=case.q.dtype, device=case.q.device)
+    lse = torch.full((b, h, s), float("nan"), device=case.q.device)
+    return out, lse
+
+
+@pytest.mark.parametrize("kw,overrides", CASES, ids=[_case_id(*c) for c in CASES])
+def test_triton_gpu_matches_reference(kw, overrides, gen):
+    from mla_dispatch import plan_decode
+    from mla_dispatch.backends.reference import reference_attention
+    from mla_dispatch.backends.triton import TritonBackend
+    from mla_dispatch.testing import compare_outputs, make_case
+
+    kw = dict(kw)
+    dtype = kw.pop("dtype", torch.bfloat16)
+    case = make_case(dtype=dtype, device="cuda", generator=gen, **kw)
+    plan = plan_decode(*case.args(), backend="triton", **case.kwargs())
+    if overrides:
+        plan._state = TritonBackend.make_state(plan.problem, plan.platform, plan.cache_seqlens, **overrides)
+        assert bool((plan.state.schedule.num_splits > 1).any()), "schedule override did not split any request"
+    ref_out, ref_lse = reference_attention(*case.args(), **case.kwargs())
+    for _ in range(2):  # a second run over the same plan and workspace must give the same answer
+        out, lse = _poisoned(case)
+        plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale, indices=case.indices, out=out, lse=lse)
+        torch.cuda.synchronize()
+        rep = compare_outputs(out, lse, ref_out, ref_lse, TritonBackend.TOLERANCE)
+        assert rep, rep.message
+
+
+def test_triton_gpu_mla_decode_auto_uses_triton_when_named(gen):
+    from mla_dispatch import mla_decode
+    from mla_dispatch.backends.reference import reference_attention
+    from mla_dispatch.backends.triton import TritonBackend
+    from mla_dispatch.testing import compare_outputs, make_case
+
+    case = make_case(2, 1, 16, 100, page_size=64, device="cuda", generator=gen)
+    out, lse = mla_decode(*case.args(), backend="triton", **case.kwargs())
+    ref_out, ref_lse = reference_attention(*case.args(), **case.kwargs())
+    rep = compare_outputs(out, lse, ref_out, ref_lse, TritonBackend.TOLERANCE)
+    assert rep, rep.message
+
+
+@pytest.mark.parametrize("num_heads_q,q_len", [(16, 1), (128, 2)])
+def test_triton_gpu_cuda_graph_replay_with_new_seqlens(num_heads_q, q_len, gen):
+    """Capture DecodePlan.run once; change cache_seqlens values, plan.update, replay: matches the reference."""
+    from mla_dispatch import plan_decode
+    from mla_dispatch.backends.reference import reference_attention
+    from mla_dispatch.backends.triton import TritonBackend
+    from mla_dispatch.testing import compare_outputs, make_case
+
+    case = make_case(4, q_len, num_heads_q, 2000, page_size=64, device="cuda", generator=gen, causal=q_len > 1)
+    plan = plan_decode(*case.args(), backend="triton", cuda_graph=True, **case.kwargs())
+    out, lse = _poisoned(case)
+    plan.run(case.q, case.kv_cache, out=out, lse=lse)  # compile outside the capture
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    plan.run(case.q, case.kv_cache, out=out, lse=lse)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before, "run() allocated device memory"
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.run(case.q, case.kv_cache, out=out, lse=lse)
+
+    original = case.cache_seqlens.clone()
+    for trial in range(3):
+        # new lengths within each request's filled blocks (slots below the original length hold data)
+        frac = torch.rand(original.shape, generator=gen).to(original.device)
+        new = torch.maximum((original.float() * frac).to(torch.int32), torch.full_like(original, q_len))
+        if trial == 2:
+            new[-1] = 0  # a request that became empty
+        plan.update(cache_seqlens=new)
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        kwargs = case.kwargs()
+        ref_out, ref_lse = reference_attention(case.q, case.kv_cache, case.block_table, new, **kwargs)
+        rep = compare_outputs(out, lse, ref_out, ref_lse, TritonBackend.TOLERANCE)
+        assert rep, f"replay {trial}: {rep.message}"
