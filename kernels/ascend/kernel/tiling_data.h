@@ -1,5 +1,6 @@
 // Tiling data shared by the host (host/tiling.cpp, plain C++) and the AMLA kernel (kernel/*.h).
-// Plain C++: no CANN headers, so g++ compiles and unit-tests the host side.
+// Plain C++: no CANN headers, so g++ compiles and unit-tests the host side. Its use in device code
+// is written, not compiled (no bisheng here).
 //
 // The tiling blob the host copies to the device is
 //   AmlaTilingHeader | AmlaWorkItem[numItems] | int32 partOffsets[numCores + 1]
