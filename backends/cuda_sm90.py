@@ -29,6 +29,9 @@ _KV_FORMAT_CODE = {"bf16": 0, "fp16": 0, "fp8_e4m3": 1, "fp8_ds_mla": 2}
 BLOCK_M = 64  # query rows per CTA tile (kernels/cuda/mla_decode_sm90/config.cuh)
 BLOCK_N = 64  # KV tokens per mainloop step = split-KV chunk size
 SCHEDULE_OVERHEAD = 5
+#: fewest KV chunks a part should get: a split costs a Q-tile load and a 64 x 512 fp32 partial
+#: write, as much traffic as one or two KV tiles, so tiny problems get fewer, longer parts
+MIN_CHUNKS_PER_PART = 2
 #: mainloop of kernels/cuda/mla_decode_sm90: 2 = wgmma (default), 1 = mma.sync (v1, kept for comparison)
 KERNEL_VARIANT = 2  # fixed per-request cost in chunks (FlashMLA uses 5 blocks of 64)
 
@@ -104,7 +107,9 @@ class CudaSM90Backend(MLABackend):
         rows = p.q_len * p.num_heads_q // p.num_heads_kv
         tiles = p.num_heads_kv * math.ceil(rows / BLOCK_M)
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        num_parts = max(sms // tiles, 1)
+        # Upper bound of the work from shapes alone (no host sync): every request at the table's width.
+        max_chunks = p.batch * math.ceil(p.max_blocks * p.page_size / BLOCK_N)
+        num_parts = max(min(sms // tiles, math.ceil(max_chunks / MIN_CHUNKS_PER_PART)), 1)
         schedule = split_kv_schedule(cache_seqlens, num_parts=num_parts, chunk_size=BLOCK_N,
                                      overhead=SCHEDULE_OVERHEAD)
         max_slots = schedule.max_slots

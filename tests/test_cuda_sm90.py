@@ -187,38 +187,53 @@ def test_out_argument_and_default_allocation(gen):
     _check(case, out2, lse)
 
 
-def test_binding_rejects_bad_arguments(gen):
-    case = make_case(2, 1, 16, 100, page_size=64, device="cuda", generator=gen)
-    plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
-    st = plan.state
-    s = st.schedule
-    out, lse = _poisoned(case)
+_BINDING_CHECKS = r"""
+import pytest, torch
+from mla_dispatch import plan_decode
+from mla_dispatch.testing import make_case
+case = make_case(2, 1, 16, 100, page_size=64, device="cuda", generator=torch.Generator().manual_seed(SEED))
+plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
+st, s = plan.state, plan.state.schedule
+out = torch.full((2, 1, 16, 512), float("nan"), dtype=case.q.dtype, device="cuda")
+lse = torch.full((2, 16, 1), float("nan"), device="cuda")
 
-    def call(**over):
-        args = dict(q=case.q, kv_cache=case.kv_cache, block_table=case.block_table, cache_seqlens=case.cache_seqlens,
-                    items=s.items, part_offsets=s.part_offsets, kv_scale=None, out=out, lse=lse,
-                    partial_out=st.partial_out, partial_lse=st.partial_lse, num_splits=s.num_splits,
-                    first_slot=st.first_slot, softmax_scale=0.1, causal=False, kv_format=0, variant=2)
-        args.update(over)
-        torch.ops.mla_dispatch.cuda_sm90_decode(*args.values())
+def call(**over):
+    args = dict(q=case.q, kv_cache=case.kv_cache, block_table=case.block_table, cache_seqlens=case.cache_seqlens,
+                items=s.items, part_offsets=s.part_offsets, kv_scale=None, out=out, lse=lse,
+                partial_out=st.partial_out, partial_lse=st.partial_lse, num_splits=s.num_splits,
+                first_slot=st.first_slot, softmax_scale=0.1, causal=False, kv_format=0, variant=2)
+    args.update(over)
+    torch.ops.mla_dispatch.cuda_sm90_decode(*args.values())
 
-    with pytest.raises(ValueError, match="q must be bfloat16 or float16"):
-        call(q=case.q.float())
-    with pytest.raises(ValueError, match=r"q must be \[B, s_q, h_q, 576\]"):
-        call(q=case.q[..., :512])
-    with pytest.raises(ValueError, match="block_table must be int32"):
-        call(block_table=case.block_table.long())
-    with pytest.raises(ValueError, match="out must be"):
-        call(out=out.float())
-    with pytest.raises(ValueError, match="lse must be float32"):
-        call(lse=lse.double())
-    with pytest.raises(ValueError, match="kv_scale must be"):
-        call(kv_format=1, kv_cache=case.kv_cache.view(torch.uint8)[..., :576].contiguous())
-    with pytest.raises(ValueError, match="variant must be 1"):
-        call(variant=3)
-    with pytest.raises(ValueError, match="must be a CUDA tensor"):
-        call(q=case.q.cpu())
-    call()  # the unmodified call is accepted
+for over, pattern in [
+    (dict(q=case.q.float()), "q must be bfloat16 or float16"),
+    (dict(q=case.q[..., :512]), r"q must be \[B, s_q, h_q, 576\]"),
+    (dict(block_table=case.block_table.long()), "block_table must be int32"),
+    (dict(cache_seqlens=case.cache_seqlens[:1]), "cache_seqlens must be contiguous"),
+    (dict(out=out.float()), "out must be"),
+    (dict(lse=lse.double()), "lse must be float32"),
+    (dict(kv_format=1, kv_cache=case.kv_cache.view(torch.uint8)[..., :576].contiguous()), "kv_scale must be"),
+    (dict(variant=3), "variant must be 1"),
+    (dict(q=case.q.cpu()), "must be a CUDA tensor"),
+]:
+    with pytest.raises(ValueError, match=pattern):
+        call(**over)
+    print("ok", pattern, flush=True)
+call()  # the unmodified call is accepted
+torch.cuda.synchronize()
+assert not torch.isnan(out).any()
+print("ALL OK")
+"""
+
+
+def test_binding_rejects_bad_arguments(seed):
+    # In a subprocess: a crash in the binding's error path must fail this test, not the session.
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _BINDING_CHECKS.replace("SEED", str(seed))], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0 and "ALL OK" in proc.stdout, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
 
 
 def test_opcheck(gen):

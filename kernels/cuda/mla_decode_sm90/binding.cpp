@@ -18,11 +18,15 @@ std::string shape_str(const at::Tensor& t) {
   return s + "]";
 }
 
+// Plain strings only in messages (c10::str of at::Device crashed in the error path here).
+std::string dev_str(const at::Device& d) { return d.is_cuda() ? "cuda:" + std::to_string(d.index()) : "cpu"; }
+const char* dtype_str(at::ScalarType t) { return c10::toString(t); }
+
 #define MLA_CHECK(cond, ...) TORCH_CHECK_VALUE(cond, "cuda_sm90_decode: ", __VA_ARGS__)
 
 void check_cuda_int32(const at::Tensor& t, const char* name, int64_t dims, const at::Device& dev) {
-  MLA_CHECK(t.device() == dev, name, " must be on ", dev, ", got ", t.device());
-  MLA_CHECK(t.scalar_type() == at::kInt, name, " must be int32, got ", t.scalar_type());
+  MLA_CHECK(t.device() == dev, name, " must be on ", dev_str(dev), ", got ", dev_str(t.device()));
+  MLA_CHECK(t.scalar_type() == at::kInt, name, " must be int32, got ", dtype_str(t.scalar_type()));
   MLA_CHECK(t.dim() == dims, name, " must be ", dims, "-D, got shape ", shape_str(t));
 }
 
@@ -32,33 +36,33 @@ void cuda_sm90_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tenso
                       const at::Tensor& partial_out, const at::Tensor& partial_lse, const at::Tensor& num_splits,
                       const at::Tensor& first_slot, double softmax_scale, bool causal, int64_t kv_format,
                       int64_t variant) {
-  MLA_CHECK(q.is_cuda(), "q must be a CUDA tensor, got device ", q.device());
+  MLA_CHECK(q.is_cuda(), "q must be a CUDA tensor, got device ", dev_str(q.device()));
   const at::Device dev = q.device();
   MLA_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
-            "q must be bfloat16 or float16, got ", q.scalar_type());
+            "q must be bfloat16 or float16, got ", dtype_str(q.scalar_type()));
   MLA_CHECK(q.dim() == 4 && q.size(3) == kDQK, "q must be [B, s_q, h_q, 576], got ", shape_str(q));
   MLA_CHECK(q.stride(3) == 1, "q must be contiguous in its last dim");
   const int64_t B = q.size(0), s_q = q.size(1), h_q = q.size(2);
   MLA_CHECK(kv_format >= 0 && kv_format <= 2, "kv_format must be 0 (q dtype), 1 (fp8_e4m3) or 2 (fp8_ds_mla), got ",
             kv_format);
-  MLA_CHECK(kv.device() == dev, "kv_cache must be on ", dev, ", got ", kv.device());
+  MLA_CHECK(kv.device() == dev, "kv_cache must be on ", dev_str(dev), ", got ", dev_str(kv.device()));
   MLA_CHECK(kv.dim() == 4, "kv_cache must be 4-D [num_blocks, page_size, h_kv, D], got ", shape_str(kv));
   MLA_CHECK(kv.stride(3) == 1, "kv_cache must be contiguous in its last dim");
   if (kv_format == 0) {
-    MLA_CHECK(kv.scalar_type() == q.scalar_type(), "kv_cache dtype must equal q's (", q.scalar_type(), "), got ",
-              kv.scalar_type());
+    MLA_CHECK(kv.scalar_type() == q.scalar_type(), "kv_cache dtype must equal q's (", dtype_str(q.scalar_type()), "), got ",
+              dtype_str(kv.scalar_type()));
     MLA_CHECK(kv.size(3) == kDQK, "kv_cache last dim must be 576, got ", kv.size(3));
   } else if (kv_format == 1) {
-    MLA_CHECK(kv.element_size() == 1, "fp8_e4m3 kv_cache must have 1-byte elements, got ", kv.scalar_type());
+    MLA_CHECK(kv.element_size() == 1, "fp8_e4m3 kv_cache must have 1-byte elements, got ", dtype_str(kv.scalar_type()));
     MLA_CHECK(kv.size(3) == kDQK, "kv_cache last dim must be 576, got ", kv.size(3));
     MLA_CHECK(kv_scale.has_value() && kv_scale->device() == dev && kv_scale->scalar_type() == at::kFloat &&
                   kv_scale->numel() == 1,
-              "kv_scale must be a float32 tensor of one element on ", dev, " for fp8_e4m3");
+              "kv_scale must be a float32 tensor of one element on ", dev_str(dev), " for fp8_e4m3");
   } else {
-    MLA_CHECK(kv.element_size() == 1, "fp8_ds_mla kv_cache must have 1-byte elements, got ", kv.scalar_type());
+    MLA_CHECK(kv.element_size() == 1, "fp8_ds_mla kv_cache must have 1-byte elements, got ", dtype_str(kv.scalar_type()));
     MLA_CHECK(kv.size(3) == kDsMlaBytes, "fp8_ds_mla kv_cache last dim must be 656 bytes, got ", kv.size(3));
     MLA_CHECK(kv.stride(2) % 16 == 0 && kv.stride(1) % 16 == 0 && kv.stride(0) % 16 == 0,
-              "fp8_ds_mla kv_cache strides must be multiples of 16 bytes, got ", kv.strides());
+              "fp8_ds_mla kv_cache strides must be multiples of 16 bytes");
   }
   const int64_t h_kv = kv.size(2);
   MLA_CHECK(h_kv >= 1 && h_q % h_kv == 0, "h_q (", h_q, ") must be a multiple of h_kv (", h_kv, ")");
@@ -78,12 +82,12 @@ void cuda_sm90_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tenso
   MLA_CHECK(num_splits.size(0) == B && first_slot.size(0) == B, "num_splits and first_slot must be [", B, "]");
   MLA_CHECK(out.device() == dev && out.scalar_type() == q.scalar_type() && out.dim() == 4 && out.size(0) == B &&
                 out.size(1) == s_q && out.size(2) == h_q && out.size(3) == kDV && out.stride(3) == 1,
-            "out must be [", B, ", ", s_q, ", ", h_q, ", 512] ", q.scalar_type(), " on ", dev, ", got ",
-            shape_str(out), " ", out.scalar_type());
+            "out must be [", B, ", ", s_q, ", ", h_q, ", 512] ", dtype_str(q.scalar_type()), " on ", dev_str(dev),
+            ", got ", shape_str(out), " ", dtype_str(out.scalar_type()));
   MLA_CHECK(lse.device() == dev && lse.scalar_type() == at::kFloat && lse.dim() == 3 && lse.size(0) == B &&
                 lse.size(1) == h_q && lse.size(2) == s_q && lse.stride(2) == 1,
-            "lse must be float32 [", B, ", ", h_q, ", ", s_q, "] on ", dev, ", got ", shape_str(lse), " ",
-            lse.scalar_type());
+            "lse must be float32 [", B, ", ", h_q, ", ", s_q, "] on ", dev_str(dev), ", got ", shape_str(lse), " ",
+            dtype_str(lse.scalar_type()));
   const int64_t max_slots = partial_lse.size(0);
   MLA_CHECK(partial_out.device() == dev && partial_out.scalar_type() == at::kFloat && partial_out.is_contiguous() &&
                 partial_out.dim() == 4 && partial_out.size(1) == s_q && partial_out.size(2) == h_q &&
@@ -104,8 +108,8 @@ void cuda_sm90_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tenso
       if ((t.stride(d) * t.element_size()) % 16 != 0) return false;
     return true;
   };
-  MLA_CHECK(aligned16(q, 3), "q rows must start at 16-byte boundaries (strides ", q.strides(), ")");
-  MLA_CHECK(aligned16(kv, 3), "kv_cache tokens must start at 16-byte boundaries (strides ", kv.strides(), ")");
+  MLA_CHECK(aligned16(q, 3), "q rows must start at 16-byte boundaries");
+  MLA_CHECK(aligned16(kv, 3), "kv_cache tokens must start at 16-byte boundaries");
   MLA_CHECK(aligned16(partial_out, 3), "partial_out must be 16-byte aligned");
   if (B == 0) return;
 

@@ -10,63 +10,62 @@
 
 namespace mla_sm90 {
 
-constexpr int kCombineWarps = 8;
+// One 128-thread block per (request, row); each thread owns 4 of the 512 channels.
+// The slot loop is unrolled so several 16-byte loads are in flight per thread
+// (v1 walked the slots one dependent load at a time: 30 us for 64 splits).
+constexpr int kCombineThreads = 128;
 
 template <typename T>
-__global__ void __launch_bounds__(kCombineWarps * 32) mla_combine_kernel(const __grid_constant__ CombineParams p) {
+__global__ void __launch_bounds__(kCombineThreads) mla_combine_kernel(const __grid_constant__ CombineParams p) {
   using TT = TypeTraits<T>;
-  const int b = blockIdx.x;
+  const int b = blockIdx.y;
   const int n = p.num_splits[b];
   if (n <= 1) return;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int rows = p.q_len * p.heads_q;
-  const int row = blockIdx.y * kCombineWarps + warp;
-  if (row >= rows) return;
+  const int row = blockIdx.x;
   const int i = row / p.heads_q, h = row % p.heads_q;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int64_t first = p.first_slot[b];
-  const float* plse = p.partial_lse + first * rows + row;
+  const float* __restrict__ plse = p.partial_lse + first * rows + row;
+  __shared__ float red[kCombineThreads / 32];
 
   float m = -INFINITY;
-  for (int s = lane; s < n; s += 32) m = fmaxf(m, plse[(int64_t)s * rows]);
+  for (int s = tid; s < n; s += kCombineThreads) m = fmaxf(m, plse[(int64_t)s * rows]);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
+  if (lane == 0) red[warp] = m;
+  __syncthreads();
+  m = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
 
   T* dst = reinterpret_cast<T*>(p.out) + (int64_t)b * p.out_stride_b + (int64_t)i * p.out_stride_s +
-           (int64_t)h * p.out_stride_h;
+           (int64_t)h * p.out_stride_h + tid * 4;
   float* lse_dst = p.lse + (int64_t)b * p.lse_stride_b + (int64_t)h * p.lse_stride_h + i;
   if (m == -INFINITY) {  // no slot saw a key
-    for (int d = lane * 2; d < DecodeConfig::kHeadDimV; d += 64)
-      *reinterpret_cast<typename TT::T2*>(dst + d) = TT::from_float2(0.f, 0.f);
-    if (lane == 0) *lse_dst = INFINITY;
+    *reinterpret_cast<typename TT::T2*>(dst) = TT::from_float2(0.f, 0.f);
+    *reinterpret_cast<typename TT::T2*>(dst + 2) = TT::from_float2(0.f, 0.f);
+    if (tid == 0) *lse_dst = INFINITY;
     return;
   }
-  float acc[16];
-#pragma unroll
-  for (int k = 0; k < 16; ++k) acc[k] = 0.f;
+  const float4* __restrict__ src =
+      reinterpret_cast<const float4*>(p.partial_out + (first * rows + row) * DecodeConfig::kHeadDimV) + tid;
+  const int64_t slot_stride4 = (int64_t)rows * DecodeConfig::kHeadDimV / 4;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   float denom = 0.f;
+#pragma unroll 4
   for (int s = 0; s < n; ++s) {
     const float l = plse[(int64_t)s * rows];
-    const float w = l == -INFINITY ? 0.f : __expf(l - m);
+    const float w = l == -INFINITY ? 0.f : __expf(l - m);  // a -inf slot wrote out = 0
+    const float4 v = src[s * slot_stride4];
     denom += w;
-    if (w == 0.f) continue;
-    const float4* src = reinterpret_cast<const float4*>(p.partial_out + ((first + s) * rows + row) * DecodeConfig::kHeadDimV);
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const float4 v = src[lane + 32 * k];
-      acc[4 * k + 0] += w * v.x;
-      acc[4 * k + 1] += w * v.y;
-      acc[4 * k + 2] += w * v.z;
-      acc[4 * k + 3] += w * v.w;
-    }
+    acc.x += w * v.x;
+    acc.y += w * v.y;
+    acc.z += w * v.z;
+    acc.w += w * v.w;
   }
   const float inv = 1.f / denom;
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const int d = (lane + 32 * k) * 4;
-    *reinterpret_cast<typename TT::T2*>(dst + d) = TT::from_float2(acc[4 * k] * inv, acc[4 * k + 1] * inv);
-    *reinterpret_cast<typename TT::T2*>(dst + d + 2) = TT::from_float2(acc[4 * k + 2] * inv, acc[4 * k + 3] * inv);
-  }
-  if (lane == 0) *lse_dst = m + logf(denom);
+  *reinterpret_cast<typename TT::T2*>(dst) = TT::from_float2(acc.x * inv, acc.y * inv);
+  *reinterpret_cast<typename TT::T2*>(dst + 2) = TT::from_float2(acc.z * inv, acc.w * inv);
+  if (tid == 0) *lse_dst = m + logf(denom);
 }
 
 }  // namespace mla_sm90

@@ -45,12 +45,12 @@ int launch_decode(const DecodeParams& p, int grid_parts, void* stream) {
 int launch_combine(const CombineParams& p, void* stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const int rows = p.q_len * p.heads_q;
-  dim3 grid(p.batch, (rows + kCombineWarps - 1) / kCombineWarps);
-  if (p.batch == 0) return 0;
+  if (p.batch == 0 || rows == 0) return 0;
+  dim3 grid(rows, p.batch);
   if (p.q_is_bf16)
-    mla_combine_kernel<__nv_bfloat16><<<grid, kCombineWarps * 32, 0, s>>>(p);
+    mla_combine_kernel<__nv_bfloat16><<<grid, kCombineThreads, 0, s>>>(p);
   else
-    mla_combine_kernel<__half><<<grid, kCombineWarps * 32, 0, s>>>(p);
+    mla_combine_kernel<__half><<<grid, kCombineThreads, 0, s>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
 

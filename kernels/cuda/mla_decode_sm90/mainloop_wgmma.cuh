@@ -147,14 +147,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
       const T* sKj = sK + (j & 1) * Cfg::kKElems;
       T* sKnext = sK + ((j + 1) & 1) * Cfg::kKElems;
       const bool has_next = j + 1 < num_tiles;
-      if (has_next) {
-        if constexpr (KvFmt == kKvSameAsQ) {
-          load_kv_async<T, L>(p, sKnext, req, kvh, t0 + Cfg::kBlockN, tok_end);
-          cp_async_commit();
-        } else {
-          load_kv_fp8_regs<KvFmt>(p, fp8_stage, req, kvh, t0 + Cfg::kBlockN, tok_end);
-        }
-      }
 
       // -- S = Q K^T, this warpgroup's 32 tokens
       float acc_s[16];
@@ -167,6 +159,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
         gmma_call<typename Gmma<T>::QK>(da, db, acc_s, kk > 0, std::make_index_sequence<16>{});
       }
       cute::warpgroup_commit_batch();
+      // Issue the loads of tile j+1 while the tensor cores run S (wgmma is asynchronous).
+      if (has_next) {
+        if constexpr (KvFmt == kKvSameAsQ) {
+          load_kv_async<T, L>(p, sKnext, req, kvh, t0 + Cfg::kBlockN, tok_end);
+          cp_async_commit();
+        } else {
+          load_kv_fp8_regs<KvFmt>(p, fp8_stage, req, kvh, t0 + Cfg::kBlockN, tok_end);
+        }
+      }
       cute::warpgroup_wait<0>();
       fence_regs<16>(acc_s);
 
@@ -237,9 +238,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
         gmma_call<typename Gmma<T>::PV>(da, db, acc_o, true, std::make_index_sequence<128>{});
       }
       cute::warpgroup_commit_batch();
-      cute::warpgroup_wait<0>();
-      fence_regs<128>(acc_o);
-
+      // Land tile j+1 (fp8: dequantise into the other stage) while the tensor cores run P V.
       if (has_next) {
         if constexpr (KvFmt == kKvSameAsQ) {
           cp_async_wait_all();
@@ -248,6 +247,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
         }
         fence_proxy_async_smem();
       }
+      cute::warpgroup_wait<0>();
+      fence_regs<128>(acc_o);
       __syncthreads();
     }
 
