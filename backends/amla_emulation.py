@@ -1,8 +1,8 @@
 """The AMLA emulation as a backend: conformance runs of the Ascend algorithm on any device.
 
-Runs :func:`mla_dispatch.kernels.ascend.amla_emulation.amla_decode` (through
-the registered op ``mla_dispatch::amla_decode``'s CPU/CUDA kernels): the
-recurrence our Ascend C kernel executes, with its int32 exponent adds, bf16
+Runs :func:`mla_dispatch.kernels.ascend.amla_emulation.amla_decode` directly
+(not through the op ``mla_dispatch::amla_decode``, whose NPU kernel is the
+thing under test on an Ascend box): the recurrence our Ascend C kernel executes, with its int32 exponent adds, bf16
 casts, compensation, guards and split-KV combine. It is slow (a Python loop
 over work items) and is never chosen by ``backend="auto"``: it is a built-in
 outside the priority table. Ask for it by name::
@@ -11,8 +11,6 @@ outside the priority table. Ask for it by name::
 """
 
 from __future__ import annotations
-
-import torch
 
 from mla_dispatch.backend import BackendState, CGSupport, MLABackend, Reason, ReasonCode, Tolerance
 from mla_dispatch.problem import DecodeProblem
@@ -38,9 +36,9 @@ class AMLAEmulationBackend(MLABackend):
     @classmethod
     def _check_availability(cls) -> list[Reason]:
         try:
-            import mla_dispatch.kernels.ascend.ops  # noqa: F401  (defines the op and its CPU/CUDA kernels)
+            import mla_dispatch.kernels.ascend.amla_emulation  # noqa: F401
         except Exception as exc:
-            return [Reason(ReasonCode.UNAVAILABLE, f"import mla_dispatch.kernels.ascend.ops failed: "
+            return [Reason(ReasonCode.UNAVAILABLE, f"import mla_dispatch.kernels.ascend.amla_emulation failed: "
                                                    f"{type(exc).__name__}: {exc}")]
         return []
 
@@ -56,5 +54,9 @@ class AMLAEmulationBackend(MLABackend):
     @classmethod
     def run(cls, state: BackendState, q, kv_cache, block_table, cache_seqlens, *, problem: DecodeProblem,
             softmax_scale, kv_scale, indices, out, lse) -> None:
-        torch.ops.mla_dispatch.amla_decode(q, kv_cache, block_table, cache_seqlens, state.seqlens_host, out, lse,
-                                           softmax_scale, problem.causal, state.num_cores)
+        from mla_dispatch.kernels.ascend.amla_emulation import amla_decode
+
+        o, l = amla_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=problem.head_dim_v,
+                           softmax_scale=softmax_scale, causal=problem.causal, num_cores=state.num_cores)
+        out.copy_(o)
+        lse.copy_(l)

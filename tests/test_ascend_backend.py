@@ -109,7 +109,7 @@ def test_ascend_amla_by_name_off_npu_raises(gen):
 
 
 def test_op_schema_and_fake(gen):
-    case = make_case(2, 2, 16, 600, page_size=64, causal=True, generator=gen)
+    case = make_case(2, 2, 16, 150, page_size=64, causal=True, generator=gen)
     out = torch.empty(2, 2, 16, 512, dtype=torch.bfloat16)
     lse = torch.empty(2, 16, 2)
     args = (case.q, case.kv_cache, case.block_table, case.cache_seqlens, case.cache_seqlens.tolist(), out, lse,

@@ -164,7 +164,7 @@ def test_end_to_end_simulated_npu(npu, monkeypatch, gen, ops, batch, q_len, head
 
 def test_plan_reused_across_layers_and_updated(npu, monkeypatch, gen):
     _install(monkeypatch, make_fake_torch_npu())
-    case = make_case(2, 1, 32, 400, page_size=128, generator=gen)
+    case = make_case(2, 1, 32, 400, page_size=128, varlen=False, generator=gen)
     plan = mla_dispatch.plan_decode(*case.args(), softmax_scale=case.softmax_scale, return_lse=False)
     assert plan.backend == "torch_npu"
     for _ in range(2):  # two "layers"

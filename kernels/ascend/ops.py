@@ -34,7 +34,7 @@ _SCHEMA = (
     "Tensor(a!) out, Tensor(b!) lse, float softmax_scale, bool causal, int num_cores) -> ()"
 )
 
-_lib = torch.library.Library("mla_dispatch", "FRAGMENT")  # noqa: the op's owner for this process
+_lib = torch.library.Library("mla_dispatch", "FRAGMENT")  # owns the op's definition in this process
 _lib.define(_SCHEMA)
 
 
