@@ -29,9 +29,6 @@ _KV_FORMAT_CODE = {"bf16": 0, "fp16": 0, "fp8_e4m3": 1, "fp8_ds_mla": 2}
 BLOCK_M = 64  # query rows per CTA tile (kernels/cuda/mla_decode_sm90/config.cuh)
 BLOCK_N = 64  # KV tokens per mainloop step = split-KV chunk size
 SCHEDULE_OVERHEAD = 5
-#: fewest KV chunks a part should get: a split costs a Q-tile load and a 64 x 512 fp32 partial
-#: write, as much traffic as one or two KV tiles, so tiny problems get fewer, longer parts
-MIN_CHUNKS_PER_PART = 2
 #: mainloop of kernels/cuda/mla_decode_sm90: 2 = wgmma (default), 1 = mma.sync (v1, kept for comparison)
 KERNEL_VARIANT = 2  # fixed per-request cost in chunks (FlashMLA uses 5 blocks of 64)
 
@@ -85,6 +82,9 @@ class CudaSM90Backend(MLABackend):
     SUPPORTS_LSE = True
     SUPPORTS_SPARSE = False
     CUDA_GRAPH = CGSupport.ALWAYS
+    #: fewest KV chunks (of 64 tokens) a split-KV part should get: a split costs a Q-tile load and a
+    #: 64 x 512 fp32 partial write, as much traffic as one or two KV tiles
+    MIN_CHUNKS_PER_PART = 2
 
     @classmethod
     def _check_availability(cls) -> list[Reason]:
@@ -109,7 +109,7 @@ class CudaSM90Backend(MLABackend):
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         # Upper bound of the work from shapes alone (no host sync): every request at the table's width.
         max_chunks = p.batch * math.ceil(p.max_blocks * p.page_size / BLOCK_N)
-        num_parts = max(min(sms // tiles, math.ceil(max_chunks / MIN_CHUNKS_PER_PART)), 1)
+        num_parts = max(min(sms // tiles, math.ceil(max_chunks / cls.MIN_CHUNKS_PER_PART)), 1)
         schedule = split_kv_schedule(cache_seqlens, num_parts=num_parts, chunk_size=BLOCK_N,
                                      overhead=SCHEDULE_OVERHEAD)
         max_slots = schedule.max_slots

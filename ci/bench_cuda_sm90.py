@@ -64,6 +64,9 @@ def make_inputs(b, s_q, h_q, L, *, page_size=64, varlen=True, kv_format="bf16", 
 
 
 def bench_one(cfg, peaks, variant=2):
+    from mla_dispatch.backends.cuda_sm90 import CudaSM90Backend
+
+    CudaSM90Backend.MIN_CHUNKS_PER_PART = cfg.get("min_chunks", 2)
     b, s_q, h_q, L = cfg["b"], cfg["s_q"], cfg["h_q"], cfg["L"]
     fmt = cfg.get("fmt", "bf16")
     ps = cfg.get("ps", 64)
@@ -104,10 +107,31 @@ CONFIGS = (
     + [dict(group="membound", b=64, s_q=1, h_q=h, L=8192, varlen=False) for h in (16, 32, 64)]
     + [dict(group="small", b=1, s_q=1, h_q=128, L=4096, varlen=False), dict(group="small", b=1, s_q=1, h_q=128, L=32768, varlen=False),
        dict(group="small", b=8, s_q=1, h_q=128, L=8192, varlen=False), dict(group="small", b=32, s_q=1, h_q=128, L=4096, varlen=False)]
+    + [dict(group="small1", b=1, s_q=1, h_q=128, L=4096, varlen=False, min_chunks=1),
+       dict(group="small1", b=8, s_q=1, h_q=128, L=8192, varlen=False, min_chunks=1)]
     + [dict(group="pages", b=64, s_q=1, h_q=64, L=8192, varlen=False, ps=ps) for ps in (16, 128, 256)]
     + [dict(group="fp8", b=64, s_q=1, h_q=16, L=8192, varlen=False, fmt=f) for f in ("fp8_e4m3", "fp8_ds_mla")]
     + [dict(group="fp8", b=128, s_q=1, h_q=128, L=8192, fmt=f) for f in ("fp8_e4m3", "fp8_ds_mla")]
 )
+
+
+def host_overhead_us(n=2000):
+    """Host time per eager DecodePlan.run on a tiny problem (Python + op dispatch + 2 kernel launches)."""
+    import time
+
+    q, kv, table, lens, _ = make_inputs(1, 1, 16, 64, varlen=False)
+    plan = plan_decode(q, kv, table, lens, backend="cuda_sm90")
+    out = torch.empty(1, 1, 16, 512, dtype=q.dtype, device="cuda")
+    lse = torch.empty(1, 16, 1, dtype=torch.float32, device="cuda")
+    for _ in range(100):
+        plan.run(q, kv, out=out, lse=lse)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        plan.run(q, kv, out=out, lse=lse)
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e6
 
 
 def main():
@@ -133,6 +157,7 @@ def main():
               f"{r.get('fmt', 'bf16'):10s} {str(r.get('causal', False)):6s} {r['us_eager']:9.1f} {r['us_graph']:9.1f} "
               f"{r['tflops']:8.1f} {r['gbps']:7.0f} {r['roofline_pct']:6.1f} {r['bound']}", flush=True)
     print(hdr)
+    print(f"host time per eager DecodePlan.run (tiny problem, incl. 2 kernel launches): {host_overhead_us():.1f} us")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(peaks=peaks, rows=rows), f, indent=1)

@@ -6,6 +6,9 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <string>
+#include <type_traits>
+
 #include "params.h"
 
 namespace {
@@ -18,11 +21,29 @@ std::string shape_str(const at::Tensor& t) {
   return s + "]";
 }
 
-// Plain strings only in messages (c10::str of at::Device crashed in the error path here).
+// Messages are built by plain string concatenation, only on failure (c10::str
+// streaming of integers crashed in this error path on the device build).
+inline void append(std::string& s, const char* v) { s += v; }
+inline void append(std::string& s, const std::string& v) { s += v; }
+inline void append(std::string& s, double v) { s += std::to_string(v); }
+template <typename I, typename = std::enable_if_t<std::is_integral_v<I>>>
+inline void append(std::string& s, I v) { s += std::to_string(v); }
+template <typename... A>
+std::string cat(const A&... a) {
+  std::string s;
+  (append(s, a), ...);
+  return s;
+}
 std::string dev_str(const at::Device& d) { return d.is_cuda() ? "cuda:" + std::to_string(d.index()) : "cpu"; }
-const char* dtype_str(at::ScalarType t) { return c10::toString(t); }
+std::string dtype_str(at::ScalarType t) { return std::string(c10::toString(t)); }
 
-#define MLA_CHECK(cond, ...) TORCH_CHECK_VALUE(cond, "cuda_sm90_decode: ", __VA_ARGS__)
+#define MLA_CHECK(cond, ...)                                                 \
+  do {                                                                       \
+    if (!(cond)) {                                                           \
+      const std::string mla_msg_ = cat("cuda_sm90_decode: ", __VA_ARGS__);   \
+      TORCH_CHECK_VALUE(false, mla_msg_);                                    \
+    }                                                                        \
+  } while (0)
 
 void check_cuda_int32(const at::Tensor& t, const char* name, int64_t dims, const at::Device& dev) {
   MLA_CHECK(t.device() == dev, name, " must be on ", dev_str(dev), ", got ", dev_str(t.device()));

@@ -218,12 +218,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
           *reinterpret_cast<typename TT::T2*>(sP + L::offset(row_local[h], col)) = v;
         }
       }
+      // Rescale O only when some row maximum of this warp moved (rare after the first tiles).
+      if (__any_sync(0xffffffff, scale_o[0] != 1.f || scale_o[1] != 1.f)) {
 #pragma unroll
-      for (int n = 0; n < 32; ++n) {
-        acc_o[4 * n + 0] *= scale_o[0];
-        acc_o[4 * n + 1] *= scale_o[0];
-        acc_o[4 * n + 2] *= scale_o[1];
-        acc_o[4 * n + 3] *= scale_o[1];
+        for (int n = 0; n < 32; ++n) {
+          acc_o[4 * n + 0] *= scale_o[0];
+          acc_o[4 * n + 1] *= scale_o[0];
+          acc_o[4 * n + 2] *= scale_o[1];
+          acc_o[4 * n + 3] *= scale_o[1];
+        }
       }
       fence_proxy_async_smem();
       __syncthreads();  // both halves of P are in place
