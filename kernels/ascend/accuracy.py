@@ -10,10 +10,14 @@ for every method), then compare the output of
   fp32 accumulation (:func:`~mla_dispatch.kernels.ascend.amla_emulation.base_rows`),
 
 with the fp32 golden (exact softmax, fp32 P) by the relative Frobenius error
-``||O - O_gold||_F / ||O_gold||_F``, averaged over the samples. The error is
-taken on the fp32 result before the final cast to bf16 (the cast adds the same
-~1e-3 to both methods and would hide the difference between them); the bf16
-output's error is reported too.
+``||O - O_gold||_F / ||O_gold||_F``, averaged over the samples. Two columns
+per method: the error of the bf16 output the kernel returns (the quantity the
+paper's Tables 3/4 report, as far as we can tell: our Base at N(0, 1), 8K,
+h_q=128 measures 1.775e-3, the paper's figure as quoted in DESIGN.md is
+~1.77e-3; the paper's tables themselves could not be read here) and of the fp32 result before that final cast, which
+isolates the algorithms (the cast adds the same ~1.7e-3 to both) and shows
+AMLA's intrinsic extra error; the acceptance criterion (AMLA within 5% of
+Base) is applied to the bf16 output.
 """
 
 from __future__ import annotations
@@ -113,7 +117,7 @@ def run_study(
 
 def format_table(rows: list[StudyRow], title: str = "") -> str:
     """Markdown table of a study."""
-    lines = [title] if title else []
+    lines = [title, ""] if title else []
     lines += [
         "| inputs | samples | Base | AMLA | AMLA/Base | AMLA no comp. | Base (bf16 out) | AMLA (bf16 out) |",
         "|---|---|---|---|---|---|---|---|",
