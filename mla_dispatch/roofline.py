@@ -146,7 +146,7 @@ class Ceilings:
     how: str  # what was measured, in words (sizes, dtype, timer)
 
     def describe(self) -> str:
-        return f"copy {self.bytes_per_s / 1e12:.3g} TB/s, matmul {self.flops_per_s / 1e12:.3g} TFLOP/s ({self.how})"
+        return f"copy {self.bytes_per_s / 1e12:#.3g} TB/s, matmul {self.flops_per_s / 1e12:#.3g} TFLOP/s ({self.how})"
 
 
 def measure_ceilings(device: torch.device | str, *, copy_bytes: int | None = None, matmul_n: int | None = None,
