@@ -106,15 +106,27 @@ private:
             SetFlag<HardEvent::MTE2_V>(EVENT_ID0);
             WaitFlag<HardEvent::MTE2_V>(EVENT_ID0);
             Muls(sc, sc, tv_.h.softmaxScale, rows * kKvBlock);
-            PipeBarrier<PIPE_V>();
+            SetFlag<HardEvent::V_S>(EVENT_ID0);
+            WaitFlag<HardEvent::V_S>(EVENT_ID0);
             for (uint32_t k = 0; k < rows; ++k) {
                 const uint32_t row = rowBegin_ + r + k;  // row of the request (token-major)
                 const int32_t vis = VisibleKeys(tv_.h, length, row) - int32_t(blockStart);
                 const uint32_t valid = vis <= 0 ? 0 : (uint32_t(vis) < blockLen ? uint32_t(vis) : blockLen);
-                if (valid < kKvBlock) {
-                    Duplicate(sc[k * kKvBlock + valid], kNegInf, kKvBlock - valid);  // tail / causal cut: -inf
+                // Tokens past the row's visible range (block tail, causal cut) -> -inf. Vector operands
+                // must start 32-byte aligned: the up-to-7 elements before the next multiple of 8 are set
+                // by the scalar unit, the rest by Duplicate.
+                const uint32_t aligned = CeilDivU(valid, 8) * 8;
+                for (uint32_t t = valid; t < aligned && t < kKvBlock; ++t) {
+                    sc.SetValue(k * kKvBlock + t, kNegInf);
+                }
+                if (aligned < kKvBlock) {
+                    SetFlag<HardEvent::S_V>(EVENT_ID0);
+                    WaitFlag<HardEvent::S_V>(EVENT_ID0);
+                    Duplicate(sc[k * kKvBlock + aligned], kNegInf, kKvBlock - aligned);
                 }
             }
+            SetFlag<HardEvent::S_V>(EVENT_ID0);
+            WaitFlag<HardEvent::S_V>(EVENT_ID0);
             PipeBarrier<PIPE_V>();
             Step(sc, rows, r, s, ring, nOut);
         }
