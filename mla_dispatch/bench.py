@@ -102,7 +102,8 @@ class BenchConfig:
 
 def _flashmla_grid() -> list[BenchConfig]:
     return [BenchConfig(128, s_q, 128, L, varlen=True, causal=causal)
-            for s_q in (1, 2) for L in (4096, 8192, 16384, 32768) for causal in ((False,) if s_q == 1 else (False, True))]
+            for s_q in (1, 2) for L in (4096, 8192, 16384, 32768)
+            for causal in ((False,) if s_q == 1 else (False, True))]
 
 
 def _heads_grid() -> list[BenchConfig]:
@@ -409,8 +410,9 @@ def environment(device: torch.device, backends: Sequence[str] | None = None) -> 
         env["triton"] = md.version("triton")
     except Exception:
         env["triton"] = None
-    names = backends if backends is not None else [n for n in registered_names() if not get_backend(n).availability_reasons()]
-    env["backends"] = {n: get_backend(n).version() for n in names}
+    if backends is None:
+        backends = [n for n in registered_names() if not get_backend(n).availability_reasons()]
+    env["backends"] = {n: get_backend(n).version() for n in backends}
     return env
 
 
@@ -571,7 +573,8 @@ def main(argv: list[str] | None = None) -> int:
         if name not in known:
             print(f"unknown backend {name!r} (registered: {', '.join(known)})", file=sys.stderr)
             return 2
-    command = "python -m mla_dispatch bench " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    given = argv if argv is not None else sys.argv[1:]
+    command = "python -m mla_dispatch bench " + " ".join(shlex.quote(a) for a in given)
     env = environment(device, backends)
     rows, ceilings = run_bench(configs, backends, device=device, dtype=_DTYPES[args.dtype], graphs=not args.no_graph,
                                rep_ms=args.rep_ms, seed=args.seed, progress=not args.quiet)

@@ -198,7 +198,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{c.name:<28} {c.feature}")
         return 0
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    backends = [n.strip() for n in args.backends.split(",") if n.strip()] if args.backends else _default_backends(device)
+    if args.backends:
+        backends = [n.strip() for n in args.backends.split(",") if n.strip()]
+    else:
+        backends = _default_backends(device)
     known = registered_names()
     for name in backends:
         if name not in known:

@@ -44,8 +44,8 @@ from mla_dispatch.problem import DecodeProblem
 if TYPE_CHECKING:  # the harness is imported only by `tune` itself, not when a table is loaded
     from mla_dispatch.bench import BenchConfig, BenchRow
 
-__all__ = ["TABLE_FORMAT", "ENV_VAR", "tune_configs", "config_bucket", "pick_winners", "table_path", "default_table_path",
-           "write_table", "read_table", "install_table", "install_active_table", "reload_table",
+__all__ = ["TABLE_FORMAT", "ENV_VAR", "tune_configs", "config_bucket", "pick_winners", "table_path",
+           "default_table_path", "write_table", "read_table", "install_table", "install_active_table", "reload_table",
            "active_table_description", "main"]
 
 logger = logging.getLogger("mla_dispatch")
@@ -276,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     buckets = {c.label: config_bucket(c, dtype) for c in configs}
     table, measurements = pick_winners(rows, buckets, args.metric)
     env = environment(device, backends)
-    command = "python -m mla_dispatch tune " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    given = argv if argv is not None else sys.argv[1:]
+    command = "python -m mla_dispatch tune " + " ".join(shlex.quote(a) for a in given)
     doc = {
         "format": TABLE_FORMAT,
         "fingerprint": select.fingerprint(platform),

@@ -1,15 +1,13 @@
 """The measured dispatch table: written by `tune`, read back, loaded lazily at the first
 selection, and able to reorder `priority()` — but never to pick a backend that was wrong."""
 
-import json
-
 import pytest
 import torch
 
 import mla_dispatch
 from mla_dispatch import select, tune
 from mla_dispatch.backends.reference import ReferenceBackend
-from mla_dispatch.bench import BenchConfig, BenchRow
+from mla_dispatch.bench import BenchRow
 from mla_dispatch.platform import detect_platform
 from mla_dispatch.registry import unregister_backend
 from mla_dispatch.testing import make_case
@@ -135,7 +133,8 @@ def test_pick_winners_needs_every_config_correct():
     rows = [
         BenchRow("c1", "a", "", "ok", us_run=10.0), BenchRow("c2", "a", "", "ok", us_run=10.0),
         BenchRow("c1", "b", "", "ok", us_run=5.0), BenchRow("c2", "b", "", "wrong"),
-        BenchRow("c1", "c", "", "ok", us_run=30.0, us_graph=1.0), BenchRow("c2", "c", "", "ok", us_run=30.0, us_graph=2.0),
+        BenchRow("c1", "c", "", "ok", us_run=30.0, us_graph=1.0),
+        BenchRow("c2", "c", "", "ok", us_run=30.0, us_graph=2.0),
         BenchRow("c3", "a", "", "unsupported"), BenchRow("c3", "b", "", "error"),
     ]
     buckets = {"c1": "x", "c2": "x", "c3": "y"}
