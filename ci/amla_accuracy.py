@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     title = (f"AMLA vs Base, relative Frobenius error vs fp32 golden ({args.dtype}, context {args.context}, "
              f"h_q={args.heads}, D=576/512, block 512, {args.samples} samples, {args.device}, "
              f"{time.time() - t0:.0f} s)")
-    print(format_table(rows, title))
+    print(format_table(rows, title, args.dtype))
     bad = [r for r in rows if r.amla_bf16 > args.max_ratio * r.base_bf16]
     for r in bad:
         print(f"FAIL {r.dist.label}: AMLA {r.amla_bf16:.4e} > {args.max_ratio} x Base {r.base_bf16:.4e}")

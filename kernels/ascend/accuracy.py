@@ -115,11 +115,11 @@ def run_study(
     return rows
 
 
-def format_table(rows: list[StudyRow], title: str = "") -> str:
-    """Markdown table of a study."""
+def format_table(rows: list[StudyRow], title: str = "", out_dtype: str = "bf16") -> str:
+    """Markdown table of a study (``out_dtype`` names the output dtype in the last two headers)."""
     lines = [title, ""] if title else []
     lines += [
-        "| inputs | samples | Base | AMLA | AMLA/Base | AMLA no comp. | Base (bf16 out) | AMLA (bf16 out) |",
+        f"| inputs | samples | Base | AMLA | AMLA/Base | AMLA no comp. | Base ({out_dtype} out) | AMLA ({out_dtype} out) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
