@@ -49,7 +49,9 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 try:  # SGLang >= 0.5.2x: writes name their target with a KVWriteLoc
     from sglang.srt.mem_cache.memory_pool import KVWriteLoc
-except ImportError:  # older releases take forward_batch.out_cache_loc itself
+except ModuleNotFoundError:  # a broken install, not an older release: say so
+    raise
+except ImportError:  # older releases (no such name) take forward_batch.out_cache_loc itself
     KVWriteLoc = None
 
 from mla_dispatch.api import DecodePlan, plan_decode

@@ -13,17 +13,20 @@ through :meth:`MLADispatchImpl.forward_mqa` to :func:`mla_dispatch.plan_decode`
 device (native SM90 kernel, FlashMLA, FlashInfer, Triton, AITER, Ascend, the
 reference).
 
-Contract implemented (vLLM main, files read at these commits):
-``vllm/model_executor/layers/attention/mla_attention.py`` and
-``vllm/v1/attention/backend.py`` @ 0014ca6b (``MLACommonBackend``,
-``MLACommonMetadataBuilder._build_decode``, ``MLACommonImpl.forward_mqa``,
-``QueryLenSupport``, ``AttentionCGSupport``, ``MultipleOf``);
-``vllm/v1/attention/backends/mla/triton_mla.py`` @ 0155494b and ``flashmla.py`` @
-01b1d340 (how an MLA decode backend is shaped); ``vllm/v1/attention/backends/registry.py``
-@ 0033bf03 (``register_backend``). That is the layout of vLLM 0.2x–0.32, where
-the MLA base classes live in ``mla_attention.py`` and the decode hook is
-``forward_mqa`` (``_forward_decode`` is kept as an alias for the releases just
-before the rename).
+Contract implemented: vLLM 0.33.0 (PyPI, 2026-11), read from its sources —
+``vllm/model_executor/layers/attention/mla_attention.py`` (``MLACommonBackend``,
+``MLACommonMetadataBuilder._build_decode`` called with keywords,
+``MLACommonImpl.forward_mqa``, ``QueryLenSupport``, ``MLACommonMetadata.causal``),
+``vllm/v1/attention/backend.py`` (``AttentionBackend.validate_configuration``,
+``get_supported_kernel_block_sizes(kv_cache_spec)``, ``AttentionCGSupport``,
+``MultipleOf``), ``vllm/v1/attention/backends/mla/triton_mla.py`` (the shape of an
+MLA decode backend), ``vllm/v1/attention/backends/registry.py``
+(``register_backend``, ``AttentionBackendEnum.CUSTOM``), ``vllm/plugins/__init__.py``
+(``vllm.general_plugins``) — and the same files on vLLM main at 0014ca6b /
+0155494b / 0033bf03 (the 0.2x layout: same hooks; older ``_build_decode`` without
+``max_query_len`` and no ``kv_cache_spec`` argument, both accepted here).
+``_forward_decode`` is kept as an alias of ``forward_mqa`` for the releases just
+before that rename.
 
 What is declared to vLLM comes from mla_dispatch's registry for the current
 device (:func:`~mla_dispatch.integrations.layouts.engine_capabilities` over
@@ -91,7 +94,8 @@ class MLADispatchBackend(MLACommonBackend):
         return MLADispatchImpl
 
     @staticmethod
-    def get_supported_kernel_block_sizes() -> list[int | MultipleOf]:
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        # vLLM 0.33 passes the layer's KV-cache spec; earlier releases pass nothing.
         sizes = capabilities().page_sizes
         return [MultipleOf(1)] if sizes is None else list(sizes)
 
@@ -147,12 +151,13 @@ class MLADispatchMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
         return AttentionCGSupport.UNIFORM_BATCH if capabilities().cuda_graph else AttentionCGSupport.NEVER
 
-    def _build_decode(self, block_table_tensor, seq_lens_device, max_seq_len, query_start_loc_cpu,
-                      query_start_loc_device, num_decode_tokens, dcp_tot_seq_lens_device) -> MLADispatchDecodeMetadata:
+    def _build_decode(self, block_table_tensor, seq_lens_device, *args, **kwargs) -> MLADispatchDecodeMetadata:
+        # vLLM passes keywords; the list grew (max_query_len, 0.33) and dcp_tot_seq_lens_device stays last.
+        dcp_tot_seq_lens = kwargs.get("dcp_tot_seq_lens_device", args[-1] if len(args) >= 5 else None)
         return MLADispatchDecodeMetadata(
             block_table=block_table_tensor,
             seq_lens=seq_lens_device,
-            dcp_tot_seq_lens=dcp_tot_seq_lens_device,
+            dcp_tot_seq_lens=dcp_tot_seq_lens,
         )
 
 
@@ -187,7 +192,9 @@ class MLADispatchImpl(MLACommonImpl[MLACommonMetadata]):
         if plan is None:
             plan = plan_decode(
                 query, kv, decode.block_table, decode.seq_lens,
-                head_dim_v=self.kv_lora_rank, softmax_scale=self.scale, causal=True,
+                head_dim_v=self.kv_lora_rank, softmax_scale=self.scale,
+                # vLLM 0.33 marks non-causal draft blocks on the metadata; decode is causal otherwise.
+                causal=bool(getattr(attn_metadata, "causal", True)),
                 kv_format=self.kv_format, kv_scale=kv_scale,
                 cuda_graph=query.is_cuda and torch.cuda.is_current_stream_capturing(),
             )
