@@ -168,23 +168,33 @@ def grids(names):
         g.append(("graph-b1-L4096", dict(batch=1, q_len=1, h_q=128, seqlen=4096, varlen=False), False))
         g.append(("graph-b1-L32768", dict(batch=1, q_len=1, h_q=128, seqlen=32768, varlen=False), False))
     if "choice" in names:
-        # heads on M vs tokens on M for h_q*s_q < 64, and tile shapes for 128 rows
-        variants = {
-            "hM16": KernelConfig(16, 64, 4, 2), "hM32": KernelConfig(32, 64, 4, 2),
-            "hM64w8": KernelConfig(64, 32, 8, 2), "tM16n64": KernelConfig(16, 64, 4, 2, tokens_on_m=True),
-            "tM16n128w8": KernelConfig(16, 128, 8, 2, tokens_on_m=True, chunk_size=128),
-            "tM32n64": KernelConfig(32, 64, 4, 2, tokens_on_m=True),
+        # heads on M vs tokens on M for h_q*s_q < 64, tile shapes and register-saving splits per class.
+        # name: t|h (tokens/heads on M), M<block_m>, n<block_n>, w<warps>, v<v_split>, q<qk_chunk>
+        def cfg(spec):
+            f = dict(block_m=16, block_n=64, num_warps=4, num_stages=2, tokens_on_m=spec[0] == "t", v_split=1,
+                     qk_chunk=512)
+            for tok in spec[1:].split("-"):
+                key = {"M": "block_m", "n": "block_n", "w": "num_warps", "v": "v_split", "q": "qk_chunk",
+                       "s": "num_stages"}[tok[0]]
+                f[key] = int(tok[1:])
+            f["chunk_size"] = max(64, f["block_n"])
+            return KernelConfig(**f)
+
+        picks = {
+            16: ("tM16-n32-w8", "tM16-n32-w8-v2", "tM16-n32-w8-q128", "tM16-n64", "hM16-n64-v2-q128"),
+            32: ("tM32-n32-w8-v2-q128", "tM16-n32-w8-v2"),
+            64: ("hM64-n32-w8", "tM32-n32-w8-v2-q128", "tM16-n32-w8-v2", "tM16-n32-w8-v2:fp8_e4m3",
+                 "tM32-n32-w8-v2-q128:fp8_e4m3", "tM16-n32-w8-v2:fp8_ds_mla", "hM64-n32-w8:fp8_ds_mla"),
+            128: ("hM64-n32-w8", "hM64-n64-w8", "tM32-n32-w8-v2-q128", "tM16-n32-w8-v2"),
         }
-        picks = {16: ("hM16", "hM32", "tM16n64", "tM16n128w8"), 32: ("hM32", "hM64w8", "tM16n64", "tM32n64")}
-        for h in (16, 32):
-            for vname in picks[h]:
-                cfg = variants[vname]
-                g.append((f"choice-h{h}-{vname}", dict(batch=64, q_len=1, h_q=h, seqlen=8192, varlen=False,
-                                                      config=cfg), False))
-        for vname, cfg in {"hM64n32w8": KernelConfig(64, 32, 8, 2), "hM64n64w8": KernelConfig(64, 64, 8, 2),
-                           "hM64n16w4": KernelConfig(64, 16, 4, 2, chunk_size=64),
-                           "hM128n32w8": KernelConfig(128, 32, 8, 2)}.items():
-            g.append((f"choice-h128-{vname}", dict(batch=128, q_len=1, h_q=128, seqlen=8192, config=cfg), False))
+        for h, specs in picks.items():
+            for spec in specs:
+                fmt = "bf16"
+                if ":" in spec:
+                    spec, fmt = spec.split(":")
+                kw = dict(batch=64, q_len=1, h_q=h, seqlen=8192, varlen=False) if h < 128 else \
+                    dict(batch=128, q_len=1, h_q=128, seqlen=8192)
+                g.append((f"choice-h{h}-{spec}-{fmt}", dict(kw, config=cfg(spec), kv_format=fmt), False))
     return g
 
 

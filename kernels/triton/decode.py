@@ -99,11 +99,13 @@ def _load_latent(KV, rows, valid, col0, DTYPE: tl.constexpr, NCOLS: tl.constexpr
             sptr = (KV + rows + DS_MLA_SCALE_OFFSET + (col0 // DS_MLA_TILE) * 4).to(tl.pointer_type(tl.float32))
             scale = tl.load(sptr, mask=valid, other=0.0)
             return (val * scale[:, None]).to(DTYPE)
-        else:
-            sptr = (KV + rows[:, None] + DS_MLA_SCALE_OFFSET + (d[None, :] // DS_MLA_TILE) * 4).to(
-                tl.pointer_type(tl.float32))
-            scale = tl.load(sptr, mask=valid[:, None], other=0.0)
-            return (val * scale).to(DTYPE)
+        else:  # NCOLS / 128 scales per token, broadcast over their 128 channels
+            NG: tl.constexpr = NCOLS // DS_MLA_TILE
+            g = col0 // DS_MLA_TILE + tl.arange(0, NG)
+            sptr = (KV + rows[:, None] + DS_MLA_SCALE_OFFSET + g[None, :] * 4).to(tl.pointer_type(tl.float32))
+            scale = tl.load(sptr, mask=valid[:, None], other=0.0)  # [BLOCK_N, NG]
+            val = tl.reshape(val, (val.shape[0], NG, DS_MLA_TILE)) * scale[:, :, None]
+            return tl.reshape(val, (val.shape[0], NCOLS)).to(DTYPE)
     else:  # native, or fp8_e4m3 whose per-tensor scale is folded in later (the cast is exact)
         return tl.load(ptrs, mask=valid[:, None], other=0.0).to(DTYPE)
 
@@ -351,18 +353,25 @@ def _rows_bucket(rows: int) -> int:
     return 128
 
 
-# (rows bucket, kv quantised?) -> config. rows = query rows per KV head (s_q*h_q/h_kv,
-# or h_q/h_kv for sparse). Never keyed on sequence length (CUDA graphs stay valid).
-CONFIGS: dict[tuple[int, bool], KernelConfig] = {
-    (16, False): KernelConfig(16, 64, 4, 2, tokens_on_m=True),
-    (32, False): KernelConfig(32, 64, 4, 2),
-    (64, False): KernelConfig(64, 32, 8, 2),
-    (128, False): KernelConfig(64, 32, 8, 2),
-    (16, True): KernelConfig(16, 64, 4, 2, tokens_on_m=True),
-    (32, True): KernelConfig(32, 64, 4, 2),
-    (64, True): KernelConfig(64, 32, 8, 2),
-    (128, True): KernelConfig(64, 32, 8, 2),
-}
+# (rows bucket, kv format) -> config. rows = query rows per KV head (s_q*h_q/h_kv, or
+# h_q/h_kv for sparse). Never keyed on sequence length (CUDA graphs stay valid).
+# Measured on H200/H100 with ci/bench_triton.py --grids choice; register reports from
+# kernels/triton/aot_report.py (see NOTES.md).
+_H64 = KernelConfig(64, 32, 8, 2)  # heads on M, wgmma; spills 168 B (see NOTES.md) but fastest measured
+CONFIGS: dict[tuple[int, str], KernelConfig] = {}
+for _fmt in ("bf16", "fp16", "fp8_e4m3"):
+    CONFIGS.update({
+        (16, _fmt): KernelConfig(16, 64, 4, 2, tokens_on_m=True),  # tokens on M: 57% vs 34-42% heads on M
+        (32, _fmt): KernelConfig(32, 64, 4, 2, tokens_on_m=True),
+        (64, _fmt): _H64,
+        (128, _fmt): KernelConfig(64, 64, 8, 2),  # 28% vs 22% for block_n=32
+    })
+# fp8_ds_mla: tokens on M with the whole latent tile in one program (16, 64, 4 warps) gave
+# wrong results on an H200 with triton 3.6 (right in the interpreter): not used.
+CONFIGS.update({
+    (16, "fp8_ds_mla"): KernelConfig(16, 32, 8, 2, tokens_on_m=True, v_split=2),
+    (32, "fp8_ds_mla"): _H64, (64, "fp8_ds_mla"): _H64, (128, "fp8_ds_mla"): _H64,
+})
 INTERPRETER_CONFIG = KernelConfig(16, 16, 4, 1, chunk_size=16)
 
 
@@ -370,7 +379,7 @@ def choose_config(rows: int, kv_format: str, *, interpret: bool = False) -> Kern
     """The config for a problem class (see ``CONFIGS``)."""
     if interpret:
         return INTERPRETER_CONFIG
-    return CONFIGS[(_rows_bucket(rows), kv_format in ("fp8_e4m3", "fp8_ds_mla"))]
+    return CONFIGS[(_rows_bucket(rows), kv_format)]
 
 
 def num_m_tiles(rows: int, cfg: KernelConfig) -> int:

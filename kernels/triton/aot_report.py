@@ -1,0 +1,98 @@
+"""Compile the decode kernel ahead of time for a GPU target, no GPU needed, and report
+registers, spills, shared memory and which MMA instructions the PTX/SASS holds.
+
+    python -m mla_dispatch.kernels.triton.aot_report [--arch 90] [--all]
+
+Used to choose configs without device time (ptxas ships with Triton); the
+numbers match what the device's ``CompiledKernel.n_regs / n_spills`` report for
+the same Triton version (see NOTES.md for the check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from mla_dispatch.kernels.triton.decode import KernelConfig, effective_splits, mla_decode_kernel
+
+_PTR = {"bf16": "*bf16", "fp16": "*fp16", "fp8_e4m3": "*fp8e4nv", "fp8_ds_mla": "*u8"}
+_FMT = {"bf16": 0, "fp16": 0, "fp8_e4m3": 1, "fp8_ds_mla": 2}
+
+
+def compile_config(cfg: KernelConfig, *, kv_format="bf16", causal=False, sparse=False, arch=90, d_v=512, d_rope=64):
+    names = list(mla_decode_kernel.arg_names)
+    sig, attrs = {}, {}
+    ptrs = dict(Q="*bf16", KV=_PTR[kv_format], BlockTable="*i32", Seqlens="*i32", Indices="*i32", KVScale="*fp32",
+                Items="*i32", PartOffsets="*i32", Out="*bf16", Lse="*fp32", PartialOut="*fp32", PartialLse="*fp32")
+    v_split, qk_chunk = effective_splits(cfg, d_v)
+    constexprs = dict(D_V=d_v, D_ROPE=d_rope, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, V_SPLIT=v_split,
+                      QK_CHUNK=qk_chunk, KV_FORMAT=_FMT[kv_format], CAUSAL=causal, SPARSE=sparse,
+                      TOKENS_ON_M=cfg.tokens_on_m)
+    for i, n in enumerate(names):
+        if n in constexprs:
+            sig[n] = "constexpr"
+        elif n in ptrs:
+            sig[n] = ptrs[n]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif n == "qk_scale":
+            sig[n] = "fp32"
+        else:
+            sig[n] = "i32"
+            if n.startswith("stride_") and n not in ("stride_ls", "stride_pls", "stride_plh", "stride_lh"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(mla_decode_kernel, sig, {(names.index(k),): v for k, v in constexprs.items()}, attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                       options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    ptx = k.asm["ptx"]
+    return dict(regs=_reg_count(k), spills=_spills(k), smem=k.metadata.shared,
+                wgmma=ptx.count("wgmma.mma_async"), mma_sync=ptx.count("mma.sync"),
+                cp_async=ptx.count("cp.async"))
+
+
+def _ptxas_info(k):
+    return getattr(k, "n_regs", None)
+
+
+def _reg_count(k):
+    try:
+        k._init_handles()
+    except Exception:
+        pass
+    n = getattr(k, "n_regs", None)
+    if n:
+        return n
+    m = re.search(r"\.maxnreg (\d+)", k.asm["ptx"])
+    return _cubin_regs(k) or (int(m.group(1)) if m else None)
+
+
+def _cubin_regs(k):
+    import os
+    import subprocess
+    import tempfile
+
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        out = subprocess.run([nvdisasm, "-res-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+)", out)
+    s = re.search(r"STACK:(\d+)", out)
+    k._stack = int(s.group(1)) if s else None
+    return int(m.group(1)) if m else None
+
+
+def _spills(k):
+    return getattr(k, "_stack", None)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--spec", action="append", default=[])
+    ap.add_argument("--fmt", default="bf16")
+    args = ap.parse_args()
+    from ci_specs import parse  # noqa
