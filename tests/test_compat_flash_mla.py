@@ -109,15 +109,31 @@ def test_dense_grid_slice_cpu(case, gen):
     _run_case(case, gen, "cpu")
 
 
+# A short GPU pass (a few minutes of device time): the CPU slice plus FlashMLA's corner case
+# (b=128, s_q=2, L=4096, varlen, zero-length requests) and its decode shape.
+GPU_SMOKE = CPU_SLICE + [(128, 2, 4096, 128, 1, True, True), (128, 1, 4096, 128, 1, True, False)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_SMOKE, ids=_ids)
+def test_dense_smoke_gpu(case, gen):
+    _check_gpu_backends(case, gen, zero_len_rows=case[0] // 16)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GRID, ids=_ids)
 def test_dense_grid_gpu(case, gen):
+    _check_gpu_backends(case, gen)
+
+
+def _check_gpu_backends(case, gen, zero_len_rows=0):
     """Every GPU backend that can run the case, through the compat API, against the
     fp32 reference computed once on the GPU (the float64 oracle is too slow for this grid)."""
     from mla_dispatch.backends.reference import reference_attention
 
     b, s_q, L, h_q, h_kv, varlen, causal = case
-    c = make_case(b, s_q, h_q, L, num_heads_kv=h_kv, varlen=varlen, causal=causal, generator=gen, device="cuda")
+    c = make_case(b, s_q, h_q, L, num_heads_kv=h_kv, varlen=varlen, causal=causal, generator=gen, device="cuda",
+                  zero_len_rows=zero_len_rows)
     want_out, want_lse = reference_attention(c.q, c.kv_cache, c.block_table, c.cache_seqlens, causal=causal)
     ran, failures = [], []
     for backend in registered_names():
