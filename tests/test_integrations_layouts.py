@@ -15,7 +15,6 @@ import importlib
 import math
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -219,6 +218,7 @@ def test_sglang_pool_view_and_formats():
 
 
 def test_entry_points_are_declared_and_resolve():
+    tomllib = pytest.importorskip("tomllib", reason="Python < 3.11 has no tomllib")
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     eps = pyproject["project"]["entry-points"]
     for group, name in (("vllm.general_plugins", "register_vllm"), ("sglang.srt.plugins", "register_sglang")):
