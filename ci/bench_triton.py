@@ -138,6 +138,20 @@ def bench_one(name, peaks, batch, q_len, h_q, seqlen, *, page_size=64, kv_format
     return res
 
 
+def _spec_config(spec: str):
+    """'tM16-n64-w8-v2-q128-s2' -> KernelConfig: t|h tokens/heads on M, M block_m, n block_n,
+    w warps, v v_split, q qk_chunk, s stages."""
+    from mla_dispatch.kernels.triton.decode import KernelConfig
+
+    f = dict(block_m=16, block_n=64, num_warps=4, num_stages=2, tokens_on_m=spec[0] == "t", v_split=1, qk_chunk=512)
+    for tok in spec[1:].split("-"):
+        key = {"M": "block_m", "n": "block_n", "w": "num_warps", "v": "v_split", "q": "qk_chunk",
+               "s": "num_stages"}[tok[0]]
+        f[key] = int(tok[1:])
+    f["chunk_size"] = max(64, f["block_n"])
+    return KernelConfig(**f)
+
+
 def grids(names):
     from mla_dispatch.kernels.triton.decode import KernelConfig
 
@@ -165,21 +179,17 @@ def grids(names):
                 g.append((f"{fmt}-h{h}", dict(batch=64, q_len=1, h_q=h, seqlen=8192, varlen=False,
                                               kv_format=fmt), True))
     if "graph" in names:
-        g.append(("graph-b1-L4096", dict(batch=1, q_len=1, h_q=128, seqlen=4096, varlen=False), False))
-        g.append(("graph-b1-L32768", dict(batch=1, q_len=1, h_q=128, seqlen=32768, varlen=False), False))
+        g.append(("graph-b1-L4096", dict(batch=1, q_len=1, h_q=128, seqlen=4096, varlen=False), True))
+        g.append(("graph-b1-L32768", dict(batch=1, q_len=1, h_q=128, seqlen=32768, varlen=False), True))
+    if "fp8choice" in names:
+        for h, spec in ((16, "hM16-n32"), (16, "hM16-n64"), (32, "hM16-n32"), (32, "hM32-n32"), (32, "tM32-n64"),
+                        (64, "hM16-n32")):
+            for fmt in ("fp8_e4m3",) if spec[0] == "t" else ("fp8_e4m3", "fp8_ds_mla"):  # see NOTES.md
+                g.append((f"fp8choice-h{h}-{spec}-{fmt}", dict(batch=64, q_len=1, h_q=h, seqlen=8192, varlen=False,
+                                                               kv_format=fmt, config=_spec_config(spec)), False))
     if "choice" in names:
         # heads on M vs tokens on M for h_q*s_q < 64, tile shapes and register-saving splits per class.
-        # name: t|h (tokens/heads on M), M<block_m>, n<block_n>, w<warps>, v<v_split>, q<qk_chunk>
-        def cfg(spec):
-            f = dict(block_m=16, block_n=64, num_warps=4, num_stages=2, tokens_on_m=spec[0] == "t", v_split=1,
-                     qk_chunk=512)
-            for tok in spec[1:].split("-"):
-                key = {"M": "block_m", "n": "block_n", "w": "num_warps", "v": "v_split", "q": "qk_chunk",
-                       "s": "num_stages"}[tok[0]]
-                f[key] = int(tok[1:])
-            f["chunk_size"] = max(64, f["block_n"])
-            return KernelConfig(**f)
-
+        cfg = _spec_config
         picks = {
             16: ("tM16-n32-w8", "tM16-n32-w8-v2", "tM16-n32-w8-q128", "tM16-n64", "hM16-n64-v2-q128"),
             32: ("tM32-n32-w8-v2-q128", "tM16-n32-w8-v2"),

@@ -3,9 +3,10 @@ registers, spills, shared memory and which MMA instructions the PTX/SASS holds.
 
     python -m mla_dispatch.kernels.triton.aot_report [--arch 90] [--all]
 
-Used to choose configs without device time (ptxas ships with Triton); the
-numbers match what the device's ``CompiledKernel.n_regs / n_spills`` report for
-the same Triton version (see NOTES.md for the check).
+Used to choose configs without device time (ptxas ships with Triton). Registers
+agree with the device's ``CompiledKernel.n_regs``; ``stack_bytes`` is the
+cubin's local-memory frame (the device reports ``n_spills``, a smaller count of
+spilled registers); this machine's Triton may be newer than the device's.
 """
 
 from __future__ import annotations
@@ -48,13 +49,9 @@ def compile_config(cfg: KernelConfig, *, kv_format="bf16", causal=False, sparse=
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     ptx = k.asm["ptx"]
-    return dict(regs=_reg_count(k), spills=_spills(k), smem=k.metadata.shared,
+    return dict(regs=_reg_count(k), stack_bytes=_spills(k), smem=k.metadata.shared,
                 wgmma=ptx.count("wgmma.mma_async"), mma_sync=ptx.count("mma.sync"),
                 cp_async=ptx.count("cp.async"))
-
-
-def _ptxas_info(k):
-    return getattr(k, "n_regs", None)
 
 
 def _reg_count(k):
@@ -74,11 +71,11 @@ def _cubin_regs(k):
     import subprocess
     import tempfile
 
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
         f.flush()
-        out = subprocess.run([nvdisasm, "-res-usage", f.name], capture_output=True, text=True).stdout
+        out = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
     m = re.search(r"REG:(\d+)", out)
     s = re.search(r"STACK:(\d+)", out)
     k._stack = int(s.group(1)) if s else None
@@ -89,10 +86,31 @@ def _spills(k):
     return getattr(k, "_stack", None)
 
 
+def parse_spec(spec: str) -> KernelConfig:
+    """'tM16-n64-w8-v2-q128-s2' -> KernelConfig: t|h tokens/heads on M, M block_m, n block_n,
+    w warps, v v_split, q qk_chunk, s stages (the notation of ci/bench_triton.py)."""
+    f = dict(block_m=16, block_n=64, num_warps=4, num_stages=2, tokens_on_m=spec[0] == "t", v_split=1, qk_chunk=512)
+    for tok in spec[1:].split("-"):
+        key = {"M": "block_m", "n": "block_n", "w": "num_warps", "v": "v_split", "q": "qk_chunk",
+               "s": "num_stages"}[tok[0]]
+        f[key] = int(tok[1:])
+    f["chunk_size"] = max(64, f["block_n"])
+    return KernelConfig(**f)
+
+
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90)
-    ap.add_argument("--spec", action="append", default=[])
-    ap.add_argument("--fmt", default="bf16")
+    ap.add_argument("--fmt", default="bf16", choices=sorted(_FMT))
+    ap.add_argument("specs", nargs="*", default=["tM16-n64", "tM32-n64", "hM64-n32-w8", "hM64-n64-w8"])
     args = ap.parse_args()
-    from ci_specs import parse  # noqa
+    for spec in args.specs:
+        try:
+            r = compile_config(parse_spec(spec), kv_format=args.fmt, arch=args.arch)
+        except Exception as exc:  # out of shared memory etc.: report and go on
+            r = f"{type(exc).__name__}: {str(exc)[:120]}"
+        print(f"{spec:24s} {args.fmt:10s} {r}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

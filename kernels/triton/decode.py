@@ -357,21 +357,22 @@ def _rows_bucket(rows: int) -> int:
 # h_q/h_kv for sparse). Never keyed on sequence length (CUDA graphs stay valid).
 # Measured on H200/H100 with ci/bench_triton.py --grids choice; register reports from
 # kernels/triton/aot_report.py (see NOTES.md).
-_H64 = KernelConfig(64, 32, 8, 2)  # heads on M, wgmma; spills 168 B (see NOTES.md) but fastest measured
+_H64 = KernelConfig(64, 32, 8, 2)  # heads on M, wgmma; spills 168 regs (see NOTES.md) but fastest measured
+_H16 = KernelConfig(16, 32, 4, 2)  # fp8, few rows: dequant in registers favours the small mma.sync tile
 CONFIGS: dict[tuple[int, str], KernelConfig] = {}
-for _fmt in ("bf16", "fp16", "fp8_e4m3"):
+for _fmt in ("bf16", "fp16"):
     CONFIGS.update({
-        (16, _fmt): KernelConfig(16, 64, 4, 2, tokens_on_m=True),  # tokens on M: 57% vs 34-42% heads on M
-        (32, _fmt): KernelConfig(32, 64, 4, 2, tokens_on_m=True),
+        (16, _fmt): KernelConfig(16, 64, 4, 2, tokens_on_m=True),  # tokens on M: 351 µs vs 603 heads on M
+        (32, _fmt): KernelConfig(32, 64, 4, 2, tokens_on_m=True),  # 365 µs vs 513 (H200)
         (64, _fmt): _H64,
-        (128, _fmt): KernelConfig(64, 64, 8, 2),  # 28% vs 22% for block_n=32
+        (128, _fmt): KernelConfig(64, 64, 8, 2),  # 1546 µs vs 1978 for block_n=32
     })
-# fp8_ds_mla: tokens on M with the whole latent tile in one program (16, 64, 4 warps) gave
-# wrong results on an H200 with triton 3.6 (right in the interpreter): not used.
-CONFIGS.update({
-    (16, "fp8_ds_mla"): KernelConfig(16, 32, 8, 2, tokens_on_m=True, v_split=2),
-    (32, "fp8_ds_mla"): _H64, (64, "fp8_ds_mla"): _H64, (128, "fp8_ds_mla"): _H64,
-})
+# fp8: the tile is dequantised in registers (no cp.async); heads on M with 16 rows measured
+# 566 µs (fp8_e4m3) / 689 (fp8_ds_mla) vs 1320 / 1342 tokens on M (b=64, h=16, L=8K, H200).
+# fp8_ds_mla with tokens on M, block 16x64, 4 warps gave wrong results / an illegal address
+# on an H200 with triton 3.6 (right in the interpreter): not used (NOTES.md).
+for _fmt in ("fp8_e4m3", "fp8_ds_mla"):
+    CONFIGS.update({(16, _fmt): _H16, (32, _fmt): _H16, (64, _fmt): _H64, (128, _fmt): _H64})
 INTERPRETER_CONFIG = KernelConfig(16, 16, 4, 1, chunk_size=16)
 
 
