@@ -91,8 +91,11 @@ class CudaSM90Backend(MLABackend):
         reasons = super()._check_availability()
         if reasons:
             return reasons
-        if not torch.cuda.is_available():
+        if not torch.cuda.is_available() or torch.version.cuda is None:
             return [Reason(ReasonCode.UNAVAILABLE, "no CUDA device visible to torch (the kernel is built on first use)")]
+        cap = torch.cuda.get_device_capability()
+        if cap != (9, 0):  # do not spend a build on a GPU the sm_90a binary cannot run on
+            return [Reason(ReasonCode.CAPABILITY, f"compute capability {cap[0]}.{cap[1]} (supported: 9.0, sm_90a)")]
         try:
             load_ops()
         except Exception as exc:
