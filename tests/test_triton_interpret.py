@@ -35,10 +35,11 @@ CASES = [
     ("fp8dsmla-b2xs1xh2-ps16", dict(batch=2, q_len=1, num_heads_q=2, seqlen=30, page_size=16,
                                     kv_format="fp8_ds_mla"), {}),
     ("fp16-sparse-b2xs2xh2-topk20", dict(batch=2, q_len=2, num_heads_q=2, seqlen=30, page_size=16, topk=20), {}),
+    # forced splits use fixed lengths so that the schedule surely splits (asserted below)
     ("fp16-split-b3xs2xh17-ps16-causal", dict(batch=3, q_len=2, num_heads_q=17, seqlen=70, page_size=16,
-                                             causal=True, zero_len_rows=1), dict(num_parts=9, overhead=1)),
+                                             causal=True, zero_len_rows=1, varlen=False), dict(num_parts=9, overhead=1)),
     ("fp8dsmla-split-b2xs1xh2-ps8", dict(batch=2, q_len=1, num_heads_q=2, seqlen=60, page_size=8,
-                                         kv_format="fp8_ds_mla"), dict(num_parts=5, overhead=1)),
+                                         kv_format="fp8_ds_mla", varlen=False), dict(num_parts=5, overhead=1)),
     # the register-saving variants: V split over programs, chunked latent dot, tokens on M
     ("fp16-vsplit2-qk128-b2xs2xh3-ps16-causal", dict(batch=2, q_len=2, num_heads_q=3, seqlen=40, page_size=16,
                                                      causal=True),
@@ -47,7 +48,7 @@ CASES = [
                                                   kv_format="fp8_ds_mla"),
      dict(config=dict(block_m=16, block_n=16, num_warps=4, num_stages=1, v_split=2, qk_chunk=128, chunk_size=16))),
     ("fp16-tokensM-vsplit4-b2xs1xh4-ps16", dict(batch=2, q_len=1, num_heads_q=4, seqlen=40, page_size=16,
-                                                kv_format="fp8_e4m3"),
+                                                kv_format="fp8_e4m3", varlen=False),
      dict(config=dict(block_m=16, block_n=16, num_warps=4, num_stages=1, v_split=4, qk_chunk=256,
                       tokens_on_m=True, chunk_size=16), num_parts=4, overhead=1)),
 ]
