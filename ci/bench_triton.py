@@ -187,6 +187,12 @@ def grids(names):
             for fmt in ("fp8_e4m3",) if spec[0] == "t" else ("fp8_e4m3", "fp8_ds_mla"):  # see NOTES.md
                 g.append((f"fp8choice-h{h}-{spec}-{fmt}", dict(batch=64, q_len=1, h_q=h, seqlen=8192, varlen=False,
                                                                kv_format=fmt, config=_spec_config(spec)), False))
+    if "choice2" in names:  # tokens on M with several M tiles for 64/128 rows
+        for h, spec in ((64, "tM32-n64"), (64, "tM16-n64"), (64, "hM64-n32-w8"), (128, "tM32-n64"),
+                        (128, "hM64-n64-w8")):
+            kw = dict(batch=64, q_len=1, h_q=h, seqlen=8192, varlen=False) if h < 128 else \
+                dict(batch=128, q_len=1, h_q=128, seqlen=8192)
+            g.append((f"choice2-h{h}-{spec}", dict(kw, config=_spec_config(spec)), False))
     if "choice" in names:
         # heads on M vs tokens on M for h_q*s_q < 64, tile shapes and register-saving splits per class.
         cfg = _spec_config
