@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Every GPU-marked test plus the full conformance matrix, on a CUDA machine.
+# Device tool: run with carry [".whl"]; logs land in $OUT (default ./gpu_out).
+#   bash ci/gpu_tests.sh                 # everything but the 1920-case FlashMLA-compat grid
+#   bash ci/gpu_tests.sh -k grid_gpu     # that grid alone (long)
+OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+source ci/gpu_setup.sh
+set -o pipefail
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader | tee "$OUT/device.txt"
+python -m mla_dispatch build 2>&1 | tail -n 3
+# xdist spreads the GPU grid over CPU workers (kernel compiles dominate); all share the one GPU.
+PYTEST_ARGS=("$@"); [ ${#PYTEST_ARGS[@]} -eq 0 ] && PYTEST_ARGS=(-k "not grid_gpu")
+python -m pytest -q -m gpu -n 8 -p no:cacheprovider "${PYTEST_ARGS[@]}" tests 2>&1 | tee "$OUT/pytest_gpu.log" | tail -n 25
+[ $# -gt 0 ] && exit 0   # a targeted pytest run skips the conformance matrix
+python -m mla_dispatch conformance --json "$OUT/conformance.json" 2>&1 | tee "$OUT/conformance.log" | tail -n 45
