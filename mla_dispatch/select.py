@@ -138,8 +138,19 @@ def _active_candidates(problem: DecodeProblem, platform: Platform) -> tuple[str,
     return order
 
 
-def explain(problem: DecodeProblem, platform: Platform, candidates: Sequence[str] | None = None) -> SelectionReport:
-    """Every candidate (default: the active priority order) with its reasons, for this problem."""
+def explain(problem: DecodeProblem, platform: Platform | None = None,
+            candidates: Sequence[str] | None = None) -> SelectionReport:
+    """Every candidate (default: the active priority order) with its reasons, for this problem.
+
+    ``platform`` defaults to the current device of ``problem.device_type``.
+    ``print(explain(p).format())`` shows the same text a ``NoBackendError`` would.
+    """
+    if platform is None:
+        import torch
+
+        from mla_dispatch.platform import platform_for
+
+        platform = platform_for(torch.device(problem.device_type))
     _ensure_tuned_loaded(platform)
     names = tuple(candidates) if candidates is not None else _active_candidates(problem, platform)
     rows = []
