@@ -15,6 +15,7 @@ update refreshes the schedule in place before a replay.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -29,8 +30,9 @@ _KV_FORMAT_CODE = {"bf16": 0, "fp16": 0, "fp8_e4m3": 1, "fp8_ds_mla": 2}
 BLOCK_M = 64  # query rows per CTA tile (kernels/cuda/mla_decode_sm90/config.cuh)
 BLOCK_N = 64  # KV tokens per mainloop step = split-KV chunk size
 SCHEDULE_OVERHEAD = 5
-#: mainloop of kernels/cuda/mla_decode_sm90: 2 = wgmma (default), 1 = mma.sync (v1, kept for comparison)
-KERNEL_VARIANT = 2  # fixed per-request cost in chunks (FlashMLA uses 5 blocks of 64)
+#: mainloop of kernels/cuda/mla_decode_sm90: 2 = wgmma, serial per tile (default), 1 = mma.sync (v1),
+#: 3 = wgmma with S of the next tile issued under PV of this one (measured slower); $MLA_SM90_VARIANT overrides
+KERNEL_VARIANT = int(os.environ.get("MLA_SM90_VARIANT", "2"))
 
 _fake_registered = False
 

@@ -14,13 +14,17 @@ int decode_smem_bytes() { return DecodeConfig::kSmemBytes; }
 
 template <typename T, int KvFmt>
 static cudaError_t launch_decode_t(const DecodeParams& p, int grid_parts, cudaStream_t stream) {
-  // variant 1: warp-level mma.sync (mainloop.cuh); 2: wgmma (mainloop_wgmma.cuh)
-  auto kernel = p.variant == 1 ? mla_decode_kernel_v1<T, KvFmt> : mla_decode_kernel_v2<T, KvFmt>;
-  static bool configured[2] = {false, false};  // per instantiation; a benign race sets the same value
-  if (!configured[p.variant == 1]) {
+  // variant 1: warp-level mma.sync (mainloop.cuh); 2: wgmma (mainloop_wgmma.cuh);
+  // 3: wgmma with S of tile j+1 issued under PV of tile j (mainloop_wgmma.cuh, kOverlap)
+  auto kernel = p.variant == 1   ? mla_decode_kernel_v1<T, KvFmt>
+                : p.variant == 3 ? mla_decode_kernel_v2<T, KvFmt, true>
+                                 : mla_decode_kernel_v2<T, KvFmt, false>;
+  const int vi = p.variant == 1 ? 0 : p.variant == 3 ? 2 : 1;
+  static bool configured[3] = {false, false, false};  // per instantiation; a benign race sets the same value
+  if (!configured[vi]) {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, DecodeConfig::kSmemBytes);
     if (e != cudaSuccess) return e;
-    configured[p.variant == 1] = true;
+    configured[vi] = true;
   }
   dim3 grid(grid_parts, p.num_row_tiles, p.heads_kv);
   kernel<<<grid, DecodeConfig::kThreads, DecodeConfig::kSmemBytes, stream>>>(p);

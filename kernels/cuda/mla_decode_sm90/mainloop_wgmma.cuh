@@ -58,7 +58,12 @@ __device__ __forceinline__ void fence_regs(float* r) {
   for (int i = 0; i < N; ++i) cute::warpgroup_fence_operand(r[i]);
 }
 
-template <typename T, int KvFmt>
+// kOverlap = false: v2 (each tile: S, softmax, PV, then drain PV before the next S).
+// kOverlap = true: v3: the same arithmetic, but S of tile j+1 is issued as soon as tile j+1
+// has landed, right behind PV of tile j (wgmma groups retire in order), so the tensor pipe
+// does not drain between tiles; the next loads wait (wgmma.wait_group 1 + barrier) only for
+// PV of tile j-1 before overwriting its stage.
+template <typename T, int KvFmt, bool kOverlap = false>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const __grid_constant__ DecodeParams p) {
   using TT = TypeTraits<T>;
   using L = Gmma128Tile64;
@@ -142,23 +147,42 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
     float row_max[2] = {-INFINITY, -INFINITY};
     float row_sum[2] = {0.f, 0.f};
 
+    // -- S = Q K^T of the tile in stage `st`, this warpgroup's 32 tokens (issued, not waited)
+    float acc_s[16];
+    auto issue_s = [&](int st) {
+      const T* sKs = sK + st * Cfg::kKElems;
+      if constexpr (!kOverlap) fence_regs<16>(acc_s);  // v3: no register def inside PV_j's wgmma stage
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int kk = 0; kk < Cfg::kHeadDimQK / 16; ++kk) {
+        const int blk = kk / 4, kin = (kk % 4) * 16;
+        const uint64_t da = gmma_desc_sw128(sQ + blk * 64 * 64 + kin, 16, 1024);
+        const uint64_t db = gmma_desc_sw128(sKs + blk * 64 * 64 + half * 32 * 64 + kin, 16, 1024);
+        gmma_call<typename Gmma<T>::QK>(da, db, acc_s, kk > 0, std::make_index_sequence<16>{});
+      }
+      cute::warpgroup_commit_batch();
+    };
+    if constexpr (kOverlap) {
+      // Pin the zeroing of acc_o before the first wgmma: a register def of a wgmma
+      // accumulator inside an open wgmma stage makes ptxas serialise all wgmmas (C7515).
+      fence_regs<128>(acc_o);
+      if (num_tiles > 0) issue_s(0);
+    }
+
     for (int j = 0; j < num_tiles; ++j) {
       const int t0 = tok_begin + j * Cfg::kBlockN;
       const T* sKj = sK + (j & 1) * Cfg::kKElems;
       T* sKnext = sK + ((j + 1) & 1) * Cfg::kKElems;
       const bool has_next = j + 1 < num_tiles;
 
-      // -- S = Q K^T, this warpgroup's 32 tokens
-      float acc_s[16];
-      cute::warpgroup_arrive();
-#pragma unroll
-      for (int kk = 0; kk < Cfg::kHeadDimQK / 16; ++kk) {
-        const int blk = kk / 4, kin = (kk % 4) * 16;
-        const uint64_t da = gmma_desc_sw128(sQ + blk * 64 * 64 + kin, 16, 1024);
-        const uint64_t db = gmma_desc_sw128(sKj + blk * 64 * 64 + half * 32 * 64 + kin, 16, 1024);
-        gmma_call<typename Gmma<T>::QK>(da, db, acc_s, kk > 0, std::make_index_sequence<16>{});
+      if constexpr (kOverlap) {
+        // S_j is in flight behind PV_{j-1}: retire PV_{j-1} (older group), then make sure
+        // the other warpgroup has too before its stage (= stage of tile j+1) and P are reused.
+        cute::warpgroup_wait<1>();
+        __syncthreads();
+      } else {
+        issue_s(j & 1);
       }
-      cute::warpgroup_commit_batch();
       // Issue the loads of tile j+1 while the tensor cores run S (wgmma is asynchronous).
       if (has_next) {
         if constexpr (KvFmt == kKvSameAsQ) {
@@ -170,6 +194,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
       }
       cute::warpgroup_wait<0>();
       fence_regs<16>(acc_s);
+      if constexpr (kOverlap) fence_regs<128>(acc_o);
 
       float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -250,9 +275,20 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
         }
         fence_proxy_async_smem();
       }
+      if constexpr (kOverlap) {
+        if (has_next) {
+          __syncthreads();  // tile j+1 landed for every thread
+          issue_s((j + 1) & 1);  // queued behind PV_j on the tensor pipe
+        }
+      } else {
+        cute::warpgroup_wait<0>();
+        fence_regs<128>(acc_o);
+        __syncthreads();
+      }
+    }
+    if constexpr (kOverlap) {
       cute::warpgroup_wait<0>();
       fence_regs<128>(acc_o);
-      __syncthreads();
     }
 
     // -- epilogue (as v1)
