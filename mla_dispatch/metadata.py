@@ -39,7 +39,9 @@ before it, into the same buffers, with :meth:`SplitKVSchedule.update_`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import os
 
 import torch
 
@@ -54,6 +56,10 @@ __all__ = [
 ]
 
 ITEM_REQ, ITEM_BEGIN, ITEM_END, ITEM_SLOT = range(4)
+
+#: Largest batch the one-launch Triton schedule takes (``kernels/triton/schedule.py``); torch above it.
+TRITON_SCHEDULE_MAX_BATCH = 8192
+SCHEDULE_IMPLS = ("auto", "torch", "triton")
 
 
 @dataclasses.dataclass
@@ -73,6 +79,9 @@ class SplitKVSchedule:
         int32 ``[max_slots]``: the request each partial slot belongs to, -1 if unused.
     chunk_size, num_parts, overhead : int
         The parameters the schedule was built with.
+    workspace : Tensor or None
+        int32 scratch of the Triton implementation, owned by the schedule so
+        :meth:`update_` allocates nothing (created on the first Triton build or update).
     """
 
     items: torch.Tensor
@@ -82,6 +91,7 @@ class SplitKVSchedule:
     chunk_size: int
     num_parts: int
     overhead: int
+    workspace: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def batch(self) -> int:
@@ -96,14 +106,27 @@ class SplitKVSchedule:
         """Static number of partial-result rows a kernel must provide."""
         return self.slot_req.shape[0]
 
-    def update_(self, cache_seqlens: torch.Tensor) -> "SplitKVSchedule":
+    def update_(self, cache_seqlens: torch.Tensor, *, impl: str = "auto") -> "SplitKVSchedule":
         """Recompute in place for new ``cache_seqlens`` of the same batch size.
 
         No allocation escapes and no host sync happens, so a CUDA graph that
-        reads these buffers stays valid.
+        reads these buffers stays valid. ``impl`` as in :func:`split_kv_schedule`;
+        the Triton path writes straight into the buffers (one launch, no
+        allocation once :attr:`workspace` exists).
+
+        Raises
+        ------
+        ValueError
+            ``cache_seqlens`` is not int32 ``[batch]``, or ``impl`` is unknown or cannot run.
         """
+        _check_schedule_args(cache_seqlens, self.num_parts, self.chunk_size, self.overhead)
+        if cache_seqlens.shape[0] != self.batch:
+            raise ValueError(f"cache_seqlens must keep batch={self.batch}, got {cache_seqlens.shape[0]}")
+        if _schedule_impl(impl, cache_seqlens) == "triton":
+            _triton_schedule_into(self, cache_seqlens)
+            return self
         fresh = split_kv_schedule(
-            cache_seqlens, num_parts=self.num_parts, chunk_size=self.chunk_size, overhead=self.overhead
+            cache_seqlens, num_parts=self.num_parts, chunk_size=self.chunk_size, overhead=self.overhead, impl="torch"
         )
         for name in ("items", "part_offsets", "num_splits", "slot_req"):
             getattr(self, name).copy_(getattr(fresh, name))
@@ -122,6 +145,7 @@ def split_kv_schedule(
     num_parts: int,
     chunk_size: int = 64,
     overhead: int = 4,
+    impl: str = "auto",
 ) -> SplitKVSchedule:
     """Partition the KV tokens of all requests over ``num_parts`` work units.
 
@@ -139,6 +163,13 @@ def split_kv_schedule(
     overhead : int
         Fixed cost, in chunks, charged per request (the cost of loading the
         queries and writing the output); FlashMLA uses 5 blocks of 64.
+    impl : str
+        ``"torch"``: the tensor-op reference below (~30 small ops, any device).
+        ``"triton"``: one launch of ``kernels/triton/schedule.py``, identical
+        output; needs ``1 <= batch <= TRITON_SCHEDULE_MAX_BATCH`` and a CUDA/ROCm
+        tensor (or ``TRITON_INTERPRET=1`` on a CPU). ``"auto"`` (default):
+        Triton for a CUDA/ROCm tensor when triton imports and the batch fits,
+        else torch.
 
     Returns
     -------
@@ -148,20 +179,15 @@ def split_kv_schedule(
     Raises
     ------
     ValueError
-        If ``num_parts``, ``chunk_size`` or ``overhead`` is out of range, or
-        ``cache_seqlens`` is not a 1-D int32 tensor.
+        If ``num_parts``, ``chunk_size`` or ``overhead`` is out of range,
+        ``cache_seqlens`` is not a 1-D int32 tensor, ``impl`` is unknown, or
+        ``impl="triton"`` cannot run on this input.
+    ImportError
+        ``impl="triton"`` without an importable triton.
     """
-    if cache_seqlens.dim() != 1 or cache_seqlens.dtype != torch.int32:
-        raise ValueError(
-            f"cache_seqlens must be a 1-D int32 tensor, got shape {tuple(cache_seqlens.shape)} "
-            f"dtype {cache_seqlens.dtype}"
-        )
-    if num_parts < 1:
-        raise ValueError(f"num_parts must be >= 1, got {num_parts}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    if overhead < 1:
-        raise ValueError(f"overhead must be >= 1 (zero-length requests need an owner), got {overhead}")
+    _check_schedule_args(cache_seqlens, num_parts, chunk_size, overhead)
+    if _schedule_impl(impl, cache_seqlens) == "triton":
+        return _triton_schedule(cache_seqlens, num_parts, chunk_size, overhead)
 
     device = cache_seqlens.device
     batch = cache_seqlens.shape[0]
@@ -241,6 +267,77 @@ def split_kv_schedule(
         num_parts=num_parts,
         overhead=overhead,
     )
+
+
+def _check_schedule_args(cache_seqlens: torch.Tensor, num_parts: int, chunk_size: int, overhead: int) -> None:
+    if cache_seqlens.dim() != 1 or cache_seqlens.dtype != torch.int32:
+        raise ValueError(
+            f"cache_seqlens must be a 1-D int32 tensor, got shape {tuple(cache_seqlens.shape)} "
+            f"dtype {cache_seqlens.dtype}"
+        )
+    if num_parts < 1:
+        raise ValueError(f"num_parts must be >= 1, got {num_parts}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if overhead < 1:
+        raise ValueError(f"overhead must be >= 1 (zero-length requests need an owner), got {overhead}")
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _schedule_impl(impl: str, cache_seqlens: torch.Tensor) -> str:
+    """Resolve ``impl`` for this input: "torch" or "triton" (raises if an explicit "triton" cannot run)."""
+    if impl not in SCHEDULE_IMPLS:
+        raise ValueError(f"impl={impl!r} (supported: {', '.join(SCHEDULE_IMPLS)})")
+    if impl == "torch":
+        return "torch"
+    batch = cache_seqlens.shape[0]
+    fits = 1 <= batch <= TRITON_SCHEDULE_MAX_BATCH
+    on_gpu = cache_seqlens.device.type == "cuda"  # ROCm builds of torch report "cuda" too
+    if impl == "auto":
+        return "triton" if on_gpu and fits and _triton_importable() else "torch"
+    if not fits:
+        raise ValueError(f"impl='triton' needs 1 <= batch <= {TRITON_SCHEDULE_MAX_BATCH}, got batch={batch}")
+    if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"impl='triton' needs a CUDA/ROCm tensor (or TRITON_INTERPRET=1), "
+                         f"got device {cache_seqlens.device}")
+    return "triton"
+
+
+def _triton_schedule(cache_seqlens: torch.Tensor, num_parts: int, chunk_size: int, overhead: int) -> SplitKVSchedule:
+    from mla_dispatch.kernels.triton.schedule import workspace_numel
+
+    batch, device, i32 = cache_seqlens.shape[0], cache_seqlens.device, torch.int32
+    sched = SplitKVSchedule(
+        items=torch.empty(batch + num_parts, 4, dtype=i32, device=device),
+        part_offsets=torch.empty(num_parts + 1, dtype=i32, device=device),
+        num_splits=torch.empty(batch, dtype=i32, device=device),
+        slot_req=torch.empty(batch + num_parts, dtype=i32, device=device),
+        chunk_size=chunk_size,
+        num_parts=num_parts,
+        overhead=overhead,
+        workspace=torch.empty(workspace_numel(batch, num_parts), dtype=i32, device=device),
+    )
+    _triton_schedule_into(sched, cache_seqlens)
+    return sched
+
+
+def _triton_schedule_into(sched: SplitKVSchedule, cache_seqlens: torch.Tensor) -> None:
+    from mla_dispatch.kernels.triton.schedule import split_kv_schedule_into, workspace_numel
+
+    need = workspace_numel(sched.batch, sched.num_parts)
+    ws = sched.workspace
+    if ws is None or ws.device != cache_seqlens.device or ws.numel() < need:
+        sched.workspace = ws = torch.empty(need, dtype=torch.int32, device=cache_seqlens.device)
+    split_kv_schedule_into(cache_seqlens, sched.items, sched.part_offsets, sched.num_splits, sched.slot_req, ws,
+                           num_parts=sched.num_parts, chunk_size=sched.chunk_size, overhead=sched.overhead)
 
 
 def combine_splits(
