@@ -48,6 +48,7 @@ EDGE_CASES = [
     ("one-long-many-short", [100000] + [1] * 30, 132, 64, 5),
     ("b300-p17", None, 17, 128, 4),
     ("b1024-p132", None, 132, 64, 5),
+    ("b8192-max-batch-p132", None, 132, 64, 5),
 ]
 NUM_RANDOM = 24
 
