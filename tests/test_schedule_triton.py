@@ -173,8 +173,8 @@ def test_impl_argument_errors(monkeypatch):
 def test_triton_schedule_matches_torch_on_gpu(seed):
     pytest.importorskip("triton")
     rng = random.Random(seed)
-    cases = [c for c in make_cases(seed)]
-    for i in range(40):
+    cases = make_cases(seed)  # each new (batch, num_parts) shape compiles once, so keep the count modest
+    for i in range(20):
         batch = rng.choice([1, 2, 7, 64, 128, 333, 512, 1000, 1024])
         lens = [0 if rng.random() < 0.2 else rng.randint(-3, rng.choice([100, 4000, 130000])) for _ in range(batch)]
         cases.append((f"gpu{i}", lens, rng.choice([1, 2, 16, 78, 100, 132]), rng.choice([1, 16, 64, 128]),
