@@ -34,6 +34,9 @@ Everything is computed with tensor operations on the device holding
 ``cache_seqlens``: no host synchronisation, and every shape depends only on
 ``(batch, num_parts)``, so the computation can run inside a CUDA graph (or
 before it, into the same buffers, with :meth:`SplitKVSchedule.update_`).
+On a CUDA/ROCm device the same schedule, bit for bit, comes from one Triton
+launch (``kernels/triton/schedule.py``); the tensor-op code here stays the
+reference and the CPU path (``impl=`` of :func:`split_kv_schedule`).
 """
 
 from __future__ import annotations
