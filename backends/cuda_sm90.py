@@ -31,7 +31,8 @@ BLOCK_M = 64  # query rows per CTA tile (kernels/cuda/mla_decode_sm90/config.cuh
 BLOCK_N = 64  # KV tokens per mainloop step = split-KV chunk size
 SCHEDULE_OVERHEAD = 5
 #: mainloop of kernels/cuda/mla_decode_sm90: 2 = wgmma, serial per tile (default), 1 = mma.sync (v1),
-#: 3 = wgmma with S of the next tile issued under PV of this one (measured slower); $MLA_SM90_VARIANT overrides
+#: 3 = wgmma with S of the next tile issued under PV of this one (measured slower), 4 = wgmma with S split along D_qk
+#: (experimental); $MLA_SM90_VARIANT overrides
 KERNEL_VARIANT = int(os.environ.get("MLA_SM90_VARIANT", "2"))
 
 _fake_registered = False

@@ -151,7 +151,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="a few configs only")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--variants", default="2", help="mainloop variants to time, e.g. 3,2,1 (3 = overlapped wgmma, 2 = wgmma, 1 = mma.sync)")
+    ap.add_argument("--variants", default="2", help="mainloop variants to time, e.g. 4,3,2,1 (4 = S split along D, 3 = overlapped wgmma, 2 = wgmma, 1 = mma.sync)")
     args = ap.parse_args()
     peaks = measure_peaks()
     print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")

@@ -120,10 +120,11 @@ def test_fp8_matches_reference(cfg, dtype, kv_format, gen):
 
 
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8_e4m3", "fp8_ds_mla"])
-@pytest.mark.parametrize("variant", [1, 2, 3], ids=["v1", "v2", "v3"])
+@pytest.mark.parametrize("variant", [1, 2, 3, 4], ids=["v1", "v2", "v3", "v4"])
 @pytest.mark.parametrize("cfg", [GRID[0], GRID[8], GRID[12], GRID[15]], ids=_grid_id)
 def test_each_mainloop_variant_matches_reference(cfg, variant, kv_format, gen):
-    """Every selectable mainloop (1 mma.sync, 2 wgmma, 3 wgmma overlapped), whichever is the default."""
+    """Every selectable mainloop (1 mma.sync, 2 wgmma, 3 wgmma overlapped, 4 wgmma with S split along D), whichever
+    is the default."""
     b, s_q, h_q, h_kv, L, ps, causal, zero = cfg
     if kv_format != "bf16" and (variant == 1 or h_kv != 1):
         pytest.skip("v1: bf16 caches only here; fp8 caches: h_kv = 1 configs")
@@ -218,7 +219,7 @@ for over, pattern in [
     (dict(out=out.float()), "out must be"),
     (dict(lse=lse.double()), "lse must be float32"),
     (dict(kv_format=1, kv_cache=case.kv_cache.view(torch.uint8)[..., :576].contiguous()), "kv_scale must be"),
-    (dict(variant=4), "variant must be 1"),
+    (dict(variant=5), "variant must be 1"),
     (dict(q=case.q.cpu()), "must be a CUDA tensor"),
 ]:
     with pytest.raises(ValueError, match=pattern):

@@ -16,11 +16,14 @@ template <typename T, int KvFmt>
 static cudaError_t launch_decode_t(const DecodeParams& p, int grid_parts, cudaStream_t stream) {
   // variant 1: warp-level mma.sync (mainloop.cuh); 2: wgmma (mainloop_wgmma.cuh);
   // 3: wgmma with S of tile j+1 issued under PV of tile j (mainloop_wgmma.cuh, kOverlap)
+  // 4: wgmma with S split along D_qk between the warpgroups (mainloop_wgmma.cuh, kKSplit;
+  //    bf16/fp16 caches only, fp8 caches run v2)
   auto kernel = p.variant == 1   ? mla_decode_kernel_v1<T, KvFmt>
                 : p.variant == 3 ? mla_decode_kernel_v2<T, KvFmt, true>
+                : p.variant == 4 ? mla_decode_kernel_v2<T, KvFmt, false, KvFmt == kKvSameAsQ>
                                  : mla_decode_kernel_v2<T, KvFmt, false>;
-  const int vi = p.variant == 1 ? 0 : p.variant == 3 ? 2 : 1;
-  static bool configured[3] = {false, false, false};  // per instantiation; a benign race sets the same value
+  const int vi = p.variant == 1 ? 0 : p.variant == 3 ? 2 : p.variant == 4 ? 3 : 1;
+  static bool configured[4] = {false, false, false, false};  // per instantiation; a benign race sets the same value
   if (!configured[vi]) {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, DecodeConfig::kSmemBytes);
     if (e != cudaSuccess) return e;

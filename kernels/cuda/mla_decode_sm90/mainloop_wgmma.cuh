@@ -36,13 +36,25 @@ __device__ __forceinline__ uint64_t gmma_desc_sw128(const void* smem, uint32_t l
   return d;
 }
 
+// Same descriptor from a shared-window address (32-bit).
+__device__ __forceinline__ uint64_t gmma_desc_sw128_addr(uint32_t addr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+  uint64_t d = 0;
+  d |= (uint64_t)((addr >> 4) & 0x3FFF);
+  d |= (uint64_t)((lbo_bytes >> 4) & 0x3FFF) << 16;
+  d |= (uint64_t)((sbo_bytes >> 4) & 0x3FFF) << 32;
+  d |= (uint64_t)1 << 62;  // SWIZZLE_128B
+  return d;
+}
+
 template <typename T> struct Gmma;
 template <> struct Gmma<__nv_bfloat16> {
   using QK = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
+  using QK64 = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
   using PV = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>;
 };
 template <> struct Gmma<__half> {
   using QK = cute::SM90::GMMA::MMA_64x32x16_F32F16F16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
+  using QK64 = cute::SM90::GMMA::MMA_64x64x16_F32F16F16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
   using PV = cute::SM90::GMMA::MMA_64x256x16_F32F16F16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>;
 };
 
@@ -63,7 +75,17 @@ __device__ __forceinline__ void fence_regs(float* r) {
 // has landed, right behind PV of tile j (wgmma groups retire in order), so the tensor pipe
 // does not drain between tiles; the next loads wait (wgmma.wait_group 1 + barrier) only for
 // PV of tile j-1 before overwriting its stage.
-template <typename T, int KvFmt, bool kOverlap = false>
+// kKSplit (v4, with kOverlap = false; bf16/fp16 caches only, launch.cu runs fp8 caches of
+// variant 4 on v2): S is split along D_qk instead of tokens: warpgroup g runs k-steps
+// 18g .. 18g+18 as m64n64k16 over all 64 tokens (each warpgroup reads half of Q and half of K
+// from smem instead of all of Q: 144 KB of operand reads per tile, not 216 KB), then the two
+// partial S tiles are summed through shared memory: warp w of warpgroup g sends the 16
+// accumulators of the other warpgroup's 32 tokens (same (w, lane) layout there) and keeps its
+// own 32 tokens, so the softmax below sees v2's acc_s layout. Buffers: sP (free until P is
+// written; the region of warp w = rows 16w.. of P, written only after the partner warp has
+// read it) for warpgroup 0 -> 1, and the RoPE block (columns 512..575) of the current K stage,
+// read only by warpgroup 1's S and never by P V, for warpgroup 1 -> 0.
+template <typename T, int KvFmt, bool kOverlap = false, bool kKSplit = false>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const __grid_constant__ DecodeParams p) {
   using TT = TypeTraits<T>;
   using L = Gmma128Tile64;
@@ -149,8 +171,31 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
 
     // -- S = Q K^T of the tile in stage `st`, this warpgroup's 32 tokens (issued, not waited)
     float acc_s[16];
+    float acc_f[kKSplit ? 32 : 1];
     auto issue_s = [&](int st) {
       const T* sKs = sK + st * Cfg::kKElems;
+      if constexpr (kKSplit) {
+        // fresh values (the first wgmma ignores them): the last tile's partial sums are not
+        // kept live through P V (the asm operands are read-write)
+#pragma unroll
+        for (int i = 0; i < 32; ++i) acc_f[i] = 0.f;
+        fence_regs<32>(acc_f);
+        cute::warpgroup_arrive();
+        // descriptor bases rebuilt per tile (opaque to the compiler), so that ptxas does not
+        // keep 18 loop-invariant 64-bit Q descriptors live in registers
+        uint32_t qa = smem_u32(sQ), ka = smem_u32(sKs);
+        asm volatile("" : "+r"(qa), "+r"(ka));
+        const uint64_t dq = gmma_desc_sw128_addr(qa, 16, 1024), dk = gmma_desc_sw128_addr(ka, 16, 1024);
+#pragma unroll
+        for (int i = 0; i < Cfg::kHeadDimQK / 32; ++i) {
+          const int kk = half * (Cfg::kHeadDimQK / 32) + i;
+          const int blk = kk / 4, kin = (kk % 4) * 16;
+          const uint64_t off = (uint64_t)(((blk * 64 * 64 + kin) * (int)sizeof(T)) >> 4);
+          gmma_call<typename Gmma<T>::QK64>(dq + off, dk + off, acc_f, i > 0, std::make_index_sequence<32>{});
+        }
+        cute::warpgroup_commit_batch();
+        return;
+      }
       if constexpr (!kOverlap) fence_regs<16>(acc_s);  // v3: no register def inside PV_j's wgmma stage
       cute::warpgroup_arrive();
 #pragma unroll
@@ -180,11 +225,19 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
         // the other warpgroup has too before its stage (= stage of tile j+1) and P are reused.
         cute::warpgroup_wait<1>();
         __syncthreads();
+      } else if constexpr (kKSplit) {
+        // v4: loads first, so that their address registers are dead while the 32
+        // accumulators of the split S are live
+        if (has_next) {
+          load_kv_async<T, L>(p, sKnext, req, kvh, t0 + Cfg::kBlockN, tok_end);
+          cp_async_commit();
+        }
+        issue_s(j & 1);
       } else {
         issue_s(j & 1);
       }
       // Issue the loads of tile j+1 while the tensor cores run S (wgmma is asynchronous).
-      if (has_next) {
+      if (has_next && !kKSplit) {
         if constexpr (KvFmt == kKvSameAsQ) {
           load_kv_async<T, L>(p, sKnext, req, kvh, t0 + Cfg::kBlockN, tok_end);
           cp_async_commit();
@@ -193,6 +246,29 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
         }
       }
       cute::warpgroup_wait<0>();
+      if constexpr (kKSplit) {
+        fence_regs<32>(acc_f);
+        T* rope = sK + (j & 1) * Cfg::kKElems + 8 * 64 * 64;  // 64 x 64 elements = 8 KB
+        float4* xout = reinterpret_cast<float4*>(half == 0 ? sP : rope) + rg * 128;
+        const float4* xin = reinterpret_cast<const float4*>(half == 0 ? rope : sP) + rg * 128;
+        // warpgroup 1 overwrites the RoPE block its own S just read: all its warps past the wait
+        if (half == 1) named_barrier(5, 128);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int o = half == 0 ? 16 + 4 * i : 4 * i;  // the other warpgroup's tokens
+          xout[i * 32 + lane] = make_float4(acc_f[o], acc_f[o + 1], acc_f[o + 2], acc_f[o + 3]);
+        }
+        named_barrier(1 + rg, 64);  // warp rg of both warpgroups: partial sums in place
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int o = half == 0 ? 4 * i : 16 + 4 * i;  // own tokens
+          const float4 w = xin[i * 32 + lane];
+          acc_s[4 * i + 0] = acc_f[o + 0] + w.x;
+          acc_s[4 * i + 1] = acc_f[o + 1] + w.y;
+          acc_s[4 * i + 2] = acc_f[o + 2] + w.z;
+          acc_s[4 * i + 3] = acc_f[o + 3] + w.w;
+        }
+      }
       fence_regs<16>(acc_s);
       if constexpr (kOverlap) fence_regs<128>(acc_o);
 

@@ -44,7 +44,7 @@ struct DecodeParams {
   int causal;
   int kv_format;  // KvFormat
   int q_is_bf16;  // 1: bf16, 0: fp16
-  int variant;    // 1: mma.sync mainloop (v1), 2: wgmma mainloop (v2), 3: v2 with S(j+1) under PV(j) (v3)
+  int variant;    // 1: mma.sync mainloop (v1), 2: wgmma mainloop (v2), 3: v2 with S(j+1) under PV(j) (v3), 4: v2 with S split along D_qk (v4)
 };
 
 struct CombineParams {
