@@ -375,8 +375,7 @@ def combine_splits(
     slot_req = schedule.slot_req.to(torch.int64)
     used = slot_req >= 0
     req = slot_req.clamp_min(0)
-    neg_inf = torch.tensor(float("-inf"), device=partial_lse.device)
-    plse = torch.where(used[:, None, None], partial_lse, neg_inf)
+    plse = partial_lse.masked_fill(~used[:, None, None], float("-inf"))  # no host-to-device scalar copy
 
     # Per request maximum LSE over its slots (requests without slots keep -inf).
     idx = req[:, None, None].expand_as(plse)
