@@ -10,6 +10,9 @@ nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader |
 python -m mla_dispatch build 2>&1 | tail -n 3
 # xdist spreads the GPU grid over CPU workers (kernel compiles dominate); all share the one GPU.
 PYTEST_ARGS=("$@"); [ ${#PYTEST_ARGS[@]} -eq 0 ] && PYTEST_ARGS=(-k "not grid_gpu")
-python -m pytest -q -m gpu -n 8 -p no:cacheprovider "${PYTEST_ARGS[@]}" tests 2>&1 | tee "$OUT/pytest_gpu.log" | tail -n 25
+# -v writes one line per finished test to the log, so failures stay identifiable even if a
+# device-time limit kills the run before pytest's summary.
+python -m pytest -v -rf -m gpu -n 8 -p no:cacheprovider "${PYTEST_ARGS[@]}" tests > "$OUT/pytest_gpu.log" 2>&1
+grep -E "(FAILED|ERROR) |passed|failed" "$OUT/pytest_gpu.log" | tail -n 40
 [ $# -gt 0 ] && exit 0   # a targeted pytest run skips the conformance matrix
 python -m mla_dispatch conformance --json "$OUT/conformance.json" 2>&1 | tee "$OUT/conformance.log" | tail -n 45
