@@ -20,7 +20,7 @@ import os
 import torch
 
 from mla_dispatch.backend import BackendState, CGSupport, MLABackend, Reason, ReasonCode
-from mla_dispatch.metadata import split_kv_schedule
+from mla_dispatch.metadata import first_slots, split_kv_schedule
 from mla_dispatch.platform import Platform
 from mla_dispatch.problem import DecodeProblem
 
@@ -59,12 +59,6 @@ def load_ops():
 
         _fake_registered = True
     return torch.ops.mla_dispatch
-
-
-def _first_slots(num_splits: torch.Tensor) -> torch.Tensor:
-    """int32 [B]: first partial slot of each split request (slots are laid out request by request)."""
-    slots = torch.where(num_splits > 1, num_splits, torch.zeros_like(num_splits)).to(torch.int64)
-    return (torch.cumsum(slots, 0) - slots).to(torch.int32)
 
 
 class CudaSM90Backend(MLABackend):
@@ -122,7 +116,7 @@ class CudaSM90Backend(MLABackend):
         return BackendState(
             op=load_ops().cuda_sm90_decode.default,
             schedule=schedule,
-            first_slot=_first_slots(schedule.num_splits),
+            first_slot=first_slots(schedule.num_splits),
             partial_out=torch.empty(max_slots, p.q_len, p.num_heads_q, p.head_dim_v, dtype=torch.float32,
                                     device=device),
             partial_lse=torch.empty(max_slots, p.q_len, p.num_heads_q, dtype=torch.float32, device=device),
@@ -133,7 +127,7 @@ class CudaSM90Backend(MLABackend):
     @classmethod
     def update(cls, state: BackendState, block_table, cache_seqlens) -> None:
         state.schedule.update_(cache_seqlens)
-        state.first_slot.copy_(_first_slots(state.schedule.num_splits))
+        first_slots(state.schedule.num_splits, out=state.first_slot)
 
     @classmethod
     def run(cls, state: BackendState, q, kv_cache, block_table, cache_seqlens, *, problem: DecodeProblem,

@@ -26,7 +26,7 @@ import os
 import torch
 
 from mla_dispatch.backend import BackendState, CGSupport, MLABackend, Reason, ReasonCode
-from mla_dispatch.metadata import split_kv_schedule
+from mla_dispatch.metadata import first_slots, split_kv_schedule
 from mla_dispatch.platform import Platform
 from mla_dispatch.problem import DecodeProblem
 
@@ -114,7 +114,7 @@ class TritonBackend(MLABackend):
             overhead = max(1, _SCHEDULE_OVERHEAD_TOKENS // cfg.chunk_size)
         schedule = split_kv_schedule(lengths, num_parts=num_parts, chunk_size=cfg.chunk_size, overhead=overhead)
         first_slot = torch.empty(p.batch, dtype=torch.int32, device=device)
-        _first_slots_into(first_slot, schedule.num_splits)
+        first_slots(schedule.num_splits, out=first_slot)
         max_slots = schedule.max_slots
         partial_out = torch.empty(max_slots, p.q_len, p.num_heads_q, p.head_dim_v, dtype=torch.float32, device=device)
         partial_lse = torch.empty(max_slots, p.q_len, p.num_heads_q, dtype=torch.float32, device=device)
@@ -126,7 +126,7 @@ class TritonBackend(MLABackend):
         if cache_seqlens is None or state.lengths is not cache_seqlens:
             return  # sparse: the schedule depends on topk only
         state.schedule.update_(cache_seqlens)
-        _first_slots_into(state.first_slot, state.schedule.num_splits)
+        first_slots(state.schedule.num_splits, out=state.first_slot)
 
     # -- run ---------------------------------------------------------------------------
 
@@ -143,8 +143,3 @@ class TritonBackend(MLABackend):
                       kv_format=p.kv_format, head_dim_v=p.head_dim_v, cfg=state.cfg)
         launch_combine(state.partial_out, state.partial_lse, state.schedule.num_splits, state.first_slot, out, lse)
 
-
-def _first_slots_into(dst: torch.Tensor, num_splits: torch.Tensor) -> None:
-    """First partial slot of each request (slots of split requests are consecutive), in place."""
-    slots = torch.where(num_splits > 1, num_splits, torch.zeros_like(num_splits)).to(torch.int64)
-    dst.copy_(torch.cumsum(slots, 0) - slots)

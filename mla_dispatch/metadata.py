@@ -52,6 +52,7 @@ __all__ = [
     "SplitKVSchedule",
     "split_kv_schedule",
     "combine_splits",
+    "first_slots",
     "token_indices",
     "kv_indptr",
     "kv_last_page_lens",
@@ -341,6 +342,23 @@ def _triton_schedule_into(sched: SplitKVSchedule, cache_seqlens: torch.Tensor) -
         sched.workspace = ws = torch.empty(need, dtype=torch.int32, device=cache_seqlens.device)
     split_kv_schedule_into(cache_seqlens, sched.items, sched.part_offsets, sched.num_splits, sched.slot_req, ws,
                            num_parts=sched.num_parts, chunk_size=sched.chunk_size, overhead=sched.overhead)
+
+
+def first_slots(num_splits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """int32 ``[batch]``: the first partial slot of each split request.
+
+    Slots of split requests are consecutive, request after request (see
+    :func:`split_kv_schedule`), so this is an exclusive prefix sum of
+    ``num_splits`` over split requests; unsplit requests get the running value
+    (they use no slot). Combine kernels use it to find a request's partials.
+    Written into ``out`` when given (no allocation escapes; CUDA-graph friendly).
+    """
+    slots = torch.where(num_splits > 1, num_splits, torch.zeros_like(num_splits)).to(torch.int64)
+    first = torch.cumsum(slots, 0) - slots
+    if out is None:
+        return first.to(torch.int32)
+    out.copy_(first)
+    return out
 
 
 def combine_splits(

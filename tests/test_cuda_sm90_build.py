@@ -61,26 +61,3 @@ def test_backend_declares_capabilities_and_reasons():
     if not torch.cuda.is_available():
         reasons = cls.availability_reasons()
         assert reasons and reasons[0].code is ReasonCode.UNAVAILABLE
-
-
-def test_first_slots_match_the_schedule(gen):
-    # The combine finds a split request's partials at first_slot[b] .. first_slot[b] + num_splits[b] - 1.
-    from mla_dispatch.backends.cuda_sm90 import _first_slots
-    from mla_dispatch.metadata import split_kv_schedule
-
-    lens = torch.randint(0, 3000, (37,), generator=gen, dtype=torch.int32)
-    lens[::5] = 0
-    sched = split_kv_schedule(lens, num_parts=11, chunk_size=64, overhead=5)
-    first = _first_slots(sched.num_splits)
-    seen = {}
-    for req, begin, end, slot in sched.items.tolist():
-        if req < 0:
-            continue
-        if sched.num_splits[req] > 1:
-            seen.setdefault(req, []).append(slot)
-        else:
-            assert slot == -1
-    assert seen, "the draw produced no split request"
-    for req, slots in seen.items():
-        n = int(sched.num_splits[req])
-        assert sorted(slots) == list(range(int(first[req]), int(first[req]) + n))

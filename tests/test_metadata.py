@@ -7,6 +7,7 @@ from mla_dispatch.backends.reference import reference_attention
 from mla_dispatch.metadata import (
     ITEM_SLOT,
     combine_splits,
+    first_slots,
     kv_indptr,
     kv_last_page_lens,
     repage_block_table,
@@ -149,3 +150,24 @@ def test_schedule_argument_errors():
     with pytest.raises(ValueError, match="1-D int32"):
         split_kv_schedule(torch.zeros(2, dtype=torch.int64), num_parts=2)
     assert ITEM_SLOT == 3
+
+
+def test_first_slots_match_the_schedule(gen):
+    # The combine finds a split request's partials at first_slot[b] .. first_slot[b] + num_splits[b] - 1.
+
+    lens = torch.randint(0, 3000, (37,), generator=gen, dtype=torch.int32)
+    lens[::5] = 0
+    sched = split_kv_schedule(lens, num_parts=11, chunk_size=64, overhead=5)
+    first = first_slots(sched.num_splits)
+    seen = {}
+    for req, begin, end, slot in sched.items.tolist():
+        if req < 0:
+            continue
+        if sched.num_splits[req] > 1:
+            seen.setdefault(req, []).append(slot)
+        else:
+            assert slot == -1
+    assert seen, "the draw produced no split request"
+    for req, slots in seen.items():
+        n = int(sched.num_splits[req])
+        assert sorted(slots) == list(range(int(first[req]), int(first[req]) + n))
