@@ -38,3 +38,29 @@ def seed(request) -> int:
 @pytest.fixture
 def gen(seed) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture
+def registered():
+    """``register(cls) -> name``: register a test backend class under ``cls.NAME`` for this test.
+
+    Every backend registered through it is unregistered afterwards and the selection cache is
+    cleared, so test backends never leak into other tests. A ``runs`` counter on the class, if
+    it has one, is reset.
+    """
+    from mla_dispatch.registry import register_backend, unregister_backend
+    from mla_dispatch.select import clear_selection_cache
+
+    names = []
+
+    def register(cls):
+        if hasattr(cls, "runs"):
+            cls.runs = 0
+        register_backend(cls.NAME, cls)
+        names.append(cls.NAME)
+        return cls.NAME
+
+    yield register
+    for name in names:
+        unregister_backend(name)
+    clear_selection_cache()

@@ -12,12 +12,9 @@ import math
 import pytest
 import torch
 
-import mla_dispatch
 from mla_dispatch import bench
 from mla_dispatch.backends.reference import ReferenceBackend, reference_attention
-from mla_dispatch.registry import unregister_backend
 from mla_dispatch.roofline import Ceilings
-from mla_dispatch.select import clear_selection_cache
 from mla_dispatch.testing import UNUSED_BLOCK_ID
 
 FIXED_CEILINGS = Ceilings("test", bytes_per_s=1e10, flops_per_s=1e11, how="fixed for the test")
@@ -57,23 +54,6 @@ class WrongOneElement(_Counting):
 class OnlyPage64(ReferenceBackend):
     NAME = "test_only_page64"
     PAGE_SIZES = frozenset({64})
-
-
-@pytest.fixture
-def registered():
-    """Register test backends by class; always unregistered afterwards."""
-    names = []
-
-    def register(cls):
-        cls.runs = 0
-        mla_dispatch.register_backend(cls.NAME, cls)
-        names.append(cls.NAME)
-        return cls.NAME
-
-    yield register
-    for name in names:
-        unregister_backend(name)
-    clear_selection_cache()
 
 
 def test_quick_grid_end_to_end(tmp_path, capsys, seed):

@@ -3,14 +3,10 @@ cell by cell, unsupported cells carry the backend's own reason, and the exit cod
 
 import json
 
-import pytest
 import torch
 
-import mla_dispatch
 from mla_dispatch import conformance
 from mla_dispatch.backends.reference import ReferenceBackend
-from mla_dispatch.registry import unregister_backend
-from mla_dispatch.select import clear_selection_cache
 
 CPU = torch.device("cpu")
 
@@ -62,21 +58,6 @@ class Bf16Only(ReferenceBackend):
     NAME = "test_conf_bf16_only"
     KV_FORMATS = frozenset({"bf16"})
     SUPPORTS_SPARSE = False
-
-
-@pytest.fixture
-def registered():
-    names = []
-
-    def register(cls):
-        mla_dispatch.register_backend(cls.NAME, cls)
-        names.append(cls.NAME)
-        return cls.NAME
-
-    yield register
-    for name in names:
-        unregister_backend(name)
-    clear_selection_cache()
 
 
 def _cases(*names):

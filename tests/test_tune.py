@@ -9,7 +9,6 @@ from mla_dispatch import select, tune
 from mla_dispatch.backends.reference import ReferenceBackend
 from mla_dispatch.bench import BenchRow
 from mla_dispatch.platform import detect_platform
-from mla_dispatch.registry import unregister_backend
 from mla_dispatch.testing import make_case
 
 CPU = detect_platform("cpu")
@@ -33,21 +32,15 @@ class WrongButInstant(ReferenceBackend):
 
 
 @pytest.fixture
-def clean(monkeypatch, tmp_path):
-    """No table from the environment or the user's cache; state restored afterwards."""
+def clean(monkeypatch, tmp_path, registered):
+    """No table from the environment or the user's cache; state restored afterwards.
+
+    Returns the shared ``registered`` helper, so test backends are unregistered too.
+    """
     monkeypatch.delenv(tune.ENV_VAR, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     tune.reload_table()
-    names = []
-
-    def register(cls):
-        mla_dispatch.register_backend(cls.NAME, cls)
-        names.append(cls.NAME)
-        return cls.NAME
-
-    yield register
-    for name in names:
-        unregister_backend(name)
+    yield registered
     tune.reload_table()
 
 
