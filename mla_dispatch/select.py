@@ -15,8 +15,10 @@ import functools
 import logging
 from typing import Iterator, Sequence
 
+import torch
+
 from mla_dispatch.backend import MLABackend, Reason
-from mla_dispatch.platform import Platform
+from mla_dispatch.platform import Platform, platform_for
 from mla_dispatch.problem import DecodeProblem
 from mla_dispatch.registry import BUILTIN_BACKENDS, get_backend, registered_names
 
@@ -146,10 +148,6 @@ def explain(problem: DecodeProblem, platform: Platform | None = None,
     ``print(explain(p).format())`` shows the same text a ``NoBackendError`` would.
     """
     if platform is None:
-        import torch
-
-        from mla_dispatch.platform import platform_for
-
         platform = platform_for(torch.device(problem.device_type))
     _ensure_tuned_loaded(platform)
     names = tuple(candidates) if candidates is not None else _active_candidates(problem, platform)
