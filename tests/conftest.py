@@ -6,8 +6,11 @@
   with ``MLA_DISPATCH_SEED=<seed>``.
 """
 
+import json
 import os
 import random
+import subprocess
+import sys
 import zlib
 
 import pytest
@@ -64,3 +67,25 @@ def registered():
     for name in names:
         unregister_backend(name)
     clear_selection_cache()
+
+
+def interpreter_child_results(test_file: str) -> dict:
+    """Run ``test_file`` as a script under ``TRITON_INTERPRET=1`` and collect its results.
+
+    Triton reads TRITON_INTERPRET when it is imported, so interpreter tests run their kernels in a
+    child process (``python test_file SEED``) that prints one JSON record per case,
+    ``{"id": ..., "ok": ..., "message": ...}``; returns ``{id: record}``. Fails the test if the
+    child printed no record (with the end of its stderr).
+    """
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, test_file, str(SEED)], env=env, capture_output=True, text=True,
+                          timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            rec = json.loads(line)
+            results[rec["id"]] = rec
+    if not results:
+        pytest.fail(f"interpreter child produced no results (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
+    return results

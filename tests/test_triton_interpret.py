@@ -96,20 +96,9 @@ def _run_cases(seed: int) -> None:
 
 @pytest.fixture(scope="module")
 def interpreter_results(request) -> dict:
-    pytest.importorskip("triton")
-    from tests.conftest import SEED
+    from tests.conftest import interpreter_child_results
 
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, __file__, str(SEED)], env=env, capture_output=True, text=True, timeout=600,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            rec = json.loads(line)
-            results[rec["id"]] = rec
-    if not results:
-        pytest.fail(f"interpreter child produced no results (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
-    return results
+    return interpreter_child_results(__file__)
 
 
 @pytest.mark.parametrize("case_id", [c[0] for c in CASES])
