@@ -89,3 +89,36 @@ def interpreter_child_results(test_file: str) -> dict:
     if not results:
         pytest.fail(f"interpreter child produced no results (rc={proc.returncode}):\n{proc.stderr[-4000:]}")
     return results
+
+
+@pytest.fixture
+def simulate_platform(monkeypatch):
+    """``simulate_platform(platform)``: for this test every device looks like ``platform``.
+
+    Replaces the one function that asks the hardware (``mla_dispatch.platform.detect_platform``)
+    and clears the platform and selection caches before and after, so nothing leaks.
+    """
+    import mla_dispatch.platform as platform_mod
+    from mla_dispatch.select import clear_selection_cache
+
+    def use(platform):
+        monkeypatch.setattr(platform_mod, "detect_platform", lambda device=None: platform)
+        platform_mod.platform_for.cache_clear()
+        clear_selection_cache()
+        return platform
+
+    yield use
+    platform_mod.platform_for.cache_clear()
+    clear_selection_cache()
+
+
+@pytest.fixture
+def npu(monkeypatch, simulate_platform):
+    """A simulated Ascend 910B, with the Ascend backends' cached availability forgotten."""
+    import mla_dispatch.registry
+    from mla_dispatch.platform import Platform
+
+    platform = simulate_platform(Platform("npu", "Ascend910B3", None, "Ascend910B", 20))
+    for name in ("torch_npu", "ascend_amla"):
+        monkeypatch.setattr(mla_dispatch.registry.get_backend(name), "_availability_cache", None, raising=False)
+    return platform

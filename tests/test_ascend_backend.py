@@ -15,30 +15,17 @@ import pytest
 import torch
 
 import mla_dispatch
-import mla_dispatch.platform as platform_mod
 from mla_dispatch.backends.ascend_amla import AscendAMLABackend
 from mla_dispatch.backends.reference import reference_attention
 from mla_dispatch.kernels.ascend import amla_emulation as emu
 from mla_dispatch.kernels.ascend import ops
 from mla_dispatch.platform import Platform
-from mla_dispatch.select import NoBackendError, clear_selection_cache, explain, priority
+from mla_dispatch.select import NoBackendError, explain, priority
 from mla_dispatch.testing import compare_outputs, make_case
 
 NPU = Platform("npu", "Ascend910B3", None, "Ascend910B", 20)
 CPU = Platform("cpu", "cpu", None, "cpu", 2)
 KERNEL_DIR = pathlib.Path(__file__).resolve().parents[1] / "kernels" / "ascend"
-
-
-@pytest.fixture
-def npu(monkeypatch):
-    monkeypatch.setattr(platform_mod, "detect_platform", lambda device=None: NPU)
-    platform_mod.platform_for.cache_clear()
-    clear_selection_cache()
-    for name in ("torch_npu", "ascend_amla"):
-        monkeypatch.setattr(mla_dispatch.registry.get_backend(name), "_availability_cache", None, raising=False)
-    yield NPU
-    platform_mod.platform_for.cache_clear()
-    clear_selection_cache()
 
 
 @pytest.fixture

@@ -200,9 +200,8 @@ def test_tuned_table_moves_measured_best_first():
         select.set_tuned_table(None, None)
 
 
-def test_simulated_platform_through_mla_decode(monkeypatch, fake_backends, gen):
+def test_simulated_platform_through_mla_decode(simulate_platform, fake_backends, gen):
     """The front end asks detect_platform; mocking it steers the whole call."""
-    from mla_dispatch import platform as plat
     from mla_dispatch.testing import make_case
 
     calls = []
@@ -218,16 +217,12 @@ def test_simulated_platform_through_mla_decode(monkeypatch, fake_backends, gen):
             out.zero_(), lse.zero_()
 
     registry.register_backend("aiter", Recorder, replace=True)
-    monkeypatch.setattr(plat, "detect_platform", lambda device=None: MI300X)
-    plat.platform_for.cache_clear()
-    try:
-        case = make_case(2, 1, 16, 30, page_size=16, generator=gen)
-        plan = mla_dispatch.plan_decode(*case.args(), **case.kwargs())
-        assert plan.backend == "aiter"
-        plan.run(case.q, case.kv_cache)
-        assert calls and calls[0].page_size == 16
-    finally:
-        plat.platform_for.cache_clear()
+    simulate_platform(MI300X)
+    case = make_case(2, 1, 16, 30, page_size=16, generator=gen)
+    plan = mla_dispatch.plan_decode(*case.args(), **case.kwargs())
+    assert plan.backend == "aiter"
+    plan.run(case.q, case.kv_cache)
+    assert calls and calls[0].page_size == 16
 
 
 def test_importing_mla_dispatch_imports_no_backend_or_kernel_library():

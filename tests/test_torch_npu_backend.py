@@ -25,7 +25,7 @@ import mla_dispatch.platform as platform_mod
 from mla_dispatch.backends.reference import reference_attention
 from mla_dispatch.backends.torch_npu import TorchNpuBackend, padded_heads
 from mla_dispatch.platform import Platform
-from mla_dispatch.select import clear_selection_cache, explain, select_backend
+from mla_dispatch.select import explain, select_backend
 from mla_dispatch.testing import compare_outputs, make_case
 
 NPU = Platform("npu", "Ascend910B3", None, "Ascend910B", 20)
@@ -123,19 +123,6 @@ def make_fake_torch_npu(ops=("v2", "v1", "legacy")) -> types.ModuleType:
         fn = table[key]
         setattr(mod, fn.__name__, fn)
     return mod
-
-
-@pytest.fixture
-def npu(monkeypatch):
-    """Simulated Ascend 910B platform; fresh availability and selection caches."""
-    monkeypatch.setattr(platform_mod, "detect_platform", lambda device=None: NPU)
-    platform_mod.platform_for.cache_clear()
-    clear_selection_cache()
-    for name in ("torch_npu", "ascend_amla"):
-        monkeypatch.setattr(mla_dispatch.registry.get_backend(name), "_availability_cache", None, raising=False)
-    yield NPU
-    platform_mod.platform_for.cache_clear()
-    clear_selection_cache()
 
 
 def _install(monkeypatch, fake):
