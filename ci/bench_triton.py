@@ -30,6 +30,7 @@ import triton.testing
 from mla_dispatch import plan_decode
 from mla_dispatch.backends.triton import TritonBackend
 from mla_dispatch.formats import pack_ds_mla
+from mla_dispatch.kernels.triton.aot_report import parse_spec  # the tM16-n64-... config notation
 
 D_QK, D_V = 576, 512
 
@@ -138,23 +139,7 @@ def bench_one(name, peaks, batch, q_len, h_q, seqlen, *, page_size=64, kv_format
     return res
 
 
-def _spec_config(spec: str):
-    """'tM16-n64-w8-v2-q128-s2' -> KernelConfig: t|h tokens/heads on M, M block_m, n block_n,
-    w warps, v v_split, q qk_chunk, s stages."""
-    from mla_dispatch.kernels.triton.decode import KernelConfig
-
-    f = dict(block_m=16, block_n=64, num_warps=4, num_stages=2, tokens_on_m=spec[0] == "t", v_split=1, qk_chunk=512)
-    for tok in spec[1:].split("-"):
-        key = {"M": "block_m", "n": "block_n", "w": "num_warps", "v": "v_split", "q": "qk_chunk",
-               "s": "num_stages"}[tok[0]]
-        f[key] = int(tok[1:])
-    f["chunk_size"] = max(64, f["block_n"])
-    return KernelConfig(**f)
-
-
 def grids(names):
-    from mla_dispatch.kernels.triton.decode import KernelConfig
-
     g = []
     if "quick" in names:
         g.append(("flashmla-s1-L8192", dict(batch=128, q_len=1, h_q=128, seqlen=8192), True))
@@ -186,16 +171,16 @@ def grids(names):
                         (64, "hM16-n32")):
             for fmt in ("fp8_e4m3",) if spec[0] == "t" else ("fp8_e4m3", "fp8_ds_mla"):  # see NOTES.md
                 g.append((f"fp8choice-h{h}-{spec}-{fmt}", dict(batch=64, q_len=1, h_q=h, seqlen=8192, varlen=False,
-                                                               kv_format=fmt, config=_spec_config(spec)), False))
+                                                               kv_format=fmt, config=parse_spec(spec)), False))
     if "choice2" in names:  # tokens on M with several M tiles for 64/128 rows
         for h, spec in ((64, "tM32-n64"), (64, "tM16-n64"), (64, "hM64-n32-w8"), (128, "tM32-n64"),
                         (128, "hM64-n64-w8")):
             kw = dict(batch=64, q_len=1, h_q=h, seqlen=8192, varlen=False) if h < 128 else \
                 dict(batch=128, q_len=1, h_q=128, seqlen=8192)
-            g.append((f"choice2-h{h}-{spec}", dict(kw, config=_spec_config(spec)), False))
+            g.append((f"choice2-h{h}-{spec}", dict(kw, config=parse_spec(spec)), False))
     if "choice" in names:
         # heads on M vs tokens on M for h_q*s_q < 64, tile shapes and register-saving splits per class.
-        cfg = _spec_config
+        cfg = parse_spec
         picks = {
             16: ("tM16-n32-w8", "tM16-n32-w8-v2", "tM16-n32-w8-q128", "tM16-n64", "hM16-n64-v2-q128"),
             32: ("tM32-n32-w8-v2-q128", "tM16-n32-w8-v2"),
