@@ -83,6 +83,21 @@ def test_sm100_trtllm_matches_reference(monkeypatch, fake, gen, page_size, h_q, 
     _check(case, return_lse=False)
 
 
+def test_sm90_refuses_causal_mtp_with_heads_not_a_power_of_two(monkeypatch, fake):
+    """Measured wrong on the GPU with flashinfer 0.6.0 (backends/flashinfer.py): never selected there."""
+    simulate(monkeypatch, H100, FlashInferBackend)
+    q = torch.zeros(2, 4, 63, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(4, 64, 1, 576, dtype=torch.bfloat16)
+    bt = torch.zeros(2, 2, dtype=torch.int32)
+    sl = torch.full((2,), 70, dtype=torch.int32)
+    with pytest.raises(NoBackendError) as err:
+        mla_dispatch.mla_decode(q, kv, bt, sl, backend="flashinfer", causal=True)
+    assert "h_q=63" in str(err.value) and "power of two" in str(err.value)
+    # the same shapes without the causal mask, or with 64 heads, still run
+    case = make_case(2, 4, 64, 70, causal=True, generator=torch.Generator().manual_seed(0), softmax_scale=192**-0.5)
+    _check(case)
+
+
 def test_sm100_head_padding_rule():
     assert [trtllm_heads(h) for h in (1, 5, 8, 16, 24, 32, 48, 96, 128, 129)] == [1, 5, 8, 16, 32, 32, 48, 128, 128, None]
 
