@@ -12,11 +12,12 @@ fp16 there.
 Per decode step :meth:`TritonBackend.plan` builds the shared split-KV schedule
 (:func:`mla_dispatch.metadata.split_kv_schedule`) and allocates the workspace
 (fp32 partial outputs and LSEs, one row per possible split slot); every
-:meth:`TritonBackend.run` is then two launches (decode, combine) that allocate
-nothing and never sync, so it can be captured in a CUDA graph. Kernels compile
-on the first run: run once before capturing. After capture, change the values
-of ``cache_seqlens`` / ``block_table`` and call ``DecodePlan.update`` (which
-recomputes the schedule in place) before replaying.
+:meth:`TritonBackend.run` is then one registered op,
+``torch.ops.mla_dispatch.triton_decode`` (``kernels/triton/ops.py``: two launches,
+decode and combine), that allocates nothing and never syncs, so it can be captured
+in a CUDA graph. Kernels compile on the first run: run once before capturing.
+After capture, change the values of ``cache_seqlens`` / ``block_table`` and call
+``DecodePlan.update`` (which recomputes the schedule in place) before replaying.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ class TritonBackend(MLABackend):
         table's); ``num_parts`` persistent programs along the schedule (default: one
         per SM and tile); ``overhead`` the schedule's fixed cost per item, in chunks.
         """
+        import mla_dispatch.kernels.triton.ops  # noqa: F401  (registers torch.ops.mla_dispatch.triton_decode)
         from mla_dispatch.kernels.triton.decode import choose_config, num_m_tiles, programs_per_tile
 
         p = problem
@@ -118,8 +120,8 @@ class TritonBackend(MLABackend):
         max_slots = schedule.max_slots
         partial_out = torch.empty(max_slots, p.q_len, p.num_heads_q, p.head_dim_v, dtype=torch.float32, device=device)
         partial_lse = torch.empty(max_slots, p.q_len, p.num_heads_q, dtype=torch.float32, device=device)
-        return BackendState(cfg=cfg, schedule=schedule, lengths=lengths, first_slot=first_slot,
-                            partial_out=partial_out, partial_lse=partial_lse)
+        return BackendState(op=torch.ops.mla_dispatch.triton_decode.default, cfg=cfg, schedule=schedule,
+                            lengths=lengths, first_slot=first_slot, partial_out=partial_out, partial_lse=partial_lse)
 
     @classmethod
     def update(cls, state: BackendState, block_table, cache_seqlens) -> None:
@@ -133,13 +135,8 @@ class TritonBackend(MLABackend):
     @classmethod
     def run(cls, state: BackendState, q, kv_cache, block_table, cache_seqlens, *, problem: DecodeProblem,
             softmax_scale, kv_scale, indices, out, lse) -> None:
-        from mla_dispatch.kernels.triton.combine import launch_combine
-        from mla_dispatch.kernels.triton.decode import launch_decode
-
-        p = problem
-        kv = kv_cache if kv_cache.dtype != torch.int8 else kv_cache.view(torch.uint8)
-        launch_decode(q, kv, None if p.sparse else block_table, state.lengths, indices, kv_scale, state.schedule,
-                      out, lse, state.partial_out, state.partial_lse, softmax_scale=softmax_scale, causal=p.causal,
-                      kv_format=p.kv_format, head_dim_v=p.head_dim_v, cfg=state.cfg)
-        launch_combine(state.partial_out, state.partial_lse, state.schedule.num_splits, state.first_slot, out, lse)
-
+        p, s, cfg = problem, state.schedule, state.cfg
+        state.op(q, kv_cache, None if p.sparse else block_table, state.lengths, indices, kv_scale, s.items,
+                 s.part_offsets, s.num_splits, state.first_slot, out, lse, state.partial_out, state.partial_lse,
+                 softmax_scale, p.causal, p.kv_format, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
+                 cfg.tokens_on_m, cfg.v_split, cfg.qk_chunk)

@@ -3,7 +3,9 @@
 Fresh random data every run (the session seed in the header replays it), output
 poisoned with NaN before every run, NaN in every unused cache slot and garbage
 block ids past every request's length (``make_case``). Speed is never asserted
-here: see ci/bench_triton.py.
+here: see ci/bench_triton.py. The registered op ``torch.ops.mla_dispatch.triton_decode``
+(a ``triton_op`` on the GPU) is checked with ``torch.library.opcheck`` and under
+``torch.compile(fullgraph=True)``.
 """
 
 from __future__ import annotations
@@ -144,3 +146,65 @@ def test_triton_gpu_cuda_graph_replay_with_new_seqlens(num_heads_q, q_len, gen):
         ref_out, ref_lse = reference_attention(case.q, case.kv_cache, case.block_table, new, **kwargs)
         rep = compare_outputs(out, lse, ref_out, ref_lse, TritonBackend.TOLERANCE)
         assert rep, f"replay {trial}: {rep.message}"
+
+
+# opcheck cases: (make_case kwargs, make_state overrides); split so the combine launch is traced too
+OPCHECK_CASES = [
+    (dict(batch=3, q_len=2, num_heads_q=16, seqlen=300, page_size=64, causal=True, varlen=False),
+     dict(num_parts=24, overhead=1)),
+    (dict(batch=2, q_len=2, num_heads_q=16, seqlen=300, page_size=64, topk=128, kv_format="fp8_ds_mla"), {}),
+]
+
+
+def _op_plan(kw, overrides, gen):
+    from mla_dispatch import plan_decode
+    from mla_dispatch.backends.triton import TritonBackend
+    from mla_dispatch.testing import make_case
+
+    case = make_case(dtype=torch.bfloat16, device="cuda", generator=gen, **kw)
+    plan = plan_decode(*case.args(), backend="triton", **case.kwargs())
+    if overrides:
+        plan._state = TritonBackend.make_state(plan.problem, plan.platform, plan.cache_seqlens, **overrides)
+        assert bool((plan.state.schedule.num_splits > 1).any()), "schedule override did not split any request"
+    return case, plan
+
+
+@pytest.mark.parametrize("kw,overrides", OPCHECK_CASES, ids=[_case_id(*c) for c in OPCHECK_CASES])
+def test_triton_gpu_opcheck(kw, overrides, gen):
+    """torch.ops.mla_dispatch.triton_decode is a triton_op: opcheck's every test (fake tensors, AOT dispatch
+    traced through wrap_triton) passes on bf16, and the op itself matches the reference."""
+    from mla_dispatch.backends.reference import reference_attention
+    from mla_dispatch.backends.triton import TritonBackend
+    from mla_dispatch.testing import compare_outputs
+    from tests.test_triton_interpret import triton_op_args
+
+    case, plan = _op_plan(kw, overrides, gen)
+    op = torch.ops.mla_dispatch.triton_decode.default
+    assert plan.state.op is op
+    out, lse = _poisoned(case)
+    args = triton_op_args(plan, case, out, lse)
+    torch.library.opcheck(op, args)
+    op(*args)  # opcheck ran on clones
+    torch.cuda.synchronize()
+    rep = compare_outputs(out, lse, *reference_attention(*case.args(), **case.kwargs()), TritonBackend.TOLERANCE)
+    assert rep, rep.message
+
+
+def test_triton_gpu_op_under_torch_compile(gen):
+    """The op traces into a torch.compile graph with no graph break (fullgraph) and gives the reference."""
+    from mla_dispatch.backends.reference import reference_attention
+    from mla_dispatch.backends.triton import TritonBackend
+    from mla_dispatch.testing import compare_outputs
+    from tests.test_triton_interpret import triton_op_args
+
+    case, plan = _op_plan(*OPCHECK_CASES[0], gen)
+    out, lse = _poisoned(case)
+
+    @torch.compile(fullgraph=True)
+    def step(*args):
+        torch.ops.mla_dispatch.triton_decode(*args)
+
+    step(*triton_op_args(plan, case, out, lse))
+    torch.cuda.synchronize()
+    rep = compare_outputs(out, lse, *reference_attention(*case.args(), **case.kwargs()), TritonBackend.TOLERANCE)
+    assert rep, rep.message

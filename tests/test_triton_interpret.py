@@ -7,6 +7,11 @@ leaks into this process's environment.
 
 fp16 only: ``tl.dot`` on bf16 operands is wrong in the interpreter (DESIGN.md
 §7); bf16 is tested on the GPU (tests/test_triton_gpu.py).
+
+The same child also checks the registered op ``torch.ops.mla_dispatch.triton_decode``
+with ``torch.library.opcheck`` (``OPCHECK_CASES``). Under the interpreter the op is
+an opaque custom op (``kernels/triton/ops.py`` says why); on the GPU it is a
+``triton_op`` and tests/test_triton_gpu.py opchecks that.
 """
 
 from __future__ import annotations
@@ -52,6 +57,76 @@ CASES = [
      dict(config=dict(block_m=16, block_n=16, num_warps=4, num_stages=1, v_split=4, qk_chunk=256,
                       tokens_on_m=True, chunk_size=16), num_parts=4, overhead=1)),
 ]
+
+
+# (id, make_case kwargs, make_state overrides): small cases for torch.library.opcheck; each runs the op
+# several times (schema, fake tensor, autograd registration, AOT dispatch static and dynamic)
+OPCHECK_CASES = [
+    ("opcheck-fp16-split-b2xs2xh3-ps16-causal", dict(batch=2, q_len=2, num_heads_q=3, seqlen=40, page_size=16,
+                                                    causal=True, varlen=False), dict(num_parts=5, overhead=1)),
+    ("opcheck-fp16-sparse-b2xs2xh2-topk20", dict(batch=2, q_len=2, num_heads_q=2, seqlen=30, page_size=16, topk=20),
+     {}),
+    ("opcheck-fp8dsmla-b2xs1xh2-ps16", dict(batch=2, q_len=1, num_heads_q=2, seqlen=30, page_size=16,
+                                            kv_format="fp8_ds_mla"), {}),
+]
+
+TRITON_DECODE_SCHEMA = (
+    "mla_dispatch::triton_decode(Tensor q, Tensor kv_cache, Tensor? block_table, Tensor seqlens, Tensor? indices, "
+    "Tensor? kv_scale, Tensor items, Tensor part_offsets, Tensor num_splits, Tensor first_slot, Tensor(a10!) out, "
+    "Tensor(a11!) lse, Tensor(a12!) partial_out, Tensor(a13!) partial_lse, float softmax_scale, bool causal, "
+    "str kv_format, SymInt block_m, SymInt block_n, SymInt num_warps, SymInt num_stages, bool tokens_on_m, "
+    "SymInt v_split, SymInt qk_chunk) -> ()"
+)
+
+
+def triton_op_args(plan, case, out, lse) -> tuple:
+    """The arguments of ``torch.ops.mla_dispatch.triton_decode`` for a Triton ``plan`` of ``case``
+    (the order ``TritonBackend.run`` passes them in)."""
+    p, st = plan.problem, plan.state
+    s, cfg = st.schedule, st.cfg
+    return (case.q, case.kv_cache, None if p.sparse else case.block_table, st.lengths, case.indices, case.kv_scale,
+            s.items, s.part_offsets, s.num_splits, st.first_slot, out, lse, st.partial_out, st.partial_lse,
+            plan.softmax_scale, p.causal, p.kv_format, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
+            cfg.tokens_on_m, cfg.v_split, cfg.qk_chunk)
+
+
+def _run_op_checks(seed: int) -> None:
+    """Child process: the op is registered with its schema, and opcheck passes (one JSON line each)."""
+    import torch
+
+    from mla_dispatch import plan_decode
+    from mla_dispatch.backends.reference import reference_attention
+    from mla_dispatch.backends.triton import TritonBackend
+    from mla_dispatch.platform import platform_for
+    from mla_dispatch.testing import compare_outputs, make_case
+
+    for i, (cid, kw, overrides) in enumerate(OPCHECK_CASES):
+        try:
+            g = torch.Generator().manual_seed(seed + 1000 + i)
+            case = make_case(dtype=torch.float16, generator=g, **kw)
+            plan = plan_decode(*case.args(), backend="triton", **case.kwargs())
+            if overrides:
+                plan._state = TritonBackend.make_state(plan.problem, platform_for(case.q.device), plan.cache_seqlens,
+                                                       **overrides)
+                if not bool((plan.state.schedule.num_splits > 1).any()):
+                    raise AssertionError("schedule did not split")
+            if i == 0:
+                op = torch.ops.mla_dispatch.triton_decode.default
+                registered = plan.state.op is op and str(op._schema) == TRITON_DECODE_SCHEMA
+                print(json.dumps({"id": "op-registered", "ok": registered, "message": str(op._schema)}), flush=True)
+            b, s, h, _ = case.q.shape
+            out = torch.full((b, s, h, case.head_dim_v), float("nan"), dtype=case.q.dtype)
+            lse = torch.full((b, h, s), float("nan"))
+            # every test_util, test_aot_dispatch_dynamic included: the interpreter's op is opaque to tracing
+            args = triton_op_args(plan, case, out, lse)
+            torch.library.opcheck(torch.ops.mla_dispatch.triton_decode.default, args)
+            torch.ops.mla_dispatch.triton_decode(*args)  # opcheck ran on clones: out / lse are still NaN
+            rep = compare_outputs(out, lse, *reference_attention(*case.args(), **case.kwargs()),
+                                  TritonBackend.TOLERANCE)
+            ok, msg = bool(rep), rep.message
+        except Exception as exc:  # reported to the parent
+            ok, msg = False, f"{type(exc).__name__}: {exc}"
+        print(json.dumps({"id": cid, "ok": ok, "message": msg}), flush=True)
 
 
 def _run_cases(seed: int) -> None:
@@ -108,6 +183,20 @@ def test_triton_interpreter_matches_reference(interpreter_results, case_id):
     assert rec["ok"], rec["message"]
 
 
+def test_triton_op_registered_under_interpreter(interpreter_results):
+    """Planning registers torch.ops.mla_dispatch.triton_decode with the schema TRITON_DECODE_SCHEMA."""
+    rec = interpreter_results.get("op-registered")
+    assert rec is not None, "op registration did not report (child crashed?)"
+    assert rec["ok"], f"plan.state.op is not the op, or its schema changed: {rec['message']}"
+
+
+@pytest.mark.parametrize("case_id", [c[0] for c in OPCHECK_CASES])
+def test_triton_opcheck_under_interpreter(interpreter_results, case_id):
+    rec = interpreter_results.get(case_id)
+    assert rec is not None, f"case {case_id} did not report (child crashed?)"
+    assert rec["ok"], rec["message"]
+
+
 def test_triton_not_runnable_on_cpu_without_interpreter():
     """Without TRITON_INTERPRET the backend says why it cannot run on a CPU, and 'auto' never picks it."""
     pytest.importorskip("triton")
@@ -142,4 +231,6 @@ def test_import_mla_dispatch_does_not_import_triton():
 
 
 if __name__ == "__main__":
-    _run_cases(int(sys.argv[1]) if len(sys.argv) > 1 else 0)
+    _seed = int(sys.argv[1]) if len(sys.argv) > 1 else 0
+    _run_cases(_seed)
+    _run_op_checks(_seed)

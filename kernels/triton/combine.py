@@ -73,17 +73,19 @@ def combine_kernel(
 
 
 def launch_combine(partial_out, partial_lse, num_splits, first_slot, out, lse, *, block_r: int = 4,
-                   block_d: int = 128) -> None:
+                   block_d: int = 128, kernel=combine_kernel):
     """Merge partials into ``out`` ``[B, s_q, h_q, D_v]`` / ``lse`` ``[B, h_q, s_q]`` (no allocation).
 
     One program per (request, ``block_r`` rows, ``block_d`` channels): many small
     programs, so a single long request split over every SM still merges in parallel.
+    ``kernel`` is :func:`combine_kernel` or ``torch.library.wrap_triton`` of it (inside
+    the registered op, :mod:`.ops`). Returns Triton's launch handle.
     """
     batch, q_len, h_q, d_v = out.shape
     rows = q_len * h_q
     block_d = min(block_d, d_v)
     grid = (batch, triton.cdiv(rows, block_r), triton.cdiv(d_v, block_d))
-    return combine_kernel[grid](
+    return kernel[grid](
         partial_out, partial_lse, out, lse, num_splits, first_slot,
         h_q,
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),

@@ -52,7 +52,7 @@ import dataclasses
 import triton
 import triton.language as tl
 
-__all__ = ["KernelConfig", "choose_config", "launch_decode", "KV_FORMAT_IDS"]
+__all__ = ["KernelConfig", "choose_config", "launch_decode", "launch_decode_kernel", "KV_FORMAT_IDS"]
 
 KV_FORMAT_IDS = {"bf16": 0, "fp16": 0, "fp8_e4m3": 1, "fp8_ds_mla": 2}
 DS_MLA_SCALE_OFFSET = tl.constexpr(512)  # bytes
@@ -193,6 +193,9 @@ def mla_decode_kernel(
     REUSE_K: tl.constexpr = V_SPLIT == 1 and QK_CHUNK == D_V
     DTYPE = Q.dtype.element_ty
     LN2: tl.constexpr = 0.6931471805599453
+    # a plain launch passes the Python float as fp32; torch.compile (Inductor) passes it as fp64, which
+    # would promote the scores, P and the accumulator to fp64
+    qk_scale = tl.cast(qk_scale, tl.float32)
 
     # -- which rows and output channels this program owns -------------------------------
     # tile id = (((sparse query token, M tile), V split), KV head). Dense problems
@@ -389,8 +392,12 @@ def num_m_tiles(rows: int, cfg: KernelConfig) -> int:
 
 def effective_splits(cfg: KernelConfig, head_dim_v: int) -> tuple[int, int]:
     """(v_split, qk_chunk) clipped to D_v (D_v is a power of two >= 128 or the whole width)."""
-    v_split = cfg.v_split if head_dim_v % cfg.v_split == 0 and head_dim_v // cfg.v_split >= 16 else 1
-    qk_chunk = min(cfg.qk_chunk, head_dim_v)
+    return _clip_splits(cfg.v_split, cfg.qk_chunk, head_dim_v)
+
+
+def _clip_splits(v_split: int, qk_chunk: int, head_dim_v: int) -> tuple[int, int]:
+    v_split = v_split if head_dim_v % v_split == 0 and head_dim_v // v_split >= 16 else 1
+    qk_chunk = min(qk_chunk, head_dim_v)
     if head_dim_v % qk_chunk:
         qk_chunk = head_dim_v
     return v_split, qk_chunk
@@ -402,29 +409,55 @@ def programs_per_tile(cfg: KernelConfig, head_dim_v: int) -> int:
 
 def launch_decode(q, kv, block_table, cache_seqlens, indices, kv_scale, schedule, out, lse, partial_out,
                   partial_lse, *, softmax_scale: float, causal: bool, kv_format: str, head_dim_v: int,
-                  cfg: KernelConfig) -> None:
+                  cfg: KernelConfig):
     """Launch :func:`mla_decode_kernel` over ``schedule`` (no allocation, no sync).
 
     Shapes: q ``[B, s_q, h_q, D_qk]``; kv ``[nb, ps, h_kv, D_qk or 656]``; out
     ``[B, s_q, h_q, D_v]``; lse ``[B, h_q, s_q]`` fp32; partial_out fp32
     ``[max_slots, s_q, h_q, D_v]``; partial_lse fp32 ``[max_slots, s_q, h_q]``.
+    Returns Triton's launch handle (the compiled kernel; ``ci/bench_triton.py`` reads
+    its registers). The backend launches through the registered op instead
+    (:mod:`.ops`, ``torch.ops.mla_dispatch.triton_decode``). Raises ValueError if
+    ``out.shape[-1] != head_dim_v``.
+    """
+    if out.shape[-1] != head_dim_v:
+        raise ValueError(f"out.shape[-1]={out.shape[-1]} (expected head_dim_v={head_dim_v})")
+    return launch_decode_kernel(
+        mla_decode_kernel, q, kv, block_table, cache_seqlens, indices, kv_scale, schedule.items,
+        schedule.part_offsets, out, lse, partial_out, partial_lse, softmax_scale=softmax_scale, causal=causal,
+        kv_format=kv_format, block_m=cfg.block_m, block_n=cfg.block_n, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, tokens_on_m=cfg.tokens_on_m, v_split=cfg.v_split, qk_chunk=cfg.qk_chunk)
+
+
+def launch_decode_kernel(kernel, q, kv, block_table, cache_seqlens, indices, kv_scale, items, part_offsets, out,
+                         lse, partial_out, partial_lse, *, softmax_scale: float, causal: bool, kv_format: str,
+                         block_m: int, block_n: int, num_warps: int, num_stages: int, tokens_on_m: bool,
+                         v_split: int, qk_chunk: int):
+    """The launch itself, on tensors and plain scalars: ``kernel[grid](...)``.
+
+    ``kernel`` is :func:`mla_decode_kernel` or ``torch.library.wrap_triton`` of it
+    (inside the registered op). One program per (schedule part, tile): the grid is
+    ``(num_parts, h_kv * v_split * m_tiles * (s_q if sparse else 1))`` with
+    ``num_parts = part_offsets.shape[0] - 1``; ``D_v = out.shape[-1]``. Only shapes and
+    strides are read on the host (no sync), so it traces with fake tensors.
     """
     batch, q_len, h_q, d_qk = q.shape
     _, page_size, h_kv, _ = kv.shape
+    head_dim_v = out.shape[-1]
     group = h_q // h_kv
     sparse = indices is not None
     rows = group if sparse else q_len * group
-    tiles_m = num_m_tiles(rows, cfg)
-    v_split, qk_chunk = effective_splits(cfg, head_dim_v)
-    grid = (schedule.num_parts, h_kv * v_split * tiles_m * (q_len if sparse else 1))
+    tiles_m = triton.cdiv(rows, block_m)
+    v_split, qk_chunk = _clip_splits(v_split, qk_chunk, head_dim_v)
+    grid = (part_offsets.shape[0] - 1, h_kv * v_split * tiles_m * (q_len if sparse else 1))
     bt = block_table if block_table is not None else cache_seqlens  # dummy pointer when sparse
     idx = indices if sparse else cache_seqlens
     scale_ptr = kv_scale if kv_scale is not None else cache_seqlens
     stride_bt = block_table.stride(0) if block_table is not None else 0
     stride_ib, stride_is = (indices.stride(0), indices.stride(1)) if sparse else (0, 0)
-    return mla_decode_kernel[grid](
+    return kernel[grid](
         q, kv, bt, cache_seqlens, idx, scale_ptr,
-        schedule.items, schedule.part_offsets,
+        items, part_offsets,
         out, lse, partial_out, partial_lse,
         softmax_scale * 1.4426950408889634,
         q_len, group, page_size,
@@ -437,7 +470,7 @@ def launch_decode(q, kv, block_table, cache_seqlens, indices, kv_scale, schedule
         partial_lse.stride(0), partial_lse.stride(1), partial_lse.stride(2),
         H_KV=h_kv, NUM_M_TILES=tiles_m,
         D_V=head_dim_v, D_ROPE=d_qk - head_dim_v,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, V_SPLIT=v_split, QK_CHUNK=qk_chunk,
-        KV_FORMAT=KV_FORMAT_IDS[kv_format], CAUSAL=causal, SPARSE=sparse, TOKENS_ON_M=cfg.tokens_on_m,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_M=block_m, BLOCK_N=block_n, V_SPLIT=v_split, QK_CHUNK=qk_chunk,
+        KV_FORMAT=KV_FORMAT_IDS[kv_format], CAUSAL=causal, SPARSE=sparse, TOKENS_ON_M=tokens_on_m,
+        num_warps=num_warps, num_stages=num_stages,
     )
