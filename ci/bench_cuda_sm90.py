@@ -75,7 +75,9 @@ def bench_one(cfg, peaks, variant=2):
                                                kv_format=fmt)
     plan = plan_decode(q, kv, table, lens, causal=causal, kv_format=fmt, kv_scale=kv_scale, backend="cuda_sm90",
                        cuda_graph=True)
-    plan.state.variant = variant
+    if variant:  # 0: the backend's own choice (choose_variant)
+        plan.state.variant = variant
+    variant = plan.state.variant
     out = torch.empty(b, s_q, h_q, 512, dtype=q.dtype, device="cuda")
     lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device="cuda")
     run = lambda: plan.run(q, kv, kv_scale=kv_scale, out=out, lse=lse)  # noqa: E731
@@ -151,7 +153,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="a few configs only")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--variants", default="2", help="mainloop variants to time, e.g. 4,3,2,1 (4 = S split along D, 3 = overlapped wgmma, 2 = wgmma, 1 = mma.sync)")
+    ap.add_argument("--variants", default="2", help="mainloop variants to time, e.g. 0,5,2 (0 = the backend's per-plan choice, 5 = two tiles in flight, "
+                         "4 = S split along D, 3 = overlapped wgmma, 2 = wgmma, 1 = mma.sync)")
     args = ap.parse_args()
     peaks = measure_peaks()
     print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")

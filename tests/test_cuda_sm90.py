@@ -120,11 +120,11 @@ def test_fp8_matches_reference(cfg, dtype, kv_format, gen):
 
 
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8_e4m3", "fp8_ds_mla"])
-@pytest.mark.parametrize("variant", [1, 2, 3, 4], ids=["v1", "v2", "v3", "v4"])
+@pytest.mark.parametrize("variant", [1, 2, 3, 4, 5], ids=["v1", "v2", "v3", "v4", "v5"])
 @pytest.mark.parametrize("cfg", [GRID[0], GRID[8], GRID[12], GRID[15]], ids=_grid_id)
 def test_each_mainloop_variant_matches_reference(cfg, variant, kv_format, gen):
-    """Every selectable mainloop (1 mma.sync, 2 wgmma, 3 wgmma overlapped, 4 wgmma with S split along D), whichever
-    is the default."""
+    """Every selectable mainloop (1 mma.sync, 2 wgmma, 3 wgmma overlapped, 4 wgmma with S split along D, 5 two tiles
+    in flight with TMA loads), whichever is the default."""
     b, s_q, h_q, h_kv, L, ps, causal, zero = cfg
     if kv_format != "bf16" and (variant == 1 or h_kv != 1):
         pytest.skip("v1: bf16 caches only here; fp8 caches: h_kv = 1 configs")
@@ -136,6 +136,30 @@ def test_each_mainloop_variant_matches_reference(cfg, variant, kv_format, gen):
     plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale, out=out, lse=lse)
     torch.cuda.synchronize()
     _check(case, out, lse)
+
+
+V5_GRID = [c for c in GRID if c[5] % 64 == 0] + [
+    (4, 4, 64, 1, 4096, 64, True, 0),
+    (16, 1, 128, 1, 4096, 64, False, 1),
+    (3, 2, 128, 1, 191, 128, True, 0),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("cfg", V5_GRID, ids=[_grid_id(c) for c in V5_GRID])
+def test_variant5_matches_reference(cfg, dtype, gen):
+    """v5 (mainloop_seesaw.cuh) on the page sizes it takes (multiples of 64; others run v2): odd and even tile
+    counts per item, partial last tiles, split requests, causal MTP, zero-length requests, h_kv > 1."""
+    b, s_q, h_q, h_kv, L, ps, causal, zero = cfg
+    case = make_case(b, s_q, h_q, L, num_heads_kv=h_kv, page_size=ps, dtype=dtype, causal=causal,
+                     zero_len_rows=zero, device="cuda", generator=gen)
+    plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
+    plan.state.variant = 5
+    for _ in range(2):  # the second run reuses the mbarriers' phases of a warm launch configuration
+        out, lse = _poisoned(case)
+        plan.run(case.q, case.kv_cache, out=out, lse=lse)
+        torch.cuda.synchronize()
+        _check(case, out, lse)
 
 
 def test_long_context_128k(gen):
@@ -219,7 +243,7 @@ for over, pattern in [
     (dict(out=out.float()), "out must be"),
     (dict(lse=lse.double()), "lse must be float32"),
     (dict(kv_format=1, kv_cache=case.kv_cache.view(torch.uint8)[..., :576].contiguous()), "kv_scale must be"),
-    (dict(variant=5), "variant must be 1"),
+    (dict(variant=6), "variant must be 1"),
     (dict(q=case.q.cpu()), "must be a CUDA tensor"),
 ]:
     with pytest.raises(ValueError, match=pattern):

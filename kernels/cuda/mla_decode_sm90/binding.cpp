@@ -120,8 +120,9 @@ void cuda_sm90_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tenso
             "partial_lse must be contiguous float32 [max_slots, ", s_q, ", ", h_q, "], got ", shape_str(partial_lse));
   MLA_CHECK(max_slots >= items.size(0), "partial buffers need max_slots >= max_items (", items.size(0), "), got ",
             max_slots);
-  MLA_CHECK(variant >= 1 && variant <= 4,
-            "variant must be 1 (mma.sync), 2 (wgmma), 3 (wgmma, overlapped) or 4 (wgmma, S split along D), got ",
+  MLA_CHECK(variant >= 1 && variant <= 5,
+            "variant must be 1 (mma.sync), 2 (wgmma), 3 (wgmma, overlapped), 4 (wgmma, S split along D) or 5 "
+            "(wgmma, two tiles in flight), got ",
             variant);
   MLA_CHECK(softmax_scale > 0, "softmax_scale must be > 0, got ", softmax_scale);
   // 16-byte vector loads: every token/row start must be 16-byte aligned
@@ -157,6 +158,7 @@ void cuda_sm90_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tenso
   p.partial_lse = partial_lse.data_ptr<float>();
   p.batch = static_cast<int>(B); p.q_len = static_cast<int>(s_q); p.heads_q = static_cast<int>(h_q);
   p.heads_kv = static_cast<int>(h_kv); p.page_size = static_cast<int>(kv.size(1));
+  p.num_blocks = kv.size(0);
   p.rows_per_kv_head = static_cast<int>(s_q * (h_q / h_kv));
   p.num_row_tiles = (p.rows_per_kv_head + 63) / 64;
   p.softmax_scale = static_cast<float>(softmax_scale);

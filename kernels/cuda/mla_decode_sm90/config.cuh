@@ -61,11 +61,13 @@ template <typename T> struct TypeTraits;
 template <> struct TypeTraits<__nv_bfloat16> {
   using T2 = __nv_bfloat162;
   static __device__ __forceinline__ T2 from_float2(float a, float b) { return __floats2bfloat162_rn(a, b); }
+  static __device__ __forceinline__ float2 to_float2(T2 v) { return __bfloat1622float2(v); }
   static constexpr bool kIsBf16 = true;
 };
 template <> struct TypeTraits<__half> {
   using T2 = __half2;
   static __device__ __forceinline__ T2 from_float2(float a, float b) { return __floats2half2_rn(a, b); }
+  static __device__ __forceinline__ float2 to_float2(T2 v) { return __half22float2(v); }
   static constexpr bool kIsBf16 = false;
 };
 

@@ -1,16 +1,70 @@
 // Host launchers of the SM90 MLA decode family: pick the template instance for
 // (q dtype, kv format), set the shared-memory limit, launch, return the error.
 // No torch here, so CI can compile this translation unit with nvcc alone.
+#include <cuda.h>
 #include <cuda_runtime.h>
+#include <cudaTypedefs.h>
 
 #include "combine.cuh"
 #include "mainloop.cuh"
+#include "mainloop_seesaw.cuh"
 #include "mainloop_wgmma.cuh"
 #include "params.h"
 
 namespace mla_sm90 {
 
-int decode_smem_bytes() { return DecodeConfig::kSmemBytes; }
+int decode_smem_bytes() { return Seesaw::kSmemBytes > DecodeConfig::kSmemBytes ? Seesaw::kSmemBytes : DecodeConfig::kSmemBytes; }
+
+// The driver's cuTensorMapEncodeTiled through the runtime (no -lcuda at link time).
+static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      f = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
+}
+
+// Variant 5's view of a bf16/fp16 cache [num_blocks, page_size, h_kv, 576] as a 4-D tensor
+// (576, h_kv, page_size, num_blocks), boxes of 64 columns x 64 tokens, 128-byte swizzle.
+// False when TMA cannot address it (alignment, strides, no driver entry point).
+template <typename T>
+static bool make_kv_map(const DecodeParams& p, CUtensorMap* map) {
+  const auto encode = tensor_map_encoder();
+  if (encode == nullptr || reinterpret_cast<uintptr_t>(p.kv) % 16 != 0) return false;
+  const cuuint64_t e = sizeof(T);
+  const cuuint64_t dims[4] = {(cuuint64_t)DecodeConfig::kHeadDimQK, (cuuint64_t)p.heads_kv, (cuuint64_t)p.page_size,
+                              (cuuint64_t)p.num_blocks};
+  const cuuint64_t strides[3] = {(cuuint64_t)p.kv_stride_head * e, (cuuint64_t)p.kv_stride_tok * e,
+                                 (cuuint64_t)p.kv_stride_block * e};
+  for (cuuint64_t s : strides)
+    if (s % 16 != 0 || s >= (cuuint64_t(1) << 40)) return false;
+  const cuuint32_t box[4] = {64, 1, (cuuint32_t)DecodeConfig::kBlockN, 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  const CUtensorMapDataType dtype =
+      TypeTraits<T>::kIsBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  const CUresult r = encode(map, dtype, 4, const_cast<void*>(p.kv), dims, strides, box, elem_strides,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS;
+}
+
+template <typename T>
+static cudaError_t launch_v5(const DecodeParams& p, const CUtensorMap& map, int grid_parts, cudaStream_t stream) {
+  auto kernel = mla_decode_kernel_v5<T>;
+  static bool configured = false;  // a benign race sets the same value
+  if (!configured) {
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Seesaw::kSmemBytes);
+    if (e != cudaSuccess) return e;
+    configured = true;
+  }
+  dim3 grid(grid_parts, p.num_row_tiles, p.heads_kv);
+  kernel<<<grid, DecodeConfig::kThreads, Seesaw::kSmemBytes, stream>>>(p, map);
+  return cudaGetLastError();
+}
 
 template <typename T, int KvFmt>
 static cudaError_t launch_decode_t(const DecodeParams& p, int grid_parts, cudaStream_t stream) {
@@ -18,6 +72,16 @@ static cudaError_t launch_decode_t(const DecodeParams& p, int grid_parts, cudaSt
   // 3: wgmma with S of tile j+1 issued under PV of tile j (mainloop_wgmma.cuh, kOverlap)
   // 4: wgmma with S split along D_qk between the warpgroups (mainloop_wgmma.cuh, kKSplit;
   //    bf16/fp16 caches only, fp8 caches run v2)
+  // 5: two tiles in flight, TMA loads (mainloop_seesaw.cuh; bf16/fp16 caches with page_size % 64 == 0,
+  //    anything else runs v2)
+  if constexpr (KvFmt == kKvSameAsQ) {
+    if (p.variant == 5 && p.page_size % DecodeConfig::kBlockN == 0) {
+      // a cache v5 should take but TMA cannot address is an error, not a silent v2 run
+      CUtensorMap map;
+      if (!make_kv_map<T>(p, &map)) return cudaErrorInvalidValue;
+      return launch_v5<T>(p, map, grid_parts, stream);
+    }
+  }
   auto kernel = p.variant == 1   ? mla_decode_kernel_v1<T, KvFmt>
                 : p.variant == 3 ? mla_decode_kernel_v2<T, KvFmt, true>
                 : p.variant == 4 ? mla_decode_kernel_v2<T, KvFmt, false, KvFmt == kKvSameAsQ>

@@ -38,13 +38,15 @@ struct DecodeParams {
   float* partial_lse;  // [max_slots, s_q, h_q] fp32, contiguous
   // geometry
   int batch, q_len, heads_q, heads_kv, page_size;
+  int64_t num_blocks;    // kv_cache.size(0) (the TMA tensor map of variant 5)
   int rows_per_kv_head;  // s_q * h_q / h_kv
   int num_row_tiles;     // ceil(rows_per_kv_head / 64)
   float softmax_scale;
   int causal;
   int kv_format;  // KvFormat
   int q_is_bf16;  // 1: bf16, 0: fp16
-  int variant;    // 1: mma.sync mainloop (v1), 2: wgmma mainloop (v2), 3: v2 with S(j+1) under PV(j) (v3), 4: v2 with S split along D_qk (v4)
+  int variant;    // 1: mma.sync mainloop (v1), 2: wgmma mainloop (v2), 3: v2 with S(j+1) under PV(j) (v3), 4: v2 with S split along D_qk (v4),
+                  // 5: two tiles in flight, TMA loads (v5, mainloop_seesaw.cuh; bf16/fp16 caches with page_size % 64 == 0, else v2)
 };
 
 struct CombineParams {

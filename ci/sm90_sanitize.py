@@ -1,0 +1,40 @@
+"""compute-sanitizer / ncu target: one call of each cuda_sm90 mainloop variant (GPU machine).
+
+    compute-sanitizer --tool memcheck python ci/sm90_sanitize.py [--variants 2,5]
+    compute-sanitizer --tool racecheck python ci/sm90_sanitize.py --variants 5
+    ncu --section WarpStateStats -k regex:kernel_v5 -c 1 python ci/sm90_sanitize.py --variants 5 --big
+
+Small shapes with odd and even tile counts, a partial last tile, split requests and a
+zero-length request, so every code path of the mainloops runs once under the tool.
+"""
+
+import argparse
+
+import torch
+
+from mla_dispatch import plan_decode
+from mla_dispatch.testing import make_case
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--variants", default="2,5")
+    parser.add_argument("--big", action="store_true", help="one b=128, h_q=128, L=4096 call instead (profiling)")
+    args = parser.parse_args()
+    shapes = [(3, 1, 128, 300, False), (2, 2, 64, 700, True), (4, 1, 16, 130, False)]
+    if args.big:
+        shapes = [(128, 1, 128, 4096, False)]
+    gen = torch.Generator().manual_seed(0)
+    for variant in (int(v) for v in args.variants.split(",")):
+        for b, s_q, h_q, L, causal in shapes:
+            case = make_case(b, s_q, h_q, L, page_size=64, causal=causal, zero_len_rows=1, device="cuda",
+                             generator=gen)
+            plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
+            plan.state.variant = variant
+            out, lse = plan.run(case.q, case.kv_cache)
+            torch.cuda.synchronize()
+            print(f"variant {variant} b={b} s_q={s_q} h_q={h_q} L={L}: finite={bool(torch.isfinite(out).all())}")
+
+
+if __name__ == "__main__":
+    main()

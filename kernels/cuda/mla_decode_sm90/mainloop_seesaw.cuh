@@ -1,0 +1,596 @@
+// SM90 MLA decode, version 5: two KV tiles in flight, one per warpgroup, with the
+// softmax of one warpgroup running while the other's GEMMs occupy the tensor cores
+// (the "seesaw" schedule of FlashMLA's SM90 kernel, described in DeepSeek's
+// "A Deep-Dive into the New Flash MLA Kernel", 2025, and csrc/sm90/kernels/
+// splitkv_mla.cu of deepseek-ai/FlashMLA). Our own code; the schedule is theirs.
+//
+// Why (NOTES.md): v2 runs S -> softmax -> P V of one 64-token tile serially in both
+// warpgroups, so the tensor cores idle through every softmax and barrier. Here the
+// tiles of an item go in pairs (a = 2i in stage 0, b = 2i+1 in stage 1):
+//   warpgroup 0 (WG0) owns S_a = Q K_a^T (m64n64k16, all 64 tokens) and O[:, 0:256);
+//   warpgroup 1 (WG1) owns S_b and O[:, 256:512).
+// Per pair, with m the running row maximum in shared memory (sM):
+//   WG0: softmax(S_a) against m  -> P_a, scale0     | WG1: (S_b of the last pair done)
+//   WG0: O_L = O_L*scale0 + P_a V_aL (P_a in regs)  | WG1: softmax(S_b) -> P_b, scale1;
+//                                                   |      O_R *= scale0*scale1
+//   WG0: P_a *= scale1 -> sP0                        | WG1: P_b -> sP1; O_R += P_b V_bR
+//   WG0: O_L *= scale1; O_L += sP1 V_bL             | WG1: O_R += sP0 V_aR
+//   WG0: S_{a+2} (K blocks 0..3, then 4..8)         | WG1: S_{b+2}
+// so each softmax overlaps the other warpgroup's GEMMs.
+//
+// Loads: TMA (cp.async.bulk.tensor, 128-byte swizzle = the Swizzle<3,4,3> layout of
+// config.cuh), one 64x64 box per column block, 9 per tile, each on its own mbarrier (S
+// starts on a block as soon as it lands, as FlashMLA does), refilled by the warpgroup that
+// reads it last:
+//   stage 0: blocks 0..3 (V_L)        by WG0 after P_a V_aL,
+//            blocks 4..8              by WG1 after sP0 V_aR;
+//   stage 1: blocks 0..3 and 8        by WG0 after sP1 V_bL (sP1 is block 8, below),
+//            blocks 4..7 (V_R)        by WG1 after P_b V_bR.
+// A 64-token tile must sit in one page, so this variant needs page_size % 64 == 0 and
+// a bf16/fp16 cache (launch.cu runs v2 otherwise).
+//
+// Shared memory is v2's: Q [64 x 576], two K stages, one P tile (sP0). sP1 lives in
+// stage 1's column block 8 (K_b's RoPE part, dead once S_b is done; P V reads only
+// blocks 0..7). FlashMLA puts it in Q's RoPE block and keeps that block of Q in
+// registers; here those 16 registers were the difference between spilling or not.
+//
+// Masking: S of tokens past the item's end or past a causal row's limit is -inf; V
+// rows past the end of a partial tile (unused cache slots, possibly NaN) are zeroed
+// in shared memory before the P V that reads them.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cuda.h>
+
+#include "mainloop_wgmma.cuh"
+
+namespace mla_sm90 {
+
+// ---- mbarrier / TMA (PTX ISA 8.0, sm_90) -----------------------------------------------
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void fence_mbar_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  const uint32_t addr = smem_u32(bar);
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(addr), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// One box of the 4-D KV tensor map (576 cols, h_kv, page_size, num_blocks) into shared memory.
+__device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2,
+                                            int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+      "[%6];\n" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_u32(bar))
+      : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+template <typename T> struct GmmaRS;
+template <> struct GmmaRS<__nv_bfloat16> {
+  using PV = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>;
+};
+template <> struct GmmaRS<__half> {
+  using PV = cute::SM90::GMMA::MMA_64x256x16_F32F16F16_RS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>;
+};
+
+template <class Op, size_t... I>
+__device__ __forceinline__ void gmma_rs_call(const uint32_t* a, uint64_t db, float* acc, bool accumulate,
+                                             std::index_sequence<I...>) {
+  Op::fma(a[0], a[1], a[2], a[3], db, acc[I]...,
+          accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+}
+
+struct Seesaw {
+  static constexpr int kBlocks = Cfg::kHeadDimQK / 64;  // column blocks of a tile, one mbarrier each
+  // named barriers (0 = __syncthreads)
+  static constexpr int kBarScale0 = 1, kBarScale1 = 2, kBarP0 = 3, kBarP1 = 4, kBarWg = 5;  // 5, 6: per warpgroup
+  static constexpr int kSmemBytes = 2 * (Cfg::kQElems + Cfg::kStages * Cfg::kKElems + Cfg::kPElems) +
+                                    7 * Cfg::kBlockM * (int)sizeof(float) + 2 * kBlocks * 8 + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory over the SM90 per-block limit");
+};
+
+// The 64 tokens from t0 of request `req`: the TMA boxes of column blocks [B0, B1) into
+// `stage`, block b signalled on bars[b]. One thread calls this.
+template <int B0, int B1, typename T>
+__device__ __forceinline__ void tma_tile(const DecodeParams& p, const CUtensorMap* map, T* stage, uint64_t* bars,
+                                         int req, int kvh, int t0) {
+  const int page = p.block_table[(int64_t)req * p.bt_stride + t0 / p.page_size];
+  const int in_page = t0 % p.page_size;
+#pragma unroll
+  for (int b = B0; b < B1; ++b) {
+    mbar_arrive_expect_tx(bars + b, 64 * 64 * (int)sizeof(T));
+    tma_load_4d(stage + b * 64 * 64, map, bars + b, 64 * b, kvh, in_page, page);
+  }
+}
+
+// Zero the V rows [valid, 64) of column blocks [4*half, 4*half + 4) of a stage (one warpgroup).
+template <typename T>
+__device__ __forceinline__ void zero_v_rows(T* stage, int valid, int half, int tid_wg) {
+  const int rows = Cfg::kBlockN - valid;
+  const int per_block = rows * 8;  // 16-byte chunks
+  for (int i = tid_wg; i < 4 * per_block; i += 128) {
+    const int blk = 4 * half + i / per_block, rem = i % per_block;
+    *reinterpret_cast<uint4*>(stage + blk * 64 * 64 + (valid + rem / 8) * 64 + (rem % 8) * 8) = make_uint4(0, 0, 0, 0);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    mla_decode_kernel_v5(const __grid_constant__ DecodeParams p, const __grid_constant__ CUtensorMap kv_map) {
+  using TT = TypeTraits<T>;
+  using L = Gmma128Tile64;
+  using SS = Gmma<T>;
+  using RS = GmmaRS<T>;
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  uint8_t* smem_base = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  T* sQ = reinterpret_cast<T*>(smem_base);
+  T* sK = sQ + Cfg::kQElems;
+  T* sP0 = sK + Cfg::kStages * Cfg::kKElems;
+  T* sP1 = sK + Cfg::kKElems + 8 * 64 * 64;                    // stage 1's RoPE block, dead after S_b
+  float* sM = reinterpret_cast<float*>(sP0 + Cfg::kPElems);    // [64] running row max (base 2)
+  // per-pair row scales, double-buffered by pair parity, so a warpgroup writing the next pair's
+  // scales never touches the buffer the other may still read (the bar.arrive -> bar.sync chain
+  // orders it anyway; racecheck flags these hand-offs either way: it does not model bar.arrive)
+  float* sScale0 = sM + Cfg::kBlockM;                          // [2][64]
+  float* sScale1 = sScale0 + 2 * Cfg::kBlockM;                 // [2][64]
+  float* sSum = sScale1 + 2 * Cfg::kBlockM;                    // [2][64]
+  uint64_t* bars = reinterpret_cast<uint64_t*>(sSum + 2 * Cfg::kBlockM);  // [stage][column block]
+
+  const int part = blockIdx.x, row_tile = blockIdx.y, kvh = blockIdx.z;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int rg = warp % Cfg::kRowGroups, wg = warp / Cfg::kRowGroups, tid_wg = tid % 128;
+  const int heads_per_kv = p.heads_q / p.heads_kv;
+  constexpr float kLog2e = 1.4426950408889634f;
+  constexpr float kLn2 = 0.6931471805599453f;
+  const float score_scale = p.softmax_scale * kLog2e;
+
+  if (tid == 0) {
+    for (int i = 0; i < 2 * Seesaw::kBlocks; ++i) mbar_init(bars + i, 1);
+    fence_mbar_init();
+  }
+  __syncthreads();
+
+  int row_local[2], row_i[2], row_head[2];
+  bool row_ok[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    row_local[h] = rg * 16 + lane / 4 + 8 * h;
+    const int r = row_tile * Cfg::kBlockM + row_local[h];
+    row_ok[h] = r < p.rows_per_kv_head;
+    const int rc = row_ok[h] ? r : 0;
+    row_i[h] = rc / heads_per_kv;
+    row_head[h] = kvh * heads_per_kv + rc % heads_per_kv;
+  }
+  uint32_t loads_done[2] = {0, 0};  // completed loads per stage before the current item (mbarrier phases)
+
+  const int item_begin = p.part_offsets[part], item_end = p.part_offsets[part + 1];
+  for (int item = item_begin; item < item_end; ++item) {
+    const int4 it = reinterpret_cast<const int4*>(p.items)[item];
+    const int req = it.x, tok_begin = it.y, tok_end = it.z, slot = it.w;
+    if (req < 0) continue;
+    const int seqlen = p.cache_seqlens[req];
+    int limit[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) limit[h] = p.causal ? seqlen - p.q_len + row_i[h] : seqlen - 1;
+    const int num_tiles = (tok_end - tok_begin + Cfg::kBlockN - 1) / Cfg::kBlockN;
+    auto t0_of = [&](int j) { return tok_begin + j * Cfg::kBlockN; };
+    auto stage_of = [&](int j) { return sK + (j & 1) * Cfg::kKElems; };
+    auto parity_of = [&](int j) { return (loads_done[j & 1] + (uint32_t)(j >> 1)) & 1u; };
+    auto valid_of = [&](int j) { return min(Cfg::kBlockN, tok_end - t0_of(j)); };
+    uint64_t* bars0 = bars;
+    uint64_t* bars1 = bars + Seesaw::kBlocks;
+    // stage 1, blocks 0..3 and 8 (refilled together: WG0 reads them last)
+    auto tma_stage1_lo = [&](int t0) {
+      tma_tile<0, 4>(p, &kv_map, stage_of(1), bars1, req, kvh, t0);
+      tma_tile<8, 9>(p, &kv_map, stage_of(1), bars1, req, kvh, t0);
+    };
+    // -- first two tiles (TMA), Q (cp.async), sM
+    if (tid == 0) {
+      if (num_tiles > 0) {
+        tma_tile<0, 9>(p, &kv_map, stage_of(0), bars0, req, kvh, t0_of(0));
+      }
+      if (num_tiles > 1) {
+        tma_tile<4, 8>(p, &kv_map, stage_of(1), bars1, req, kvh, t0_of(1));
+        tma_stage1_lo(t0_of(1));
+      }
+    }
+#pragma unroll
+    for (int pass = 0; pass < 2; ++pass) {
+      const int row = tid / 8 + 32 * pass;
+      const int r = row_tile * Cfg::kBlockM + row;
+      const bool valid = r < p.rows_per_kv_head;
+      const int rc = valid ? r : 0;
+      const T* src = reinterpret_cast<const T*>(p.q) + (int64_t)req * p.q_stride_b +
+                     (int64_t)(rc / heads_per_kv) * p.q_stride_s +
+                     (int64_t)(kvh * heads_per_kv + rc % heads_per_kv) * p.q_stride_h;
+#pragma unroll
+      for (int k = 0; k < Cfg::kChunksQK / 8; ++k) {
+        const int chunk = tid % 8 + 8 * k;
+        cp_async_16(sQ + L::offset(row, chunk * 8), src + chunk * 8, valid);
+      }
+    }
+    cp_async_commit();
+    if (tid < Cfg::kBlockM) sM[tid] = -INFINITY;
+    cp_async_wait_all();
+    fence_proxy_async_smem();
+    __syncthreads();
+
+    float acc_o[128], acc_s[32];
+#pragma unroll
+    for (int n = 0; n < 128; ++n) acc_o[n] = 0.f;
+#pragma unroll
+    for (int n = 0; n < 32; ++n) acc_s[n] = 0.f;
+    // Pin the zeroing here: movs that ptxas sinks into an open wgmma stage serialise every
+    // wgmma of the kernel (C7515, as in v3).
+    fence_regs<128>(acc_o);
+    fence_regs<32>(acc_s);
+    float row_sum[2] = {0.f, 0.f};
+
+    // Descriptor bases go through an empty asm per use: the operand addresses are loop
+    // invariant, and ptxas would otherwise keep every k-step's 64-bit descriptor live
+    // across the loop (NOTES.md, v4) and spill.
+    auto desc = [](const void* base) {
+      uint32_t a = smem_u32(base);
+      asm volatile("" : "+r"(a));
+      return gmma_desc_sw128_addr(a, 16, 1024);
+    };
+    auto desc_v = [](const void* base) {
+      uint32_t a = smem_u32(base);
+      asm volatile("" : "+r"(a));
+      return gmma_desc_sw128_addr(a, 64 * 64 * 2, 1024);
+    };
+    // S = Q K^T of tile j over column blocks [B0, B1), each block issued as soon as its TMA box
+    // has landed (a wgmma.fence after every wait: ptxas would otherwise inject one on the
+    // wait loop's divergent path and serialise the wgmmas, C7520)
+    auto issue_s = [&](int j, auto b0, auto b1, bool first) {
+      constexpr int B0 = decltype(b0)::value, B1 = decltype(b1)::value;
+      const T* st = stage_of(j);
+      uint64_t* sb = (j & 1) ? bars1 : bars0;
+      const uint32_t par = parity_of(j);
+      const uint64_t dq = desc(sQ), dk = desc(st);
+#pragma unroll
+      for (int blk = B0; blk < B1; ++blk) {
+        mbar_wait(sb + blk, par);
+        cute::warpgroup_arrive();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          const uint64_t off = (uint64_t)(((blk * 64 * 64 + kk * 16) * (int)sizeof(T)) >> 4);
+          gmma_call<typename SS::QK64>(dq + off, dk + off, acc_s, !(first && blk == B0 && kk == 0),
+                                       std::make_index_sequence<32>{});
+        }
+      }
+    };
+    // column blocks [B0, B1) of tile j have landed (a V half read by the warpgroup that did not load them)
+    auto wait_blocks = [&](int j, int b0, int b1) {
+      uint64_t* sb = (j & 1) ? bars1 : bars0;
+      for (int blk = b0; blk < b1; ++blk) mbar_wait(sb + blk, parity_of(j));
+    };
+    using I0 = std::integral_constant<int, 0>;
+    using I4 = std::integral_constant<int, 4>;
+    using I8 = std::integral_constant<int, 8>;
+    using I9 = std::integral_constant<int, 9>;
+
+    // softmax of the S tile of tile j against the running max in sM; returns this thread's
+    // per-row scale for the old accumulators; acc_s becomes P (fp32, base-2 exponent).
+    auto softmax = [&](int j, float (&scale)[2], float (&psum)[2]) {
+      const int t0 = t0_of(j);
+      float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int n = 0; n < 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int t = t0 + n * 8 + (lane % 4) * 2 + (e & 1);
+          const int h = e >> 1;
+          float& s = acc_s[4 * n + e];
+          s = (t < tok_end && t <= limit[h]) ? s * score_scale : -INFINITY;
+          tile_max[h] = fmaxf(tile_max[h], s);
+        }
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffff, tile_max[h], 1));
+        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffff, tile_max[h], 2));
+        const float m_old = sM[row_local[h]];
+        const float m_new = fmaxf(m_old, tile_max[h]);
+        const float m_use = m_new == -INFINITY ? 0.f : m_new;
+        scale[h] = exp2f(m_old - m_use);
+        psum[h] = 0.f;
+#pragma unroll
+        for (int n = 0; n < 8; ++n) {
+#pragma unroll
+          for (int e = 2 * h; e < 2 * h + 2; ++e) {
+            acc_s[4 * n + e] = exp2f(acc_s[4 * n + e] - m_use);
+            psum[h] += acc_s[4 * n + e];
+          }
+        }
+        __syncwarp();  // every lane of the quad has read sM before it moves
+        if (lane % 4 == 0) sM[row_local[h]] = m_new;
+      }
+    };
+    auto scale_o = [&](const float (&s)[2]) {
+#pragma unroll
+      for (int n = 0; n < 32; ++n) {
+        acc_o[4 * n + 0] *= s[0];
+        acc_o[4 * n + 1] *= s[0];
+        acc_o[4 * n + 2] *= s[1];
+        acc_o[4 * n + 3] *= s[1];
+      }
+    };
+    // P (acc_s, times per-row factors) as wgmma A fragments: k-step kt = accumulators 8kt .. 8kt+8.
+    auto pack_p = [&](uint32_t (&rp)[16], const float (&f)[2]) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const float fi = f[(i & 1)];
+        typename TT::T2 v = TT::from_float2(acc_s[2 * i] * fi, acc_s[2 * i + 1] * fi);
+        rp[i] = *reinterpret_cast<uint32_t*>(&v);
+      }
+    };
+    // the same P into a [64 x 64] K-major swizzled tile (A operand of the other warpgroup)
+    auto store_p = [&](T* sP, const uint32_t (&rp)[16]) {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const int n = i / 2, h = i & 1;
+        const int col = n * 8 + (lane % 4) * 2;
+        *reinterpret_cast<uint32_t*>(sP + L::offset(row_local[h], col)) = rp[i];
+      }
+    };
+    // O += P V over this warpgroup's 256 channels (column blocks 4 wg .. 4 wg + 3) of stage `st`
+    auto pv_rs = [&](const uint32_t (&rp)[16], const T* st) {
+      const uint64_t dv = desc_v(st + (4 * wg) * 64 * 64);
+#pragma unroll
+      for (int kt = 0; kt < 4; ++kt) {
+        const uint64_t off = (uint64_t)((kt * 16 * 64 * (int)sizeof(T)) >> 4);
+        gmma_rs_call<typename RS::PV>(rp + 4 * kt, dv + off, acc_o, true, std::make_index_sequence<128>{});
+      }
+    };
+    auto pv_ss = [&](const T* sP, const T* st) {
+      const uint64_t dp = desc(sP), dv = desc_v(st + (4 * wg) * 64 * 64);
+#pragma unroll
+      for (int kt = 0; kt < 4; ++kt) {
+        const uint64_t off_p = (uint64_t)((kt * 16 * (int)sizeof(T)) >> 4);
+        const uint64_t off_v = (uint64_t)((kt * 16 * 64 * (int)sizeof(T)) >> 4);
+        gmma_call<typename SS::PV>(dp + off_p, dv + off_v, acc_o, true, std::make_index_sequence<128>{});
+      }
+    };
+    // zero this warpgroup's V columns of the rows past a partial tile's end, then sync the warpgroup
+    auto fix_partial = [&](int j) {
+      const int valid = valid_of(j);
+      if (valid < Cfg::kBlockN) {
+        zero_v_rows(stage_of(j), valid, wg, tid_wg);
+        fence_proxy_async_smem();
+        named_barrier(Seesaw::kBarWg + wg, 128);
+      }
+    };
+    const float kOne[2] = {1.f, 1.f};
+
+    if (wg == 0) {
+      // ================= warpgroup 0: tiles 0, 2, 4, ...; O[:, 0:256)
+      if (num_tiles > 0) {
+        fence_regs<32>(acc_s);
+        issue_s(0, I0{}, I9{}, true);
+        cute::warpgroup_commit_batch();
+        cute::warpgroup_wait<0>();
+        fence_regs<32>(acc_s);
+      }
+      // One pair (a, b = a + 1). The conditions (tile b exists, tiles a + 2 / b + 2 exist) are
+      // template arguments: a runtime branch around a wgmma still in flight makes ptxas
+      // serialise every wgmma of the kernel (C7515; FlashMLA specialises the same way).
+      auto pair = [&](int a, auto has_b_c, auto next_a_c, auto next_b_c) {
+        constexpr bool kHasB = decltype(has_b_c)::value, kNextA = decltype(next_a_c)::value,
+                       kNextB = decltype(next_b_c)::value;
+        const int b = a + 1;
+        const int buf = ((a >> 1) & 1) * Cfg::kBlockM;  // this pair's sScale0 / sScale1 buffer
+        float sc0[2], psum[2];
+        softmax(a, sc0, psum);
+        scale_o(sc0);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          row_sum[h] = row_sum[h] * sc0[h] + psum[h];
+          if (lane % 4 == 0) sScale0[buf + row_local[h]] = sc0[h];
+        }
+        named_barrier_arrive(Seesaw::kBarScale0, 256);
+        uint32_t rp[16];
+        pack_p(rp, kOne);
+        fix_partial(a);
+        // O_L += P_a V_aL
+        fence_regs<128>(acc_o);
+        cute::warpgroup_arrive();
+        pv_rs(rp, stage_of(a));
+        cute::warpgroup_commit_batch();
+        cute::warpgroup_wait<0>();
+        fence_regs<128>(acc_o);
+        if constexpr (kNextA) {  // stage 0, blocks 0..3: WG0 was the last reader
+          if (tid_wg == 0) tma_tile<0, 4>(p, &kv_map, stage_of(a), bars0, req, kvh, t0_of(a + 2));
+        }
+        named_barrier(Seesaw::kBarScale1, 256);  // WG1's softmax of tile b: sM, sScale1
+        float sc1[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) sc1[h] = sScale1[buf + row_local[h]];
+        // P_a relative to the maximum after tile b, for WG1's P_a V_aR. Rescaled from its bf16/fp16
+        // copy (a second rounding, only on rows whose maximum moved in tile b: sc1 == 1 is exact),
+        // so the fp32 P_a need not stay live through P_a V_aL (it cost the registers that spilled).
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          const float f = sc1[i & 1];
+          if (f != 1.f) {
+            const float2 v = TT::to_float2(*reinterpret_cast<const typename TT::T2*>(&rp[i]));
+            typename TT::T2 w = TT::from_float2(v.x * f, v.y * f);
+            rp[i] = *reinterpret_cast<uint32_t*>(&w);
+          }
+        }
+        store_p(sP0, rp);
+        fence_proxy_async_smem();
+        named_barrier_arrive(Seesaw::kBarP0, 256);
+        scale_o(sc1);
+        row_sum[0] *= sc1[0];
+        row_sum[1] *= sc1[1];
+        named_barrier(Seesaw::kBarP1, 256);  // sP1 in place (or no tile b)
+        fence_regs<128>(acc_o);
+        if constexpr (kHasB) {
+          wait_blocks(b, 0, 4);
+          fix_partial(b);
+          // O_L += P_b V_bL
+          cute::warpgroup_arrive();
+          pv_ss(sP1, stage_of(b));
+          cute::warpgroup_commit_batch();
+        }
+        if constexpr (kNextA) {
+          // S_{a+2}: blocks 0..3 (refilled above), then 4..8 (refilled by WG1)
+          fence_regs<32>(acc_s);
+          issue_s(a + 2, I0{}, I4{}, true);
+          cute::warpgroup_commit_batch();
+          if constexpr (kNextB) {
+            cute::warpgroup_wait<1>();  // sP1 V_bL done: stage 1, blocks 0..3 and 8 (sP1) are free
+            if (tid_wg == 0) tma_stage1_lo(t0_of(b + 2));
+          }
+          issue_s(a + 2, I4{}, I9{}, false);
+          cute::warpgroup_commit_batch();
+        }
+        cute::warpgroup_wait<0>();
+        fence_regs<128>(acc_o);
+        fence_regs<32>(acc_s);
+      };
+      using T_ = std::true_type;
+      using F_ = std::false_type;
+      for (int a = 0; a < num_tiles; a += 2) {
+        if (a + 3 < num_tiles) pair(a, T_{}, T_{}, T_{});
+        else if (a + 2 < num_tiles) pair(a, T_{}, T_{}, F_{});
+        else if (a + 1 < num_tiles) pair(a, T_{}, F_{}, F_{});
+        else pair(a, F_{}, F_{}, F_{});
+      }
+    } else {
+      // ================= warpgroup 1: tiles 1, 3, 5, ...; O[:, 256:512)
+      if (num_tiles > 1) {
+        fence_regs<32>(acc_s);
+        issue_s(1, I4{}, I8{}, true);
+        issue_s(1, I0{}, I4{}, false);
+        issue_s(1, I8{}, I9{}, false);
+        cute::warpgroup_commit_batch();
+        cute::warpgroup_wait<0>();
+        fence_regs<32>(acc_s);
+      }
+      auto pair = [&](int a, auto has_b_c, auto next_a_c, auto next_b_c) {
+        constexpr bool kHasB = decltype(has_b_c)::value, kNextA = decltype(next_a_c)::value,
+                       kNextB = decltype(next_b_c)::value;
+        const int b = a + 1;
+        const int buf = ((a >> 1) & 1) * Cfg::kBlockM;  // this pair's sScale0 / sScale1 buffer
+        named_barrier(Seesaw::kBarScale0, 256);  // WG0's softmax of tile a: sM, sScale0
+        float sc0[2], sc1[2] = {1.f, 1.f}, psum[2] = {0.f, 0.f};
+#pragma unroll
+        for (int h = 0; h < 2; ++h) sc0[h] = sScale0[buf + row_local[h]];
+        if constexpr (kHasB) softmax(b, sc1, psum);
+        float both[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          both[h] = sc0[h] * sc1[h];
+          row_sum[h] = row_sum[h] * both[h] + psum[h];
+          if (lane % 4 == 0) sScale1[buf + row_local[h]] = sc1[h];
+        }
+        named_barrier_arrive(Seesaw::kBarScale1, 256);
+        scale_o(both);
+        uint32_t rp[16];
+        if constexpr (kHasB) {
+          pack_p(rp, kOne);
+          store_p(sP1, rp);
+          fence_proxy_async_smem();
+        }
+        named_barrier_arrive(Seesaw::kBarP1, 256);
+        fence_regs<128>(acc_o);
+        if constexpr (kHasB) {
+          fix_partial(b);
+          // O_R += P_b V_bR
+          cute::warpgroup_arrive();
+          pv_rs(rp, stage_of(b));
+          cute::warpgroup_commit_batch();
+        }
+        named_barrier(Seesaw::kBarP0, 256);  // sP0 in place
+        wait_blocks(a, 4, 8);
+        fix_partial(a);
+        // O_R += P_a V_aR
+        cute::warpgroup_arrive();
+        pv_ss(sP0, stage_of(a));
+        cute::warpgroup_commit_batch();
+        if constexpr (kNextB) {
+          cute::warpgroup_wait<1>();  // P_b V_bR done: stage 1, blocks 4..7 are free
+          if (tid_wg == 0) tma_tile<4, 8>(p, &kv_map, stage_of(b), bars1, req, kvh, t0_of(b + 2));
+        }
+        cute::warpgroup_wait<0>();
+        fence_regs<128>(acc_o);
+        if constexpr (kNextA) {  // stage 0, blocks 4..8: WG1 was the last reader
+          if (tid_wg == 0) tma_tile<4, 9>(p, &kv_map, stage_of(a), bars0, req, kvh, t0_of(a + 2));
+        }
+        if constexpr (kNextB) {
+          fence_regs<32>(acc_s);
+          issue_s(b + 2, I4{}, I8{}, true);
+          issue_s(b + 2, I0{}, I4{}, false);
+          issue_s(b + 2, I8{}, I9{}, false);
+          cute::warpgroup_commit_batch();
+          cute::warpgroup_wait<0>();
+          fence_regs<32>(acc_s);
+        }
+      };
+      using T_ = std::true_type;
+      using F_ = std::false_type;
+      for (int a = 0; a < num_tiles; a += 2) {
+        if (a + 3 < num_tiles) pair(a, T_{}, T_{}, T_{});
+        else if (a + 2 < num_tiles) pair(a, T_{}, T_{}, F_{});
+        else if (a + 1 < num_tiles) pair(a, T_{}, F_{}, F_{});
+        else pair(a, F_{}, F_{}, F_{});
+      }
+    }
+    loads_done[0] += (uint32_t)(num_tiles + 1) / 2;
+    loads_done[1] += (uint32_t)num_tiles / 2;
+
+    // -- epilogue: both warpgroups' row sums, final max from sM
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      row_sum[h] += __shfl_xor_sync(0xffffffff, row_sum[h], 1);
+      row_sum[h] += __shfl_xor_sync(0xffffffff, row_sum[h], 2);
+      if (lane % 4 == 0) sSum[wg * Cfg::kBlockM + row_local[h]] = row_sum[h];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float total = sSum[row_local[h]] + sSum[Cfg::kBlockM + row_local[h]];
+      const float row_max = sM[row_local[h]];
+      const bool has_keys = total > 0.f;
+      const float inv = has_keys ? 1.f / total : 0.f;
+      const float lse_val = has_keys ? (row_max + log2f(total)) * kLn2 : (slot < 0 ? INFINITY : -INFINITY);
+      if (!row_ok[h]) continue;
+      if (slot < 0) {
+        T* dst = reinterpret_cast<T*>(p.out) + (int64_t)req * p.out_stride_b + (int64_t)row_i[h] * p.out_stride_s +
+                 (int64_t)row_head[h] * p.out_stride_h + wg * 256 + (lane % 4) * 2;
+#pragma unroll
+        for (int n = 0; n < 32; ++n)
+          *reinterpret_cast<typename TT::T2*>(dst + n * 8) =
+              TT::from_float2(acc_o[4 * n + 2 * h] * inv, acc_o[4 * n + 2 * h + 1] * inv);
+        if (wg == 0 && lane % 4 == 0)
+          p.lse[(int64_t)req * p.lse_stride_b + (int64_t)row_head[h] * p.lse_stride_h + row_i[h]] = lse_val;
+      } else {
+        const int64_t prow = ((int64_t)slot * p.q_len + row_i[h]) * p.heads_q + row_head[h];
+        float* dst = p.partial_out + prow * Cfg::kHeadDimV + wg * 256 + (lane % 4) * 2;
+#pragma unroll
+        for (int n = 0; n < 32; ++n)
+          *reinterpret_cast<float2*>(dst + n * 8) =
+              make_float2(acc_o[4 * n + 2 * h] * inv, acc_o[4 * n + 2 * h + 1] * inv);
+        if (wg == 0 && lane % 4 == 0) p.partial_lse[prow] = lse_val;
+      }
+    }
+    __syncthreads();  // sQ, sK, sM, sSum are reused by the next item
+  }
+}
+
+}  // namespace mla_sm90
