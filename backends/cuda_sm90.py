@@ -30,10 +30,29 @@ _KV_FORMAT_CODE = {"bf16": 0, "fp16": 0, "fp8_e4m3": 1, "fp8_ds_mla": 2}
 BLOCK_M = 64  # query rows per CTA tile (kernels/cuda/mla_decode_sm90/config.cuh)
 BLOCK_N = 64  # KV tokens per mainloop step = split-KV chunk size
 SCHEDULE_OVERHEAD = 5
-#: mainloop of kernels/cuda/mla_decode_sm90: 2 = wgmma, serial per tile (default), 1 = mma.sync (v1),
-#: 3 = wgmma with S of the next tile issued under PV of this one (measured slower), 4 = wgmma with S split along D_qk
-#: (experimental); $MLA_SM90_VARIANT overrides
-KERNEL_VARIANT = int(os.environ.get("MLA_SM90_VARIANT", "2"))
+#: mainloop of kernels/cuda/mla_decode_sm90: 0 = choose per plan (:func:`choose_variant`, the default),
+#: 2 = wgmma, serial per tile, 5 = two tiles in flight with TMA loads (FlashMLA's seesaw schedule),
+#: 1 = mma.sync (v1), 3 = wgmma with S of the next tile issued under PV of this one (measured slower),
+#: 4 = wgmma with S split along D_qk (measured slower); $MLA_SM90_VARIANT overrides
+KERNEL_VARIANT = int(os.environ.get("MLA_SM90_VARIANT", "0"))
+
+
+def choose_variant(problem: DecodeProblem, num_parts: int, max_chunks: int) -> int:
+    """The mainloop that measured faster for this shape (benchmarks/RESULTS.md, H200, 2026-11-21).
+
+    v5 beat v2 by 6-15% on the compute-bound FlashMLA grid (b=128, h_q=128, L >= 4096: two or more
+    64-row query tiles, >= 64 KV chunks per split-KV part) and lost 3-28% on one-row-tile (h_q <= 64)
+    and small-batch shapes (b <= 32), whose items are too short to fill its two-tile pipeline.
+    ``max_chunks`` comes from the block table's width (no device sync at plan time), an upper bound.
+    """
+    if KERNEL_VARIANT:
+        return KERNEL_VARIANT
+    p = problem
+    rows = p.q_len * p.num_heads_q // p.num_heads_kv
+    if (p.kv_format in ("bf16", "fp16") and p.page_size % BLOCK_N == 0 and rows > BLOCK_M and p.batch >= 64
+            and max_chunks >= 64 * num_parts):
+        return 5
+    return 2
 
 _fake_registered = False
 
@@ -62,7 +81,7 @@ def load_ops():
 
 
 class CudaSM90Backend(MLABackend):
-    """Native SM90 MLA decode (mma.sync + cp.async v1; see kernels/cuda/mla_decode_sm90/NOTES.md)."""
+    """Native SM90 MLA decode (wgmma mainloops v2 / v5; see kernels/cuda/mla_decode_sm90/NOTES.md)."""
 
     NAME = "cuda_sm90"
     DESCRIPTION = "our CUDA MLA decode kernel for Hopper (sm_90a), persistent split-KV grid + combine"
@@ -121,7 +140,7 @@ class CudaSM90Backend(MLABackend):
                                     device=device),
             partial_lse=torch.empty(max_slots, p.q_len, p.num_heads_q, dtype=torch.float32, device=device),
             kv_format_code=_KV_FORMAT_CODE[p.kv_format],
-            variant=KERNEL_VARIANT,
+            variant=choose_variant(p, num_parts, max_chunks),
         )
 
     @classmethod

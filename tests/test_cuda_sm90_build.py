@@ -61,3 +61,27 @@ def test_backend_declares_capabilities_and_reasons():
     if not torch.cuda.is_available():
         reasons = cls.availability_reasons()
         assert reasons and reasons[0].code is ReasonCode.UNAVAILABLE
+
+
+def test_variant_choice_follows_the_measurements(monkeypatch):
+    """v5 only where it measured faster (compute-bound, large batch, page % 64 == 0, bf16/fp16 cache)."""
+    from mla_dispatch.backends import cuda_sm90
+    from mla_dispatch.problem import DecodeProblem
+
+    monkeypatch.setattr(cuda_sm90, "KERNEL_VARIANT", 0)
+
+    def problem(batch=128, q_len=1, h_q=128, page_size=64, kv_format="bf16"):
+        return DecodeProblem(batch=batch, q_len=q_len, num_heads_q=h_q, num_heads_kv=1, head_dim_qk=576,
+                             head_dim_v=512, page_size=page_size, max_blocks=64, q_dtype=torch.bfloat16,
+                             kv_format=kv_format, causal=False, topk=0, return_lse=True, device_type="cuda")
+
+    choose = cuda_sm90.choose_variant
+    assert choose(problem(), num_parts=66, max_chunks=128 * 64) == 5
+    assert choose(problem(q_len=2, page_size=256), num_parts=33, max_chunks=128 * 256) == 5
+    assert choose(problem(h_q=64), num_parts=132, max_chunks=128 * 64) == 2  # one 64-row tile
+    assert choose(problem(batch=32), num_parts=66, max_chunks=32 * 64) == 2  # short items
+    assert choose(problem(page_size=16), num_parts=66, max_chunks=128 * 64) == 2  # a tile spans pages
+    assert choose(problem(kv_format="fp8_e4m3"), num_parts=66, max_chunks=128 * 64) == 2
+    assert choose(problem(), num_parts=66, max_chunks=66 * 63) == 2
+    monkeypatch.setattr(cuda_sm90, "KERNEL_VARIANT", 3)
+    assert choose(problem(), num_parts=66, max_chunks=128 * 64) == 3
