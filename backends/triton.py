@@ -135,8 +135,10 @@ class TritonBackend(MLABackend):
     @classmethod
     def run(cls, state: BackendState, q, kv_cache, block_table, cache_seqlens, *, problem: DecodeProblem,
             softmax_scale, kv_scale, indices, out, lse) -> None:
+        from mla_dispatch.kernels.triton.ops import decode_step
+
         p, s, cfg = problem, state.schedule, state.cfg
-        state.op(q, kv_cache, None if p.sparse else block_table, state.lengths, indices, kv_scale, s.items,
-                 s.part_offsets, s.num_splits, state.first_slot, out, lse, state.partial_out, state.partial_lse,
-                 softmax_scale, p.causal, p.kv_format, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
-                 cfg.tokens_on_m, cfg.v_split, cfg.qk_chunk)
+        decode_step(q, kv_cache, None if p.sparse else block_table, state.lengths, indices, kv_scale, s.items,
+                    s.part_offsets, s.num_splits, state.first_slot, out, lse, state.partial_out, state.partial_lse,
+                    softmax_scale, p.causal, p.kv_format, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
+                    cfg.tokens_on_m, cfg.v_split, cfg.qk_chunk)
