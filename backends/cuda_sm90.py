@@ -40,10 +40,12 @@ KERNEL_VARIANT = int(os.environ.get("MLA_SM90_VARIANT", "0"))
 def choose_variant(problem: DecodeProblem, num_parts: int, max_chunks: int) -> int:
     """The mainloop that measured faster for this shape (benchmarks/RESULTS.md, H200, 2026-11-21).
 
-    v5 beat v2 by 6-15% on the compute-bound FlashMLA grid (b=128, h_q=128, L >= 4096: two or more
-    64-row query tiles, >= 64 KV chunks per split-KV part) and lost 3-28% on one-row-tile (h_q <= 64)
-    and small-batch shapes (b <= 32), whose items are too short to fill its two-tile pipeline.
-    ``max_chunks`` comes from the block table's width (no device sync at plan time), an upper bound.
+    v5 had 6-17% more throughput than v2 on the compute-bound FlashMLA grid (b=128, h_q=128,
+    L >= 4096: two or more 64-row query tiles, >= 64 KV chunks per split-KV part) and 2-21% less on
+    one-row-tile (h_q <= 64) and small-batch shapes (b <= 32), whose items are too short to fill its
+    two-tile pipeline. Batches between 32 and 128 were not measured (the b >= 64 cut is a guess), and
+    ``max_chunks`` comes from the block table's width (no device sync at plan time): an upper bound,
+    so a wide table over short sequences can pick v5 where v2 would be faster.
     """
     if KERNEL_VARIANT:
         return KERNEL_VARIANT

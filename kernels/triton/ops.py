@@ -108,12 +108,14 @@ def _launch(decode_kernel, combine, q, kv_cache, block_table, seqlens, indices, 
 
 def decode_step(*args) -> None:
     """What ``TritonBackend.run`` calls, with the op's arguments: the registered op whenever torch
-    traces (torch.compile, or any fake / functional / dispatch mode), the op's body with plain
+    traces (torch.compile, functorch transforms, fake / dispatch modes, tensor subclasses), the op's body with plain
     launches otherwise. torch's Python-side handling of a 24-argument mutating op cost ~55 µs of
     host time per eager call on the device host (122 vs 68 µs); the kernels and grids are the same."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None or type(args[0]) is not torch.Tensor:
+    functorch = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)()  # functionalize, vmap
+    if (torch.compiler.is_compiling() or functorch or _get_current_dispatch_mode() is not None
+            or any(isinstance(a, torch.Tensor) and type(a) is not torch.Tensor for a in args)):
         torch.ops.mla_dispatch.triton_decode.default(*args)
     else:
         _launch(mla_decode_kernel, combine_kernel, *args)

@@ -135,6 +135,10 @@ void cuda_sm90_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tenso
   MLA_CHECK(aligned16(q, 3), "q rows must start at 16-byte boundaries");
   MLA_CHECK(aligned16(kv, 3), "kv_cache tokens must start at 16-byte boundaries");
   MLA_CHECK(aligned16(partial_out, 3), "partial_out must be 16-byte aligned");
+  // variant 5 reads the cache with TMA (launch.cu): the same 16-byte rule, but for the tensor map
+  if (variant == 5 && kv_format == 0 && kv.size(1) % 64 == 0)
+    MLA_CHECK(kv.stride(0) * kv.element_size() < (int64_t(1) << 40),
+              "variant 5 (TMA) needs kv_cache block strides below 2^40 bytes");
   if (B == 0) return;
 
   const c10::cuda::CUDAGuard guard(dev);

@@ -27,7 +27,8 @@
 //   stage 1: blocks 0..3 and 8        by WG0 after sP1 V_bL (sP1 is block 8, below),
 //            blocks 4..7 (V_R)        by WG1 after P_b V_bR.
 // A 64-token tile must sit in one page, so this variant needs page_size % 64 == 0 and
-// a bf16/fp16 cache (launch.cu runs v2 otherwise).
+// a bf16/fp16 cache (launch.cu runs v2 for other caches, and reports an error if such a
+// cache cannot be described by a tensor map).
 //
 // Shared memory is v2's: Q [64 x 576], two K stages, one P tile (sP0). sP1 lives in
 // stage 1's column block 8 (K_b's RoPE part, dead once S_b is done; P V reads only
