@@ -158,6 +158,72 @@ __device__ __forceinline__ void store_kv_fp8(T* sK, const Fp8Stage& st) {
   }
 }
 
+// ---- pieces every mainloop version shares ---------------------------------------------------
+// This thread's two accumulator rows (mma.sync and wgmma C layout: rows lane/4 and lane/4 + 8 of
+// its warp's 16, warp group rg): row in the tile, query position, query head, row exists.
+__device__ __forceinline__ void acc_rows(const DecodeParams& p, int row_tile, int kvh, int rg, int lane,
+                                         int (&local)[2], int (&qi)[2], int (&head)[2], bool (&ok)[2]) {
+  const int heads_per_kv = p.heads_q / p.heads_kv;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    local[h] = rg * 16 + lane / 4 + 8 * h;
+    const int r = row_tile * Cfg::kBlockM + local[h];
+    ok[h] = r < p.rows_per_kv_head;
+    const int rc = ok[h] ? r : 0;
+    qi[h] = rc / heads_per_kv;
+    head[h] = kvh * heads_per_kv + rc % heads_per_kv;
+  }
+}
+
+// The item's Q tile [64 x 576] into sQ by cp.async (committed by the caller); rows past
+// rows_per_kv_head are zero-filled. 8 threads per row, 32 rows per pass, 2 passes.
+template <typename T, class Layout>
+__device__ __forceinline__ void load_q_tile_async(const DecodeParams& p, T* sQ, int req, int row_tile, int kvh) {
+  const int tid = threadIdx.x;
+  const int heads_per_kv = p.heads_q / p.heads_kv;
+#pragma unroll
+  for (int pass = 0; pass < 2; ++pass) {
+    const int row = tid / 8 + 32 * pass;
+    const int r = row_tile * Cfg::kBlockM + row;
+    const bool valid = r < p.rows_per_kv_head;
+    const int rc = valid ? r : 0;
+    const T* src = reinterpret_cast<const T*>(p.q) + (int64_t)req * p.q_stride_b +
+                   (int64_t)(rc / heads_per_kv) * p.q_stride_s +
+                   (int64_t)(kvh * heads_per_kv + rc % heads_per_kv) * p.q_stride_h;
+#pragma unroll
+    for (int k = 0; k < Cfg::kChunksQK / 8; ++k) {
+      const int chunk = tid % 8 + 8 * k;
+      cp_async_16(sQ + Layout::offset(row, chunk * 8), src + chunk * 8, valid);
+    }
+  }
+}
+
+// Accumulator row h of this thread (acc_o[4 n + 2 h + {0, 1}], n < 32: its 64 of the 256 output
+// channels from col0), times inv, into out (unsplit item, slot < 0) or the item's fp32 partial
+// slot; the row's LSE from the thread with writes_lse.
+template <typename T>
+__device__ __forceinline__ void store_acc_row(const DecodeParams& p, const float* acc_o, int h, int col0, float inv,
+                                              float lse_val, int req, int slot, int qi, int head, bool writes_lse) {
+  using TT = TypeTraits<T>;
+  const int lane = threadIdx.x % 32;
+  if (slot < 0) {
+    T* dst = reinterpret_cast<T*>(p.out) + (int64_t)req * p.out_stride_b + (int64_t)qi * p.out_stride_s +
+             (int64_t)head * p.out_stride_h + col0 + (lane % 4) * 2;
+#pragma unroll
+    for (int n = 0; n < 32; ++n)
+      *reinterpret_cast<typename TT::T2*>(dst + n * 8) =
+          TT::from_float2(acc_o[4 * n + 2 * h] * inv, acc_o[4 * n + 2 * h + 1] * inv);
+    if (writes_lse) p.lse[(int64_t)req * p.lse_stride_b + (int64_t)head * p.lse_stride_h + qi] = lse_val;
+  } else {
+    const int64_t prow = ((int64_t)slot * p.q_len + qi) * p.heads_q + head;
+    float* dst = p.partial_out + prow * Cfg::kHeadDimV + col0 + (lane % 4) * 2;
+#pragma unroll
+    for (int n = 0; n < 32; ++n)
+      *reinterpret_cast<float2*>(dst + n * 8) = make_float2(acc_o[4 * n + 2 * h] * inv, acc_o[4 * n + 2 * h + 1] * inv);
+    if (writes_lse) p.partial_lse[prow] = lse_val;
+  }
+}
+
 // ---- the kernel (v1: warp-level mma.sync) ---------------------------------------------------------------------------
 
 template <typename T, int KvFmt>
@@ -173,7 +239,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v1(const _
   const int part = blockIdx.x, row_tile = blockIdx.y, kvh = blockIdx.z;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int rg = warp % Cfg::kRowGroups, half = warp / Cfg::kRowGroups;
-  const int heads_per_kv = p.heads_q / p.heads_kv;
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr float kLn2 = 0.6931471805599453f;
 
@@ -181,18 +246,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v1(const _
   if constexpr (KvFmt == kKvFp8E4M3) out_scale = *p.kv_scale;
   const float score_scale = p.softmax_scale * out_scale * kLog2e;
 
-  // This thread's two accumulator rows (mma C layout: lane/4 and lane/4 + 8 of the warp's 16).
   int row_local[2], row_i[2], row_head[2];
   bool row_ok[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    row_local[h] = rg * 16 + lane / 4 + 8 * h;
-    const int r = row_tile * Cfg::kBlockM + row_local[h];
-    row_ok[h] = r < p.rows_per_kv_head;
-    const int rc = row_ok[h] ? r : 0;
-    row_i[h] = rc / heads_per_kv;
-    row_head[h] = kvh * heads_per_kv + rc % heads_per_kv;
-  }
+  acc_rows(p, row_tile, kvh, rg, lane, row_local, row_i, row_head, row_ok);
 
   const int item_begin = p.part_offsets[part], item_end = p.part_offsets[part + 1];
   for (int item = item_begin; item < item_end; ++item) {
@@ -205,21 +261,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v1(const _
     for (int h = 0; h < 2; ++h) limit[h] = p.causal ? seqlen - p.q_len + row_i[h] : seqlen - 1;
 
     // -- Q tile (rows past rows_per_kv_head are zero-filled)
-#pragma unroll
-    for (int pass = 0; pass < 2; ++pass) {
-      const int row = tid / 8 + 32 * pass;
-      const int r = row_tile * Cfg::kBlockM + row;
-      const bool valid = r < p.rows_per_kv_head;
-      const int rc = valid ? r : 0;
-      const T* src = reinterpret_cast<const T*>(p.q) + (int64_t)req * p.q_stride_b +
-                     (int64_t)(rc / heads_per_kv) * p.q_stride_s +
-                     (int64_t)(kvh * heads_per_kv + rc % heads_per_kv) * p.q_stride_h;
-#pragma unroll
-      for (int k = 0; k < Cfg::kChunksQK / 8; ++k) {
-        const int chunk = tid % 8 + 8 * k;
-        cp_async_16(sQ + swizzled(row, chunk * 8, Cfg::kChunksQK), src + chunk * 8, valid);
-      }
-    }
+    load_q_tile_async<T, RowSwizzled>(p, sQ, req, row_tile, kvh);
     const int num_tiles = (tok_end - tok_begin + Cfg::kBlockN - 1) / Cfg::kBlockN;
     Fp8Stage fp8_stage;
     if (num_tiles > 0) {
@@ -376,23 +418,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v1(const _
       const float inv = has_keys ? out_scale / total : 0.f;
       const float lse_val = has_keys ? (row_max[h] + log2f(total)) * kLn2 : (slot < 0 ? INFINITY : -INFINITY);
       if (!row_ok[h]) continue;
-      if (slot < 0) {
-        T* dst = reinterpret_cast<T*>(p.out) + (int64_t)req * p.out_stride_b + (int64_t)row_i[h] * p.out_stride_s +
-                 (int64_t)row_head[h] * p.out_stride_h + half * 256 + (lane % 4) * 2;
-#pragma unroll
-        for (int n = 0; n < 32; ++n)
-          *reinterpret_cast<typename TT::T2*>(dst + n * 8) =
-              TT::from_float2(acc_o[n][2 * h] * inv, acc_o[n][2 * h + 1] * inv);
-        if (half == 0 && lane % 4 == 0)
-          p.lse[(int64_t)req * p.lse_stride_b + (int64_t)row_head[h] * p.lse_stride_h + row_i[h]] = lse_val;
-      } else {
-        const int64_t prow = ((int64_t)slot * p.q_len + row_i[h]) * p.heads_q + row_head[h];
-        float* dst = p.partial_out + prow * Cfg::kHeadDimV + half * 256 + (lane % 4) * 2;
-#pragma unroll
-        for (int n = 0; n < 32; ++n)
-          *reinterpret_cast<float2*>(dst + n * 8) = make_float2(acc_o[n][2 * h] * inv, acc_o[n][2 * h + 1] * inv);
-        if (half == 0 && lane % 4 == 0) p.partial_lse[prow] = lse_val;
-      }
+      store_acc_row<T>(p, &acc_o[0][0], h, half * 256, inv, lse_val, req, slot, row_i[h], row_head[h],
+                       half == 0 && lane % 4 == 0);
     }
     __syncthreads();  // sQ, sSum and the K ring are reused by the next item
   }

@@ -102,7 +102,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
   const int part = blockIdx.x, row_tile = blockIdx.y, kvh = blockIdx.z;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int rg = warp % Cfg::kRowGroups, half = warp / Cfg::kRowGroups;  // half = warpgroup
-  const int heads_per_kv = p.heads_q / p.heads_kv;
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr float kLn2 = 0.6931471805599453f;
 
@@ -112,15 +111,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
 
   int row_local[2], row_i[2], row_head[2];
   bool row_ok[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    row_local[h] = rg * 16 + lane / 4 + 8 * h;
-    const int r = row_tile * Cfg::kBlockM + row_local[h];
-    row_ok[h] = r < p.rows_per_kv_head;
-    const int rc = row_ok[h] ? r : 0;
-    row_i[h] = rc / heads_per_kv;
-    row_head[h] = kvh * heads_per_kv + rc % heads_per_kv;
-  }
+  acc_rows(p, row_tile, kvh, rg, lane, row_local, row_i, row_head, row_ok);
 
   const int item_begin = p.part_offsets[part], item_end = p.part_offsets[part + 1];
   for (int item = item_begin; item < item_end; ++item) {
@@ -133,21 +124,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
     for (int h = 0; h < 2; ++h) limit[h] = p.causal ? seqlen - p.q_len + row_i[h] : seqlen - 1;
 
     // -- Q tile
-#pragma unroll
-    for (int pass = 0; pass < 2; ++pass) {
-      const int row = tid / 8 + 32 * pass;
-      const int r = row_tile * Cfg::kBlockM + row;
-      const bool valid = r < p.rows_per_kv_head;
-      const int rc = valid ? r : 0;
-      const T* src = reinterpret_cast<const T*>(p.q) + (int64_t)req * p.q_stride_b +
-                     (int64_t)(rc / heads_per_kv) * p.q_stride_s +
-                     (int64_t)(kvh * heads_per_kv + rc % heads_per_kv) * p.q_stride_h;
-#pragma unroll
-      for (int k = 0; k < Cfg::kChunksQK / 8; ++k) {
-        const int chunk = tid % 8 + 8 * k;
-        cp_async_16(sQ + L::offset(row, chunk * 8), src + chunk * 8, valid);
-      }
-    }
+    load_q_tile_async<T, L>(p, sQ, req, row_tile, kvh);
     const int num_tiles = (tok_end - tok_begin + Cfg::kBlockN - 1) / Cfg::kBlockN;
     Fp8Stage fp8_stage;
     if (num_tiles > 0) {
@@ -382,24 +359,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
       const float inv = has_keys ? out_scale / total : 0.f;
       const float lse_val = has_keys ? (row_max[h] + log2f(total)) * kLn2 : (slot < 0 ? INFINITY : -INFINITY);
       if (!row_ok[h]) continue;
-      if (slot < 0) {
-        T* dst = reinterpret_cast<T*>(p.out) + (int64_t)req * p.out_stride_b + (int64_t)row_i[h] * p.out_stride_s +
-                 (int64_t)row_head[h] * p.out_stride_h + half * 256 + (lane % 4) * 2;
-#pragma unroll
-        for (int n = 0; n < 32; ++n)
-          *reinterpret_cast<typename TT::T2*>(dst + n * 8) =
-              TT::from_float2(acc_o[4 * n + 2 * h] * inv, acc_o[4 * n + 2 * h + 1] * inv);
-        if (half == 0 && lane % 4 == 0)
-          p.lse[(int64_t)req * p.lse_stride_b + (int64_t)row_head[h] * p.lse_stride_h + row_i[h]] = lse_val;
-      } else {
-        const int64_t prow = ((int64_t)slot * p.q_len + row_i[h]) * p.heads_q + row_head[h];
-        float* dst = p.partial_out + prow * Cfg::kHeadDimV + half * 256 + (lane % 4) * 2;
-#pragma unroll
-        for (int n = 0; n < 32; ++n)
-          *reinterpret_cast<float2*>(dst + n * 8) =
-              make_float2(acc_o[4 * n + 2 * h] * inv, acc_o[4 * n + 2 * h + 1] * inv);
-        if (half == 0 && lane % 4 == 0) p.partial_lse[prow] = lse_val;
-      }
+      store_acc_row<T>(p, acc_o, h, half * 256, inv, lse_val, req, slot, row_i[h], row_head[h],
+                       half == 0 && lane % 4 == 0);
     }
     __syncthreads();
   }
