@@ -7,7 +7,7 @@ bytes/peak_bw) with both peaks measured in this run (1 GiB device copy counting
 read+write; 8192^3 bf16 matmul). Times: triton.testing.do_bench median (L2
 flushed) of the eager plan.run, and of CUDA-graph replay of plan.run.
 
-    python ci/bench_cuda_sm90.py [--quick] [--json PATH]
+    python ci/bench_cuda_sm90.py [--quick] [--groups flashmla,small] [--variants 0,5,2] [--json PATH]
 """
 
 from __future__ import annotations
@@ -155,11 +155,15 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--variants", default="2", help="mainloop variants to time, e.g. 0,5,2 (0 = the backend's per-plan choice, 5 = two tiles in flight, "
                          "4 = S split along D, 3 = overlapped wgmma, 2 = wgmma, 1 = mma.sync)")
+    ap.add_argument("--groups", default=None, help="comma-separated config groups to run (flashmla, membound, small, "
+                    "small1, pages, fp8); default all")
     args = ap.parse_args()
     peaks = measure_peaks()
     print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
     print(f"measured peaks: copy {peaks[0] / 1e12:.2f} TB/s, bf16 matmul {peaks[1] / 1e12:.0f} TFLOP/s")
     configs = CONFIGS if not args.quick else [CONFIGS[0], CONFIGS[2], CONFIGS[8], CONFIGS[11], CONFIGS[13]]
+    if args.groups:
+        configs = [c for c in configs if c["group"] in args.groups.split(",")]
     rows = []
     hdr = f"{'v':1s} {'group':9s} {'b':>4s} {'s_q':>3s} {'h_q':>4s} {'L':>6s} {'ps':>4s} {'fmt':10s} {'causal':6s} {'eager us':>9s} {'graph us':>9s} {'TFLOP/s':>8s} {'GB/s':>7s} {'%roof':>6s} bound"
     for cfg, variant in [(c, int(v)) for v in args.variants.split(",") for c in configs]:

@@ -120,11 +120,11 @@ def test_fp8_matches_reference(cfg, dtype, kv_format, gen):
 
 
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8_e4m3", "fp8_ds_mla"])
-@pytest.mark.parametrize("variant", [1, 2, 3, 4, 5], ids=["v1", "v2", "v3", "v4", "v5"])
+@pytest.mark.parametrize("variant", [1, 2, 3, 4, 5, 6], ids=["v1", "v2", "v3", "v4", "v5", "v6"])
 @pytest.mark.parametrize("cfg", [GRID[0], GRID[8], GRID[12], GRID[15]], ids=_grid_id)
 def test_each_mainloop_variant_matches_reference(cfg, variant, kv_format, gen):
     """Every selectable mainloop (1 mma.sync, 2 wgmma, 3 wgmma overlapped, 4 wgmma with S split along D, 5 two tiles
-    in flight with TMA loads), whichever is the default."""
+    in flight with TMA loads, 6 tokens on M), whichever is the default."""
     b, s_q, h_q, h_kv, L, ps, causal, zero = cfg
     if kv_format != "bf16" and (variant == 1 or h_kv != 1):
         pytest.skip("v1: bf16 caches only here; fp8 caches: h_kv = 1 configs")
@@ -162,9 +162,36 @@ def test_variant5_matches_reference(cfg, dtype, gen):
         _check(case, out, lse)
 
 
-def test_long_context_128k(gen):
-    # 131072 tokens x 1152 bytes: 64-bit offsets into the cache are exercised
-    case = make_case(1, 1, 64, 131072, varlen=False, page_size=64, device="cuda", generator=gen)
+V6_GRID = [c for c in GRID if c[1] * c[2] // c[3] <= 32] + [
+    (4, 1, 16, 1, 4096, 64, False, 1),   # long items: many tiles per warpgroup, split requests
+    (3, 2, 16, 1, 1031, 32, True, 0),    # 32 rows, causal, odd tile count
+    (2, 1, 20, 1, 200, 16, False, 0),    # 20 rows: the 32-row kernel with 12 empty columns
+    (2, 1, 64, 1, 300, 64, False, 0),    # 64 rows: v6 does not take it, v2 runs
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("cfg", V6_GRID, ids=[_grid_id(c) for c in V6_GRID])
+def test_variant6_matches_reference(cfg, dtype, gen):
+    """v6 (mainloop_etap.cuh, tokens on M) on the shapes it takes (<= 32 query rows per KV head, any page size):
+    one and two warpgroups' worth of tiles, partial tiles, split requests, causal MTP, zero-length requests,
+    h_kv > 1; a 64-row shape checks the fallback to v2."""
+    b, s_q, h_q, h_kv, L, ps, causal, zero = cfg
+    case = make_case(b, s_q, h_q, L, num_heads_kv=h_kv, page_size=ps, dtype=dtype, causal=causal,
+                     zero_len_rows=zero, device="cuda", generator=gen)
+    plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
+    plan.state.variant = 6
+    for _ in range(2):  # a second launch of the configured kernel, fresh poison
+        out, lse = _poisoned(case)
+        plan.run(case.q, case.kv_cache, out=out, lse=lse)
+        torch.cuda.synchronize()
+        _check(case, out, lse)
+
+
+@pytest.mark.parametrize("h_q", [64, 16])
+def test_long_context_128k(h_q, gen):
+    # 131072 tokens x 1152 bytes: 64-bit offsets into the cache are exercised (h_q 16: the mainloop of <= 32 rows)
+    case = make_case(1, 1, h_q, 131072, varlen=False, page_size=64, device="cuda", generator=gen)
     _run_case(case)
 
 
@@ -243,7 +270,7 @@ for over, pattern in [
     (dict(out=out.float()), "out must be"),
     (dict(lse=lse.double()), "lse must be float32"),
     (dict(kv_format=1, kv_cache=case.kv_cache.view(torch.uint8)[..., :576].contiguous()), "kv_scale must be"),
-    (dict(variant=6), "variant must be 1"),
+    (dict(variant=7), "variant must be 1"),
     (dict(q=case.q.cpu()), "must be a CUDA tensor"),
 ]:
     with pytest.raises(ValueError, match=pattern):

@@ -120,9 +120,9 @@ void cuda_sm90_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tenso
             "partial_lse must be contiguous float32 [max_slots, ", s_q, ", ", h_q, "], got ", shape_str(partial_lse));
   MLA_CHECK(max_slots >= items.size(0), "partial buffers need max_slots >= max_items (", items.size(0), "), got ",
             max_slots);
-  MLA_CHECK(variant >= 1 && variant <= 5,
-            "variant must be 1 (mma.sync), 2 (wgmma), 3 (wgmma, overlapped), 4 (wgmma, S split along D) or 5 "
-            "(wgmma, two tiles in flight), got ",
+  MLA_CHECK(variant >= 1 && variant <= 6,
+            "variant must be 1 (mma.sync), 2 (wgmma), 3 (wgmma, overlapped), 4 (wgmma, S split along D), 5 "
+            "(wgmma, two tiles in flight) or 6 (wgmma, tokens on M), got ",
             variant);
   MLA_CHECK(softmax_scale > 0, "softmax_scale must be > 0, got ", softmax_scale);
   // 16-byte vector loads: every token/row start must be 16-byte aligned

@@ -7,13 +7,17 @@
 
 #include "combine.cuh"
 #include "mainloop.cuh"
+#include "mainloop_etap.cuh"
 #include "mainloop_seesaw.cuh"
 #include "mainloop_wgmma.cuh"
 #include "params.h"
 
 namespace mla_sm90 {
 
-int decode_smem_bytes() { return Seesaw::kSmemBytes > DecodeConfig::kSmemBytes ? Seesaw::kSmemBytes : DecodeConfig::kSmemBytes; }
+int decode_smem_bytes() {
+  int b = Seesaw::kSmemBytes > DecodeConfig::kSmemBytes ? Seesaw::kSmemBytes : DecodeConfig::kSmemBytes;
+  return Etap::kSmemBytes > b ? Etap::kSmemBytes : b;
+}
 
 // The driver's cuTensorMapEncodeTiled through the runtime (no -lcuda at link time).
 static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
@@ -69,6 +73,20 @@ static cudaError_t launch_v5(const DecodeParams& p, const CUtensorMap& map, int 
   return cudaGetLastError();
 }
 
+template <typename T, int kN>
+static cudaError_t launch_v6(const DecodeParams& p, int grid_parts, cudaStream_t stream) {
+  auto kernel = mla_decode_kernel_v6<T, kN>;
+  static bool configured = false;  // a benign race sets the same value
+  if (!configured) {
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Etap::kSmemBytes);
+    if (e != cudaSuccess) return e;
+    configured = true;
+  }
+  dim3 grid(grid_parts, 1, p.heads_kv);
+  kernel<<<grid, DecodeConfig::kThreads, Etap::kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
 template <typename T, int KvFmt>
 static cudaError_t launch_decode_t(const DecodeParams& p, int grid_parts, cudaStream_t stream) {
   // variant 1: warp-level mma.sync (mainloop.cuh); 2: wgmma (mainloop_wgmma.cuh);
@@ -78,6 +96,10 @@ static cudaError_t launch_decode_t(const DecodeParams& p, int grid_parts, cudaSt
   // 5: two tiles in flight, TMA loads (mainloop_seesaw.cuh; bf16/fp16 caches with page_size % 64 == 0,
   //    anything else runs v2)
   if constexpr (KvFmt == kKvSameAsQ) {
+    // 6: tokens on the wgmma M side (mainloop_etap.cuh; bf16/fp16 caches, <= 32 query rows per
+    //    KV head, any page size; anything else runs v2)
+    if (p.variant == 6 && p.rows_per_kv_head <= Etap::kMaxRows)
+      return p.rows_per_kv_head <= 16 ? launch_v6<T, 16>(p, grid_parts, stream) : launch_v6<T, 32>(p, grid_parts, stream);
     if (p.variant == 5 && p.page_size % DecodeConfig::kBlockN == 0) {
       // a cache v5 should take but TMA cannot address is an error, not a silent v2 run
       CUtensorMap map;

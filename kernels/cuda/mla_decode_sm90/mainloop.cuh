@@ -32,7 +32,8 @@ using Cfg = DecodeConfig;
 
 // ---- KV tile loaders --------------------------------------------------------------------
 // Thread mapping for all loaders: 8 threads per token (consecutive 16-byte chunks, so a
-// warp reads 4 tokens x 128 contiguous bytes per instruction), 32 tokens per pass, 2 passes.
+// warp reads 4 tokens x 128 contiguous bytes per instruction), 32 tokens per pass, 2 passes
+// (load_kv_async with a warpgroup: 16 tokens per pass, 4 passes).
 
 template <typename T>
 __device__ __forceinline__ const uint8_t* token_ptr(const DecodeParams& p, int req, int t, int kvh) {
@@ -42,13 +43,15 @@ __device__ __forceinline__ const uint8_t* token_ptr(const DecodeParams& p, int r
   return reinterpret_cast<const uint8_t*>(p.kv) + elem * (int64_t)sizeof(T);
 }
 
-// bf16/fp16 cache: cp.async straight into the swizzled tile.
-template <typename T, class Layout>
-__device__ __forceinline__ void load_kv_async(const DecodeParams& p, T* sK, int req, int kvh, int t0, int t_end) {
-  const int tid = threadIdx.x;
+// bf16/fp16 cache: cp.async straight into the swizzled tile, by kLoaders threads (tid < kLoaders:
+// the whole CTA, or one warpgroup of v6).
+template <typename T, class Layout, int kLoaders = Cfg::kThreads>
+__device__ __forceinline__ void load_kv_async(const DecodeParams& p, T* sK, int req, int kvh, int t0, int t_end,
+                                              int tid = threadIdx.x) {
+  static_assert(Cfg::kBlockN % (kLoaders / 8) == 0, "8 threads per token row");
 #pragma unroll
-  for (int pass = 0; pass < 2; ++pass) {
-    const int row = tid / 8 + 32 * pass;
+  for (int pass = 0; pass < Cfg::kBlockN / (kLoaders / 8); ++pass) {
+    const int row = tid / 8 + (kLoaders / 8) * pass;
     const int t = t0 + row;
     const bool valid = t < t_end;
     const T* src = valid ? reinterpret_cast<const T*>(token_ptr<T>(p, req, t, kvh)) : reinterpret_cast<const T*>(p.kv);

@@ -1,0 +1,82 @@
+"""Where do small batches spend their time in the cuda_sm90 backend? (GPU machine)
+
+    python ci/profile_small_batch.py [--min-chunks 1,2,4,8] [--variants 2,5]
+
+For each small-batch config of issue 4 (h_q=128, s_q=1) and each split size
+(``CudaSM90Backend.MIN_CHUNKS_PER_PART``) and mainloop variant: the CUDA-graph replay
+time (triton do_bench median, L2 flushed) and the GPU time of each kernel of one
+eager call (torch.profiler, median of 20 calls), so the decode, the combine and the
+gaps between them can be told apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+import triton.testing
+from torch.profiler import ProfilerActivity, profile
+
+from mla_dispatch import plan_decode
+
+from bench_cuda_sm90 import make_inputs  # noqa: E402  (same inputs as the benchmark)
+
+CONFIGS = [(1, 4096), (1, 32768), (8, 8192), (32, 4096)]
+
+
+def kernel_times(run, calls=20):
+    """Median GPU time (us) of each kernel name over ``calls`` eager calls."""
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            run()
+        torch.cuda.synchronize()
+    per = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and ev.device_time > 0:
+            name = ev.name.split("<")[0].split("(")[0][:40]
+            per.setdefault(name, []).append(ev.device_time)
+    return {k: statistics.median(v) for k, v in per.items() if len(v) >= calls // 2}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--min-chunks", default="1,2,4,8")
+    ap.add_argument("--variants", default="2,5")
+    args = ap.parse_args()
+    from mla_dispatch.backends.cuda_sm90 import CudaSM90Backend
+
+    print(f"device {torch.cuda.get_device_name()} torch {torch.__version__}")
+    for b, L in CONFIGS:
+        q, kv, table, lens, _ = make_inputs(b, 1, 128, L, varlen=False)
+        out = torch.empty(b, 1, 128, 512, dtype=q.dtype, device="cuda")
+        lse = torch.empty(b, 128, 1, dtype=torch.float32, device="cuda")
+        for mc in [int(x) for x in args.min_chunks.split(",")]:
+            CudaSM90Backend.MIN_CHUNKS_PER_PART = mc
+            for v in [int(x) for x in args.variants.split(",")]:
+                plan = plan_decode(q, kv, table, lens, backend="cuda_sm90", cuda_graph=True)
+                plan.state.variant = v
+                run = lambda: plan.run(q, kv, out=out, lse=lse)  # noqa: E731
+                s = torch.cuda.Stream()
+                s.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(s):
+                    run()
+                torch.cuda.current_stream().wait_stream(s)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    run()
+                t_graph = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3
+                kt = kernel_times(run)
+                parts = plan.state.schedule.num_parts
+                ks = "  ".join(f"{k}={t:.1f}" for k, t in sorted(kt.items()))
+                print(f"b={b:3d} L={L:6d} min_chunks={mc:2d} parts={parts:3d} v{v}: graph {t_graph:7.1f} us | {ks}",
+                      flush=True)
+        del q, kv, table
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

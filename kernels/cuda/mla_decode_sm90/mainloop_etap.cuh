@@ -1,0 +1,336 @@
+// SM90 MLA decode, version 6: KV tokens on the 64-row side of wgmma, query rows on the
+// narrow side, for shapes with at most 32 query rows per KV head (s_q * h_q / h_kv <= 32:
+// the memory-bound decode of 16-32 heads). The orientation is FlashMLA-ETAP's (Dege et al.,
+// "FlashMLA-ETAP: Efficient Transpose Attention Pipeline for Accelerating MLA Inference on
+// NVIDIA H20 GPUs", 2025): with 16 query rows, v2's m64 tiles are three quarters padding, so
+// a 64-token tile costs as much tensor time as at 64 heads and the kernel runs at the
+// compute-tile rate (~3.3 us per tile) instead of the memory rate (~2.3 us on the H200).
+// Here, per 64-token tile and with N = 16 or 32 query rows:
+//   S^T = K Q^T      m64nNk16 x 36   (A = the K tile, B = Q, both K-major, 128-byte swizzle)
+//   softmax over the 64 tokens of each column (a cross-warp column max through shared memory)
+//   O^T += V^T P^T   m64nNk16 x 4 per 64 output channels, 8 blocks (A = the same tile read
+//                    MN-major as V^T, B = P^T written to shared memory, K-major)
+// so the tensor work per tile shrinks with N (36 + 32 small wgmmas, ~1 us at N = 32).
+//
+// Warpgroups work independently: warpgroup g owns tiles g, g + 2, ... of an item and KV
+// stage g, keeps its own running max, row sums and O^T (all 512 channels, 8 x N/2
+// accumulators per thread), loads its next tile itself (cp.async: any page size) while the
+// other warpgroup computes, and the two partial results are merged through shared memory
+// at the end of the item. No cross-warpgroup barrier in the mainloop.
+//
+// Masking as v2: tokens past the item's end are zero-filled by the loader (NaN in unused
+// cache slots never reaches P V) and get S = -inf; causal columns mask tokens past
+// L - s_q + i.
+#pragma once
+#include <cmath>
+#include <cstdint>
+
+#include "mainloop_wgmma.cuh"
+
+namespace mla_sm90 {
+
+template <typename T, int N> struct GmmaEtap;
+template <> struct GmmaEtap<__nv_bfloat16, 16> {
+  using KQ = cute::SM90::GMMA::MMA_64x16x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
+  using VP = cute::SM90::GMMA::MMA_64x16x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::MN, cute::SM90::GMMA::Major::K>;
+};
+template <> struct GmmaEtap<__nv_bfloat16, 32> {
+  using KQ = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
+  using VP = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::MN, cute::SM90::GMMA::Major::K>;
+};
+template <> struct GmmaEtap<__half, 16> {
+  using KQ = cute::SM90::GMMA::MMA_64x16x16_F32F16F16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
+  using VP = cute::SM90::GMMA::MMA_64x16x16_F32F16F16_SS<cute::SM90::GMMA::Major::MN, cute::SM90::GMMA::Major::K>;
+};
+template <> struct GmmaEtap<__half, 32> {
+  using KQ = cute::SM90::GMMA::MMA_64x32x16_F32F16F16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
+  using VP = cute::SM90::GMMA::MMA_64x32x16_F32F16F16_SS<cute::SM90::GMMA::Major::MN, cute::SM90::GMMA::Major::K>;
+};
+
+struct Etap {
+  static constexpr int kMaxRows = 32;                  // query rows per KV head this variant takes
+  static constexpr int kRedFloats = 2 * 4 * kMaxRows;  // [warpgroup][warp][column]; the end-of-item l and m
+  static constexpr int kBarWg = 1;                     // named barriers 1, 2: one per warpgroup
+  static constexpr int kOStride = Cfg::kHeadDimV + 4;  // fp32 row stride of the merge buffer (spreads banks)
+  static constexpr int kSmemBytes = 2 * (Cfg::kQElems + Cfg::kStages * Cfg::kKElems + Cfg::kPElems) +
+                                    kRedFloats * (int)sizeof(float) + 2 * Cfg::kBlockN * (int)sizeof(int) + 1024;
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory over the SM90 per-block limit");
+  static_assert(kMaxRows * kOStride * (int)sizeof(float) <= Cfg::kStages * Cfg::kKElems * 2,
+                "the merge buffer lives in the KV stages");
+};
+
+// The block-table entries of tokens [t0, t0 + 64) of `req` into spage (0 for tokens past t_end,
+// whose entries are never read), by cp.async from the first 64 threads of a warpgroup: issued a
+// tile ahead, so the table's latency does not sit in front of the next tile's loads.
+__device__ __forceinline__ void prefetch_pages(const DecodeParams& p, int* spage, int req, int t0, int t_end,
+                                               int tid) {
+  if (tid < Cfg::kBlockN) {
+    const int t = t0 + tid;
+    cp_async_4(spage + tid, p.block_table + (int64_t)req * p.bt_stride + (t < t_end ? t / p.page_size : 0), t < t_end);
+  }
+}
+
+// load_kv_async with the pages from spage (prefetch_pages) instead of the block table.
+template <typename T, class Layout>
+__device__ __forceinline__ void load_kv_async_paged(const DecodeParams& p, T* sK, const int* spage, int kvh, int t0,
+                                                    int t_end, int tid) {
+#pragma unroll
+  for (int pass = 0; pass < Cfg::kBlockN / 16; ++pass) {
+    const int row = tid / 8 + 16 * pass;
+    const int t = t0 + row;
+    const bool valid = t < t_end;
+    const int64_t elem = (int64_t)spage[row] * p.kv_stride_block + (int64_t)(t % p.page_size) * p.kv_stride_tok +
+                         (int64_t)kvh * p.kv_stride_head;
+    const T* src = reinterpret_cast<const T*>(p.kv) + (valid ? elem : 0);
+#pragma unroll
+    for (int k = 0; k < Cfg::kChunksQK / 8; ++k) {
+      const int chunk = tid % 8 + 8 * k;
+      cp_async_16(sK + Layout::offset(row, chunk * 8), src + (valid ? chunk * 8 : 0), valid);
+    }
+  }
+}
+
+template <typename T, int kN>
+__global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v6(const __grid_constant__ DecodeParams p) {
+  static_assert(kN == 16 || kN == 32, "16 or 32 query rows");
+  using TT = TypeTraits<T>;
+  using L = Gmma128Tile64;
+  using G = GmmaEtap<T, kN>;
+  constexpr int kAcc = kN / 2;   // fp32 accumulators per thread of one m64 x kN tile
+  constexpr int kCols = kN / 4;  // columns (query rows) per thread: c = 8 (k / 2) + 2 (lane % 4) + k % 2
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  uint8_t* smem_base = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  T* sQ = reinterpret_cast<T*>(smem_base);
+  T* sK = sQ + Cfg::kQElems;
+  T* sP = sK + Cfg::kStages * Cfg::kKElems;
+  float* sRed = reinterpret_cast<float*>(sP + Cfg::kPElems);
+  int* sPage = reinterpret_cast<int*>(sRed + Etap::kRedFloats);  // [warpgroup][64]: pages of its next tile
+
+  const int part = blockIdx.x, kvh = blockIdx.z;  // one row tile (blockIdx.y = 0)
+  const int tid = threadIdx.x, lane = tid % 32, wg = tid / 128, tid_wg = tid % 128, warp = (tid / 32) % 4;
+  T* const stage = sK + wg * Cfg::kKElems;  // this warpgroup's KV stage
+  T* const sPw = sP + wg * 32 * 64;         // its P^T [kN x 64 tokens] (rows 32 wg.., 1024-byte aligned)
+  float* const red = sRed + wg * 4 * Etap::kMaxRows;
+  int* const spage = sPage + wg * Cfg::kBlockN;
+  const int bar = Etap::kBarWg + wg;
+  const int heads_per_kv = p.heads_q / p.heads_kv;
+  constexpr float kLog2e = 1.4426950408889634f;
+  constexpr float kLn2 = 0.6931471805599453f;
+  const float score_scale = p.softmax_scale * kLog2e;
+  auto col_of = [&](int k) { return 8 * (k / 2) + 2 * (lane % 4) + (k % 2); };
+  // accumulator i of an m64 x kN tile: row 16 warp + lane / 4 + 8 ((i % 4) / 2), column index k
+  auto acc_row = [&](int i) { return 16 * warp + lane / 4 + 8 * ((i % 4) / 2); };
+  auto acc_col = [](int i) { return 2 * (i / 4) + (i % 2); };
+  auto desc = [](const void* base) { return gmma_desc_sw128_addr(smem_u32(base), 16, 1024); };
+  auto desc_v = [](const void* base) { return gmma_desc_sw128_addr(smem_u32(base), 64 * 64 * 2, 1024); };
+
+  const int item_begin = p.part_offsets[part], item_end = p.part_offsets[part + 1];
+  for (int item = item_begin; item < item_end; ++item) {
+    const int4 it = reinterpret_cast<const int4*>(p.items)[item];
+    const int req = it.x, tok_begin = it.y, tok_end = it.z, slot = it.w;
+    if (req < 0) continue;
+    const int seqlen = p.cache_seqlens[req];
+    int limit[kCols];
+#pragma unroll
+    for (int k = 0; k < kCols; ++k) limit[k] = p.causal ? seqlen - p.q_len + col_of(k) / heads_per_kv : seqlen - 1;
+    const int num_tiles = (tok_end - tok_begin + Cfg::kBlockN - 1) / Cfg::kBlockN;
+
+    load_q_tile_async<T, L>(p, sQ, req, 0, kvh);
+    if (wg < num_tiles)
+      load_kv_async<T, L, 128>(p, stage, req, kvh, tok_begin + wg * Cfg::kBlockN, tok_end, tid_wg);
+    cp_async_commit();
+    cp_async_wait_all();
+    fence_proxy_async_smem();
+    __syncthreads();
+
+    float acc_o[8][kAcc];
+#pragma unroll
+    for (int mb = 0; mb < 8; ++mb)
+#pragma unroll
+      for (int i = 0; i < kAcc; ++i) acc_o[mb][i] = 0.f;
+    // pin the zeroing here (a mov sunk between wgmmas in flight serialises them all: C7515)
+#pragma unroll
+    for (int mb = 0; mb < 8; ++mb) fence_regs<kAcc>(acc_o[mb]);
+    float m_run[kCols], l_run[kCols];
+#pragma unroll
+    for (int k = 0; k < kCols; ++k) m_run[k] = -INFINITY, l_run[k] = 0.f;
+
+    for (int j = wg; j < num_tiles; j += 2) {
+      const int t0 = tok_begin + j * Cfg::kBlockN;
+      if (j + 2 < num_tiles) {  // pages of the next tile (read by other threads after the barrier before its load)
+        prefetch_pages(p, spage, req, t0 + 2 * Cfg::kBlockN, tok_end, tid_wg);
+        cp_async_commit();
+      }
+      // ---- S^T = K Q^T over the 9 column blocks x 4 k-steps
+      float acc_s[kAcc];
+      const uint64_t dk = desc(stage), dq = desc(sQ);
+      fence_regs<kAcc>(acc_s);
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int blk = 0; blk < 9; ++blk) {
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          const uint64_t off = (uint64_t)(((blk * 64 * 64 + kk * 16) * (int)sizeof(T)) >> 4);
+          gmma_call<typename G::KQ>(dk + off, dq + off, acc_s, blk + kk > 0, std::make_index_sequence<kAcc>{});
+        }
+      }
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<0>();
+      fence_regs<kAcc>(acc_s);
+
+      // ---- mask; column max over the tile's 64 tokens (16 per warp, 4 warps via red)
+      float cmax[kCols];
+#pragma unroll
+      for (int k = 0; k < kCols; ++k) cmax[k] = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < kAcc; ++i) {
+        const int t = t0 + acc_row(i), k = acc_col(i);
+        const float s = (t < tok_end && t <= limit[k]) ? acc_s[i] * score_scale : -INFINITY;
+        acc_s[i] = s;
+        cmax[k] = fmaxf(cmax[k], s);
+      }
+#pragma unroll
+      for (int k = 0; k < kCols; ++k) {
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) cmax[k] = fmaxf(cmax[k], __shfl_xor_sync(0xffffffff, cmax[k], o));
+        if (lane < 4) red[warp * Etap::kMaxRows + col_of(k)] = cmax[k];
+      }
+      named_barrier(bar, 128);
+      float m_use[kCols], scale[kCols], psum[kCols];
+#pragma unroll
+      for (int k = 0; k < kCols; ++k) {
+        const int c = col_of(k);
+        const float tile_max = fmaxf(fmaxf(red[c], red[Etap::kMaxRows + c]),
+                                     fmaxf(red[2 * Etap::kMaxRows + c], red[3 * Etap::kMaxRows + c]));
+        const float m_new = fmaxf(m_run[k], tile_max);
+        m_use[k] = m_new == -INFINITY ? 0.f : m_new;
+        scale[k] = exp2f(m_run[k] - m_use[k]);
+        m_run[k] = m_new;
+        psum[k] = 0.f;
+      }
+      // ---- P (fp32 in acc_s), row sums, rescale O^T, P^T to shared memory
+#pragma unroll
+      for (int i = 0; i < kAcc; ++i) {
+        const int k = acc_col(i);
+        acc_s[i] = exp2f(acc_s[i] - m_use[k]);
+        psum[k] += acc_s[i];
+      }
+#pragma unroll
+      for (int k = 0; k < kCols; ++k) l_run[k] = l_run[k] * scale[k] + psum[k];
+#pragma unroll
+      for (int mb = 0; mb < 8; ++mb)
+#pragma unroll
+        for (int i = 0; i < kAcc; ++i) acc_o[mb][i] *= scale[acc_col(i)];
+#pragma unroll
+      for (int i = 0; i < kAcc; ++i) {
+        sPw[L::offset(col_of(acc_col(i)), acc_row(i))] = TT::from_float2(acc_s[i], 0.f).x;
+      }
+      fence_proxy_async_smem();
+      named_barrier(bar, 128);  // P^T complete; every warp has read red
+
+      // ---- O^T += V^T P^T: 8 blocks of 64 channels, 4 k-steps of 16 tokens
+      const uint64_t dp = desc(sPw);
+#pragma unroll
+      for (int mb = 0; mb < 8; ++mb) fence_regs<kAcc>(acc_o[mb]);
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int mb = 0; mb < 8; ++mb) {
+        const uint64_t dv = desc_v(stage + mb * 64 * 64);
+#pragma unroll
+        for (int kt = 0; kt < 4; ++kt) {
+          const uint64_t off_v = (uint64_t)((kt * 16 * 64 * (int)sizeof(T)) >> 4);
+          const uint64_t off_p = (uint64_t)((kt * 16 * (int)sizeof(T)) >> 4);
+          gmma_call<typename G::VP>(dv + off_v, dp + off_p, acc_o[mb], true, std::make_index_sequence<kAcc>{});
+        }
+      }
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<0>();
+#pragma unroll
+      for (int mb = 0; mb < 8; ++mb) fence_regs<kAcc>(acc_o[mb]);
+
+      // ---- this warpgroup's next tile into its stage (the other warpgroup computes meanwhile)
+      if (j + 2 < num_tiles) {
+        cp_async_wait_all();      // this thread's page entries
+        named_barrier(bar, 128);  // every warp's wgmmas have read the stage and sPw; spage complete
+        load_kv_async_paged<T, L>(p, stage, spage, kvh, t0 + 2 * Cfg::kBlockN, tok_end, tid_wg);
+        cp_async_commit();
+        cp_async_wait_all();
+        fence_proxy_async_smem();
+        named_barrier(bar, 128);
+      }
+    }
+
+    // ---- merge the two warpgroups: column sums and maxima, then O through shared memory
+    __syncthreads();  // both mainloops done: the stages are free
+    float* sL = sRed;                // [warpgroup][warp][column]
+    float* sM = sRed + 8 * kN;       // [warpgroup][column]
+    float* sO = reinterpret_cast<float*>(sK);  // [kN][kOStride]
+#pragma unroll
+    for (int k = 0; k < kCols; ++k) {
+      float l = l_run[k];
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) l += __shfl_xor_sync(0xffffffff, l, o);
+      if (lane < 4) {
+        sL[(wg * 4 + warp) * kN + col_of(k)] = l;
+        if (warp == 0) sM[wg * kN + col_of(k)] = m_run[k];
+      }
+    }
+    __syncthreads();
+    float fac[kCols];  // this warpgroup's weight per column: 2^(m_wg - m_final)
+#pragma unroll
+    for (int k = 0; k < kCols; ++k) {
+      const int c = col_of(k);
+      const float m0 = sM[c], m1 = sM[kN + c];
+      const float mf = fmaxf(m0, m1);
+      const float mu = mf == -INFINITY ? 0.f : mf;
+      fac[k] = exp2f((wg == 0 ? m0 : m1) - mu);
+    }
+    auto o_at = [&](int mb, int i) -> float& { return sO[col_of(acc_col(i)) * Etap::kOStride + mb * 64 + acc_row(i)]; };
+    if (wg == 1) {
+#pragma unroll
+      for (int mb = 0; mb < 8; ++mb)
+#pragma unroll
+        for (int i = 0; i < kAcc; ++i) o_at(mb, i) = acc_o[mb][i] * fac[acc_col(i)];
+    }
+    __syncthreads();
+    if (wg == 0) {
+#pragma unroll
+      for (int mb = 0; mb < 8; ++mb)
+#pragma unroll
+        for (int i = 0; i < kAcc; ++i) o_at(mb, i) += acc_o[mb][i] * fac[acc_col(i)];
+    }
+    __syncthreads();
+    // ---- rows out: 4 channels per thread and step, coalesced
+    for (int idx = tid; idx < kN * (Cfg::kHeadDimV / 4); idx += Cfg::kThreads) {
+      const int c = idx / (Cfg::kHeadDimV / 4), ch = 4 * (idx % (Cfg::kHeadDimV / 4));
+      if (c >= p.rows_per_kv_head) break;  // idx grows with c
+      const float m0 = sM[c], m1 = sM[kN + c];
+      const float mf = fmaxf(m0, m1);
+      const float mu = mf == -INFINITY ? 0.f : mf;
+      const float f0 = exp2f(m0 - mu), f1 = exp2f(m1 - mu);
+      float total = 0.f;
+#pragma unroll
+      for (int w = 0; w < 4; ++w) total += f0 * sL[w * kN + c] + f1 * sL[(4 + w) * kN + c];
+      const bool has_keys = total > 0.f;
+      const float inv = has_keys ? 1.f / total : 0.f;
+      const float lse_val = has_keys ? (mu + log2f(total)) * kLn2 : (slot < 0 ? INFINITY : -INFINITY);
+      const float4 v = *reinterpret_cast<const float4*>(sO + c * Etap::kOStride + ch);
+      const int qi = c / heads_per_kv, head = kvh * heads_per_kv + c % heads_per_kv;
+      if (slot < 0) {
+        T* dst = reinterpret_cast<T*>(p.out) + (int64_t)req * p.out_stride_b + (int64_t)qi * p.out_stride_s +
+                 (int64_t)head * p.out_stride_h + ch;
+        *reinterpret_cast<typename TT::T2*>(dst) = TT::from_float2(v.x * inv, v.y * inv);
+        *reinterpret_cast<typename TT::T2*>(dst + 2) = TT::from_float2(v.z * inv, v.w * inv);
+        if (ch == 0) p.lse[(int64_t)req * p.lse_stride_b + (int64_t)head * p.lse_stride_h + qi] = lse_val;
+      } else {
+        const int64_t prow = ((int64_t)slot * p.q_len + qi) * p.heads_q + head;
+        *reinterpret_cast<float4*>(p.partial_out + prow * Cfg::kHeadDimV + ch) =
+            make_float4(v.x * inv, v.y * inv, v.z * inv, v.w * inv);
+        if (ch == 0) p.partial_lse[prow] = lse_val;
+      }
+    }
+    __syncthreads();  // sQ, the stages and sRed are reused by the next item
+  }
+}
+
+}  // namespace mla_sm90
