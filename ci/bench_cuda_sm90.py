@@ -112,6 +112,7 @@ CONFIGS = (
     + [dict(group="small1", b=1, s_q=1, h_q=128, L=4096, varlen=False, min_chunks=1),
        dict(group="small1", b=8, s_q=1, h_q=128, L=8192, varlen=False, min_chunks=1)]
     + [dict(group="pages", b=64, s_q=1, h_q=64, L=8192, varlen=False, ps=ps) for ps in (16, 128, 256)]
+    + [dict(group="pages16", b=64, s_q=1, h_q=16, L=8192, varlen=False, ps=ps) for ps in (16, 32, 128, 256)]
     + [dict(group="fp8", b=64, s_q=1, h_q=16, L=8192, varlen=False, fmt=f) for f in ("fp8_e4m3", "fp8_ds_mla")]
     + [dict(group="fp8", b=128, s_q=1, h_q=128, L=8192, fmt=f) for f in ("fp8_e4m3", "fp8_ds_mla")]
 )
@@ -156,7 +157,7 @@ def main():
     ap.add_argument("--variants", default="2", help="mainloop variants to time, e.g. 0,5,2 (0 = the backend's per-plan choice, 5 = two tiles in flight, "
                          "4 = S split along D, 3 = overlapped wgmma, 2 = wgmma, 1 = mma.sync)")
     ap.add_argument("--groups", default=None, help="comma-separated config groups to run (flashmla, membound, small, "
-                    "small1, pages, fp8); default all")
+                    "small1, pages, pages16, fp8); default all")
     args = ap.parse_args()
     peaks = measure_peaks()
     print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")

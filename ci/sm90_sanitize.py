@@ -1,6 +1,6 @@
 """compute-sanitizer / ncu target: one call of each cuda_sm90 mainloop variant (GPU machine).
 
-    compute-sanitizer --tool memcheck python ci/sm90_sanitize.py [--variants 2,5]
+    compute-sanitizer --tool memcheck python ci/sm90_sanitize.py [--variants 2,5,6]
     compute-sanitizer --tool racecheck python ci/sm90_sanitize.py --variants 5
     ncu --section WarpStateStats -k regex:kernel_v5 -c 1 python ci/sm90_sanitize.py --variants 5 --big
 
@@ -18,16 +18,18 @@ from mla_dispatch.testing import make_case
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--variants", default="2,5")
+    parser.add_argument("--variants", default="2,5,6")
     parser.add_argument("--big", action="store_true", help="one b=128, h_q=128, L=4096 call instead (profiling)")
     args = parser.parse_args()
-    shapes = [(3, 1, 128, 300, False), (2, 2, 64, 700, True), (4, 1, 16, 130, False)]
+    # (batch, s_q, h_q, seqlen, causal, page_size)
+    shapes = [(3, 1, 128, 300, False, 64), (2, 2, 64, 700, True, 64), (4, 1, 16, 130, False, 64),
+              (2, 2, 16, 333, True, 16)]
     if args.big:
-        shapes = [(128, 1, 128, 4096, False)]
+        shapes = [(128, 1, 128, 4096, False, 64)]
     gen = torch.Generator().manual_seed(0)
     for variant in (int(v) for v in args.variants.split(",")):
-        for b, s_q, h_q, L, causal in shapes:
-            case = make_case(b, s_q, h_q, L, page_size=64, causal=causal, zero_len_rows=1, device="cuda",
+        for b, s_q, h_q, L, causal, page_size in shapes:
+            case = make_case(b, s_q, h_q, L, page_size=page_size, causal=causal, zero_len_rows=1, device="cuda",
                              generator=gen)
             plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
             plan.state.variant = variant

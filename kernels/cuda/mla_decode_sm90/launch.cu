@@ -73,9 +73,9 @@ static cudaError_t launch_v5(const DecodeParams& p, const CUtensorMap& map, int 
   return cudaGetLastError();
 }
 
-template <typename T, int kN>
-static cudaError_t launch_v6(const DecodeParams& p, int grid_parts, cudaStream_t stream) {
-  auto kernel = mla_decode_kernel_v6<T, kN>;
+template <typename T, int kN, bool kTma>
+static cudaError_t launch_v6(const DecodeParams& p, const CUtensorMap& map, int grid_parts, cudaStream_t stream) {
+  auto kernel = mla_decode_kernel_v6<T, kN, kTma>;
   static bool configured = false;  // a benign race sets the same value
   if (!configured) {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Etap::kSmemBytes);
@@ -83,8 +83,17 @@ static cudaError_t launch_v6(const DecodeParams& p, int grid_parts, cudaStream_t
     configured = true;
   }
   dim3 grid(grid_parts, 1, p.heads_kv);
-  kernel<<<grid, DecodeConfig::kThreads, Etap::kSmemBytes, stream>>>(p);
+  kernel<<<grid, DecodeConfig::kThreads, Etap::kSmemBytes, stream>>>(p, map);
   return cudaGetLastError();
+}
+
+// v6 with TMA loads where the cache allows (page_size % 64 == 0 and a tensor map), else with cp.async.
+template <typename T, int kN>
+static cudaError_t launch_v6_any(const DecodeParams& p, int grid_parts, cudaStream_t stream) {
+  CUtensorMap map{};
+  if (p.page_size % DecodeConfig::kBlockN == 0 && make_kv_map<T>(p, &map))
+    return launch_v6<T, kN, true>(p, map, grid_parts, stream);
+  return launch_v6<T, kN, false>(p, map, grid_parts, stream);
 }
 
 template <typename T, int KvFmt>
@@ -99,7 +108,8 @@ static cudaError_t launch_decode_t(const DecodeParams& p, int grid_parts, cudaSt
     // 6: tokens on the wgmma M side (mainloop_etap.cuh; bf16/fp16 caches, <= 32 query rows per
     //    KV head, any page size; anything else runs v2)
     if (p.variant == 6 && p.rows_per_kv_head <= Etap::kMaxRows)
-      return p.rows_per_kv_head <= 16 ? launch_v6<T, 16>(p, grid_parts, stream) : launch_v6<T, 32>(p, grid_parts, stream);
+      return p.rows_per_kv_head <= 16 ? launch_v6_any<T, 16>(p, grid_parts, stream)
+                                      : launch_v6_any<T, 32>(p, grid_parts, stream);
     if (p.variant == 5 && p.page_size % DecodeConfig::kBlockN == 0) {
       // a cache v5 should take but TMA cannot address is an error, not a silent v2 run
       CUtensorMap map;

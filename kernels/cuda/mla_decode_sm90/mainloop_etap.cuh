@@ -14,9 +14,9 @@
 //
 // Warpgroups work independently: warpgroup g owns tiles g, g + 2, ... of an item and KV
 // stage g, keeps its own running max, row sums and O^T (all 512 channels, 8 x N/2
-// accumulators per thread), loads its next tile itself (cp.async: any page size) while the
-// other warpgroup computes, and the two partial results are merged through shared memory
-// at the end of the item. No cross-warpgroup barrier in the mainloop.
+// accumulators per thread), loads its next tile itself while the other warpgroup computes
+// (TMA where page_size % 64 == 0, else cp.async), and the two partial results are merged
+// through shared memory at the end of the item. No cross-warpgroup barrier in the mainloop.
 //
 // Masking as v2: tokens past the item's end are zero-filled by the loader (NaN in unused
 // cache slots never reaches P V) and get S = -inf; causal columns mask tokens past
@@ -25,7 +25,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "mainloop_wgmma.cuh"
+#include "mainloop_seesaw.cuh"
 
 namespace mla_sm90 {
 
@@ -49,11 +49,15 @@ template <> struct GmmaEtap<__half, 32> {
 
 struct Etap {
   static constexpr int kMaxRows = 32;                  // query rows per KV head this variant takes
-  static constexpr int kRedFloats = 2 * 4 * kMaxRows;  // [warpgroup][warp][column]; the end-of-item l and m
+  // [warpgroup][warp][column] column maxima of the mainloop; at the end of an item the column sums
+  // [warpgroup][warp][column] and maxima [warpgroup][column]
+  static constexpr int kRedFloats = 2 * 4 * kMaxRows + 2 * kMaxRows;
   static constexpr int kBarWg = 1;                     // named barriers 1, 2: one per warpgroup
   static constexpr int kOStride = Cfg::kHeadDimV + 4;  // fp32 row stride of the merge buffer (spreads banks)
+  static constexpr int kBlocks = Cfg::kHeadDimQK / 64;  // column blocks of a tile: one mbarrier each (TMA)
   static constexpr int kSmemBytes = 2 * (Cfg::kQElems + Cfg::kStages * Cfg::kKElems + Cfg::kPElems) +
-                                    kRedFloats * (int)sizeof(float) + 2 * Cfg::kBlockN * (int)sizeof(int) + 1024;
+                                    kRedFloats * (int)sizeof(float) + 2 * Cfg::kBlockN * (int)sizeof(int) +
+                                    2 * kBlocks * 8 + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory over the SM90 per-block limit");
   static_assert(kMaxRows * kOStride * (int)sizeof(float) <= Cfg::kStages * Cfg::kKElems * 2,
                 "the merge buffer lives in the KV stages");
@@ -90,8 +94,13 @@ __device__ __forceinline__ void load_kv_async_paged(const DecodeParams& p, T* sK
   }
 }
 
-template <typename T, int kN>
-__global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v6(const __grid_constant__ DecodeParams p) {
+// kTma (page_size % 64 == 0): a tile is one 64-token box per column block of one page, loaded by
+// TMA (the tensor map of v5) by one thread, each block on its own mbarrier, so S^T of a tile
+// starts on its first block while the rest are still arriving. Otherwise cp.async by the
+// warpgroup (any page size), with the tile's pages prefetched a tile ahead.
+template <typename T, int kN, bool kTma>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    mla_decode_kernel_v6(const __grid_constant__ DecodeParams p, const __grid_constant__ CUtensorMap kv_map) {
   static_assert(kN == 16 || kN == 32, "16 or 32 query rows");
   using TT = TypeTraits<T>;
   using L = Gmma128Tile64;
@@ -105,6 +114,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v6(const _
   T* sP = sK + Cfg::kStages * Cfg::kKElems;
   float* sRed = reinterpret_cast<float*>(sP + Cfg::kPElems);
   int* sPage = reinterpret_cast<int*>(sRed + Etap::kRedFloats);  // [warpgroup][64]: pages of its next tile
+  uint64_t* sBar = reinterpret_cast<uint64_t*>(sPage + 2 * Cfg::kBlockN);  // [warpgroup][column block] (kTma)
 
   const int part = blockIdx.x, kvh = blockIdx.z;  // one row tile (blockIdx.y = 0)
   const int tid = threadIdx.x, lane = tid % 32, wg = tid / 128, tid_wg = tid % 128, warp = (tid / 32) % 4;
@@ -112,6 +122,24 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v6(const _
   T* const sPw = sP + wg * 32 * 64;         // its P^T [kN x 64 tokens] (rows 32 wg.., 1024-byte aligned)
   float* const red = sRed + wg * 4 * Etap::kMaxRows;
   int* const spage = sPage + wg * Cfg::kBlockN;
+  uint64_t* const bars = sBar + wg * Etap::kBlocks;
+  uint32_t loads_done = 0;  // TMA loads into this warpgroup's stage consumed so far (mbarrier phase)
+  if constexpr (kTma) {
+    if (tid == 0) {
+      for (int i = 0; i < 2 * Etap::kBlocks; ++i) mbar_init(sBar + i, 1);
+      fence_mbar_init();
+    }
+    __syncthreads();
+  }
+  // one thread: the 9 boxes of the tile at t0 (in `page`) into this warpgroup's stage
+  auto tma_tile_v6 = [&](int page, int t0) {
+#pragma unroll
+    for (int b = 0; b < Etap::kBlocks; ++b) {
+      mbar_arrive_expect_tx(bars + b, 64 * 64 * (int)sizeof(T));
+      tma_load_4d(stage + b * 64 * 64, &kv_map, bars + b, 64 * b, kvh, t0 % p.page_size, page);
+    }
+  };
+  const int32_t* table = p.block_table;
   const int bar = Etap::kBarWg + wg;
   const int heads_per_kv = p.heads_q / p.heads_kv;
   constexpr float kLog2e = 1.4426950408889634f;
@@ -135,9 +163,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v6(const _
     for (int k = 0; k < kCols; ++k) limit[k] = p.causal ? seqlen - p.q_len + col_of(k) / heads_per_kv : seqlen - 1;
     const int num_tiles = (tok_end - tok_begin + Cfg::kBlockN - 1) / Cfg::kBlockN;
 
-    load_q_tile_async<T, L>(p, sQ, req, 0, kvh);
-    if (wg < num_tiles)
+    const int32_t* table_row = table + (int64_t)req * p.bt_stride;
+    if constexpr (kTma) {
+      if (wg < num_tiles && tid_wg == 0) {
+        const int t0 = tok_begin + wg * Cfg::kBlockN;
+        tma_tile_v6(table_row[t0 / p.page_size], t0);
+      }
+    } else if (wg < num_tiles) {
       load_kv_async<T, L, 128>(p, stage, req, kvh, tok_begin + wg * Cfg::kBlockN, tok_end, tid_wg);
+    }
+    load_q_tile_async<T, L>(p, sQ, req, 0, kvh);
     cp_async_commit();
     cp_async_wait_all();
     fence_proxy_async_smem();
@@ -157,10 +192,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v6(const _
 
     for (int j = wg; j < num_tiles; j += 2) {
       const int t0 = tok_begin + j * Cfg::kBlockN;
-      if (j + 2 < num_tiles) {  // pages of the next tile (read by other threads after the barrier before its load)
+      const bool has_next = j + 2 < num_tiles;
+      int next_page = 0;  // kTma: the next tile's page, loaded now and used after P V
+      if constexpr (kTma) {
+        if (has_next && tid_wg == 0) next_page = table_row[(t0 + 2 * Cfg::kBlockN) / p.page_size];
+      } else if (has_next) {  // pages of the next tile (read by other threads after the barrier before its load)
         prefetch_pages(p, spage, req, t0 + 2 * Cfg::kBlockN, tok_end, tid_wg);
         cp_async_commit();
       }
+      const uint32_t parity = loads_done & 1u;
       // ---- S^T = K Q^T over the 9 column blocks x 4 k-steps
       float acc_s[kAcc];
       const uint64_t dk = desc(stage), dq = desc(sQ);
@@ -168,6 +208,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v6(const _
       cute::warpgroup_arrive();
 #pragma unroll
       for (int blk = 0; blk < 9; ++blk) {
+        if constexpr (kTma) {
+          mbar_wait(bars + blk, parity);
+          cute::warpgroup_arrive();  // after every wait: else ptxas serialises the wgmmas (C7520, as in v5)
+        }
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
           const uint64_t off = (uint64_t)(((blk * 64 * 64 + kk * 16) * (int)sizeof(T)) >> 4);
@@ -225,8 +269,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v6(const _
       for (int i = 0; i < kAcc; ++i) {
         sPw[L::offset(col_of(acc_col(i)), acc_row(i))] = TT::from_float2(acc_s[i], 0.f).x;
       }
+      if constexpr (kTma) {  // TMA loaded whole boxes: V rows past the item's end may hold anything (NaN)
+        const int valid = min(Cfg::kBlockN, tok_end - t0);
+        if (valid < Cfg::kBlockN) {
+          zero_v_rows(stage, valid, 0, tid_wg);
+          zero_v_rows(stage, valid, 1, tid_wg);
+        }
+      }
       fence_proxy_async_smem();
-      named_barrier(bar, 128);  // P^T complete; every warp has read red
+      named_barrier(bar, 128);  // P^T complete (and V rows zeroed); every warp has read red
 
       // ---- O^T += V^T P^T: 8 blocks of 64 channels, 4 k-steps of 16 tokens
       const uint64_t dp = desc(sPw);
@@ -249,7 +300,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v6(const _
       for (int mb = 0; mb < 8; ++mb) fence_regs<kAcc>(acc_o[mb]);
 
       // ---- this warpgroup's next tile into its stage (the other warpgroup computes meanwhile)
-      if (j + 2 < num_tiles) {
+      ++loads_done;
+      if constexpr (kTma) {
+        if (has_next) {
+          named_barrier(bar, 128);  // every warp's wgmmas have read the stage
+          if (tid_wg == 0) tma_tile_v6(next_page, t0 + 2 * Cfg::kBlockN);
+        }
+      } else if (has_next) {
         cp_async_wait_all();      // this thread's page entries
         named_barrier(bar, 128);  // every warp's wgmmas have read the stage and sPw; spage complete
         load_kv_async_paged<T, L>(p, stage, spage, kvh, t0 + 2 * Cfg::kBlockN, tok_end, tid_wg);
@@ -329,7 +386,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v6(const _
         if (ch == 0) p.partial_lse[prow] = lse_val;
       }
     }
-    __syncthreads();  // sQ, the stages and sRed are reused by the next item
+    // sQ, the stages and sRed are reused by the next item, the stages by TMA (async proxy) after
+    // the generic-proxy sO writes above
+    fence_proxy_async_smem();
+    __syncthreads();
   }
 }
 
