@@ -74,7 +74,8 @@ __device__ __forceinline__ void prefetch_pages(const DecodeParams& p, int* spage
   }
 }
 
-// load_kv_async with the pages from spage (prefetch_pages) instead of the block table.
+// load_kv_async for one warpgroup (tid < 128: 16 token rows per pass), the pages from spage
+// (prefetch_pages) instead of the block table.
 template <typename T, class Layout>
 __device__ __forceinline__ void load_kv_async_paged(const DecodeParams& p, T* sK, const int* spage, int kvh, int t0,
                                                     int t_end, int tid) {
