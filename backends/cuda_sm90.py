@@ -41,9 +41,9 @@ KERNEL_VARIANT = int(os.environ.get("MLA_SM90_VARIANT", "0"))
 def choose_variant(problem: DecodeProblem, num_parts: int, max_chunks: int) -> int:
     """The mainloop that measured faster for this shape (benchmarks/RESULTS.md, H200, 2026-11-21/22).
 
-    v6 (tokens on the wgmma M side) for bf16/fp16 caches with at most 32 query rows per KV head: on the
-    memory-bound configs (b=64, L=8192) it measured 82% / 73% of the roofline at h_q = 16 / 32 against v2's
-    70% / 69%.
+    v6 (tokens on the wgmma M side) for bf16/fp16 caches with at most 32 query rows per KV head and fp8
+    caches with at most 16: on the memory-bound configs (b=64, L=8192) it measured 83% / 79% of the roofline
+    at h_q = 16 / 32 against v2's 70% / 68%, and 228 vs 288 us with an fp8_e4m3 cache at h_q = 16.
 
     v5 had 6-17% more throughput than v2 on the compute-bound FlashMLA grid (b=128, h_q=128,
     L >= 4096: two or more 64-row query tiles, >= 64 KV chunks per split-KV part) and 2-21% less on
@@ -56,7 +56,7 @@ def choose_variant(problem: DecodeProblem, num_parts: int, max_chunks: int) -> i
         return KERNEL_VARIANT
     p = problem
     rows = p.q_len * p.num_heads_q // p.num_heads_kv
-    if p.kv_format in ("bf16", "fp16") and rows <= 32:
+    if (p.kv_format in ("bf16", "fp16") and rows <= 32) or (p.kv_format.startswith("fp8") and rows <= 16):
         return 6
     if (p.kv_format in ("bf16", "fp16") and p.page_size % BLOCK_N == 0 and rows > BLOCK_M and p.batch >= 64
             and max_chunks >= 64 * num_parts):

@@ -19,6 +19,7 @@ from mla_dispatch.testing import make_case
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--variants", default="2,5,6")
+    parser.add_argument("--kv-format", default="bf16", help="bf16, fp8_e4m3 or fp8_ds_mla")
     parser.add_argument("--big", action="store_true", help="one b=128, h_q=128, L=4096 call instead (profiling)")
     args = parser.parse_args()
     # (batch, s_q, h_q, seqlen, causal, page_size)
@@ -29,11 +30,11 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     for variant in (int(v) for v in args.variants.split(",")):
         for b, s_q, h_q, L, causal, page_size in shapes:
-            case = make_case(b, s_q, h_q, L, page_size=page_size, causal=causal, zero_len_rows=1, device="cuda",
-                             generator=gen)
+            case = make_case(b, s_q, h_q, L, page_size=page_size, causal=causal, kv_format=args.kv_format,
+                             zero_len_rows=1, device="cuda", generator=gen)
             plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
             plan.state.variant = variant
-            out, lse = plan.run(case.q, case.kv_cache)
+            out, lse = plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale)
             torch.cuda.synchronize()
             print(f"variant {variant} b={b} s_q={s_q} h_q={h_q} L={L}: finite={bool(torch.isfinite(out).all())}")
 

@@ -188,6 +188,35 @@ def test_variant6_matches_reference(cfg, dtype, gen):
         _check(case, out, lse)
 
 
+V6_FP8_GRID = [
+    (4, 1, 16, 1, 300, 64, False, 0),
+    (4, 1, 16, 1, 4096, 64, False, 1),   # many tiles per warpgroup, split requests
+    (3, 2, 8, 1, 1031, 16, True, 0),     # causal MTP, page 16, odd tile count
+    (2, 1, 1, 1, 200, 32, False, 0),
+    (2, 1, 32, 2, 300, 128, False, 0),   # 16 rows per KV head, h_kv = 2 (fp8_e4m3 only)
+    (2, 1, 32, 1, 300, 64, False, 0),    # 32 rows: v6 takes no fp8 cache there, v2 runs
+]
+
+
+@pytest.mark.parametrize("kv_format", ["fp8_e4m3", "fp8_ds_mla"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("cfg", V6_FP8_GRID, ids=[_grid_id(c) for c in V6_FP8_GRID])
+def test_variant6_fp8_matches_reference(cfg, dtype, kv_format, gen):
+    """v6 with fp8 caches (tiles staged in registers and dequantised into shared memory; <= 16 rows per KV head)."""
+    b, s_q, h_q, h_kv, L, ps, causal, zero = cfg
+    if kv_format == "fp8_ds_mla" and h_kv != 1:
+        pytest.skip("fp8_ds_mla caches have one KV head")
+    case = make_case(b, s_q, h_q, L, num_heads_kv=h_kv, page_size=ps, dtype=dtype, causal=causal,
+                     zero_len_rows=zero, kv_format=kv_format, device="cuda", generator=gen)
+    plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
+    plan.state.variant = 6
+    for _ in range(2):
+        out, lse = _poisoned(case)
+        plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale, out=out, lse=lse)
+        torch.cuda.synchronize()
+        _check(case, out, lse)
+
+
 @pytest.mark.parametrize("h_q", [64, 16])
 def test_long_context_128k(h_q, gen):
     # 131072 tokens x 1152 bytes: 64-bit offsets into the cache are exercised (h_q 16: the mainloop of <= 32 rows)

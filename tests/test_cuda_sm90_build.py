@@ -65,7 +65,7 @@ def test_backend_declares_capabilities_and_reasons():
 
 def test_variant_choice_follows_the_measurements(monkeypatch):
     """v5 only where it measured faster (compute-bound, large batch, page % 64 == 0, bf16/fp16 cache); v6 for
-    <= 32 query rows per KV head with a bf16/fp16 cache."""
+    <= 32 query rows per KV head with a bf16/fp16 cache, <= 16 with an fp8 cache."""
     from mla_dispatch.backends import cuda_sm90
     from mla_dispatch.problem import DecodeProblem
 
@@ -87,6 +87,7 @@ def test_variant_choice_follows_the_measurements(monkeypatch):
     assert choose(problem(h_q=16, batch=64), num_parts=132, max_chunks=64 * 128) == 6
     assert choose(problem(h_q=16, q_len=2, page_size=16), num_parts=132, max_chunks=64 * 128) == 6  # 32 rows
     assert choose(problem(h_q=16, q_len=3), num_parts=132, max_chunks=64 * 128) == 2  # 48 rows
-    assert choose(problem(h_q=16, kv_format="fp8_ds_mla"), num_parts=132, max_chunks=64 * 128) == 2
+    assert choose(problem(h_q=16, kv_format="fp8_ds_mla"), num_parts=132, max_chunks=64 * 128) == 6
+    assert choose(problem(h_q=32, kv_format="fp8_e4m3"), num_parts=132, max_chunks=64 * 128) == 2  # 32 rows
     monkeypatch.setattr(cuda_sm90, "KERNEL_VARIANT", 3)
     assert choose(problem(), num_parts=66, max_chunks=128 * 64) == 3

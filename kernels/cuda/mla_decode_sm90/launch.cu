@@ -73,9 +73,9 @@ static cudaError_t launch_v5(const DecodeParams& p, const CUtensorMap& map, int 
   return cudaGetLastError();
 }
 
-template <typename T, int kN, bool kTma>
+template <typename T, int kN, bool kTma, int KvFmt = kKvSameAsQ>
 static cudaError_t launch_v6(const DecodeParams& p, const CUtensorMap& map, int grid_parts, cudaStream_t stream) {
-  auto kernel = mla_decode_kernel_v6<T, kN, kTma>;
+  auto kernel = mla_decode_kernel_v6<T, kN, kTma, KvFmt>;
   static bool configured = false;  // a benign race sets the same value
   if (!configured) {
     cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Etap::kSmemBytes);
@@ -104,6 +104,14 @@ static cudaError_t launch_decode_t(const DecodeParams& p, int grid_parts, cudaSt
   //    bf16/fp16 caches only, fp8 caches run v2)
   // 5: two tiles in flight, TMA loads (mainloop_seesaw.cuh; bf16/fp16 caches with page_size % 64 == 0,
   //    anything else runs v2)
+  if constexpr (KvFmt != kKvSameAsQ) {
+    // 6 with an fp8 cache: <= 16 query rows per KV head (the register-staged tile does not fit
+    // beside 32 rows' accumulators); anything else runs v2
+    if (p.variant == 6 && p.rows_per_kv_head <= 16) {
+      const CUtensorMap none{};
+      return launch_v6<T, 16, false, KvFmt>(p, none, grid_parts, stream);
+    }
+  }
   if constexpr (KvFmt == kKvSameAsQ) {
     // 6: tokens on the wgmma M side (mainloop_etap.cuh; bf16/fp16 caches, <= 32 query rows per
     //    KV head, any page size; anything else runs v2)

@@ -63,19 +63,21 @@ __device__ __forceinline__ void load_kv_async(const DecodeParams& p, T* sK, int 
   }
 }
 
-// fp8 tiles travel through registers: up to 12 x 16 bytes per thread.
-struct Fp8Stage {
-  uint4 v[2][6];
-  bool valid[2];
+// fp8 tiles travel through registers: up to 6 x 16 bytes per thread and pass (a token row per
+// 8 threads and pass: 2 passes for the CTA, 4 for a warpgroup of v6).
+template <int kPasses>
+struct Fp8StageN {
+  uint4 v[kPasses][6];
+  bool valid[kPasses];
 };
+using Fp8Stage = Fp8StageN<2>;
 
-template <int KvFmt>
-__device__ __forceinline__ void load_kv_fp8_regs(const DecodeParams& p, Fp8Stage& st, int req, int kvh, int t0,
-                                                 int t_end) {
-  const int tid = threadIdx.x;
+template <int KvFmt, int kLoaders = Cfg::kThreads>
+__device__ __forceinline__ void load_kv_fp8_regs(const DecodeParams& p, Fp8StageN<Cfg::kBlockN * 8 / kLoaders>& st,
+                                                 int req, int kvh, int t0, int t_end, int tid = threadIdx.x) {
 #pragma unroll
-  for (int pass = 0; pass < 2; ++pass) {
-    const int t = t0 + tid / 8 + 32 * pass;
+  for (int pass = 0; pass < Cfg::kBlockN * 8 / kLoaders; ++pass) {
+    const int t = t0 + tid / 8 + (kLoaders / 8) * pass;
     st.valid[pass] = t < t_end;
     if (!st.valid[pass]) continue;
     const uint8_t* src = token_ptr<uint8_t>(p, req, t, kvh);
@@ -119,14 +121,14 @@ __device__ __forceinline__ void store_fp8x16(T* sK, int row, int first_chunk, ui
       make_uint4(packed[4], packed[5], packed[6], packed[7]);
 }
 
-template <typename T, int KvFmt, class Layout>
-__device__ __forceinline__ void store_kv_fp8(T* sK, const Fp8Stage& st) {
-  const int tid = threadIdx.x;
+template <typename T, int KvFmt, class Layout, int kLoaders = Cfg::kThreads>
+__device__ __forceinline__ void store_kv_fp8(T* sK, const Fp8StageN<Cfg::kBlockN * 8 / kLoaders>& st,
+                                             int tid = threadIdx.x) {
   const int c = tid % 8;
   const uint4 zero = make_uint4(0, 0, 0, 0);
 #pragma unroll
-  for (int pass = 0; pass < 2; ++pass) {
-    const int row = tid / 8 + 32 * pass;
+  for (int pass = 0; pass < Cfg::kBlockN * 8 / kLoaders; ++pass) {
+    const int row = tid / 8 + (kLoaders / 8) * pass;
     if (!st.valid[pass]) {
       // zero-fill the whole token row (72 chunks: c + 8k, k = 0..8)
 #pragma unroll
