@@ -3,6 +3,7 @@
     compute-sanitizer --tool memcheck python ci/sm90_sanitize.py [--variants 2,5,6]
     compute-sanitizer --tool racecheck python ci/sm90_sanitize.py --variants 5
     ncu --section WarpStateStats -k regex:kernel_v5 -c 1 python ci/sm90_sanitize.py --variants 5 --big
+    ncu ... -k regex:kernel_v6 -c 1 python ci/sm90_sanitize.py --variants 6 --big --big-heads 16 --kv-format fp8_e4m3
 
 Small shapes with odd and even tile counts, a partial last tile, split requests and a
 zero-length request, so every code path of the mainloops runs once under the tool.
@@ -21,12 +22,14 @@ def main() -> None:
     parser.add_argument("--variants", default="2,5,6")
     parser.add_argument("--kv-format", default="bf16", help="bf16, fp8_e4m3 or fp8_ds_mla")
     parser.add_argument("--big", action="store_true", help="one b=128, h_q=128, L=4096 call instead (profiling)")
+    parser.add_argument("--big-heads", type=int, default=128, help="h_q of --big (not 128: b=64, L=8192, the "
+                        "memory-bound config)")
     args = parser.parse_args()
     # (batch, s_q, h_q, seqlen, causal, page_size)
     shapes = [(3, 1, 128, 300, False, 64), (2, 2, 64, 700, True, 64), (4, 1, 16, 130, False, 64),
               (2, 2, 16, 333, True, 16)]
     if args.big:
-        shapes = [(128, 1, 128, 4096, False, 64)]
+        shapes = [(128, 1, 128, 4096, False, 64) if args.big_heads == 128 else (64, 1, args.big_heads, 8192, False, 64)]
     gen = torch.Generator().manual_seed(0)
     for variant in (int(v) for v in args.variants.split(",")):
         for b, s_q, h_q, L, causal, page_size in shapes:
