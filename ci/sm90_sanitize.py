@@ -21,6 +21,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--variants", default="2,5,6")
     parser.add_argument("--kv-format", default="bf16", help="bf16, fp8_e4m3 or fp8_ds_mla")
+    parser.add_argument("--shape", default=None, help="one call of shape B,S_Q,H_Q,L (page 64, equal lengths) instead")
     parser.add_argument("--big", action="store_true", help="one b=128, h_q=128, L=4096 call instead (profiling)")
     parser.add_argument("--big-heads", type=int, default=128, help="h_q of --big (not 128: b=64, L=8192, the "
                         "memory-bound config)")
@@ -30,11 +31,15 @@ def main() -> None:
               (2, 2, 16, 333, True, 16)]
     if args.big:
         shapes = [(128, 1, 128, 4096, False, 64) if args.big_heads == 128 else (64, 1, args.big_heads, 8192, False, 64)]
+    if args.shape:
+        b, s_q, h_q, L = (int(x) for x in args.shape.split(","))
+        shapes = [(b, s_q, h_q, L, False, 64)]
     gen = torch.Generator().manual_seed(0)
     for variant in (int(v) for v in args.variants.split(",")):
         for b, s_q, h_q, L, causal, page_size in shapes:
             case = make_case(b, s_q, h_q, L, page_size=page_size, causal=causal, kv_format=args.kv_format,
-                             zero_len_rows=1, device="cuda", generator=gen)
+                             zero_len_rows=0 if args.shape else 1, varlen=not args.shape, device="cuda",
+                             generator=gen)
             plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
             plan.state.variant = variant
             out, lse = plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale)
