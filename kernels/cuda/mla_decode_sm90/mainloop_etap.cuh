@@ -49,9 +49,7 @@ template <> struct GmmaEtap<__half, 32> {
 
 struct Etap {
   static constexpr int kMaxRows = 32;                  // query rows per KV head this variant takes
-  // [warpgroup][warp][column] column maxima of the mainloop; at the end of an item the column sums
-  // [warpgroup][warp][column] and maxima [warpgroup][column]
-  static constexpr int kRedFloats = 2 * 4 * kMaxRows + 2 * kMaxRows;
+  static constexpr int kRedFloats = 2 * 4 * kMaxRows;  // [warpgroup][warp][column]: column maxima of a tile
   static constexpr int kBarWg = 1;                     // named barriers 1, 2: one per warpgroup
   static constexpr int kOStride = Cfg::kHeadDimV + 4;  // fp32 row stride of the merge buffer (spreads banks)
   static constexpr int kBlocks = Cfg::kHeadDimQK / 64;  // column blocks of a tile: one mbarrier each (TMA)
@@ -61,6 +59,7 @@ struct Etap {
   static_assert(kSmemBytes <= 227 * 1024, "shared memory over the SM90 per-block limit");
   static_assert(kMaxRows * kOStride * (int)sizeof(float) <= Cfg::kStages * Cfg::kKElems * 2,
                 "the merge buffer lives in the KV stages");
+  static_assert(10 * kMaxRows * (int)sizeof(float) <= Cfg::kPElems * 2, "the end-of-item sums and maxima live in sP");
 };
 
 // The block-table entries of tokens [t0, t0 + 64) of `req` into spage (0 for tokens past t_end,
@@ -345,8 +344,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
     // ---- merge the two warpgroups: column sums and maxima, then O through shared memory
     __syncthreads();  // both mainloops done: the stages are free
-    float* sL = sRed;                // [warpgroup][warp][column]
-    float* sM = sRed + 8 * kN;       // [warpgroup][column]
+    // in the P^T tiles (free now): nothing the mainloop's scratch shares
+    float* sL = reinterpret_cast<float*>(sP);  // [warpgroup][warp][column] column sums
+    float* sM = sL + 8 * kN;                   // [warpgroup][column] column maxima
     float* sO = reinterpret_cast<float*>(sK);  // [kN][kOStride]
 #pragma unroll
     for (int k = 0; k < kCols; ++k) {
@@ -412,7 +412,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         if (ch == 0) p.partial_lse[prow] = lse_val;
       }
     }
-    // sQ, the stages and sRed are reused by the next item, the stages by TMA (async proxy) after
+    // sQ, the stages and sP are reused by the next item, the stages by TMA (async proxy) after
     // the generic-proxy sO writes above
     fence_proxy_async_smem();
     __syncthreads();
