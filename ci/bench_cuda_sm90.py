@@ -63,6 +63,19 @@ def make_inputs(b, s_q, h_q, L, *, page_size=64, varlen=True, kv_format="bf16", 
     return q, kv, table, lens, kv_scale
 
 
+def capture_graph(run):
+    """A CUDA graph of ``run()`` (one warm-up call on a side stream first, as torch requires)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return graph
+
+
 def bench_one(cfg, peaks, variant=2):
     from mla_dispatch.backends.cuda_sm90 import CudaSM90Backend
 
@@ -82,14 +95,7 @@ def bench_one(cfg, peaks, variant=2):
     lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device="cuda")
     run = lambda: plan.run(q, kv, kv_scale=kv_scale, out=out, lse=lse)  # noqa: E731
     t_eager = triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median") * 1e-3
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    graph = capture_graph(run)
     t_graph = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e-3
     sum_l = int(lens.sum())
     tok_bytes = {"bf16": 2 * 576, "fp8_e4m3": 576, "fp8_ds_mla": 656}[fmt]

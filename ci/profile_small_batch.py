@@ -20,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from mla_dispatch import plan_decode
 
-from bench_cuda_sm90 import make_inputs  # noqa: E402  (same inputs as the benchmark)
+from bench_cuda_sm90 import capture_graph, make_inputs  # noqa: E402  (same inputs and graphs as the benchmark)
 
 CONFIGS = [(1, 4096), (1, 32768), (8, 8192), (32, 4096)]
 
@@ -60,14 +60,7 @@ def main():
                 plan = plan_decode(q, kv, table, lens, backend="cuda_sm90", cuda_graph=True)
                 plan.state.variant = v
                 run = lambda: plan.run(q, kv, out=out, lse=lse)  # noqa: E731
-                s = torch.cuda.Stream()
-                s.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(s):
-                    run()
-                torch.cuda.current_stream().wait_stream(s)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    run()
+                graph = capture_graph(run)
                 t_graph = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3
                 kt = kernel_times(run)
                 parts = plan.state.schedule.num_parts

@@ -63,6 +63,17 @@ def _run_case(case):
     return plan
 
 
+def _run_variant(case, variant, runs=1):
+    """Plan with the backend, force mainloop `variant`, and check `runs` launches (fresh poison each)."""
+    plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
+    plan.state.variant = variant
+    for _ in range(runs):
+        out, lse = _poisoned(case)
+        plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale, out=out, lse=lse)
+        torch.cuda.synchronize()
+        _check(case, out, lse)
+
+
 # (batch, s_q, h_q, h_kv, seqlen, page_size, causal, zero_len_rows)
 GRID = [
     (4, 1, 16, 1, 300, 16, False, 0),
@@ -130,12 +141,7 @@ def test_each_mainloop_variant_matches_reference(cfg, variant, kv_format, gen):
         pytest.skip("v1: bf16 caches only here; fp8 caches: h_kv = 1 configs")
     case = make_case(b, s_q, h_q, L, num_heads_kv=h_kv, page_size=ps, causal=causal, zero_len_rows=zero,
                      kv_format=kv_format, device="cuda", generator=gen)
-    plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
-    plan.state.variant = variant
-    out, lse = _poisoned(case)
-    plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale, out=out, lse=lse)
-    torch.cuda.synchronize()
-    _check(case, out, lse)
+    _run_variant(case, variant)
 
 
 V5_GRID = [c for c in GRID if c[5] % 64 == 0] + [
@@ -153,13 +159,7 @@ def test_variant5_matches_reference(cfg, dtype, gen):
     b, s_q, h_q, h_kv, L, ps, causal, zero = cfg
     case = make_case(b, s_q, h_q, L, num_heads_kv=h_kv, page_size=ps, dtype=dtype, causal=causal,
                      zero_len_rows=zero, device="cuda", generator=gen)
-    plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
-    plan.state.variant = 5
-    for _ in range(2):  # a second launch of the configured kernel, fresh poison
-        out, lse = _poisoned(case)
-        plan.run(case.q, case.kv_cache, out=out, lse=lse)
-        torch.cuda.synchronize()
-        _check(case, out, lse)
+    _run_variant(case, 5, runs=2)  # a second launch of the configured kernel
 
 
 V6_GRID = [c for c in GRID if c[1] * c[2] // c[3] <= 32] + [
@@ -179,13 +179,7 @@ def test_variant6_matches_reference(cfg, dtype, gen):
     b, s_q, h_q, h_kv, L, ps, causal, zero = cfg
     case = make_case(b, s_q, h_q, L, num_heads_kv=h_kv, page_size=ps, dtype=dtype, causal=causal,
                      zero_len_rows=zero, device="cuda", generator=gen)
-    plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
-    plan.state.variant = 6
-    for _ in range(2):  # a second launch of the configured kernel, fresh poison
-        out, lse = _poisoned(case)
-        plan.run(case.q, case.kv_cache, out=out, lse=lse)
-        torch.cuda.synchronize()
-        _check(case, out, lse)
+    _run_variant(case, 6, runs=2)  # a second launch of the configured kernel
 
 
 V6_FP8_GRID = [
@@ -208,13 +202,7 @@ def test_variant6_fp8_matches_reference(cfg, dtype, kv_format, gen):
         pytest.skip("fp8_ds_mla caches have one KV head")
     case = make_case(b, s_q, h_q, L, num_heads_kv=h_kv, page_size=ps, dtype=dtype, causal=causal,
                      zero_len_rows=zero, kv_format=kv_format, device="cuda", generator=gen)
-    plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
-    plan.state.variant = 6
-    for _ in range(2):
-        out, lse = _poisoned(case)
-        plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale, out=out, lse=lse)
-        torch.cuda.synchronize()
-        _check(case, out, lse)
+    _run_variant(case, 6, runs=2)
 
 
 @pytest.mark.parametrize("h_q", [64, 16])
