@@ -90,7 +90,8 @@ class TritonBackend(MLABackend):
 
         ``config`` a :class:`~mla_dispatch.kernels.triton.decode.KernelConfig` (default: the
         table's); ``num_parts`` persistent programs along the schedule (default: one
-        per SM and tile); ``overhead`` the schedule's fixed cost per item, in chunks.
+        per SM and tile, times the config's ``programs_per_sm``); ``overhead`` the
+        schedule's fixed cost per item, in chunks.
         """
         import mla_dispatch.kernels.triton.ops  # noqa: F401  (registers torch.ops.mla_dispatch.triton_decode)
         from mla_dispatch.kernels.triton.decode import choose_config, num_m_tiles, programs_per_tile
@@ -106,7 +107,7 @@ class TritonBackend(MLABackend):
         tiles = (p.num_heads_kv * num_m_tiles(rows, cfg) * programs_per_tile(cfg, p.head_dim_v)
                  * (p.q_len if p.sparse else 1))
         if num_parts is None:
-            num_parts = max(1, platform.num_compute_units // tiles)
+            num_parts = max(1, cfg.programs_per_sm * platform.num_compute_units // tiles)
         if p.sparse:
             # sparse: the "tokens" of a request are its top-k list positions
             lengths = torch.full((p.batch,), p.topk, dtype=torch.int32, device=device)
@@ -141,4 +142,4 @@ class TritonBackend(MLABackend):
         decode_step(q, kv_cache, None if p.sparse else block_table, state.lengths, indices, kv_scale, s.items,
                     s.part_offsets, s.num_splits, state.first_slot, out, lse, state.partial_out, state.partial_lse,
                     softmax_scale, p.causal, p.kv_format, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
-                    cfg.tokens_on_m, cfg.v_split, cfg.qk_chunk)
+                    cfg.tokens_on_m, cfg.v_split, cfg.qk_chunk, cfg.max_registers)

@@ -94,13 +94,13 @@ def kernel_report(plan, q, kv, kv_scale) -> dict:
 
 
 def bench_one(name, peaks, batch, q_len, h_q, seqlen, *, page_size=64, kv_format="bf16", varlen=True,
-              config=None, graph=True, report=False) -> dict:
+              config=None, num_parts=None, graph=True, report=False, kernels=False) -> dict:
     q, kv, table, lens, kv_scale = make_inputs(batch, q_len, h_q, seqlen, page_size=page_size, kv_format=kv_format,
                                                varlen=varlen)
     plan = plan_decode(q, kv, table, lens, kv_format=kv_format, kv_scale=kv_scale, causal=q_len > 1,
                        backend="triton", cuda_graph=True)
-    if config is not None:
-        plan._state = TritonBackend.make_state(plan.problem, plan.platform, lens, config=config)
+    if config is not None or num_parts is not None:
+        plan._state = TritonBackend.make_state(plan.problem, plan.platform, lens, config=config, num_parts=num_parts)
     out = torch.empty(batch, q_len, h_q, D_V, dtype=q.dtype, device="cuda")
     lse = torch.empty(batch, h_q, q_len, device="cuda")
 
@@ -132,6 +132,11 @@ def bench_one(name, peaks, batch, q_len, h_q, seqlen, *, page_size=64, kv_format
                us_graph=None if t_graph is None else t_graph * 1e6, tflops=flops / t_run / 1e12,
                gbs=nbytes / t_run / 1e9, roofline_us=roof * 1e6, pct_roofline=100 * roof / t_run,
                bound="compute" if flops / fl > nbytes / bw else "memory")
+    res["num_parts"] = plan.state.schedule.num_parts
+    if kernels:  # GPU time of each kernel of one eager call (decode vs combine)
+        from profile_small_batch import kernel_times
+
+        res["kernel_us"] = kernel_times(run)
     if report:
         res.update(kernel_report(plan, q, kv, kv_scale))
     del q, kv, table, plan, out, lse
@@ -166,6 +171,12 @@ def grids(names):
     if "graph" in names:
         g.append(("graph-b1-L4096", dict(batch=1, q_len=1, h_q=128, seqlen=4096, varlen=False), True))
         g.append(("graph-b1-L32768", dict(batch=1, q_len=1, h_q=128, seqlen=32768, varlen=False), True))
+    if "small" in names:  # split count vs decode / combine time at batch 1 (NOTES.md gap 4)
+        for L in (4096, 32768):
+            for parts in (None, 32, 16, 8):
+                g.append((f"small-b1-L{L}-parts{parts or 'auto'}", dict(batch=1, q_len=1, h_q=128, seqlen=L,
+                                                                       varlen=False, num_parts=parts,
+                                                                       kernels=True), True))
     if "fp8choice" in names:
         for h, spec in ((16, "hM16-n32"), (16, "hM16-n64"), (32, "hM16-n32"), (32, "hM32-n32"), (32, "tM32-n64"),
                         (64, "hM16-n32")):
@@ -178,6 +189,17 @@ def grids(names):
             kw = dict(batch=64, q_len=1, h_q=h, seqlen=8192, varlen=False) if h < 128 else \
                 dict(batch=128, q_len=1, h_q=128, seqlen=8192)
             g.append((f"choice2-h{h}-{spec}", dict(kw, config=parse_spec(spec)), False))
+    if "occupancy" in names:
+        # programs per SM (p), table prefetch (s3) and register caps (r): NOTES.md "pipeline"
+        picks = {
+            16: ("tM16-n64", "tM16-n32-s3-p3-r168", "tM16-n32-s2-p3-r168", "tM16-n32-s3-p4-r128"),
+            32: ("tM32-n64", "tM32-n32-s3-p2"),
+        }
+        for h, specs in picks.items():
+            kw = dict(batch=64, q_len=1, h_q=h, seqlen=8192, varlen=False) if h < 128 else \
+                dict(batch=128, q_len=1, h_q=128, seqlen=8192)
+            for spec in specs:
+                g.append((f"occ-h{h}-{spec}", dict(kw, config=parse_spec(spec)), False))
     if "choice" in names:
         # heads on M vs tokens on M for h_q*s_q < 64, tile shapes and register-saving splits per class.
         cfg = parse_spec
@@ -204,13 +226,17 @@ def main():
     ap.add_argument("--grids", default="flashmla,mem,pages,fp8,graph")
     ap.add_argument("--json", default=None)
     ap.add_argument("--report", action="store_true", help="registers/spills/wgmma per config")
+    ap.add_argument("--only", default=None, help="comma-separated names: run just these grid entries")
     args = ap.parse_args()
     names = set(args.grids.split(","))
     print(f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}, triton {triton.__version__}")
     peaks = measure_peaks()
     print(f"measured peaks: copy {peaks[0] / 1e12:.2f} TB/s, bf16 matmul {peaks[1] / 1e12:.0f} TFLOP/s")
     results = []
+    only = set(args.only.split(",")) if args.only else None
     for name, kw, graph in grids(names):
+        if only is not None and name not in only:
+            continue
         t0 = time.time()
         try:
             r = bench_one(name, peaks, graph=graph, report=args.report, **kw)
@@ -221,6 +247,8 @@ def main():
         results.append(r)
         extra = f" regs={r.get('regs')} spills={r.get('spills')} wgmma={r.get('wgmma')} mma={r.get('mma_sync')}" \
             if args.report else ""
+        if "kernel_us" in r:
+            extra += f" parts={r['num_parts']} " + " ".join(f"{k}={t:.1f}" for k, t in sorted(r["kernel_us"].items()))
         print(f"{name:28s} {r['us']:9.1f} us  step {r['us_step']:9.1f}  graph "
               f"{r['us_graph'] if r['us_graph'] is None else round(r['us_graph'], 1)!s:>8}  "
               f"{r['tflops']:6.1f} TF/s {r['gbs']:7.0f} GB/s  {r['pct_roofline']:5.1f}% ({r['bound']}) "

@@ -45,6 +45,9 @@ CASES = [
                                              causal=True, zero_len_rows=1, varlen=False), dict(num_parts=9, overhead=1)),
     ("fp8dsmla-split-b2xs1xh2-ps8", dict(batch=2, q_len=1, num_heads_q=2, seqlen=60, page_size=8,
                                          kv_format="fp8_ds_mla", varlen=False), dict(num_parts=5, overhead=1)),
+    # more slots per request than the combine reads per loop trip (its block of 8)
+    ("fp16-split-many-b2xs1xh4-ps16", dict(batch=2, q_len=1, num_heads_q=4, seqlen=300, page_size=16, varlen=False),
+     dict(num_parts=24, overhead=1, min_splits=9)),
     # the register-saving variants: V split over programs, chunked latent dot, tokens on M
     ("fp16-vsplit2-qk128-b2xs2xh3-ps16-causal", dict(batch=2, q_len=2, num_heads_q=3, seqlen=40, page_size=16,
                                                      causal=True),
@@ -75,7 +78,7 @@ TRITON_DECODE_SCHEMA = (
     "Tensor? kv_scale, Tensor items, Tensor part_offsets, Tensor num_splits, Tensor first_slot, Tensor(a10!) out, "
     "Tensor(a11!) lse, Tensor(a12!) partial_out, Tensor(a13!) partial_lse, float softmax_scale, bool causal, "
     "str kv_format, SymInt block_m, SymInt block_n, SymInt num_warps, SymInt num_stages, bool tokens_on_m, "
-    "SymInt v_split, SymInt qk_chunk) -> ()"
+    "SymInt v_split, SymInt qk_chunk, SymInt max_registers) -> ()"
 )
 
 
@@ -87,7 +90,7 @@ def triton_op_args(plan, case, out, lse) -> tuple:
     return (case.q, case.kv_cache, None if p.sparse else case.block_table, st.lengths, case.indices, case.kv_scale,
             s.items, s.part_offsets, s.num_splits, st.first_slot, out, lse, st.partial_out, st.partial_lse,
             plan.softmax_scale, p.causal, p.kv_format, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
-            cfg.tokens_on_m, cfg.v_split, cfg.qk_chunk)
+            cfg.tokens_on_m, cfg.v_split, cfg.qk_chunk, cfg.max_registers)
 
 
 def _run_op_checks(seed: int) -> None:
@@ -150,12 +153,13 @@ def _run_cases(seed: int) -> None:
                 from mla_dispatch.kernels.triton.decode import KernelConfig
 
                 ov = dict(overrides)
+                min_splits = ov.pop("min_splits", 2)
                 if "config" in ov:
                     ov["config"] = KernelConfig(**ov["config"])
                 # swap in a schedule that forces split requests (exercises the combine) or another config
                 plan._state = TritonBackend.make_state(plan.problem, platform_for(case.q.device), plan.cache_seqlens,
                                                        **ov)
-                split = bool((plan.state.schedule.num_splits > 1).any())
+                split = int(plan.state.schedule.num_splits.max()) >= min_splits
             b, s, h, _ = case.q.shape
             out = torch.full((b, s, h, case.head_dim_v), float("nan"), dtype=case.q.dtype)
             lse = torch.full((b, h, s), float("nan"))

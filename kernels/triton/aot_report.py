@@ -24,13 +24,14 @@ _PTR = {"bf16": "*bf16", "fp16": "*fp16", "fp8_e4m3": "*fp8e4nv", "fp8_ds_mla": 
 _FMT = {"bf16": 0, "fp16": 0, "fp8_e4m3": 1, "fp8_ds_mla": 2}
 
 
-def compile_config(cfg: KernelConfig, *, kv_format="bf16", causal=False, sparse=False, arch=90, d_v=512, d_rope=64):
+def compile_config(cfg: KernelConfig, *, kv_format="bf16", causal=False, sparse=False, arch=90, d_v=512, d_rope=64,
+                   page_size=64):
     names = list(mla_decode_kernel.arg_names)
     sig, attrs = {}, {}
     ptrs = dict(Q="*bf16", KV=_PTR[kv_format], BlockTable="*i32", Seqlens="*i32", Indices="*i32", KVScale="*fp32",
                 Items="*i32", PartOffsets="*i32", Out="*bf16", Lse="*fp32", PartialOut="*fp32", PartialLse="*fp32")
     v_split, qk_chunk = effective_splits(cfg, d_v)
-    constexprs = dict(D_V=d_v, D_ROPE=d_rope, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, V_SPLIT=v_split,
+    constexprs = dict(PAGE_SIZE=page_size, D_V=d_v, D_ROPE=d_rope, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, V_SPLIT=v_split,
                       QK_CHUNK=qk_chunk, KV_FORMAT=_FMT[kv_format], CAUSAL=causal, SPARSE=sparse,
                       TOKENS_ON_M=cfg.tokens_on_m)
     for i, n in enumerate(names):
@@ -47,7 +48,8 @@ def compile_config(cfg: KernelConfig, *, kv_format="bf16", causal=False, sparse=
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(mla_decode_kernel, sig, {(names.index(k),): v for k, v in constexprs.items()}, attrs)
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
-                       options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+                       options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                                    **({"maxnreg": cfg.max_registers} if cfg.max_registers else {})))
     ptx = k.asm["ptx"]
     return dict(regs=_reg_count(k), stack_bytes=_spills(k), smem=k.metadata.shared,
                 wgmma=ptx.count("wgmma.mma_async"), mma_sync=ptx.count("mma.sync"),
@@ -88,11 +90,11 @@ def _spills(k):
 
 def parse_spec(spec: str) -> KernelConfig:
     """'tM16-n64-w8-v2-q128-s2' -> KernelConfig: t|h tokens/heads on M, M block_m, n block_n,
-    w warps, v v_split, q qk_chunk, s stages (the notation of ci/bench_triton.py)."""
+    w warps, v v_split, q qk_chunk, s stages, p programs per SM, r register cap (the notation of ci/bench_triton.py)."""
     f = dict(block_m=16, block_n=64, num_warps=4, num_stages=2, tokens_on_m=spec[0] == "t", v_split=1, qk_chunk=512)
     for tok in spec[1:].split("-"):
         key = {"M": "block_m", "n": "block_n", "w": "num_warps", "v": "v_split", "q": "qk_chunk",
-               "s": "num_stages"}[tok[0]]
+               "s": "num_stages", "p": "programs_per_sm", "r": "max_registers"}[tok[0]]
         f[key] = int(tok[1:])
     f["chunk_size"] = max(64, f["block_n"])
     return KernelConfig(**f)

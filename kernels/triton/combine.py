@@ -29,7 +29,7 @@ def combine_kernel(
     stride_plb, stride_pls, stride_plh,
     stride_ob, stride_os, stride_oh,
     stride_lb, stride_lh, stride_ls,
-    ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     b = tl.program_id(0)
     n_splits = tl.load(NumSplits + b)
@@ -41,26 +41,29 @@ def combine_kernel(
         h = (r % num_heads).to(tl.int64)
         d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
 
-        # pass 1: the maximum LSE over the request's slots
+        row_off = i * stride_pls + h * stride_plh
+        out_off = i * stride_pos + h * stride_poh
+        # one pass over blocks of BLOCK_S slots, rescaled online (the running max m): the loads of a
+        # block are independent, so BLOCK_S of them are in flight instead of one per loop trip
         m = tl.full([BLOCK_R], float("-inf"), tl.float32)
-        for s in range(n_splits):
-            lse_s = tl.load(PartialLse + (first + s) * stride_plb + i * stride_pls + h * stride_plh,
-                            mask=ok, other=float("-inf"))
-            m = tl.maximum(m, lse_s)
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-
-        # pass 2: weighted sum of the partial outputs
         denom = tl.zeros([BLOCK_R], tl.float32)
         acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
-        for s in range(n_splits):
+        for s0 in range(0, n_splits, BLOCK_S):
+            s = s0 + tl.arange(0, BLOCK_S)
             slot = first + s
-            lse_s = tl.load(PartialLse + slot * stride_plb + i * stride_pls + h * stride_plh,
-                            mask=ok, other=float("-inf"))
-            w = tl.exp(lse_s - m_safe)
-            denom += w
-            o_s = tl.load(PartialOut + slot * stride_pob + (i * stride_pos + h * stride_poh)[:, None] + d[None, :],
-                          mask=ok[:, None] & (w[:, None] > 0), other=0.0)
-            acc += w[:, None] * o_s
+            s_ok = s < n_splits
+            lse_s = tl.load(PartialLse + slot[None, :] * stride_plb + row_off[:, None],
+                            mask=ok[:, None] & s_ok[None, :], other=float("-inf"))  # [R, S]
+            m_new = tl.maximum(m, tl.max(lse_s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_safe)
+            w = tl.exp(lse_s - m_safe[:, None])
+            o_s = tl.load(PartialOut + slot[None, :, None] * stride_pob + out_off[:, None, None] + d[None, None, :],
+                          mask=(w > 0)[:, :, None], other=0.0)  # [R, S, D]; slots that saw no key are not read
+            acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o_s, 1)
+            denom = denom * alpha + tl.sum(w, 1)
+            m = m_new
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
 
         has = denom > 0
         out = acc / tl.where(has, denom, 1.0)[:, None]
@@ -73,11 +76,12 @@ def combine_kernel(
 
 
 def launch_combine(partial_out, partial_lse, num_splits, first_slot, out, lse, *, block_r: int = 4,
-                   block_d: int = 128, kernel=combine_kernel):
+                   block_d: int = 128, block_s: int = 8, kernel=combine_kernel):
     """Merge partials into ``out`` ``[B, s_q, h_q, D_v]`` / ``lse`` ``[B, h_q, s_q]`` (no allocation).
 
     One program per (request, ``block_r`` rows, ``block_d`` channels): many small
-    programs, so a single long request split over every SM still merges in parallel.
+    programs, so a single long request split over every SM still merges in parallel;
+    each reads ``block_s`` slots per loop trip.
     ``kernel`` is :func:`combine_kernel` or ``torch.library.wrap_triton`` of it (inside
     the registered op, :mod:`.ops`). Returns Triton's launch handle.
     """
@@ -92,6 +96,6 @@ def launch_combine(partial_out, partial_lse, num_splits, first_slot, out, lse, *
         partial_lse.stride(0), partial_lse.stride(1), partial_lse.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1), lse.stride(2),
-        ROWS=rows, BLOCK_R=block_r, BLOCK_D=block_d,
+        ROWS=rows, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_S=block_s,
         num_warps=4,
     )

@@ -66,7 +66,7 @@ DS_MLA_TILE = tl.constexpr(128)  # channels per fp32 scale
 
 
 @triton.jit
-def _token_rows(BlockTable, Indices, req, i_row0, start, end, page_size, stride_bt, stride_ib, stride_is,
+def _token_rows(BlockTable, Indices, req, i_row0, start, end, PAGE_SIZE: tl.constexpr, stride_bt, stride_ib, stride_is,
                 stride_kb, stride_kt, kv_head_off, BLOCK_N: tl.constexpr, SPARSE: tl.constexpr):
     """Token positions, validity mask and int64 cache offsets of one token tile."""
     n = start + tl.arange(0, BLOCK_N)
@@ -76,14 +76,30 @@ def _token_rows(BlockTable, Indices, req, i_row0, start, end, page_size, stride_
         idx = tl.load(Indices + req.to(tl.int64) * stride_ib + i_row0 * stride_is + n, mask=in_range, other=-1)
         valid = in_range & (idx >= 0)
         idx = tl.maximum(idx, 0).to(tl.int64)
-        block = idx // page_size
-        offset = idx - block * page_size
+        block = idx // PAGE_SIZE
+        rows = block * stride_kb + (idx - block * PAGE_SIZE) * stride_kt + kv_head_off
+    elif PAGE_SIZE % BLOCK_N == 0:
+        # the tile lies in one page (tiles start at multiples of BLOCK_N): one table entry, read as
+        # a scalar (the page holds `start`, so the entry is within the request's length), and
+        # rows = scalar base + a loop-invariant ramp
+        valid = in_range
+        block = tl.load(BlockTable + req.to(tl.int64) * stride_bt + start // PAGE_SIZE).to(tl.int64)
+        base = block * stride_kb + (start % PAGE_SIZE) * stride_kt + kv_head_off  # in-page term fits int32
+        rows = base + tl.arange(0, BLOCK_N).to(tl.int64) * stride_kt
+    elif PAGE_SIZE > 1 and BLOCK_N % PAGE_SIZE == 0:
+        # whole pages per tile: BLOCK_N / PAGE_SIZE table entries (masked: entries past the
+        # request's length are never read), spread over their pages' slots
+        NP: tl.constexpr = BLOCK_N // PAGE_SIZE
+        page = start // PAGE_SIZE + tl.arange(0, NP)
+        valid = in_range
+        block = tl.load(BlockTable + req.to(tl.int64) * stride_bt + page, mask=page * PAGE_SIZE < end, other=0)
+        block = tl.gather(block, tl.arange(0, BLOCK_N) // PAGE_SIZE, 0).to(tl.int64)
+        rows = block * stride_kb + (n % PAGE_SIZE).to(tl.int64) * stride_kt + kv_head_off
     else:
         valid = in_range
         # masked: table entries past the request's length are never read
-        block = tl.load(BlockTable + req.to(tl.int64) * stride_bt + n // page_size, mask=valid, other=0).to(tl.int64)
-        offset = (n % page_size).to(tl.int64)
-    rows = block * stride_kb + offset * stride_kt + kv_head_off
+        block = tl.load(BlockTable + req.to(tl.int64) * stride_bt + n // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+        rows = block * stride_kb + (n % PAGE_SIZE).to(tl.int64) * stride_kt + kv_head_off
     return n, valid, rows
 
 
@@ -171,7 +187,7 @@ def mla_decode_kernel(
     Items, PartOffsets,
     Out, Lse, PartialOut, PartialLse,
     qk_scale,  # softmax_scale * log2(e)
-    q_len, group, page_size,  # s_q, h_q // h_kv
+    q_len, group,  # s_q, h_q // h_kv
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_bt, stride_ib, stride_is,
@@ -180,6 +196,7 @@ def mla_decode_kernel(
     stride_pob, stride_pos, stride_poh,
     stride_plb, stride_pls, stride_plh,
     H_KV, NUM_M_TILES,
+    PAGE_SIZE: tl.constexpr,  # a constant: the token -> (page, slot) split compiles to shifts / a multiply
     D_V: tl.constexpr, D_ROPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     V_SPLIT: tl.constexpr, QK_CHUNK: tl.constexpr,
@@ -256,7 +273,7 @@ def mla_decode_kernel(
         else:
             acc = tl.zeros([BLOCK_M, DV_BLOCK], tl.float32)
         for start in range(tok_begin, tok_end, BLOCK_N):
-            n, valid, rows = _token_rows(BlockTable, Indices, req, i_row0, start, tok_end, page_size, stride_bt,
+            n, valid, rows = _token_rows(BlockTable, Indices, req, i_row0, start, tok_end, PAGE_SIZE, stride_bt,
                                          stride_ib, stride_is, stride_kb, stride_kt, kv_head_off, BLOCK_N, SPARSE)
             if REUSE_K:
                 k = _load_latent(KV, rows, valid, 0, DTYPE, D_V, KV_FORMAT)
@@ -343,6 +360,11 @@ class KernelConfig:
     v_split: int = 1  # programs sharing one head tile, each accumulating D_v / v_split channels
     qk_chunk: int = 512  # latent-dot chunk; < D_v re-reads Q chunks per token tile (fewer registers)
     chunk_size: int = 64  # split-KV schedule granularity (multiple of block_n)
+    # persistent programs per SM: Triton issues a tile's gathered loads one tile ahead and
+    # waits for them at the top of the next iteration (NOTES.md "pipeline"), so a program
+    # has at most one tile in flight; more programs per SM overlap each other's loads.
+    programs_per_sm: int = 1
+    max_registers: int = 0  # ptxas register cap per thread (Triton's maxnreg); 0 = the compiler's choice
 
     def __post_init__(self):
         if self.chunk_size % self.block_n:
@@ -426,13 +448,14 @@ def launch_decode(q, kv, block_table, cache_seqlens, indices, kv_scale, schedule
         mla_decode_kernel, q, kv, block_table, cache_seqlens, indices, kv_scale, schedule.items,
         schedule.part_offsets, out, lse, partial_out, partial_lse, softmax_scale=softmax_scale, causal=causal,
         kv_format=kv_format, block_m=cfg.block_m, block_n=cfg.block_n, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, tokens_on_m=cfg.tokens_on_m, v_split=cfg.v_split, qk_chunk=cfg.qk_chunk)
+        num_stages=cfg.num_stages, tokens_on_m=cfg.tokens_on_m, v_split=cfg.v_split, qk_chunk=cfg.qk_chunk,
+        max_registers=cfg.max_registers)
 
 
 def launch_decode_kernel(kernel, q, kv, block_table, cache_seqlens, indices, kv_scale, items, part_offsets, out,
                          lse, partial_out, partial_lse, *, softmax_scale: float, causal: bool, kv_format: str,
                          block_m: int, block_n: int, num_warps: int, num_stages: int, tokens_on_m: bool,
-                         v_split: int, qk_chunk: int):
+                         v_split: int, qk_chunk: int, max_registers: int = 0):
     """The launch itself, on tensors and plain scalars: ``kernel[grid](...)``.
 
     ``kernel`` is :func:`mla_decode_kernel` or ``torch.library.wrap_triton`` of it
@@ -460,7 +483,7 @@ def launch_decode_kernel(kernel, q, kv, block_table, cache_seqlens, indices, kv_
         items, part_offsets,
         out, lse, partial_out, partial_lse,
         softmax_scale * 1.4426950408889634,
-        q_len, group, page_size,
+        q_len, group,
         q.stride(0), q.stride(1), q.stride(2),
         kv.stride(0), kv.stride(1), kv.stride(2),
         stride_bt, stride_ib, stride_is,
@@ -468,9 +491,9 @@ def launch_decode_kernel(kernel, q, kv, block_table, cache_seqlens, indices, kv_
         lse.stride(0), lse.stride(1), lse.stride(2),
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1), partial_lse.stride(2),
-        H_KV=h_kv, NUM_M_TILES=tiles_m,
+        H_KV=h_kv, NUM_M_TILES=tiles_m, PAGE_SIZE=page_size,
         D_V=head_dim_v, D_ROPE=d_qk - head_dim_v,
         BLOCK_M=block_m, BLOCK_N=block_n, V_SPLIT=v_split, QK_CHUNK=qk_chunk,
         KV_FORMAT=KV_FORMAT_IDS[kv_format], CAUSAL=causal, SPARSE=sparse, TOKENS_ON_M=tokens_on_m,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **({"maxnreg": max_registers} if max_registers else {}),
     )

@@ -69,6 +69,7 @@ def _triton_decode(
     tokens_on_m: bool,
     v_split: int,
     qk_chunk: int,
+    max_registers: int,
 ) -> None:
     """Split-KV MLA decode into ``out`` / ``lse`` (see :mod:`.decode` and :mod:`.combine`).
 
@@ -89,12 +90,12 @@ def _triton_decode(
     _launch(_launchable(mla_decode_kernel), _launchable(combine_kernel), q, kv_cache, block_table, seqlens,
             indices, kv_scale, items, part_offsets, num_splits, first_slot, out, lse, partial_out, partial_lse,
             softmax_scale, causal, kv_format, block_m, block_n, num_warps, num_stages, tokens_on_m, v_split,
-            qk_chunk)
+            qk_chunk, max_registers)
 
 
 def _launch(decode_kernel, combine, q, kv_cache, block_table, seqlens, indices, kv_scale, items, part_offsets,
             num_splits, first_slot, out, lse, partial_out, partial_lse, softmax_scale, causal, kv_format, block_m,
-            block_n, num_warps, num_stages, tokens_on_m, v_split, qk_chunk) -> None:
+            block_n, num_warps, num_stages, tokens_on_m, v_split, qk_chunk, max_registers) -> None:
     if kv_format not in KV_FORMAT_IDS:
         raise ValueError(f"kv_format={kv_format!r} (supported: {sorted(KV_FORMAT_IDS)})")
     kv = kv_cache.view(torch.uint8) if kv_cache.dtype == torch.int8 else kv_cache
@@ -102,14 +103,14 @@ def _launch(decode_kernel, combine, q, kv_cache, block_table, seqlens, indices, 
         decode_kernel, q, kv, block_table, seqlens, indices, kv_scale, items,
         part_offsets, out, lse, partial_out, partial_lse, softmax_scale=softmax_scale, causal=causal,
         kv_format=kv_format, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-        tokens_on_m=tokens_on_m, v_split=v_split, qk_chunk=qk_chunk)
+        tokens_on_m=tokens_on_m, v_split=v_split, qk_chunk=qk_chunk, max_registers=max_registers)
     launch_combine(partial_out, partial_lse, num_splits, first_slot, out, lse, kernel=combine)
 
 
 def decode_step(*args) -> None:
     """What ``TritonBackend.run`` calls, with the op's arguments: the registered op whenever torch
     traces (torch.compile, functorch transforms, fake / dispatch modes, tensor subclasses), the op's body with plain
-    launches otherwise. torch's Python-side handling of a 24-argument mutating op cost ~55 µs of
+    launches otherwise. torch's Python-side handling of a 25-argument mutating op cost ~55 µs of
     host time per eager call on the device host (122 vs 68 µs); the kernels and grids are the same."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
