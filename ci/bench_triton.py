@@ -94,7 +94,7 @@ def kernel_report(plan, q, kv, kv_scale) -> dict:
 
 
 def bench_one(name, peaks, batch, q_len, h_q, seqlen, *, page_size=64, kv_format="bf16", varlen=True,
-              config=None, num_parts=None, graph=True, report=False, kernels=False) -> dict:
+              config=None, num_parts=None, graph=True, report=False, kernels=False, check=False) -> dict:
     q, kv, table, lens, kv_scale = make_inputs(batch, q_len, h_q, seqlen, page_size=page_size, kv_format=kv_format,
                                                varlen=varlen)
     plan = plan_decode(q, kv, table, lens, kv_format=kv_format, kv_scale=kv_scale, causal=q_len > 1,
@@ -111,6 +111,19 @@ def bench_one(name, peaks, batch, q_len, h_q, seqlen, *, page_size=64, kv_format
         plan.update()
         run()
 
+    check_msg = None
+    if check:  # the config's output against the fp32 reference, DESIGN.md §5 tolerances (poisoned first)
+        from mla_dispatch.backends.reference import reference_attention
+        from mla_dispatch.testing import compare_outputs
+
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        run()
+        ref_out, ref_lse = reference_attention(q, kv, table, lens, head_dim_v=D_V, softmax_scale=plan.softmax_scale,
+                                               causal=q_len > 1, kv_format=kv_format, kv_scale=kv_scale)
+        rep = compare_outputs(out, lse, ref_out, ref_lse, TritonBackend.TOLERANCE)
+        check_msg = "ok" if rep else f"MISMATCH {rep.message}"
+        del ref_out, ref_lse
     run()
     torch.cuda.synchronize()
     t_run = triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median") * 1e-3
@@ -133,6 +146,8 @@ def bench_one(name, peaks, batch, q_len, h_q, seqlen, *, page_size=64, kv_format
                gbs=nbytes / t_run / 1e9, roofline_us=roof * 1e6, pct_roofline=100 * roof / t_run,
                bound="compute" if flops / fl > nbytes / bw else "memory")
     res["num_parts"] = plan.state.schedule.num_parts
+    if check_msg is not None:
+        res["check"] = check_msg
     if kernels:  # GPU time of each kernel of one eager call (decode vs combine)
         from profile_small_batch import kernel_times
 
@@ -192,14 +207,19 @@ def grids(names):
     if "occupancy" in names:
         # programs per SM (p), table prefetch (s3) and register caps (r): NOTES.md "pipeline"
         picks = {
-            16: ("tM16-n64", "tM16-n32-s3-p3-r168", "tM16-n32-s2-p3-r168", "tM16-n32-s3-p4-r128"),
-            32: ("tM32-n64", "tM32-n32-s3-p2"),
+            16: ("tM16-n64", "tM16-n32-s2-p3-r168", "tM16-n32-s2-p2", "hM16-n32:fp8_e4m3", "tM16-n32-s2-p3-r168:fp8_e4m3",
+                 "hM16-n32-p3-r168:fp8_e4m3", "hM16-n32:fp8_ds_mla", "tM16-n32-s2-p3-r168:fp8_ds_mla",
+                 "hM16-n32-p3-r168:fp8_ds_mla"),
+            32: ("tM32-n64", "tM16-n32-s2-p3-r168", "tM32-n32-s2-p2", "hM16-n32:fp8_e4m3", "hM16-n32-p3-r168:fp8_e4m3",
+                 "hM16-n32:fp8_ds_mla", "tM16-n32-s2-p3-r168:fp8_ds_mla", "hM16-n32-p3-r168:fp8_ds_mla"),
+            64: ("hM64-n32-w8", "tM16-n32-s2-p3-r168"),
         }
         for h, specs in picks.items():
             kw = dict(batch=64, q_len=1, h_q=h, seqlen=8192, varlen=False) if h < 128 else \
                 dict(batch=128, q_len=1, h_q=128, seqlen=8192)
             for spec in specs:
-                g.append((f"occ-h{h}-{spec}", dict(kw, config=parse_spec(spec)), False))
+                spec, fmt = spec.split(":") if ":" in spec else (spec, "bf16")
+                g.append((f"occ-h{h}-{spec}-{fmt}", dict(kw, config=parse_spec(spec), kv_format=fmt), False))
     if "choice" in names:
         # heads on M vs tokens on M for h_q*s_q < 64, tile shapes and register-saving splits per class.
         cfg = parse_spec
@@ -226,6 +246,7 @@ def main():
     ap.add_argument("--grids", default="flashmla,mem,pages,fp8,graph")
     ap.add_argument("--json", default=None)
     ap.add_argument("--report", action="store_true", help="registers/spills/wgmma per config")
+    ap.add_argument("--check", action="store_true", help="compare each config's output with the reference")
     ap.add_argument("--only", default=None, help="comma-separated names: run just these grid entries")
     args = ap.parse_args()
     names = set(args.grids.split(","))
@@ -239,7 +260,7 @@ def main():
             continue
         t0 = time.time()
         try:
-            r = bench_one(name, peaks, graph=graph, report=args.report, **kw)
+            r = bench_one(name, peaks, graph=graph, report=args.report, check=args.check, **kw)
         except Exception as exc:
             print(f"{name}: FAILED {type(exc).__name__}: {exc}")
             continue
@@ -247,6 +268,8 @@ def main():
         results.append(r)
         extra = f" regs={r.get('regs')} spills={r.get('spills')} wgmma={r.get('wgmma')} mma={r.get('mma_sync')}" \
             if args.report else ""
+        if "check" in r:
+            extra += f" check={r['check']}"
         if "kernel_us" in r:
             extra += f" parts={r['num_parts']} " + " ".join(f"{k}={t:.1f}" for k, t in sorted(r["kernel_us"].items()))
         print(f"{name:28s} {r['us']:9.1f} us  step {r['us_step']:9.1f}  graph "

@@ -150,6 +150,9 @@ def test_triton_gpu_cuda_graph_replay_with_new_seqlens(num_heads_q, q_len, gen):
 
 # opcheck cases: (make_case kwargs, make_state overrides); split so the combine launch is traced too
 OPCHECK_CASES = [
+    # 16 rows: the config with a register cap (a plain launch's option, dropped when traced)
+    (dict(batch=3, q_len=1, num_heads_q=16, seqlen=300, page_size=64, varlen=False),
+     dict(num_parts=24, overhead=1)),
     (dict(batch=3, q_len=2, num_heads_q=16, seqlen=300, page_size=64, causal=True, varlen=False),
      dict(num_parts=24, overhead=1)),
     (dict(batch=2, q_len=2, num_heads_q=16, seqlen=300, page_size=64, topk=128, kv_format="fp8_ds_mla"), {}),

@@ -51,6 +51,7 @@ import dataclasses
 
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 __all__ = ["KernelConfig", "choose_config", "launch_decode", "launch_decode_kernel", "KV_FORMAT_IDS"]
 
@@ -380,24 +381,30 @@ def _rows_bucket(rows: int) -> int:
 
 # (rows bucket, kv format) -> config. rows = query rows per KV head (s_q*h_q/h_kv, or
 # h_q/h_kv for sparse). Never keyed on sequence length (CUDA graphs stay valid).
-# Measured on H200/H100 with ci/bench_triton.py --grids choice; register reports from
+# Measured with ci/bench_triton.py --grids choice / occupancy; register reports from
 # kernels/triton/aot_report.py (see NOTES.md).
 _H64 = KernelConfig(64, 32, 8, 2)  # heads on M, wgmma; spills 168 regs (see NOTES.md) but fastest measured
-_H16 = KernelConfig(16, 32, 4, 2)  # fp8, few rows: dequant in registers favours the small mma.sync tile
+# 16 rows: 32-token tiles, three programs per SM under a 168-register cap (the loop is issue-bound with
+# one program per SM: NOTES.md "pipeline"). bf16 b=64 L=8K h=16 (H200): 220 us vs 267 for tM16-n64.
+_T16_P3 = KernelConfig(16, 32, 4, 2, tokens_on_m=True, programs_per_sm=3, max_registers=168)
 CONFIGS: dict[tuple[int, str], KernelConfig] = {}
 for _fmt in ("bf16", "fp16"):
     CONFIGS.update({
-        (16, _fmt): KernelConfig(16, 64, 4, 2, tokens_on_m=True),  # tokens on M: 351 µs vs 603 heads on M
-        (32, _fmt): KernelConfig(32, 64, 4, 2, tokens_on_m=True),  # 365 µs vs 513 (H200)
+        (16, _fmt): _T16_P3,
+        (32, _fmt): KernelConfig(32, 64, 4, 2, tokens_on_m=True),  # 303 us vs 342 tM32-n32-p2, 375 tM16-n32-p3
         (64, _fmt): _H64,
         (128, _fmt): KernelConfig(64, 64, 8, 2),  # 1546 µs vs 1978 for block_n=32
     })
-# fp8: the tile is dequantised in registers (no cp.async); heads on M with 16 rows measured
-# 566 µs (fp8_e4m3) / 689 (fp8_ds_mla) vs 1320 / 1342 tokens on M (b=64, h=16, L=8K, H200).
-# fp8_ds_mla with tokens on M, block 16x64, 4 warps gave wrong results / an illegal address
-# on an H200 with triton 3.6 (right in the interpreter): not used (NOTES.md).
-for _fmt in ("fp8_e4m3", "fp8_ds_mla"):
-    CONFIGS.update({(16, _fmt): _H16, (32, _fmt): _H16, (64, _fmt): _H64, (128, _fmt): _H64})
+# fp8: the tile is dequantised in registers (no cp.async). b=64 L=8K h=16 (H200): fp8_e4m3 heads on M
+# 16x32 at three programs per SM 299 us (one per SM: 431); fp8_ds_mla tokens on M 16x32, three per SM
+# 437 us (heads on M: 592). fp8_ds_mla with tokens on M, block 16x64, 4 warps gave wrong results / an
+# illegal address on an H200 with triton 3.6 (right in the interpreter): not used (NOTES.md).
+_H16_P3 = KernelConfig(16, 32, 4, 2, programs_per_sm=3, max_registers=168)
+_H16 = KernelConfig(16, 32, 4, 2)
+CONFIGS.update({(16, "fp8_e4m3"): _H16_P3, (32, "fp8_e4m3"): _H16_P3, (64, "fp8_e4m3"): _H64,
+                (128, "fp8_e4m3"): _H64,
+                (16, "fp8_ds_mla"): _T16_P3, (32, "fp8_ds_mla"): _H16, (64, "fp8_ds_mla"): _H64,
+                (128, "fp8_ds_mla"): _H64})
 INTERPRETER_CONFIG = KernelConfig(16, 16, 4, 1, chunk_size=16)
 
 
@@ -478,6 +485,9 @@ def launch_decode_kernel(kernel, q, kv, block_table, cache_seqlens, indices, kv_
     scale_ptr = kv_scale if kv_scale is not None else cache_seqlens
     stride_bt = block_table.stride(0) if block_table is not None else 0
     stride_ib, stride_is = (indices.stride(0), indices.stride(1)) if sparse else (0, 0)
+    # the register cap is a plain launch's option; torch's wrap_triton (torch.compile / export) forwards
+    # only num_warps / num_stages-like options, so a traced launch runs without the cap (same results)
+    launch_options = {"maxnreg": max_registers} if max_registers and isinstance(kernel, JITFunction) else {}
     return kernel[grid](
         q, kv, bt, cache_seqlens, idx, scale_ptr,
         items, part_offsets,
@@ -495,5 +505,5 @@ def launch_decode_kernel(kernel, q, kv, block_table, cache_seqlens, indices, kv_
         D_V=head_dim_v, D_ROPE=d_qk - head_dim_v,
         BLOCK_M=block_m, BLOCK_N=block_n, V_SPLIT=v_split, QK_CHUNK=qk_chunk,
         KV_FORMAT=KV_FORMAT_IDS[kv_format], CAUSAL=causal, SPARSE=sparse, TOKENS_ON_M=tokens_on_m,
-        num_warps=num_warps, num_stages=num_stages, **({"maxnreg": max_registers} if max_registers else {}),
+        num_warps=num_warps, num_stages=num_stages, **launch_options,
     )
