@@ -395,15 +395,15 @@ for _fmt in ("bf16", "fp16"):
         (64, _fmt): _H64,
         (128, _fmt): KernelConfig(64, 64, 8, 2),  # 1546 µs vs 1978 for block_n=32
     })
-# fp8: the tile is dequantised in registers (no cp.async). b=64 L=8K h=16 (H200): fp8_e4m3 heads on M
+# fp8: the tile is dequantised in registers (no cp.async). b=64 L=8K (H200): h=16 fp8_e4m3 heads on M
 # 16x32 at three programs per SM 299 us (one per SM: 431); fp8_ds_mla tokens on M 16x32, three per SM
-# 437 us (heads on M: 592). fp8_ds_mla with tokens on M, block 16x64, 4 warps gave wrong results / an
-# illegal address on an H200 with triton 3.6 (right in the interpreter): not used (NOTES.md).
+# 437 us (heads on M: 592); h=32 fp8_ds_mla the same tokens-on-M config 797 us (heads on M: 1230).
+# fp8_ds_mla with tokens on M, block 16x64, 4 warps gave wrong results / an illegal address on an H200
+# with triton 3.6 (right in the interpreter): not used (NOTES.md).
 _H16_P3 = KernelConfig(16, 32, 4, 2, programs_per_sm=3, max_registers=168)
-_H16 = KernelConfig(16, 32, 4, 2)
 CONFIGS.update({(16, "fp8_e4m3"): _H16_P3, (32, "fp8_e4m3"): _H16_P3, (64, "fp8_e4m3"): _H64,
                 (128, "fp8_e4m3"): _H64,
-                (16, "fp8_ds_mla"): _T16_P3, (32, "fp8_ds_mla"): _H16, (64, "fp8_ds_mla"): _H64,
+                (16, "fp8_ds_mla"): _T16_P3, (32, "fp8_ds_mla"): _T16_P3, (64, "fp8_ds_mla"): _H64,
                 (128, "fp8_ds_mla"): _H64})
 INTERPRETER_CONFIG = KernelConfig(16, 16, 4, 1, chunk_size=16)
 
