@@ -1,6 +1,7 @@
 """Benchmark the Triton MLA decode kernel against the roofline measured in the same run.
 
-    python ci/bench_triton.py [--grids flashmla,mem,pages,fp8,graph,choice] [--json PATH]
+    python ci/bench_triton.py [--grids flashmla,mem,pages,fp8,graph,choice,occupancy,small] [--json PATH]
+                              [--check] [--only NAME,...] [--report]
 
 Prints, per config: µs (triton.testing.do_bench median, L2 flushed) for
 ``DecodePlan.run`` (decode + combine), for ``update + run`` (the per-step
@@ -13,7 +14,9 @@ schedule included, FlashMLA's "whole call"), and for a CUDA-graph replay of
     roofline = max(FLOPs / matmul_peak, bytes / copy_peak), both measured here.
 
 Also reports the compiled kernel's registers, spills and whether the PTX holds
-wgmma (Hopper warpgroup MMA) or only mma.sync.
+wgmma (Hopper warpgroup MMA) or only mma.sync (``--report``); checks each config's
+output against the reference first (``--check``); ``small`` adds the GPU time of the
+decode and combine kernels per split count.
 """
 
 from __future__ import annotations
@@ -207,7 +210,7 @@ def grids(names):
     if "occupancy" in names:
         # programs per SM (p), table prefetch (s3) and register caps (r): NOTES.md "pipeline"
         picks = {
-            16: ("tM16-n64", "tM16-n32-s2-p3-r168", "tM16-n32-s2-p2", "hM16-n32:fp8_e4m3", "tM16-n32-s2-p3-r168:fp8_e4m3",
+            16: ("tM16-n64", "tM16-n32-s2-p3-r168", "tM16-n32-s2-p2", "tM16-n32-s3-p3-r168", "tM16-n32-s2-p4-r128", "hM16-n32:fp8_e4m3", "tM16-n32-s2-p3-r168:fp8_e4m3",
                  "hM16-n32-p3-r168:fp8_e4m3", "hM16-n32:fp8_ds_mla", "tM16-n32-s2-p3-r168:fp8_ds_mla",
                  "hM16-n32-p3-r168:fp8_ds_mla"),
             32: ("tM32-n64", "tM16-n32-s2-p3-r168", "tM32-n32-s2-p2", "hM16-n32:fp8_e4m3", "hM16-n32-p3-r168:fp8_e4m3",

@@ -1,4 +1,5 @@
-"""A few small Triton decode runs for `compute-sanitizer --tool memcheck` (dense split, causal page 1, sparse ds_mla)."""
+"""A few small Triton decode runs for `compute-sanitizer --tool memcheck` (dense split, causal page 1, sparse ds_mla;
+the 16/32-row three-per-SM configs on the one-page-per-tile, whole-pages (tl.gather) and per-token table paths)."""
 import torch
 
 from mla_dispatch import plan_decode
@@ -11,6 +12,11 @@ cases = [
     (dict(batch=3, q_len=2, num_heads_q=16, seqlen=300, page_size=64, causal=True, zero_len_rows=1), dict(num_parts=20, overhead=1)),
     (dict(batch=2, q_len=1, num_heads_q=128, seqlen=200, page_size=1), {}),
     (dict(batch=2, q_len=2, num_heads_q=16, seqlen=300, page_size=64, topk=64, kv_format="fp8_ds_mla"), {}),
+    (dict(batch=3, q_len=1, num_heads_q=16, seqlen=300, page_size=64, zero_len_rows=1), dict(num_parts=20, overhead=1)),
+    (dict(batch=3, q_len=1, num_heads_q=16, seqlen=200, page_size=16), {}),
+    (dict(batch=2, q_len=1, num_heads_q=16, seqlen=200, page_size=16, kv_format="fp8_e4m3"), {}),
+    (dict(batch=2, q_len=1, num_heads_q=32, seqlen=200, page_size=32, kv_format="fp8_ds_mla"), {}),
+    (dict(batch=2, q_len=1, num_heads_q=16, seqlen=100, page_size=1, kv_format="fp8_ds_mla"), {}),
 ]
 for kw, ov in cases:
     c = make_case(device="cuda", generator=g, **kw)
