@@ -80,9 +80,10 @@ def _token_rows(BlockTable, Indices, req, i_row0, start, end, PAGE_SIZE: tl.cons
         block = idx // PAGE_SIZE
         rows = block * stride_kb + (idx - block * PAGE_SIZE) * stride_kt + kv_head_off
     elif PAGE_SIZE % BLOCK_N == 0:
-        # the tile lies in one page (tiles start at multiples of BLOCK_N): one table entry, read as
-        # a scalar (the page holds `start`, so the entry is within the request's length), and
-        # rows = scalar base + a loop-invariant ramp
+        # the tile lies in one page (tiles start at multiples of BLOCK_N: schedule items are
+        # chunk-aligned, metadata.split_kv_schedule, and chunk_size % BLOCK_N == 0): one table entry,
+        # read as a scalar (the page holds `start`, so the entry is within the request's length),
+        # and rows = scalar base + a loop-invariant ramp
         valid = in_range
         block = tl.load(BlockTable + req.to(tl.int64) * stride_bt + start // PAGE_SIZE).to(tl.int64)
         base = block * stride_kb + (start % PAGE_SIZE) * stride_kt + kv_head_off  # in-page term fits int32
