@@ -26,8 +26,7 @@ namespace mla_sm90 {
 // LBO/SBO in 16-byte units: K-major uses SBO = 1024 B between 8-row groups; MN-major
 // uses LBO = distance between 64-element column blocks, SBO = 1024 B between 8-row
 // groups along K).
-__device__ __forceinline__ uint64_t gmma_desc_sw128(const void* smem, uint32_t lbo_bytes, uint32_t sbo_bytes) {
-  const uint32_t addr = smem_u32(smem);
+__device__ __forceinline__ uint64_t gmma_desc_sw128_addr(uint32_t addr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
   uint64_t d = 0;
   d |= (uint64_t)((addr >> 4) & 0x3FFF);
   d |= (uint64_t)((lbo_bytes >> 4) & 0x3FFF) << 16;
@@ -36,14 +35,9 @@ __device__ __forceinline__ uint64_t gmma_desc_sw128(const void* smem, uint32_t l
   return d;
 }
 
-// Same descriptor from a shared-window address (32-bit).
-__device__ __forceinline__ uint64_t gmma_desc_sw128_addr(uint32_t addr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
-  uint64_t d = 0;
-  d |= (uint64_t)((addr >> 4) & 0x3FFF);
-  d |= (uint64_t)((lbo_bytes >> 4) & 0x3FFF) << 16;
-  d |= (uint64_t)((sbo_bytes >> 4) & 0x3FFF) << 32;
-  d |= (uint64_t)1 << 62;  // SWIZZLE_128B
-  return d;
+// The same descriptor from a shared-memory pointer.
+__device__ __forceinline__ uint64_t gmma_desc_sw128(const void* smem, uint32_t lbo_bytes, uint32_t sbo_bytes) {
+  return gmma_desc_sw128_addr(smem_u32(smem), lbo_bytes, sbo_bytes);
 }
 
 template <typename T> struct Gmma;
