@@ -36,6 +36,11 @@ SCHEDULE_OVERHEAD = 5
 #: 1 = mma.sync (v1), 3 = wgmma with S of the next tile issued under PV of this one (measured slower),
 #: 4 = wgmma with S split along D_qk (measured slower); $MLA_SM90_VARIANT overrides
 KERNEL_VARIANT = int(os.environ.get("MLA_SM90_VARIANT", "0"))
+#: combine of split requests: "1" inside the decode launch (a cooperative launch whose CTAs merge the
+#: split rows after a grid-wide barrier; the kernel falls back to "0" when its grid does not fit the GPU
+#: at once), "0" as a second kernel, "auto" (default) per plan by :func:`choose_fuse_combine`;
+#: $MLA_SM90_FUSE_COMBINE overrides
+FUSE_COMBINE = os.environ.get("MLA_SM90_FUSE_COMBINE", "auto")
 
 
 def choose_variant(problem: DecodeProblem, num_parts: int, max_chunks: int) -> int:
@@ -63,6 +68,23 @@ def choose_variant(problem: DecodeProblem, num_parts: int, max_chunks: int) -> i
         return 5
     return 2
 
+
+def choose_fuse_combine(problem: DecodeProblem, num_parts: int, ctas: int) -> bool:
+    """Whether the decode launch merges the split rows itself (one launch instead of two).
+
+    The tail hands each warp of the grid (8 per CTA) units of a quarter row (128 channels, all slots) in turn, so it
+    pays while there is at most one unit per warp: at most min(batch, num_parts - 1) requests are split, with
+    q_len * h_q rows of 4 quarters each. Measured on the H100 (benchmarks/RESULTS.md, 2026-11-22, CUDA-graph replay,
+    h_q = 128, v2; second kernel -> tail): b=1 L=4096 24.9 -> 23.2 us and L=32768 54.8 -> 50.2 us (512 units,
+    512 / 1056 warps); b=8 L=8192 74.3 -> 75.7 us and b=32 L=4096 127.3 -> 138.9 us (4x / 16x more units than warps).
+    v5 has no tail, and the kernel declines when its grid does not fit the GPU at once.
+    """
+    if FUSE_COMBINE in ("0", "1"):
+        return FUSE_COMBINE == "1"
+    split_requests = min(problem.batch, num_parts - 1)
+    return split_requests * problem.q_len * problem.num_heads_q * 4 <= ctas * 8
+
+
 _fake_registered = False
 
 
@@ -82,7 +104,7 @@ def load_ops():
         @torch.library.register_fake("mla_dispatch::cuda_sm90_decode")
         def _decode_fake(q, kv_cache, block_table, cache_seqlens, items, part_offsets, kv_scale, out, lse,
                          partial_out, partial_lse, num_splits, first_slot, softmax_scale, causal, kv_format,
-                         variant=2):
+                         variant=2, fuse_combine=False):
             return None
 
         _fake_registered = True
@@ -150,6 +172,7 @@ class CudaSM90Backend(MLABackend):
             partial_lse=torch.empty(max_slots, p.q_len, p.num_heads_q, dtype=torch.float32, device=device),
             kv_format_code=_KV_FORMAT_CODE[p.kv_format],
             variant=choose_variant(p, num_parts, max_chunks),
+            fuse_combine=choose_fuse_combine(p, num_parts, num_parts * tiles),
         )
 
     @classmethod
@@ -164,4 +187,5 @@ class CudaSM90Backend(MLABackend):
         state.op(
             q, kv_cache, block_table, cache_seqlens, s.items, s.part_offsets,
             kv_scale if state.kv_format_code == 1 else None, out, lse, state.partial_out, state.partial_lse,
-            s.num_splits, state.first_slot, softmax_scale, problem.causal, state.kv_format_code, state.variant)
+            s.num_splits, state.first_slot, softmax_scale, problem.causal, state.kv_format_code, state.variant,
+            state.fuse_combine)

@@ -7,7 +7,8 @@ bytes/peak_bw) with both peaks measured in this run (1 GiB device copy counting
 read+write; 8192^3 bf16 matmul). Times: triton.testing.do_bench median (L2
 flushed) of the eager plan.run, and of CUDA-graph replay of plan.run.
 
-    python ci/bench_cuda_sm90.py [--quick] [--groups flashmla,small] [--variants 0,5,2] [--json PATH]
+    python ci/bench_cuda_sm90.py [--quick] [--groups flashmla,small] [--variants 0,5,2]
+                                 [--combine auto,fused,separate] [--json PATH]
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def capture_graph(run):
     return graph
 
 
-def bench_one(cfg, peaks, variant=2):
+def bench_one(cfg, peaks, variant=2, combine="auto"):
     from mla_dispatch.backends.cuda_sm90 import CudaSM90Backend
 
     CudaSM90Backend.MIN_CHUNKS_PER_PART = cfg.get("min_chunks", 2)
@@ -91,6 +92,9 @@ def bench_one(cfg, peaks, variant=2):
     if variant:  # 0: the backend's own choice (choose_variant)
         plan.state.variant = variant
     variant = plan.state.variant
+    if combine != "auto":  # auto: the backend's own choice (choose_fuse_combine)
+        plan.state.fuse_combine = combine == "fused"
+    combine = "fused" if plan.state.fuse_combine else "separate"
     out = torch.empty(b, s_q, h_q, 512, dtype=q.dtype, device="cuda")
     lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device="cuda")
     run = lambda: plan.run(q, kv, kv_scale=kv_scale, out=out, lse=lse)  # noqa: E731
@@ -103,7 +107,7 @@ def bench_one(cfg, peaks, variant=2):
     nbytes = tok_bytes * sum_l + 2 * b * s_q * h_q * (576 + 512)
     roof = max(flops / peaks[1], nbytes / peaks[0])
     t = min(t_eager, t_graph)
-    row = dict(cfg, variant=variant, us_eager=t_eager * 1e6, us_graph=t_graph * 1e6, tflops=flops / t / 1e12, gbps=nbytes / t / 1e9,
+    row = dict(cfg, variant=variant, combine=combine, us_eager=t_eager * 1e6, us_graph=t_graph * 1e6, tflops=flops / t / 1e12, gbps=nbytes / t / 1e9,
                roofline_pct=100 * roof / t, bound="compute" if flops / peaks[1] > nbytes / peaks[0] else "memory")
     del q, kv, table, plan, graph
     torch.cuda.empty_cache()
@@ -125,7 +129,7 @@ CONFIGS = (
 
 
 def host_overhead_us(n=200):
-    """Host time per eager DecodePlan.run (Python checks, op dispatch, 2 kernel launches), measured
+    """Host time per eager DecodePlan.run (Python checks, op dispatch, 1 or 2 kernel launches), measured
     while the GPU is held busy by a long sleep kernel, so no call waits for the device."""
     import time
 
@@ -149,7 +153,7 @@ def host_overhead_us(n=200):
     total = per_call(lambda: plan.run(q, kv, out=out, lse=lse))
     st, s = plan.state, plan.state.schedule
     args = (q, kv, table, lens, s.items, s.part_offsets, None, out, lse, st.partial_out, st.partial_lse, s.num_splits,
-            st.first_slot, plan.softmax_scale, False, 0, 2)
+            st.first_slot, plan.softmax_scale, False, 0, st.variant, st.fuse_combine)
     op_only = per_call(lambda: st.op(*args))
     empty = torch.empty(0, device="cuda")
     launch = per_call(lambda: (empty.add_(1), empty.add_(1)))  # two trivial launches through torch
@@ -164,6 +168,8 @@ def main():
                          "4 = S split along D, 3 = overlapped wgmma, 2 = wgmma, 1 = mma.sync)")
     ap.add_argument("--groups", default=None, help="comma-separated config groups to run (flashmla, membound, small, "
                     "small1, pages, pages16, fp8); default all")
+    ap.add_argument("--combine", default="auto", help="where split requests are merged, e.g. fused,separate (auto = the "
+                    "backend's per-plan choice, fused = inside the decode launch, separate = a second kernel)")
     args = ap.parse_args()
     peaks = measure_peaks()
     print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
@@ -172,21 +178,22 @@ def main():
     if args.groups:
         configs = [c for c in configs if c["group"] in args.groups.split(",")]
     rows = []
-    hdr = f"{'v':1s} {'group':9s} {'b':>4s} {'s_q':>3s} {'h_q':>4s} {'L':>6s} {'ps':>4s} {'fmt':10s} {'causal':6s} {'eager us':>9s} {'graph us':>9s} {'TFLOP/s':>8s} {'GB/s':>7s} {'%roof':>6s} bound"
-    for cfg, variant in [(c, int(v)) for v in args.variants.split(",") for c in configs]:
+    hdr = f"{'v':1s} {'comb':4s} {'group':9s} {'b':>4s} {'s_q':>3s} {'h_q':>4s} {'L':>6s} {'ps':>4s} {'fmt':10s} {'causal':6s} {'eager us':>9s} {'graph us':>9s} {'TFLOP/s':>8s} {'GB/s':>7s} {'%roof':>6s} bound"
+    runs = [(c, int(v), m) for v in args.variants.split(",") for c in configs for m in args.combine.split(",")]
+    for cfg, variant, combine in runs:
         try:
-            r = bench_one(cfg, peaks, variant)
+            r = bench_one(cfg, peaks, variant, combine)
         except Exception as exc:  # keep going; report the failure
             print(f"FAILED {cfg}: {type(exc).__name__}: {exc}")
             continue
         rows.append(r)
-        print(f"{variant:1d} {r['group']:9s} {r['b']:4d} {r['s_q']:3d} {r['h_q']:4d} {r['L']:6d} {r.get('ps', 64):4d} "
+        print(f"{r['variant']:1d} {r['combine'][:4]:4s} {r['group']:9s} {r['b']:4d} {r['s_q']:3d} {r['h_q']:4d} {r['L']:6d} {r.get('ps', 64):4d} "
               f"{r.get('fmt', 'bf16'):10s} {str(r.get('causal', False)):6s} {r['us_eager']:9.1f} {r['us_graph']:9.1f} "
               f"{r['tflops']:8.1f} {r['gbps']:7.0f} {r['roofline_pct']:6.1f} {r['bound']}", flush=True)
     print(hdr)
     total, op_only, launch = host_overhead_us()
     print(f"host time per eager call, GPU kept busy: DecodePlan.run {total:.1f} us; the op alone (dispatch + checks + "
-          f"2 launches) {op_only:.1f} us; two trivial torch launches {launch:.1f} us")
+          f"launches) {op_only:.1f} us; two trivial torch launches {launch:.1f} us")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(peaks=peaks, rows=rows), f, indent=1)

@@ -1,9 +1,9 @@
 """Where do small batches spend their time in the cuda_sm90 backend? (GPU machine)
 
-    python ci/profile_small_batch.py [--min-chunks 1,2,4,8] [--variants 2,5]
+    python ci/profile_small_batch.py [--min-chunks 1,2,4,8] [--variants 2,5] [--combine separate,fused]
 
 For each small-batch config of issue 4 (h_q=128, s_q=1) and each split size
-(``CudaSM90Backend.MIN_CHUNKS_PER_PART``) and mainloop variant: the CUDA-graph replay
+(``CudaSM90Backend.MIN_CHUNKS_PER_PART``), mainloop variant and place of the combine: the CUDA-graph replay
 time (triton do_bench median, L2 flushed) and the GPU time of each kernel of one
 eager call (torch.profiler, median of 20 calls), so the decode, the combine and the
 gaps between them can be told apart.
@@ -46,6 +46,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--min-chunks", default="1,2,4,8")
     ap.add_argument("--variants", default="2,5")
+    ap.add_argument("--combine", default="separate,fused", help="separate (second kernel) and/or fused (in the decode launch)")
     args = ap.parse_args()
     from mla_dispatch.backends.cuda_sm90 import CudaSM90Backend
 
@@ -56,16 +57,17 @@ def main():
         lse = torch.empty(b, 128, 1, dtype=torch.float32, device="cuda")
         for mc in [int(x) for x in args.min_chunks.split(",")]:
             CudaSM90Backend.MIN_CHUNKS_PER_PART = mc
-            for v in [int(x) for x in args.variants.split(",")]:
+            for v, comb in [(int(x), c) for x in args.variants.split(",") for c in args.combine.split(",")]:
                 plan = plan_decode(q, kv, table, lens, backend="cuda_sm90", cuda_graph=True)
                 plan.state.variant = v
+                plan.state.fuse_combine = comb == "fused"
                 run = lambda: plan.run(q, kv, out=out, lse=lse)  # noqa: E731
                 graph = capture_graph(run)
                 t_graph = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3
                 kt = kernel_times(run)
                 parts = plan.state.schedule.num_parts
                 ks = "  ".join(f"{k}={t:.1f}" for k, t in sorted(kt.items()))
-                print(f"b={b:3d} L={L:6d} min_chunks={mc:2d} parts={parts:3d} v{v}: graph {t_graph:7.1f} us | {ks}",
+                print(f"b={b:3d} L={L:6d} min_chunks={mc:2d} parts={parts:3d} v{v} {comb:8s}: graph {t_graph:7.1f} us | {ks}",
                       flush=True)
         del q, kv, table
         torch.cuda.empty_cache()

@@ -2,6 +2,7 @@
 
     compute-sanitizer --tool memcheck python ci/sm90_sanitize.py [--variants 2,5,6]
     compute-sanitizer --tool racecheck python ci/sm90_sanitize.py --variants 5
+    compute-sanitizer --tool memcheck python ci/sm90_sanitize.py --variants 2,6 --combine fused
     ncu --section WarpStateStats -k regex:kernel_v5 -c 1 python ci/sm90_sanitize.py --variants 5 --big
     ncu ... -k regex:kernel_v6 -c 1 python ci/sm90_sanitize.py --variants 6 --big --big-heads 16 --kv-format fp8_e4m3
 
@@ -22,6 +23,8 @@ def main() -> None:
     parser.add_argument("--variants", default="2,5,6")
     parser.add_argument("--kv-format", default="bf16", help="bf16, fp8_e4m3 or fp8_ds_mla")
     parser.add_argument("--shape", default=None, help="one call of shape B,S_Q,H_Q,L (page 64, equal lengths) instead")
+    parser.add_argument("--combine", default="auto", help="auto (the plan's choice), fused (the combine as the "
+                        "decode kernel's tail, cooperative launch) or separate (a second kernel)")
     parser.add_argument("--big", action="store_true", help="one b=128, h_q=128, L=4096 call instead (profiling)")
     parser.add_argument("--big-heads", type=int, default=128, help="h_q of --big (not 128: b=64, L=8192, the "
                         "memory-bound config)")
@@ -42,6 +45,8 @@ def main() -> None:
                              generator=gen)
             plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
             plan.state.variant = variant
+            if args.combine != "auto":
+                plan.state.fuse_combine = args.combine == "fused"
             out, lse = plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale)
             torch.cuda.synchronize()
             print(f"variant {variant} b={b} s_q={s_q} h_q={h_q} L={L}: finite={bool(torch.isfinite(out).all())}")

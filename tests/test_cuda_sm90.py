@@ -63,10 +63,13 @@ def _run_case(case):
     return plan
 
 
-def _run_variant(case, variant, runs=1):
-    """Plan with the backend, force mainloop `variant`, and check `runs` launches (fresh poison each)."""
+def _run_variant(case, variant, runs=1, fuse_combine=None):
+    """Plan with the backend, force mainloop `variant` (and the combine's place when `fuse_combine` is given),
+    and check `runs` launches (fresh poison each)."""
     plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
     plan.state.variant = variant
+    if fuse_combine is not None:
+        plan.state.fuse_combine = fuse_combine
     for _ in range(runs):
         out, lse = _poisoned(case)
         plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale, out=out, lse=lse)
@@ -205,6 +208,31 @@ def test_variant6_fp8_matches_reference(cfg, dtype, kv_format, gen):
     _run_variant(case, 6, runs=2)
 
 
+# Shapes whose split requests the combine merges: one request over every part (b = 1, 64 slots), a few
+# slots per request with zero-length and causal MTP rows, h_kv = 2, page 16; and h_kv = 256, whose grid
+# (256 CTAs of one part) does not fit the GPU at once, so a fused combine falls back to the second kernel.
+COMBINE_GRID = [
+    (1, 1, 128, 1, 4096, 64, False, 0),
+    (3, 2, 16, 1, 3000, 64, True, 1),
+    (8, 1, 64, 2, 2000, 32, False, 2),
+    (5, 1, 32, 1, 1500, 16, False, 0),
+    (2, 1, 256, 256, 100, 64, False, 0),
+]
+
+
+@pytest.mark.parametrize("fuse_combine", [True, False], ids=["fused", "separate"])
+@pytest.mark.parametrize("variant", [2, 5, 6], ids=["v2", "v5", "v6"])
+@pytest.mark.parametrize("cfg", COMBINE_GRID, ids=[_grid_id(c) for c in COMBINE_GRID])
+def test_combine_inside_and_after_the_decode_launch(cfg, variant, fuse_combine, gen):
+    """The split-row merge as the tail of the (cooperative) decode launch and as a second kernel, each mainloop
+    that is chosen by default somewhere (v5 and v6 run v2 where they do not take the shape; v5 has no tail, so a
+    fused request falls back to the second kernel there)."""
+    b, s_q, h_q, h_kv, L, ps, causal, zero = cfg
+    case = make_case(b, s_q, h_q, L, num_heads_kv=h_kv, page_size=ps, causal=causal, zero_len_rows=zero,
+                     device="cuda", generator=gen)
+    _run_variant(case, variant, runs=2, fuse_combine=fuse_combine)
+
+
 @pytest.mark.parametrize("h_q", [64, 16])
 def test_long_context_128k(h_q, gen):
     # 131072 tokens x 1152 bytes: 64-bit offsets into the cache are exercised (h_q 16: the mainloop of <= 32 rows)
@@ -217,9 +245,11 @@ def test_batch_1024(gen):
     _run_case(case)
 
 
-def test_cuda_graph_capture_and_replay_with_update(gen):
+@pytest.mark.parametrize("fuse_combine", [True, False], ids=["fused", "separate"])
+def test_cuda_graph_capture_and_replay_with_update(fuse_combine, gen):
     case = make_case(6, 2, 64, 700, page_size=64, causal=True, device="cuda", generator=gen)
     plan = plan_decode(*case.args(), backend="cuda_sm90", cuda_graph=True, **case.kwargs())
+    plan.state.fuse_combine = fuse_combine  # the cooperative launch is captured too
     out, lse = _poisoned(case)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

@@ -56,7 +56,7 @@ void cuda_sm90_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tenso
                       const c10::optional<at::Tensor>& kv_scale, const at::Tensor& out, const at::Tensor& lse,
                       const at::Tensor& partial_out, const at::Tensor& partial_lse, const at::Tensor& num_splits,
                       const at::Tensor& first_slot, double softmax_scale, bool causal, int64_t kv_format,
-                      int64_t variant) {
+                      int64_t variant, bool fuse_combine) {
   MLA_CHECK(q.is_cuda(), "q must be a CUDA tensor, got device ", dev_str(q.device()));
   const at::Device dev = q.device();
   MLA_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
@@ -160,6 +160,9 @@ void cuda_sm90_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tenso
   p.lse_stride_b = lse.stride(0); p.lse_stride_h = lse.stride(1);
   p.partial_out = partial_out.data_ptr<float>();
   p.partial_lse = partial_lse.data_ptr<float>();
+  p.num_splits = num_splits.data_ptr<int32_t>();
+  p.first_slot = first_slot.data_ptr<int32_t>();
+  p.fuse_combine = fuse_combine ? 1 : 0;
   p.batch = static_cast<int>(B); p.q_len = static_cast<int>(s_q); p.heads_q = static_cast<int>(h_q);
   p.heads_kv = static_cast<int>(h_kv); p.page_size = static_cast<int>(kv.size(1));
   p.num_blocks = kv.size(0);
@@ -171,8 +174,10 @@ void cuda_sm90_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tenso
   p.q_is_bf16 = q.scalar_type() == at::kBFloat16;
   p.variant = static_cast<int>(variant);
   void* stream = at::cuda::getCurrentCUDAStream(dev.index()).stream();
-  int err = mla_sm90::launch_decode(p, p.num_parts, stream);
+  bool combined = false;
+  int err = mla_sm90::launch_decode(p, p.num_parts, stream, &combined);
   TORCH_CHECK(err == 0, "cuda_sm90_decode: kernel launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
+  if (combined) return;  // the split rows were merged inside the decode launch
 
   mla_sm90::CombineParams c{};
   c.partial_out = p.partial_out; c.partial_lse = p.partial_lse;
@@ -192,7 +197,7 @@ TORCH_LIBRARY_FRAGMENT(mla_dispatch, m) {
       "cuda_sm90_decode(Tensor q, Tensor kv_cache, Tensor block_table, Tensor cache_seqlens, Tensor items, "
       "Tensor part_offsets, Tensor? kv_scale, Tensor(a!) out, Tensor(b!) lse, Tensor(c!) partial_out, "
       "Tensor(d!) partial_lse, Tensor num_splits, Tensor first_slot, float softmax_scale, bool causal, "
-      "int kv_format, int variant=2) -> ()");
+      "int kv_format, int variant=2, bool fuse_combine=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(mla_dispatch, CUDA, m) { m.impl("cuda_sm90_decode", &cuda_sm90_decode); }

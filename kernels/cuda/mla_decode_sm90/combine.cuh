@@ -1,7 +1,12 @@
-// Combine of split-KV partial results (LSE-weighted merge), one warp per
-// (request, query token, head) row; requests that were not split exit at once.
-// Same arithmetic as mla_dispatch.metadata.combine_splits.
+// Combine of split-KV partial results (LSE-weighted merge). Two callers of one merge routine:
+// - mla_combine_kernel: its own launch after the decode, one 128-thread block per (request, row);
+// - combine_in_grid: the tail of a cooperatively launched decode kernel (DecodeParams::fuse_combine),
+//   after a grid-wide barrier, spread over every warp of the grid (no second launch).
+// Same arithmetic as mla_dispatch.metadata.combine_splits, with the max taken batch by batch
+// (online rescale, as the Triton combine in kernels/triton/combine.py).
 #pragma once
+#include <cooperative_groups.h>
+
 #include <cmath>
 #include <cstdint>
 
@@ -10,64 +15,159 @@
 
 namespace mla_sm90 {
 
-// One 128-thread block per (request, row); each thread owns 4 of the 512 channels.
-// The slot loop is unrolled so several 16-byte loads are in flight per thread
-// (v1 walked the slots one dependent load at a time: 30 us for 64 splits). A 512-thread
-// variant with 4 slot groups per row was tried and measured slower on many-request
-// batches (16K blocks that mostly exit at once) and barely faster at b=1 (24.2 vs 25.3 us).
 constexpr int kCombineThreads = 128;
+// Split requests a fused combine can list in shared memory. A request is split only where a part
+// boundary falls inside it, so there are at most num_parts - 1 of them (the launcher checks
+// num_parts against this).
+constexpr int kFusedMaxSplits = 1024;
 
+// One warp merges the n > 1 partial rows of (request b, row) over kPer x 128 of the 512 channels,
+// from channel c0: lane owns the float4s at c0 + 4 lane + 128 k, k < kPer. Slots are read kSlots at a
+// time (kSlots x kPer 16-byte loads in flight per lane) and folded in with an online max. No shared
+// memory and no barrier, so any warp can take any row. Partials are read through L2 (ld.global.cg):
+// in the fused combine other SMs wrote them during this launch. Writes out (and lse when c0 == 0).
+template <typename T, int kPer, int kSlots>
+__device__ __forceinline__ void combine_row_part(const CombineParams& p, int b, int n, int64_t first, int row, int c0,
+                                                 int lane) {
+  using TT = TypeTraits<T>;
+  const int rows = p.q_len * p.heads_q;
+  const int i = row / p.heads_q, h = row % p.heads_q;
+  const float* __restrict__ plse = p.partial_lse + first * rows + row;
+  const float4* __restrict__ src =
+      reinterpret_cast<const float4*>(p.partial_out + (first * rows + row) * DecodeConfig::kHeadDimV + c0) + lane;
+  const int64_t slot_stride4 = (int64_t)rows * DecodeConfig::kHeadDimV / 4;
+
+  float m = -INFINITY, denom = 0.f;
+  float4 acc[kPer];
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int s0 = 0; s0 < n; s0 += kSlots) {
+    float l[kSlots];
+    float4 v[kSlots][kPer];
+#pragma unroll
+    for (int j = 0; j < kSlots; ++j) {
+      const bool ok = s0 + j < n;
+      l[j] = ok ? __ldcg(plse + (int64_t)(s0 + j) * rows) : -INFINITY;
+#pragma unroll
+      for (int k = 0; k < kPer; ++k)
+        v[j][k] = ok ? __ldcg(src + (s0 + j) * slot_stride4 + 32 * k) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    float mb = m;
+#pragma unroll
+    for (int j = 0; j < kSlots; ++j) mb = fmaxf(mb, l[j]);
+    if (mb == -INFINITY) continue;  // no slot so far saw a key (a -inf slot wrote out = 0)
+    const float r = __expf(m - mb);  // m = -inf: 0, and acc, denom are 0 anyway
+    denom *= r;
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) acc[k] = make_float4(acc[k].x * r, acc[k].y * r, acc[k].z * r, acc[k].w * r);
+#pragma unroll
+    for (int j = 0; j < kSlots; ++j) {
+      const float w = l[j] == -INFINITY ? 0.f : __expf(l[j] - mb);
+      denom += w;
+#pragma unroll
+      for (int k = 0; k < kPer; ++k) {
+        acc[k].x += w * v[j][k].x;
+        acc[k].y += w * v[j][k].y;
+        acc[k].z += w * v[j][k].z;
+        acc[k].w += w * v[j][k].w;
+      }
+    }
+    m = mb;
+  }
+  T* dst = reinterpret_cast<T*>(p.out) + (int64_t)b * p.out_stride_b + (int64_t)i * p.out_stride_s +
+           (int64_t)h * p.out_stride_h + c0 + 4 * lane;
+  const float inv = m == -INFINITY ? 0.f : 1.f / denom;  // no slot saw a key: out = 0, lse = +inf
+#pragma unroll
+  for (int k = 0; k < kPer; ++k) {
+    *reinterpret_cast<typename TT::T2*>(dst + 128 * k) = TT::from_float2(acc[k].x * inv, acc[k].y * inv);
+    *reinterpret_cast<typename TT::T2*>(dst + 128 * k + 2) = TT::from_float2(acc[k].z * inv, acc[k].w * inv);
+  }
+  if (c0 == 0 && lane == 0)
+    p.lse[(int64_t)b * p.lse_stride_b + (int64_t)h * p.lse_stride_h + i] = m == -INFINITY ? INFINITY : m + logf(denom);
+}
+
+// One 128-thread block per (request, row): warp w merges channels 128 w .. +128, 8 slots in flight
+// (v1 walked the slots one dependent load at a time: 30 us for 64 splits). A 512-thread variant with
+// 4 slot groups per row was tried and measured slower on many-request batches (16K blocks that mostly
+// exit at once) and barely faster at b=1 (24.2 vs 25.3 us).
 template <typename T>
 __global__ void __launch_bounds__(kCombineThreads) mla_combine_kernel(const __grid_constant__ CombineParams p) {
-  using TT = TypeTraits<T>;
   const int b = blockIdx.y;
   const int n = p.num_splits[b];
   if (n <= 1) return;
-  const int rows = p.q_len * p.heads_q;
-  const int row = blockIdx.x;
-  const int i = row / p.heads_q, h = row % p.heads_q;
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int64_t first = p.first_slot[b];
-  const float* __restrict__ plse = p.partial_lse + first * rows + row;
-  __shared__ float red[kCombineThreads / 32];
+  combine_row_part<T, 1, 4>(p, b, n, p.first_slot[b], blockIdx.x, 128 * (threadIdx.x / 32), threadIdx.x % 32);
+}
 
-  float m = -INFINITY;
-  for (int s = tid; s < n; s += kCombineThreads) m = fmaxf(m, plse[(int64_t)s * rows]);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, o));
-  if (lane == 0) red[warp] = m;
+__device__ __forceinline__ CombineParams combine_params(const DecodeParams& d) {
+  CombineParams c{};
+  c.partial_out = d.partial_out;
+  c.partial_lse = d.partial_lse;
+  c.num_splits = d.num_splits;
+  c.first_slot = d.first_slot;
+  c.out = d.out;
+  c.out_stride_b = d.out_stride_b;
+  c.out_stride_s = d.out_stride_s;
+  c.out_stride_h = d.out_stride_h;
+  c.lse = d.lse;
+  c.lse_stride_b = d.lse_stride_b;
+  c.lse_stride_h = d.lse_stride_h;
+  c.batch = d.batch;
+  c.q_len = d.q_len;
+  c.heads_q = d.heads_q;
+  c.q_is_bf16 = d.q_is_bf16;
+  return c;
+}
+
+// The combine as the tail of the decode kernel: called by every thread of every CTA after its last
+// item, when the kernel was launched cooperatively (all CTAs resident; DecodeParams::fuse_combine).
+// Each CTA builds the same ordered list of split requests in shared memory (warp ballots over
+// num_splits; each entry: request, splits, first slot, so a unit's only global loads are its
+// partials) while other CTAs may still be decoding (it reads the schedule only), then waits at a
+// grid-wide barrier (every partial written), and the grid's warps take the (request, row, channel
+// quarter) units of the list round-robin, 8 slots in flight per lane (b = 1, h_q = 128: 512 units
+// over 512 or 1056 warps).
+// `scratch`: >= (4 kFusedMaxSplits + kThreads / 32) ints of shared memory the kernel no longer uses.
+template <typename T, int kThreads>
+__device__ void combine_in_grid(const DecodeParams& d, int* scratch) {
+  static_assert(kThreads % 32 == 0 && kThreads <= 1024, "whole warps");
+  constexpr int kWarps = kThreads / 32;
+  asm volatile("cp.async.wait_all;\n" ::: "memory");  // nothing of the mainloop lands in scratch later
   __syncthreads();
-  m = fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3]));
 
-  T* dst = reinterpret_cast<T*>(p.out) + (int64_t)b * p.out_stride_b + (int64_t)i * p.out_stride_s +
-           (int64_t)h * p.out_stride_h + tid * 4;
-  float* lse_dst = p.lse + (int64_t)b * p.lse_stride_b + (int64_t)h * p.lse_stride_h + i;
-  if (m == -INFINITY) {  // no slot saw a key
-    *reinterpret_cast<typename TT::T2*>(dst) = TT::from_float2(0.f, 0.f);
-    *reinterpret_cast<typename TT::T2*>(dst + 2) = TT::from_float2(0.f, 0.f);
-    if (tid == 0) *lse_dst = INFINITY;
-    return;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  int4* list = reinterpret_cast<int4*>(scratch);  // (request, splits, first slot, -)
+  int* warp_count = scratch + 4 * kFusedMaxSplits;
+  int count = 0;
+  for (int base = 0; base < d.batch; base += kThreads) {
+    const int b = base + tid;
+    const int n = b < d.batch ? d.num_splits[b] : 0;
+    const int first = b < d.batch ? d.first_slot[b] : 0;  // both loads in flight together
+    const bool split = n > 1;
+    const unsigned ballot = __ballot_sync(0xffffffffu, split);
+    if (lane == 0) warp_count[warp] = __popc(ballot);
+    __syncthreads();
+    int pos = count + __popc(ballot & ((1u << lane) - 1u));
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      if (w < warp) pos += warp_count[w];
+      count += warp_count[w];
+    }
+    if (split && pos < kFusedMaxSplits) list[pos] = make_int4(b, n, first, 0);
+    __syncthreads();  // warp_count is rewritten by the next chunk; the list is complete after the last
   }
-  const float4* __restrict__ src =
-      reinterpret_cast<const float4*>(p.partial_out + (first * rows + row) * DecodeConfig::kHeadDimV) + tid;
-  const int64_t slot_stride4 = (int64_t)rows * DecodeConfig::kHeadDimV / 4;
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  float denom = 0.f;
-#pragma unroll 8
-  for (int s = 0; s < n; ++s) {
-    const float l = plse[(int64_t)s * rows];
-    const float w = l == -INFINITY ? 0.f : __expf(l - m);  // a -inf slot wrote out = 0
-    const float4 v = src[s * slot_stride4];
-    denom += w;
-    acc.x += w * v.x;
-    acc.y += w * v.y;
-    acc.z += w * v.z;
-    acc.w += w * v.w;
+  count = min(count, kFusedMaxSplits);
+  cooperative_groups::this_grid().sync();  // every CTA's partials are written (and visible: the barrier fences)
+
+  const CombineParams c = combine_params(d);
+  const int rows = d.q_len * d.heads_q;
+  const int cta = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+  const int warps = gridDim.x * gridDim.y * gridDim.z * kWarps;
+  // units: (list entry, row, channel quarter); count * rows * 4 < 2^31 (the launcher checks num_parts * rows * 4)
+  for (int u = cta * kWarps + warp; u < count * rows * 4; u += warps) {
+    const int r = u / 4;
+    const int4 e = list[r / rows];
+    combine_row_part<T, 1, 8>(c, e.x, e.y, e.z, r % rows, 128 * (u % 4), lane);
   }
-  const float inv = 1.f / denom;
-  *reinterpret_cast<typename TT::T2*>(dst) = TT::from_float2(acc.x * inv, acc.y * inv);
-  *reinterpret_cast<typename TT::T2*>(dst + 2) = TT::from_float2(acc.z * inv, acc.w * inv);
-  if (tid == 0) *lse_dst = m + logf(denom);
 }
 
 }  // namespace mla_sm90

@@ -5,6 +5,9 @@
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
 
+#include <mutex>
+#include <unordered_map>
+
 #include "combine.cuh"
 #include "mainloop.cuh"
 #include "mainloop_etap.cuh"
@@ -59,8 +62,58 @@ static bool make_kv_map(const DecodeParams& p, CUtensorMap* map) {
   return r == CUDA_SUCCESS;
 }
 
+// Blocks of `kernel` one SM holds at once (cached per kernel; the occupancy query is not free).
+static int blocks_per_sm(const void* kernel, int smem_bytes) {
+  static std::mutex mu;
+  static std::unordered_map<const void*, int> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(kernel);
+  if (it != cache.end()) return it->second;
+  int n = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, DecodeConfig::kThreads, smem_bytes) != cudaSuccess) {
+    cudaGetLastError();
+    n = 0;
+  }
+  cache.emplace(kernel, n);
+  return n;
+}
+
+// Launch a decode kernel. With p.fuse_combine the kernel merges the split rows itself after a
+// grid-wide barrier (combine.cuh), which needs every CTA resident at once: that is a cooperative
+// launch, possible when the grid fits the GPU (the persistent grid is sized to it, except when
+// h_kv x row tiles alone exceed the SM count). Only v2 and v6 have the combine tail (`has_tail`):
+// v5 runs where batches are large and the second kernel measured as fast, and its code size is
+// sensitive (NOTES.md). Otherwise the flag is cleared, *combined = false, and the caller launches
+// the combine kernel.
+template <typename... Args>
+static cudaError_t launch_grid(void (*kernel)(DecodeParams, Args...), dim3 grid, int smem_bytes, cudaStream_t stream,
+                               bool has_tail, DecodeParams p, bool* combined, Args... args) {
+  if (!has_tail) p.fuse_combine = 0;
+  if (p.fuse_combine) {
+    int dev = 0, sms = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    const int64_t ctas = (int64_t)grid.x * grid.y * grid.z;
+    p.fuse_combine = p.num_parts <= kFusedMaxSplits && (int64_t)p.num_parts * p.q_len * p.heads_q * 4 < INT32_MAX &&
+                     ctas <= (int64_t)sms * blocks_per_sm(reinterpret_cast<const void*>(kernel), smem_bytes);
+  }
+  *combined = p.fuse_combine != 0;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(DecodeConfig::kThreads);
+  cfg.dynamicSmemBytes = smem_bytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeCooperative;
+  attr[0].val.cooperative = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = p.fuse_combine ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, kernel, p, args...);
+}
+
 template <typename T>
-static cudaError_t launch_v5(const DecodeParams& p, const CUtensorMap& map, int grid_parts, cudaStream_t stream) {
+static cudaError_t launch_v5(const DecodeParams& p, const CUtensorMap& map, int grid_parts, cudaStream_t stream,
+                             bool* combined) {
   auto kernel = mla_decode_kernel_v5<T>;
   static bool configured = false;  // a benign race sets the same value
   if (!configured) {
@@ -68,13 +121,13 @@ static cudaError_t launch_v5(const DecodeParams& p, const CUtensorMap& map, int 
     if (e != cudaSuccess) return e;
     configured = true;
   }
-  dim3 grid(grid_parts, p.num_row_tiles, p.heads_kv);
-  kernel<<<grid, DecodeConfig::kThreads, Seesaw::kSmemBytes, stream>>>(p, map);
-  return cudaGetLastError();
+  return launch_grid(kernel, dim3(grid_parts, p.num_row_tiles, p.heads_kv), Seesaw::kSmemBytes, stream, false, p,
+                     combined, map);
 }
 
 template <typename T, int kN, bool kTma, int KvFmt = kKvSameAsQ>
-static cudaError_t launch_v6(const DecodeParams& p, const CUtensorMap& map, int grid_parts, cudaStream_t stream) {
+static cudaError_t launch_v6(const DecodeParams& p, const CUtensorMap& map, int grid_parts, cudaStream_t stream,
+                             bool* combined) {
   auto kernel = mla_decode_kernel_v6<T, kN, kTma, KvFmt>;
   static bool configured = false;  // a benign race sets the same value
   if (!configured) {
@@ -82,22 +135,20 @@ static cudaError_t launch_v6(const DecodeParams& p, const CUtensorMap& map, int 
     if (e != cudaSuccess) return e;
     configured = true;
   }
-  dim3 grid(grid_parts, 1, p.heads_kv);
-  kernel<<<grid, DecodeConfig::kThreads, Etap::kSmemBytes, stream>>>(p, map);
-  return cudaGetLastError();
+  return launch_grid(kernel, dim3(grid_parts, 1, p.heads_kv), Etap::kSmemBytes, stream, true, p, combined, map);
 }
 
 // v6 with TMA loads where the cache allows (page_size % 64 == 0 and a tensor map), else with cp.async.
 template <typename T, int kN>
-static cudaError_t launch_v6_any(const DecodeParams& p, int grid_parts, cudaStream_t stream) {
+static cudaError_t launch_v6_any(const DecodeParams& p, int grid_parts, cudaStream_t stream, bool* combined) {
   CUtensorMap map{};
   if (p.page_size % DecodeConfig::kBlockN == 0 && make_kv_map<T>(p, &map))
-    return launch_v6<T, kN, true>(p, map, grid_parts, stream);
-  return launch_v6<T, kN, false>(p, map, grid_parts, stream);
+    return launch_v6<T, kN, true>(p, map, grid_parts, stream, combined);
+  return launch_v6<T, kN, false>(p, map, grid_parts, stream, combined);
 }
 
 template <typename T, int KvFmt>
-static cudaError_t launch_decode_t(const DecodeParams& p, int grid_parts, cudaStream_t stream) {
+static cudaError_t launch_decode_t(const DecodeParams& p, int grid_parts, cudaStream_t stream, bool* combined) {
   // variant 1: warp-level mma.sync (mainloop.cuh); 2: wgmma (mainloop_wgmma.cuh);
   // 3: wgmma with S of tile j+1 issued under PV of tile j (mainloop_wgmma.cuh, kOverlap)
   // 4: wgmma with S split along D_qk between the warpgroups (mainloop_wgmma.cuh, kKSplit;
@@ -109,20 +160,20 @@ static cudaError_t launch_decode_t(const DecodeParams& p, int grid_parts, cudaSt
     // beside 32 rows' accumulators); anything else runs v2
     if (p.variant == 6 && p.rows_per_kv_head <= 16) {
       const CUtensorMap none{};
-      return launch_v6<T, 16, false, KvFmt>(p, none, grid_parts, stream);
+      return launch_v6<T, 16, false, KvFmt>(p, none, grid_parts, stream, combined);
     }
   }
   if constexpr (KvFmt == kKvSameAsQ) {
     // 6: tokens on the wgmma M side (mainloop_etap.cuh; bf16/fp16 caches, <= 32 query rows per
     //    KV head, any page size; anything else runs v2)
     if (p.variant == 6 && p.rows_per_kv_head <= Etap::kMaxRows)
-      return p.rows_per_kv_head <= 16 ? launch_v6_any<T, 16>(p, grid_parts, stream)
-                                      : launch_v6_any<T, 32>(p, grid_parts, stream);
+      return p.rows_per_kv_head <= 16 ? launch_v6_any<T, 16>(p, grid_parts, stream, combined)
+                                      : launch_v6_any<T, 32>(p, grid_parts, stream, combined);
     if (p.variant == 5 && p.page_size % DecodeConfig::kBlockN == 0) {
       // a cache v5 should take but TMA cannot address is an error, not a silent v2 run
       CUtensorMap map;
       if (!make_kv_map<T>(p, &map)) return cudaErrorInvalidValue;
-      return launch_v5<T>(p, map, grid_parts, stream);
+      return launch_v5<T>(p, map, grid_parts, stream, combined);
     }
   }
   auto kernel = p.variant == 1   ? mla_decode_kernel_v1<T, KvFmt>
@@ -136,24 +187,25 @@ static cudaError_t launch_decode_t(const DecodeParams& p, int grid_parts, cudaSt
     if (e != cudaSuccess) return e;
     configured[vi] = true;
   }
-  dim3 grid(grid_parts, p.num_row_tiles, p.heads_kv);
-  kernel<<<grid, DecodeConfig::kThreads, DecodeConfig::kSmemBytes, stream>>>(p);
-  return cudaGetLastError();
+  return launch_grid(kernel, dim3(grid_parts, p.num_row_tiles, p.heads_kv), DecodeConfig::kSmemBytes, stream,
+                     p.variant != 1, p, combined);
 }
 
 template <typename T>
-static cudaError_t launch_decode_fmt(const DecodeParams& p, int grid_parts, cudaStream_t stream) {
+static cudaError_t launch_decode_fmt(const DecodeParams& p, int grid_parts, cudaStream_t stream, bool* combined) {
   switch (p.kv_format) {
-    case kKvSameAsQ: return launch_decode_t<T, kKvSameAsQ>(p, grid_parts, stream);
-    case kKvFp8E4M3: return launch_decode_t<T, kKvFp8E4M3>(p, grid_parts, stream);
-    case kKvFp8DsMla: return launch_decode_t<T, kKvFp8DsMla>(p, grid_parts, stream);
+    case kKvSameAsQ: return launch_decode_t<T, kKvSameAsQ>(p, grid_parts, stream, combined);
+    case kKvFp8E4M3: return launch_decode_t<T, kKvFp8E4M3>(p, grid_parts, stream, combined);
+    case kKvFp8DsMla: return launch_decode_t<T, kKvFp8DsMla>(p, grid_parts, stream, combined);
     default: return cudaErrorInvalidValue;
   }
 }
 
-int launch_decode(const DecodeParams& p, int grid_parts, void* stream) {
+int launch_decode(const DecodeParams& p, int grid_parts, void* stream, bool* combined) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  return p.q_is_bf16 ? launch_decode_fmt<__nv_bfloat16>(p, grid_parts, s) : launch_decode_fmt<__half>(p, grid_parts, s);
+  *combined = false;
+  return p.q_is_bf16 ? launch_decode_fmt<__nv_bfloat16>(p, grid_parts, s, combined)
+                     : launch_decode_fmt<__half>(p, grid_parts, s, combined);
 }
 
 int launch_combine(const CombineParams& p, void* stream) {

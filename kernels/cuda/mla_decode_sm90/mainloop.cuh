@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "combine.cuh"
 #include "config.cuh"
 #include "params.h"
 #include "ptx.cuh"

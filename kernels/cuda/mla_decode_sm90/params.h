@@ -36,6 +36,11 @@ struct DecodeParams {
   int64_t lse_stride_b, lse_stride_h;
   float* partial_out;  // [max_slots, s_q, h_q, 512] fp32, contiguous
   float* partial_lse;  // [max_slots, s_q, h_q] fp32, contiguous
+  const int32_t* num_splits;  // [B] (schedule), read by the fused combine
+  const int32_t* first_slot;  // [B]
+  // 1: the kernel merges the split rows itself after a grid-wide barrier (combine.cuh,
+  // combine_in_grid); only for cooperative launches, set by the launcher (launch.cu)
+  int fuse_combine;
   // geometry
   int batch, q_len, heads_q, heads_kv, page_size;
   int64_t num_blocks;    // kv_cache.size(0) (the TMA tensor map of variant 5)
@@ -63,7 +68,9 @@ struct CombineParams {
 };
 
 // Launchers (launch.cu). Return a cudaError_t value as int (0 = success).
-int launch_decode(const DecodeParams& p, int grid_parts, void* stream);
+// p.fuse_combine asks for the combine inside the decode launch; *combined says whether it ran there
+// (the grid fits the GPU at once, so a cooperative launch is possible), else launch_combine must follow.
+int launch_decode(const DecodeParams& p, int grid_parts, void* stream, bool* combined);
 int launch_combine(const CombineParams& p, void* stream);
 // Dynamic shared memory the decode kernel needs (bytes).
 int decode_smem_bytes();
