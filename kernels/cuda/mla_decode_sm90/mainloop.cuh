@@ -181,6 +181,17 @@ __device__ __forceinline__ void acc_rows(const DecodeParams& p, int row_tile, in
   }
 }
 
+// One work item of the split-KV schedule (mla_dispatch/metadata.py): request (< 0: padding, skip),
+// its token range [tok_begin, tok_end), and the partial slot it writes (< 0: the request fits one
+// part, write out / lse directly).
+struct WorkItem {
+  int req, tok_begin, tok_end, slot;
+};
+__device__ __forceinline__ WorkItem load_item(const DecodeParams& p, int item) {
+  const int4 it = reinterpret_cast<const int4*>(p.items)[item];
+  return {it.x, it.y, it.z, it.w};
+}
+
 // The item's Q tile [64 x 576] into sQ by cp.async (committed by the caller); rows past
 // rows_per_kv_head are zero-filled. 8 threads per row, 32 rows per pass, 2 passes.
 template <typename T, class Layout>
@@ -258,8 +269,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v1(const _
 
   const int item_begin = p.part_offsets[part], item_end = p.part_offsets[part + 1];
   for (int item = item_begin; item < item_end; ++item) {
-    const int4 it = reinterpret_cast<const int4*>(p.items)[item];
-    const int req = it.x, tok_begin = it.y, tok_end = it.z, slot = it.w;
+    const WorkItem w = load_item(p, item);
+    const int req = w.req, tok_begin = w.tok_begin, tok_end = w.tok_end, slot = w.slot;
     if (req < 0) continue;
     const int seqlen = p.cache_seqlens[req];
     int limit[2];  // last visible token of each row (inclusive)

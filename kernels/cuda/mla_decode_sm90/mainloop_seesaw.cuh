@@ -170,8 +170,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
   const int item_begin = p.part_offsets[part], item_end = p.part_offsets[part + 1];
   for (int item = item_begin; item < item_end; ++item) {
-    const int4 it = reinterpret_cast<const int4*>(p.items)[item];
-    const int req = it.x, tok_begin = it.y, tok_end = it.z, slot = it.w;
+    const WorkItem w = load_item(p, item);
+    const int req = w.req, tok_begin = w.tok_begin, tok_end = w.tok_end, slot = w.slot;
     if (req < 0) continue;
     const int seqlen = p.cache_seqlens[req];
     int limit[2];
