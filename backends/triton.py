@@ -103,7 +103,8 @@ class TritonBackend(MLABackend):
             device = cache_seqlens.device
         group = p.num_heads_q // p.num_heads_kv
         rows = group if p.sparse else p.q_len * group
-        cfg = config or choose_config(rows, p.kv_format, interpret=platform.kind == "cpu")
+        cfg = config or choose_config(rows, p.kv_format, page_size=None if p.sparse else p.page_size,
+                                      interpret=platform.kind == "cpu")
         tiles = (p.num_heads_kv * num_m_tiles(rows, cfg) * programs_per_tile(cfg, p.head_dim_v)
                  * (p.q_len if p.sparse else 1))
         if num_parts is None:

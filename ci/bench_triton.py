@@ -207,6 +207,27 @@ def grids(names):
             kw = dict(batch=64, q_len=1, h_q=h, seqlen=8192, varlen=False) if h < 128 else \
                 dict(batch=128, q_len=1, h_q=128, seqlen=8192)
             g.append((f"choice2-h{h}-{spec}", dict(kw, config=parse_spec(spec)), False))
+    if "page1" in names:  # configs for page size 1 at 64 rows (issue 3: within 15% of page 64)
+        kw = dict(batch=64, q_len=1, h_q=64, seqlen=8192, varlen=False)
+        g.append(("page1-h64-base-page64", dict(kw), False))
+        for spec in ("hM64-n32-w8", "hM64-n32-w8-s3", "hM64-n64-w8", "hM64-n64-w8-s3", "tM32-n64", "tM16-n32-s2-p3-r168"):
+            g.append((f"page1-h64-{spec}", dict(kw, page_size=1, config=parse_spec(spec)), False))
+    if "stages" in names:  # 64-token tiles with the block-table entry prefetched a stage ahead (s3), 32-128 rows
+        for ps in (64, 16, 128, 1):
+            for spec in ("hM64-n32-w8", "hM64-n64-w8", "hM64-n64-w8-s3"):
+                g.append((f"stages-h64-page{ps}-{spec}", dict(batch=64, q_len=1, h_q=64, seqlen=8192, varlen=False,
+                                                              page_size=ps, config=parse_spec(spec)), False))
+        for spec in ("tM32-n64", "tM32-n64-s3", "hM64-n64-w8-s3"):
+            g.append((f"stages-h32-{spec}", dict(batch=64, q_len=1, h_q=32, seqlen=8192, varlen=False,
+                                                 config=parse_spec(spec)), False))
+        for fmt in ("fp8_e4m3", "fp8_ds_mla"):
+            for spec in ("hM64-n32-w8", "hM64-n64-w8"):
+                g.append((f"stages-h64-{spec}-{fmt}", dict(batch=64, q_len=1, h_q=64, seqlen=8192, varlen=False,
+                                                          kv_format=fmt, config=parse_spec(spec)), False))
+        for s_q in (1, 2):
+            for spec in ("hM64-n64-w8", "hM64-n64-w8-s3"):
+                g.append((f"stages-flashmla-s{s_q}-L8192-{spec}", dict(batch=128, q_len=s_q, h_q=128, seqlen=8192,
+                                                                       config=parse_spec(spec)), False))
     if "occupancy" in names:
         # programs per SM (p), table prefetch (s3) and register caps (r): NOTES.md "pipeline"
         picks = {

@@ -17,6 +17,9 @@ cases = [
     (dict(batch=2, q_len=1, num_heads_q=16, seqlen=200, page_size=16, kv_format="fp8_e4m3"), {}),
     (dict(batch=2, q_len=1, num_heads_q=32, seqlen=200, page_size=32, kv_format="fp8_ds_mla"), {}),
     (dict(batch=2, q_len=1, num_heads_q=16, seqlen=100, page_size=1, kv_format="fp8_ds_mla"), {}),
+    # 64 rows: 64-token tiles, the block table prefetched a stage ahead on small pages
+    (dict(batch=3, q_len=1, num_heads_q=64, seqlen=300, page_size=1, zero_len_rows=1), dict(num_parts=20, overhead=1)),
+    (dict(batch=2, q_len=1, num_heads_q=64, seqlen=333, page_size=16, kv_format="fp8_e4m3"), {}),
 ]
 for kw, ov in cases:
     c = make_case(device="cuda", generator=g, **kw)

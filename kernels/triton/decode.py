@@ -384,7 +384,13 @@ def _rows_bucket(rows: int) -> int:
 # h_q/h_kv for sparse). Never keyed on sequence length (CUDA graphs stay valid).
 # Measured with ci/bench_triton.py --grids choice / occupancy; register reports from
 # kernels/triton/aot_report.py (see NOTES.md).
-_H64 = KernelConfig(64, 32, 8, 2)  # heads on M, wgmma; spills 168 regs (see NOTES.md) but fastest measured
+_H64 = KernelConfig(64, 32, 8, 2)  # heads on M, wgmma; spills 168 regs (see NOTES.md); fp8 caches' 128 rows
+# 64 rows: 64-token tiles (H100, b=64 L=8K: 390 us vs 460 for 32-token tiles, page 64; fp8_e4m3 484 vs 662 us,
+# fp8_ds_mla 502 vs 753 us); bf16/fp16 caches where a tile
+# spans several pages (page_size < 64) with the block-table entries prefetched a stage ahead (num_stages=3:
+# page 1 359 vs 404 us, page 16 388 vs 394 us), which is slower where a tile lies in one page (531 us).
+_H64_N64 = KernelConfig(64, 64, 8, 2)
+_H64_N64_S3 = KernelConfig(64, 64, 8, 3)
 # 16 rows: 32-token tiles, three programs per SM under a 168-register cap (the loop is issue-bound with
 # one program per SM: NOTES.md "pipeline"). bf16 b=64 L=8K h=16 (H200): 220 us vs 267 for tM16-n64.
 _T16_P3 = KernelConfig(16, 32, 4, 2, tokens_on_m=True, programs_per_sm=3, max_registers=168)
@@ -393,8 +399,8 @@ for _fmt in ("bf16", "fp16"):
     CONFIGS.update({
         (16, _fmt): _T16_P3,
         (32, _fmt): KernelConfig(32, 64, 4, 2, tokens_on_m=True),  # 303 us vs 342 tM32-n32-p2, 375 tM16-n32-p3
-        (64, _fmt): _H64,
-        (128, _fmt): KernelConfig(64, 64, 8, 2),  # 1546 µs vs 1978 for block_n=32
+        (64, _fmt): _H64_N64,
+        (128, _fmt): _H64_N64,  # 1546 µs vs 1978 for block_n=32; num_stages=3: 1798 vs 1423 µs (H100, L̄=8K)
     })
 # fp8: the tile is dequantised in registers (no cp.async). b=64 L=8K (H200): h=16 fp8_e4m3 heads on M
 # 16x32 at three programs per SM 299 us (one per SM: 431); fp8_ds_mla tokens on M 16x32, three per SM
@@ -402,18 +408,24 @@ for _fmt in ("bf16", "fp16"):
 # fp8_ds_mla with tokens on M, block 16x64, 4 warps gave wrong results / an illegal address on an H200
 # with triton 3.6 (right in the interpreter): not used (NOTES.md).
 _H16_P3 = KernelConfig(16, 32, 4, 2, programs_per_sm=3, max_registers=168)
-CONFIGS.update({(16, "fp8_e4m3"): _H16_P3, (32, "fp8_e4m3"): _H16_P3, (64, "fp8_e4m3"): _H64,
+CONFIGS.update({(16, "fp8_e4m3"): _H16_P3, (32, "fp8_e4m3"): _H16_P3, (64, "fp8_e4m3"): _H64_N64,
                 (128, "fp8_e4m3"): _H64,
-                (16, "fp8_ds_mla"): _T16_P3, (32, "fp8_ds_mla"): _T16_P3, (64, "fp8_ds_mla"): _H64,
+                (16, "fp8_ds_mla"): _T16_P3, (32, "fp8_ds_mla"): _T16_P3, (64, "fp8_ds_mla"): _H64_N64,
                 (128, "fp8_ds_mla"): _H64})
+#: (rows bucket, kv format) -> config where a 64-token tile spans several pages (page_size < 64, dense caches)
+SMALL_PAGE_CONFIGS: dict[tuple[int, str], KernelConfig] = {(64, "bf16"): _H64_N64_S3, (64, "fp16"): _H64_N64_S3}
 INTERPRETER_CONFIG = KernelConfig(16, 16, 4, 1, chunk_size=16)
 
 
-def choose_config(rows: int, kv_format: str, *, interpret: bool = False) -> KernelConfig:
-    """The config for a problem class (see ``CONFIGS``)."""
+def choose_config(rows: int, kv_format: str, *, page_size: int | None = None, interpret: bool = False) -> KernelConfig:
+    """The config for a problem class (see ``CONFIGS``; ``SMALL_PAGE_CONFIGS`` for dense caches with pages
+    shorter than 64 tokens; ``page_size=None``: sparse or unknown)."""
     if interpret:
         return INTERPRETER_CONFIG
-    return CONFIGS[(_rows_bucket(rows), kv_format)]
+    key = (_rows_bucket(rows), kv_format)
+    if page_size is not None and page_size < 64 and key in SMALL_PAGE_CONFIGS:
+        return SMALL_PAGE_CONFIGS[key]
+    return CONFIGS[key]
 
 
 def num_m_tiles(rows: int, cfg: KernelConfig) -> int:
