@@ -221,9 +221,9 @@ def grids(names):
             g.append((f"stages-h32-{spec}", dict(batch=64, q_len=1, h_q=32, seqlen=8192, varlen=False,
                                                  config=parse_spec(spec)), False))
         for fmt in ("fp8_e4m3", "fp8_ds_mla"):
-            for spec in ("hM64-n32-w8", "hM64-n64-w8"):
-                g.append((f"stages-h64-{spec}-{fmt}", dict(batch=64, q_len=1, h_q=64, seqlen=8192, varlen=False,
-                                                          kv_format=fmt, config=parse_spec(spec)), False))
+            for h, spec in ((64, "hM64-n32-w8"), (64, "hM64-n64-w8"), (32, "hM64-n64-w8")):
+                g.append((f"stages-h{h}-{spec}-{fmt}", dict(batch=64, q_len=1, h_q=h, seqlen=8192, varlen=False,
+                                                           kv_format=fmt, config=parse_spec(spec)), False))
         for s_q in (1, 2):
             for spec in ("hM64-n64-w8", "hM64-n64-w8-s3"):
                 g.append((f"stages-flashmla-s{s_q}-L8192-{spec}", dict(batch=128, q_len=s_q, h_q=128, seqlen=8192,

@@ -1,5 +1,6 @@
 """A few small Triton decode runs for `compute-sanitizer --tool memcheck` (dense split, causal page 1, sparse ds_mla;
-the 16/32-row three-per-SM configs on the one-page-per-tile, whole-pages (tl.gather) and per-token table paths)."""
+the 16/32-row three-per-SM configs on the one-page-per-tile, whole-pages (tl.gather) and per-token table paths;
+the 64-row config on page 1 with the table prefetched a stage ahead, and with an fp8 cache)."""
 import torch
 
 from mla_dispatch import plan_decode

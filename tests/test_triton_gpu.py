@@ -26,9 +26,11 @@ CASES = [
     (dict(batch=3, q_len=1, num_heads_q=32, num_heads_kv=2, seqlen=300, page_size=100), {}),
     (dict(batch=2, q_len=4, num_heads_q=8, seqlen=150, page_size=33, causal=True), {}),
     (dict(batch=4, q_len=1, num_heads_q=64, seqlen=300, page_size=64, dtype=torch.float16), {}),
-    # 64 rows on small pages: the block table prefetched a stage ahead (decode.SMALL_PAGE_CONFIGS), split requests
+    # 64 rows on small pages: the block table prefetched a stage ahead (decode.SMALL_PAGE_CONFIGS), split requests;
+    # 32 rows on page 16; fp8 caches with 32 and 64 rows (the 64-row config)
     (dict(batch=3, q_len=1, num_heads_q=64, seqlen=500, page_size=1, zero_len_rows=1), dict(num_parts=20, overhead=1)),
     (dict(batch=3, q_len=2, num_heads_q=32, seqlen=300, page_size=16, causal=True), {}),
+    (dict(batch=3, q_len=2, num_heads_q=16, seqlen=300, page_size=64, kv_format="fp8_e4m3", causal=True), {}),
     (dict(batch=3, q_len=1, num_heads_q=64, seqlen=300, page_size=16, kv_format="fp8_e4m3"), {}),
     (dict(batch=3, q_len=1, num_heads_q=64, seqlen=300, page_size=32, kv_format="fp8_ds_mla"), {}),
     (dict(batch=3, q_len=2, num_heads_q=16, seqlen=300, page_size=16, dtype=torch.float16, causal=True), {}),

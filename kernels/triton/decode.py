@@ -404,13 +404,14 @@ for _fmt in ("bf16", "fp16"):
     })
 # fp8: the tile is dequantised in registers (no cp.async). b=64 L=8K (H200): h=16 fp8_e4m3 heads on M
 # 16x32 at three programs per SM 299 us (one per SM: 431); fp8_ds_mla tokens on M 16x32, three per SM
-# 437 us (heads on M: 592); h=32 fp8_ds_mla the same tokens-on-M config 797 us (heads on M: 1230).
+# 437 us (heads on M: 592). h=32 (H100): the 64-row config with 64-token tiles, half its rows padding,
+# 471 us fp8_e4m3 / 492 us fp8_ds_mla vs 562 / 797 us for the 16-row configs above.
 # fp8_ds_mla with tokens on M, block 16x64, 4 warps gave wrong results / an illegal address on an H200
 # with triton 3.6 (right in the interpreter): not used (NOTES.md).
 _H16_P3 = KernelConfig(16, 32, 4, 2, programs_per_sm=3, max_registers=168)
-CONFIGS.update({(16, "fp8_e4m3"): _H16_P3, (32, "fp8_e4m3"): _H16_P3, (64, "fp8_e4m3"): _H64_N64,
+CONFIGS.update({(16, "fp8_e4m3"): _H16_P3, (32, "fp8_e4m3"): _H64_N64, (64, "fp8_e4m3"): _H64_N64,
                 (128, "fp8_e4m3"): _H64,
-                (16, "fp8_ds_mla"): _T16_P3, (32, "fp8_ds_mla"): _T16_P3, (64, "fp8_ds_mla"): _H64_N64,
+                (16, "fp8_ds_mla"): _T16_P3, (32, "fp8_ds_mla"): _H64_N64, (64, "fp8_ds_mla"): _H64_N64,
                 (128, "fp8_ds_mla"): _H64})
 #: (rows bucket, kv format) -> config where a 64-token tile spans several pages (page_size < 64, dense caches)
 SMALL_PAGE_CONFIGS: dict[tuple[int, str], KernelConfig] = {(64, "bf16"): _H64_N64_S3, (64, "fp16"): _H64_N64_S3}
