@@ -81,8 +81,8 @@ def choose_fuse_combine(problem: DecodeProblem, num_parts: int, ctas: int) -> bo
     """
     if FUSE_COMBINE in ("0", "1"):
         return FUSE_COMBINE == "1"
-    split_requests = min(problem.batch, num_parts - 1)
-    return split_requests * problem.q_len * problem.num_heads_q * 4 <= ctas * 8
+    split_requests = min(problem.batch, num_parts - 1)  # one part: nothing is split, nothing to merge
+    return 0 < split_requests * problem.q_len * problem.num_heads_q * 4 <= ctas * 8
 
 
 _fake_registered = False

@@ -210,7 +210,7 @@ def test_variant6_fp8_matches_reference(cfg, dtype, kv_format, gen):
 
 # Shapes whose split requests the combine merges: one request over every part (b = 1, 64 slots), a few
 # slots per request with zero-length and causal MTP rows, h_kv = 2, page 16; and h_kv = 256, whose grid
-# (256 CTAs of one part) does not fit the GPU at once, so a fused combine falls back to the second kernel.
+# (256 CTAs of one part, so nothing is split) does not fit the GPU at once: a fused request launches plainly.
 COMBINE_GRID = [
     (1, 1, 128, 1, 4096, 64, False, 0),
     (3, 2, 16, 1, 3000, 64, True, 1),
@@ -231,6 +231,16 @@ def test_combine_inside_and_after_the_decode_launch(cfg, variant, fuse_combine, 
     case = make_case(b, s_q, h_q, L, num_heads_kv=h_kv, page_size=ps, causal=causal, zero_len_rows=zero,
                      device="cuda", generator=gen)
     _run_variant(case, variant, runs=2, fuse_combine=fuse_combine)
+
+
+@pytest.mark.parametrize("dtype,kv_format", [(torch.float16, None), (torch.bfloat16, "fp8_e4m3"),
+                                             (torch.float16, "fp8_ds_mla")], ids=["fp16", "fp8_e4m3", "fp8_ds_mla"])
+@pytest.mark.parametrize("variant", [2, 6], ids=["v2", "v6"])
+def test_fused_combine_other_dtypes_and_formats(variant, dtype, kv_format, gen):
+    """The tail writes fp16 outputs and follows fp8 caches' decodes (v6 takes fp8 with <= 16 rows, v2 the rest)."""
+    case = make_case(2, 1, 16 if variant == 6 else 128, 3000, page_size=64, dtype=dtype, kv_format=kv_format,
+                     zero_len_rows=0, device="cuda", generator=gen)
+    _run_variant(case, variant, runs=2, fuse_combine=True)
 
 
 @pytest.mark.parametrize("h_q", [64, 16])
@@ -340,12 +350,14 @@ def test_binding_rejects_bad_arguments(seed):
     assert proc.returncode == 0 and "ALL OK" in proc.stdout, f"rc={proc.returncode}\n{proc.stdout}\n{proc.stderr[-3000:]}"
 
 
-def test_opcheck(gen):
+@pytest.mark.parametrize("fuse_combine", [False, True], ids=["separate", "fused"])
+def test_opcheck(fuse_combine, gen):
     case = make_case(2, 1, 16, 100, page_size=64, device="cuda", generator=gen)
     plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
     st, s = plan.state, plan.state.schedule
     out, lse = _poisoned(case)
     args = (case.q, case.kv_cache, case.block_table, case.cache_seqlens, s.items, s.part_offsets, None, out, lse,
-            st.partial_out, st.partial_lse, s.num_splits, st.first_slot, case.softmax_scale, False, 0, 2)
+            st.partial_out, st.partial_lse, s.num_splits, st.first_slot, case.softmax_scale, False, 0, 2,
+            fuse_combine)
     torch.library.opcheck(torch.ops.mla_dispatch.cuda_sm90_decode.default, args,
                           test_utils=("test_schema", "test_faketensor"))

@@ -33,6 +33,8 @@ CASES = [
     (dict(batch=3, q_len=2, num_heads_q=16, seqlen=300, page_size=64, kv_format="fp8_e4m3", causal=True), {}),
     (dict(batch=3, q_len=1, num_heads_q=64, seqlen=300, page_size=16, kv_format="fp8_e4m3"), {}),
     (dict(batch=3, q_len=1, num_heads_q=64, seqlen=300, page_size=32, kv_format="fp8_ds_mla"), {}),
+    (dict(batch=3, q_len=2, num_heads_q=16, seqlen=300, page_size=1, kv_format="fp8_ds_mla", causal=True),
+     dict(num_parts=20, overhead=1)),
     (dict(batch=3, q_len=2, num_heads_q=16, seqlen=300, page_size=16, dtype=torch.float16, causal=True), {}),
     (dict(batch=4, q_len=1, num_heads_q=16, seqlen=300, page_size=64, kv_format="fp8_e4m3"), {}),
     (dict(batch=4, q_len=1, num_heads_q=128, seqlen=300, page_size=64, kv_format="fp8_e4m3"), {}),

@@ -179,13 +179,7 @@ void cuda_sm90_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tenso
   TORCH_CHECK(err == 0, "cuda_sm90_decode: kernel launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
   if (combined) return;  // the split rows were merged inside the decode launch
 
-  mla_sm90::CombineParams c{};
-  c.partial_out = p.partial_out; c.partial_lse = p.partial_lse;
-  c.num_splits = num_splits.data_ptr<int32_t>(); c.first_slot = first_slot.data_ptr<int32_t>();
-  c.out = p.out; c.out_stride_b = p.out_stride_b; c.out_stride_s = p.out_stride_s; c.out_stride_h = p.out_stride_h;
-  c.lse = p.lse; c.lse_stride_b = p.lse_stride_b; c.lse_stride_h = p.lse_stride_h;
-  c.batch = p.batch; c.q_len = p.q_len; c.heads_q = p.heads_q; c.q_is_bf16 = p.q_is_bf16;
-  err = mla_sm90::launch_combine(c, stream);
+  err = mla_sm90::launch_combine(mla_sm90::combine_params(p), stream);
   TORCH_CHECK(err == 0, "cuda_sm90_decode: combine launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
 }
 

@@ -20,13 +20,16 @@ constexpr int kCombineThreads = 128;
 // boundary falls inside it, so there are at most num_parts - 1 of them (the launcher checks
 // num_parts against this).
 constexpr int kFusedMaxSplits = 1024;
+// Shared memory combine_in_grid uses (the list, then a count per warp); the kernels assert it fits sQ.
+template <int kThreads>
+constexpr int kFusedScratchBytes = (4 * kFusedMaxSplits + kThreads / 32) * (int)sizeof(int);
 
-// One warp merges the n > 1 partial rows of (request b, row) over kPer x 128 of the 512 channels,
-// from channel c0: lane owns the float4s at c0 + 4 lane + 128 k, k < kPer. Slots are read kSlots at a
-// time (kSlots x kPer 16-byte loads in flight per lane) and folded in with an online max. No shared
-// memory and no barrier, so any warp can take any row. Partials are read through L2 (ld.global.cg):
-// in the fused combine other SMs wrote them during this launch. Writes out (and lse when c0 == 0).
-template <typename T, int kPer, int kSlots>
+// One warp merges the n > 1 partial rows of (request b, row) over 128 of the 512 channels, from
+// channel c0: lane owns the float4 at c0 + 4 lane. Slots are read kSlots at a time (kSlots 16-byte
+// loads in flight per lane) and folded in with an online max. No shared memory and no barrier, so
+// any warp can take any row. Partials are read through L2 (ld.global.cg): in the fused combine other
+// SMs wrote them during this launch. Writes out (and lse when c0 == 0).
+template <typename T, int kSlots>
 __device__ __forceinline__ void combine_row_part(const CombineParams& p, int b, int n, int64_t first, int row, int c0,
                                                  int lane) {
   using TT = TypeTraits<T>;
@@ -38,19 +41,15 @@ __device__ __forceinline__ void combine_row_part(const CombineParams& p, int b, 
   const int64_t slot_stride4 = (int64_t)rows * DecodeConfig::kHeadDimV / 4;
 
   float m = -INFINITY, denom = 0.f;
-  float4 acc[kPer];
-#pragma unroll
-  for (int k = 0; k < kPer; ++k) acc[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   for (int s0 = 0; s0 < n; s0 += kSlots) {
     float l[kSlots];
-    float4 v[kSlots][kPer];
+    float4 v[kSlots];
 #pragma unroll
     for (int j = 0; j < kSlots; ++j) {
       const bool ok = s0 + j < n;
       l[j] = ok ? __ldcg(plse + (int64_t)(s0 + j) * rows) : -INFINITY;
-#pragma unroll
-      for (int k = 0; k < kPer; ++k)
-        v[j][k] = ok ? __ldcg(src + (s0 + j) * slot_stride4 + 32 * k) : make_float4(0.f, 0.f, 0.f, 0.f);
+      v[j] = ok ? __ldcg(src + (s0 + j) * slot_stride4) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
     float mb = m;
 #pragma unroll
@@ -58,35 +57,28 @@ __device__ __forceinline__ void combine_row_part(const CombineParams& p, int b, 
     if (mb == -INFINITY) continue;  // no slot so far saw a key (a -inf slot wrote out = 0)
     const float r = __expf(m - mb);  // m = -inf: 0, and acc, denom are 0 anyway
     denom *= r;
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) acc[k] = make_float4(acc[k].x * r, acc[k].y * r, acc[k].z * r, acc[k].w * r);
+    acc = make_float4(acc.x * r, acc.y * r, acc.z * r, acc.w * r);
 #pragma unroll
     for (int j = 0; j < kSlots; ++j) {
       const float w = l[j] == -INFINITY ? 0.f : __expf(l[j] - mb);
       denom += w;
-#pragma unroll
-      for (int k = 0; k < kPer; ++k) {
-        acc[k].x += w * v[j][k].x;
-        acc[k].y += w * v[j][k].y;
-        acc[k].z += w * v[j][k].z;
-        acc[k].w += w * v[j][k].w;
-      }
+      acc.x += w * v[j].x;
+      acc.y += w * v[j].y;
+      acc.z += w * v[j].z;
+      acc.w += w * v[j].w;
     }
     m = mb;
   }
   T* dst = reinterpret_cast<T*>(p.out) + (int64_t)b * p.out_stride_b + (int64_t)i * p.out_stride_s +
            (int64_t)h * p.out_stride_h + c0 + 4 * lane;
   const float inv = m == -INFINITY ? 0.f : 1.f / denom;  // no slot saw a key: out = 0, lse = +inf
-#pragma unroll
-  for (int k = 0; k < kPer; ++k) {
-    *reinterpret_cast<typename TT::T2*>(dst + 128 * k) = TT::from_float2(acc[k].x * inv, acc[k].y * inv);
-    *reinterpret_cast<typename TT::T2*>(dst + 128 * k + 2) = TT::from_float2(acc[k].z * inv, acc[k].w * inv);
-  }
+  *reinterpret_cast<typename TT::T2*>(dst) = TT::from_float2(acc.x * inv, acc.y * inv);
+  *reinterpret_cast<typename TT::T2*>(dst + 2) = TT::from_float2(acc.z * inv, acc.w * inv);
   if (c0 == 0 && lane == 0)
     p.lse[(int64_t)b * p.lse_stride_b + (int64_t)h * p.lse_stride_h + i] = m == -INFINITY ? INFINITY : m + logf(denom);
 }
 
-// One 128-thread block per (request, row): warp w merges channels 128 w .. +128, 8 slots in flight
+// One 128-thread block per (request, row): warp w merges channels 128 w .. +128, 4 slots in flight
 // (v1 walked the slots one dependent load at a time: 30 us for 64 splits). A 512-thread variant with
 // 4 slot groups per row was tried and measured slower on many-request batches (16K blocks that mostly
 // exit at once) and barely faster at b=1 (24.2 vs 25.3 us).
@@ -95,27 +87,7 @@ __global__ void __launch_bounds__(kCombineThreads) mla_combine_kernel(const __gr
   const int b = blockIdx.y;
   const int n = p.num_splits[b];
   if (n <= 1) return;
-  combine_row_part<T, 1, 4>(p, b, n, p.first_slot[b], blockIdx.x, 128 * (threadIdx.x / 32), threadIdx.x % 32);
-}
-
-__device__ __forceinline__ CombineParams combine_params(const DecodeParams& d) {
-  CombineParams c{};
-  c.partial_out = d.partial_out;
-  c.partial_lse = d.partial_lse;
-  c.num_splits = d.num_splits;
-  c.first_slot = d.first_slot;
-  c.out = d.out;
-  c.out_stride_b = d.out_stride_b;
-  c.out_stride_s = d.out_stride_s;
-  c.out_stride_h = d.out_stride_h;
-  c.lse = d.lse;
-  c.lse_stride_b = d.lse_stride_b;
-  c.lse_stride_h = d.lse_stride_h;
-  c.batch = d.batch;
-  c.q_len = d.q_len;
-  c.heads_q = d.heads_q;
-  c.q_is_bf16 = d.q_is_bf16;
-  return c;
+  combine_row_part<T, 4>(p, b, n, p.first_slot[b], blockIdx.x, 128 * (threadIdx.x / 32), threadIdx.x % 32);
 }
 
 // The combine as the tail of the decode kernel: called by every thread of every CTA after its last
@@ -126,7 +98,7 @@ __device__ __forceinline__ CombineParams combine_params(const DecodeParams& d) {
 // grid-wide barrier (every partial written), and the grid's warps take the (request, row, channel
 // quarter) units of the list round-robin, 8 slots in flight per lane (b = 1, h_q = 128: 512 units
 // over 512 or 1056 warps).
-// `scratch`: >= (4 kFusedMaxSplits + kThreads / 32) ints of shared memory the kernel no longer uses.
+// `scratch`: kFusedScratchBytes<kThreads> of shared memory the kernel no longer uses.
 template <typename T, int kThreads>
 __device__ void combine_in_grid(const DecodeParams& d, int* scratch) {
   static_assert(kThreads % 32 == 0 && kThreads <= 1024, "whole warps");
@@ -166,7 +138,7 @@ __device__ void combine_in_grid(const DecodeParams& d, int* scratch) {
   for (int u = cta * kWarps + warp; u < count * rows * 4; u += warps) {
     const int r = u / 4;
     const int4 e = list[r / rows];
-    combine_row_part<T, 1, 8>(c, e.x, e.y, e.z, r % rows, 128 * (u % 4), lane);
+    combine_row_part<T, 8>(c, e.x, e.y, e.z, r % rows, 128 * (u % 4), lane);
   }
 }
 

@@ -5,8 +5,9 @@
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
 
+#include <map>
 #include <mutex>
-#include <unordered_map>
+#include <utility>
 
 #include "combine.cuh"
 #include "mainloop.cuh"
@@ -62,42 +63,50 @@ static bool make_kv_map(const DecodeParams& p, CUtensorMap* map) {
   return r == CUDA_SUCCESS;
 }
 
-// Blocks of `kernel` one SM holds at once (cached per kernel; the occupancy query is not free).
-static int blocks_per_sm(const void* kernel, int smem_bytes) {
+// Blocks of `kernel` the whole of device `dev` holds at once for a cooperative launch (0: none; cached
+// per device and kernel, the queries are not free).
+static int64_t coresident_blocks(int dev, const void* kernel, int smem_bytes) {
   static std::mutex mu;
-  static std::unordered_map<const void*, int> cache;
+  static std::map<std::pair<int, const void*>, int64_t> cache;
   std::lock_guard<std::mutex> lock(mu);
-  auto it = cache.find(kernel);
+  const auto key = std::make_pair(dev, kernel);
+  auto it = cache.find(key);
   if (it != cache.end()) return it->second;
-  int n = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, DecodeConfig::kThreads, smem_bytes) != cudaSuccess) {
+  int coop = 0, sms = 0, per_sm = 0;
+  if (cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, DecodeConfig::kThreads, smem_bytes) !=
+          cudaSuccess) {
     cudaGetLastError();
-    n = 0;
+    coop = 0;
   }
-  cache.emplace(kernel, n);
+  const int64_t n = coop ? (int64_t)sms * per_sm : 0;
+  cache.emplace(key, n);
   return n;
 }
 
 // Launch a decode kernel. With p.fuse_combine the kernel merges the split rows itself after a
 // grid-wide barrier (combine.cuh), which needs every CTA resident at once: that is a cooperative
 // launch, possible when the grid fits the GPU (the persistent grid is sized to it, except when
-// h_kv x row tiles alone exceed the SM count). Only v2 and v6 have the combine tail (`has_tail`):
-// v5 runs where batches are large and the second kernel measured as fast, and its code size is
-// sensitive (NOTES.md). Otherwise the flag is cleared, *combined = false, and the caller launches
-// the combine kernel.
+// h_kv x row tiles alone exceed the SM count), on a device that supports it. The v2 kernel (with its
+// v3/v4 flags, and wherever v5 or v6 fall back to it) and v6 have the combine tail (`has_tail`); v5 has
+// none: it runs where batches are large and the second kernel measured as fast, and its code size is
+// sensitive (NOTES.md). Otherwise, or if the cooperative launch itself is refused (e.g. fewer SMs under
+// MPS than the device reports), the flag is cleared, *combined = false, and the caller launches the
+// combine kernel.
 template <typename... Args>
 static cudaError_t launch_grid(void (*kernel)(DecodeParams, Args...), dim3 grid, int smem_bytes, cudaStream_t stream,
                                bool has_tail, DecodeParams p, bool* combined, Args... args) {
-  if (!has_tail) p.fuse_combine = 0;
+  const int64_t ctas = (int64_t)grid.x * grid.y * grid.z;
+  if (!has_tail || p.num_parts <= 1) p.fuse_combine = 0;  // one part: no request is split
   if (p.fuse_combine) {
-    int dev = 0, sms = 0;
+    int dev = 0;
     cudaGetDevice(&dev);
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    const int64_t ctas = (int64_t)grid.x * grid.y * grid.z;
-    p.fuse_combine = p.num_parts <= kFusedMaxSplits && (int64_t)p.num_parts * p.q_len * p.heads_q * 4 < INT32_MAX &&
-                     ctas <= (int64_t)sms * blocks_per_sm(reinterpret_cast<const void*>(kernel), smem_bytes);
+    // units of the tail: < num_parts split requests x rows x 4, counted in an int with a stride of ctas x 8
+    const int64_t units = (int64_t)p.num_parts * p.q_len * p.heads_q * 4 + ctas * 8;
+    p.fuse_combine = p.num_parts <= kFusedMaxSplits && units < INT32_MAX &&
+                     ctas <= coresident_blocks(dev, reinterpret_cast<const void*>(kernel), smem_bytes);
   }
-  *combined = p.fuse_combine != 0;
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
   cfg.blockDim = dim3(DecodeConfig::kThreads);
@@ -108,7 +117,15 @@ static cudaError_t launch_grid(void (*kernel)(DecodeParams, Args...), dim3 grid,
   attr[0].val.cooperative = 1;
   cfg.attrs = attr;
   cfg.numAttrs = p.fuse_combine ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, kernel, p, args...);
+  cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, p, args...);
+  if (p.fuse_combine && (e == cudaErrorCooperativeLaunchTooLarge || e == cudaErrorNotSupported)) {
+    cudaGetLastError();  // clear it; launch plainly, the combine kernel follows
+    p.fuse_combine = 0;
+    cfg.numAttrs = 0;
+    e = cudaLaunchKernelEx(&cfg, kernel, p, args...);
+  }
+  *combined = e == cudaSuccess && p.fuse_combine != 0;
+  return e;
 }
 
 template <typename T>

@@ -417,6 +417,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     fence_proxy_async_smem();
     __syncthreads();
   }
+  static_assert(kFusedScratchBytes<Cfg::kThreads> <= Cfg::kQElems * (int)sizeof(T), "the combine's list fits sQ");
   if (p.fuse_combine) combine_in_grid<T, Cfg::kThreads>(p, reinterpret_cast<int*>(smem_base));
 }
 

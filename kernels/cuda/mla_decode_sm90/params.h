@@ -67,6 +67,32 @@ struct CombineParams {
   int q_is_bf16;
 };
 
+#ifdef __CUDACC__
+#define MLA_SM90_HD __host__ __device__
+#else
+#define MLA_SM90_HD
+#endif
+// The combine's view of a decode launch (the combine kernel's parameters, and the fused tail's).
+inline MLA_SM90_HD CombineParams combine_params(const DecodeParams& d) {
+  CombineParams c{};
+  c.partial_out = d.partial_out;
+  c.partial_lse = d.partial_lse;
+  c.num_splits = d.num_splits;
+  c.first_slot = d.first_slot;
+  c.out = d.out;
+  c.out_stride_b = d.out_stride_b;
+  c.out_stride_s = d.out_stride_s;
+  c.out_stride_h = d.out_stride_h;
+  c.lse = d.lse;
+  c.lse_stride_b = d.lse_stride_b;
+  c.lse_stride_h = d.lse_stride_h;
+  c.batch = d.batch;
+  c.q_len = d.q_len;
+  c.heads_q = d.heads_q;
+  c.q_is_bf16 = d.q_is_bf16;
+  return c;
+}
+
 // Launchers (launch.cu). Return a cudaError_t value as int (0 = success).
 // p.fuse_combine asks for the combine inside the decode launch; *combined says whether it ran there
 // (the grid fits the GPU at once, so a cooperative launch is possible), else launch_combine must follow.
