@@ -12,6 +12,7 @@
 
 #include "config.cuh"
 #include "params.h"
+#include "ptx.cuh"
 
 namespace mla_sm90 {
 
@@ -103,7 +104,7 @@ template <typename T, int kThreads>
 __device__ void combine_in_grid(const DecodeParams& d, int* scratch) {
   static_assert(kThreads % 32 == 0 && kThreads <= 1024, "whole warps");
   constexpr int kWarps = kThreads / 32;
-  asm volatile("cp.async.wait_all;\n" ::: "memory");  // nothing of the mainloop lands in scratch later
+  cp_async_drain();  // nothing of the mainloop lands in scratch later
   __syncthreads();
 
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
