@@ -43,6 +43,10 @@ KERNEL_VARIANT = int(os.environ.get("MLA_SM90_VARIANT", "0"))
 FUSE_COMBINE = os.environ.get("MLA_SM90_FUSE_COMBINE", "auto")
 
 
+#: v5 leaves its steady-state tiles unmasked, which holds for query lengths up to 64 (launch.cu runs v2 beyond)
+V5_MAX_Q_LEN = 64
+
+
 def choose_variant(problem: DecodeProblem, num_parts: int, max_chunks: int) -> int:
     """The mainloop that measured faster for this shape (benchmarks/RESULTS.md, H200, 2026-11-21/22).
 
@@ -50,12 +54,13 @@ def choose_variant(problem: DecodeProblem, num_parts: int, max_chunks: int) -> i
     caches with at most 16: on the memory-bound configs (b=64, L=8192) it measured 83% / 79% of the roofline
     at h_q = 16 / 32 against v2's 70% / 68%, and 228 vs 288 us with an fp8_e4m3 cache at h_q = 16.
 
-    v5 had 6-17% more throughput than v2 on the compute-bound FlashMLA grid (b=128, h_q=128,
-    L >= 4096: two or more 64-row query tiles, >= 64 KV chunks per split-KV part) and 2-21% less on
-    one-row-tile (h_q <= 64) and small-batch shapes (b <= 32), whose items are too short to fill its
-    two-tile pipeline. Batches between 32 and 128 were not measured (the b >= 64 cut is a guess), and
-    ``max_chunks`` comes from the block table's width (no device sync at plan time): an upper bound,
-    so a wide table over short sequences can pick v5 where v2 would be faster.
+    v5 (two tiles in flight) is the faster mainloop for 128 rows once each split-KV part has enough KV chunks to
+    keep its two-tile pipeline full: on the H100 (benchmarks/RESULTS.md, 2026-11-22) b=128 h_q=128 (the FlashMLA
+    grid, >= 64 chunks per part) and b=32 L=4096 (31 chunks per part; v5 114 us, v2 127 us), but not b=8 L=8192
+    (16 chunks per part; v5 77 us, v2 74 us) nor b=1 or one-row-tile (h_q <= 64) shapes. The cut at 24 chunks per
+    part and 32 requests lies between those measurements. ``max_chunks`` comes from the block table's width (no
+    device sync at plan time): an upper bound, so a wide table over short sequences can pick v5 where v2 would be
+    faster.
     """
     if KERNEL_VARIANT:
         return KERNEL_VARIANT
@@ -63,8 +68,8 @@ def choose_variant(problem: DecodeProblem, num_parts: int, max_chunks: int) -> i
     rows = p.q_len * p.num_heads_q // p.num_heads_kv
     if (p.kv_format in ("bf16", "fp16") and rows <= 32) or (p.kv_format.startswith("fp8") and rows <= 16):
         return 6
-    if (p.kv_format in ("bf16", "fp16") and p.page_size % BLOCK_N == 0 and rows > BLOCK_M and p.batch >= 64
-            and max_chunks >= 64 * num_parts):
+    if (p.kv_format in ("bf16", "fp16") and p.page_size % BLOCK_N == 0 and rows > BLOCK_M and p.batch >= 32
+            and max_chunks >= 24 * num_parts and p.q_len <= V5_MAX_Q_LEN):
         return 5
     return 2
 

@@ -1,6 +1,7 @@
 """Where do small batches spend their time in the cuda_sm90 backend? (GPU machine)
 
     python ci/profile_small_batch.py [--min-chunks 1,2,4,8] [--variants 2,5] [--combine separate,fused]
+    python ci/profile_small_batch.py --configs 128x4096,32x4096 --varlen --min-chunks 2 --variants 5,2 --combine separate
 
 For each small-batch config of issue 4 (h_q=128, s_q=1) and each split size
 (``CudaSM90Backend.MIN_CHUNKS_PER_PART``), mainloop variant and place of the combine: the CUDA-graph replay
@@ -22,7 +23,7 @@ from mla_dispatch import plan_decode
 
 from bench_cuda_sm90 import capture_graph, make_inputs  # noqa: E402  (same inputs and graphs as the benchmark)
 
-CONFIGS = [(1, 4096), (1, 32768), (8, 8192), (32, 4096)]
+CONFIGS = "1x4096,1x32768,8x8192,32x4096"  # batch x seqlen
 
 
 def kernel_times(run, calls=20):
@@ -47,12 +48,14 @@ def main():
     ap.add_argument("--min-chunks", default="1,2,4,8")
     ap.add_argument("--variants", default="2,5")
     ap.add_argument("--combine", default="separate,fused", help="separate (second kernel) and/or fused (in the decode launch)")
+    ap.add_argument("--configs", default=CONFIGS, help="comma-separated BATCHxSEQLEN, h_q=128, s_q=1")
+    ap.add_argument("--varlen", action="store_true", help="lengths drawn around SEQLEN as in the benchmark (default: equal)")
     args = ap.parse_args()
     from mla_dispatch.backends.cuda_sm90 import CudaSM90Backend
 
     print(f"device {torch.cuda.get_device_name()} torch {torch.__version__}")
-    for b, L in CONFIGS:
-        q, kv, table, lens, _ = make_inputs(b, 1, 128, L, varlen=False)
+    for b, L in [(int(x), int(y)) for x, y in (c.split("x") for c in args.configs.split(","))]:
+        q, kv, table, lens, _ = make_inputs(b, 1, 128, L, varlen=args.varlen)
         out = torch.empty(b, 1, 128, 512, dtype=q.dtype, device="cuda")
         lse = torch.empty(b, 128, 1, dtype=torch.float32, device="cuda")
         for mc in [int(x) for x in args.min_chunks.split(",")]:

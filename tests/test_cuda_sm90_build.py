@@ -64,7 +64,8 @@ def test_backend_declares_capabilities_and_reasons():
 
 
 def test_variant_choice_follows_the_measurements(monkeypatch):
-    """v5 only where it measured faster (compute-bound, large batch, page % 64 == 0, bf16/fp16 cache); v6 for
+    """v5 only where it measured faster (128 rows, >= 32 requests with >= 24 KV chunks per part, page % 64 == 0,
+    bf16/fp16 cache, q_len <= 64); v6 for
     <= 32 query rows per KV head with a bf16/fp16 cache, <= 16 with an fp8 cache."""
     from mla_dispatch.backends import cuda_sm90
     from mla_dispatch.problem import DecodeProblem
@@ -80,10 +81,13 @@ def test_variant_choice_follows_the_measurements(monkeypatch):
     assert choose(problem(), num_parts=66, max_chunks=128 * 64) == 5
     assert choose(problem(q_len=2, page_size=256), num_parts=33, max_chunks=128 * 256) == 5
     assert choose(problem(h_q=64), num_parts=132, max_chunks=128 * 64) == 2  # one 64-row tile
-    assert choose(problem(batch=32), num_parts=66, max_chunks=32 * 64) == 2  # short items
+    assert choose(problem(batch=32), num_parts=66, max_chunks=32 * 64) == 5  # 31 chunks per part
+    assert choose(problem(batch=8), num_parts=66, max_chunks=8 * 128) == 2  # 15.5 chunks per part
+    assert choose(problem(batch=16), num_parts=66, max_chunks=16 * 512) == 2  # long, but few requests
+    assert choose(problem(h_q=1, q_len=128), num_parts=66, max_chunks=128 * 64) == 2  # q_len > 64
     assert choose(problem(page_size=16), num_parts=66, max_chunks=128 * 64) == 2  # a tile spans pages
     assert choose(problem(kv_format="fp8_e4m3"), num_parts=66, max_chunks=128 * 64) == 2
-    assert choose(problem(), num_parts=66, max_chunks=66 * 63) == 2
+    assert choose(problem(), num_parts=66, max_chunks=66 * 23) == 2
     assert choose(problem(h_q=16, batch=64), num_parts=132, max_chunks=64 * 128) == 6
     assert choose(problem(h_q=16, q_len=2, page_size=16), num_parts=132, max_chunks=64 * 128) == 6  # 32 rows
     assert choose(problem(h_q=16, q_len=3), num_parts=132, max_chunks=64 * 128) == 2  # 48 rows

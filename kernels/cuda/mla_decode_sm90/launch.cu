@@ -170,8 +170,8 @@ static cudaError_t launch_decode_t(const DecodeParams& p, int grid_parts, cudaSt
   // 3: wgmma with S of tile j+1 issued under PV of tile j (mainloop_wgmma.cuh, kOverlap)
   // 4: wgmma with S split along D_qk between the warpgroups (mainloop_wgmma.cuh, kKSplit;
   //    bf16/fp16 caches only, fp8 caches run v2)
-  // 5: two tiles in flight, TMA loads (mainloop_seesaw.cuh; bf16/fp16 caches with page_size % 64 == 0,
-  //    anything else runs v2)
+  // 5: two tiles in flight, TMA loads (mainloop_seesaw.cuh; bf16/fp16 caches with page_size % 64 == 0
+  //    and q_len <= 64, anything else runs v2)
   if constexpr (KvFmt != kKvSameAsQ) {
     // 6 with an fp8 cache: <= 16 query rows per KV head (the register-staged tile does not fit
     // beside 32 rows' accumulators); anything else runs v2
@@ -186,7 +186,7 @@ static cudaError_t launch_decode_t(const DecodeParams& p, int grid_parts, cudaSt
     if (p.variant == 6 && p.rows_per_kv_head <= Etap::kMaxRows)
       return p.rows_per_kv_head <= 16 ? launch_v6_any<T, 16>(p, grid_parts, stream, combined)
                                       : launch_v6_any<T, 32>(p, grid_parts, stream, combined);
-    if (p.variant == 5 && p.page_size % DecodeConfig::kBlockN == 0) {
+    if (p.variant == 5 && p.page_size % DecodeConfig::kBlockN == 0 && p.q_len <= Seesaw::kMaxQLen) {
       // a cache v5 should take but TMA cannot address is an error, not a silent v2 run
       CUtensorMap map;
       if (!make_kv_map<T>(p, &map)) return cudaErrorInvalidValue;

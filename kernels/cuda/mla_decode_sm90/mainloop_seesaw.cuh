@@ -97,6 +97,9 @@ __device__ __forceinline__ void gmma_rs_call(const uint32_t* a, uint64_t db, flo
 struct Seesaw {
   static constexpr int kBlocks = Cfg::kHeadDimQK / 64;  // column blocks of a tile, one mbarrier each
   // named barriers (0 = __syncthreads)
+  // the steady-state pair leaves its tiles unmasked, which needs every causal limit within the
+  // last 65 tokens of a request (launch.cu runs v2 for longer query lengths)
+  static constexpr int kMaxQLen = 64;
   static constexpr int kBarScale0 = 1, kBarScale1 = 2, kBarP0 = 3, kBarP1 = 4, kBarWg = 5;  // 5, 6: per warpgroup
   static constexpr int kSmemBytes = 2 * (Cfg::kQElems + Cfg::kStages * Cfg::kKElems + Cfg::kPElems) +
                                     7 * Cfg::kBlockM * (int)sizeof(float) + 2 * kBlocks * 8 + 1024;
@@ -263,17 +266,24 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
     // softmax of the S tile of tile j against the running max in sM; returns this thread's
     // per-row scale for the old accumulators; acc_s becomes P (fp32, base-2 exponent).
-    auto softmax = [&](int j, float (&scale)[2], float (&psum)[2]) {
-      const int t0 = t0_of(j);
+    // kMask (template): tokens past the item's end or a causal row's limit become -inf. A tile
+    // followed by at least 65 more tokens of the item needs no mask (q_len <= 64, launch.cu), so
+    // the steady-state pair skips it, as FlashMLA's kernel does for all but the last tiles.
+    // The maximum is taken over raw scores (score_scale > 0) and the scale folded into the
+    // exponent's FFMA: p = 2^(s * scale - m).
+    auto softmax = [&](int j, auto mask_c, float (&scale)[2], float (&psum)[2]) {
+      constexpr bool kMask = decltype(mask_c)::value;
       float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
       for (int n = 0; n < 8; ++n) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int t = t0 + n * 8 + (lane % 4) * 2 + (e & 1);
           const int h = e >> 1;
           float& s = acc_s[4 * n + e];
-          s = (t < tok_end && t <= limit[h]) ? s * score_scale : -INFINITY;
+          if constexpr (kMask) {
+            const int t = t0_of(j) + n * 8 + (lane % 4) * 2 + (e & 1);
+            s = (t < tok_end && t <= limit[h]) ? s : -INFINITY;
+          }
           tile_max[h] = fmaxf(tile_max[h], s);
         }
       }
@@ -282,15 +292,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffff, tile_max[h], 1));
         tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffff, tile_max[h], 2));
         const float m_old = sM[row_local[h]];
-        const float m_new = fmaxf(m_old, tile_max[h]);
+        const float m_new = fmaxf(m_old, tile_max[h] * score_scale);
         const float m_use = m_new == -INFINITY ? 0.f : m_new;
-        scale[h] = exp2f(m_old - m_use);
+        scale[h] = exp2_ftz(m_old - m_use);
         psum[h] = 0.f;
 #pragma unroll
         for (int n = 0; n < 8; ++n) {
 #pragma unroll
           for (int e = 2 * h; e < 2 * h + 2; ++e) {
-            acc_s[4 * n + e] = exp2f(acc_s[4 * n + e] - m_use);
+            acc_s[4 * n + e] = exp2_ftz(fmaf(acc_s[4 * n + e], score_scale, -m_use));
             psum[h] += acc_s[4 * n + e];
           }
         }
@@ -372,7 +382,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         const int b = a + 1;
         const int buf = ((a >> 1) & 1) * Cfg::kBlockM;  // this pair's sScale0 / sScale1 buffer
         float sc0[2], psum[2];
-        softmax(a, sc0, psum);
+        softmax(a, std::bool_constant<!kNextA>{}, sc0, psum);  // tile a + 2 exists: a is >= 65 tokens from the end
         scale_o(sc0);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -382,7 +392,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         named_barrier_arrive(Seesaw::kBarScale0, 256);
         uint32_t rp[16];
         pack_p(rp, kOne);
-        fix_partial(a);
+        if constexpr (!kHasB) fix_partial(a);  // only the last tile can be partial
         // O_L += P_a V_aL
         fence_regs<128>(acc_o);
         cute::warpgroup_arrive();
@@ -419,7 +429,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         fence_regs<128>(acc_o);
         if constexpr (kHasB) {
           wait_blocks(b, 0, 4);
-          fix_partial(b);
+          if constexpr (!kNextA) fix_partial(b);
           // O_L += P_b V_bL
           cute::warpgroup_arrive();
           pv_ss(sP1, stage_of(b));
@@ -469,7 +479,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         float sc0[2], sc1[2] = {1.f, 1.f}, psum[2] = {0.f, 0.f};
 #pragma unroll
         for (int h = 0; h < 2; ++h) sc0[h] = sScale0[buf + row_local[h]];
-        if constexpr (kHasB) softmax(b, sc1, psum);
+        if constexpr (kHasB) softmax(b, std::bool_constant<!kNextB>{}, sc1, psum);  // b + 2 exists: >= 65 tokens follow b
         float both[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -488,7 +498,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         named_barrier_arrive(Seesaw::kBarP1, 256);
         fence_regs<128>(acc_o);
         if constexpr (kHasB) {
-          fix_partial(b);
+          if constexpr (!kNextA) fix_partial(b);
           // O_R += P_b V_bR
           cute::warpgroup_arrive();
           pv_rs(rp, stage_of(b));
@@ -496,7 +506,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         }
         named_barrier(Seesaw::kBarP0, 256);  // sP0 in place
         wait_blocks(a, 4, 8);
-        fix_partial(a);
+        if constexpr (!kHasB) fix_partial(a);
         // O_R += P_a V_aR
         cute::warpgroup_arrive();
         pv_ss(sP0, stage_of(a));

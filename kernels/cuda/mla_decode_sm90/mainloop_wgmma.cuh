@@ -116,6 +116,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
     int limit[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) limit[h] = p.causal ? seqlen - p.q_len + row_i[h] : seqlen - 1;
+    // tokens below this are visible to every row of the tile (tiles entirely below it skip the mask)
+    const int unmasked_end = min(tok_end, p.causal ? seqlen - p.q_len + 1 : seqlen);
 
     // -- Q tile
     load_q_tile_async<T, L>(p, sQ, req, row_tile, kvh);
@@ -243,23 +245,31 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
       fence_regs<16>(acc_s);
       if constexpr (kOverlap) fence_regs<128>(acc_o);
 
+      // Scores stay raw (unscaled) here: the maximum of raw scores times score_scale (> 0) is the
+      // scaled maximum, and the scale is folded into the exponent's FFMA below. Only tiles that
+      // reach past unmasked_end (the item's last, or the causal rows' last tokens) are masked.
+      if (t0 + Cfg::kBlockN > unmasked_end) {
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int t = t0 + half * 32 + n * 8 + (lane % 4) * 2 + (e & 1);
+            const bool visible = t < tok_end && t <= limit[e >> 1];
+            if (!visible) acc_s[4 * n + e] = -INFINITY;
+          }
+        }
+      }
       float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
       for (int n = 0; n < 4; ++n) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int t = t0 + half * 32 + n * 8 + (lane % 4) * 2 + (e & 1);
-          const int h = e >> 1;
-          const bool visible = t < tok_end && t <= limit[h];
-          float& s = acc_s[4 * n + e];
-          s = visible ? s * score_scale : -INFINITY;
-          tile_max[h] = fmaxf(tile_max[h], s);
-        }
+        for (int e = 0; e < 4; ++e) tile_max[e >> 1] = fmaxf(tile_max[e >> 1], acc_s[4 * n + e]);
       }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffff, tile_max[h], 1));
         tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffff, tile_max[h], 2));
+        tile_max[h] *= score_scale;
         if (lane % 4 == 0) sMax[half * Cfg::kBlockM + row_local[h]] = tile_max[h];
       }
       named_barrier(1 + rg, 64);
@@ -269,14 +279,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
         const float other = sMax[(1 - half) * Cfg::kBlockM + row_local[h]];
         const float m_new = fmaxf(row_max[h], fmaxf(tile_max[h], other));
         const float m_use = m_new == -INFINITY ? 0.f : m_new;
-        scale_o[h] = exp2f(row_max[h] - m_use);
+        scale_o[h] = exp2_ftz(row_max[h] - m_use);
         row_max[h] = m_new;
         row_sum[h] *= scale_o[h];
 #pragma unroll
         for (int n = 0; n < 4; ++n) {
 #pragma unroll
           for (int e = 2 * h; e < 2 * h + 2; ++e) {
-            acc_s[4 * n + e] = exp2f(acc_s[4 * n + e] - m_use);
+            acc_s[4 * n + e] = exp2_ftz(fmaf(acc_s[4 * n + e], score_scale, -m_use));
             row_sum[h] += acc_s[4 * n + e];
           }
         }

@@ -60,6 +60,15 @@ __device__ __forceinline__ void mma_16816<__half>(float (&d)[4], const uint32_t 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// 2^x with subnormal results flushed to zero (ex2.approx.ftz.f32: one MUFU, no range fix-up;
+// exp2f adds a compare, select and two multiplies to keep subnormal results). Softmax terms
+// below 2^-126 are far under the fp32 rounding of a row sum >= 1.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Barrier over `threads` threads (a multiple of 32) with id `id` (1..15; 0 is __syncthreads).
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
