@@ -308,7 +308,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         if (lane % 4 == 0) sM[row_local[h]] = m_new;
       }
     };
+    // (skipped by a warp whose 16 rows all kept their maximum: most pairs once a row has seen many tokens)
     auto scale_o = [&](const float (&s)[2]) {
+      if (!__any_sync(0xffffffff, s[0] != 1.f || s[1] != 1.f)) return;
 #pragma unroll
       for (int n = 0; n < 32; ++n) {
         acc_o[4 * n + 0] *= s[0];
