@@ -169,6 +169,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     int limit[kCols];
 #pragma unroll
     for (int k = 0; k < kCols; ++k) limit[k] = p.causal ? seqlen - p.q_len + col_of(k) / heads_per_kv : seqlen - 1;
+    // tokens below this are visible to every query column (tiles entirely below it skip the mask)
+    const int unmasked_end = min(tok_end, p.causal ? seqlen - p.q_len + 1 : seqlen);
     const int num_tiles = (tok_end - tok_begin + Cfg::kBlockN - 1) / Cfg::kBlockN;
 
     const int32_t* table_row = table + (int64_t)req * p.bt_stride;
@@ -244,17 +246,22 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       float cmax[kCols];
 #pragma unroll
       for (int k = 0; k < kCols; ++k) cmax[k] = -INFINITY;
+      // raw scores: the maximum times score_scale (> 0) is the scaled maximum, and the scale goes into
+      // the exponent's FFMA below; only tiles reaching past unmasked_end are masked (as in v2 / v5)
+      if (t0 + Cfg::kBlockN > unmasked_end) {
 #pragma unroll
-      for (int i = 0; i < kAcc; ++i) {
-        const int t = t0 + acc_row(i), k = acc_col(i);
-        const float s = (t < tok_end && t <= limit[k]) ? acc_s[i] * score_scale : -INFINITY;
-        acc_s[i] = s;
-        cmax[k] = fmaxf(cmax[k], s);
+        for (int i = 0; i < kAcc; ++i) {
+          const int t = t0 + acc_row(i);
+          if (!(t < tok_end && t <= limit[acc_col(i)])) acc_s[i] = -INFINITY;
+        }
       }
+#pragma unroll
+      for (int i = 0; i < kAcc; ++i) cmax[acc_col(i)] = fmaxf(cmax[acc_col(i)], acc_s[i]);
 #pragma unroll
       for (int k = 0; k < kCols; ++k) {
 #pragma unroll
         for (int o = 4; o < 32; o <<= 1) cmax[k] = fmaxf(cmax[k], __shfl_xor_sync(0xffffffff, cmax[k], o));
+        cmax[k] *= score_scale;
         if (lane < 4) red[warp * Etap::kMaxRows + col_of(k)] = cmax[k];
       }
       named_barrier(bar, 128);
@@ -266,7 +273,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                                      fmaxf(red[2 * Etap::kMaxRows + c], red[3 * Etap::kMaxRows + c]));
         const float m_new = fmaxf(m_run[k], tile_max);
         m_use[k] = m_new == -INFINITY ? 0.f : m_new;
-        scale[k] = exp2f(m_run[k] - m_use[k]);
+        scale[k] = exp2_ftz(m_run[k] - m_use[k]);
         m_run[k] = m_new;
         psum[k] = 0.f;
       }
@@ -274,7 +281,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
       for (int i = 0; i < kAcc; ++i) {
         const int k = acc_col(i);
-        acc_s[i] = exp2f(acc_s[i] - m_use[k]);
+        acc_s[i] = exp2_ftz(fmaf(acc_s[i], score_scale, -m_use[k]));
         psum[k] += acc_s[i];
       }
 #pragma unroll
