@@ -48,7 +48,7 @@ V5_MAX_Q_LEN = 64
 
 
 def choose_variant(problem: DecodeProblem, num_parts: int, max_chunks: int) -> int:
-    """The mainloop that measured faster for this shape (benchmarks/RESULTS.md, H200, 2026-11-21/22).
+    """The mainloop that measured faster for this shape (benchmarks/RESULTS.md: v6 on the H200, v5 on the H100).
 
     v6 (tokens on the wgmma M side) for bf16/fp16 caches with at most 32 query rows per KV head and fp8
     caches with at most 16: on the memory-bound configs (b=64, L=8192) it measured 83% / 79% of the roofline

@@ -25,8 +25,12 @@ def _unwrap_cache(kv_cache, kv_format, kv_scale):
 
 
 def _as_scale_tensor(kv_scale, device) -> torch.Tensor | None:
+    # A tensor's value is not checked (reading it would synchronise with the device); the kernels fold the
+    # scale into the softmax scale and take maxima of unscaled scores, so it must be positive.
     if kv_scale is None or isinstance(kv_scale, torch.Tensor):
         return kv_scale
+    if not float(kv_scale) > 0:
+        raise ValueError(f"kv_scale must be a positive float, got {kv_scale!r}")
     return torch.tensor([float(kv_scale)], dtype=torch.float32, device=device)
 
 
@@ -112,7 +116,7 @@ class DecodePlan:
         kv_cache : Tensor or PagedMLACache
             The planned geometry (page size, heads, format); any number of blocks.
         kv_scale : float or Tensor, optional
-            Per-tensor fp32 scale (``fp8_e4m3`` only); per layer.
+            Per-tensor fp32 scale, positive (``fp8_e4m3`` only); per layer.
         indices : Tensor, optional
             int32 ``[B, s_q, topk]`` sparse token ids (sparse plans only); per layer.
         out : Tensor, optional
@@ -289,7 +293,7 @@ def mla_decode(
     kv_format : {"auto", "bf16", "fp16", "fp8_e4m3", "fp8_ds_mla"}
         ``"auto"`` infers it from the cache dtype.
     kv_scale : float or Tensor, optional
-        The per-tensor fp32 dequantisation scale; required for ``"fp8_e4m3"``.
+        The per-tensor fp32 dequantisation scale, positive; required for ``"fp8_e4m3"``.
     indices : Tensor, optional
         int32 ``[B, s_q, topk]`` sparse attention (DeepSeek Sparse Attention):
         entry ``block_id * page_size + offset``, ``-1`` = skip.

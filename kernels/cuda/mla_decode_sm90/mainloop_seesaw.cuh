@@ -37,7 +37,8 @@
 //
 // Masking: S of tokens past the item's end or past a causal row's limit is -inf; V
 // rows past the end of a partial tile (unused cache slots, possibly NaN) are zeroed
-// in shared memory before the P V that reads them.
+// in shared memory before the P V that reads them. Both only in the last pairs of an
+// item: a tile with >= 65 more tokens of the item after it needs neither (q_len <= 64).
 #pragma once
 #include <cmath>
 #include <cstdint>
