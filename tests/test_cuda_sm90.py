@@ -151,6 +151,7 @@ V5_GRID = [c for c in GRID if c[5] % 64 == 0] + [
     (4, 4, 64, 1, 4096, 64, True, 0),
     (16, 1, 128, 1, 4096, 64, False, 1),
     (3, 2, 128, 1, 191, 128, True, 0),
+    (2, 64, 2, 1, 900, 64, True, 0),  # q_len = 64, causal: the edge of v5's unmasked steady state
     (2, 80, 1, 1, 700, 64, True, 0),  # q_len > 64: v5 leaves steady-state tiles unmasked, so v2 runs
 ]
 
