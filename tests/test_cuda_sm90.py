@@ -211,14 +211,18 @@ def test_variant6_fp8_matches_reference(cfg, dtype, kv_format, gen):
 
 
 # Shapes whose split requests the combine merges: one request over every part (b = 1, 64 slots), a few
-# slots per request with zero-length and causal MTP rows, h_kv = 2, page 16; and h_kv = 256, whose grid
-# (256 CTAs of one part, so nothing is split) does not fit the GPU at once: a fused request launches plainly.
+# slots per request with zero-length and causal MTP rows, h_kv = 2, page 16; h_kv = 256, whose grid
+# (256 CTAs of one part, so nothing is split) does not fit the GPU at once: a fused request launches plainly;
+# and more requests than part boundaries (66 parts for 128 rows, 132 for 16 on an H100), where the combine
+# kernel runs one block row per boundary and most requests are not split.
 COMBINE_GRID = [
     (1, 1, 128, 1, 4096, 64, False, 0),
     (3, 2, 16, 1, 3000, 64, True, 1),
     (8, 1, 64, 2, 2000, 32, False, 2),
     (5, 1, 32, 1, 1500, 16, False, 0),
     (2, 1, 256, 256, 100, 64, False, 0),
+    (200, 1, 128, 1, 1000, 64, False, 3),
+    (150, 2, 8, 1, 900, 32, True, 2),
 ]
 
 

@@ -1,5 +1,6 @@
 // Combine of split-KV partial results (LSE-weighted merge). Two callers of one merge routine:
-// - mla_combine_kernel: its own launch after the decode, one 128-thread block per (request, row);
+// - mla_combine_kernel: its own launch after the decode, one 128-thread block per (row, request), or per
+//   (row, part boundary) where the batch has more requests than boundaries;
 // - combine_in_grid: the tail of a cooperatively launched decode kernel (DecodeParams::fuse_combine),
 //   after a grid-wide barrier, spread over every warp of the grid (no second launch).
 // Same arithmetic as mla_dispatch.metadata.combine_splits, with the max taken batch by batch
@@ -79,13 +80,27 @@ __device__ __forceinline__ void combine_row_part(const CombineParams& p, int b, 
     p.lse[(int64_t)b * p.lse_stride_b + (int64_t)h * p.lse_stride_h + i] = m == -INFINITY ? INFINITY : m + logf(denom);
 }
 
-// One 128-thread block per (request, row): warp w merges channels 128 w .. +128, 4 slots in flight
+// One 128-thread block per (row, request): warp w merges channels 128 w .. +128, 4 slots in flight
 // (v1 walked the slots one dependent load at a time: 30 us for 64 splits). A 512-thread variant with
 // 4 slot groups per row was tried and measured slower on many-request batches (16K blocks that mostly
 // exit at once) and barely faster at b=1 (24.2 vs 25.3 us).
-template <typename T>
+// kByBoundary: blockIdx.y is a part boundary k (between parts k and k + 1) instead of a request. At most
+// num_parts - 1 requests are split (a split request holds a boundary), so with more requests than that
+// the grid shrinks to the boundaries and the blocks of unsplit requests, which only read num_splits and
+// exit, are never launched (b=512, h_q=128, 66 parts: 8K blocks instead of 64K). A split request's
+// second partial piece starts at a boundary, so it is the first item of the part after it; that
+// boundary's blocks merge the request, the others exit.
+template <typename T, bool kByBoundary>
 __global__ void __launch_bounds__(kCombineThreads) mla_combine_kernel(const __grid_constant__ CombineParams p) {
-  const int b = blockIdx.y;
+  int b = blockIdx.y;
+  if constexpr (kByBoundary) {
+    const int part = blockIdx.y + 1;
+    const int it = p.part_offsets[part];
+    if (it >= p.part_offsets[part + 1]) return;  // the part has no item
+    const int4 item = reinterpret_cast<const int4*>(p.items)[it];
+    b = item.x;
+    if (b < 0 || item.w < 0 || item.w != p.first_slot[b] + 1) return;  // not a request's second piece
+  }
   const int n = p.num_splits[b];
   if (n <= 1) return;
   combine_row_part<T, 4>(p, b, n, p.first_slot[b], blockIdx.x, 128 * (threadIdx.x / 32), threadIdx.x % 32);

@@ -228,12 +228,16 @@ int launch_decode(const DecodeParams& p, int grid_parts, void* stream, bool* com
 int launch_combine(const CombineParams& p, void* stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const int rows = p.q_len * p.heads_q;
-  if (p.batch == 0 || rows == 0) return 0;
-  dim3 grid(rows, p.batch);
+  if (p.batch == 0 || rows == 0 || p.num_parts <= 1) return 0;  // one part: nothing is split
+  // one block row per request, or per part boundary where there are fewer boundaries (combine.cuh)
+  const bool by_boundary = p.num_parts - 1 < p.batch;
+  dim3 grid(rows, by_boundary ? p.num_parts - 1 : p.batch);
   if (p.q_is_bf16)
-    mla_combine_kernel<__nv_bfloat16><<<grid, kCombineThreads, 0, s>>>(p);
+    by_boundary ? mla_combine_kernel<__nv_bfloat16, true><<<grid, kCombineThreads, 0, s>>>(p)
+                : mla_combine_kernel<__nv_bfloat16, false><<<grid, kCombineThreads, 0, s>>>(p);
   else
-    mla_combine_kernel<__half><<<grid, kCombineThreads, 0, s>>>(p);
+    by_boundary ? mla_combine_kernel<__half, true><<<grid, kCombineThreads, 0, s>>>(p)
+                : mla_combine_kernel<__half, false><<<grid, kCombineThreads, 0, s>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
 

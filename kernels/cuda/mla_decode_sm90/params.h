@@ -59,6 +59,11 @@ struct CombineParams {
   const float* partial_lse;  // [max_slots, s_q, h_q]
   const int32_t* num_splits;  // [B]
   const int32_t* first_slot;  // [B]
+  // the schedule (DecodeParams::items, part_offsets): the combine launched per part boundary finds
+  // the request a boundary splits from the first item of the part after it (combine.cuh)
+  const int32_t* items;
+  const int32_t* part_offsets;
+  int num_parts;
   void* out;
   int64_t out_stride_b, out_stride_s, out_stride_h;
   float* lse;
@@ -79,6 +84,9 @@ inline MLA_SM90_HD CombineParams combine_params(const DecodeParams& d) {
   c.partial_lse = d.partial_lse;
   c.num_splits = d.num_splits;
   c.first_slot = d.first_slot;
+  c.items = d.items;
+  c.part_offsets = d.part_offsets;
+  c.num_parts = d.num_parts;
   c.out = d.out;
   c.out_stride_b = d.out_stride_b;
   c.out_stride_s = d.out_stride_s;
