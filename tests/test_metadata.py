@@ -171,3 +171,28 @@ def test_first_slots_match_the_schedule(gen):
     for req, slots in seen.items():
         n = int(sched.num_splits[req])
         assert sorted(slots) == list(range(int(first[req]), int(first[req]) + n))
+
+
+@pytest.mark.parametrize("batch,num_parts,chunk,overhead", [(37, 11, 64, 5), (300, 17, 128, 4), (64, 132, 64, 5),
+                                                            (5, 40, 16, 1), (200, 66, 64, 5)])
+def test_each_split_request_has_one_boundary_owner(batch, num_parts, chunk, overhead, gen):
+    """The combine kernels' per-boundary grid (cuda_sm90 combine.cuh, triton combine.py) relies on this: a split
+    request's second slot is the first item of the part after one of its boundaries, so the boundary whose next
+    part starts with (request r, slot first_slot[r] + 1) merges r, and no other boundary claims r."""
+    lens = _random_lengths(gen, batch)
+    sched = split_kv_schedule(lens, num_parts=num_parts, chunk_size=chunk, overhead=overhead)
+    first = first_slots(sched.num_splits)
+    offsets, items = sched.part_offsets.tolist(), sched.items.tolist()
+    owners = {}
+    for k in range(num_parts - 1):  # boundary between parts k and k + 1
+        it = offsets[k + 1]
+        if it >= offsets[k + 2]:
+            continue
+        req, _, _, slot = items[it]
+        if req >= 0 and slot >= 0 and slot == int(first[req]) + 1:
+            assert req not in owners, f"request {req} claimed by boundaries {owners[req]} and {k}"
+            owners[req] = k
+    split = {int(r) for r in torch.nonzero(sched.num_splits > 1).flatten()}
+    assert split, "the draw produced no split request"
+    assert set(owners) == split
+    assert len(split) <= num_parts - 1

@@ -51,6 +51,10 @@ CASES = [
      dict(num_parts=33, overhead=1)),
     (dict(batch=2, q_len=1, num_heads_q=16, seqlen=200, page_size=64, head_dim_qk=512), {}),
     (dict(batch=2, q_len=1, num_heads_q=128, seqlen=5000, page_size=64, varlen=False), {}),
+    # more requests than part boundaries: the combine's grid runs over the boundaries (combine.combine_by_boundary)
+    (dict(batch=40, q_len=2, num_heads_q=16, seqlen=300, page_size=16, causal=True, zero_len_rows=2),
+     dict(num_parts=12, overhead=1)),
+    (dict(batch=200, q_len=1, num_heads_q=128, seqlen=1000, page_size=64), {}),
 ]
 
 

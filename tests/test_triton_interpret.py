@@ -45,6 +45,9 @@ CASES = [
                                              causal=True, zero_len_rows=1, varlen=False), dict(num_parts=9, overhead=1)),
     ("fp8dsmla-split-b2xs1xh2-ps8", dict(batch=2, q_len=1, num_heads_q=2, seqlen=60, page_size=8,
                                          kv_format="fp8_ds_mla", varlen=False), dict(num_parts=5, overhead=1)),
+    # more requests than part boundaries: the combine's grid runs over the boundaries (combine_by_boundary)
+    ("fp16-split-boundary-b7xs1xh4-ps16", dict(batch=7, q_len=1, num_heads_q=4, seqlen=70, page_size=16, varlen=False),
+     dict(num_parts=4, overhead=1)),
     # more slots per request than the combine reads per loop trip (its block of 8)
     ("fp16-split-many-b2xs1xh4-ps16", dict(batch=2, q_len=1, num_heads_q=4, seqlen=300, page_size=16, varlen=False),
      dict(num_parts=24, overhead=1, min_splits=9)),
@@ -160,6 +163,10 @@ def _run_cases(seed: int) -> None:
                 plan._state = TritonBackend.make_state(plan.problem, platform_for(case.q.device), plan.cache_seqlens,
                                                        **ov)
                 split = int(plan.state.schedule.num_splits.max()) >= min_splits
+                if "boundary" in cid:
+                    from mla_dispatch.kernels.triton.combine import combine_by_boundary
+
+                    split = split and combine_by_boundary(kw["batch"], plan.state.schedule.num_parts)
             b, s, h, _ = case.q.shape
             out = torch.full((b, s, h, case.head_dim_v), float("nan"), dtype=case.q.dtype)
             lse = torch.full((b, h, s), float("nan"))

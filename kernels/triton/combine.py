@@ -11,6 +11,10 @@ slot saw no key for that row).  With ``M = max_s lse_s``::
 A row whose every slot is ``-inf`` gets ``out = 0`` and ``lse = +inf``.
 Requests that were not split are left untouched (the decode kernel wrote them).
 One program per (request, tile of query rows, tile of channels); rows are ``(query token, head)``.
+Where the batch has more requests than the schedule has part boundaries, the first grid axis
+runs over the boundaries instead (``BY_BOUNDARY``): at most ``num_parts - 1`` requests are
+split, so programs for the unsplit ones, which would only read ``num_splits`` and exit, are
+not launched (b = 512, 66 parts: 66 instead of 512 program rows).
 """
 
 from __future__ import annotations
@@ -18,21 +22,36 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["combine_kernel", "launch_combine"]
+__all__ = ["combine_kernel", "combine_by_boundary", "launch_combine"]
 
 
 @triton.jit
 def combine_kernel(
-    PartialOut, PartialLse, Out, Lse, NumSplits, FirstSlot,
+    PartialOut, PartialLse, Out, Lse, NumSplits, FirstSlot, Items, PartOffsets,
     num_heads,
     stride_pob, stride_pos, stride_poh,
     stride_plb, stride_pls, stride_plh,
     stride_ob, stride_os, stride_oh,
     stride_lb, stride_lh, stride_ls,
     ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    BY_BOUNDARY: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    n_splits = tl.load(NumSplits + b)
+    if BY_BOUNDARY:
+        # program_id(0) = boundary k between parts k and k + 1. A split request's second slot is
+        # the first item of the part after one of its boundaries (the schedule cuts the cost axis
+        # at the boundaries and numbers a request's slots in part order): that boundary merges it.
+        part = tl.program_id(0) + 1
+        it = tl.load(PartOffsets + part)
+        has_item = it < tl.load(PartOffsets + part + 1)
+        it64 = it.to(tl.int64) * 4
+        req = tl.load(Items + it64, mask=has_item, other=-1)
+        item_slot = tl.load(Items + it64 + 3, mask=has_item, other=-1)
+        b = tl.maximum(req, 0)
+        owner = (req >= 0) & (item_slot >= 0) & (item_slot == tl.load(FirstSlot + b) + 1)
+        n_splits = tl.where(owner, tl.load(NumSplits + b), 0)
+    else:
+        b = tl.program_id(0)
+        n_splits = tl.load(NumSplits + b)
     if n_splits > 1:
         first = tl.load(FirstSlot + b).to(tl.int64)
         r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -75,27 +94,38 @@ def combine_kernel(
         tl.store(Lse + bo * stride_lb + h * stride_lh + i * stride_ls, lse, mask=ok & ((r * 0 + tl.program_id(2)) == 0))
 
 
-def launch_combine(partial_out, partial_lse, num_splits, first_slot, out, lse, *, block_r: int = 4,
-                   block_d: int = 128, block_s: int = 8, kernel=combine_kernel):
+def combine_by_boundary(batch: int, num_parts: int) -> bool:
+    """Whether the combine runs one program row per part boundary (``num_parts - 1 < batch``) rather than per request."""
+    return num_parts - 1 < batch
+
+
+def launch_combine(partial_out, partial_lse, num_splits, first_slot, out, lse, items, part_offsets, *,
+                   block_r: int = 4, block_d: int = 128, block_s: int = 8, kernel=combine_kernel):
     """Merge partials into ``out`` ``[B, s_q, h_q, D_v]`` / ``lse`` ``[B, h_q, s_q]`` (no allocation).
 
     One program per (request, ``block_r`` rows, ``block_d`` channels): many small
     programs, so a single long request split over every SM still merges in parallel;
     each reads ``block_s`` slots per loop trip.
     ``kernel`` is :func:`combine_kernel` or ``torch.library.wrap_triton`` of it (inside
-    the registered op, :mod:`.ops`). Returns Triton's launch handle.
+    the registered op, :mod:`.ops`). ``items`` int32 ``[max_items, 4]`` and ``part_offsets`` int32
+    ``[num_parts + 1]`` are the schedule's (:func:`combine_by_boundary` says which grid they select).
+    Returns Triton's launch handle, or None when there is nothing to merge (one part, or no requests).
     """
     batch, q_len, h_q, d_v = out.shape
     rows = q_len * h_q
+    num_parts = part_offsets.shape[0] - 1
+    if batch == 0 or rows == 0 or num_parts <= 1:  # one part: no request is split
+        return None
+    by_boundary = combine_by_boundary(batch, num_parts)
     block_d = min(block_d, d_v)
-    grid = (batch, triton.cdiv(rows, block_r), triton.cdiv(d_v, block_d))
+    grid = (num_parts - 1 if by_boundary else batch, triton.cdiv(rows, block_r), triton.cdiv(d_v, block_d))
     return kernel[grid](
-        partial_out, partial_lse, out, lse, num_splits, first_slot,
+        partial_out, partial_lse, out, lse, num_splits, first_slot, items, part_offsets,
         h_q,
         partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
         partial_lse.stride(0), partial_lse.stride(1), partial_lse.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1), lse.stride(2),
-        ROWS=rows, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_S=block_s,
+        ROWS=rows, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_S=block_s, BY_BOUNDARY=by_boundary,
         num_warps=4,
     )

@@ -104,7 +104,7 @@ def _launch(decode_kernel, combine, q, kv_cache, block_table, seqlens, indices, 
         part_offsets, out, lse, partial_out, partial_lse, softmax_scale=softmax_scale, causal=causal,
         kv_format=kv_format, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
         tokens_on_m=tokens_on_m, v_split=v_split, qk_chunk=qk_chunk, max_registers=max_registers)
-    launch_combine(partial_out, partial_lse, num_splits, first_slot, out, lse, kernel=combine)
+    launch_combine(partial_out, partial_lse, num_splits, first_slot, out, lse, items, part_offsets, kernel=combine)
 
 
 def decode_step(*args) -> None:
