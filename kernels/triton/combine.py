@@ -14,7 +14,7 @@ One program per (request, tile of query rows, tile of channels); rows are ``(que
 Where the batch has more requests than the schedule has part boundaries, the first grid axis
 runs over the boundaries instead (``BY_BOUNDARY``): at most ``num_parts - 1`` requests are
 split, so programs for the unsplit ones, which would only read ``num_splits`` and exit, are
-not launched (b = 512, 66 parts: 66 instead of 512 program rows).
+not launched (b = 512, 66 parts: 65 instead of 512 program rows).
 """
 
 from __future__ import annotations
@@ -103,12 +103,13 @@ def launch_combine(partial_out, partial_lse, num_splits, first_slot, out, lse, i
                    block_r: int = 4, block_d: int = 128, block_s: int = 8, kernel=combine_kernel):
     """Merge partials into ``out`` ``[B, s_q, h_q, D_v]`` / ``lse`` ``[B, h_q, s_q]`` (no allocation).
 
-    One program per (request, ``block_r`` rows, ``block_d`` channels): many small
+    One program per (request, or part boundary where :func:`combine_by_boundary` says so,
+    ``block_r`` rows, ``block_d`` channels): many small
     programs, so a single long request split over every SM still merges in parallel;
     each reads ``block_s`` slots per loop trip.
     ``kernel`` is :func:`combine_kernel` or ``torch.library.wrap_triton`` of it (inside
     the registered op, :mod:`.ops`). ``items`` int32 ``[max_items, 4]`` and ``part_offsets`` int32
-    ``[num_parts + 1]`` are the schedule's (:func:`combine_by_boundary` says which grid they select).
+    ``[num_parts + 1]`` are the schedule's (read by the per-boundary grid).
     Returns Triton's launch handle, or None when there is nothing to merge (one part, or no requests).
     """
     batch, q_len, h_q, d_v = out.shape
