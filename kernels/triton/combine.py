@@ -99,14 +99,23 @@ def combine_by_boundary(batch: int, num_parts: int) -> bool:
     return num_parts - 1 < batch
 
 
+# (block_r, block_d, block_s) per grid, by measurement (H100, h_q = 128, benchmarks/RESULTS.md "fourth session"):
+# per request (few requests, many slots each: b = 1 has 66) 4 x 128 channels, 8 slots per trip; per boundary
+# (many requests, two or three slots each) whole 512-channel rows, 4 slots per trip.
+_BLOCKS_PER_REQUEST = (4, 128, 8)
+_BLOCKS_PER_BOUNDARY = (1, 512, 4)
+
+
 def launch_combine(partial_out, partial_lse, num_splits, first_slot, out, lse, items, part_offsets, *,
-                   block_r: int = 4, block_d: int = 128, block_s: int = 8, kernel=combine_kernel):
+                   block_r: int | None = None, block_d: int | None = None, block_s: int | None = None,
+                   kernel=combine_kernel):
     """Merge partials into ``out`` ``[B, s_q, h_q, D_v]`` / ``lse`` ``[B, h_q, s_q]`` (no allocation).
 
     One program per (request, or part boundary where :func:`combine_by_boundary` says so,
     ``block_r`` rows, ``block_d`` channels): many small
     programs, so a single long request split over every SM still merges in parallel;
-    each reads ``block_s`` slots per loop trip.
+    each reads ``block_s`` slots per loop trip. Block sizes left as None take the measured
+    defaults of the chosen grid.
     ``kernel`` is :func:`combine_kernel` or ``torch.library.wrap_triton`` of it (inside
     the registered op, :mod:`.ops`). ``items`` int32 ``[max_items, 4]`` and ``part_offsets`` int32
     ``[num_parts + 1]`` are the schedule's (read by the per-boundary grid).
@@ -118,7 +127,10 @@ def launch_combine(partial_out, partial_lse, num_splits, first_slot, out, lse, i
     if batch == 0 or rows == 0 or num_parts <= 1:  # one part: no request is split
         return None
     by_boundary = combine_by_boundary(batch, num_parts)
-    block_d = min(block_d, d_v)
+    defaults = _BLOCKS_PER_BOUNDARY if by_boundary else _BLOCKS_PER_REQUEST
+    block_r = block_r or defaults[0]
+    block_s = block_s or defaults[2]
+    block_d = min(block_d or defaults[1], d_v)
     grid = (num_parts - 1 if by_boundary else batch, triton.cdiv(rows, block_r), triton.cdiv(d_v, block_d))
     return kernel[grid](
         partial_out, partial_lse, out, lse, num_splits, first_slot, items, part_offsets,
