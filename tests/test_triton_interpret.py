@@ -47,7 +47,7 @@ CASES = [
                                          kv_format="fp8_ds_mla", varlen=False), dict(num_parts=5, overhead=1)),
     # more requests than part boundaries: the combine's grid runs over the boundaries (combine_by_boundary)
     ("fp16-split-boundary-b7xs1xh4-ps16", dict(batch=7, q_len=1, num_heads_q=4, seqlen=70, page_size=16, varlen=False),
-     dict(num_parts=4, overhead=1)),
+     dict(num_parts=4, overhead=1, by_boundary=True)),
     # more slots per request than the combine reads per loop trip (its block of 8)
     ("fp16-split-many-b2xs1xh4-ps16", dict(batch=2, q_len=1, num_heads_q=4, seqlen=300, page_size=16, varlen=False),
      dict(num_parts=24, overhead=1, min_splits=9)),
@@ -157,13 +157,14 @@ def _run_cases(seed: int) -> None:
 
                 ov = dict(overrides)
                 min_splits = ov.pop("min_splits", 2)
+                by_boundary = ov.pop("by_boundary", False)
                 if "config" in ov:
                     ov["config"] = KernelConfig(**ov["config"])
                 # swap in a schedule that forces split requests (exercises the combine) or another config
                 plan._state = TritonBackend.make_state(plan.problem, platform_for(case.q.device), plan.cache_seqlens,
                                                        **ov)
                 split = int(plan.state.schedule.num_splits.max()) >= min_splits
-                if "boundary" in cid:
+                if by_boundary:  # the case exists for the combine's per-boundary grid: it must take it
                     from mla_dispatch.kernels.triton.combine import combine_by_boundary
 
                     split = split and combine_by_boundary(kw["batch"], plan.state.schedule.num_parts)
