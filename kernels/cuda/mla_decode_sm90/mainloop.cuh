@@ -73,29 +73,43 @@ struct Fp8StageN {
 };
 using Fp8Stage = Fp8StageN<2>;
 
+// One token row's share of an fp8 tile (chunk c = tid % 8 of every 8) into registers (v1). Every
+// thread issues the same loads whatever its row and c, with no branch: with `if (!valid) continue`
+// around a row's loads (and fp8_e4m3's fifth chunk only for c < 4), ptxas made the first load of
+// each row wait on the scoreboard of the previous row's loads (seen in v6's SASS; removing it alone
+// did not change v6's time measurably: NOTES.md, "fp8 loads"). A row past the end reads a token of
+// page 0 (in bounds) and is zero-filled when stored; the fifth chunk of c >= 4 re-reads chunk c and
+// is not stored.
+template <int KvFmt>
+__device__ __forceinline__ void load_fp8_row(uint4 (&v)[6], const uint8_t* src, int c) {
+  const uint4* s = reinterpret_cast<const uint4*>(src);
+  if constexpr (KvFmt == kKvFp8E4M3) {
+    // 576 bytes = 36 chunks of 16 fp8 values: chunk c + 8k, k = 0..4 (k = 4 only for c < 4)
+#pragma unroll
+    for (int k = 0; k < 4; ++k) v[k] = __ldg(s + c + 8 * k);
+    v[4] = __ldg(s + (c < 4 ? c + 32 : c));
+  } else {
+    // 512 fp8 NoPE bytes (chunk c + 8k lies in scale group k), 16 scale bytes, 128 rope bytes
+#pragma unroll
+    for (int k = 0; k < 4; ++k) v[k] = __ldg(s + c + 8 * k);
+    v[4] = __ldg(reinterpret_cast<const uint4*>(src + 512));
+    v[5] = __ldg(reinterpret_cast<const uint4*>(src + 528) + c);
+  }
+}
+
 template <int KvFmt, int kLoaders = Cfg::kThreads>
 __device__ __forceinline__ void load_kv_fp8_regs(const DecodeParams& p, Fp8StageN<Cfg::kBlockN * 8 / kLoaders>& st,
                                                  int req, int kvh, int t0, int t_end, int tid = threadIdx.x) {
 #pragma unroll
   for (int pass = 0; pass < Cfg::kBlockN * 8 / kLoaders; ++pass) {
     const int t = t0 + tid / 8 + (kLoaders / 8) * pass;
-    st.valid[pass] = t < t_end;
-    if (!st.valid[pass]) continue;
-    const uint8_t* src = token_ptr<uint8_t>(p, req, t, kvh);
-    const int c = tid % 8;
-    if constexpr (KvFmt == kKvFp8E4M3) {
-      // 576 bytes = 36 chunks of 16 fp8 values: chunk c + 8k, k = 0..4 (k = 4 only for c < 4)
-#pragma unroll
-      for (int k = 0; k < 5; ++k) {
-        if (k < 4 || c < 4) st.v[pass][k] = __ldg(reinterpret_cast<const uint4*>(src) + c + 8 * k);
-      }
-    } else {
-      // 512 fp8 NoPE bytes (chunk c + 8k lies in scale group k), 16 scale bytes, 128 rope bytes
-#pragma unroll
-      for (int k = 0; k < 4; ++k) st.v[pass][k] = __ldg(reinterpret_cast<const uint4*>(src) + c + 8 * k);
-      st.v[pass][4] = __ldg(reinterpret_cast<const uint4*>(src + 512));
-      st.v[pass][5] = __ldg(reinterpret_cast<const uint4*>(src + 528) + c);
-    }
+    const bool valid = t < t_end;
+    st.valid[pass] = valid;
+    // the table entry of a row past the end is not read: page 0 stands in (in bounds, zero-filled later)
+    const int page = valid ? p.block_table[(int64_t)req * p.bt_stride + t / p.page_size] : 0;
+    const int64_t elem = (int64_t)page * p.kv_stride_block + (int64_t)(t % p.page_size) * p.kv_stride_tok +
+                         (int64_t)kvh * p.kv_stride_head;
+    load_fp8_row<KvFmt>(st.v[pass], reinterpret_cast<const uint8_t*>(p.kv) + elem, tid % 8);
   }
 }
 
@@ -160,6 +174,111 @@ __device__ __forceinline__ void store_kv_fp8(T* sK, const Fp8StageN<Cfg::kBlockN
         rope = make_uint4(w[0], w[1], w[2], w[3]);
       }
       *reinterpret_cast<uint4*>(sK + Layout::offset(row, (64 + c) * 8)) = rope;
+    }
+  }
+}
+
+// Two e4m3 values (the low 16 bits of `pair`) -> two values of T times `scale`, packed. The
+// conversion to fp16 is exact (every e4m3 value is a normal fp16 or zero), so an unscaled fp16
+// tile keeps it as is; bf16 goes through fp32 (sm_90 has no e4m3 -> bf16 conversion).
+template <typename T, bool kScaled>
+__device__ __forceinline__ uint32_t fp8x2_to(uint32_t pair, float scale) {
+  const __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair & 0xffffu), __NV_E4M3);
+  if constexpr (!TypeTraits<T>::kIsBf16 && !kScaled) {
+    return static_cast<uint32_t>(hr.x) | (static_cast<uint32_t>(hr.y) << 16);
+  } else {
+    float2 f = __half22float2(__half2(hr));
+    if constexpr (kScaled) f.x *= scale, f.y *= scale;
+    typename TypeTraits<T>::T2 v = TypeTraits<T>::from_float2(f.x, f.y);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+}
+
+// 8 bf16 rope values (fp8_ds_mla stores them as bf16) as T.
+template <typename T>
+__device__ __forceinline__ uint4 rope_as(uint4 rope) {
+  if constexpr (!TypeTraits<T>::kIsBf16) {
+    uint32_t w[4] = {rope.x, rope.y, rope.z, rope.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&w[i]));
+      __half2 h = __floats2half2_rn(f.x, f.y);
+      w[i] = *reinterpret_cast<uint32_t*>(&h);
+    }
+    rope = make_uint4(w[0], w[1], w[2], w[3]);
+  }
+  return rope;
+}
+
+// fp8 tiles for the wgmma kernels (v2: the CTA, v6: one warpgroup; Gmma128Tile64), 8 bytes per load:
+// the 8 threads of token row tid / 8 + kLoaders / 8 * pass load 8 bytes each per step, so step k
+// covers columns 64k .. 64k + 63 (one column block, whose 8-value chunk c is thread c's) and a row's 8
+// stores fill one 128-byte row of the block, free of bank conflicts, at one base pointer plus
+// compile-time offsets. store_kv_fp8's 16 fp8 values per thread put a thread's two chunks in two
+// column blocks at the same swizzle positions, so a row's stores conflict two-way (25% of v6's
+// shared-memory wavefronts under ncu). H100 (NOTES.md, "fp8 loads"): v6 b=64 h_q=16 fp8_e4m3 204 ->
+// 185 us against 16-byte loads with the offsets folded, v2 b=128 h_q=128 L=8K 1016 -> 876 us; 16-byte
+// loads with the lanes reordered so that the stores do not conflict measured 10% (v6) / 4% (v2) slower.
+template <int kPasses>
+struct Fp8Stage8B {
+  uint2 v[kPasses][9];   // fp8 bytes 64k + 8c .. + 8 of the row (fp8_ds_mla: NoPE, k < 8)
+  uint4 scale[kPasses];  // fp8_ds_mla: the row's four fp32 tile scales (one per 128 channels)
+  uint4 rope[kPasses];   // fp8_ds_mla: rope values 8c .. 8c + 8 (bf16)
+  bool valid[kPasses];
+};
+
+template <int KvFmt, int kLoaders, bool kPaged>
+__device__ __forceinline__ void load_kv_fp8_8b(const DecodeParams& p, Fp8Stage8B<Cfg::kBlockN * 8 / kLoaders>& st,
+                                               const int* spage, int req, int kvh, int t0, int t_end, int tid) {
+  const int c = tid % 8;
+#pragma unroll
+  for (int pass = 0; pass < Cfg::kBlockN * 8 / kLoaders; ++pass) {
+    const int row = tid / 8 + kLoaders / 8 * pass;
+    const int t = t0 + row;
+    const bool valid = t < t_end;
+    st.valid[pass] = valid;
+    // no branch on the row (see load_fp8_row); a row past the end reads page 0, in bounds, zero-filled later
+    const int page = kPaged ? spage[row] : (valid ? p.block_table[(int64_t)req * p.bt_stride + t / p.page_size] : 0);
+    const int64_t elem = (int64_t)page * p.kv_stride_block + (int64_t)(t % p.page_size) * p.kv_stride_tok +
+                         (int64_t)kvh * p.kv_stride_head;
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(p.kv) + elem;
+#pragma unroll
+    for (int k = 0; k < (KvFmt == kKvFp8E4M3 ? 9 : 8); ++k) {
+      st.v[pass][k] = __ldg(reinterpret_cast<const uint2*>(src) + c + 8 * k);
+    }
+    if constexpr (KvFmt != kKvFp8E4M3) {
+      st.scale[pass] = __ldg(reinterpret_cast<const uint4*>(src + 512));
+      st.rope[pass] = __ldg(reinterpret_cast<const uint4*>(src + 528) + c);
+    }
+  }
+}
+
+template <typename T, int KvFmt, int kLoaders>
+__device__ __forceinline__ void store_kv_fp8_8b(T* stage, const Fp8Stage8B<Cfg::kBlockN * 8 / kLoaders>& st, int tid) {
+  constexpr bool kScaled = KvFmt != kKvFp8E4M3;  // fp8_e4m3: the per-tensor scale is applied outside
+  // chunk c of column block k of the thread's row in pass p: blk + 4096 k + kLoaders / 8 * 64 p
+  T* const blk = stage + Gmma128Tile64::offset(tid / 8, 8 * (tid % 8));
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+#pragma unroll
+  for (int pass = 0; pass < Cfg::kBlockN * 8 / kLoaders; ++pass) {
+    T* const row = blk + kLoaders / 8 * 64 * pass;
+    if (!st.valid[pass]) {  // zero-fill the whole token row
+#pragma unroll
+      for (int k = 0; k < 9; ++k) *reinterpret_cast<uint4*>(row + 4096 * k) = zero;
+      continue;
+    }
+    const float scales[4] = {__uint_as_float(st.scale[pass].x), __uint_as_float(st.scale[pass].y),
+                             __uint_as_float(st.scale[pass].z), __uint_as_float(st.scale[pass].w)};
+#pragma unroll
+    for (int k = 0; k < (kScaled ? 8 : 9); ++k) {
+      const uint2 w = st.v[pass][k];
+      const float s = kScaled ? scales[k / 2] : 1.f;  // column block k lies in scale group k / 2
+      *reinterpret_cast<uint4*>(row + 4096 * k) =
+          make_uint4(fp8x2_to<T, kScaled>(w.x, s), fp8x2_to<T, kScaled>(w.x >> 16, s), fp8x2_to<T, kScaled>(w.y, s),
+                     fp8x2_to<T, kScaled>(w.y >> 16, s));
+    }
+    if constexpr (kScaled) {  // rope: 8 bf16 values -> chunk c of column block 8
+      *reinterpret_cast<uint4*>(row + 4096 * 8) = rope_as<T>(st.rope[pass]);
     }
   }
 }

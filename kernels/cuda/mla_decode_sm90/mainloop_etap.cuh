@@ -100,8 +100,9 @@ __device__ __forceinline__ void load_kv_async_paged(const DecodeParams& p, T* sK
 // warpgroup (any page size), with the tile's pages prefetched a tile ahead.
 // fp8 caches (KvFmt != kKvSameAsQ, cp.async path only): a warpgroup loads its next tile into
 // registers at the start of the current one (so the loads fly during its GEMMs) and dequantises it
-// into its stage after P V, as v2 does for the whole CTA (store_kv_fp8: fp8_e4m3 unscaled, the
+// into its stage after P V, as v2 does for the whole CTA (store_kv_fp8_8b: fp8_e4m3 unscaled, the
 // per-tensor scale folded into the softmax scale and the output; fp8_ds_mla times its tile scales).
+// The block-table entries of a tile are prefetched into shared memory two tiles ahead of its load.
 template <typename T, int kN, bool kTma, int KvFmt = kKvSameAsQ>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     mla_decode_kernel_v6(const __grid_constant__ DecodeParams p, const __grid_constant__ CUtensorMap kv_map) {
@@ -123,7 +124,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   uint64_t* sBar = reinterpret_cast<uint64_t*>(sPage + 2 * Cfg::kBlockN);  // [warpgroup][column block] (kTma)
 
   const int part = blockIdx.x, kvh = blockIdx.z;  // one row tile (blockIdx.y = 0)
-  const int tid = threadIdx.x, lane = tid % 32, wg = tid / 128, tid_wg = tid % 128, warp = (tid / 32) % 4;
+  const int tid = threadIdx.x, lane = tid % 32, tid_wg = tid % 128, warp = (tid / 32) % 4;
+  // warpgroup index through a shuffle from lane 0, so the compiler knows it is warp-uniform and keeps the
+  // stage-dependent wgmma descriptors in uniform registers (CUTLASS's canonical_warp_group_idx does the same)
+  const int wg = __shfl_sync(0xffffffff, tid / 128, 0);
   T* const stage = sK + wg * Cfg::kKElems;  // this warpgroup's KV stage
   T* const sPw = sP + wg * 32 * 64;         // its P^T [kN x 64 tokens] (rows 32 wg.., 1024-byte aligned)
   float* const red = sRed + wg * 4 * Etap::kMaxRows;
@@ -174,12 +178,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     const int num_tiles = (tok_end - tok_begin + Cfg::kBlockN - 1) / Cfg::kBlockN;
 
     const int32_t* table_row = table + (int64_t)req * p.bt_stride;
-    Fp8StageN<4> fp8_next;  // kFp8: the next tile of this warpgroup, in registers
+    Fp8Stage8B<4> fp8_next;  // kFp8: the next tile of this warpgroup, in registers
     if constexpr (kFp8) {
       if (wg < num_tiles) {
-        load_kv_fp8_regs<KvFmt, 128>(p, fp8_next, req, kvh, tok_begin + wg * Cfg::kBlockN, tok_end, tid_wg);
-        store_kv_fp8<T, KvFmt, L, 128>(stage, fp8_next, tid_wg);
+        load_kv_fp8_8b<KvFmt, 128, false>(p, fp8_next, nullptr, req, kvh, tok_begin + wg * Cfg::kBlockN, tok_end,
+                                          tid_wg);
+        store_kv_fp8_8b<T, KvFmt, 128>(stage, fp8_next, tid_wg);
       }
+      // pages of this warpgroup's second tile (landed by the wait below)
+      if (wg + 2 < num_tiles) prefetch_pages(p, spage, req, tok_begin + (wg + 2) * Cfg::kBlockN, tok_end, tid_wg);
     } else if constexpr (kTma) {
       if (wg < num_tiles && tid_wg == 0) {
         const int t0 = tok_begin + wg * Cfg::kBlockN;
@@ -213,7 +220,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       if constexpr (kFp8) {
         // the next tile into registers now, so the loads fly during this tile's GEMMs (issued after
         // the S^T wgmmas instead, as v2 does, measured 6% slower: 241 vs 228 us at b=64 h16 L=8K)
-        if (has_next) load_kv_fp8_regs<KvFmt, 128>(p, fp8_next, req, kvh, t0 + 2 * Cfg::kBlockN, tok_end, tid_wg);
+        if (has_next) {
+          load_kv_fp8_8b<KvFmt, 128, true>(p, fp8_next, spage, req, kvh, t0 + 2 * Cfg::kBlockN, tok_end, tid_wg);
+        }
       } else if constexpr (kTma) {
         if (has_next && tid_wg == 0) next_page = table_row[(t0 + 2 * Cfg::kBlockN) / p.page_size];
       } else if (has_next) {  // pages of the next tile (read by other threads after the barrier before its load)
@@ -265,6 +274,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         if (lane < 4) red[warp * Etap::kMaxRows + col_of(k)] = cmax[k];
       }
       named_barrier(bar, 128);
+      if constexpr (kFp8) {  // every thread has read spage for this tile's loads: the pages two tiles on
+        if (j + 4 < num_tiles) {
+          prefetch_pages(p, spage, req, t0 + 4 * Cfg::kBlockN, tok_end, tid_wg);
+          cp_async_commit();
+        }
+      }
       float m_use[kCols], scale[kCols], psum[kCols];
 #pragma unroll
       for (int k = 0; k < kCols; ++k) {
@@ -328,8 +343,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       ++loads_done;
       if constexpr (kFp8) {
         if (has_next) {
-          named_barrier(bar, 128);  // every warp's wgmmas have read the stage
-          store_kv_fp8<T, KvFmt, L, 128>(stage, fp8_next, tid_wg);
+          cp_async_wait_all();      // this thread's page entries of the tile after next
+          named_barrier(bar, 128);  // every warp's wgmmas have read the stage; spage complete
+          store_kv_fp8_8b<T, KvFmt, 128>(stage, fp8_next, tid_wg);
           fence_proxy_async_smem();
           named_barrier(bar, 128);
         }

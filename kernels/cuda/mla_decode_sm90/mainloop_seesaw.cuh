@@ -227,11 +227,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     auto desc = [](const void* base) {
       uint32_t a = smem_u32(base);
       asm volatile("" : "+r"(a));
+      a = __shfl_sync(0xffffffff, a, 0);  // warp-uniform: the descriptor math runs in uniform registers
       return gmma_desc_sw128_addr(a, 16, 1024);
     };
     auto desc_v = [](const void* base) {
       uint32_t a = smem_u32(base);
       asm volatile("" : "+r"(a));
+      a = __shfl_sync(0xffffffff, a, 0);  // warp-uniform: the descriptor math runs in uniform registers
       return gmma_desc_sw128_addr(a, 64 * 64 * 2, 1024);
     };
     // S = Q K^T of tile j over column blocks [B0, B1), each block issued as soon as its TMA box

@@ -95,7 +95,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
 
   const int part = blockIdx.x, row_tile = blockIdx.y, kvh = blockIdx.z;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int rg = warp % Cfg::kRowGroups, half = warp / Cfg::kRowGroups;  // half = warpgroup
+  // half = warpgroup, through a shuffle from lane 0 so the compiler knows it is warp-uniform and keeps the
+  // wgmma descriptors that depend on it in uniform registers (CUTLASS's canonical_warp_group_idx); not in v4,
+  // where it gave ptxas a 128-byte stack frame
+  const int rg = warp % Cfg::kRowGroups;
+  const int half = kKSplit ? warp / Cfg::kRowGroups : __shfl_sync(0xffffffff, warp / Cfg::kRowGroups, 0);
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr float kLn2 = 0.6931471805599453f;
 
@@ -122,13 +126,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
     // -- Q tile
     load_q_tile_async<T, L>(p, sQ, req, row_tile, kvh);
     const int num_tiles = (tok_end - tok_begin + Cfg::kBlockN - 1) / Cfg::kBlockN;
-    Fp8Stage fp8_stage;
+    Fp8Stage8B<2> fp8_stage;
     if (num_tiles > 0) {
       if constexpr (KvFmt == kKvSameAsQ) {
         load_kv_async<T, L>(p, sK, req, kvh, tok_begin, tok_end);
       } else {
-        load_kv_fp8_regs<KvFmt>(p, fp8_stage, req, kvh, tok_begin, tok_end);
-        store_kv_fp8<T, KvFmt, L>(sK, fp8_stage);
+        load_kv_fp8_8b<KvFmt, Cfg::kThreads, false>(p, fp8_stage, nullptr, req, kvh, tok_begin, tok_end, tid);
+        store_kv_fp8_8b<T, KvFmt, Cfg::kThreads>(sK, fp8_stage, tid);
       }
     }
     cp_async_commit();
@@ -215,7 +219,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
           load_kv_async<T, L>(p, sKnext, req, kvh, t0 + Cfg::kBlockN, tok_end);
           cp_async_commit();
         } else {
-          load_kv_fp8_regs<KvFmt>(p, fp8_stage, req, kvh, t0 + Cfg::kBlockN, tok_end);
+          load_kv_fp8_8b<KvFmt, Cfg::kThreads, false>(p, fp8_stage, nullptr, req, kvh, t0 + Cfg::kBlockN, tok_end, tid);
         }
       }
       cute::warpgroup_wait<0>();
@@ -328,7 +332,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
         if constexpr (KvFmt == kKvSameAsQ) {
           cp_async_wait_all();
         } else {
-          store_kv_fp8<T, KvFmt, L>(sKnext, fp8_stage);
+          store_kv_fp8_8b<T, KvFmt, Cfg::kThreads>(sKnext, fp8_stage, tid);
         }
         fence_proxy_async_smem();
       }
