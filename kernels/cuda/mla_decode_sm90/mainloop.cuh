@@ -179,7 +179,7 @@ __device__ __forceinline__ void store_kv_fp8(T* sK, const Fp8StageN<Cfg::kBlockN
 }
 
 // Two e4m3 values (the low 16 bits of `pair`) -> two values of T times `scale`, packed. The
-// conversion to fp16 is exact (every e4m3 value is a normal fp16 or zero), so an unscaled fp16
+// conversion to fp16 is exact (every finite e4m3 value is a normal fp16 or zero), so an unscaled fp16
 // tile keeps it as is; bf16 goes through fp32 (sm_90 has no e4m3 -> bf16 conversion).
 template <typename T, bool kScaled>
 __device__ __forceinline__ uint32_t fp8x2_to(uint32_t pair, float scale) {
