@@ -36,12 +36,16 @@ using Cfg = DecodeConfig;
 // warp reads 4 tokens x 128 contiguous bytes per instruction), 32 tokens per pass, 2 passes
 // (load_kv_async with a warpgroup: 16 tokens per pass, 4 passes).
 
+// Element offset of token t (in cache block `page`) of KV head kvh.
+__device__ __forceinline__ int64_t kv_token_elem(const DecodeParams& p, int page, int t, int kvh) {
+  return (int64_t)page * p.kv_stride_block + (int64_t)(t % p.page_size) * p.kv_stride_tok +
+         (int64_t)kvh * p.kv_stride_head;
+}
+
 template <typename T>
 __device__ __forceinline__ const uint8_t* token_ptr(const DecodeParams& p, int req, int t, int kvh) {
   const int page = p.block_table[(int64_t)req * p.bt_stride + t / p.page_size];
-  const int off = t % p.page_size;
-  const int64_t elem = (int64_t)page * p.kv_stride_block + (int64_t)off * p.kv_stride_tok + (int64_t)kvh * p.kv_stride_head;
-  return reinterpret_cast<const uint8_t*>(p.kv) + elem * (int64_t)sizeof(T);
+  return reinterpret_cast<const uint8_t*>(p.kv) + kv_token_elem(p, page, t, kvh) * (int64_t)sizeof(T);
 }
 
 // bf16/fp16 cache: cp.async straight into the swizzled tile, by kLoaders threads (tid < kLoaders:
@@ -107,74 +111,8 @@ __device__ __forceinline__ void load_kv_fp8_regs(const DecodeParams& p, Fp8Stage
     st.valid[pass] = valid;
     // the table entry of a row past the end is not read: page 0 stands in (in bounds, zero-filled later)
     const int page = valid ? p.block_table[(int64_t)req * p.bt_stride + t / p.page_size] : 0;
-    const int64_t elem = (int64_t)page * p.kv_stride_block + (int64_t)(t % p.page_size) * p.kv_stride_tok +
-                         (int64_t)kvh * p.kv_stride_head;
+    const int64_t elem = kv_token_elem(p, page, t, kvh);
     load_fp8_row<KvFmt>(st.v[pass], reinterpret_cast<const uint8_t*>(p.kv) + elem, tid % 8);
-  }
-}
-
-// 16 e4m3 values -> 16 values of T (times `scale`), stored as two swizzled 16-byte chunks.
-template <typename T, class Layout>
-__device__ __forceinline__ void store_fp8x16(T* sK, int row, int first_chunk, uint4 raw, float scale) {
-  using TT = TypeTraits<T>;
-  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-  uint32_t packed[8];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const __nv_fp8x2_storage_t pair = static_cast<__nv_fp8x2_storage_t>((w[i] >> (16 * h)) & 0xffff);
-      const __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3);
-      const float2 f = __half22float2(__half2(hr));
-      typename TT::T2 v = TT::from_float2(f.x * scale, f.y * scale);
-      packed[i * 2 + h] = *reinterpret_cast<uint32_t*>(&v);
-    }
-  }
-  *reinterpret_cast<uint4*>(sK + Layout::offset(row, first_chunk * 8)) =
-      make_uint4(packed[0], packed[1], packed[2], packed[3]);
-  *reinterpret_cast<uint4*>(sK + Layout::offset(row, first_chunk * 8 + 8)) =
-      make_uint4(packed[4], packed[5], packed[6], packed[7]);
-}
-
-template <typename T, int KvFmt, class Layout, int kLoaders = Cfg::kThreads>
-__device__ __forceinline__ void store_kv_fp8(T* sK, const Fp8StageN<Cfg::kBlockN * 8 / kLoaders>& st,
-                                             int tid = threadIdx.x) {
-  const int c = tid % 8;
-  const uint4 zero = make_uint4(0, 0, 0, 0);
-#pragma unroll
-  for (int pass = 0; pass < Cfg::kBlockN * 8 / kLoaders; ++pass) {
-    const int row = tid / 8 + (kLoaders / 8) * pass;
-    if (!st.valid[pass]) {
-      // zero-fill the whole token row (72 chunks: c + 8k, k = 0..8)
-#pragma unroll
-      for (int k = 0; k < 9; ++k) *reinterpret_cast<uint4*>(sK + Layout::offset(row, (c + 8 * k) * 8)) = zero;
-      continue;
-    }
-    if constexpr (KvFmt == kKvFp8E4M3) {
-      // unscaled: the per-tensor scale is folded into the softmax scale and the output
-#pragma unroll
-      for (int k = 0; k < 5; ++k) {
-        if (k < 4 || c < 4) store_fp8x16<T, Layout>(sK, row, 2 * (c + 8 * k), st.v[pass][k], 1.0f);
-      }
-    } else {
-      const float scales[4] = {__uint_as_float(st.v[pass][4].x), __uint_as_float(st.v[pass][4].y),
-                               __uint_as_float(st.v[pass][4].z), __uint_as_float(st.v[pass][4].w)};
-#pragma unroll
-      for (int k = 0; k < 4; ++k) store_fp8x16<T, Layout>(sK, row, 2 * (c + 8 * k), st.v[pass][k], scales[k]);
-      // rope: 8 bf16 values -> chunk 64 + c
-      uint4 rope = st.v[pass][5];
-      if constexpr (!TypeTraits<T>::kIsBf16) {
-        uint32_t w[4] = {rope.x, rope.y, rope.z, rope.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float2 f = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&w[i]));
-          __half2 h = __floats2half2_rn(f.x, f.y);
-          w[i] = *reinterpret_cast<uint32_t*>(&h);
-        }
-        rope = make_uint4(w[0], w[1], w[2], w[3]);
-      }
-      *reinterpret_cast<uint4*>(sK + Layout::offset(row, (64 + c) * 8)) = rope;
-    }
   }
 }
 
@@ -210,6 +148,50 @@ __device__ __forceinline__ uint4 rope_as(uint4 rope) {
   return rope;
 }
 
+// 16 e4m3 values -> 16 values of T (times `scale`), stored as two swizzled 16-byte chunks.
+template <typename T, class Layout>
+__device__ __forceinline__ void store_fp8x16(T* sK, int row, int first_chunk, uint4 raw, float scale) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+  uint32_t packed[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) packed[i] = fp8x2_to<T, true>(w[i / 2] >> (16 * (i % 2)), scale);
+  *reinterpret_cast<uint4*>(sK + Layout::offset(row, first_chunk * 8)) =
+      make_uint4(packed[0], packed[1], packed[2], packed[3]);
+  *reinterpret_cast<uint4*>(sK + Layout::offset(row, first_chunk * 8 + 8)) =
+      make_uint4(packed[4], packed[5], packed[6], packed[7]);
+}
+
+template <typename T, int KvFmt, class Layout, int kLoaders = Cfg::kThreads>
+__device__ __forceinline__ void store_kv_fp8(T* sK, const Fp8StageN<Cfg::kBlockN * 8 / kLoaders>& st,
+                                             int tid = threadIdx.x) {
+  const int c = tid % 8;
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+#pragma unroll
+  for (int pass = 0; pass < Cfg::kBlockN * 8 / kLoaders; ++pass) {
+    const int row = tid / 8 + (kLoaders / 8) * pass;
+    if (!st.valid[pass]) {
+      // zero-fill the whole token row (72 chunks: c + 8k, k = 0..8)
+#pragma unroll
+      for (int k = 0; k < 9; ++k) *reinterpret_cast<uint4*>(sK + Layout::offset(row, (c + 8 * k) * 8)) = zero;
+      continue;
+    }
+    if constexpr (KvFmt == kKvFp8E4M3) {
+      // unscaled: the per-tensor scale is folded into the softmax scale and the output
+#pragma unroll
+      for (int k = 0; k < 5; ++k) {
+        if (k < 4 || c < 4) store_fp8x16<T, Layout>(sK, row, 2 * (c + 8 * k), st.v[pass][k], 1.0f);
+      }
+    } else {
+      const float scales[4] = {__uint_as_float(st.v[pass][4].x), __uint_as_float(st.v[pass][4].y),
+                               __uint_as_float(st.v[pass][4].z), __uint_as_float(st.v[pass][4].w)};
+#pragma unroll
+      for (int k = 0; k < 4; ++k) store_fp8x16<T, Layout>(sK, row, 2 * (c + 8 * k), st.v[pass][k], scales[k]);
+      // rope: 8 bf16 values -> chunk 64 + c
+      *reinterpret_cast<uint4*>(sK + Layout::offset(row, (64 + c) * 8)) = rope_as<T>(st.v[pass][5]);
+    }
+  }
+}
+
 // fp8 tiles for the wgmma kernels (v2: the CTA, v6: one warpgroup; Gmma128Tile64), 8 bytes per load:
 // the 8 threads of token row tid / 8 + kLoaders / 8 * pass load 8 bytes each per step, so step k
 // covers columns 64k .. 64k + 63 (one column block, whose 8-value chunk c is thread c's) and a row's 8
@@ -239,8 +221,7 @@ __device__ __forceinline__ void load_kv_fp8_8b(const DecodeParams& p, Fp8Stage8B
     st.valid[pass] = valid;
     // no branch on the row (see load_fp8_row); a row past the end reads page 0, in bounds, zero-filled later
     const int page = kPaged ? spage[row] : (valid ? p.block_table[(int64_t)req * p.bt_stride + t / p.page_size] : 0);
-    const int64_t elem = (int64_t)page * p.kv_stride_block + (int64_t)(t % p.page_size) * p.kv_stride_tok +
-                         (int64_t)kvh * p.kv_stride_head;
+    const int64_t elem = kv_token_elem(p, page, t, kvh);
     const uint8_t* src = reinterpret_cast<const uint8_t*>(p.kv) + elem;
 #pragma unroll
     for (int k = 0; k < (KvFmt == kKvFp8E4M3 ? 9 : 8); ++k) {

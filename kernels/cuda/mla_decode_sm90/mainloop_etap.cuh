@@ -83,8 +83,7 @@ __device__ __forceinline__ void load_kv_async_paged(const DecodeParams& p, T* sK
     const int row = tid / 8 + 16 * pass;
     const int t = t0 + row;
     const bool valid = t < t_end;
-    const int64_t elem = (int64_t)spage[row] * p.kv_stride_block + (int64_t)(t % p.page_size) * p.kv_stride_tok +
-                         (int64_t)kvh * p.kv_stride_head;
+    const int64_t elem = kv_token_elem(p, spage[row], t, kvh);
     const T* src = reinterpret_cast<const T*>(p.kv) + (valid ? elem : 0);
 #pragma unroll
     for (int k = 0; k < Cfg::kChunksQK / 8; ++k) {
