@@ -219,7 +219,10 @@ __device__ __forceinline__ void load_kv_fp8_8b(const DecodeParams& p, Fp8Stage8B
     const int t = t0 + row;
     const bool valid = t < t_end;
     st.valid[pass] = valid;
-    // no branch on the row (see load_fp8_row); a row past the end reads page 0, in bounds, zero-filled later
+    // fp8_e4m3: no branch on the row (see load_fp8_row); a row past the end reads page 0, in bounds, and is
+    // zero-filled at the store. fp8_ds_mla keeps the branch: same-call A/B on the H100 (v6 b=64 h16 L=8K), without
+    // it 221 us, with it 210; with it fp8_e4m3 went 185 -> 196 us (NOTES.md, fifth session)
+    if (KvFmt != kKvFp8E4M3 && !valid) continue;
     const int page = kPaged ? spage[row] : (valid ? p.block_table[(int64_t)req * p.bt_stride + t / p.page_size] : 0);
     const int64_t elem = kv_token_elem(p, page, t, kvh);
     const uint8_t* src = reinterpret_cast<const uint8_t*>(p.kv) + elem;
