@@ -104,7 +104,7 @@ class TritonBackend(MLABackend):
         group = p.num_heads_q // p.num_heads_kv
         rows = group if p.sparse else p.q_len * group
         cfg = config or choose_config(rows, p.kv_format, page_size=None if p.sparse else p.page_size,
-                                      interpret=platform.kind == "cpu")
+                                      heads_kv=p.num_heads_kv, interpret=platform.kind == "cpu")
         tiles = (p.num_heads_kv * num_m_tiles(rows, cfg) * programs_per_tile(cfg, p.head_dim_v)
                  * (p.q_len if p.sparse else 1))
         if num_parts is None:
@@ -143,4 +143,4 @@ class TritonBackend(MLABackend):
         decode_step(q, kv_cache, None if p.sparse else block_table, state.lengths, indices, kv_scale, s.items,
                     s.part_offsets, s.num_splits, state.first_slot, out, lse, state.partial_out, state.partial_lse,
                     softmax_scale, p.causal, p.kv_format, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
-                    cfg.tokens_on_m, cfg.v_split, cfg.qk_chunk, cfg.max_registers)
+                    cfg.tokens_on_m, cfg.v_split, cfg.qk_chunk, cfg.max_registers, cfg.tma)

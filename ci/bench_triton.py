@@ -1,7 +1,7 @@
 """Benchmark the Triton MLA decode kernel against the roofline measured in the same run.
 
-    python ci/bench_triton.py [--grids flashmla,mem,pages,fp8,graph,choice,occupancy,small] [--json PATH]
-                              [--check] [--only NAME,...] [--report]
+    python ci/bench_triton.py [--grids flashmla,mem,pages,fp8,graph,choice,occupancy,small,tma,tmapage16] [--json PATH]
+                              [--check] [--only NAME,...] [--report] [--precompile N]
 
 Prints, per config: µs (triton.testing.do_bench median, L2 flushed) for
 ``DecodePlan.run`` (decode + combine), for ``update + run`` (the per-step
@@ -97,7 +97,8 @@ def kernel_report(plan, q, kv, kv_scale) -> dict:
 
 
 def bench_one(name, peaks, batch, q_len, h_q, seqlen, *, page_size=64, kv_format="bf16", varlen=True,
-              config=None, num_parts=None, graph=True, report=False, kernels=False, check=False) -> dict:
+              config=None, num_parts=None, graph=True, report=False, kernels=False, check=False,
+              compile_only=False) -> dict:
     q, kv, table, lens, kv_scale = make_inputs(batch, q_len, h_q, seqlen, page_size=page_size, kv_format=kv_format,
                                                varlen=varlen)
     plan = plan_decode(q, kv, table, lens, kv_format=kv_format, kv_scale=kv_scale, causal=q_len > 1,
@@ -114,6 +115,10 @@ def bench_one(name, peaks, batch, q_len, h_q, seqlen, *, page_size=64, kv_format
         plan.update()
         run()
 
+    if compile_only:  # one run fills Triton's on-disk cache for this config (see precompile)
+        run()
+        torch.cuda.synchronize()
+        return {}
     check_msg = None
     if check:  # the config's output against the fp32 reference, DESIGN.md §5 tolerances (poisoned first)
         from mla_dispatch.backends.reference import reference_attention
@@ -195,6 +200,21 @@ def grids(names):
                 g.append((f"small-b1-L{L}-parts{parts or 'auto'}", dict(batch=1, q_len=1, h_q=128, seqlen=L,
                                                                        varlen=False, num_parts=parts,
                                                                        kernels=True), True))
+    if "tma" in names:  # whole tiles by TMA (KernelConfig.tma, bf16) against the gather configs they replaced
+        cands = {16: ("tM16-n32-s2-p3-r168", "tM16-n32-s4-tma", "tM16-n64-s2-tma"),
+                 32: ("tM32-n64", "tM32-n64-tma", "hM64-n32-w8-s4-tma"),
+                 64: ("hM64-n64-w8", "hM64-n64-w8-tma", "hM64-n32-w8-s4-tma")}
+        for h, specs in cands.items():
+            for spec in specs:
+                g.append((f"tma-h{h}-{spec}", dict(batch=64, q_len=1, h_q=h, seqlen=8192, varlen=False,
+                                                   config=parse_spec(spec)), False))
+        for spec in ("hM64-n64-w8", "hM64-n64-w8-tma", "hM64-n32-w8-s4-tma"):
+            g.append((f"tma-flashmla-s1-L8192-{spec}", dict(batch=128, q_len=1, h_q=128, seqlen=8192,
+                                                            config=parse_spec(spec)), False))
+    if "tmapage16" in names:  # page 16: TMA needs tiles inside a page, so 16-token tiles, deeper pipelines
+        for spec in ("hM64-n64-w8-s3", "hM64-n16-w8-s4-tma", "hM64-n16-w8-s6-tma"):
+            g.append((f"tmapage16-h64-{spec}", dict(batch=64, q_len=1, h_q=64, seqlen=8192, varlen=False, page_size=16,
+                                                    config=parse_spec(spec)), False))
     if "fp8choice" in names:
         for h, spec in ((16, "hM16-n32"), (16, "hM16-n64"), (32, "hM16-n32"), (32, "hM32-n32"), (32, "tM32-n64"),
                         (64, "hM16-n32")):
@@ -265,6 +285,29 @@ def grids(names):
     return g
 
 
+def _compile_entry(entry) -> str:
+    name, kw = entry
+    try:
+        bench_one(name, None, compile_only=True, **kw)
+        return ""
+    except Exception as exc:  # the timed pass reports it again
+        return f"{name}: {type(exc).__name__}: {exc}"
+
+
+def precompile(entries, workers: int) -> None:
+    """Compile every entry's kernels in ``workers`` processes at once (Triton compiles on the CPU, one config at a
+    time per process; its on-disk cache then serves the timed pass), so a grid of new configs costs its slowest
+    compile rather than the sum."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    t0 = time.time()
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+        errors = [e for e in pool.map(_compile_entry, [(n, kw) for n, kw, _ in entries]) if e]
+    print(f"precompiled {len(entries)} configs in {time.time() - t0:.0f}s with {workers} processes"
+          + "".join(f"\n  {e}" for e in errors), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--grids", default="flashmla,mem,pages,fp8,graph")
@@ -272,6 +315,10 @@ def main():
     ap.add_argument("--report", action="store_true", help="registers/spills/wgmma per config")
     ap.add_argument("--check", action="store_true", help="compare each config's output with the reference")
     ap.add_argument("--only", default=None, help="comma-separated names: run just these grid entries")
+    ap.add_argument("--precompile", type=int, default=0, metavar="N",
+                    help="compile the entries' kernels in N processes first (Triton's cache serves the timed pass); "
+                         "each process builds its entry's inputs on the GPU: 12 ran out of memory on the default grids "
+                         "of an 80 GB H100 (those entries then compile in the timed pass), 4 did not")
     args = ap.parse_args()
     names = set(args.grids.split(","))
     print(f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}, triton {triton.__version__}")
@@ -279,9 +326,10 @@ def main():
     print(f"measured peaks: copy {peaks[0] / 1e12:.2f} TB/s, bf16 matmul {peaks[1] / 1e12:.0f} TFLOP/s")
     results = []
     only = set(args.only.split(",")) if args.only else None
-    for name, kw, graph in grids(names):
-        if only is not None and name not in only:
-            continue
+    entries = [e for e in grids(names) if only is None or e[0] in only]
+    if args.precompile:
+        precompile(entries, args.precompile)
+    for name, kw, graph in entries:
         t0 = time.time()
         try:
             r = bench_one(name, peaks, graph=graph, report=args.report, check=args.check, **kw)

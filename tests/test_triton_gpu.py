@@ -55,6 +55,15 @@ CASES = [
     (dict(batch=40, q_len=2, num_heads_q=16, seqlen=300, page_size=16, causal=True, zero_len_rows=2),
      dict(num_parts=12, overhead=1)),
     (dict(batch=200, q_len=1, num_heads_q=128, seqlen=1000, page_size=64), {}),
+    # whole tiles by TMA (KernelConfig.tma), the partial last tile of each item by the masked gather; the cache's
+    # unused slots hold NaN, so a tail read by TMA would show
+    (dict(batch=4, q_len=1, num_heads_q=16, seqlen=300, page_size=64), dict(spec="tM16-n32-s4-tma")),
+    (dict(batch=3, q_len=2, num_heads_q=32, seqlen=300, page_size=64, causal=True, zero_len_rows=1),
+     dict(spec="hM64-n32-w8-s4-tma", num_parts=20, overhead=1)),
+    (dict(batch=4, q_len=1, num_heads_q=128, seqlen=700, page_size=128), dict(spec="hM64-n64-w8-tma")),
+    (dict(batch=3, q_len=1, num_heads_q=32, seqlen=600, page_size=256, dtype=torch.float16),
+     dict(spec="tM32-n64-tma")),
+    (dict(batch=2, q_len=1, num_heads_q=16, seqlen=200, page_size=64, head_dim_qk=512), dict(spec="tM16-n32-s4-tma")),
 ]
 
 
@@ -73,7 +82,9 @@ def _case_id(kw: dict, overrides: dict) -> str:
         parts.append(f"topk{kw['topk']}")
     if kw.get("zero_len_rows"):
         parts.append("zero")
-    if overrides:
+    if "spec" in overrides:
+        parts.append(overrides["spec"])
+    if "num_parts" in overrides:
         parts.append(f"split{overrides['num_parts']}")
     return "-".join(parts)
 
@@ -97,8 +108,21 @@ def test_triton_gpu_matches_reference(kw, overrides, gen):
     case = make_case(dtype=dtype, device="cuda", generator=gen, **kw)
     plan = plan_decode(*case.args(), backend="triton", **case.kwargs())
     if overrides:
-        plan._state = TritonBackend.make_state(plan.problem, plan.platform, plan.cache_seqlens, **overrides)
-        assert bool((plan.state.schedule.num_splits > 1).any()), "schedule override did not split any request"
+        from mla_dispatch.kernels.triton.aot_report import parse_spec
+        from mla_dispatch.kernels.triton.decode import effective_splits, tma_applies
+
+        overrides = dict(overrides)
+        spec = overrides.pop("spec", None)
+        cfg = parse_spec(spec) if spec else None
+        plan._state = TritonBackend.make_state(plan.problem, plan.platform, plan.cache_seqlens, config=cfg,
+                                               **overrides)
+        if "num_parts" in overrides:
+            assert bool((plan.state.schedule.num_splits > 1).any()), "schedule override did not split any request"
+        if cfg is not None and cfg.tma:  # the case exists for the TMA path: the launch must take it
+            v_split, qk_chunk = effective_splits(cfg, case.head_dim_v)
+            assert tma_applies(True, case.kv_cache, kv_format=case.kv_format, sparse=False,
+                               block_n=cfg.block_n, v_split=v_split, qk_chunk=qk_chunk, head_dim_v=case.head_dim_v,
+                               traced=False)
     ref_out, ref_lse = reference_attention(*case.args(), **case.kwargs())
     for _ in range(2):  # a second run over the same plan and workspace must give the same answer
         out, lse = _poisoned(case)

@@ -62,6 +62,17 @@ CASES = [
                                                 kv_format="fp8_e4m3", varlen=False),
      dict(config=dict(block_m=16, block_n=16, num_warps=4, num_stages=1, v_split=4, qk_chunk=256,
                       tokens_on_m=True, chunk_size=16), num_parts=4, overhead=1)),
+    # whole tiles by TMA (tensor descriptors), the partial last tile by the masked gather: varlen lengths put a
+    # partial tile (and NaN-poisoned slots past the end in its page) in most requests
+    ("fp16-tma-b3xs2xh3-ps32-causal-zero", dict(batch=3, q_len=2, num_heads_q=3, seqlen=70, page_size=32,
+                                               causal=True, zero_len_rows=1),
+     dict(config=dict(block_m=16, block_n=16, num_warps=4, num_stages=2, tma=True, chunk_size=16))),
+    ("fp16-tma-tokensM-split-b2xs1xh4-ps16", dict(batch=2, q_len=1, num_heads_q=4, seqlen=75, page_size=16,
+                                                  varlen=False),
+     dict(config=dict(block_m=16, block_n=16, num_warps=4, num_stages=2, tma=True, tokens_on_m=True, chunk_size=16),
+          num_parts=5, overhead=1)),
+    ("fp16-tma-d512-b2xs1xh2-ps16", dict(batch=2, q_len=1, num_heads_q=2, seqlen=40, page_size=16, head_dim_qk=512),
+     dict(config=dict(block_m=16, block_n=16, num_warps=4, num_stages=2, tma=True, chunk_size=16))),
 ]
 
 
@@ -81,7 +92,7 @@ TRITON_DECODE_SCHEMA = (
     "Tensor? kv_scale, Tensor items, Tensor part_offsets, Tensor num_splits, Tensor first_slot, Tensor(a10!) out, "
     "Tensor(a11!) lse, Tensor(a12!) partial_out, Tensor(a13!) partial_lse, float softmax_scale, bool causal, "
     "str kv_format, SymInt block_m, SymInt block_n, SymInt num_warps, SymInt num_stages, bool tokens_on_m, "
-    "SymInt v_split, SymInt qk_chunk, SymInt max_registers) -> ()"
+    "SymInt v_split, SymInt qk_chunk, SymInt max_registers, bool tma) -> ()"
 )
 
 
@@ -93,7 +104,7 @@ def triton_op_args(plan, case, out, lse) -> tuple:
     return (case.q, case.kv_cache, None if p.sparse else case.block_table, st.lengths, case.indices, case.kv_scale,
             s.items, s.part_offsets, s.num_splits, st.first_slot, out, lse, st.partial_out, st.partial_lse,
             plan.softmax_scale, p.causal, p.kv_format, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
-            cfg.tokens_on_m, cfg.v_split, cfg.qk_chunk, cfg.max_registers)
+            cfg.tokens_on_m, cfg.v_split, cfg.qk_chunk, cfg.max_registers, cfg.tma)
 
 
 def _run_op_checks(seed: int) -> None:
@@ -164,6 +175,15 @@ def _run_cases(seed: int) -> None:
                 plan._state = TritonBackend.make_state(plan.problem, platform_for(case.q.device), plan.cache_seqlens,
                                                        **ov)
                 split = int(plan.state.schedule.num_splits.max()) >= min_splits
+                if ov.get("config") is not None and ov["config"].tma:  # the case exists for the TMA path: it must take it
+                    from mla_dispatch.kernels.triton.decode import effective_splits, tma_applies
+
+                    cfg = ov["config"]
+                    v_split, qk_chunk = effective_splits(cfg, case.head_dim_v)
+                    if not tma_applies(True, case.kv_cache, kv_format=case.kv_format, sparse=False,
+                                       block_n=cfg.block_n, v_split=v_split, qk_chunk=qk_chunk,
+                                       head_dim_v=case.head_dim_v, traced=False):
+                        raise AssertionError("the launch would not take the TMA path")
                 if by_boundary:  # the case exists for the combine's per-boundary grid: it must take it
                     from mla_dispatch.kernels.triton.combine import combine_by_boundary
 
@@ -246,3 +266,41 @@ if __name__ == "__main__":
     _seed = int(sys.argv[1]) if len(sys.argv) > 1 else 0
     _run_cases(_seed)
     _run_op_checks(_seed)
+
+
+def test_tma_applies_only_where_the_descriptors_are_valid():
+    """The TMA path's gate (decode.tma_applies) and the table's use of it (decode.choose_config): taken for a
+    contiguous bf16/fp16 cache with one KV head and pages of whole tiles, refused for every other case."""
+    pytest.importorskip("triton")
+    import torch
+
+    from mla_dispatch.kernels.triton.decode import TMA_CONFIGS, choose_config, tma_applies
+
+    def gate(kv, **kw):
+        args = dict(kv_format="bf16", sparse=False, block_n=64, v_split=1, qk_chunk=512, head_dim_v=512, traced=False)
+        args.update(kw)
+        return tma_applies(True, kv, **args)
+
+    kv = torch.zeros(3, 64, 1, 576, dtype=torch.bfloat16)
+    assert gate(kv)
+    assert gate(torch.zeros(3, 128, 1, 576, dtype=torch.float16), kv_format="fp16")
+    assert not tma_applies(False, kv, kv_format="bf16", sparse=False, block_n=64, v_split=1, qk_chunk=512,
+                           head_dim_v=512, traced=False)
+    assert not gate(kv, traced=True)  # a wrap_triton launch (torch.compile / export)
+    assert not gate(kv, sparse=True)
+    assert not gate(kv, kv_format="fp8_e4m3")
+    assert not gate(kv, kv_format="fp8_ds_mla")
+    assert not gate(kv, v_split=2)
+    assert not gate(kv, qk_chunk=256)
+    assert not gate(torch.zeros(3, 32, 1, 576, dtype=torch.bfloat16))  # a page holds half a tile
+    assert not gate(torch.zeros(3, 64, 2, 576, dtype=torch.bfloat16))  # two KV heads
+    assert not gate(torch.zeros(3, 64, 1, 600, dtype=torch.bfloat16)[..., :576])  # rows not contiguous
+    assert not gate(torch.zeros(3 * 64 * 576 + 1, dtype=torch.bfloat16)[1:].view(3, 64, 1, 576))  # base misaligned
+
+    for rows in (16, 32, 64, 128):
+        cfg = choose_config(rows, "bf16", page_size=64)
+        assert cfg is TMA_CONFIGS[(rows, "bf16")] and cfg.tma
+        assert not choose_config(rows, "bf16", page_size=16).tma  # pages shorter than the tile
+        assert not choose_config(rows, "bf16", page_size=64, heads_kv=2).tma
+        assert not choose_config(rows, "fp8_e4m3", page_size=64).tma
+        assert not choose_config(rows, "bf16").tma  # sparse / unknown page size

@@ -31,15 +31,25 @@ def compile_config(cfg: KernelConfig, *, kv_format="bf16", causal=False, sparse=
     ptrs = dict(Q="*bf16", KV=_PTR[kv_format], BlockTable="*i32", Seqlens="*i32", Indices="*i32", KVScale="*fp32",
                 Items="*i32", PartOffsets="*i32", Out="*bf16", Lse="*fp32", PartialOut="*fp32", PartialLse="*fp32")
     v_split, qk_chunk = effective_splits(cfg, d_v)
+    tma = (cfg.tma and kv_format == "bf16" and not sparse and page_size % cfg.block_n == 0 and v_split == 1
+           and qk_chunk == d_v)
     constexprs = dict(PAGE_SIZE=page_size, D_V=d_v, D_ROPE=d_rope, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, V_SPLIT=v_split,
                       QK_CHUNK=qk_chunk, KV_FORMAT=_FMT[kv_format], CAUSAL=causal, SPARSE=sparse,
-                      TOKENS_ON_M=cfg.tokens_on_m)
+                      TOKENS_ON_M=cfg.tokens_on_m, TMA=tma, ASM_PAGE=tma)
+    if tma:  # host tensor descriptors (decode.tma_descriptors)
+        ptrs.update(KDesc=f"tensordesc<bf16[{cfg.block_n}, {d_v}]>")
+        if d_rope:
+            ptrs.update(RDesc=f"tensordesc<bf16[{cfg.block_n}, {d_rope}]>")
+    for desc in ("KDesc", "RDesc"):
+        if desc not in ptrs:
+            constexprs[desc] = None
     for i, n in enumerate(names):
         if n in constexprs:
             sig[n] = "constexpr"
         elif n in ptrs:
             sig[n] = ptrs[n]
-            attrs[(i,)] = [["tt.divisibility", 16]]
+            if not ptrs[n].startswith("tensordesc"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
         elif n == "qk_scale":
             sig[n] = "fp32"
         else:
@@ -53,7 +63,7 @@ def compile_config(cfg: KernelConfig, *, kv_format="bf16", causal=False, sparse=
     ptx = k.asm["ptx"]
     return dict(regs=_reg_count(k), stack_bytes=_spills(k), smem=k.metadata.shared,
                 wgmma=ptx.count("wgmma.mma_async"), mma_sync=ptx.count("mma.sync"),
-                cp_async=ptx.count("cp.async"))
+                cp_async=ptx.count("cp.async"), tma=ptx.count("cp.async.bulk.tensor"))
 
 
 def _reg_count(k):
@@ -90,9 +100,13 @@ def _spills(k):
 
 def parse_spec(spec: str) -> KernelConfig:
     """'tM16-n64-w8-v2-q128-s2' -> KernelConfig: t|h tokens/heads on M, M block_m, n block_n,
-    w warps, v v_split, q qk_chunk, s stages, p programs per SM, r register cap (the notation of ci/bench_triton.py)."""
+    w warps, v v_split, q qk_chunk, s stages, p programs per SM, r register cap, tma whole tiles by TMA (the notation
+    of ci/bench_triton.py)."""
     f = dict(block_m=16, block_n=64, num_warps=4, num_stages=2, tokens_on_m=spec[0] == "t", v_split=1, qk_chunk=512)
     for tok in spec[1:].split("-"):
+        if tok == "tma":
+            f["tma"] = True
+            continue
         key = {"M": "block_m", "n": "block_n", "w": "num_warps", "v": "v_split", "q": "qk_chunk",
                "s": "num_stages", "p": "programs_per_sm", "r": "max_registers"}[tok[0]]
         f[key] = int(tok[1:])

@@ -49,8 +49,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
 __all__ = ["KernelConfig", "choose_config", "launch_decode", "launch_decode_kernel", "KV_FORMAT_IDS"]
@@ -178,6 +180,65 @@ def _scores(Q, q_off, row_ok, q_whole, q_rope, KV, rows, valid, DTYPE: tl.conste
     return s
 
 
+@triton.jit
+def _page_of(ptr, ASM: tl.constexpr):
+    """The block-table entry at ``ptr`` (a scalar).
+
+    On the GPU it is read with inline PTX (``ld.global.nc``) rather than ``tl.load``: Triton's
+    software pipeliner gives every ``tl.load`` in the loop a stage of its own, so a table read
+    feeding the TMA coordinate pushed the TMA one stage later and left one tile in flight whatever
+    ``num_stages`` was (read in the TTGIR, triton 3.9 for sm_90: the TMA of tile i + 1 issued at the
+    end of iteration i). Read as an opaque instruction it shares the TMA's stage, and with
+    ``num_stages = s`` the TMA of tile i + s - 1 is issued in iteration i. The table is read-only
+    during the kernel, so the non-coherent path is safe. The interpreter has no inline PTX (ASM=False).
+    """
+    if ASM:
+        return tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [ptr], dtype=tl.int32, is_pure=True,
+                                         pack=1)
+    else:
+        return tl.load(ptr)
+
+
+@triton.jit
+def _tma_tile(KDesc, RDesc, r0, D_ROPE: tl.constexpr):
+    """Latent ``[BLOCK_N, D_V]`` and RoPE ``[BLOCK_N, D_ROPE]`` channels of cache rows ``r0 ..`` (one page, every row
+    valid) by TMA: ``KDesc`` views a bf16/fp16 cache as ``[rows, D_qk]`` with block ``[BLOCK_N, D_V]``, ``RDesc``
+    the same rows with block ``[BLOCK_N, D_ROPE]`` at column ``D_V``. The tiles stay in shared memory, where the
+    wgmma reads them."""
+    k = KDesc.load([r0, 0])
+    k_r = k  # placeholder when there is no RoPE part
+    if D_ROPE > 0:
+        k_r = RDesc.load([r0, k.shape[1]])
+    return k, k_r
+
+
+@triton.jit
+def _online_update(s, v, n, valid, limit, m_i, l_i, acc, s_scale, DTYPE: tl.constexpr, TOKENS_ON_M: tl.constexpr):
+    """One token tile of the online softmax (base 2): mask, rescale, ``acc += P V``. ``s`` raw scores
+    ``[BLOCK_N, BLOCK_M]`` (tokens on M) or ``[BLOCK_M, BLOCK_N]``; returns ``(m_i, l_i, acc)``."""
+    if TOKENS_ON_M:
+        # S^T = K Q^T : tokens on M, query rows on N
+        vis = valid[:, None] & (n[:, None] < limit[None, :])
+        s = tl.where(vis, s * s_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[None, :])
+        l_i = l_i * alpha + tl.sum(p, 0)
+        # O^T = V^T P^T : the latent channels fill M
+        acc = tl.dot(tl.trans(v), p.to(DTYPE), acc * alpha[None, :])
+    else:
+        vis = valid[None, :] & (n[None, :] < limit[:, None])
+        s = tl.where(vis, s * s_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(DTYPE), v, acc * alpha[:, None])
+    return m_new, l_i, acc
+
+
 # ----------------------------------------------------------------------------------------
 # the kernel
 # ----------------------------------------------------------------------------------------
@@ -186,6 +247,7 @@ def _scores(Q, q_off, row_ok, q_whole, q_rope, KV, rows, valid, DTYPE: tl.conste
 @triton.jit
 def mla_decode_kernel(
     Q, KV, BlockTable, Seqlens, Indices, KVScale,
+    KDesc, RDesc,  # TMA descriptors of the cache (TMA only, else None; see _tma_tile)
     Items, PartOffsets,
     Out, Lse, PartialOut, PartialLse,
     qk_scale,  # softmax_scale * log2(e)
@@ -203,6 +265,8 @@ def mla_decode_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     V_SPLIT: tl.constexpr, QK_CHUNK: tl.constexpr,
     KV_FORMAT: tl.constexpr, CAUSAL: tl.constexpr, SPARSE: tl.constexpr, TOKENS_ON_M: tl.constexpr,
+    TMA: tl.constexpr = False,  # whole tiles by TMA (dense, h_kv = 1, PAGE_SIZE % BLOCK_N == 0, REUSE_K)
+    ASM_PAGE: tl.constexpr = False,  # TMA: block-table reads as inline PTX (see _page_of); False interpreting
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
     tl.static_assert(D_V % V_SPLIT == 0 and D_V % QK_CHUNK == 0)
@@ -210,6 +274,7 @@ def mla_decode_kernel(
     DV_BLOCK: tl.constexpr = D_V // V_SPLIT  # output channels this program accumulates
     # V can reuse the K tile only when one program holds all of it
     REUSE_K: tl.constexpr = V_SPLIT == 1 and QK_CHUNK == D_V
+    tl.static_assert(not TMA or (REUSE_K and not SPARSE and KV_FORMAT == 0 and PAGE_SIZE % BLOCK_N == 0))
     DTYPE = Q.dtype.element_ty
     LN2: tl.constexpr = 0.6931471805599453
     # a plain launch passes the Python float as fp32; torch.compile (Inductor) passes it as fp64, which
@@ -274,7 +339,28 @@ def mla_decode_kernel(
             acc = tl.zeros([DV_BLOCK, BLOCK_M], tl.float32)  # O^T
         else:
             acc = tl.zeros([BLOCK_M, DV_BLOCK], tl.float32)
-        for start in range(tok_begin, tok_end, BLOCK_N):
+        s_scale = qk_scale * kv_scale
+        gather_begin = tok_begin
+        if TMA:
+            # whole tiles: one page each (items start at multiples of BLOCK_N), every row valid, so the
+            # tile needs no mask and TMA can fetch it whole; Triton pipelines these loads num_stages - 1
+            # tiles ahead (_page_of). A partial last tile takes the masked gather below.
+            gather_begin = tok_begin + (tok_end - tok_begin) // BLOCK_N * BLOCK_N
+            for start in range(tok_begin, gather_begin, BLOCK_N):
+                page = _page_of(BlockTable + req.to(tl.int64) * stride_bt + start // PAGE_SIZE, ASM_PAGE)
+                k, k_r = _tma_tile(KDesc, RDesc, page * PAGE_SIZE + start % PAGE_SIZE, D_ROPE)
+                if TOKENS_ON_M:
+                    s = tl.dot(k, tl.trans(q_whole))
+                    if D_ROPE > 0:
+                        s = tl.dot(k_r, tl.trans(q_rope), s)
+                else:
+                    s = tl.dot(q_whole, tl.trans(k))
+                    if D_ROPE > 0:
+                        s = tl.dot(q_rope, tl.trans(k_r), s)
+                n = start + tl.arange(0, BLOCK_N)
+                m_i, l_i, acc = _online_update(s, k, n, n < tok_end, limit, m_i, l_i, acc, s_scale, DTYPE,
+                                               TOKENS_ON_M)
+        for start in range(gather_begin, tok_end, BLOCK_N):
             n, valid, rows = _token_rows(BlockTable, Indices, req, i_row0, start, tok_end, PAGE_SIZE, stride_bt,
                                          stride_ib, stride_is, stride_kb, stride_kt, kv_head_off, BLOCK_N, SPARSE)
             if REUSE_K:
@@ -294,27 +380,7 @@ def mla_decode_kernel(
                 s = _scores(Q, q_off, row_ok, q_whole, q_rope, KV, rows, valid, DTYPE, D_V, D_ROPE, QK_CHUNK,
                             KV_FORMAT, BLOCK_M, BLOCK_N, TOKENS_ON_M)
                 v = _load_latent(KV, rows, valid, v_lo, DTYPE, DV_BLOCK, KV_FORMAT)
-            if TOKENS_ON_M:
-                # S^T = K Q^T : tokens on M, query rows on N
-                vis = valid[:, None] & (n[:, None] < limit[None, :])
-                s = tl.where(vis, s * (qk_scale * kv_scale), float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 0))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m_i - m_safe)
-                p = tl.exp2(s - m_safe[None, :])
-                l_i = l_i * alpha + tl.sum(p, 0)
-                # O^T = V^T P^T : the latent channels fill M
-                acc = tl.dot(tl.trans(v), p.to(DTYPE), acc * alpha[None, :])
-            else:
-                vis = valid[None, :] & (n[None, :] < limit[:, None])
-                s = tl.where(vis, s * (qk_scale * kv_scale), float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m_i - m_safe)
-                p = tl.exp2(s - m_safe[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = tl.dot(p.to(DTYPE), v, acc * alpha[:, None])
-            m_i = m_new
+            m_i, l_i, acc = _online_update(s, v, n, valid, limit, m_i, l_i, acc, s_scale, DTYPE, TOKENS_ON_M)
 
         # -- epilogue: normalise; natural-log LSE ----------------------------------------
         has_key = l_i > 0.0
@@ -367,6 +433,9 @@ class KernelConfig:
     # has at most one tile in flight; more programs per SM overlap each other's loads.
     programs_per_sm: int = 1
     max_registers: int = 0  # ptxas register cap per thread (Triton's maxnreg); 0 = the compiler's choice
+    # whole tiles by TMA (tensor descriptors), pipelined num_stages - 1 tiles ahead, where the launch allows it
+    # (see ``tma_applies``); the partial last tile of an item keeps the masked gather
+    tma: bool = False
 
     def __post_init__(self):
         if self.chunk_size % self.block_n:
@@ -413,17 +482,35 @@ CONFIGS.update({(16, "fp8_e4m3"): _H16_P3, (32, "fp8_e4m3"): _H64_N64, (64, "fp8
                 (128, "fp8_e4m3"): _H64,
                 (16, "fp8_ds_mla"): _T16_P3, (32, "fp8_ds_mla"): _H64_N64, (64, "fp8_ds_mla"): _H64_N64,
                 (128, "fp8_ds_mla"): _H64})
+#: (rows bucket, kv format) -> config for bf16/fp16 caches with one KV head whose pages hold whole 64-token tiles
+#: (page_size % 64 == 0): whole tiles by TMA, pipelined a tile ahead (``KernelConfig.tma``). H100, same run
+#: (ci/bench_triton.py --grids tma, page 64): b=64 L=8K h=16 250.9 us vs 268.1 (the 16-row config above), h=32
+#: 276.7 vs 316.7, h=64 329.7 vs 397.6; b=128 h=128 L̄=8K 1133.6 vs 1376.2. Deeper pipelines with 32-token tiles
+#: (tM16-n32-s4 264.0 us, hM64-n32-w8-s4 359.7 / 369.7 / 1316.5 us) lost to 64-token tiles with two stages.
+TMA_CONFIGS: dict[tuple[int, str], KernelConfig] = {}
+for _fmt in ("bf16", "fp16"):
+    TMA_CONFIGS.update({
+        (16, _fmt): KernelConfig(16, 64, 4, 2, tokens_on_m=True, tma=True),
+        (32, _fmt): KernelConfig(32, 64, 4, 2, tokens_on_m=True, tma=True),
+        (64, _fmt): KernelConfig(64, 64, 8, 2, tma=True),
+        (128, _fmt): KernelConfig(64, 64, 8, 2, tma=True),
+    })
 #: (rows bucket, kv format) -> config where a 64-token tile spans several pages (page_size < 64, dense caches)
 SMALL_PAGE_CONFIGS: dict[tuple[int, str], KernelConfig] = {(64, "bf16"): _H64_N64_S3, (64, "fp16"): _H64_N64_S3}
 INTERPRETER_CONFIG = KernelConfig(16, 16, 4, 1, chunk_size=16)
 
 
-def choose_config(rows: int, kv_format: str, *, page_size: int | None = None, interpret: bool = False) -> KernelConfig:
-    """The config for a problem class (see ``CONFIGS``; ``SMALL_PAGE_CONFIGS`` for dense caches with pages
-    shorter than 64 tokens; ``page_size=None``: sparse or unknown)."""
+def choose_config(rows: int, kv_format: str, *, page_size: int | None = None, heads_kv: int = 1,
+                  interpret: bool = False) -> KernelConfig:
+    """The config for a problem class (see ``CONFIGS``; ``TMA_CONFIGS`` for bf16/fp16 caches with one KV head
+    and pages of whole 64-token tiles; ``SMALL_PAGE_CONFIGS`` for dense caches with pages shorter than 64
+    tokens; ``page_size=None``: sparse or unknown)."""
     if interpret:
         return INTERPRETER_CONFIG
     key = (_rows_bucket(rows), kv_format)
+    tma = TMA_CONFIGS.get(key)
+    if tma is not None and page_size is not None and heads_kv == 1 and page_size % tma.block_n == 0:
+        return tma
     if page_size is not None and page_size < 64 and key in SMALL_PAGE_CONFIGS:
         return SMALL_PAGE_CONFIGS[key]
     return CONFIGS[key]
@@ -450,6 +537,35 @@ def programs_per_tile(cfg: KernelConfig, head_dim_v: int) -> int:
     return effective_splits(cfg, head_dim_v)[0]
 
 
+def tma_applies(cfg_tma: bool, kv, *, kv_format: str, sparse: bool, block_n: int, v_split: int, qk_chunk: int,
+                head_dim_v: int, traced: bool) -> bool:
+    """Whether a launch takes the TMA path: asked for by the config; a bf16/fp16 cache (fp8 tiles by TMA measured
+    no faster than the gather on the H100, and fp8_ds_mla's faulted: NOTES.md); an NVIDIA GPU with TMA (SM90+)
+    or Triton's interpreter; a plain launch (a ``wrap_triton`` launch traced by torch.compile / export runs the
+    gathered loads: same results); a dense cache with one KV head, laid out contiguously (16-byte aligned base,
+    fewer than 2^31 token rows); pages holding whole tiles; the K tile reused as V."""
+    if not cfg_tma or traced or sparse or kv_format not in ("bf16", "fp16") or v_split != 1 or qk_chunk != head_dim_v:
+        return False
+    nb, page_size, h_kv, _ = kv.shape
+    if h_kv != 1 or page_size % block_n or not kv.is_contiguous() or kv.data_ptr() % 16 or nb * page_size >= 2**31:
+        return False
+    if kv.device.type == "cpu":
+        return True  # the interpreter
+    return kv.device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(kv.device)[0] >= 9
+
+
+def tma_descriptors(kv, head_dim_v: int, block_n: int):
+    """(KDesc, RDesc) for :func:`_tma_tile`: host tensor descriptors over the cache ``[nb, ps, 1, D_qk]`` (bf16 or
+    fp16, contiguous) viewed as ``[nb * ps, D_qk]`` token rows; RDesc is None without a RoPE part."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    rows, width = kv.shape[0] * kv.shape[1], kv.shape[-1]
+    flat = kv.view(rows, width)
+    kd = TensorDescriptor(flat, [rows, width], [width, 1], [block_n, head_dim_v])
+    rd = TensorDescriptor(flat, [rows, width], [width, 1], [block_n, width - head_dim_v]) if width > head_dim_v else None
+    return kd, rd
+
+
 def launch_decode(q, kv, block_table, cache_seqlens, indices, kv_scale, schedule, out, lse, partial_out,
                   partial_lse, *, softmax_scale: float, causal: bool, kv_format: str, head_dim_v: int,
                   cfg: KernelConfig):
@@ -470,13 +586,13 @@ def launch_decode(q, kv, block_table, cache_seqlens, indices, kv_scale, schedule
         schedule.part_offsets, out, lse, partial_out, partial_lse, softmax_scale=softmax_scale, causal=causal,
         kv_format=kv_format, block_m=cfg.block_m, block_n=cfg.block_n, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, tokens_on_m=cfg.tokens_on_m, v_split=cfg.v_split, qk_chunk=cfg.qk_chunk,
-        max_registers=cfg.max_registers)
+        max_registers=cfg.max_registers, tma=cfg.tma)
 
 
 def launch_decode_kernel(kernel, q, kv, block_table, cache_seqlens, indices, kv_scale, items, part_offsets, out,
                          lse, partial_out, partial_lse, *, softmax_scale: float, causal: bool, kv_format: str,
                          block_m: int, block_n: int, num_warps: int, num_stages: int, tokens_on_m: bool,
-                         v_split: int, qk_chunk: int, max_registers: int = 0):
+                         v_split: int, qk_chunk: int, max_registers: int = 0, tma: bool = False):
     """The launch itself, on tensors and plain scalars: ``kernel[grid](...)``.
 
     ``kernel`` is :func:`mla_decode_kernel` or ``torch.library.wrap_triton`` of it
@@ -502,8 +618,13 @@ def launch_decode_kernel(kernel, q, kv, block_table, cache_seqlens, indices, kv_
     # the register cap is a plain launch's option; torch's wrap_triton (torch.compile / export) forwards
     # only num_warps / num_stages-like options, so a traced launch runs without the cap (same results)
     launch_options = {"maxnreg": max_registers} if max_registers and isinstance(kernel, JITFunction) else {}
+    traced = not isinstance(kernel, (JITFunction, InterpretedFunction))
+    use_tma = tma_applies(tma, kv, kv_format=kv_format, sparse=sparse, block_n=block_n, v_split=v_split,
+                          qk_chunk=qk_chunk, head_dim_v=head_dim_v, traced=traced)
+    descs = tma_descriptors(kv, head_dim_v, block_n) if use_tma else (None, None)
     return kernel[grid](
         q, kv, bt, cache_seqlens, idx, scale_ptr,
+        *descs,
         items, part_offsets,
         out, lse, partial_out, partial_lse,
         softmax_scale * 1.4426950408889634,
@@ -519,5 +640,6 @@ def launch_decode_kernel(kernel, q, kv, block_table, cache_seqlens, indices, kv_
         D_V=head_dim_v, D_ROPE=d_qk - head_dim_v,
         BLOCK_M=block_m, BLOCK_N=block_n, V_SPLIT=v_split, QK_CHUNK=qk_chunk,
         KV_FORMAT=KV_FORMAT_IDS[kv_format], CAUSAL=causal, SPARSE=sparse, TOKENS_ON_M=tokens_on_m,
+        TMA=use_tma, ASM_PAGE=use_tma and kv.device.type == "cuda",
         num_warps=num_warps, num_stages=num_stages, **launch_options,
     )

@@ -70,6 +70,7 @@ def _triton_decode(
     v_split: int,
     qk_chunk: int,
     max_registers: int,
+    tma: bool,
 ) -> None:
     """Split-KV MLA decode into ``out`` / ``lse`` (see :mod:`.decode` and :mod:`.combine`).
 
@@ -83,19 +84,20 @@ def _triton_decode(
     Written: out ``[B, s_q, h_q, D_v]`` (q dtype), lse fp32 ``[B, h_q, s_q]`` (+inf for a
     row that sees no key), and the fp32 workspace partial_out ``[max_slots, s_q, h_q, D_v]``
     / partial_lse ``[max_slots, s_q, h_q]``. The remaining scalars are the fields of
-    :class:`.decode.KernelConfig` (``chunk_size`` lives in the schedule).
+    :class:`.decode.KernelConfig` (``chunk_size`` lives in the schedule; ``tma`` applies to plain launches
+    only, :func:`.decode.tma_applies`).
 
     Raises ValueError for an unknown ``kv_format``.
     """
     _launch(_launchable(mla_decode_kernel), _launchable(combine_kernel), q, kv_cache, block_table, seqlens,
             indices, kv_scale, items, part_offsets, num_splits, first_slot, out, lse, partial_out, partial_lse,
             softmax_scale, causal, kv_format, block_m, block_n, num_warps, num_stages, tokens_on_m, v_split,
-            qk_chunk, max_registers)
+            qk_chunk, max_registers, tma)
 
 
 def _launch(decode_kernel, combine, q, kv_cache, block_table, seqlens, indices, kv_scale, items, part_offsets,
             num_splits, first_slot, out, lse, partial_out, partial_lse, softmax_scale, causal, kv_format, block_m,
-            block_n, num_warps, num_stages, tokens_on_m, v_split, qk_chunk, max_registers) -> None:
+            block_n, num_warps, num_stages, tokens_on_m, v_split, qk_chunk, max_registers, tma) -> None:
     if kv_format not in KV_FORMAT_IDS:
         raise ValueError(f"kv_format={kv_format!r} (supported: {sorted(KV_FORMAT_IDS)})")
     kv = kv_cache.view(torch.uint8) if kv_cache.dtype == torch.int8 else kv_cache
@@ -103,7 +105,7 @@ def _launch(decode_kernel, combine, q, kv_cache, block_table, seqlens, indices, 
         decode_kernel, q, kv, block_table, seqlens, indices, kv_scale, items,
         part_offsets, out, lse, partial_out, partial_lse, softmax_scale=softmax_scale, causal=causal,
         kv_format=kv_format, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-        tokens_on_m=tokens_on_m, v_split=v_split, qk_chunk=qk_chunk, max_registers=max_registers)
+        tokens_on_m=tokens_on_m, v_split=v_split, qk_chunk=qk_chunk, max_registers=max_registers, tma=tma)
     launch_combine(partial_out, partial_lse, num_splits, first_slot, out, lse, items, part_offsets, kernel=combine)
 
 
