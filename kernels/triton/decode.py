@@ -34,6 +34,11 @@ is folded into the softmax scale and the final output; ``fp8_ds_mla`` tokens
 (512 fp8 NoPE + 4 fp32 scales + 64 bf16 RoPE in 656 bytes) are scaled per 128
 channels (the scales are powers of two, so the product is exact) and cast.
 
+Where the cache allows it (bf16/fp16, one KV head, contiguous, pages holding whole
+tiles: :func:`tma_applies`), an item's whole tiles are loaded by TMA through host
+tensor descriptors, which Triton pipelines a tile ahead (``TMA_CONFIGS``); its partial
+last tile takes the masked gather.
+
 Never read: cache slots at or past a request's length, block-table entries past
 ``ceil(L / page_size)`` (every load is masked by ``t < token_end``), and sparse
 ``indices`` entries equal to -1.
