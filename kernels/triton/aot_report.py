@@ -18,7 +18,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from mla_dispatch.kernels.triton.decode import KernelConfig, effective_splits, mla_decode_kernel
+from mla_dispatch.kernels.triton.decode import KernelConfig, effective_splits, mla_decode_kernel, tma_fits
 
 _PTR = {"bf16": "*bf16", "fp16": "*fp16", "fp8_e4m3": "*fp8e4nv", "fp8_ds_mla": "*u8"}
 _FMT = {"bf16": 0, "fp16": 0, "fp8_e4m3": 1, "fp8_ds_mla": 2}
@@ -31,15 +31,16 @@ def compile_config(cfg: KernelConfig, *, kv_format="bf16", causal=False, sparse=
     ptrs = dict(Q="*bf16", KV=_PTR[kv_format], BlockTable="*i32", Seqlens="*i32", Indices="*i32", KVScale="*fp32",
                 Items="*i32", PartOffsets="*i32", Out="*bf16", Lse="*fp32", PartialOut="*fp32", PartialLse="*fp32")
     v_split, qk_chunk = effective_splits(cfg, d_v)
-    tma = (cfg.tma and kv_format == "bf16" and not sparse and page_size % cfg.block_n == 0 and v_split == 1
-           and qk_chunk == d_v)
+    tma = cfg.tma and tma_fits(kv_format=kv_format, sparse=sparse, page_size=page_size, heads_kv=1,
+                               block_n=cfg.block_n, v_split=v_split, qk_chunk=qk_chunk, head_dim_v=d_v)
     constexprs = dict(PAGE_SIZE=page_size, D_V=d_v, D_ROPE=d_rope, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, V_SPLIT=v_split,
                       QK_CHUNK=qk_chunk, KV_FORMAT=_FMT[kv_format], CAUSAL=causal, SPARSE=sparse,
                       TOKENS_ON_M=cfg.tokens_on_m, TMA=tma, ASM_PAGE=tma)
     if tma:  # host tensor descriptors (decode.tma_descriptors)
-        ptrs.update(KDesc=f"tensordesc<bf16[{cfg.block_n}, {d_v}]>")
+        dt = _PTR[kv_format][1:]
+        ptrs.update(KDesc=f"tensordesc<{dt}[{cfg.block_n}, {d_v}]>")
         if d_rope:
-            ptrs.update(RDesc=f"tensordesc<bf16[{cfg.block_n}, {d_rope}]>")
+            ptrs.update(RDesc=f"tensordesc<{dt}[{cfg.block_n}, {d_rope}]>")
     for desc in ("KDesc", "RDesc"):
         if desc not in ptrs:
             constexprs[desc] = None

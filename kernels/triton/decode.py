@@ -148,6 +148,17 @@ def _load_rope(KV, rows, valid, DTYPE: tl.constexpr, D_V: tl.constexpr, D_ROPE: 
 
 
 @triton.jit
+def _qk(k, q, acc, TOKENS_ON_M: tl.constexpr):
+    """Scores of key tile ``k`` ``[BLOCK_N, d]`` against query rows ``q`` ``[BLOCK_M, d]``, added to ``acc`` (None:
+    from zero): ``K Q^T`` ``[BLOCK_N, BLOCK_M]`` with tokens on M, else ``Q K^T``."""
+    if TOKENS_ON_M:
+        s = tl.dot(k, tl.trans(q), acc)
+    else:
+        s = tl.dot(q, tl.trans(k), acc)
+    return s
+
+
+@triton.jit
 def _scores(Q, q_off, row_ok, q_whole, q_rope, KV, rows, valid, DTYPE: tl.constexpr, D_V: tl.constexpr,
             D_ROPE: tl.constexpr, QK_CHUNK: tl.constexpr, KV_FORMAT: tl.constexpr, BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr, TOKENS_ON_M: tl.constexpr):
@@ -163,25 +174,16 @@ def _scores(Q, q_off, row_ok, q_whole, q_rope, KV, rows, valid, DTYPE: tl.conste
         s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if QK_CHUNK == D_V:
         k = _load_latent(KV, rows, valid, 0, DTYPE, D_V, KV_FORMAT)
-        if TOKENS_ON_M:
-            s = tl.dot(k, tl.trans(q_whole), s)
-        else:
-            s = tl.dot(q_whole, tl.trans(k), s)
+        s = _qk(k, q_whole, s, TOKENS_ON_M)
     else:
         for c in tl.static_range(D_V // QK_CHUNK):
             dq = c * QK_CHUNK + tl.arange(0, QK_CHUNK)
             q_c = tl.load(Q + q_off[:, None] + dq[None, :], mask=row_ok[:, None], other=0.0)
             k_c = _load_latent(KV, rows, valid, c * QK_CHUNK, DTYPE, QK_CHUNK, KV_FORMAT)
-            if TOKENS_ON_M:
-                s = tl.dot(k_c, tl.trans(q_c), s)
-            else:
-                s = tl.dot(q_c, tl.trans(k_c), s)
+            s = _qk(k_c, q_c, s, TOKENS_ON_M)
     if D_ROPE > 0:
         k_r = _load_rope(KV, rows, valid, DTYPE, D_V, D_ROPE, KV_FORMAT)
-        if TOKENS_ON_M:
-            s = tl.dot(k_r, tl.trans(q_rope), s)
-        else:
-            s = tl.dot(q_rope, tl.trans(k_r), s)
+        s = _qk(k_r, q_rope, s, TOKENS_ON_M)
     return s
 
 
@@ -354,14 +356,9 @@ def mla_decode_kernel(
             for start in range(tok_begin, gather_begin, BLOCK_N):
                 page = _page_of(BlockTable + req.to(tl.int64) * stride_bt + start // PAGE_SIZE, ASM_PAGE)
                 k, k_r = _tma_tile(KDesc, RDesc, page * PAGE_SIZE + start % PAGE_SIZE, D_ROPE)
-                if TOKENS_ON_M:
-                    s = tl.dot(k, tl.trans(q_whole))
-                    if D_ROPE > 0:
-                        s = tl.dot(k_r, tl.trans(q_rope), s)
-                else:
-                    s = tl.dot(q_whole, tl.trans(k))
-                    if D_ROPE > 0:
-                        s = tl.dot(q_rope, tl.trans(k_r), s)
+                s = _qk(k, q_whole, None, TOKENS_ON_M)
+                if D_ROPE > 0:
+                    s = _qk(k_r, q_rope, s, TOKENS_ON_M)
                 n = start + tl.arange(0, BLOCK_N)
                 m_i, l_i, acc = _online_update(s, k, n, n < tok_end, limit, m_i, l_i, acc, s_scale, DTYPE,
                                                TOKENS_ON_M)
@@ -370,16 +367,10 @@ def mla_decode_kernel(
                                          stride_ib, stride_is, stride_kb, stride_kt, kv_head_off, BLOCK_N, SPARSE)
             if REUSE_K:
                 k = _load_latent(KV, rows, valid, 0, DTYPE, D_V, KV_FORMAT)
-                if TOKENS_ON_M:
-                    s = tl.dot(k, tl.trans(q_whole))
-                else:
-                    s = tl.dot(q_whole, tl.trans(k))
+                s = _qk(k, q_whole, None, TOKENS_ON_M)
                 if D_ROPE > 0:
                     k_r = _load_rope(KV, rows, valid, DTYPE, D_V, D_ROPE, KV_FORMAT)
-                    if TOKENS_ON_M:
-                        s = tl.dot(k_r, tl.trans(q_rope), s)
-                    else:
-                        s = tl.dot(q_rope, tl.trans(k_r), s)
+                    s = _qk(k_r, q_rope, s, TOKENS_ON_M)
                 v = k
             else:
                 s = _scores(Q, q_off, row_ok, q_whole, q_rope, KV, rows, valid, DTYPE, D_V, D_ROPE, QK_CHUNK,
@@ -542,17 +533,27 @@ def programs_per_tile(cfg: KernelConfig, head_dim_v: int) -> int:
     return effective_splits(cfg, head_dim_v)[0]
 
 
+def tma_fits(*, kv_format: str, sparse: bool, page_size: int, heads_kv: int, block_n: int, v_split: int,
+             qk_chunk: int, head_dim_v: int) -> bool:
+    """The problem half of :func:`tma_applies`: a bf16/fp16 cache (fp8 tiles by TMA measured no faster than the
+    gather on the H100, and fp8_ds_mla's faulted: NOTES.md), dense, with one KV head; pages holding whole tiles;
+    the K tile reused as V (``v_split``, ``qk_chunk`` as clipped by :func:`effective_splits`)."""
+    return (kv_format in ("bf16", "fp16") and not sparse and heads_kv == 1 and page_size % block_n == 0
+            and v_split == 1 and qk_chunk == head_dim_v)
+
+
 def tma_applies(cfg_tma: bool, kv, *, kv_format: str, sparse: bool, block_n: int, v_split: int, qk_chunk: int,
                 head_dim_v: int, traced: bool) -> bool:
-    """Whether a launch takes the TMA path: asked for by the config; a bf16/fp16 cache (fp8 tiles by TMA measured
-    no faster than the gather on the H100, and fp8_ds_mla's faulted: NOTES.md); an NVIDIA GPU with TMA (SM90+)
-    or Triton's interpreter; a plain launch (a ``wrap_triton`` launch traced by torch.compile / export runs the
-    gathered loads: same results); a dense cache with one KV head, laid out contiguously (16-byte aligned base,
-    fewer than 2^31 token rows); pages holding whole tiles; the K tile reused as V."""
-    if not cfg_tma or traced or sparse or kv_format not in ("bf16", "fp16") or v_split != 1 or qk_chunk != head_dim_v:
-        return False
+    """Whether a launch takes the TMA path: asked for by the config; the problem fits (:func:`tma_fits`); an
+    NVIDIA GPU with TMA (SM90+) or Triton's interpreter; a plain launch (a ``wrap_triton`` launch traced by
+    torch.compile / export runs the gathered loads: same results); the cache ``kv`` laid out contiguously
+    (16-byte aligned base, fewer than 2^31 token rows)."""
     nb, page_size, h_kv, _ = kv.shape
-    if h_kv != 1 or page_size % block_n or not kv.is_contiguous() or kv.data_ptr() % 16 or nb * page_size >= 2**31:
+    if not cfg_tma or traced or not tma_fits(kv_format=kv_format, sparse=sparse, page_size=page_size, heads_kv=h_kv,
+                                             block_n=block_n, v_split=v_split, qk_chunk=qk_chunk,
+                                             head_dim_v=head_dim_v):
+        return False
+    if not kv.is_contiguous() or kv.data_ptr() % 16 or nb * page_size >= 2**31:
         return False
     if kv.device.type == "cpu":
         return True  # the interpreter
