@@ -128,18 +128,22 @@ CONFIGS = (
 )
 
 
+HOST_CONFIGS = (
+    # (label, b, h_q, L): one split-KV part, so one launch; one launch with the combine inside (b=1);
+    # a decode launch and a combine launch
+    ("b1 h16 L64, 1 part, 1 launch", 1, 16, 64),
+    ("b1 h128 L4096, combine fused, 1 launch", 1, 128, 4096),
+    ("b64 h16 L8192, decode + combine, 2 launches", 64, 16, 8192),
+)
+
+
 def host_overhead_us(n=200):
-    """Host time per eager DecodePlan.run (Python checks, op dispatch, 1 or 2 kernel launches), measured
-    while the GPU is held busy by a long sleep kernel, so no call waits for the device."""
+    """Host time per eager call (µs), measured while the GPU is held busy by a long sleep kernel, so no call
+    waits for the device. Per config of ``HOST_CONFIGS``: ``DecodePlan.run`` (Python checks, then the
+    extension's function called without the dispatcher), the op through the dispatcher and the extension's
+    function alone (both with the same arguments), and two trivial torch launches for scale."""
     import time
 
-    q, kv, table, lens, _ = make_inputs(1, 1, 16, 64, varlen=False)
-    plan = plan_decode(q, kv, table, lens, backend="cuda_sm90")
-    out = torch.empty(1, 1, 16, 512, dtype=q.dtype, device="cuda")
-    lse = torch.empty(1, 16, 1, dtype=torch.float32, device="cuda")
-    for _ in range(20):
-        plan.run(q, kv, out=out, lse=lse)
-    torch.cuda.synchronize()
     def per_call(fn):
         torch.cuda.synchronize()
         torch.cuda._sleep(int(2e9 * 0.05))  # ~50 ms of GPU time ahead of the queued calls
@@ -150,14 +154,29 @@ def host_overhead_us(n=200):
         torch.cuda.synchronize()
         return (t1 - t0) / n * 1e6
 
-    total = per_call(lambda: plan.run(q, kv, out=out, lse=lse))
-    st, s = plan.state, plan.state.schedule
-    args = (q, kv, table, lens, s.items, s.part_offsets, None, out, lse, st.partial_out, st.partial_lse, s.num_splits,
-            st.first_slot, plan.softmax_scale, False, 0, st.variant, st.fuse_combine)
-    op_only = per_call(lambda: st.op(*args))
     empty = torch.empty(0, device="cuda")
-    launch = per_call(lambda: (empty.add_(1), empty.add_(1)))  # two trivial launches through torch
-    return total, op_only, launch
+    rows = []
+    for label, b, h_q, L in HOST_CONFIGS:
+        q, kv, table, lens, _ = make_inputs(b, 1, h_q, L, varlen=False)
+        plan = plan_decode(q, kv, table, lens, backend="cuda_sm90")
+        out = torch.empty(b, 1, h_q, 512, dtype=q.dtype, device="cuda")
+        lse = torch.empty(b, h_q, 1, dtype=torch.float32, device="cuda")
+        st, s = plan.state, plan.state.schedule
+        args = (q, kv, table, lens, s.items, s.part_offsets, None, out, lse, st.partial_out, st.partial_lse,
+                s.num_splits, st.first_slot, plan.softmax_scale, False, 0, st.variant, st.fuse_combine)
+        for _ in range(20):
+            plan.run(q, kv, out=out, lse=lse)
+            st.op(*args)
+        torch.cuda.synchronize()
+        row = dict(config=label, parts=int(s.part_offsets.numel()) - 1, variant=st.variant, fused=st.fuse_combine)
+        row["run"] = min(per_call(lambda: plan.run(q, kv, out=out, lse=lse)) for _ in range(3))
+        row["op"] = min(per_call(lambda: st.op(*args)) for _ in range(3))
+        row["direct"] = min(per_call(lambda: st.direct(*args)) for _ in range(3))
+        row["launches"] = min(per_call(lambda: (empty.add_(1), empty.add_(1))) for _ in range(3))  # noqa: B023
+        rows.append(row)
+        del q, kv, table, plan, st, s, args
+        torch.cuda.empty_cache()
+    return rows
 
 
 def main():
@@ -167,7 +186,7 @@ def main():
     ap.add_argument("--variants", default="2", help="mainloop variants to time, e.g. 0,5,2 (0 = the backend's per-plan choice, 5 = two tiles in flight, "
                          "4 = S split along D, 3 = overlapped wgmma, 2 = wgmma, 1 = mma.sync)")
     ap.add_argument("--groups", default=None, help="comma-separated config groups to run (flashmla, membound, small, "
-                    "small1, pages, pages16, fp8); default all")
+                    "small1, pages, pages16, fp8; \"none\": only the host overhead); default all")
     ap.add_argument("--combine", default="auto", help="where split requests are merged, e.g. fused,separate (auto = the "
                     "backend's per-plan choice, fused = inside the decode launch, separate = a second kernel)")
     args = ap.parse_args()
@@ -191,12 +210,15 @@ def main():
               f"{r.get('fmt', 'bf16'):10s} {str(r.get('causal', False)):6s} {r['us_eager']:9.1f} {r['us_graph']:9.1f} "
               f"{r['tflops']:8.1f} {r['gbps']:7.0f} {r['roofline_pct']:6.1f} {r['bound']}", flush=True)
     print(hdr)
-    total, op_only, launch = host_overhead_us()
-    print(f"host time per eager call, GPU kept busy: DecodePlan.run {total:.1f} us; the op alone (dispatch + checks + "
-          f"launches) {op_only:.1f} us; two trivial torch launches {launch:.1f} us")
+    host = host_overhead_us()
+    print("host time per eager call (us), GPU kept busy: DecodePlan.run | the op through the dispatcher | the "
+          "extension's function without it | two trivial torch launches")
+    for h in host:
+        print(f"  {h['config']:44s} v{h['variant']} parts {h['parts']:3d}: run {h['run']:5.1f} | op {h['op']:5.1f} | "
+              f"direct {h['direct']:5.1f} | launches {h['launches']:5.1f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(peaks=peaks, rows=rows), f, indent=1)
+            json.dump(dict(peaks=peaks, rows=rows, host=host), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,8 @@ class DecodePlan:
     """
 
     __slots__ = ("backend", "problem", "platform", "softmax_scale", "block_table", "cache_seqlens", "_cls", "_state",
-                 "_q_shape", "_kv_tail", "_kv_dtype")
+                 "_q_shape", "_kv_tail", "_kv_dtype", "_q_dtype", "_out_shape", "_lse_shape", "_fp8_scale", "_sparse",
+                 "_run")
 
     def __init__(self, backend_cls: type[MLABackend], problem: DecodeProblem, platform: Platform,
                  softmax_scale: float, block_table, cache_seqlens, state: BackendState, q_shape, kv_tail, kv_dtype):
@@ -69,6 +70,13 @@ class DecodePlan:
         self._q_shape = q_shape
         self._kv_tail = kv_tail
         self._kv_dtype = kv_dtype
+        # what run() compares each call against, computed once (run's host time is part of every layer's step)
+        self._q_dtype = problem.q_dtype
+        self._out_shape = (problem.batch, problem.q_len, problem.num_heads_q, problem.head_dim_v)
+        self._lse_shape = (problem.batch, problem.num_heads_q, problem.q_len)
+        self._fp8_scale = problem.kv_format == "fp8_e4m3"
+        self._sparse = problem.sparse
+        self._run = backend_cls.run
 
     def __repr__(self) -> str:
         p = self.problem
@@ -136,10 +144,13 @@ class DecodePlan:
             An argument does not match the plan.
         """
         p = self.problem
-        kv, _, kv_scale = _unwrap_cache(kv_cache, "auto", kv_scale)
+        if isinstance(kv_cache, PagedMLACache):
+            kv, _, kv_scale = _unwrap_cache(kv_cache, "auto", kv_scale)
+        else:
+            kv = kv_cache
         if kv.dim() == 3:
             kv = kv.unsqueeze(2)
-        if q.shape != self._q_shape or q.dtype != p.q_dtype:
+        if q.shape != self._q_shape or q.dtype != self._q_dtype:
             raise ValueError(f"q must be {list(self._q_shape)} {p.q_dtype} as planned, got {list(q.shape)} {q.dtype}")
         if q.stride(-1) != 1:
             raise ValueError(f"q must be contiguous in its last dim, got strides {list(q.stride())}")
@@ -148,32 +159,33 @@ class DecodePlan:
                              f"as planned, got {list(kv.shape)} {kv.dtype}")
         if kv.stride(-1) != 1:
             raise ValueError(f"kv_cache must be contiguous in its last dim, got strides {list(kv.stride())}")
-        if p.kv_format == "fp8_e4m3":
+        if self._fp8_scale:
             if kv_scale is None:
                 raise ValueError("kv_scale is required for kv_format='fp8_e4m3'")
             kv_scale = _as_scale_tensor(kv_scale, q.device)
         elif kv_scale is not None:
             raise ValueError(f"kv_scale is only used with kv_format='fp8_e4m3' (planned: {p.kv_format!r})")
-        if p.sparse:
+        if self._sparse:
             if indices is None or indices.shape != (p.batch, p.q_len, p.topk) or indices.dtype != torch.int32:
                 got = None if indices is None else f"{list(indices.shape)} {indices.dtype}"
                 raise ValueError(f"indices must be int32 [{p.batch}, {p.q_len}, {p.topk}] as planned, got {got}")
         elif indices is not None:
             raise ValueError("indices were given but the plan is dense (plan with indices to run sparse)")
-        out_shape = (p.batch, p.q_len, p.num_heads_q, p.head_dim_v)
+        device = q.device
+        out_shape = self._out_shape
         if out is None:
-            out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
-        elif out.shape != out_shape or out.dtype != q.dtype or out.device != q.device:
-            raise ValueError(f"out must be {list(out_shape)} {q.dtype} on {q.device}, got {list(out.shape)} {out.dtype} "
+            out = torch.empty(out_shape, dtype=q.dtype, device=device)
+        elif out.shape != out_shape or out.dtype != q.dtype or out.device != device:
+            raise ValueError(f"out must be {list(out_shape)} {q.dtype} on {device}, got {list(out.shape)} {out.dtype} "
                              f"on {out.device}")
-        lse_shape = (p.batch, p.num_heads_q, p.q_len)
-        give_lse = p.return_lse or lse is not None
+        lse_shape = self._lse_shape
+        give_lse = lse is not None or p.return_lse
         if lse is None:
-            lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-        elif lse.shape != lse_shape or lse.dtype != torch.float32 or lse.device != q.device:
-            raise ValueError(f"lse must be {list(lse_shape)} float32 on {q.device}, got {list(lse.shape)} {lse.dtype}")
-        self._cls.run(self._state, q, kv, self.block_table, self.cache_seqlens, problem=p,
-                      softmax_scale=self.softmax_scale, kv_scale=kv_scale, indices=indices, out=out, lse=lse)
+            lse = torch.empty(lse_shape, dtype=torch.float32, device=device)
+        elif lse.shape != lse_shape or lse.dtype != torch.float32 or lse.device != device:
+            raise ValueError(f"lse must be {list(lse_shape)} float32 on {device}, got {list(lse.shape)} {lse.dtype}")
+        self._run(self._state, q, kv, self.block_table, self.cache_seqlens, problem=p,
+                  softmax_scale=self.softmax_scale, kv_scale=kv_scale, indices=indices, out=out, lse=lse)
         return out, (lse if give_lse else None)
 
 

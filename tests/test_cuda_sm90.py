@@ -367,3 +367,44 @@ def test_opcheck(fuse_combine, gen):
             fuse_combine)
     torch.library.opcheck(torch.ops.mla_dispatch.cuda_sm90_decode.default, args,
                           test_utils=("test_schema", "test_faketensor"))
+
+
+def _forbid(name):
+    def call(*args):
+        raise AssertionError(f"{name} was called")
+
+    return call
+
+
+def test_eager_run_calls_the_extension_function_without_the_dispatcher(gen):
+    """A plain eager run takes the module function (no dispatcher); its results are the op's."""
+    case = make_case(4, 1, 16, 300, page_size=64, device="cuda", generator=gen)
+    plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
+    plan.state.op = _forbid("the dispatcher op")
+    out, lse = _poisoned(case)
+    plan.run(case.q, case.kv_cache, out=out, lse=lse)
+    torch.cuda.synchronize()
+    _check(case, out, lse)
+
+
+def test_fake_tensors_and_torch_compile_take_the_op(gen):
+    """Under a TorchDispatchMode (fake tensors) and under torch.compile the op runs, so it is traced; compiled, the
+    results match the reference."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    case = make_case(3, 2, 16, 200, page_size=64, causal=True, device="cuda", generator=gen)
+    plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
+    direct = plan.state.direct
+    plan.state.direct = _forbid("the extension function")
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fq, fkv = mode.from_tensor(case.q), mode.from_tensor(case.kv_cache)
+        fout, flse = plan.run(fq, fkv)  # the op's fake implementation: shapes only
+    assert fout.shape == (3, 2, 16, 512) and flse.shape == (3, 16, 2)
+
+    out, lse = _poisoned(case)
+    compiled = torch.compile(lambda q, kv: plan.run(q, kv, out=out, lse=lse), fullgraph=True)
+    compiled(case.q, case.kv_cache)
+    torch.cuda.synchronize()
+    _check(case, out, lse)
+    plan.state.direct = direct
+

@@ -76,7 +76,10 @@ def _cache_dir() -> pathlib.Path:
 
 @functools.lru_cache(maxsize=1)
 def load_sm90(verbose: bool = False):
-    """Build (or load from the cache) the SM90 extension; registers ``torch.ops.mla_dispatch.cuda_sm90_decode``.
+    """Build (or load from the cache) the SM90 extension and return its Python module.
+
+    Loading registers ``torch.ops.mla_dispatch.cuda_sm90_decode``; the module holds the same function for
+    eager calls without the dispatcher (``module.cuda_sm90_decode``).
 
     Raises
     ------
@@ -100,19 +103,19 @@ def load_sm90(verbose: bool = False):
     build_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("CUDA_HOME", str(pathlib.Path(nvcc).resolve().parent.parent))
     try:
-        cpp_extension.load(
+        module = cpp_extension.load(
             name=name,
             sources=[str(SM90_SOURCE_DIR / s) for s in _SM90_SOURCES],
             extra_include_paths=[str(SM90_SOURCE_DIR), include],
             extra_cflags=["-O3", "-std=c++17"],
             extra_cuda_cflags=nvcc_flags(),
             build_directory=str(build_dir),
-            is_python_module=False,
+            is_python_module=True,
             verbose=verbose,
         )
     except Exception as exc:  # compiler output is in the exception text
         raise KernelBuildError(f"building the cuda_sm90 kernel failed: {type(exc).__name__}: {exc}") from exc
-    return name
+    return module
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verbose", action="store_true", help="show the compiler commands")
     args = parser.parse_args(argv)
     try:
-        name = load_sm90(verbose=args.verbose)
+        name = load_sm90(verbose=args.verbose).__name__
     except KernelBuildError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
