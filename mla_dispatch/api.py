@@ -144,10 +144,7 @@ class DecodePlan:
             An argument does not match the plan.
         """
         p = self.problem
-        if isinstance(kv_cache, PagedMLACache):
-            kv, _, kv_scale = _unwrap_cache(kv_cache, "auto", kv_scale)
-        else:
-            kv = kv_cache
+        kv, _, kv_scale = _unwrap_cache(kv_cache, "auto", kv_scale)
         if kv.dim() == 3:
             kv = kv.unsqueeze(2)
         if q.shape != self._q_shape or q.dtype != self._q_dtype:
