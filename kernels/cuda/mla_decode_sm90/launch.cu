@@ -7,6 +7,7 @@
 
 #include <map>
 #include <mutex>
+#include <unordered_map>
 #include <utility>
 
 #include "combine.cuh"
@@ -61,6 +62,49 @@ static bool make_kv_map(const DecodeParams& p, CUtensorMap* map) {
                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS;
+}
+
+// make_kv_map once per cache: a decode step launches once per layer over the same few caches, and each
+// encode is host work in front of the launch. The key holds every input of the encode, so an entry is right
+// for any tensor with that address, shape, strides and dtype (T: one cache per dtype).
+struct KvMapKey {
+  const void* kv;
+  int64_t num_blocks, stride_block, stride_tok, stride_head;
+  int heads_kv, page_size;
+  bool operator==(const KvMapKey& o) const {
+    return kv == o.kv && num_blocks == o.num_blocks && stride_block == o.stride_block && stride_tok == o.stride_tok &&
+           stride_head == o.stride_head && heads_kv == o.heads_kv && page_size == o.page_size;
+  }
+};
+struct KvMapKeyHash {
+  size_t operator()(const KvMapKey& k) const {
+    size_t h = std::hash<const void*>()(k.kv);
+    for (int64_t v : {k.num_blocks, k.stride_block, k.stride_tok, k.stride_head, (int64_t)k.heads_kv,
+                      (int64_t)k.page_size})
+      h = h * 1000003u ^ std::hash<int64_t>()(v);
+    return h;
+  }
+};
+
+template <typename T>
+static bool cached_kv_map(const DecodeParams& p, CUtensorMap* map) {
+  static std::mutex mu;
+  static std::unordered_map<KvMapKey, CUtensorMap, KvMapKeyHash> cache;
+  const KvMapKey key{p.kv, p.num_blocks, p.kv_stride_block, p.kv_stride_tok, p.kv_stride_head, p.heads_kv,
+                     p.page_size};
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    const auto it = cache.find(key);
+    if (it != cache.end()) {
+      *map = it->second;
+      return true;
+    }
+  }
+  if (!make_kv_map<T>(p, map)) return false;
+  std::lock_guard<std::mutex> lock(mu);
+  if (cache.size() >= 4096) cache.clear();  // bound the memory where caches come and go
+  cache.emplace(key, *map);
+  return true;
 }
 
 // Blocks of `kernel` the whole of device `dev` holds at once for a cooperative launch (0: none; cached
@@ -159,7 +203,7 @@ static cudaError_t launch_v6(const DecodeParams& p, const CUtensorMap& map, int 
 template <typename T, int kN>
 static cudaError_t launch_v6_any(const DecodeParams& p, int grid_parts, cudaStream_t stream, bool* combined) {
   CUtensorMap map{};
-  if (p.page_size % DecodeConfig::kBlockN == 0 && make_kv_map<T>(p, &map))
+  if (p.page_size % DecodeConfig::kBlockN == 0 && cached_kv_map<T>(p, &map))
     return launch_v6<T, kN, true>(p, map, grid_parts, stream, combined);
   return launch_v6<T, kN, false>(p, map, grid_parts, stream, combined);
 }
@@ -189,7 +233,7 @@ static cudaError_t launch_decode_t(const DecodeParams& p, int grid_parts, cudaSt
     if (p.variant == 5 && p.page_size % DecodeConfig::kBlockN == 0 && p.q_len <= Seesaw::kMaxQLen) {
       // a cache v5 should take but TMA cannot address is an error, not a silent v2 run
       CUtensorMap map;
-      if (!make_kv_map<T>(p, &map)) return cudaErrorInvalidValue;
+      if (!cached_kv_map<T>(p, &map)) return cudaErrorInvalidValue;
       return launch_v5<T>(p, map, grid_parts, stream, combined);
     }
   }
