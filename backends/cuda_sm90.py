@@ -10,8 +10,10 @@ then the combine of split requests.
 Plan computes the schedule and allocates the workspace (partial outputs); run
 allocates nothing and does not sync, so it can be captured in a CUDA graph;
 update refreshes the schedule in place before a replay. Eager runs on plain
-tensors call the extension module's function of the same name, which skips the
-dispatcher's argument parsing; traced runs (torch.compile, fake tensors) call the op.
+tensors skip the dispatcher: ``DecodePlan.run`` calls the plan's bound
+``PlannedDecode.run`` (:meth:`CudaSM90Backend.bind`), and where that declines,
+:meth:`CudaSM90Backend.run` calls the extension module's function of the op's
+name; traced runs (torch.compile, fake tensors) call the op.
 """
 
 from __future__ import annotations
@@ -134,6 +136,38 @@ def load_ops():
     return torch.ops.mla_dispatch
 
 
+class Sm90State(BackendState):
+    """The backend's per-step state. ``variant`` and ``fuse_combine`` may be changed after planning (tests and
+    benchmarks force a mainloop or the combine's place); they also change the bound native call (``bound``,
+    :meth:`CudaSM90Backend.bind`), which packed them when it was made."""
+
+    bound = None
+
+    def __init__(self, **fields) -> None:
+        for name, value in fields.items():
+            setattr(self, name, value)
+
+    @property
+    def variant(self) -> int:
+        return self._variant
+
+    @variant.setter
+    def variant(self, value: int) -> None:
+        self._variant = int(value)
+        if self.bound is not None:
+            self.bound.variant = self._variant
+
+    @property
+    def fuse_combine(self) -> bool:
+        return self._fuse_combine
+
+    @fuse_combine.setter
+    def fuse_combine(self, value: bool) -> None:
+        self._fuse_combine = bool(value)
+        if self.bound is not None:
+            self.bound.fuse_combine = self._fuse_combine
+
+
 class CudaSM90Backend(MLABackend):
     """Native SM90 MLA decode (wgmma mainloops v2 / v5; see kernels/cuda/mla_decode_sm90/NOTES.md)."""
 
@@ -186,7 +220,7 @@ class CudaSM90Backend(MLABackend):
         schedule = split_kv_schedule(cache_seqlens, num_parts=num_parts, chunk_size=BLOCK_N,
                                      overhead=SCHEDULE_OVERHEAD)
         max_slots = schedule.max_slots
-        return BackendState(
+        return Sm90State(
             op=load_ops().cuda_sm90_decode.default,
             direct=load_module().cuda_sm90_decode,
             schedule=schedule,
@@ -197,7 +231,25 @@ class CudaSM90Backend(MLABackend):
             kv_format_code=_KV_FORMAT_CODE[p.kv_format],
             variant=choose_variant(p, num_parts, max_chunks),
             fuse_combine=choose_fuse_combine(p, num_parts, num_parts * tiles),
+            block_table=block_table,
+            cache_seqlens=cache_seqlens,
+            softmax_scale=softmax_scale,
         )
+
+    @classmethod
+    def bind(cls, state: Sm90State, problem: DecodeProblem, kv_dtype: torch.dtype):
+        """The extension's ``PlannedDecode``: the schedule, workspace and options checked and packed once, so an
+        eager run passes q, the cache, its scale, out and lse to one native call that checks only those."""
+        p, s = problem, state.schedule
+        try:
+            state.bound = load_module().PlannedDecode(
+                state.block_table, state.cache_seqlens, s.items, s.part_offsets, state.partial_out, state.partial_lse,
+                s.num_splits, state.first_slot, p.q_dtype, kv_dtype, p.q_len, p.num_heads_q, p.num_heads_kv,
+                p.page_size, 656 if p.kv_format == "fp8_ds_mla" else p.head_dim_qk, state.softmax_scale, p.causal,
+                state.kv_format_code, state.variant, state.fuse_combine)
+        except ValueError:  # e.g. a block table with strided rows: run raises the binding's message per call
+            return None
+        return state.bound.run
 
     @classmethod
     def update(cls, state: BackendState, block_table, cache_seqlens) -> None:

@@ -12,6 +12,9 @@ from mla_dispatch.select import select_backend
 
 __all__ = ["mla_decode", "plan_decode", "DecodePlan"]
 
+_is_compiling = torch.compiler.is_compiling
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+
 
 def _unwrap_cache(kv_cache, kv_format, kv_scale):
     """A PagedMLACache contributes its tensor, format and scale."""
@@ -42,7 +45,11 @@ class DecodePlan:
     backend's per-step state (split-KV schedule, workspace). :meth:`run` checks
     each call against the plan with cheap shape comparisons, does no host sync,
     and, for backends that declare CUDA-graph support, no allocation when
-    ``out`` and ``lse`` are given: it can be captured in a CUDA graph.
+    ``out`` and ``lse`` are given: it can be captured in a CUDA graph. Where
+    the backend binds an eager fast path (:meth:`MLABackend.bind
+    <mla_dispatch.backend.MLABackend.bind>`; ``cuda_sm90`` does), an eager
+    call on plain tensors is checked against the plan and launched in one
+    native call, and the Python checks run only when that call declines.
 
     Attributes
     ----------
@@ -55,7 +62,7 @@ class DecodePlan:
 
     __slots__ = ("backend", "problem", "platform", "softmax_scale", "block_table", "cache_seqlens", "_cls", "_state",
                  "_q_shape", "_kv_tail", "_kv_dtype", "_q_dtype", "_out_shape", "_lse_shape", "_fp8_scale", "_sparse",
-                 "_run")
+                 "_run", "_fast", "_lse_scratch")
 
     def __init__(self, backend_cls: type[MLABackend], problem: DecodeProblem, platform: Platform,
                  softmax_scale: float, block_table, cache_seqlens, state: BackendState, q_shape, kv_tail, kv_dtype):
@@ -77,6 +84,11 @@ class DecodePlan:
         self._fp8_scale = problem.kv_format == "fp8_e4m3"
         self._sparse = problem.sparse
         self._run = backend_cls.run
+        # the backend's one-call eager path (MLABackend.bind), and where it writes an LSE nobody asked for
+        self._fast = None if problem.sparse else backend_cls.bind(state, problem, kv_dtype)
+        self._lse_scratch = None
+        if self._fast is not None and not problem.return_lse:
+            self._lse_scratch = torch.empty(self._lse_shape, dtype=torch.float32, device=cache_seqlens.device)
 
     def __repr__(self) -> str:
         p = self.problem
@@ -130,7 +142,9 @@ class DecodePlan:
         out : Tensor, optional
             ``[B, s_q, h_q, D_v]`` in q's dtype, written in place.
         lse : Tensor, optional
-            fp32 ``[B, h_q, s_q]``, written in place.
+            fp32 ``[B, h_q, s_q]``, written in place. Without it, a plan made with
+            ``return_lse=False`` on a backend with a fast path writes the LSE to a
+            buffer of its own (no allocation per call).
 
         Returns
         -------
@@ -143,6 +157,18 @@ class DecodePlan:
         ValueError
             An argument does not match the plan.
         """
+        fast = self._fast
+        if fast is not None and not _is_compiling() and indices is None and type(q) is torch.Tensor \
+                and not _dispatch_modes():
+            # One native call checks the arguments against the plan and launches (MLABackend.bind); on a mismatch
+            # it does nothing and the checks below raise the error that names the argument.
+            kv, _, scale = _unwrap_cache(kv_cache, "auto", kv_scale)
+            if scale is None or isinstance(scale, torch.Tensor):
+                if kv.dim() == 3:
+                    kv = kv.unsqueeze(2)
+                done = fast(q, kv, scale, out, self._lse_scratch if lse is None else lse)
+                if done is not None:
+                    return done[0], (done[1] if lse is not None or self.problem.return_lse else None)
         p = self.problem
         kv, _, kv_scale = _unwrap_cache(kv_cache, "auto", kv_scale)
         if kv.dim() == 3:
@@ -178,7 +204,8 @@ class DecodePlan:
         lse_shape = self._lse_shape
         give_lse = lse is not None or p.return_lse
         if lse is None:
-            lse = torch.empty(lse_shape, dtype=torch.float32, device=device)
+            lse = self._lse_scratch if self._lse_scratch is not None else torch.empty(lse_shape, dtype=torch.float32,
+                                                                                       device=device)
         elif lse.shape != lse_shape or lse.dtype != torch.float32 or lse.device != device:
             raise ValueError(f"lse must be {list(lse_shape)} float32 on {device}, got {list(lse.shape)} {lse.dtype}")
         self._run(self._state, q, kv, self.block_table, self.cache_seqlens, problem=p,

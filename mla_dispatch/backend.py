@@ -229,6 +229,20 @@ class MLABackend:
         """Refresh ``state`` in place for new values of the same shapes (CUDA-graph replay)."""
 
     @classmethod
+    def bind(cls, state: BackendState, problem: DecodeProblem, kv_dtype: torch.dtype):
+        """An eager fast path for :meth:`DecodePlan.run <mla_dispatch.api.DecodePlan.run>`, or None (the default).
+
+        The callable is ``fn(q, kv_cache, kv_scale, out, lse) -> (out, lse) | None`` with ``kv_cache`` 4-D,
+        ``kv_scale`` a tensor or None, and ``out`` / ``lse`` the buffers to write or None (then it allocates
+        them). In one native call it checks that the arguments are what the plan was made for (``problem``, a
+        cache of ``kv_dtype``), runs the plan and returns the two tensors; it returns None, having done nothing,
+        when they are not, and the plan's checked path then runs (or raises the error that names the argument).
+        It is called only outside tracing (no torch.compile, no TorchDispatchMode), on plain tensors, for dense
+        plans.
+        """
+        return None
+
+    @classmethod
     def run(
         cls,
         state: BackendState,

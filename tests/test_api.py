@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import mla_dispatch
-from mla_dispatch.backends.reference import reference_attention
+from mla_dispatch.backends.reference import ReferenceBackend, reference_attention
 from mla_dispatch.testing import make_case
 
 BF = torch.bfloat16
@@ -142,3 +142,103 @@ def test_quantised_formats_are_inferred_from_the_cache(kv_format, gen):
     out, lse = mla_dispatch.mla_decode(*case.args(), **kwargs)
     want_out, want_lse = reference_attention(*case.args(), **case.kwargs())
     assert torch.equal(lse, want_lse)
+
+
+# -- the eager fast path (MLABackend.bind) ----------------------------------------------------------
+
+
+class _BoundReference(ReferenceBackend):
+    """The reference with a bound eager path that behaves like cuda_sm90's PlannedDecode.run: it accepts
+    exactly the planned shapes and dtypes (else returns None, having written nothing) and writes the
+    reference's result into out and lse (new tensors where they are None)."""
+
+    NAME = "bound_reference_test"
+    calls: list = []
+
+    @classmethod
+    def bind(cls, state, problem, kv_dtype):
+        p = problem
+        table, lens = state.block_table, state.cache_seqlens
+
+        def run(q, kv, kv_scale, out, lse):
+            cls.calls.append(dict(kv=kv, kv_scale=kv_scale, out=out, lse=lse))
+            if (q.shape != (p.batch, p.q_len, p.num_heads_q, p.head_dim_qk) or q.dtype != p.q_dtype or kv.dim() != 4
+                    or kv.shape[1:] != (p.page_size, p.num_heads_kv, p.head_dim_qk) or kv.dtype != kv_dtype):
+                return None
+            o, ls = reference_attention(q, kv, table, lens, head_dim_v=p.head_dim_v, softmax_scale=state.scale,
+                                        causal=p.causal, kv_format=p.kv_format, kv_scale=kv_scale)
+            out = o.to(q.dtype) if out is None else out.copy_(o)
+            return out, ls if lse is None else lse.copy_(ls)
+
+        return run
+
+    @classmethod
+    def plan(cls, problem, platform, block_table, cache_seqlens, *, softmax_scale):
+        state = super().plan(problem, platform, block_table, cache_seqlens, softmax_scale=softmax_scale)
+        state.block_table, state.cache_seqlens, state.scale = block_table, cache_seqlens, softmax_scale
+        return state
+
+    @classmethod
+    def run(cls, state, *args, **kwargs):
+        cls.slow_runs += 1
+        return super().run(state, *args, **kwargs)
+
+
+def _bound_plan(registered, gen, kv_format="bf16", **plan_kw):
+    _BoundReference.calls, _BoundReference.slow_runs = [], 0
+    name = registered(_BoundReference)
+    case = make_case(2, 1, 4, 30, page_size=8, generator=gen, head_dim_qk=64, head_dim_v=32, kv_format=kv_format)
+    return case, mla_dispatch.plan_decode(*case.args(), **case.kwargs(), **plan_kw, backend=name)
+
+
+def test_fast_path_runs_the_bound_call_and_only_it(registered, gen):
+    case, plan = _bound_plan(registered, gen)
+    out = torch.full((2, 1, 4, 32), float("nan"), dtype=BF)
+    got, lse = plan.run(case.q, case.kv_cache[:, :, 0], out=out)  # a 3-D cache reaches the bound call as 4-D
+    want_out, want_lse = reference_attention(*case.args(), **case.kwargs())
+    assert got is out and torch.equal(out, want_out.to(BF)) and torch.equal(lse, want_lse)
+    assert len(_BoundReference.calls) == 1 and _BoundReference.calls[0]["kv"].dim() == 4
+    assert _BoundReference.slow_runs == 0
+
+
+def test_fast_path_declines_and_the_checked_path_names_the_argument(registered, gen):
+    case, plan = _bound_plan(registered, gen)
+    with pytest.raises(ValueError, match=r"q must be \[2, 1, 4, 64\] torch.bfloat16 as planned"):
+        plan.run(case.q[:1], case.kv_cache)
+    with pytest.raises(ValueError, match=r"kv_cache must be \[num_blocks, 8, 1, 64\]"):
+        plan.run(case.q, case.kv_cache[:, :4])
+    assert len(_BoundReference.calls) == 2 and _BoundReference.slow_runs == 0  # both declined, nothing ran
+
+
+def test_fast_path_is_skipped_for_float_scales_and_dispatch_modes(registered, gen):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class PassThrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    case, plan = _bound_plan(registered, gen, kv_format="fp8_e4m3")
+    want_out, want_lse = reference_attention(*case.args(), **case.kwargs())
+    out, lse = plan.run(case.q, case.kv_cache, kv_scale=float(case.kv_scale))  # a float: the checked path
+    assert _BoundReference.calls == [] and _BoundReference.slow_runs == 1
+    assert torch.equal(out, want_out.to(BF)) and torch.equal(lse, want_lse)
+    with PassThrough():
+        plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale)
+    assert _BoundReference.calls == [] and _BoundReference.slow_runs == 2
+    out, lse = plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale)  # a tensor scale: the fast path
+    assert len(_BoundReference.calls) == 1 and _BoundReference.calls[0]["kv_scale"] is case.kv_scale
+    assert _BoundReference.slow_runs == 2 and torch.equal(out, want_out.to(BF)) and torch.equal(lse, want_lse)
+
+
+def test_fast_path_writes_an_unrequested_lse_into_the_plans_buffer(registered, gen):
+    case, plan = _bound_plan(registered, gen, return_lse=False)
+    for _ in range(2):
+        out, lse = plan.run(case.q, case.kv_cache)
+        assert lse is None
+    first, second = (c["lse"] for c in _BoundReference.calls)
+    assert first is second is not None  # the plan's own buffer: no allocation per call
+    want_out, _ = reference_attention(*case.args(), **case.kwargs())
+    assert torch.equal(out, want_out.to(BF))
+    given = torch.empty(2, 4, 1)
+    _, lse = plan.run(case.q, case.kv_cache, lse=given)
+    assert lse is given and _BoundReference.calls[-1]["lse"] is given

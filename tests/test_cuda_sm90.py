@@ -376,15 +376,90 @@ def _forbid(name):
     return call
 
 
-def test_eager_run_calls_the_extension_function_without_the_dispatcher(gen):
-    """A plain eager run takes the module function (no dispatcher); its results are the op's."""
+def test_eager_run_calls_the_bound_plan_without_the_dispatcher(gen):
+    """A plain eager run takes the plan's bound native call (PlannedDecode.run); where that declines, the module
+    function (no dispatcher either); their results are the op's."""
     case = make_case(4, 1, 16, 300, page_size=64, device="cuda", generator=gen)
     plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
+    direct = plan.state.direct
     plan.state.op = _forbid("the dispatcher op")
+    plan.state.direct = _forbid("the extension function")
     out, lse = _poisoned(case)
     plan.run(case.q, case.kv_cache, out=out, lse=lse)
     torch.cuda.synchronize()
     _check(case, out, lse)
+
+    plan.state.direct = direct
+    plan._fast = _forbid("the bound call")
+    out, lse = _poisoned(case)
+    with pytest.raises(AssertionError, match="the bound call was called"):
+        plan.run(case.q, case.kv_cache, out=out, lse=lse)
+    plan._fast = lambda *args: None  # declines: the checked path and the module function run
+    plan.run(case.q, case.kv_cache, out=out, lse=lse)
+    torch.cuda.synchronize()
+    _check(case, out, lse)
+
+
+def test_bound_call_declines_what_the_plan_was_not_made_for(gen):
+    """PlannedDecode.run returns None and launches nothing for arguments off the plan; DecodePlan.run then raises
+    the checked path's error, which names the argument. Given no out / lse it allocates them."""
+    case = make_case(2, 1, 16, 200, page_size=64, device="cuda", generator=gen)
+    plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
+    bound = plan.state.bound
+    out, lse = _poisoned(case)
+    bad = {
+        "q batch": (case.q[:1], case.kv_cache, None, out, lse),
+        "q dtype": (case.q.half(), case.kv_cache, None, out, lse),
+        "cache dtype": (case.q, case.kv_cache.half(), None, out, lse),
+        "cache page size": (case.q, case.kv_cache[:, :32], None, out, lse),
+        "scale on a bf16 cache": (case.q, case.kv_cache, torch.ones(1, device="cuda"), out, lse),
+        "out dtype": (case.q, case.kv_cache, None, out.float(), lse),
+        "lse shape": (case.q, case.kv_cache, None, out, lse[:1]),
+        "q on the CPU": (case.q.cpu(), case.kv_cache, None, out, lse),
+    }
+    for name, args in bad.items():
+        assert bound.run(*args) is None, name
+    torch.cuda.synchronize()
+    assert torch.isnan(out).all() and torch.isnan(lse).all()  # nothing was launched
+    with pytest.raises(ValueError, match=r"out must be \[2, 1, 16, 512\] torch.bfloat16"):
+        plan.run(case.q, case.kv_cache, out=out.float(), lse=lse)
+    got = bound.run(case.q, case.kv_cache, None, out, lse)
+    assert got[0] is out and got[1] is lse
+    torch.cuda.synchronize()
+    _check(case, out, lse)
+    new_out, new_lse = bound.run(case.q, case.kv_cache, None, None, None)  # allocated by the call
+    assert new_out.shape == out.shape and new_out.dtype == out.dtype and new_lse.shape == lse.shape
+    torch.cuda.synchronize()
+    _check(case, new_out, new_lse)
+
+
+def test_forced_mainloop_reaches_the_bound_call(gen):
+    case = make_case(2, 1, 16, 200, page_size=64, device="cuda", generator=gen)
+    plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
+    plan.state.variant, plan.state.fuse_combine = 2, True
+    assert (plan.state.bound.variant, plan.state.bound.fuse_combine) == (2, True)
+    plan.state.variant, plan.state.fuse_combine = 6, False
+    assert (plan.state.bound.variant, plan.state.bound.fuse_combine) == (6, False)
+
+
+@pytest.mark.parametrize("variant", [5, 6])
+def test_cached_tensor_maps_follow_the_cache(variant, gen):
+    """The TMA tensor map is cached per cache (address, shape, strides): two layers' caches alternate, and a
+    narrower view of one (fewer blocks, the same address) gets its own map; every run matches the reference."""
+    b, h_q = (32, 128) if variant == 5 else (2, 16)
+    case = make_case(b, 1, h_q, 300, page_size=64, device="cuda", generator=gen, varlen=False)
+    plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
+    plan.state.variant = variant
+    used = int(case.block_table.max()) + 1
+    caches = [case.kv_cache, torch.randn_like(case.kv_cache.float()).to(case.kv_cache.dtype), case.kv_cache[:used]]
+    for kv in caches + caches[::-1]:
+        out, lse = _poisoned(case)
+        plan.run(case.q, kv, out=out, lse=lse)
+        torch.cuda.synchronize()
+        ref_out, ref_lse = reference_attention(case.q, kv, case.block_table, case.cache_seqlens,
+                                               head_dim_v=case.head_dim_v, softmax_scale=case.softmax_scale)
+        report = compare_outputs(out, lse, ref_out, ref_lse, _backend().TOLERANCE)
+        assert report, report.message
 
 
 def test_fake_tensors_and_torch_compile_take_the_op(gen):
@@ -394,8 +469,9 @@ def test_fake_tensors_and_torch_compile_take_the_op(gen):
 
     case = make_case(3, 2, 16, 200, page_size=64, causal=True, device="cuda", generator=gen)
     plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
-    direct = plan.state.direct
+    direct, fast = plan.state.direct, plan._fast
     plan.state.direct = _forbid("the extension function")
+    plan._fast = _forbid("the bound call")
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fq, fkv = mode.from_tensor(case.q), mode.from_tensor(case.kv_cache)
         fout, flse = plan.run(fq, fkv)  # the op's fake implementation: shapes only
@@ -406,5 +482,5 @@ def test_fake_tensors_and_torch_compile_take_the_op(gen):
     compiled(case.q, case.kv_cache)
     torch.cuda.synchronize()
     _check(case, out, lse)
-    plan.state.direct = direct
+    plan.state.direct, plan._fast = direct, fast
 

@@ -8,7 +8,9 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <string>
+#include <tuple>
 #include <type_traits>
 
 #include "params.h"
@@ -53,12 +55,17 @@ void check_cuda_int32(const at::Tensor& t, const char* name, int64_t dims, const
   MLA_CHECK(t.dim() == dims, name, " must be ", dims, "-D, got shape ", shape_str(t));
 }
 
-void cuda_sm90_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table,
-                      const at::Tensor& cache_seqlens, const at::Tensor& items, const at::Tensor& part_offsets,
-                      const c10::optional<at::Tensor>& kv_scale, const at::Tensor& out, const at::Tensor& lse,
-                      const at::Tensor& partial_out, const at::Tensor& partial_lse, const at::Tensor& num_splits,
-                      const at::Tensor& first_slot, double softmax_scale, bool causal, int64_t kv_format,
-                      int64_t variant, bool fuse_combine) {
+// 16-byte vector loads: every token/row start must be 16-byte aligned
+bool aligned16(const at::Tensor& t, int64_t dims) {
+  if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
+  for (int64_t d = 0; d < dims; ++d)
+    if ((t.stride(d) * t.element_size()) % 16 != 0) return false;
+  return true;
+}
+
+// The arguments that change per call (per layer): q, the cache and its scale, out, lse.
+void check_call(const at::Tensor& q, const at::Tensor& kv, const c10::optional<at::Tensor>& kv_scale,
+                const at::Tensor& out, const at::Tensor& lse, int64_t kv_format, int64_t variant) {
   MLA_CHECK(q.is_cuda(), "q must be a CUDA tensor, got device ", dev_str(q.device()));
   const at::Device dev = q.device();
   MLA_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
@@ -72,8 +79,8 @@ void cuda_sm90_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tenso
   MLA_CHECK(kv.dim() == 4, "kv_cache must be 4-D [num_blocks, page_size, h_kv, D], got ", shape_str(kv));
   MLA_CHECK(kv.stride(3) == 1, "kv_cache must be contiguous in its last dim");
   if (kv_format == 0) {
-    MLA_CHECK(kv.scalar_type() == q.scalar_type(), "kv_cache dtype must equal q's (", dtype_str(q.scalar_type()), "), got ",
-              dtype_str(kv.scalar_type()));
+    MLA_CHECK(kv.scalar_type() == q.scalar_type(), "kv_cache dtype must equal q's (", dtype_str(q.scalar_type()),
+              "), got ", dtype_str(kv.scalar_type()));
     MLA_CHECK(kv.size(3) == kDQK, "kv_cache last dim must be 576, got ", kv.size(3));
   } else if (kv_format == 1) {
     MLA_CHECK(kv.element_size() == 1, "fp8_e4m3 kv_cache must have 1-byte elements, got ", dtype_str(kv.scalar_type()));
@@ -82,13 +89,35 @@ void cuda_sm90_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tenso
                   kv_scale->numel() == 1,
               "kv_scale must be a float32 tensor of one element on ", dev_str(dev), " for fp8_e4m3");
   } else {
-    MLA_CHECK(kv.element_size() == 1, "fp8_ds_mla kv_cache must have 1-byte elements, got ", dtype_str(kv.scalar_type()));
+    MLA_CHECK(kv.element_size() == 1, "fp8_ds_mla kv_cache must have 1-byte elements, got ",
+              dtype_str(kv.scalar_type()));
     MLA_CHECK(kv.size(3) == kDsMlaBytes, "fp8_ds_mla kv_cache last dim must be 656 bytes, got ", kv.size(3));
     MLA_CHECK(kv.stride(2) % 16 == 0 && kv.stride(1) % 16 == 0 && kv.stride(0) % 16 == 0,
               "fp8_ds_mla kv_cache strides must be multiples of 16 bytes");
   }
   const int64_t h_kv = kv.size(2);
   MLA_CHECK(h_kv >= 1 && h_q % h_kv == 0, "h_q (", h_q, ") must be a multiple of h_kv (", h_kv, ")");
+  MLA_CHECK(out.device() == dev && out.scalar_type() == q.scalar_type() && out.dim() == 4 && out.size(0) == B &&
+                out.size(1) == s_q && out.size(2) == h_q && out.size(3) == kDV && out.stride(3) == 1,
+            "out must be [", B, ", ", s_q, ", ", h_q, ", 512] ", dtype_str(q.scalar_type()), " on ", dev_str(dev),
+            ", got ", shape_str(out), " ", dtype_str(out.scalar_type()));
+  MLA_CHECK(lse.device() == dev && lse.scalar_type() == at::kFloat && lse.dim() == 3 && lse.size(0) == B &&
+                lse.size(1) == h_q && lse.size(2) == s_q && lse.stride(2) == 1,
+            "lse must be float32 [", B, ", ", h_q, ", ", s_q, "] on ", dev_str(dev), ", got ", shape_str(lse), " ",
+            dtype_str(lse.scalar_type()));
+  MLA_CHECK(aligned16(q, 3), "q rows must start at 16-byte boundaries");
+  MLA_CHECK(aligned16(kv, 3), "kv_cache tokens must start at 16-byte boundaries");
+  // variant 5 reads the cache with TMA (launch.cu): the same 16-byte rule, but for the tensor map
+  if (variant == 5 && kv_format == 0 && kv.size(1) % 64 == 0)
+    MLA_CHECK(kv.stride(0) * kv.element_size() < (int64_t(1) << 40),
+              "variant 5 (TMA) needs kv_cache block strides below 2^40 bytes");
+}
+
+// The arguments a plan owns (schedule, workspace, options), against the call's B, s_q, h_q and device.
+void check_plan(int64_t B, int64_t s_q, int64_t h_q, const at::Device& dev, const at::Tensor& block_table,
+                const at::Tensor& cache_seqlens, const at::Tensor& items, const at::Tensor& part_offsets,
+                const at::Tensor& partial_out, const at::Tensor& partial_lse, const at::Tensor& num_splits,
+                const at::Tensor& first_slot, double softmax_scale, int64_t variant) {
   check_cuda_int32(block_table, "block_table", 2, dev);
   MLA_CHECK(block_table.size(0) == B && block_table.stride(1) == 1, "block_table must be [", B,
             ", max_blocks] with contiguous rows, got ", shape_str(block_table));
@@ -103,14 +132,6 @@ void cuda_sm90_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tenso
   check_cuda_int32(num_splits, "num_splits", 1, dev);
   check_cuda_int32(first_slot, "first_slot", 1, dev);
   MLA_CHECK(num_splits.size(0) == B && first_slot.size(0) == B, "num_splits and first_slot must be [", B, "]");
-  MLA_CHECK(out.device() == dev && out.scalar_type() == q.scalar_type() && out.dim() == 4 && out.size(0) == B &&
-                out.size(1) == s_q && out.size(2) == h_q && out.size(3) == kDV && out.stride(3) == 1,
-            "out must be [", B, ", ", s_q, ", ", h_q, ", 512] ", dtype_str(q.scalar_type()), " on ", dev_str(dev),
-            ", got ", shape_str(out), " ", dtype_str(out.scalar_type()));
-  MLA_CHECK(lse.device() == dev && lse.scalar_type() == at::kFloat && lse.dim() == 3 && lse.size(0) == B &&
-                lse.size(1) == h_q && lse.size(2) == s_q && lse.stride(2) == 1,
-            "lse must be float32 [", B, ", ", h_q, ", ", s_q, "] on ", dev_str(dev), ", got ", shape_str(lse), " ",
-            dtype_str(lse.scalar_type()));
   const int64_t max_slots = partial_lse.size(0);
   MLA_CHECK(partial_out.device() == dev && partial_out.scalar_type() == at::kFloat && partial_out.is_contiguous() &&
                 partial_out.dim() == 4 && partial_out.size(1) == s_q && partial_out.size(2) == h_q &&
@@ -122,59 +143,64 @@ void cuda_sm90_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tenso
             "partial_lse must be contiguous float32 [max_slots, ", s_q, ", ", h_q, "], got ", shape_str(partial_lse));
   MLA_CHECK(max_slots >= items.size(0), "partial buffers need max_slots >= max_items (", items.size(0), "), got ",
             max_slots);
+  MLA_CHECK(aligned16(partial_out, 3), "partial_out must be 16-byte aligned");
   MLA_CHECK(variant >= 1 && variant <= 6,
             "variant must be 1 (mma.sync), 2 (wgmma), 3 (wgmma, overlapped), 4 (wgmma, S split along D), 5 "
             "(wgmma, two tiles in flight) or 6 (wgmma, tokens on M), got ",
             variant);
   MLA_CHECK(softmax_scale > 0, "softmax_scale must be > 0, got ", softmax_scale);
-  // 16-byte vector loads: every token/row start must be 16-byte aligned
-  const auto aligned16 = [](const at::Tensor& t, int64_t dims) {
-    if (reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 != 0) return false;
-    for (int64_t d = 0; d < dims; ++d)
-      if ((t.stride(d) * t.element_size()) % 16 != 0) return false;
-    return true;
-  };
-  MLA_CHECK(aligned16(q, 3), "q rows must start at 16-byte boundaries");
-  MLA_CHECK(aligned16(kv, 3), "kv_cache tokens must start at 16-byte boundaries");
-  MLA_CHECK(aligned16(partial_out, 3), "partial_out must be 16-byte aligned");
-  // variant 5 reads the cache with TMA (launch.cu): the same 16-byte rule, but for the tensor map
-  if (variant == 5 && kv_format == 0 && kv.size(1) % 64 == 0)
-    MLA_CHECK(kv.stride(0) * kv.element_size() < (int64_t(1) << 40),
-              "variant 5 (TMA) needs kv_cache block strides below 2^40 bytes");
-  if (B == 0) return;
+}
 
-  const c10::cuda::CUDAGuard guard(dev);
+// The plan's part of the parameter block (pointers into the schedule and workspace, options).
+mla_sm90::DecodeParams plan_params(const at::Tensor& block_table, const at::Tensor& cache_seqlens,
+                                   const at::Tensor& items, const at::Tensor& part_offsets,
+                                   const at::Tensor& partial_out, const at::Tensor& partial_lse,
+                                   const at::Tensor& num_splits, const at::Tensor& first_slot, double softmax_scale,
+                                   bool causal, int64_t kv_format, int64_t variant, bool fuse_combine) {
   mla_sm90::DecodeParams p{};
-  p.q = q.data_ptr();
-  p.q_stride_b = q.stride(0); p.q_stride_s = q.stride(1); p.q_stride_h = q.stride(2);
-  p.kv = kv.data_ptr();
-  p.kv_stride_block = kv.stride(0); p.kv_stride_tok = kv.stride(1); p.kv_stride_head = kv.stride(2);
   p.block_table = block_table.data_ptr<int32_t>();
   p.bt_stride = block_table.stride(0);
   p.cache_seqlens = cache_seqlens.data_ptr<int32_t>();
-  p.kv_scale = kv_format == 1 ? kv_scale->data_ptr<float>() : nullptr;
   p.items = items.data_ptr<int32_t>();
   p.part_offsets = part_offsets.data_ptr<int32_t>();
   p.num_parts = static_cast<int>(part_offsets.size(0) - 1);
-  p.out = out.data_ptr();
-  p.out_stride_b = out.stride(0); p.out_stride_s = out.stride(1); p.out_stride_h = out.stride(2);
-  p.lse = lse.data_ptr<float>();
-  p.lse_stride_b = lse.stride(0); p.lse_stride_h = lse.stride(1);
   p.partial_out = partial_out.data_ptr<float>();
   p.partial_lse = partial_lse.data_ptr<float>();
   p.num_splits = num_splits.data_ptr<int32_t>();
   p.first_slot = first_slot.data_ptr<int32_t>();
   p.fuse_combine = fuse_combine ? 1 : 0;
-  p.batch = static_cast<int>(B); p.q_len = static_cast<int>(s_q); p.heads_q = static_cast<int>(h_q);
+  p.softmax_scale = static_cast<float>(softmax_scale);
+  p.causal = causal ? 1 : 0;
+  p.kv_format = static_cast<int>(kv_format);
+  p.variant = static_cast<int>(variant);
+  return p;
+}
+
+// The call's part: q, the cache, its scale, out, lse and the geometry they carry (checked by check_call).
+void set_call_params(mla_sm90::DecodeParams& p, const at::Tensor& q, const at::Tensor& kv,
+                     const c10::optional<at::Tensor>& kv_scale, const at::Tensor& out, const at::Tensor& lse) {
+  p.q = q.data_ptr();
+  p.q_stride_b = q.stride(0); p.q_stride_s = q.stride(1); p.q_stride_h = q.stride(2);
+  p.kv = kv.data_ptr();
+  p.kv_stride_block = kv.stride(0); p.kv_stride_tok = kv.stride(1); p.kv_stride_head = kv.stride(2);
+  p.kv_scale = p.kv_format == mla_sm90::kKvFp8E4M3 ? kv_scale->data_ptr<float>() : nullptr;
+  p.out = out.data_ptr();
+  p.out_stride_b = out.stride(0); p.out_stride_s = out.stride(1); p.out_stride_h = out.stride(2);
+  p.lse = lse.data_ptr<float>();
+  p.lse_stride_b = lse.stride(0); p.lse_stride_h = lse.stride(1);
+  const int64_t s_q = q.size(1), h_q = q.size(2), h_kv = kv.size(2);
+  p.batch = static_cast<int>(q.size(0)); p.q_len = static_cast<int>(s_q); p.heads_q = static_cast<int>(h_q);
   p.heads_kv = static_cast<int>(h_kv); p.page_size = static_cast<int>(kv.size(1));
   p.num_blocks = kv.size(0);
   p.rows_per_kv_head = static_cast<int>(s_q * (h_q / h_kv));
   p.num_row_tiles = (p.rows_per_kv_head + 63) / 64;
-  p.softmax_scale = static_cast<float>(softmax_scale);
-  p.causal = causal ? 1 : 0;
-  p.kv_format = static_cast<int>(kv_format);
   p.q_is_bf16 = q.scalar_type() == at::kBFloat16;
-  p.variant = static_cast<int>(variant);
+}
+
+// The decode launch, then the combine launch unless the decode merged the split rows itself.
+void launch(const mla_sm90::DecodeParams& p, const at::Device& dev) {
+  if (p.batch == 0) return;
+  const c10::cuda::CUDAGuard guard(dev);
   void* stream = at::cuda::getCurrentCUDAStream(dev.index()).stream();
   bool combined = false;
   int err = mla_sm90::launch_decode(p, p.num_parts, stream, &combined);
@@ -184,6 +210,86 @@ void cuda_sm90_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tenso
   err = mla_sm90::launch_combine(mla_sm90::combine_params(p), stream);
   TORCH_CHECK(err == 0, "cuda_sm90_decode: combine launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
 }
+
+void cuda_sm90_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table,
+                      const at::Tensor& cache_seqlens, const at::Tensor& items, const at::Tensor& part_offsets,
+                      const c10::optional<at::Tensor>& kv_scale, const at::Tensor& out, const at::Tensor& lse,
+                      const at::Tensor& partial_out, const at::Tensor& partial_lse, const at::Tensor& num_splits,
+                      const at::Tensor& first_slot, double softmax_scale, bool causal, int64_t kv_format,
+                      int64_t variant, bool fuse_combine) {
+  check_call(q, kv, kv_scale, out, lse, kv_format, variant);
+  check_plan(q.size(0), q.size(1), q.size(2), q.device(), block_table, cache_seqlens, items, part_offsets, partial_out,
+             partial_lse, num_splits, first_slot, softmax_scale, variant);
+  mla_sm90::DecodeParams p = plan_params(block_table, cache_seqlens, items, part_offsets, partial_out, partial_lse,
+                                         num_splits, first_slot, softmax_scale, causal, kv_format, variant,
+                                         fuse_combine);
+  set_call_params(p, q, kv, kv_scale, out, lse);
+  launch(p, q.device());
+}
+
+// One plan's decode bound once: the schedule, workspace and options are checked and packed when the plan is
+// made, so an eager call passes five tensors and checks only those (backends/cuda_sm90.py, CudaSM90Backend.bind).
+class PlannedDecode {
+ public:
+  PlannedDecode(at::Tensor block_table, at::Tensor cache_seqlens, at::Tensor items, at::Tensor part_offsets,
+                at::Tensor partial_out, at::Tensor partial_lse, at::Tensor num_splits, at::Tensor first_slot,
+                at::ScalarType q_dtype, at::ScalarType kv_dtype, int64_t q_len, int64_t heads_q, int64_t heads_kv,
+                int64_t page_size, int64_t kv_dim, double softmax_scale, bool causal, int64_t kv_format,
+                int64_t variant_, bool fuse_combine_)
+      : variant(variant_), fuse_combine(fuse_combine_), block_table_(std::move(block_table)),
+        cache_seqlens_(std::move(cache_seqlens)), items_(std::move(items)), part_offsets_(std::move(part_offsets)),
+        partial_out_(std::move(partial_out)), partial_lse_(std::move(partial_lse)), num_splits_(std::move(num_splits)),
+        first_slot_(std::move(first_slot)), dev_(block_table_.device()), q_dtype_(q_dtype), kv_dtype_(kv_dtype),
+        batch_(num_splits_.size(0)), q_len_(q_len), heads_q_(heads_q), heads_kv_(heads_kv), page_size_(page_size),
+        kv_dim_(kv_dim), kv_format_(kv_format) {
+    MLA_CHECK(dev_.is_cuda(), "block_table must be a CUDA tensor, got device ", dev_str(dev_));
+    MLA_CHECK(kv_format >= 0 && kv_format <= 2, "kv_format must be 0 (q dtype), 1 (fp8_e4m3) or 2 (fp8_ds_mla), got ",
+              kv_format);
+    check_plan(batch_, q_len, heads_q, dev_, block_table_, cache_seqlens_, items_, part_offsets_, partial_out_,
+               partial_lse_, num_splits_, first_slot_, softmax_scale, variant);
+    base_ = plan_params(block_table_, cache_seqlens_, items_, part_offsets_, partial_out_, partial_lse_, num_splits_,
+                        first_slot_, softmax_scale, causal, kv_format, variant, fuse_combine);
+  }
+
+  // Launch on these tensors if they are what the plan was made for and pass check_call, and return (out, lse);
+  // out and lse are allocated here when not given (at::empty costs less host time than a Python torch.empty).
+  // Otherwise return nothing, having launched nothing: the caller's checked path then raises the error that
+  // names the argument. A launch error raises.
+  std::optional<std::tuple<at::Tensor, at::Tensor>> run(const at::Tensor& q, const at::Tensor& kv,
+                                                        const std::optional<at::Tensor>& kv_scale,
+                                                        const std::optional<at::Tensor>& out,
+                                                        const std::optional<at::Tensor>& lse) const {
+    if (q.dim() != 4 || q.scalar_type() != q_dtype_ || q.device() != dev_ || q.size(0) != batch_ ||
+        q.size(1) != q_len_ || q.size(2) != heads_q_ || kv.dim() != 4 || kv.scalar_type() != kv_dtype_ ||
+        kv.size(1) != page_size_ || kv.size(2) != heads_kv_ || kv.size(3) != kv_dim_ ||
+        (kv_format_ != mla_sm90::kKvFp8E4M3 && kv_scale.has_value()))
+      return std::nullopt;
+    at::Tensor o = out.has_value() ? *out : at::empty({batch_, q_len_, heads_q_, kDV}, q.options());
+    at::Tensor l = lse.has_value() ? *lse : at::empty({batch_, heads_q_, q_len_}, q.options().dtype(at::kFloat));
+    try {
+      check_call(q, kv, kv_scale, o, l, kv_format_, variant);
+    } catch (const c10::Error&) {
+      return std::nullopt;
+    }
+    mla_sm90::DecodeParams p = base_;
+    p.variant = static_cast<int>(variant);
+    p.fuse_combine = fuse_combine ? 1 : 0;
+    set_call_params(p, q, kv, kv_scale, o, l);
+    launch(p, dev_);
+    return std::make_tuple(std::move(o), std::move(l));
+  }
+
+  // the mainloop and the combine's place, as CudaSM90Backend chose them; tests and benchmarks force others
+  int64_t variant;
+  bool fuse_combine;
+
+ private:
+  at::Tensor block_table_, cache_seqlens_, items_, part_offsets_, partial_out_, partial_lse_, num_splits_, first_slot_;
+  at::Device dev_;
+  at::ScalarType q_dtype_, kv_dtype_;
+  int64_t batch_, q_len_, heads_q_, heads_kv_, page_size_, kv_dim_, kv_format_;
+  mla_sm90::DecodeParams base_;
+};
 
 }  // namespace
 
@@ -198,11 +304,27 @@ TORCH_LIBRARY_FRAGMENT(mla_dispatch, m) {
 
 TORCH_LIBRARY_IMPL(mla_dispatch, CUDA, m) { m.impl("cuda_sm90_decode", &cuda_sm90_decode); }
 
-// The same function without the dispatcher, for eager calls on plain tensors: a call of an op with
-// these 18 arguments costs ~2.8 us of host time (schema parsing, dispatch), the pybind11 call ~0.6 us
-// (measured on this project's CPU host with a stand-in of the same signature and an empty body). backends/cuda_sm90.py takes
-// this path only outside torch.compile and with no TorchDispatchMode active, so tracing, fake
-// tensors and functionalization still see the op.
+// For eager calls on plain tensors, without the dispatcher (backends/cuda_sm90.py takes these only outside
+// torch.compile and with no TorchDispatchMode active, so tracing, fake tensors and functionalization still see
+// the op). An op call with 18 arguments costs ~2.8 us of host time (schema parsing, dispatch), a pybind11 call
+// of the same signature ~0.6 us (this project's CPU host, a stand-in with an empty body); PlannedDecode.run takes
+// five arguments and checks only those.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cuda_sm90_decode", &cuda_sm90_decode, "the op cuda_sm90_decode, called without the dispatcher");
+  pybind11::class_<PlannedDecode>(m, "PlannedDecode", "one plan's decode: schedule, workspace and options bound once")
+      .def(pybind11::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                          at::Tensor, at::ScalarType, at::ScalarType, int64_t, int64_t, int64_t, int64_t, int64_t,
+                          double, bool, int64_t, int64_t, bool>(),
+           pybind11::arg("block_table"), pybind11::arg("cache_seqlens"), pybind11::arg("items"),
+           pybind11::arg("part_offsets"), pybind11::arg("partial_out"), pybind11::arg("partial_lse"),
+           pybind11::arg("num_splits"), pybind11::arg("first_slot"), pybind11::arg("q_dtype"),
+           pybind11::arg("kv_dtype"), pybind11::arg("q_len"), pybind11::arg("heads_q"), pybind11::arg("heads_kv"),
+           pybind11::arg("page_size"), pybind11::arg("kv_dim"), pybind11::arg("softmax_scale"),
+           pybind11::arg("causal"), pybind11::arg("kv_format"), pybind11::arg("variant"),
+           pybind11::arg("fuse_combine"))
+      .def("run", &PlannedDecode::run,
+           "run(q, kv_cache, kv_scale, out, lse) -> (out, lse) or None: launched (out and lse allocated when None), "
+           "or None (nothing done) when an argument does not match the plan")
+      .def_readwrite("variant", &PlannedDecode::variant)
+      .def_readwrite("fuse_combine", &PlannedDecode::fuse_combine);
 }
