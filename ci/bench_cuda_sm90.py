@@ -139,9 +139,10 @@ HOST_CONFIGS = (
 
 def host_overhead_us(n=200):
     """Host time per eager call (µs), measured while the GPU is held busy by a long sleep kernel, so no call
-    waits for the device. Per config of ``HOST_CONFIGS``: ``DecodePlan.run`` (Python checks, then the
-    extension's function called without the dispatcher), the op through the dispatcher and the extension's
-    function alone (both with the same arguments), and two trivial torch launches for scale."""
+    waits for the device. Per config of ``HOST_CONFIGS``: ``DecodePlan.run`` with ``out`` and ``lse`` given
+    (its fast path: the plan's bound native call) and without them (two allocations more), the bound call
+    alone (``PlannedDecode.run``), the op through the dispatcher and the extension's function of the same
+    name (both with the op's 18 arguments), and two trivial torch launches for scale."""
     import time
 
     def per_call(fn):
@@ -170,6 +171,8 @@ def host_overhead_us(n=200):
         torch.cuda.synchronize()
         row = dict(config=label, parts=int(s.part_offsets.numel()) - 1, variant=st.variant, fused=st.fuse_combine)
         row["run"] = min(per_call(lambda: plan.run(q, kv, out=out, lse=lse)) for _ in range(3))
+        row["run_alloc"] = min(per_call(lambda: plan.run(q, kv)) for _ in range(3))
+        row["bound"] = min(per_call(lambda: st.bound.run(q, kv, None, out, lse)) for _ in range(3))
         row["op"] = min(per_call(lambda: st.op(*args)) for _ in range(3))
         row["direct"] = min(per_call(lambda: st.direct(*args)) for _ in range(3))
         row["launches"] = min(per_call(lambda: (empty.add_(1), empty.add_(1))) for _ in range(3))  # noqa: B023
@@ -211,11 +214,12 @@ def main():
               f"{r['tflops']:8.1f} {r['gbps']:7.0f} {r['roofline_pct']:6.1f} {r['bound']}", flush=True)
     print(hdr)
     host = host_overhead_us()
-    print("host time per eager call (us), GPU kept busy: DecodePlan.run | the op through the dispatcher | the "
-          "extension's function without it | two trivial torch launches")
+    print("host time per eager call (us), GPU kept busy: DecodePlan.run with out/lse | without | the bound call "
+          "alone | the op through the dispatcher | the extension's function without it | two trivial torch launches")
     for h in host:
-        print(f"  {h['config']:44s} v{h['variant']} parts {h['parts']:3d}: run {h['run']:5.1f} | op {h['op']:5.1f} | "
-              f"direct {h['direct']:5.1f} | launches {h['launches']:5.1f}")
+        print(f"  {h['config']:44s} v{h['variant']} parts {h['parts']:3d}: run {h['run']:5.1f} | run_alloc "
+              f"{h['run_alloc']:5.1f} | bound {h['bound']:5.1f} | op {h['op']:5.1f} | direct {h['direct']:5.1f} | "
+              f"launches {h['launches']:5.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(peaks=peaks, rows=rows, host=host), f, indent=1)
