@@ -1,7 +1,7 @@
 """A few small Triton decode runs for `compute-sanitizer --tool memcheck` (dense split, causal page 1, sparse ds_mla;
 the 16/32-row three-per-SM configs on the one-page-per-tile, whole-pages (tl.gather) and per-token table paths;
 the 64-row config on page 1 with the table prefetched a stage ahead, and with an fp8 cache; bf16 whole tiles by TMA
-with 16, 32 and 128 rows)."""
+with 16, 32 and 128 rows; the combine per part boundary where requests outnumber the boundaries)."""
 import torch
 
 from mla_dispatch import plan_decode
@@ -27,6 +27,9 @@ cases = [
     (dict(batch=3, q_len=1, num_heads_q=128, seqlen=300, page_size=64, zero_len_rows=1), dict(num_parts=20, overhead=1)),
     (dict(batch=3, q_len=2, num_heads_q=16, seqlen=500, page_size=128, causal=True), {}),
     (dict(batch=2, q_len=1, num_heads_q=32, seqlen=700, page_size=256), {}),
+    # more requests than part boundaries: the combine runs one program row per boundary (combine.BY_BOUNDARY)
+    (dict(batch=8, q_len=1, num_heads_q=16, seqlen=300, page_size=64, zero_len_rows=1), dict(num_parts=4, overhead=1)),
+    (dict(batch=6, q_len=2, num_heads_q=64, seqlen=500, page_size=16, causal=True), dict(num_parts=3, overhead=1)),
 ]
 for kw, ov in cases:
     c = make_case(device="cuda", generator=g, **kw)
