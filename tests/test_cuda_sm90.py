@@ -444,8 +444,9 @@ def test_forced_mainloop_reaches_the_bound_call(gen):
 
 @pytest.mark.parametrize("variant", [5, 6])
 def test_cached_tensor_maps_follow_the_cache(variant, gen):
-    """The TMA tensor map is cached per cache (address, shape, strides): two layers' caches alternate, and a
-    narrower view of one (fewer blocks, the same address) gets its own map; every run matches the reference."""
+    """The TMA tensor map is cached per cache (address, shape, strides). Two layers' caches alternate, so a map
+    reused across addresses would read the other layer's values; a narrower view of one (the same address, fewer
+    blocks) runs too. Every run matches the reference."""
     b, h_q = (32, 128) if variant == 5 else (2, 16)
     case = make_case(b, 1, h_q, 300, page_size=64, device="cuda", generator=gen, varlen=False)
     plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
