@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from mla_dispatch.backend import BackendState, CGSupport, MLABackend, Reason, ReasonCode
+from mla_dispatch.backend import BackendState, CGSupport, MLABackend, Reason, ReasonCode, untraced_eager
 from mla_dispatch.metadata import first_slots, split_kv_schedule
 from mla_dispatch.platform import Platform
 from mla_dispatch.problem import DecodeProblem
@@ -95,8 +95,6 @@ def choose_fuse_combine(problem: DecodeProblem, num_parts: int, ctas: int) -> bo
 
 
 _fake_registered = False
-_dispatch_modes = torch._C._len_torch_dispatch_stack
-_is_compiling = torch.compiler.is_compiling
 
 
 def load_module():
@@ -136,36 +134,34 @@ def load_ops():
     return torch.ops.mla_dispatch
 
 
+def _bound_option(name: str, kind: type) -> property:
+    """A field of the state that, when set, also sets the bound native call's field of the same name."""
+    private = "_" + name
+
+    def get(self):
+        return getattr(self, private)
+
+    def set_(self, value) -> None:
+        value = kind(value)
+        setattr(self, private, value)
+        if self.bound is not None:
+            setattr(self.bound, name, value)
+
+    return property(get, set_)
+
+
 class Sm90State(BackendState):
     """The backend's per-step state. ``variant`` and ``fuse_combine`` may be changed after planning (tests and
     benchmarks force a mainloop or the combine's place); they also change the bound native call (``bound``,
     :meth:`CudaSM90Backend.bind`), which packed them when it was made."""
 
     bound = None
+    variant = _bound_option("variant", int)
+    fuse_combine = _bound_option("fuse_combine", bool)
 
     def __init__(self, **fields) -> None:
         for name, value in fields.items():
             setattr(self, name, value)
-
-    @property
-    def variant(self) -> int:
-        return self._variant
-
-    @variant.setter
-    def variant(self, value: int) -> None:
-        self._variant = int(value)
-        if self.bound is not None:
-            self.bound.variant = self._variant
-
-    @property
-    def fuse_combine(self) -> bool:
-        return self._fuse_combine
-
-    @fuse_combine.setter
-    def fuse_combine(self, value: bool) -> None:
-        self._fuse_combine = bool(value)
-        if self.bound is not None:
-            self.bound.fuse_combine = self._fuse_combine
 
 
 class CudaSM90Backend(MLABackend):
@@ -231,21 +227,19 @@ class CudaSM90Backend(MLABackend):
             kv_format_code=_KV_FORMAT_CODE[p.kv_format],
             variant=choose_variant(p, num_parts, max_chunks),
             fuse_combine=choose_fuse_combine(p, num_parts, num_parts * tiles),
-            block_table=block_table,
-            cache_seqlens=cache_seqlens,
-            softmax_scale=softmax_scale,
         )
 
     @classmethod
-    def bind(cls, state: Sm90State, problem: DecodeProblem, kv_dtype: torch.dtype):
+    def bind(cls, state: Sm90State, problem: DecodeProblem, kv_dtype: torch.dtype, block_table, cache_seqlens, *,
+             softmax_scale: float):
         """The extension's ``PlannedDecode``: the schedule, workspace and options checked and packed once, so an
         eager run passes q, the cache, its scale, out and lse to one native call that checks only those."""
         p, s = problem, state.schedule
         try:
             state.bound = load_module().PlannedDecode(
-                state.block_table, state.cache_seqlens, s.items, s.part_offsets, state.partial_out, state.partial_lse,
+                block_table, cache_seqlens, s.items, s.part_offsets, state.partial_out, state.partial_lse,
                 s.num_splits, state.first_slot, p.q_dtype, kv_dtype, p.q_len, p.num_heads_q, p.num_heads_kv,
-                p.page_size, 656 if p.kv_format == "fp8_ds_mla" else p.head_dim_qk, state.softmax_scale, p.causal,
+                p.page_size, 656 if p.kv_format == "fp8_ds_mla" else p.head_dim_qk, softmax_scale, p.causal,
                 state.kv_format_code, state.variant, state.fuse_combine)
         except ValueError:  # e.g. a block table with strided rows: run raises the binding's message per call
             return None
@@ -263,8 +257,7 @@ class CudaSM90Backend(MLABackend):
         # Eager calls on plain tensors skip the dispatcher (binding.cpp; on the H100 host of 2026-11-22 the op
         # took 15.2-16.1 us of host time per call, the module function 8.2-8.9); under torch.compile, fake
         # tensors, functionalization or any other TorchDispatchMode the op runs, so it is traced.
-        eager = not _is_compiling() and type(q) is torch.Tensor and not _dispatch_modes()
-        (state.direct if eager else state.op)(
+        (state.direct if untraced_eager(q) else state.op)(
             q, kv_cache, block_table, cache_seqlens, s.items, s.part_offsets,
             kv_scale if state.kv_format_code == 1 else None, out, lse, state.partial_out, state.partial_lse,
             s.num_splits, state.first_slot, softmax_scale, problem.causal, state.kv_format_code, state.variant,

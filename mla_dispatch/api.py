@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from mla_dispatch.backend import BackendState, MLABackend
+from mla_dispatch.backend import BackendState, MLABackend, untraced_eager
 from mla_dispatch.cache import PagedMLACache
 from mla_dispatch.platform import Platform, platform_for
 from mla_dispatch.problem import DecodeProblem, check_values, default_softmax_scale, describe_inputs
 from mla_dispatch.select import select_backend
 
 __all__ = ["mla_decode", "plan_decode", "DecodePlan"]
-
-_is_compiling = torch.compiler.is_compiling
-_dispatch_modes = torch._C._len_torch_dispatch_stack
 
 
 def _unwrap_cache(kv_cache, kv_format, kv_scale):
@@ -85,7 +82,8 @@ class DecodePlan:
         self._sparse = problem.sparse
         self._run = backend_cls.run
         # the backend's one-call eager path (MLABackend.bind), and where it writes an LSE nobody asked for
-        self._fast = None if problem.sparse else backend_cls.bind(state, problem, kv_dtype)
+        self._fast = None if problem.sparse else backend_cls.bind(state, problem, kv_dtype, block_table, cache_seqlens,
+                                                                  softmax_scale=softmax_scale)
         self._lse_scratch = None
         if self._fast is not None and not problem.return_lse:
             self._lse_scratch = torch.empty(self._lse_shape, dtype=torch.float32, device=cache_seqlens.device)
@@ -157,22 +155,18 @@ class DecodePlan:
         ValueError
             An argument does not match the plan.
         """
-        fast = self._fast
-        if fast is not None and not _is_compiling() and indices is None and type(q) is torch.Tensor \
-                and not _dispatch_modes():
-            # One native call checks the arguments against the plan and launches (MLABackend.bind); on a mismatch
-            # it does nothing and the checks below raise the error that names the argument.
-            kv, _, scale = _unwrap_cache(kv_cache, "auto", kv_scale)
-            if scale is None or isinstance(scale, torch.Tensor):
-                if kv.dim() == 3:
-                    kv = kv.unsqueeze(2)
-                done = fast(q, kv, scale, out, self._lse_scratch if lse is None else lse)
-                if done is not None:
-                    return done[0], (done[1] if lse is not None or self.problem.return_lse else None)
         p = self.problem
         kv, _, kv_scale = _unwrap_cache(kv_cache, "auto", kv_scale)
         if kv.dim() == 3:
             kv = kv.unsqueeze(2)
+        fast = self._fast
+        if fast is not None and indices is None and (kv_scale is None or isinstance(kv_scale, torch.Tensor)) \
+                and untraced_eager(q):
+            # One native call checks the arguments against the plan and launches (MLABackend.bind); on a mismatch
+            # it does nothing and the checks below raise the error that names the argument.
+            done = fast(q, kv, kv_scale, out, self._lse_scratch if lse is None else lse)
+            if done is not None:
+                return done[0], (done[1] if lse is not None or p.return_lse else None)
         if q.shape != self._q_shape or q.dtype != self._q_dtype:
             raise ValueError(f"q must be {list(self._q_shape)} {p.q_dtype} as planned, got {list(q.shape)} {q.dtype}")
         if q.stride(-1) != 1:

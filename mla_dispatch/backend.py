@@ -20,7 +20,18 @@ import torch
 from mla_dispatch.platform import Platform
 from mla_dispatch.problem import DecodeProblem
 
-__all__ = ["ReasonCode", "Reason", "CGSupport", "Tolerance", "MLABackend", "BackendState", "Unimplemented"]
+__all__ = ["ReasonCode", "Reason", "CGSupport", "Tolerance", "MLABackend", "BackendState", "Unimplemented",
+           "untraced_eager"]
+
+_is_compiling = torch.compiler.is_compiling
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+
+
+def untraced_eager(q: torch.Tensor) -> bool:
+    """Whether a call on ``q`` is plain eager: not under torch.compile, no TorchDispatchMode active (fake tensors,
+    functionalization, ``make_fx``) and not a tensor subclass. Only such calls may skip the dispatcher (native
+    fast paths, :meth:`MLABackend.bind`); every other call must reach a registered op, so traces see it."""
+    return not _is_compiling() and type(q) is torch.Tensor and not _dispatch_modes()
 
 
 class ReasonCode(enum.Enum):
@@ -229,7 +240,8 @@ class MLABackend:
         """Refresh ``state`` in place for new values of the same shapes (CUDA-graph replay)."""
 
     @classmethod
-    def bind(cls, state: BackendState, problem: DecodeProblem, kv_dtype: torch.dtype):
+    def bind(cls, state: BackendState, problem: DecodeProblem, kv_dtype: torch.dtype, block_table: torch.Tensor,
+             cache_seqlens: torch.Tensor, *, softmax_scale: float):
         """An eager fast path for :meth:`DecodePlan.run <mla_dispatch.api.DecodePlan.run>`, or None (the default).
 
         The callable is ``fn(q, kv_cache, kv_scale, out, lse) -> (out, lse) | None`` with ``kv_cache`` 4-D,
@@ -237,8 +249,8 @@ class MLABackend:
         them). In one native call it checks that the arguments are what the plan was made for (``problem``, a
         cache of ``kv_dtype``), runs the plan and returns the two tensors; it returns None, having done nothing,
         when they are not, and the plan's checked path then runs (or raises the error that names the argument).
-        It is called only outside tracing (no torch.compile, no TorchDispatchMode), on plain tensors, for dense
-        plans.
+        ``block_table``, ``cache_seqlens`` and ``softmax_scale`` are the plan's, as :meth:`run` gets them. The
+        callable is called only where :func:`untraced_eager` holds, for dense plans.
         """
         return None
 

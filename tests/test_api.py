@@ -156,27 +156,20 @@ class _BoundReference(ReferenceBackend):
     calls: list = []
 
     @classmethod
-    def bind(cls, state, problem, kv_dtype):
+    def bind(cls, state, problem, kv_dtype, table, lens, *, softmax_scale):
         p = problem
-        table, lens = state.block_table, state.cache_seqlens
 
         def run(q, kv, kv_scale, out, lse):
             cls.calls.append(dict(kv=kv, kv_scale=kv_scale, out=out, lse=lse))
             if (q.shape != (p.batch, p.q_len, p.num_heads_q, p.head_dim_qk) or q.dtype != p.q_dtype or kv.dim() != 4
                     or kv.shape[1:] != (p.page_size, p.num_heads_kv, p.head_dim_qk) or kv.dtype != kv_dtype):
                 return None
-            o, ls = reference_attention(q, kv, table, lens, head_dim_v=p.head_dim_v, softmax_scale=state.scale,
+            o, ls = reference_attention(q, kv, table, lens, head_dim_v=p.head_dim_v, softmax_scale=softmax_scale,
                                         causal=p.causal, kv_format=p.kv_format, kv_scale=kv_scale)
             out = o.to(q.dtype) if out is None else out.copy_(o)
             return out, ls if lse is None else lse.copy_(ls)
 
         return run
-
-    @classmethod
-    def plan(cls, problem, platform, block_table, cache_seqlens, *, softmax_scale):
-        state = super().plan(problem, platform, block_table, cache_seqlens, softmax_scale=softmax_scale)
-        state.block_table, state.cache_seqlens, state.scale = block_table, cache_seqlens, softmax_scale
-        return state
 
     @classmethod
     def run(cls, state, *args, **kwargs):
