@@ -70,6 +70,12 @@ class StudyRow:
     amla_nocomp: float  # AMLA without the error compensation (ablation)
     amla_bf16: float  # same, after the final cast to bf16
     base_bf16: float
+    # samples in which AMLA hit the exact-cancellation hazard (amla_emulation, module docstring): an element of O
+    # was exactly 0 when a negative N was added to its bits, so it lost some blocks' contributions
+    hazard_samples: int = 0
+    # the bf16-output means over the samples without that hazard (None if every sample had it)
+    amla_bf16_clean: float | None = None
+    base_bf16_clean: float | None = None
 
     @property
     def ratio(self) -> float:
@@ -94,13 +100,16 @@ def run_study(
     rows = []
     for dist in distributions:
         sums = [0.0] * 5
+        clean = [0.0, 0.0]
+        hazard_samples = 0
         for _ in range(samples):
             q = dist.sample((num_heads, head_dim_qk), gen).to(dtype).to(device)
             k = dist.sample((context, head_dim_qk), gen).to(dtype).to(device)
             v = k[:, :head_dim_v]
             scores = (q.float() @ k.float().t()) * scale
             gold, _ = golden_rows(scores, v)
-            amla, _ = amla_rows(scores, v, cast_dtype=dtype)
+            stats: dict = {}
+            amla, _ = amla_rows(scores, v, cast_dtype=dtype, stats=stats)
             base, _ = base_rows(scores, v, cast_dtype=dtype)
             nocomp, _ = amla_rows(scores, v, cast_dtype=dtype, compensate=False)
             errs = (
@@ -111,7 +120,14 @@ def run_study(
                 relative_frobenius_error(base.to(dtype), gold),
             )
             sums = [s + e for s, e in zip(sums, errs)]
-        rows.append(StudyRow(dist, samples, *(s / samples for s in sums)))
+            if stats.get("zero_nan", 0):
+                hazard_samples += 1
+            else:
+                clean = [clean[0] + errs[3], clean[1] + errs[4]]
+        n_clean = samples - hazard_samples
+        rows.append(StudyRow(dist, samples, *(s / samples for s in sums), hazard_samples=hazard_samples,
+                             amla_bf16_clean=clean[0] / n_clean if n_clean else None,
+                             base_bf16_clean=clean[1] / n_clean if n_clean else None))
     return rows
 
 
@@ -119,12 +135,13 @@ def format_table(rows: list[StudyRow], title: str = "", out_dtype: str = "bf16")
     """Markdown table of a study (``out_dtype`` names the output dtype in the last two headers)."""
     lines = [title, ""] if title else []
     lines += [
-        f"| inputs | samples | Base | AMLA | AMLA/Base | AMLA no comp. | Base ({out_dtype} out) | AMLA ({out_dtype} out) |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| inputs | samples | Base | AMLA | AMLA/Base | AMLA no comp. | Base ({out_dtype} out) | AMLA ({out_dtype} out) "
+        "| samples with a NaN hazard |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r.dist.label} | {r.samples} | {r.base:.4e} | {r.amla:.4e} | {r.ratio:.4f} | {r.amla_nocomp:.4e} "
-            f"| {r.base_bf16:.4e} | {r.amla_bf16:.4e} |"
+            f"| {r.base_bf16:.4e} | {r.amla_bf16:.4e} | {r.hazard_samples} |"
         )
     return "\n".join(lines)
