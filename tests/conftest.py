@@ -4,6 +4,10 @@
   elsewhere they are skipped with that reason.
 - Every test gets a fresh random seed, printed in the header, so failures can be replayed
   with ``MLA_DISPATCH_SEED=<seed>``.
+- After each ``gpu`` test the caching allocator's free blocks go back to the driver, so an idle
+  pytest-xdist worker does not sit on the GB its last case needed. Cases too big to run beside
+  each other carry ``xdist_group("gpu_heavy")``: with ``-n N --dist loadgroup`` they run one at a
+  time on one worker (README "GPU runs").
 """
 
 import json
@@ -30,6 +34,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _release_gpu_memory(request):
+    yield
+    if "gpu" in request.keywords and torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 @pytest.fixture
