@@ -5,9 +5,9 @@
 - Every test gets a fresh random seed, printed in the header, so failures can be replayed
   with ``MLA_DISPATCH_SEED=<seed>``.
 - After each ``gpu`` test the caching allocator's free blocks go back to the driver, so an idle
-  pytest-xdist worker does not sit on the GB its last case needed. Cases too big to run beside
-  each other carry ``xdist_group("gpu_heavy")``: with ``-n N --dist loadgroup`` they run one at a
-  time on one worker (README "GPU runs").
+  pytest-xdist worker does not sit on the GB its last case needed. Cases too big to run many at
+  once carry ``xdist_group("gpu_heavy<k>")``: with ``-n N --dist loadgroup`` each group runs on one
+  worker (README "GPU tests").
 """
 
 import json

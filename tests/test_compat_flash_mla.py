@@ -120,12 +120,18 @@ def test_dense_smoke_gpu(case, gen):
     _check_gpu_backends(case, gen, zero_len_rows=case[0] // 16)
 
 
-def _grid_params(cases):
+def _grid_params(cases, groups=4):
     # b=64, L=4096: up to ~6 GiB per case (the h_kv=8 varlen cache alone is 4.6 GiB). Fourteen of them at once ran
-    # the 80 GB H100 out of memory (benchmarks/RESULTS.md, ninth session); with --dist loadgroup they take turns.
-    heavy = pytest.mark.xdist_group("gpu_heavy")
-    return [pytest.param(c, marks=heavy, id=_ids(c)) if c[0] >= 64 and c[2] >= 4096 else pytest.param(c, id=_ids(c))
-            for c in cases]
+    # the 80 GB H100 out of memory (benchmarks/RESULTS.md, ninth session). With --dist loadgroup each of `groups`
+    # xdist groups runs on one worker, so at most `groups` of them run at once.
+    params, heavy = [], 0
+    for c in cases:
+        if c[0] >= 64 and c[2] >= 4096:
+            params.append(pytest.param(c, marks=pytest.mark.xdist_group(f"gpu_heavy{heavy % groups}"), id=_ids(c)))
+            heavy += 1
+        else:
+            params.append(pytest.param(c, id=_ids(c)))
+    return params
 
 
 @pytest.mark.gpu
