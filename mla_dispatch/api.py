@@ -10,6 +10,8 @@ from mla_dispatch.platform import Platform, platform_for
 from mla_dispatch.problem import DecodeProblem, check_values, default_softmax_scale, describe_inputs
 from mla_dispatch.select import select_backend
 
+_profiler_enabled = torch._C._autograd._profiler_enabled  # ~60 ns: whether a torch.profiler / autograd profile is on
+
 __all__ = ["mla_decode", "plan_decode", "DecodePlan"]
 
 
@@ -163,8 +165,13 @@ class DecodePlan:
         if fast is not None and indices is None and (kv_scale is None or isinstance(kv_scale, torch.Tensor)) \
                 and untraced_eager(q):
             # One native call checks the arguments against the plan and launches (MLABackend.bind); on a mismatch
-            # it does nothing and the checks below raise the error that names the argument.
-            done = fast(q, kv, kv_scale, out, self._lse_scratch if lse is None else lse)
+            # it does nothing and the checks below raise the error that names the argument. It skips the
+            # dispatcher, so under torch.profiler it gets a range of its own (the op's name would be missing).
+            if _profiler_enabled():
+                with torch.profiler.record_function(f"mla_dispatch::{self.backend}_decode (bound)"):
+                    done = fast(q, kv, kv_scale, out, self._lse_scratch if lse is None else lse)
+            else:
+                done = fast(q, kv, kv_scale, out, self._lse_scratch if lse is None else lse)
             if done is not None:
                 return done[0], (done[1] if lse is not None or p.return_lse else None)
         if q.shape != self._q_shape or q.dtype != self._q_dtype:

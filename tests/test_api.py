@@ -235,3 +235,16 @@ def test_fast_path_writes_an_unrequested_lse_into_the_plans_buffer(registered, g
     given = torch.empty(2, 4, 1)
     _, lse = plan.run(case.q, case.kv_cache, lse=given)
     assert lse is given and _BoundReference.calls[-1]["lse"] is given
+
+
+def test_fast_path_shows_in_a_torch_profiler_trace(registered, gen):
+    """The bound call skips the dispatcher, so a profiled run gets a named range instead (and still takes the fast
+    path); unprofiled runs add nothing."""
+    case, plan = _bound_plan(registered, gen)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out, _ = plan.run(case.q, case.kv_cache)
+    names = [e.name for e in prof.events()]
+    assert f"mla_dispatch::{plan.backend}_decode (bound)" in names
+    assert len(_BoundReference.calls) == 1 and _BoundReference.slow_runs == 0
+    want_out, _ = reference_attention(*case.args(), **case.kwargs())
+    assert torch.equal(out, want_out.to(BF))

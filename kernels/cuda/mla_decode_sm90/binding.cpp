@@ -63,6 +63,11 @@ bool aligned16(const at::Tensor& t, int64_t dims) {
   return true;
 }
 
+void check_kv_format(int64_t kv_format) {
+  MLA_CHECK(kv_format >= 0 && kv_format <= 2, "kv_format must be 0 (q dtype), 1 (fp8_e4m3) or 2 (fp8_ds_mla), got ",
+            kv_format);
+}
+
 // The arguments that change per call (per layer): q, the cache and its scale, out, lse.
 void check_call(const at::Tensor& q, const at::Tensor& kv, const c10::optional<at::Tensor>& kv_scale,
                 const at::Tensor& out, const at::Tensor& lse, int64_t kv_format, int64_t variant) {
@@ -73,8 +78,7 @@ void check_call(const at::Tensor& q, const at::Tensor& kv, const c10::optional<a
   MLA_CHECK(q.dim() == 4 && q.size(3) == kDQK, "q must be [B, s_q, h_q, 576], got ", shape_str(q));
   MLA_CHECK(q.stride(3) == 1, "q must be contiguous in its last dim");
   const int64_t B = q.size(0), s_q = q.size(1), h_q = q.size(2);
-  MLA_CHECK(kv_format >= 0 && kv_format <= 2, "kv_format must be 0 (q dtype), 1 (fp8_e4m3) or 2 (fp8_ds_mla), got ",
-            kv_format);
+  check_kv_format(kv_format);
   MLA_CHECK(kv.device() == dev, "kv_cache must be on ", dev_str(dev), ", got ", dev_str(kv.device()));
   MLA_CHECK(kv.dim() == 4, "kv_cache must be 4-D [num_blocks, page_size, h_kv, D], got ", shape_str(kv));
   MLA_CHECK(kv.stride(3) == 1, "kv_cache must be contiguous in its last dim");
@@ -243,8 +247,7 @@ class PlannedDecode {
         batch_(num_splits_.size(0)), q_len_(q_len), heads_q_(heads_q), heads_kv_(heads_kv), page_size_(page_size),
         kv_dim_(kv_dim), kv_format_(kv_format) {
     MLA_CHECK(dev_.is_cuda(), "block_table must be a CUDA tensor, got device ", dev_str(dev_));
-    MLA_CHECK(kv_format >= 0 && kv_format <= 2, "kv_format must be 0 (q dtype), 1 (fp8_e4m3) or 2 (fp8_ds_mla), got ",
-              kv_format);
+    check_kv_format(kv_format);
     check_plan(batch_, q_len, heads_q, dev_, block_table_, cache_seqlens_, items_, part_offsets_, partial_out_,
                partial_lse_, num_splits_, first_slot_, softmax_scale, variant);
     base_ = plan_params(block_table_, cache_seqlens_, items_, part_offsets_, partial_out_, partial_lse_, num_splits_,
