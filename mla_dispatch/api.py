@@ -10,7 +10,8 @@ from mla_dispatch.platform import Platform, platform_for
 from mla_dispatch.problem import DecodeProblem, check_values, default_softmax_scale, describe_inputs
 from mla_dispatch.select import select_backend
 
-_profiler_enabled = torch._C._autograd._profiler_enabled  # ~60 ns: whether a torch.profiler / autograd profile is on
+# whether a torch.profiler / autograd profile is on (~60 ns); a private torch function, so absent means "no"
+_profiler_enabled = getattr(torch._C._autograd, "_profiler_enabled", lambda: False)
 
 __all__ = ["mla_decode", "plan_decode", "DecodePlan"]
 
