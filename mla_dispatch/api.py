@@ -168,11 +168,12 @@ class DecodePlan:
             # One native call checks the arguments against the plan and launches (MLABackend.bind); on a mismatch
             # it does nothing and the checks below raise the error that names the argument. It skips the
             # dispatcher, so under torch.profiler it gets a range of its own (the op's name would be missing).
+            lse_buf = self._lse_scratch if lse is None else lse
             if _profiler_enabled():
                 with torch.profiler.record_function(f"mla_dispatch::{self.backend}_decode (bound)"):
-                    done = fast(q, kv, kv_scale, out, self._lse_scratch if lse is None else lse)
+                    done = fast(q, kv, kv_scale, out, lse_buf)
             else:
-                done = fast(q, kv, kv_scale, out, self._lse_scratch if lse is None else lse)
+                done = fast(q, kv, kv_scale, out, lse_buf)
             if done is not None:
                 return done[0], (done[1] if lse is not None or p.return_lse else None)
         if q.shape != self._q_shape or q.dtype != self._q_dtype:
