@@ -143,9 +143,9 @@ def _bound_option(name: str, kind: type) -> property:
 
     def set_(self, value) -> None:
         value = kind(value)
-        setattr(self, private, value)
-        if self.bound is not None:
+        if self.bound is not None:  # first: the native setter may refuse the value (then nothing changes)
             setattr(self.bound, name, value)
+        setattr(self, private, value)
 
     return property(get, set_)
 

@@ -440,6 +440,9 @@ def test_forced_mainloop_reaches_the_bound_call(gen):
     assert (plan.state.bound.variant, plan.state.bound.fuse_combine) == (2, True)
     plan.state.variant, plan.state.fuse_combine = 6, False
     assert (plan.state.bound.variant, plan.state.bound.fuse_combine) == (6, False)
+    with pytest.raises(ValueError, match="variant must be 1"):  # checked as the op checks it, nothing changed
+        plan.state.variant = 9
+    assert (plan.state.variant, plan.state.bound.variant) == (6, 6)
 
 
 @pytest.mark.parametrize("variant", [5, 6])

@@ -63,6 +63,13 @@ bool aligned16(const at::Tensor& t, int64_t dims) {
   return true;
 }
 
+void check_variant(int64_t variant) {
+  MLA_CHECK(variant >= 1 && variant <= 6,
+            "variant must be 1 (mma.sync), 2 (wgmma), 3 (wgmma, overlapped), 4 (wgmma, S split along D), 5 "
+            "(wgmma, two tiles in flight) or 6 (wgmma, tokens on M), got ",
+            variant);
+}
+
 void check_kv_format(int64_t kv_format) {
   MLA_CHECK(kv_format >= 0 && kv_format <= 2, "kv_format must be 0 (q dtype), 1 (fp8_e4m3) or 2 (fp8_ds_mla), got ",
             kv_format);
@@ -148,10 +155,7 @@ void check_plan(int64_t B, int64_t s_q, int64_t h_q, const at::Device& dev, cons
   MLA_CHECK(max_slots >= items.size(0), "partial buffers need max_slots >= max_items (", items.size(0), "), got ",
             max_slots);
   MLA_CHECK(aligned16(partial_out, 3), "partial_out must be 16-byte aligned");
-  MLA_CHECK(variant >= 1 && variant <= 6,
-            "variant must be 1 (mma.sync), 2 (wgmma), 3 (wgmma, overlapped), 4 (wgmma, S split along D), 5 "
-            "(wgmma, two tiles in flight) or 6 (wgmma, tokens on M), got ",
-            variant);
+  check_variant(variant);
   MLA_CHECK(softmax_scale > 0, "softmax_scale must be > 0, got ", softmax_scale);
 }
 
@@ -239,8 +243,8 @@ class PlannedDecode {
                 at::Tensor partial_out, at::Tensor partial_lse, at::Tensor num_splits, at::Tensor first_slot,
                 at::ScalarType q_dtype, at::ScalarType kv_dtype, int64_t q_len, int64_t heads_q, int64_t heads_kv,
                 int64_t page_size, int64_t kv_dim, double softmax_scale, bool causal, int64_t kv_format,
-                int64_t variant_, bool fuse_combine_)
-      : variant(variant_), fuse_combine(fuse_combine_), block_table_(std::move(block_table)),
+                int64_t variant, bool fuse_combine_)
+      : fuse_combine(fuse_combine_), variant_(variant), block_table_(std::move(block_table)),
         cache_seqlens_(std::move(cache_seqlens)), items_(std::move(items)), part_offsets_(std::move(part_offsets)),
         partial_out_(std::move(partial_out)), partial_lse_(std::move(partial_lse)), num_splits_(std::move(num_splits)),
         first_slot_(std::move(first_slot)), dev_(block_table_.device()), q_dtype_(q_dtype), kv_dtype_(kv_dtype),
@@ -270,12 +274,12 @@ class PlannedDecode {
     at::Tensor o = out.has_value() ? *out : at::empty({batch_, q_len_, heads_q_, kDV}, q.options());
     at::Tensor l = lse.has_value() ? *lse : at::empty({batch_, heads_q_, q_len_}, q.options().dtype(at::kFloat));
     try {
-      check_call(q, kv, kv_scale, o, l, kv_format_, variant);
+      check_call(q, kv, kv_scale, o, l, kv_format_, variant_);
     } catch (const c10::Error&) {
       return std::nullopt;
     }
     mla_sm90::DecodeParams p = base_;
-    p.variant = static_cast<int>(variant);
+    p.variant = static_cast<int>(variant_);
     p.fuse_combine = fuse_combine ? 1 : 0;
     set_call_params(p, q, kv, kv_scale, o, l);
     launch(p, dev_);
@@ -283,10 +287,16 @@ class PlannedDecode {
   }
 
   // the mainloop and the combine's place, as CudaSM90Backend chose them; tests and benchmarks force others
-  int64_t variant;
+  // (a mainloop through set_variant, which checks it as the op's every call does)
+  int64_t variant() const { return variant_; }
+  void set_variant(int64_t variant) {
+    check_variant(variant);
+    variant_ = variant;
+  }
   bool fuse_combine;
 
  private:
+  int64_t variant_;
   at::Tensor block_table_, cache_seqlens_, items_, part_offsets_, partial_out_, partial_lse_, num_splits_, first_slot_;
   at::Device dev_;
   at::ScalarType q_dtype_, kv_dtype_;
@@ -328,6 +338,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("run", &PlannedDecode::run,
            "run(q, kv_cache, kv_scale, out, lse) -> (out, lse) or None: launched (out and lse allocated when None), "
            "or None (nothing done) when an argument does not match the plan")
-      .def_readwrite("variant", &PlannedDecode::variant)
+      .def_property("variant", &PlannedDecode::variant, &PlannedDecode::set_variant)
       .def_readwrite("fuse_combine", &PlannedDecode::fuse_combine);
 }
