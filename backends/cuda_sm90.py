@@ -7,8 +7,10 @@ the ``nvidia-cutlass`` headers). One registered op,
 shared split-KV schedule (:func:`mla_dispatch.metadata.split_kv_schedule`) and
 then the combine of split requests.
 
-Plan computes the schedule and allocates the workspace (partial outputs); run
-allocates nothing and does not sync, so it can be captured in a CUDA graph;
+Plan computes the schedule and allocates the workspace (partial outputs in q's
+dtype, fp32 LSEs); run allocates nothing and does not sync, so it can be captured
+in a CUDA graph; a given ``out`` needs rows at 8-byte boundaries (strides that are
+multiples of 4 elements: the kernels store four channels at a time);
 update refreshes the schedule in place before a replay. Eager runs on plain
 tensors skip the dispatcher: ``DecodePlan.run`` calls the plan's bound
 ``PlannedDecode.run`` (:meth:`CudaSM90Backend.bind`), and where that declines,
