@@ -7,10 +7,8 @@ the ``nvidia-cutlass`` headers). One registered op,
 shared split-KV schedule (:func:`mla_dispatch.metadata.split_kv_schedule`) and
 then the combine of split requests.
 
-Plan computes the schedule and allocates the workspace (partial outputs in q's
-dtype, fp32 LSEs); run allocates nothing and does not sync, so it can be captured
-in a CUDA graph; a given ``out`` needs rows at 8-byte boundaries (strides that are
-multiples of 4 elements: the kernels store four channels at a time);
+Plan computes the schedule and allocates the workspace (partial outputs); run
+allocates nothing and does not sync, so it can be captured in a CUDA graph;
 update refreshes the schedule in place before a replay. Eager runs on plain
 tensors skip the dispatcher: ``DecodePlan.run`` calls the plan's bound
 ``PlannedDecode.run`` (:meth:`CudaSM90Backend.bind`), and where that declines,
@@ -185,7 +183,7 @@ class CudaSM90Backend(MLABackend):
     SUPPORTS_SPARSE = False
     CUDA_GRAPH = CGSupport.ALWAYS
     #: fewest KV chunks (of 64 tokens) a split-KV part should get: a split costs a Q-tile load and a
-    #: 64 x 512 partial write, as much traffic as one or two KV tiles
+    #: 64 x 512 fp32 partial write, as much traffic as one or two KV tiles
     MIN_CHUNKS_PER_PART = 2
 
     @classmethod
@@ -223,8 +221,8 @@ class CudaSM90Backend(MLABackend):
             direct=load_module().cuda_sm90_decode,
             schedule=schedule,
             first_slot=first_slots(schedule.num_splits),
-            # partial rows in q's dtype (half the bytes of fp32; one more rounding, inside DESIGN.md §5's bounds)
-            partial_out=torch.empty(max_slots, p.q_len, p.num_heads_q, p.head_dim_v, dtype=p.q_dtype, device=device),
+            partial_out=torch.empty(max_slots, p.q_len, p.num_heads_q, p.head_dim_v, dtype=torch.float32,
+                                    device=device),
             partial_lse=torch.empty(max_slots, p.q_len, p.num_heads_q, dtype=torch.float32, device=device),
             kv_format_code=_KV_FORMAT_CODE[p.kv_format],
             variant=choose_variant(p, num_parts, max_chunks),

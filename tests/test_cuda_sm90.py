@@ -223,6 +223,10 @@ COMBINE_GRID = [
     (2, 1, 256, 256, 100, 64, False, 0),
     (200, 1, 128, 1, 1000, 64, False, 3),
     (150, 2, 8, 1, 900, 32, True, 2),
+    # more split rows than one wave of combine blocks holds (128 x 40 and 127 x 65 blocks), per request and per
+    # part boundary, with an odd head count
+    (40, 1, 128, 1, 2000, 64, False, 1),
+    (180, 1, 127, 1, 800, 64, False, 2),
 ]
 
 
@@ -331,9 +335,9 @@ for over, pattern in [
     (dict(block_table=case.block_table.long()), "block_table must be int32"),
     (dict(cache_seqlens=case.cache_seqlens[:1]), "cache_seqlens must be contiguous"),
     (dict(out=out.float()), "out must be"),
-    (dict(out=torch.empty(2, 1, 16, 514, dtype=case.q.dtype, device="cuda")[..., :512]),
-     "out rows must start at 8-byte boundaries"),
-    (dict(partial_out=st.partial_out.float()), r"partial_out must be contiguous .* \(q's dtype\)"),
+    (dict(out=torch.empty(2, 1, 16, 513, dtype=case.q.dtype, device="cuda")[..., :512]),
+     "out rows must start at 4-byte boundaries"),
+    (dict(partial_out=st.partial_out.half()), "partial_out must be contiguous float32"),
     (dict(lse=lse.double()), "lse must be float32"),
     (dict(kv_format=1, kv_cache=case.kv_cache.view(torch.uint8)[..., :576].contiguous()), "kv_scale must be"),
     (dict(variant=7), "variant must be 1"),

@@ -118,8 +118,8 @@ void check_call(const at::Tensor& q, const at::Tensor& kv, const c10::optional<a
             "lse must be float32 [", B, ", ", h_q, ", ", s_q, "] on ", dev_str(dev), ", got ", shape_str(lse), " ",
             dtype_str(lse.scalar_type()));
   MLA_CHECK(aligned16(q, 3), "q rows must start at 16-byte boundaries");
-  // the epilogues store 8 bytes (4 channels) per lane (mainloop.cuh, store_acc_row)
-  MLA_CHECK(aligned(out, 3, 8), "out rows must start at 8-byte boundaries (strides multiples of 4 elements)");
+  // the epilogues store two channels (4 bytes) at a time: a misaligned row would fault the whole context
+  MLA_CHECK(aligned(out, 3, 4), "out rows must start at 4-byte boundaries (even strides)");
   MLA_CHECK(aligned16(kv, 3), "kv_cache tokens must start at 16-byte boundaries");
   // variant 5 reads the cache with TMA (launch.cu): the same 16-byte rule, but for the tensor map
   if (variant == 5 && kv_format == 0 && kv.size(1) % 64 == 0)
@@ -127,11 +127,11 @@ void check_call(const at::Tensor& q, const at::Tensor& kv, const c10::optional<a
               "variant 5 (TMA) needs kv_cache block strides below 2^40 bytes");
 }
 
-// The arguments a plan owns (schedule, workspace, options), against the call's B, s_q, h_q, q dtype and device.
-void check_plan(int64_t B, int64_t s_q, int64_t h_q, at::ScalarType q_dtype, const at::Device& dev,
-                const at::Tensor& block_table, const at::Tensor& cache_seqlens, const at::Tensor& items,
-                const at::Tensor& part_offsets, const at::Tensor& partial_out, const at::Tensor& partial_lse,
-                const at::Tensor& num_splits, const at::Tensor& first_slot, double softmax_scale, int64_t variant) {
+// The arguments a plan owns (schedule, workspace, options), against the call's B, s_q, h_q and device.
+void check_plan(int64_t B, int64_t s_q, int64_t h_q, const at::Device& dev, const at::Tensor& block_table,
+                const at::Tensor& cache_seqlens, const at::Tensor& items, const at::Tensor& part_offsets,
+                const at::Tensor& partial_out, const at::Tensor& partial_lse, const at::Tensor& num_splits,
+                const at::Tensor& first_slot, double softmax_scale, int64_t variant) {
   check_cuda_int32(block_table, "block_table", 2, dev);
   MLA_CHECK(block_table.size(0) == B && block_table.stride(1) == 1, "block_table must be [", B,
             ", max_blocks] with contiguous rows, got ", shape_str(block_table));
@@ -147,11 +147,11 @@ void check_plan(int64_t B, int64_t s_q, int64_t h_q, at::ScalarType q_dtype, con
   check_cuda_int32(first_slot, "first_slot", 1, dev);
   MLA_CHECK(num_splits.size(0) == B && first_slot.size(0) == B, "num_splits and first_slot must be [", B, "]");
   const int64_t max_slots = partial_lse.size(0);
-  MLA_CHECK(partial_out.device() == dev && partial_out.scalar_type() == q_dtype && partial_out.is_contiguous() &&
+  MLA_CHECK(partial_out.device() == dev && partial_out.scalar_type() == at::kFloat && partial_out.is_contiguous() &&
                 partial_out.dim() == 4 && partial_out.size(1) == s_q && partial_out.size(2) == h_q &&
                 partial_out.size(3) == kDV && partial_out.size(0) == max_slots,
-            "partial_out must be contiguous ", dtype_str(q_dtype), " (q's dtype) [max_slots, ", s_q, ", ", h_q,
-            ", 512], got ", shape_str(partial_out), " ", dtype_str(partial_out.scalar_type()));
+            "partial_out must be contiguous float32 [max_slots, ", s_q, ", ", h_q, ", 512], got ",
+            shape_str(partial_out));
   MLA_CHECK(partial_lse.device() == dev && partial_lse.scalar_type() == at::kFloat && partial_lse.is_contiguous() &&
                 partial_lse.dim() == 3 && partial_lse.size(1) == s_q && partial_lse.size(2) == h_q,
             "partial_lse must be contiguous float32 [max_slots, ", s_q, ", ", h_q, "], got ", shape_str(partial_lse));
@@ -175,7 +175,7 @@ mla_sm90::DecodeParams plan_params(const at::Tensor& block_table, const at::Tens
   p.items = items.data_ptr<int32_t>();
   p.part_offsets = part_offsets.data_ptr<int32_t>();
   p.num_parts = static_cast<int>(part_offsets.size(0) - 1);
-  p.partial_out = partial_out.data_ptr();
+  p.partial_out = partial_out.data_ptr<float>();
   p.partial_lse = partial_lse.data_ptr<float>();
   p.num_splits = num_splits.data_ptr<int32_t>();
   p.first_slot = first_slot.data_ptr<int32_t>();
@@ -229,8 +229,8 @@ void cuda_sm90_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tenso
                       const at::Tensor& first_slot, double softmax_scale, bool causal, int64_t kv_format,
                       int64_t variant, bool fuse_combine) {
   check_call(q, kv, kv_scale, out, lse, kv_format, variant);
-  check_plan(q.size(0), q.size(1), q.size(2), q.scalar_type(), q.device(), block_table, cache_seqlens, items,
-             part_offsets, partial_out, partial_lse, num_splits, first_slot, softmax_scale, variant);
+  check_plan(q.size(0), q.size(1), q.size(2), q.device(), block_table, cache_seqlens, items, part_offsets, partial_out,
+             partial_lse, num_splits, first_slot, softmax_scale, variant);
   mla_sm90::DecodeParams p = plan_params(block_table, cache_seqlens, items, part_offsets, partial_out, partial_lse,
                                          num_splits, first_slot, softmax_scale, causal, kv_format, variant,
                                          fuse_combine);
@@ -255,8 +255,8 @@ class PlannedDecode {
         kv_dim_(kv_dim), kv_format_(kv_format) {
     MLA_CHECK(dev_.is_cuda(), "block_table must be a CUDA tensor, got device ", dev_str(dev_));
     check_kv_format(kv_format);
-    check_plan(batch_, q_len, heads_q, q_dtype, dev_, block_table_, cache_seqlens_, items_, part_offsets_,
-               partial_out_, partial_lse_, num_splits_, first_slot_, softmax_scale, variant);
+    check_plan(batch_, q_len, heads_q, dev_, block_table_, cache_seqlens_, items_, part_offsets_, partial_out_,
+               partial_lse_, num_splits_, first_slot_, softmax_scale, variant);
     base_ = plan_params(block_table_, cache_seqlens_, items_, part_offsets_, partial_out_, partial_lse_, num_splits_,
                         first_slot_, softmax_scale, causal, kv_format, variant, fuse_combine);
   }

@@ -27,10 +27,10 @@ template <int kThreads>
 constexpr int kFusedScratchBytes = (4 * kFusedMaxSplits + kThreads / 32) * (int)sizeof(int);
 
 // One warp merges the n > 1 partial rows of (request b, row) over 128 of the 512 channels, from
-// channel c0: lane owns the 4 channels at c0 + 4 lane (8 bytes of T; the partials are in q dtype). Slots
-// are read kSlots at a time (kSlots loads in flight per lane) and folded in with an online max. No shared
-// memory and no barrier, so any warp can take any row. Partials are read through L2 (ld.global.cg): in
-// the fused combine other SMs wrote them during this launch. Writes out (and lse when c0 == 0).
+// channel c0: lane owns the float4 at c0 + 4 lane. Slots are read kSlots at a time (kSlots 16-byte
+// loads in flight per lane) and folded in with an online max. No shared memory and no barrier, so
+// any warp can take any row. Partials are read through L2 (ld.global.cg): in the fused combine other
+// SMs wrote them during this launch. Writes out (and lse when c0 == 0).
 template <typename T, int kSlots>
 __device__ __forceinline__ void combine_row_part(const CombineParams& p, int b, int n, int64_t first, int row, int c0,
                                                  int lane) {
@@ -38,21 +38,20 @@ __device__ __forceinline__ void combine_row_part(const CombineParams& p, int b, 
   const int rows = p.q_len * p.heads_q;
   const int i = row / p.heads_q, h = row % p.heads_q;
   const float* __restrict__ plse = p.partial_lse + first * rows + row;
-  const uint2* __restrict__ src =
-      reinterpret_cast<const uint2*>(static_cast<const T*>(p.partial_out) +
-                                     (first * rows + row) * DecodeConfig::kHeadDimV + c0) + lane;
+  const float4* __restrict__ src =
+      reinterpret_cast<const float4*>(p.partial_out + (first * rows + row) * DecodeConfig::kHeadDimV + c0) + lane;
   const int64_t slot_stride4 = (int64_t)rows * DecodeConfig::kHeadDimV / 4;
 
   float m = -INFINITY, denom = 0.f;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   for (int s0 = 0; s0 < n; s0 += kSlots) {
     float l[kSlots];
-    uint2 v[kSlots];
+    float4 v[kSlots];
 #pragma unroll
     for (int j = 0; j < kSlots; ++j) {
       const bool ok = s0 + j < n;
       l[j] = ok ? __ldcg(plse + (int64_t)(s0 + j) * rows) : -INFINITY;
-      v[j] = ok ? __ldcg(src + (s0 + j) * slot_stride4) : make_uint2(0u, 0u);
+      v[j] = ok ? __ldcg(src + (s0 + j) * slot_stride4) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
     float mb = m;
 #pragma unroll
@@ -64,20 +63,19 @@ __device__ __forceinline__ void combine_row_part(const CombineParams& p, int b, 
 #pragma unroll
     for (int j = 0; j < kSlots; ++j) {
       const float w = l[j] == -INFINITY ? 0.f : __expf(l[j] - mb);
-      const float2 lo = TT::to_float2(*reinterpret_cast<const typename TT::T2*>(&v[j].x));
-      const float2 hi = TT::to_float2(*reinterpret_cast<const typename TT::T2*>(&v[j].y));
       denom += w;
-      acc.x += w * lo.x;
-      acc.y += w * lo.y;
-      acc.z += w * hi.x;
-      acc.w += w * hi.y;
+      acc.x += w * v[j].x;
+      acc.y += w * v[j].y;
+      acc.z += w * v[j].z;
+      acc.w += w * v[j].w;
     }
     m = mb;
   }
   T* dst = reinterpret_cast<T*>(p.out) + (int64_t)b * p.out_stride_b + (int64_t)i * p.out_stride_s +
            (int64_t)h * p.out_stride_h + c0 + 4 * lane;
   const float inv = m == -INFINITY ? 0.f : 1.f / denom;  // no slot saw a key: out = 0, lse = +inf
-  store4(dst, acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+  *reinterpret_cast<typename TT::T2*>(dst) = TT::from_float2(acc.x * inv, acc.y * inv);
+  *reinterpret_cast<typename TT::T2*>(dst + 2) = TT::from_float2(acc.z * inv, acc.w * inv);
   if (c0 == 0 && lane == 0)
     p.lse[(int64_t)b * p.lse_stride_b + (int64_t)h * p.lse_stride_h + i] = m == -INFINITY ? INFINITY : m + logf(denom);
 }

@@ -71,12 +71,4 @@ template <> struct TypeTraits<__half> {
   static constexpr bool kIsBf16 = false;
 };
 
-// Four floats as four T in one 8-byte store (dst 8-byte aligned): a warp's consecutive lanes then fill
-// whole 32-byte sectors per store instruction, where two 4-byte stores would write half sectors each.
-template <typename T>
-__device__ __forceinline__ void store4(T* dst, float a, float b, float c, float d) {
-  typename TypeTraits<T>::T2 lo = TypeTraits<T>::from_float2(a, b), hi = TypeTraits<T>::from_float2(c, d);
-  *reinterpret_cast<uint2*>(dst) = make_uint2(*reinterpret_cast<uint32_t*>(&lo), *reinterpret_cast<uint32_t*>(&hi));
-}
-
 }  // namespace mla_sm90

@@ -319,37 +319,28 @@ __device__ __forceinline__ void load_q_tile_async(const DecodeParams& p, T* sQ, 
 }
 
 // Accumulator row h of this thread (acc_o[4 n + 2 h + {0, 1}], n < 32: its 64 of the 256 output
-// channels from col0), times inv, into out (unsplit item, slot < 0) or the item's partial slot (q dtype
-// too: the combine re-reads half the bytes of fp32); the row's LSE from the thread with writes_lse.
-// Every lane of the warp must call it (a quad's rows agree on `store`): lanes q and q ^ 1 of a quad swap
-// one 32-bit pair per 16 channels, so each store is 8 bytes and the quad's four cover one whole 32-byte
-// sector (with a 4-byte pair per lane every store wrote half sectors: the b = 1 decode took 16.5 us instead
-// of 13.5; NOTES.md, twelfth session). Needs 8-byte aligned rows (binding.cpp checks out; partials are).
+// channels from col0), times inv, into out (unsplit item, slot < 0) or the item's fp32 partial
+// slot; the row's LSE from the thread with writes_lse.
 template <typename T>
 __device__ __forceinline__ void store_acc_row(const DecodeParams& p, const float* acc_o, int h, int col0, float inv,
-                                              float lse_val, int req, int slot, int qi, int head, bool writes_lse,
-                                              bool store) {
+                                              float lse_val, int req, int slot, int qi, int head, bool writes_lse) {
   using TT = TypeTraits<T>;
-  const int quad = threadIdx.x % 4;
-  const bool odd = quad & 1;
-  const int64_t prow = ((int64_t)slot * p.q_len + qi) * p.heads_q + head;
-  T* dst = slot < 0 ? reinterpret_cast<T*>(p.out) + (int64_t)req * p.out_stride_b + (int64_t)qi * p.out_stride_s +
-                          (int64_t)head * p.out_stride_h
-                    : reinterpret_cast<T*>(p.partial_out) + prow * Cfg::kHeadDimV;
-  // channels 16 k + 2 quad (+1) sit in pair n = 2 k, channels 16 k + 8 + 2 quad in n = 2 k + 1; even lanes
-  // store 16 k + 2 quad .. +3 (their pair and the odd neighbour's), odd lanes 16 k + 8 + 2 (quad - 1) .. +3
-  dst += col0 + (odd ? 6 + 2 * quad : 2 * quad);
+  const int lane = threadIdx.x % 32;
+  if (slot < 0) {
+    T* dst = reinterpret_cast<T*>(p.out) + (int64_t)req * p.out_stride_b + (int64_t)qi * p.out_stride_s +
+             (int64_t)head * p.out_stride_h + col0 + (lane % 4) * 2;
 #pragma unroll
-  for (int k = 0; k < 16; ++k) {
-    const float* a = acc_o + 8 * k + 2 * h;  // pair n = 2 k; pair 2 k + 1 at a + 4
-    typename TT::T2 lo = TT::from_float2(a[0] * inv, a[1] * inv), hi = TT::from_float2(a[4] * inv, a[5] * inv);
-    const uint32_t ulo = *reinterpret_cast<uint32_t*>(&lo), uhi = *reinterpret_cast<uint32_t*>(&hi);
-    const uint32_t got = __shfl_xor_sync(0xffffffffu, odd ? ulo : uhi, 1);
-    if (store) *reinterpret_cast<uint2*>(dst + 16 * k) = odd ? make_uint2(got, uhi) : make_uint2(ulo, got);
-  }
-  if (store && writes_lse) {
-    if (slot < 0) p.lse[(int64_t)req * p.lse_stride_b + (int64_t)head * p.lse_stride_h + qi] = lse_val;
-    else p.partial_lse[prow] = lse_val;
+    for (int n = 0; n < 32; ++n)
+      *reinterpret_cast<typename TT::T2*>(dst + n * 8) =
+          TT::from_float2(acc_o[4 * n + 2 * h] * inv, acc_o[4 * n + 2 * h + 1] * inv);
+    if (writes_lse) p.lse[(int64_t)req * p.lse_stride_b + (int64_t)head * p.lse_stride_h + qi] = lse_val;
+  } else {
+    const int64_t prow = ((int64_t)slot * p.q_len + qi) * p.heads_q + head;
+    float* dst = p.partial_out + prow * Cfg::kHeadDimV + col0 + (lane % 4) * 2;
+#pragma unroll
+    for (int n = 0; n < 32; ++n)
+      *reinterpret_cast<float2*>(dst + n * 8) = make_float2(acc_o[4 * n + 2 * h] * inv, acc_o[4 * n + 2 * h + 1] * inv);
+    if (writes_lse) p.partial_lse[prow] = lse_val;
   }
 }
 
@@ -546,8 +537,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v1(const _
       const bool has_keys = total > 0.f;
       const float inv = has_keys ? out_scale / total : 0.f;
       const float lse_val = has_keys ? (row_max[h] + log2f(total)) * kLn2 : (slot < 0 ? INFINITY : -INFINITY);
+      if (!row_ok[h]) continue;
       store_acc_row<T>(p, &acc_o[0][0], h, half * 256, inv, lse_val, req, slot, row_i[h], row_head[h],
-                       half == 0 && lane % 4 == 0, row_ok[h]);
+                       half == 0 && lane % 4 == 0);
     }
     __syncthreads();  // sQ, sSum and the K ring are reused by the next item
   }

@@ -421,14 +421,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const float lse_val = has_keys ? (mu + log2f(total)) * kLn2 : (slot < 0 ? INFINITY : -INFINITY);
       const float4 v = *reinterpret_cast<const float4*>(sO + c * Etap::kOStride + ch);
       const int qi = c / heads_per_kv, head = kvh * heads_per_kv + c % heads_per_kv;
-      const int64_t prow = ((int64_t)slot * p.q_len + qi) * p.heads_q + head;
-      T* dst = slot < 0 ? reinterpret_cast<T*>(p.out) + (int64_t)req * p.out_stride_b + (int64_t)qi * p.out_stride_s +
-                              (int64_t)head * p.out_stride_h + ch
-                        : reinterpret_cast<T*>(p.partial_out) + prow * Cfg::kHeadDimV + ch;  // q dtype, as out
-      store4(dst, v.x * inv, v.y * inv, v.z * inv, v.w * inv);
-      if (ch == 0) {
-        if (slot < 0) p.lse[(int64_t)req * p.lse_stride_b + (int64_t)head * p.lse_stride_h + qi] = lse_val;
-        else p.partial_lse[prow] = lse_val;
+      if (slot < 0) {
+        T* dst = reinterpret_cast<T*>(p.out) + (int64_t)req * p.out_stride_b + (int64_t)qi * p.out_stride_s +
+                 (int64_t)head * p.out_stride_h + ch;
+        *reinterpret_cast<typename TT::T2*>(dst) = TT::from_float2(v.x * inv, v.y * inv);
+        *reinterpret_cast<typename TT::T2*>(dst + 2) = TT::from_float2(v.z * inv, v.w * inv);
+        if (ch == 0) p.lse[(int64_t)req * p.lse_stride_b + (int64_t)head * p.lse_stride_h + qi] = lse_val;
+      } else {
+        const int64_t prow = ((int64_t)slot * p.q_len + qi) * p.heads_q + head;
+        *reinterpret_cast<float4*>(p.partial_out + prow * Cfg::kHeadDimV + ch) =
+            make_float4(v.x * inv, v.y * inv, v.z * inv, v.w * inv);
+        if (ch == 0) p.partial_lse[prow] = lse_val;
       }
     }
     // sQ, the stages and sP are reused by the next item, the stages by TMA (async proxy) after

@@ -562,8 +562,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const bool has_keys = total > 0.f;
       const float inv = has_keys ? 1.f / total : 0.f;
       const float lse_val = has_keys ? (row_max + log2f(total)) * kLn2 : (slot < 0 ? INFINITY : -INFINITY);
+      if (!row_ok[h]) continue;
       store_acc_row<T>(p, acc_o, h, wg * 256, inv, lse_val, req, slot, row_i[h], row_head[h],
-                       wg == 0 && lane % 4 == 0, row_ok[h]);
+                       wg == 0 && lane % 4 == 0);
     }
     __syncthreads();  // sQ, sK, sM, sSum are reused by the next item
   }

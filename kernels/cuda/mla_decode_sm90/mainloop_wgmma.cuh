@@ -366,8 +366,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
       const bool has_keys = total > 0.f;
       const float inv = has_keys ? out_scale / total : 0.f;
       const float lse_val = has_keys ? (row_max[h] + log2f(total)) * kLn2 : (slot < 0 ? INFINITY : -INFINITY);
+      if (!row_ok[h]) continue;
       store_acc_row<T>(p, acc_o, h, half * 256, inv, lse_val, req, slot, row_i[h], row_head[h],
-                       half == 0 && lane % 4 == 0, row_ok[h]);
+                       half == 0 && lane % 4 == 0);
     }
     __syncthreads();
   }

@@ -34,8 +34,7 @@ struct DecodeParams {
   int64_t out_stride_b, out_stride_s, out_stride_h;
   float* lse;  // [B, h_q, s_q] fp32
   int64_t lse_stride_b, lse_stride_h;
-  // split requests' partial rows: out rows in q dtype (so half the bytes of fp32), their lse in fp32
-  void* partial_out;   // [max_slots, s_q, h_q, 512] q dtype, contiguous
+  float* partial_out;  // [max_slots, s_q, h_q, 512] fp32, contiguous
   float* partial_lse;  // [max_slots, s_q, h_q] fp32, contiguous
   const int32_t* num_splits;  // [B] (schedule), read by the fused combine
   const int32_t* first_slot;  // [B]
@@ -59,7 +58,7 @@ struct DecodeParams {
 };
 
 struct CombineParams {
-  const void* partial_out;   // [max_slots, s_q, h_q, 512] q dtype
+  const float* partial_out;  // [max_slots, s_q, h_q, 512]
   const float* partial_lse;  // [max_slots, s_q, h_q]
   const int32_t* num_splits;  // [B]
   const int32_t* first_slot;  // [B]
