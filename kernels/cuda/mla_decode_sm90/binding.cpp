@@ -118,7 +118,8 @@ void check_call(const at::Tensor& q, const at::Tensor& kv, const c10::optional<a
             "lse must be float32 [", B, ", ", h_q, ", ", s_q, "] on ", dev_str(dev), ", got ", shape_str(lse), " ",
             dtype_str(lse.scalar_type()));
   MLA_CHECK(aligned16(q, 3), "q rows must start at 16-byte boundaries");
-  // the epilogues store two channels (4 bytes) at a time: a misaligned row would fault the whole context
+  // the epilogues store two channels (4 bytes) at a time; a misaligned store would be a device fault, which
+  // poisons the CUDA context, so refuse the row here
   MLA_CHECK(aligned(out, 3, 4), "out rows must start at 4-byte boundaries (even strides)");
   MLA_CHECK(aligned16(kv, 3), "kv_cache tokens must start at 16-byte boundaries");
   // variant 5 reads the cache with TMA (launch.cu): the same 16-byte rule, but for the tensor map
