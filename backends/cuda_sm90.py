@@ -183,7 +183,7 @@ class CudaSM90Backend(MLABackend):
     SUPPORTS_SPARSE = False
     CUDA_GRAPH = CGSupport.ALWAYS
     #: fewest KV chunks (of 64 tokens) a split-KV part should get: a split costs a Q-tile load and a
-    #: 64 x 512 fp32 partial write, as much traffic as one or two KV tiles
+    #: 64 x 512 partial write (fp16 rows with per-quarter shifts, 1152 bytes each), about one KV tile of traffic
     MIN_CHUNKS_PER_PART = 2
 
     @classmethod
@@ -221,6 +221,8 @@ class CudaSM90Backend(MLABackend):
             direct=load_module().cuda_sm90_decode,
             schedule=schedule,
             first_slot=first_slots(schedule.num_splits),
+            # one 2048-byte row per (slot, query row); the kernels store fp16 rows with per-quarter shifts in them
+            # (kernels/cuda/mla_decode_sm90/params.h, kPartialRowBytes)
             partial_out=torch.empty(max_slots, p.q_len, p.num_heads_q, p.head_dim_v, dtype=torch.float32,
                                     device=device),
             partial_lse=torch.empty(max_slots, p.q_len, p.num_heads_q, dtype=torch.float32, device=device),

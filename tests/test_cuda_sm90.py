@@ -7,6 +7,8 @@ tolerances (the backend's declared TOLERANCE).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -251,6 +253,29 @@ def test_fused_combine_other_dtypes_and_formats(variant, dtype, kv_format, gen):
     case = make_case(2, 1, 16 if variant == 6 else 128, 3000, page_size=64, dtype=dtype, kv_format=kv_format,
                      zero_len_rows=0, device="cuda", generator=gen)
     _run_variant(case, variant, runs=2, fuse_combine=True)
+
+
+@pytest.mark.parametrize("scale", [1e9, 1e-30], ids=["large", "tiny"])
+@pytest.mark.parametrize("variant,h_q,fuse_combine", [(2, 128, True), (5, 128, False), (6, 16, False), (6, 16, True)],
+                         ids=["v2-fused", "v5", "v6", "v6-fused"])
+def test_split_rows_keep_the_output_range(variant, h_q, fuse_combine, scale, gen):
+    """Split requests store their partial rows in fp16, scaled per quarter row (kernels/cuda/mla_decode_sm90/
+    params.h). Outputs far outside fp16's range still merge right: at ~1e6 they would overflow fp16, at ~1e-33 flush
+    to zero. The cache's latent channels are multiplied by `scale` and q's divided, so the scores stay as drawn and
+    the outputs scale; so does the absolute tolerance (DESIGN.md section 5's is for outputs of order 1e-3)."""
+    case = make_case(2, 1, h_q, 3000, page_size=64, device="cuda", generator=gen)
+    case.kv_cache[..., :512].mul_(scale)
+    case.q[..., :512].div_(scale)
+    plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
+    assert int((plan.state.schedule.num_splits > 1).sum()) > 0, "the shape must split a request"
+    plan.state.variant, plan.state.fuse_combine = variant, fuse_combine
+    out, lse = _poisoned(case)
+    plan.run(case.q, case.kv_cache, out=out, lse=lse)
+    torch.cuda.synchronize()
+    ref_out, ref_lse = _reference(case)
+    tol = dataclasses.replace(_backend().TOLERANCE, out_atol=_backend().TOLERANCE.out_atol * scale)
+    report = compare_outputs(out, lse, ref_out, ref_lse, tol)
+    assert report, report.message
 
 
 @pytest.mark.parametrize("h_q", [64, 16])

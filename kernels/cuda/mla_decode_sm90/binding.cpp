@@ -148,6 +148,8 @@ void check_plan(int64_t B, int64_t s_q, int64_t h_q, const at::Device& dev, cons
   check_cuda_int32(first_slot, "first_slot", 1, dev);
   MLA_CHECK(num_splits.size(0) == B && first_slot.size(0) == B, "num_splits and first_slot must be [", B, "]");
   const int64_t max_slots = partial_lse.size(0);
+  // the kernels' scratch: one kPartialRowBytes row per (slot, query row), which they fill in their own format
+  static_assert(mla_sm90::kPartialRowBytes == kDV * sizeof(float), "partial rows are the workspace's fp32 rows");
   MLA_CHECK(partial_out.device() == dev && partial_out.scalar_type() == at::kFloat && partial_out.is_contiguous() &&
                 partial_out.dim() == 4 && partial_out.size(1) == s_q && partial_out.size(2) == h_q &&
                 partial_out.size(3) == kDV && partial_out.size(0) == max_slots,

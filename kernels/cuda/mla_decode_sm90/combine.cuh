@@ -26,9 +26,10 @@ constexpr int kFusedMaxSplits = 1024;
 template <int kThreads>
 constexpr int kFusedScratchBytes = (4 * kFusedMaxSplits + kThreads / 32) * (int)sizeof(int);
 
-// One warp merges the n > 1 partial rows of (request b, row) over 128 of the 512 channels, from
-// channel c0: lane owns the float4 at c0 + 4 lane. Slots are read kSlots at a time (kSlots 16-byte
-// loads in flight per lane) and folded in with an online max. No shared memory and no barrier, so
+// One warp merges the n > 1 partial rows of (request b, row) over the quarter row of 128 channels from c0: lane
+// owns the 8 bytes at position c0 + 4 lane of each partial row (params.h: fp16 channels 2q, 2q + 1, 8 + 2q, 9 + 2q
+// of a 16-channel block, q = lane % 4) and the quarter's shift. Slots are read kSlots at a time (kSlots loads in
+// flight per lane) and folded in with an online max. No shared memory and no barrier, so
 // any warp can take any row. Partials are read through L2 (ld.global.cg): in the fused combine other
 // SMs wrote them during this launch. Writes out (and lse when c0 == 0).
 template <typename T, int kSlots>
@@ -38,20 +39,24 @@ __device__ __forceinline__ void combine_row_part(const CombineParams& p, int b, 
   const int rows = p.q_len * p.heads_q;
   const int i = row / p.heads_q, h = row % p.heads_q;
   const float* __restrict__ plse = p.partial_lse + first * rows + row;
-  const float4* __restrict__ src =
-      reinterpret_cast<const float4*>(p.partial_out + (first * rows + row) * DecodeConfig::kHeadDimV + c0) + lane;
-  const int64_t slot_stride4 = (int64_t)rows * DecodeConfig::kHeadDimV / 4;
+  const char* prow = static_cast<const char*>(p.partial_out) + (first * rows + row) * kPartialRowBytes;
+  const char* __restrict__ src = prow + 2 * (c0 + 4 * lane);
+  const char* __restrict__ shift = prow + kPartialShiftByte + kPartialShiftStride * (c0 / 128);
+  const int64_t slot_bytes = (int64_t)rows * kPartialRowBytes;
 
   float m = -INFINITY, denom = 0.f;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   for (int s0 = 0; s0 < n; s0 += kSlots) {
     float l[kSlots];
-    float4 v[kSlots];
+    uint2 v[kSlots];
+    int sh[kSlots];
 #pragma unroll
     for (int j = 0; j < kSlots; ++j) {
       const bool ok = s0 + j < n;
+      const int64_t off = (s0 + j) * slot_bytes;
       l[j] = ok ? __ldcg(plse + (int64_t)(s0 + j) * rows) : -INFINITY;
-      v[j] = ok ? __ldcg(src + (s0 + j) * slot_stride4) : make_float4(0.f, 0.f, 0.f, 0.f);
+      v[j] = ok ? __ldcg(reinterpret_cast<const uint2*>(src + off)) : make_uint2(0u, 0u);
+      sh[j] = ok ? __ldcg(reinterpret_cast<const signed char*>(shift + off)) : 0;
     }
     float mb = m;
 #pragma unroll
@@ -63,19 +68,23 @@ __device__ __forceinline__ void combine_row_part(const CombineParams& p, int b, 
 #pragma unroll
     for (int j = 0; j < kSlots; ++j) {
       const float w = l[j] == -INFINITY ? 0.f : __expf(l[j] - mb);
+      const float ws = w * pow2i(-sh[j]);  // the stored values are out * 2^sh
+      const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&v[j].x));
+      const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&v[j].y));
       denom += w;
-      acc.x += w * v[j].x;
-      acc.y += w * v[j].y;
-      acc.z += w * v[j].z;
-      acc.w += w * v[j].w;
+      acc.x += ws * lo.x;
+      acc.y += ws * lo.y;
+      acc.z += ws * hi.x;
+      acc.w += ws * hi.y;
     }
     m = mb;
   }
+  // acc holds channels blk + 2q, +1 (x, y) and blk + 8 + 2q, +1 (z, w)
   T* dst = reinterpret_cast<T*>(p.out) + (int64_t)b * p.out_stride_b + (int64_t)i * p.out_stride_s +
-           (int64_t)h * p.out_stride_h + c0 + 4 * lane;
+           (int64_t)h * p.out_stride_h + c0 + 16 * (lane / 4) + 2 * (lane % 4);
   const float inv = m == -INFINITY ? 0.f : 1.f / denom;  // no slot saw a key: out = 0, lse = +inf
   *reinterpret_cast<typename TT::T2*>(dst) = TT::from_float2(acc.x * inv, acc.y * inv);
-  *reinterpret_cast<typename TT::T2*>(dst + 2) = TT::from_float2(acc.z * inv, acc.w * inv);
+  *reinterpret_cast<typename TT::T2*>(dst + 8) = TT::from_float2(acc.z * inv, acc.w * inv);
   if (c0 == 0 && lane == 0)
     p.lse[(int64_t)b * p.lse_stride_b + (int64_t)h * p.lse_stride_h + i] = m == -INFINITY ? INFINITY : m + logf(denom);
 }
@@ -90,8 +99,10 @@ __device__ __forceinline__ void combine_row_part(const CombineParams& p, int b, 
 // exit, are never launched (b=512, h_q=128, 66 parts: 8K blocks instead of 64K). A split request's
 // second partial piece starts at a boundary, so it is the first item of the part after it; that
 // boundary's blocks merge the request, the others exit.
+// 16 blocks per SM (32 registers; without the bound ptxas takes 40-56 for the fp16 rows' addressing, 9-12 blocks):
+// the combine waits on its loads, and blocks per SM, not loads per thread, is what it has (NOTES.md, small batches).
 template <typename T, bool kByBoundary>
-__global__ void __launch_bounds__(kCombineThreads) mla_combine_kernel(const __grid_constant__ CombineParams p) {
+__global__ void __launch_bounds__(kCombineThreads, 16) mla_combine_kernel(const __grid_constant__ CombineParams p) {
   int b = blockIdx.y;
   if constexpr (kByBoundary) {
     const int part = blockIdx.y + 1;

@@ -71,4 +71,18 @@ template <> struct TypeTraits<__half> {
   static constexpr bool kIsBf16 = false;
 };
 
+// Partial rows (params.h). The shift s of a quarter row whose values x are stored as x * inv * 2^s, where
+// m = max |x| * inv: s = 141 - E for m = 1.f 2^(E - 127) (E the biased exponent) puts m * 2^s in [2^14, 2^15).
+// Clamped to [-113, 126], so that 2^s and 2^-s are normal floats, and to 254 - E(inv), so that inv * 2^s is finite
+// (that bound binds only where max |x| < 2^-113, and such values keep fewer bits).
+// A zero or subnormal m gets the upper clamp; an inf / NaN m gets -113 and the values stay inf / NaN.
+__device__ __forceinline__ int partial_shift(float m, float inv) {
+  const int em = (int)((__float_as_uint(m) >> 23) & 0xffu);
+  const int ei = (int)((__float_as_uint(inv) >> 23) & 0xffu);
+  return max(-113, min(min(126, 254 - ei), 141 - em));
+}
+// 2^s for s in [-126, 127], exactly.
+__device__ __forceinline__ float pow2i(int s) { return __uint_as_float((uint32_t)(127 + s) << 23); }
+__device__ __forceinline__ uint32_t half2_bits(__half2 v) { return *reinterpret_cast<uint32_t*>(&v); }
+
 }  // namespace mla_sm90

@@ -319,8 +319,9 @@ __device__ __forceinline__ void load_q_tile_async(const DecodeParams& p, T* sQ, 
 }
 
 // Accumulator row h of this thread (acc_o[4 n + 2 h + {0, 1}], n < 32: its 64 of the 256 output
-// channels from col0), times inv, into out (unsplit item, slot < 0) or the item's fp32 partial
-// slot; the row's LSE from the thread with writes_lse.
+// channels from col0), times inv, into out (unsplit item, slot < 0) or the item's partial row (params.h: fp16,
+// scaled per quarter row; one shift for the quad's 256 channels); the row's LSE from the thread with writes_lse.
+// The four lanes of the thread's quad hold the row and call it together (their shuffles name only the quad).
 template <typename T>
 __device__ __forceinline__ void store_acc_row(const DecodeParams& p, const float* acc_o, int h, int col0, float inv,
                                               float lse_val, int req, int slot, int qi, int head, bool writes_lse) {
@@ -335,11 +336,28 @@ __device__ __forceinline__ void store_acc_row(const DecodeParams& p, const float
           TT::from_float2(acc_o[4 * n + 2 * h] * inv, acc_o[4 * n + 2 * h + 1] * inv);
     if (writes_lse) p.lse[(int64_t)req * p.lse_stride_b + (int64_t)head * p.lse_stride_h + qi] = lse_val;
   } else {
-    const int64_t prow = ((int64_t)slot * p.q_len + qi) * p.heads_q + head;
-    float* dst = p.partial_out + prow * Cfg::kHeadDimV + col0 + (lane % 4) * 2;
+    float m = 0.f;
 #pragma unroll
-    for (int n = 0; n < 32; ++n)
-      *reinterpret_cast<float2*>(dst + n * 8) = make_float2(acc_o[4 * n + 2 * h] * inv, acc_o[4 * n + 2 * h + 1] * inv);
+    for (int n = 0; n < 32; ++n) m = fmaxf(m, fmaxf(fabsf(acc_o[4 * n + 2 * h]), fabsf(acc_o[4 * n + 2 * h + 1])));
+    const unsigned quad = 0xfu << (lane & 28);
+    m = fmaxf(m, __shfl_xor_sync(quad, m, 1));
+    m = fmaxf(m, __shfl_xor_sync(quad, m, 2));
+    const int shift = partial_shift(m * inv, inv);
+    const float pscale = inv * pow2i(shift);
+    const int64_t prow = ((int64_t)slot * p.q_len + qi) * p.heads_q + head;
+    char* row = static_cast<char*>(p.partial_out) + prow * kPartialRowBytes;
+    __half* dst = reinterpret_cast<__half*>(row) + col0 + (lane % 4) * 4;
+#pragma unroll
+    for (int k = 0; k < 16; ++k) {  // pairs n = 2k (channels 16k + 2q ..) and 2k + 1 (16k + 8 + 2q ..)
+      const float* a = acc_o + 8 * k + 2 * h;
+      *reinterpret_cast<uint2*>(dst + 16 * k) =
+          make_uint2(half2_bits(__floats2half2_rn(a[0] * pscale, a[1] * pscale)),
+                     half2_bits(__floats2half2_rn(a[4] * pscale, a[5] * pscale)));
+    }
+    // both quarters of the 256 channels take the shift: lanes 0, 1 fill the first one's sector, lanes 2, 3 the next
+    const uint32_t b4 = ((uint32_t)shift & 0xffu) * 0x01010101u;
+    *reinterpret_cast<uint4*>(row + kPartialShiftByte + kPartialShiftStride * (col0 / 128) + 16 * (lane % 4)) =
+        make_uint4(b4, b4, b4, b4);
     if (writes_lse) p.partial_lse[prow] = lse_val;
   }
 }

@@ -419,18 +419,34 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const bool has_keys = total > 0.f;
       const float inv = has_keys ? out_scale / total : 0.f;
       const float lse_val = has_keys ? (mu + log2f(total)) * kLn2 : (slot < 0 ? INFINITY : -INFINITY);
-      const float4 v = *reinterpret_cast<const float4*>(sO + c * Etap::kOStride + ch);
       const int qi = c / heads_per_kv, head = kvh * heads_per_kv + c % heads_per_kv;
       if (slot < 0) {
+        const float4 v = *reinterpret_cast<const float4*>(sO + c * Etap::kOStride + ch);
         T* dst = reinterpret_cast<T*>(p.out) + (int64_t)req * p.out_stride_b + (int64_t)qi * p.out_stride_s +
                  (int64_t)head * p.out_stride_h + ch;
         *reinterpret_cast<typename TT::T2*>(dst) = TT::from_float2(v.x * inv, v.y * inv);
         *reinterpret_cast<typename TT::T2*>(dst + 2) = TT::from_float2(v.z * inv, v.w * inv);
         if (ch == 0) p.lse[(int64_t)req * p.lse_stride_b + (int64_t)head * p.lse_stride_h + qi] = lse_val;
       } else {
+        // partial row (params.h): position ch holds channels 2q, 2q + 1, 8 + 2q, 9 + 2q of its 16-channel block
+        // (q = ch % 16 / 4); the warp holds one quarter row (its 32 lanes, c and slot shared, so all take part)
+        const float* o = sO + c * Etap::kOStride + (ch & ~15) + 2 * ((ch & 15) / 4);
+        const float2 lo = *reinterpret_cast<const float2*>(o), hi = *reinterpret_cast<const float2*>(o + 8);
+        float m = fmaxf(fmaxf(fabsf(lo.x), fabsf(lo.y)), fmaxf(fabsf(hi.x), fabsf(hi.y)));
+#pragma unroll
+        for (int d = 1; d < 32; d *= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));
+        const int shift = partial_shift(m * inv, inv);
+        const float pscale = inv * pow2i(shift);
         const int64_t prow = ((int64_t)slot * p.q_len + qi) * p.heads_q + head;
-        *reinterpret_cast<float4*>(p.partial_out + prow * Cfg::kHeadDimV + ch) =
-            make_float4(v.x * inv, v.y * inv, v.z * inv, v.w * inv);
+        char* row = static_cast<char*>(p.partial_out) + prow * kPartialRowBytes;
+        *reinterpret_cast<uint2*>(reinterpret_cast<__half*>(row) + ch) =
+            make_uint2(half2_bits(__floats2half2_rn(lo.x * pscale, lo.y * pscale)),
+                       half2_bits(__floats2half2_rn(hi.x * pscale, hi.y * pscale)));
+        if (ch % 128 < 16) {  // lanes 0 .. 3 fill the quarter's shift sector
+          const uint32_t b4 = ((uint32_t)shift & 0xffu) * 0x01010101u;
+          *reinterpret_cast<uint2*>(row + kPartialShiftByte + kPartialShiftStride * (ch / 128) + 2 * (ch % 128)) =
+              make_uint2(b4, b4);
+        }
         if (ch == 0) p.partial_lse[prow] = lse_val;
       }
     }

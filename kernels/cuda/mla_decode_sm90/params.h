@@ -13,6 +13,21 @@ enum KvFormat : int {
   kKvFp8DsMla = 2,  // 656-byte token: 512 fp8 NoPE, 4 fp32 scales, 64 bf16 RoPE
 };
 
+// A split request's partial row (one query row's output over part of its keys), as the decode writes it and the
+// combine reads it back. The workspace gives each row kPartialRowBytes (an fp32 [512] row); the row uses 1152 of
+// them, so the decode writes and the combine reads 56% of the bytes fp32 rows would take:
+// - bytes 0 .. 1023: 512 fp16 values. In each block of 16 channels, positions 4q .. 4q + 3 hold channels
+//   2q, 2q + 1, 8 + 2q, 9 + 2q: the four values lane q of an mma/wgmma accumulator quad holds, so the quad's four
+//   8-byte stores fill one 32-byte sector;
+// - bytes 1024 + 32k .. + 31: the signed shift s of quarter row k (channels 128k ..), repeated over the sector:
+//   the stored values are out * 2^s, with s putting the quarter's largest magnitude in [2^14, 2^15) (config.cuh,
+//   partial_shift), where fp16 keeps all 11 significant bits and cannot overflow.
+// Every store fills whole 32-byte sectors (NOTES.md, twelfth and thirteenth sessions: partly written sectors cost
+// more). fp16 rounds 8x finer than bf16: bf16 partial rows fell outside DESIGN.md section 5's cosine bound.
+constexpr int kPartialRowBytes = 2048;
+constexpr int kPartialShiftByte = 1024;
+constexpr int kPartialShiftStride = 32;  // one sector per quarter row
+
 struct DecodeParams {
   // q [B, s_q, h_q, 576] (last dim contiguous), element strides
   const void* q;
@@ -34,7 +49,7 @@ struct DecodeParams {
   int64_t out_stride_b, out_stride_s, out_stride_h;
   float* lse;  // [B, h_q, s_q] fp32
   int64_t lse_stride_b, lse_stride_h;
-  float* partial_out;  // [max_slots, s_q, h_q, 512] fp32, contiguous
+  void* partial_out;   // [max_slots, s_q, h_q] rows of kPartialRowBytes (fp32 [.., 512] workspace), contiguous
   float* partial_lse;  // [max_slots, s_q, h_q] fp32, contiguous
   const int32_t* num_splits;  // [B] (schedule), read by the fused combine
   const int32_t* first_slot;  // [B]
@@ -58,7 +73,7 @@ struct DecodeParams {
 };
 
 struct CombineParams {
-  const float* partial_out;  // [max_slots, s_q, h_q, 512]
+  const void* partial_out;   // [max_slots, s_q, h_q] partial rows (DecodeParams)
   const float* partial_lse;  // [max_slots, s_q, h_q]
   const int32_t* num_splits;  // [B]
   const int32_t* first_slot;  // [B]
