@@ -87,7 +87,9 @@ def test_variant_choice_follows_the_measurements(monkeypatch):
     assert choose(problem(h_q=1, q_len=128), num_parts=66, max_chunks=128 * 64) == 2  # q_len > 64
     assert choose(problem(page_size=16), num_parts=66, max_chunks=128 * 64) == 2  # a tile spans pages
     assert choose(problem(kv_format="fp8_e4m3"), num_parts=66, max_chunks=128 * 64) == 2
-    assert choose(problem(), num_parts=66, max_chunks=66 * 23) == 2
+    assert choose(problem(), num_parts=66, max_chunks=66 * 23) == 2  # the cut: 24 chunks per part
+    assert choose(problem(), num_parts=66, max_chunks=66 * 24) == 5
+    assert choose(problem(batch=31), num_parts=66, max_chunks=66 * 64) == 2  # and 32 requests
     assert choose(problem(h_q=16, batch=64), num_parts=132, max_chunks=64 * 128) == 6
     assert choose(problem(h_q=16, q_len=2, page_size=16), num_parts=132, max_chunks=64 * 128) == 6  # 32 rows
     assert choose(problem(h_q=16, q_len=3), num_parts=132, max_chunks=64 * 128) == 2  # 48 rows
