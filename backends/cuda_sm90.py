@@ -78,6 +78,20 @@ def choose_variant(problem: DecodeProblem, num_parts: int, max_chunks: int) -> i
     return 2
 
 
+def min_chunks_per_part(rows: int) -> int:
+    """Fewest KV chunks (of 64 tokens) a split-KV part should get, for ``rows`` query rows per KV head. It matters
+    only where the whole batch has fewer chunks than two per CTA (b = 1 up to ~8K tokens at h_q = 128).
+
+    A part costs a Q-tile load and a partial-row write besides its chunks. For more than 64 rows (two row tiles,
+    v2) one chunk per part measured faster once the partial rows were fp16 (benchmarks/RESULTS.md, thirteenth
+    session, H100, CUDA-graph replay, h_q = 128, the faster of fused and separate combine each): b=1 L=4096 21.6
+    against 23.0 us, ~2.2K tokens 19.7 against 22.9, ~0.6K 18.3 against 20.4, b=2 22.1 against 23.7. With fp32 rows
+    one and two chunks had measured the same (fourth session). Shapes of one row tile (v6, which runs a part's
+    tiles on its two warpgroups at once, and v2 at <= 64 rows) were not measured with one chunk and keep two.
+    """
+    return 1 if rows > BLOCK_M else 2
+
+
 def choose_fuse_combine(problem: DecodeProblem, num_parts: int, ctas: int) -> bool:
     """Whether the decode launch merges the split rows itself (one launch instead of two).
 
@@ -182,9 +196,8 @@ class CudaSM90Backend(MLABackend):
     SUPPORTS_LSE = True
     SUPPORTS_SPARSE = False
     CUDA_GRAPH = CGSupport.ALWAYS
-    #: fewest KV chunks (of 64 tokens) a split-KV part should get: a split costs a Q-tile load and a
-    #: 64 x 512 partial write (fp16 rows with per-quarter shifts, 1152 bytes each), about one KV tile of traffic
-    MIN_CHUNKS_PER_PART = 2
+    #: fewest KV chunks (of 64 tokens) a split-KV part gets; None: per shape (:func:`min_chunks_per_part`)
+    MIN_CHUNKS_PER_PART: int | None = None
 
     @classmethod
     def _check_availability(cls) -> list[Reason]:
@@ -212,7 +225,8 @@ class CudaSM90Backend(MLABackend):
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         # Upper bound of the work from shapes alone (no host sync): every request at the table's width.
         max_chunks = p.batch * math.ceil(p.max_blocks * p.page_size / BLOCK_N)
-        num_parts = max(min(sms // tiles, math.ceil(max_chunks / cls.MIN_CHUNKS_PER_PART)), 1)
+        min_chunks = cls.MIN_CHUNKS_PER_PART or min_chunks_per_part(rows)
+        num_parts = max(min(sms // tiles, math.ceil(max_chunks / min_chunks)), 1)
         schedule = split_kv_schedule(cache_seqlens, num_parts=num_parts, chunk_size=BLOCK_N,
                                      overhead=SCHEDULE_OVERHEAD)
         max_slots = schedule.max_slots

@@ -97,3 +97,10 @@ def test_variant_choice_follows_the_measurements(monkeypatch):
     assert choose(problem(h_q=32, kv_format="fp8_e4m3"), num_parts=132, max_chunks=64 * 128) == 2  # 32 rows
     monkeypatch.setattr(cuda_sm90, "KERNEL_VARIANT", 3)
     assert choose(problem(), num_parts=66, max_chunks=128 * 64) == 3
+
+
+def test_one_chunk_per_part_only_for_two_row_tiles():
+    """Parts of one KV chunk measured faster only with more than 64 query rows per KV head (v2 at h_q = 128)."""
+    from mla_dispatch.backends.cuda_sm90 import min_chunks_per_part
+
+    assert [min_chunks_per_part(r) for r in (1, 16, 32, 64, 65, 128, 256)] == [2, 2, 2, 2, 1, 1, 1]
