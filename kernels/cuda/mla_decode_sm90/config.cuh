@@ -84,5 +84,7 @@ __device__ __forceinline__ int partial_shift(float m, float inv) {
 // 2^s for s in [-126, 127], exactly.
 __device__ __forceinline__ float pow2i(int s) { return __uint_as_float((uint32_t)(127 + s) << 23); }
 __device__ __forceinline__ uint32_t half2_bits(__half2 v) { return *reinterpret_cast<uint32_t*>(&v); }
+// A shift byte repeated over a 32-bit word: its sector of the partial row is filled with it (params.h).
+__device__ __forceinline__ uint32_t shift_word(int shift) { return ((uint32_t)shift & 0xffu) * 0x01010101u; }
 
 }  // namespace mla_sm90

@@ -355,9 +355,9 @@ __device__ __forceinline__ void store_acc_row(const DecodeParams& p, const float
                      half2_bits(__floats2half2_rn(a[4] * pscale, a[5] * pscale)));
     }
     // both quarters of the 256 channels take the shift: lanes 0, 1 fill the first one's sector, lanes 2, 3 the next
-    const uint32_t b4 = ((uint32_t)shift & 0xffu) * 0x01010101u;
+    const uint32_t w = shift_word(shift);
     *reinterpret_cast<uint4*>(row + kPartialShiftByte + kPartialShiftStride * (col0 / 128) + 16 * (lane % 4)) =
-        make_uint4(b4, b4, b4, b4);
+        make_uint4(w, w, w, w);
     if (writes_lse) p.partial_lse[prow] = lse_val;
   }
 }

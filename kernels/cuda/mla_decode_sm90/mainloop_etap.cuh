@@ -443,9 +443,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
             make_uint2(half2_bits(__floats2half2_rn(lo.x * pscale, lo.y * pscale)),
                        half2_bits(__floats2half2_rn(hi.x * pscale, hi.y * pscale)));
         if (ch % 128 < 16) {  // lanes 0 .. 3 fill the quarter's shift sector
-          const uint32_t b4 = ((uint32_t)shift & 0xffu) * 0x01010101u;
+          const uint32_t w = shift_word(shift);
           *reinterpret_cast<uint2*>(row + kPartialShiftByte + kPartialShiftStride * (ch / 128) + 2 * (ch % 128)) =
-              make_uint2(b4, b4);
+              make_uint2(w, w);
         }
         if (ch == 0) p.partial_lse[prow] = lse_val;
       }
