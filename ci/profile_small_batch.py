@@ -2,9 +2,10 @@
 
     python ci/profile_small_batch.py [--min-chunks 1,2,4,8] [--variants 2,5] [--combine separate,fused]
     python ci/profile_small_batch.py --configs 128x4096,32x4096 --varlen --min-chunks 2 --variants 5,2 --combine separate
+    python ci/profile_small_batch.py --heads 16,32,64 --variants default --min-chunks 1,2 --configs 1x4096,2x4096
 
-For each small-batch config of issue 4 (h_q=128, s_q=1) and each split size
-(``CudaSM90Backend.MIN_CHUNKS_PER_PART``), mainloop variant and place of the combine: the CUDA-graph replay
+For each small-batch config of issue 4 (h_q=128 unless ``--heads`` says otherwise, s_q=1) and each split size
+(``CudaSM90Backend.MIN_CHUNKS_PER_PART``), mainloop variant and place of the combine (``default``: the plan's own choice of either): the CUDA-graph replay
 time (triton do_bench median, L2 flushed) and the GPU time of each kernel of one
 eager call (torch.profiler, median of 20 calls), so the decode, the combine and the
 gaps between them can be told apart.
@@ -46,32 +47,40 @@ def kernel_times(run, calls=20):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--min-chunks", default="1,2,4,8")
-    ap.add_argument("--variants", default="2,5")
-    ap.add_argument("--combine", default="separate,fused", help="separate (second kernel) and/or fused (in the decode launch)")
-    ap.add_argument("--configs", default=CONFIGS, help="comma-separated BATCHxSEQLEN, h_q=128, s_q=1")
+    ap.add_argument("--variants", default="2,5", help="mainloop variants, or 'default': the plan's choice")
+    ap.add_argument("--combine", default="separate,fused",
+                    help="separate (second kernel), fused (in the decode launch) and/or default (the plan's choice)")
+    ap.add_argument("--configs", default=CONFIGS, help="comma-separated BATCHxSEQLEN, s_q=1")
+    ap.add_argument("--heads", default="128", help="comma-separated h_q values (one KV head)")
+    ap.add_argument("--kv-format", default="bf16", choices=("bf16", "fp8_e4m3", "fp8_ds_mla"))
     ap.add_argument("--varlen", action="store_true", help="lengths drawn around SEQLEN as in the benchmark (default: equal)")
     args = ap.parse_args()
     from mla_dispatch.backends.cuda_sm90 import CudaSM90Backend
 
     print(f"device {torch.cuda.get_device_name()} torch {torch.__version__}")
-    for b, L in [(int(x), int(y)) for x, y in (c.split("x") for c in args.configs.split(","))]:
-        q, kv, table, lens, _ = make_inputs(b, 1, 128, L, varlen=args.varlen)
-        out = torch.empty(b, 1, 128, 512, dtype=q.dtype, device="cuda")
-        lse = torch.empty(b, 128, 1, dtype=torch.float32, device="cuda")
+    configs = [(int(x), int(y)) for x, y in (c.split("x") for c in args.configs.split(","))]
+    for h_q, (b, L) in [(int(h), c) for h in args.heads.split(",") for c in configs]:
+        q, kv, table, lens, kv_scale = make_inputs(b, 1, h_q, L, varlen=args.varlen, kv_format=args.kv_format)
+        out = torch.empty(b, 1, h_q, 512, dtype=q.dtype, device="cuda")
+        lse = torch.empty(b, h_q, 1, dtype=torch.float32, device="cuda")
         for mc in [int(x) for x in args.min_chunks.split(",")]:
             CudaSM90Backend.MIN_CHUNKS_PER_PART = mc
-            for v, comb in [(int(x), c) for x in args.variants.split(",") for c in args.combine.split(",")]:
-                plan = plan_decode(q, kv, table, lens, backend="cuda_sm90", cuda_graph=True)
-                plan.state.variant = v
-                plan.state.fuse_combine = comb == "fused"
-                run = lambda: plan.run(q, kv, out=out, lse=lse)  # noqa: E731
+            for v, comb in [(x, c) for x in args.variants.split(",") for c in args.combine.split(",")]:
+                plan = plan_decode(q, kv, table, lens, kv_format=args.kv_format, kv_scale=kv_scale, backend="cuda_sm90",
+                                   cuda_graph=True)
+                if v != "default":
+                    plan.state.variant = int(v)
+                if comb != "default":
+                    plan.state.fuse_combine = comb == "fused"
+                run = lambda: plan.run(q, kv, kv_scale=kv_scale, out=out, lse=lse)  # noqa: E731
                 graph = capture_graph(run)
                 t_graph = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3
                 kt = kernel_times(run)
                 parts = plan.state.schedule.num_parts
+                comb_used = "fused" if plan.state.fuse_combine else "separate"
                 ks = "  ".join(f"{k}={t:.1f}" for k, t in sorted(kt.items()))
-                print(f"b={b:3d} L={L:6d} min_chunks={mc:2d} parts={parts:3d} v{v} {comb:8s}: graph {t_graph:7.1f} us | {ks}",
-                      flush=True)
+                print(f"{args.kv_format} h={h_q:3d} b={b:3d} L={L:6d} min_chunks={mc:2d} parts={parts:3d} v{plan.state.variant} "
+                      f"{comb_used:8s}: graph {t_graph:7.1f} us | {ks}", flush=True)
         del q, kv, table
         torch.cuda.empty_cache()
 
