@@ -51,45 +51,47 @@ FUSE_COMBINE = os.environ.get("MLA_SM90_FUSE_COMBINE", "auto")
 V5_MAX_Q_LEN = 64
 
 
-def choose_variant(problem: DecodeProblem, num_parts: int, max_chunks: int) -> int:
-    """The mainloop that measured faster for this shape (benchmarks/RESULTS.md: v6 on the H200, v5 on the H100).
+def v6_min_chunks_per_part(rows: int, kv_format: str) -> float:
+    """Fewest KV chunks per split-KV part (over the table's width) at which v6 measured faster than v2 for ``rows``
+    query rows per KV head; ``math.inf`` where v6 does not run (see :func:`choose_variant`)."""
+    fp8 = kv_format.startswith("fp8")
+    if rows <= 16:
+        return 4 if fp8 else 16
+    if rows <= 32 and not fp8:
+        return 96
+    return math.inf
 
-    v6 (tokens on the wgmma M side) for bf16/fp16 caches with at most 32 query rows per KV head and fp8
-    caches with at most 16: on the memory-bound configs (b=64, L=8192) it measured 83% / 79% of the roofline
-    at h_q = 16 / 32 against v2's 70% / 68%, and 228 vs 288 us with an fp8_e4m3 cache at h_q = 16.
+
+def choose_variant(problem: DecodeProblem, num_parts: int, max_chunks: int) -> int:
+    """The mainloop that measured faster for this shape (benchmarks/RESULTS.md, H100, CUDA-graph replay).
+
+    v6 (tokens on the wgmma M side) runs <= 16 query rows per KV head (any cache format) or <= 32 (bf16/fp16), but it
+    pays only once each split-KV part has enough KV chunks; below that v2 (one 64-row tile, mostly padding) is faster.
+    The cuts in :func:`v6_min_chunks_per_part` lie between the fourteenth session's measurements (chunks per part, v2 /
+    v6 us, min_chunks = 1): with 16 rows and a bf16 cache 15.5 chunks 79.8 / 80.6, 23 chunks 106.7 / 105.6, and at
+    b = 1..8 v2 5-9% faster; with 16 rows and an fp8 cache 3.9 chunks 34.0 / 33.9 (fp8_e4m3) and 35.8 / 36.9
+    (fp8_ds_mla), 7.75 chunks 50.8 / 47.1; with 32 rows (bf16) 62 chunks 242.1 / 244.0 and 246.0 / 250.8, 124 chunks
+    452.4 / 450.1 and 447.2 / 442.2, and v2 up to 27% faster at small batches.
 
     v5 (two tiles in flight) is the faster mainloop for 128 rows once each split-KV part has enough KV chunks to
     keep its two-tile pipeline full: on the H100 (benchmarks/RESULTS.md, 2026-11-22) b=128 h_q=128 (the FlashMLA
     grid, >= 64 chunks per part) and b=32 L=4096 (31 chunks per part; v5 114 us, v2 127 us), but not b=8 L=8192
     (16 chunks per part; v5 77 us, v2 74 us) nor b=1 or one-row-tile (h_q <= 64) shapes. The cut at 24 chunks per
-    part and 32 requests lies between those measurements. ``max_chunks`` comes from the block table's width (no
-    device sync at plan time): an upper bound, so a wide table over short sequences can pick v5 where v2 would be
-    faster.
+    part and 32 requests lies between those measurements.
+
+    ``max_chunks`` comes from the block table's width (no device sync at plan time): an upper bound, so a wide table
+    over short sequences can pick v5 or v6 where v2 would be faster.
     """
     if KERNEL_VARIANT:
         return KERNEL_VARIANT
     p = problem
     rows = p.q_len * p.num_heads_q // p.num_heads_kv
-    if (p.kv_format in ("bf16", "fp16") and rows <= 32) or (p.kv_format.startswith("fp8") and rows <= 16):
+    if max_chunks >= v6_min_chunks_per_part(rows, p.kv_format) * num_parts:
         return 6
     if (p.kv_format in ("bf16", "fp16") and p.page_size % BLOCK_N == 0 and rows > BLOCK_M and p.batch >= 32
             and max_chunks >= 24 * num_parts and p.q_len <= V5_MAX_Q_LEN):
         return 5
     return 2
-
-
-def min_chunks_per_part(rows: int) -> int:
-    """Fewest KV chunks (of 64 tokens) a split-KV part should get, for ``rows`` query rows per KV head. It matters
-    only where the whole batch has fewer chunks than two per CTA (b = 1 up to ~8K tokens at h_q = 128).
-
-    A part costs a Q-tile load and a partial-row write besides its chunks. For more than 64 rows (two row tiles,
-    v2) one chunk per part measured faster once the partial rows were fp16 (benchmarks/RESULTS.md, thirteenth
-    session, H100, CUDA-graph replay, h_q = 128, the faster of fused and separate combine each): b=1 L=4096 21.6
-    against 23.0 us, ~2.2K tokens 19.7 against 22.9, ~0.6K 18.3 against 20.4, b=2 22.1 against 23.7. With fp32 rows
-    one and two chunks had measured the same (fourth session). Shapes of one row tile (v6, which runs a part's
-    tiles on its two warpgroups at once, and v2 at <= 64 rows) were not measured with one chunk and keep two.
-    """
-    return 1 if rows > BLOCK_M else 2
 
 
 def choose_fuse_combine(problem: DecodeProblem, num_parts: int, ctas: int) -> bool:
@@ -196,8 +198,12 @@ class CudaSM90Backend(MLABackend):
     SUPPORTS_LSE = True
     SUPPORTS_SPARSE = False
     CUDA_GRAPH = CGSupport.ALWAYS
-    #: fewest KV chunks (of 64 tokens) a split-KV part gets; None: per shape (:func:`min_chunks_per_part`)
-    MIN_CHUNKS_PER_PART: int | None = None
+    #: fewest KV chunks (of 64 tokens) a split-KV part gets. It matters only where the batch has fewer chunks than
+    #: two per CTA. A part costs a Q-tile load and a partial-row write besides its chunks, and with fp16 partial rows
+    #: one chunk per part measured faster at every head count (benchmarks/RESULTS.md, thirteenth and fourteenth
+    #: sessions, H100, CUDA-graph replay): b=1 L=4096 h_q=128 21.6 against 23.0 us, h_q = 16 / 32 / 64 (bf16)
+    #: 21.5 / 28.0 / 21.3 against 22.6 / 29.2 / 22.7, fp8_e4m3 8-10% faster at b <= 2. The scripts in ci/ set it.
+    MIN_CHUNKS_PER_PART: int = 1
 
     @classmethod
     def _check_availability(cls) -> list[Reason]:
@@ -225,8 +231,7 @@ class CudaSM90Backend(MLABackend):
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         # Upper bound of the work from shapes alone (no host sync): every request at the table's width.
         max_chunks = p.batch * math.ceil(p.max_blocks * p.page_size / BLOCK_N)
-        min_chunks = cls.MIN_CHUNKS_PER_PART or min_chunks_per_part(rows)
-        num_parts = max(min(sms // tiles, math.ceil(max_chunks / min_chunks)), 1)
+        num_parts = max(min(sms // tiles, math.ceil(max_chunks / cls.MIN_CHUNKS_PER_PART)), 1)
         schedule = split_kv_schedule(cache_seqlens, num_parts=num_parts, chunk_size=BLOCK_N,
                                      overhead=SCHEDULE_OVERHEAD)
         max_slots = schedule.max_slots

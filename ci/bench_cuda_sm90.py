@@ -78,9 +78,6 @@ def capture_graph(run):
 
 
 def bench_one(cfg, peaks, variant=2, combine="auto"):
-    from mla_dispatch.backends.cuda_sm90 import CudaSM90Backend
-
-    CudaSM90Backend.MIN_CHUNKS_PER_PART = cfg.get("min_chunks")  # None: the backend's choice per shape
     b, s_q, h_q, L = cfg["b"], cfg["s_q"], cfg["h_q"], cfg["L"]
     fmt = cfg.get("fmt", "bf16")
     ps = cfg.get("ps", 64)
@@ -119,8 +116,6 @@ CONFIGS = (
     + [dict(group="membound", b=64, s_q=1, h_q=h, L=8192, varlen=False) for h in (16, 32, 64)]
     + [dict(group="small", b=1, s_q=1, h_q=128, L=4096, varlen=False), dict(group="small", b=1, s_q=1, h_q=128, L=32768, varlen=False),
        dict(group="small", b=8, s_q=1, h_q=128, L=8192, varlen=False), dict(group="small", b=32, s_q=1, h_q=128, L=4096, varlen=False)]
-    + [dict(group="small1", b=1, s_q=1, h_q=128, L=4096, varlen=False, min_chunks=1),
-       dict(group="small1", b=8, s_q=1, h_q=128, L=8192, varlen=False, min_chunks=1)]
     + [dict(group="pages", b=64, s_q=1, h_q=64, L=8192, varlen=False, ps=ps) for ps in (16, 128, 256)]
     + [dict(group="pages16", b=64, s_q=1, h_q=16, L=8192, varlen=False, ps=ps) for ps in (16, 32, 128, 256)]
     + [dict(group="fp8", b=64, s_q=1, h_q=16, L=8192, varlen=False, fmt=f) for f in ("fp8_e4m3", "fp8_ds_mla")]
@@ -189,7 +184,7 @@ def main():
     ap.add_argument("--variants", default="2", help="mainloop variants to time, e.g. 0,5,2 (0 = the backend's per-plan choice, 5 = two tiles in flight, "
                          "4 = S split along D, 3 = overlapped wgmma, 2 = wgmma, 1 = mma.sync)")
     ap.add_argument("--groups", default=None, help="comma-separated config groups to run (flashmla, membound, small, "
-                    "small1, pages, pages16, fp8; \"none\": only the host overhead); default all")
+                    "pages, pages16, fp8; \"none\": only the host overhead); default all")
     ap.add_argument("--combine", default="auto", help="where split requests are merged, e.g. fused,separate (auto = the "
                     "backend's per-plan choice, fused = inside the decode launch, separate = a second kernel)")
     args = ap.parse_args()

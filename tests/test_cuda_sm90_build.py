@@ -65,8 +65,8 @@ def test_backend_declares_capabilities_and_reasons():
 
 def test_variant_choice_follows_the_measurements(monkeypatch):
     """v5 only where it measured faster (128 rows, >= 32 requests with >= 24 KV chunks per part, page % 64 == 0,
-    bf16/fp16 cache, q_len <= 64); v6 for
-    <= 32 query rows per KV head with a bf16/fp16 cache, <= 16 with an fp8 cache."""
+    bf16/fp16 cache, q_len <= 64); v6 for <= 16 query rows per KV head with >= 16 chunks per part (bf16/fp16) or
+    >= 4 (fp8), and 17-32 rows with >= 96 chunks per part (bf16/fp16 only). Each cut is pinned from both sides."""
     from mla_dispatch.backends import cuda_sm90
     from mla_dispatch.problem import DecodeProblem
 
@@ -90,17 +90,18 @@ def test_variant_choice_follows_the_measurements(monkeypatch):
     assert choose(problem(), num_parts=66, max_chunks=66 * 23) == 2  # the cut: 24 chunks per part
     assert choose(problem(), num_parts=66, max_chunks=66 * 24) == 5
     assert choose(problem(batch=31), num_parts=66, max_chunks=66 * 64) == 2  # and 32 requests
-    assert choose(problem(h_q=16, batch=64), num_parts=132, max_chunks=64 * 128) == 6
-    assert choose(problem(h_q=16, q_len=2, page_size=16), num_parts=132, max_chunks=64 * 128) == 6  # 32 rows
-    assert choose(problem(h_q=16, q_len=3), num_parts=132, max_chunks=64 * 128) == 2  # 48 rows
-    assert choose(problem(h_q=16, kv_format="fp8_ds_mla"), num_parts=132, max_chunks=64 * 128) == 6
-    assert choose(problem(h_q=32, kv_format="fp8_e4m3"), num_parts=132, max_chunks=64 * 128) == 2  # 32 rows
+    assert choose(problem(h_q=16, batch=64), num_parts=132, max_chunks=64 * 128) == 6  # 62 chunks per part
+    assert choose(problem(h_q=16), num_parts=132, max_chunks=132 * 16) == 6  # the cut for 16 rows, bf16
+    assert choose(problem(h_q=16), num_parts=132, max_chunks=132 * 16 - 1) == 2
+    assert choose(problem(h_q=8, batch=1), num_parts=64, max_chunks=64) == 2  # b = 1: one chunk per part
+    assert choose(problem(h_q=16, kv_format="fp8_ds_mla"), num_parts=132, max_chunks=132 * 4) == 6  # fp8 cut
+    assert choose(problem(h_q=16, kv_format="fp8_e4m3"), num_parts=132, max_chunks=132 * 4 - 1) == 2
+    assert choose(problem(h_q=16, q_len=2, page_size=16), num_parts=132, max_chunks=132 * 96) == 6  # 32 rows
+    assert choose(problem(h_q=32), num_parts=132, max_chunks=132 * 96 - 1) == 2
+    assert choose(problem(h_q=32, batch=64), num_parts=132, max_chunks=64 * 128) == 2  # 62 chunks per part
+    assert choose(problem(h_q=16, q_len=3), num_parts=132, max_chunks=132 * 512) == 2  # 48 rows
+    assert choose(problem(h_q=32, kv_format="fp8_e4m3"), num_parts=132, max_chunks=132 * 512) == 2  # 32 rows, fp8
     monkeypatch.setattr(cuda_sm90, "KERNEL_VARIANT", 3)
     assert choose(problem(), num_parts=66, max_chunks=128 * 64) == 3
 
 
-def test_one_chunk_per_part_only_for_two_row_tiles():
-    """Parts of one KV chunk measured faster only with more than 64 query rows per KV head (v2 at h_q = 128)."""
-    from mla_dispatch.backends.cuda_sm90 import min_chunks_per_part
-
-    assert [min_chunks_per_part(r) for r in (1, 16, 32, 64, 65, 128, 256)] == [2, 2, 2, 2, 1, 1, 1]
