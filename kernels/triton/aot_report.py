@@ -35,13 +35,14 @@ def compile_config(cfg: KernelConfig, *, kv_format="bf16", causal=False, sparse=
                                block_n=cfg.block_n, v_split=v_split, qk_chunk=qk_chunk, head_dim_v=d_v)
     constexprs = dict(PAGE_SIZE=page_size, D_V=d_v, D_ROPE=d_rope, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, V_SPLIT=v_split,
                       QK_CHUNK=qk_chunk, KV_FORMAT=_FMT[kv_format], CAUSAL=causal, SPARSE=sparse,
-                      TOKENS_ON_M=cfg.tokens_on_m, TMA=tma, ASM_PAGE=tma)
+                      TOKENS_ON_M=cfg.tokens_on_m, TMA=tma, ASM_PAGE=tma, Q_TMA=tma)
     if tma:  # host tensor descriptors (decode.tma_descriptors)
         dt = _PTR[kv_format][1:]
         ptrs.update(KDesc=f"tensordesc<{dt}[{cfg.block_n}, {d_v}]>")
+        ptrs.update(QDesc=f"tensordesc<bf16[{cfg.block_m}, {d_v}]>")
         if d_rope:
-            ptrs.update(RDesc=f"tensordesc<{dt}[{cfg.block_n}, {d_rope}]>")
-    for desc in ("KDesc", "RDesc"):
+            ptrs.update(RDesc=f"tensordesc<{dt}[{cfg.block_n}, {d_rope}]>", QRDesc=f"tensordesc<bf16[{cfg.block_m}, {d_rope}]>")
+    for desc in ("KDesc", "RDesc", "QDesc", "QRDesc"):
         if desc not in ptrs:
             constexprs[desc] = None
     for i, n in enumerate(names):

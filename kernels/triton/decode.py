@@ -255,6 +255,7 @@ def _online_update(s, v, n, valid, limit, m_i, l_i, acc, s_scale, DTYPE: tl.cons
 def mla_decode_kernel(
     Q, KV, BlockTable, Seqlens, Indices, KVScale,
     KDesc, RDesc,  # TMA descriptors of the cache (TMA only, else None; see _tma_tile)
+    QDesc, QRDesc,  # TMA descriptors of q's latent / RoPE channels (Q_TMA only, else None; see tma_descriptors)
     Items, PartOffsets,
     Out, Lse, PartialOut, PartialLse,
     qk_scale,  # softmax_scale * log2(e)
@@ -274,6 +275,7 @@ def mla_decode_kernel(
     KV_FORMAT: tl.constexpr, CAUSAL: tl.constexpr, SPARSE: tl.constexpr, TOKENS_ON_M: tl.constexpr,
     TMA: tl.constexpr = False,  # whole tiles by TMA (dense, h_kv = 1, PAGE_SIZE % BLOCK_N == 0, REUSE_K)
     ASM_PAGE: tl.constexpr = False,  # TMA: block-table reads as inline PTX (see _page_of); False interpreting
+    Q_TMA: tl.constexpr = False,  # TMA and q contiguous: the query tile by TMA, straight into shared memory
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
     tl.static_assert(D_V % V_SPLIT == 0 and D_V % QK_CHUNK == 0)
@@ -282,6 +284,7 @@ def mla_decode_kernel(
     # V can reuse the K tile only when one program holds all of it
     REUSE_K: tl.constexpr = V_SPLIT == 1 and QK_CHUNK == D_V
     tl.static_assert(not TMA or (REUSE_K and not SPARSE and KV_FORMAT == 0 and PAGE_SIZE % BLOCK_N == 0))
+    tl.static_assert(not Q_TMA or TMA)
     DTYPE = Q.dtype.element_ty
     LN2: tl.constexpr = 0.6931471805599453
     # a plain launch passes the Python float as fp32; torch.compile (Inductor) passes it as fp64, which
@@ -332,12 +335,20 @@ def mla_decode_kernel(
         # -- the query tile: held for the whole item, or re-read per token tile ---------
         q_off = req.to(tl.int64) * stride_qb + q_tok.to(tl.int64) * stride_qs + head.to(tl.int64) * stride_qh
         q_whole = q_off  # placeholder when the latent dot is chunked
-        if QK_CHUNK == D_V:
-            q_whole = tl.load(Q + q_off[:, None] + tl.arange(0, D_V)[None, :], mask=row_ok[:, None], other=0.0)
         q_rope = q_off
-        if D_ROPE > 0:
-            q_rope = tl.load(Q + q_off[:, None] + D_V + tl.arange(0, D_ROPE)[None, :], mask=row_ok[:, None],
-                             other=0.0)
+        if Q_TMA:
+            # q viewed as [B * s_q * h_q, D_qk] rows (one KV head): the tile's rows are consecutive. Rows past the
+            # request's (the next request's, or zeros past the tensor) are computed and never stored (row_ok).
+            q_row0 = req * (q_len * group) + m_tile * BLOCK_M
+            q_whole = QDesc.load([q_row0, 0])
+            if D_ROPE > 0:
+                q_rope = QRDesc.load([q_row0, D_V])
+        else:
+            if QK_CHUNK == D_V:
+                q_whole = tl.load(Q + q_off[:, None] + tl.arange(0, D_V)[None, :], mask=row_ok[:, None], other=0.0)
+            if D_ROPE > 0:
+                q_rope = tl.load(Q + q_off[:, None] + D_V + tl.arange(0, D_ROPE)[None, :], mask=row_ok[:, None],
+                                 other=0.0)
 
         # -- online softmax over the item's token tiles (base 2) ---------------------------
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -560,16 +571,24 @@ def tma_applies(cfg_tma: bool, kv, *, kv_format: str, sparse: bool, block_n: int
     return kv.device.type == "cuda" and torch.version.hip is None and torch.cuda.get_device_capability(kv.device)[0] >= 9
 
 
-def tma_descriptors(kv, head_dim_v: int, block_n: int):
-    """(KDesc, RDesc) for :func:`_tma_tile`: host tensor descriptors over the cache ``[nb, ps, 1, D_qk]`` (bf16 or
-    fp16, contiguous) viewed as ``[nb * ps, D_qk]`` token rows; RDesc is None without a RoPE part."""
+def tma_descriptors(t, head_dim_v: int, block_rows: int):
+    """(latent, RoPE) host tensor descriptors over ``t`` ``[n0, n1, 1, D_qk]`` (bf16 or fp16, contiguous) viewed as
+    ``[n0 * n1, D_qk]`` rows, with blocks of ``block_rows`` rows: the cache's token rows for :func:`_tma_tile`
+    (``block_rows = BLOCK_N``), or q's ``[B * s_q, h_q, 1, D_qk]`` query rows (``BLOCK_M``). The RoPE descriptor is
+    None without a RoPE part."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    rows, width = kv.shape[0] * kv.shape[1], kv.shape[-1]
-    flat = kv.view(rows, width)
-    kd = TensorDescriptor(flat, [rows, width], [width, 1], [block_n, head_dim_v])
-    rd = TensorDescriptor(flat, [rows, width], [width, 1], [block_n, width - head_dim_v]) if width > head_dim_v else None
+    rows, width = t.shape[0] * t.shape[1], t.shape[-1]
+    flat = t.view(rows, width)
+    kd = TensorDescriptor(flat, [rows, width], [width, 1], [block_rows, head_dim_v])
+    rd = TensorDescriptor(flat, [rows, width], [width, 1], [block_rows, width - head_dim_v]) if width > head_dim_v else None
     return kd, rd
+
+
+def q_tma_applies(q) -> bool:
+    """Whether the query tiles of a TMA launch come by TMA too: ``q`` contiguous (its rows consecutive per request,
+    one KV head) with a 16-byte aligned base and fewer than 2^31 rows."""
+    return q.is_contiguous() and q.data_ptr() % 16 == 0 and q.numel() // q.shape[-1] < 2**31
 
 
 def launch_decode(q, kv, block_table, cache_seqlens, indices, kv_scale, schedule, out, lse, partial_out,
@@ -628,9 +647,11 @@ def launch_decode_kernel(kernel, q, kv, block_table, cache_seqlens, indices, kv_
     use_tma = tma_applies(tma, kv, kv_format=kv_format, sparse=sparse, block_n=block_n, v_split=v_split,
                           qk_chunk=qk_chunk, head_dim_v=head_dim_v, traced=traced)
     descs = tma_descriptors(kv, head_dim_v, block_n) if use_tma else (None, None)
+    q_tma = use_tma and q_tma_applies(q)
+    q_descs = tma_descriptors(q.view(batch * q_len, h_q, 1, d_qk), head_dim_v, block_m) if q_tma else (None, None)
     return kernel[grid](
         q, kv, bt, cache_seqlens, idx, scale_ptr,
-        *descs,
+        *descs, *q_descs,
         items, part_offsets,
         out, lse, partial_out, partial_lse,
         softmax_scale * 1.4426950408889634,
@@ -646,6 +667,6 @@ def launch_decode_kernel(kernel, q, kv, block_table, cache_seqlens, indices, kv_
         D_V=head_dim_v, D_ROPE=d_qk - head_dim_v,
         BLOCK_M=block_m, BLOCK_N=block_n, V_SPLIT=v_split, QK_CHUNK=qk_chunk,
         KV_FORMAT=KV_FORMAT_IDS[kv_format], CAUSAL=causal, SPARSE=sparse, TOKENS_ON_M=tokens_on_m,
-        TMA=use_tma, ASM_PAGE=use_tma and kv.device.type == "cuda",
+        TMA=use_tma, ASM_PAGE=use_tma and kv.device.type == "cuda", Q_TMA=q_tma,
         num_warps=num_warps, num_stages=num_stages, **launch_options,
     )
