@@ -20,8 +20,7 @@ import torch
 from tqdm import tqdm
 
 from mla_dispatch import plan_decode
-from mla_dispatch.backends.reference import reference_attention
-from mla_dispatch.testing import check_close, compare_outputs, make_case
+from mla_dispatch.testing import case_reference, check_close, compare_outputs, make_case, poisoned_outputs
 
 # (batch, s_q, h_q, seqlen, page_size, causal, kv_format, variants): shapes of tests/test_cuda_sm90.py whose
 # requests are split (few requests, so the schedule cuts them), including the two that met the bound with
@@ -44,13 +43,9 @@ def one_draw(shape, variant, gen, tol):
                      generator=gen)
     plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
     plan.state.variant = variant
-    out = torch.full((b, s_q, h_q, case.head_dim_v), float("nan"), dtype=case.q.dtype, device="cuda")
-    lse = torch.full((b, h_q, s_q), float("nan"), dtype=torch.float32, device="cuda")
+    out, lse = poisoned_outputs(case)
     plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale, out=out, lse=lse)
-    kv = case.kv_cache if case.kv_cache.dim() == 4 else case.kv_cache.unsqueeze(2)
-    ref_out, ref_lse = reference_attention(case.q, kv, case.block_table, case.cache_seqlens,
-                                           head_dim_v=case.head_dim_v, softmax_scale=case.softmax_scale,
-                                           causal=causal, kv_format=kv_format, kv_scale=case.kv_scale)
+    ref_out, ref_lse = case_reference(case)
     torch.cuda.synchronize()
     out_report = check_close("out", out, ref_out.to(out.dtype), tol.out_atol, tol.out_rtol, tol.out_cos)
     ok = bool(compare_outputs(out, lse, ref_out, ref_lse, tol))  # out and lse

@@ -18,7 +18,8 @@ import torch
 from mla_dispatch.backend import Tolerance
 from mla_dispatch.formats import pack_ds_mla, quantize_fp8_e4m3
 
-__all__ = ["DecodeCase", "make_case", "check_close", "CloseReport", "UNUSED_BLOCK_ID"]
+__all__ = ["DecodeCase", "make_case", "case_reference", "poisoned_outputs", "check_close", "compare_outputs",
+           "CloseReport", "UNUSED_BLOCK_ID"]
 
 UNUSED_BLOCK_ID = 2147480000
 
@@ -143,6 +144,28 @@ def make_case(
         head_dim_v=head_dim_v,
         softmax_scale=softmax_scale if softmax_scale is not None else head_dim_qk**-0.5,
     )
+
+
+def case_reference(case: DecodeCase, cache_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 reference of ``case``: out ``[B, s_q, h_q, D_v]`` and lse ``[B, h_q, s_q]`` (natural log).
+
+    ``cache_seqlens`` replaces the case's lengths (a step that changed them); a 3-D cache ``[nb, ps, D]`` is read as
+    one KV head, as ``mla_decode`` reads it.
+    """
+    from mla_dispatch.backends.reference import reference_attention
+
+    kv = case.kv_cache if case.kv_cache.dim() == 4 else case.kv_cache.unsqueeze(2)
+    lens = case.cache_seqlens if cache_seqlens is None else cache_seqlens
+    return reference_attention(case.q, kv, case.block_table, lens, **case.kwargs())
+
+
+def poisoned_outputs(case: DecodeCase) -> tuple[torch.Tensor, torch.Tensor]:
+    """NaN-filled ``out`` ``[B, s_q, h_q, D_v]`` (q's dtype) and ``lse`` ``[B, h_q, s_q]`` (fp32) on q's device, for a
+    run that must write every element of both."""
+    b, s_q, h_q, _ = case.q.shape
+    out = torch.full((b, s_q, h_q, case.head_dim_v), float("nan"), dtype=case.q.dtype, device=case.q.device)
+    lse = torch.full((b, h_q, s_q), float("nan"), dtype=torch.float32, device=case.q.device)
+    return out, lse
 
 
 @dataclasses.dataclass

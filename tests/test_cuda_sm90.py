@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from mla_dispatch import plan_decode
-from mla_dispatch.backends.reference import reference_attention
-from mla_dispatch.testing import compare_outputs, make_case
+from mla_dispatch.testing import case_reference, compare_outputs, make_case, poisoned_outputs
 
 pytestmark = pytest.mark.gpu
 
@@ -35,48 +34,35 @@ def _backend():
     return get_backend("cuda_sm90")
 
 
-def _reference(case):
-    return reference_attention(case.q, case.kv_cache if case.kv_cache.dim() == 4 else case.kv_cache.unsqueeze(2),
-                               case.block_table, case.cache_seqlens, head_dim_v=case.head_dim_v,
-                               softmax_scale=case.softmax_scale, causal=case.causal, kv_format=case.kv_format,
-                               kv_scale=case.kv_scale)
-
-
-def _poisoned(case):
-    b, s_q, h_q, _ = case.q.shape
-    out = torch.full((b, s_q, h_q, case.head_dim_v), float("nan"), dtype=case.q.dtype, device=case.q.device)
-    lse = torch.full((b, h_q, s_q), float("nan"), dtype=torch.float32, device=case.q.device)
-    return out, lse
-
-
-def _check(case, out, lse):
-    ref_out, ref_lse = _reference(case)
-    report = compare_outputs(out, lse, ref_out, ref_lse, _backend().TOLERANCE)
+def _check(case, out, lse, tol=None):
+    """Compare with the reference at the backend's tolerance, or ``tol``."""
+    report = compare_outputs(out, lse, *case_reference(case), tol or _backend().TOLERANCE)
     assert report, report.message
 
 
 def _run_case(case):
     plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
     assert plan.backend == "cuda_sm90"
-    out, lse = _poisoned(case)
+    out, lse = poisoned_outputs(case)
     plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale, out=out, lse=lse)
     torch.cuda.synchronize()
     _check(case, out, lse)
     return plan
 
 
-def _run_variant(case, variant, runs=1, fuse_combine=None):
+def _run_variant(case, variant, runs=1, fuse_combine=None, tol=None):
     """Plan with the backend, force mainloop `variant` (and the combine's place when `fuse_combine` is given),
-    and check `runs` launches (fresh poison each)."""
+    and check `runs` launches (fresh poison each) at the backend's tolerance, or `tol`. Returns the plan."""
     plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
     plan.state.variant = variant
     if fuse_combine is not None:
         plan.state.fuse_combine = fuse_combine
     for _ in range(runs):
-        out, lse = _poisoned(case)
+        out, lse = poisoned_outputs(case)
         plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale, out=out, lse=lse)
         torch.cuda.synchronize()
-        _check(case, out, lse)
+        _check(case, out, lse, tol)
+    return plan
 
 
 # (batch, s_q, h_q, h_kv, seqlen, page_size, causal, zero_len_rows)
@@ -266,16 +252,9 @@ def test_split_rows_keep_the_output_range(variant, h_q, fuse_combine, scale, gen
     case = make_case(2, 1, h_q, 3000, page_size=64, device="cuda", generator=gen)
     case.kv_cache[..., :512].mul_(scale)
     case.q[..., :512].div_(scale)
-    plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
-    assert int((plan.state.schedule.num_splits > 1).sum()) > 0, "the shape must split a request"
-    plan.state.variant, plan.state.fuse_combine = variant, fuse_combine
-    out, lse = _poisoned(case)
-    plan.run(case.q, case.kv_cache, out=out, lse=lse)
-    torch.cuda.synchronize()
-    ref_out, ref_lse = _reference(case)
     tol = dataclasses.replace(_backend().TOLERANCE, out_atol=_backend().TOLERANCE.out_atol * scale)
-    report = compare_outputs(out, lse, ref_out, ref_lse, tol)
-    assert report, report.message
+    plan = _run_variant(case, variant, fuse_combine=fuse_combine, tol=tol)
+    assert int((plan.state.schedule.num_splits > 1).sum()) > 0, "the shape must split a request"
 
 
 @pytest.mark.parametrize("h_q", [64, 16])
@@ -295,7 +274,7 @@ def test_cuda_graph_capture_and_replay_with_update(fuse_combine, gen):
     case = make_case(6, 2, 64, 700, page_size=64, causal=True, device="cuda", generator=gen)
     plan = plan_decode(*case.args(), backend="cuda_sm90", cuda_graph=True, **case.kwargs())
     plan.state.fuse_combine = fuse_combine  # the cooperative launch is captured too
-    out, lse = _poisoned(case)
+    out, lse = poisoned_outputs(case)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm up off the capture
@@ -329,7 +308,7 @@ def test_out_argument_and_default_allocation(gen):
     out, lse = plan.run(case.q, case.kv_cache)
     torch.cuda.synchronize()
     _check(case, out, lse)
-    out2, _ = _poisoned(case)
+    out2, _ = poisoned_outputs(case)
     got, _ = plan.run(case.q, case.kv_cache, out=out2)
     assert got.data_ptr() == out2.data_ptr()
     torch.cuda.synchronize()
@@ -393,7 +372,7 @@ def test_opcheck(fuse_combine, gen):
     case = make_case(2, 1, 16, 100, page_size=64, device="cuda", generator=gen)
     plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
     st, s = plan.state, plan.state.schedule
-    out, lse = _poisoned(case)
+    out, lse = poisoned_outputs(case)
     args = (case.q, case.kv_cache, case.block_table, case.cache_seqlens, s.items, s.part_offsets, None, out, lse,
             st.partial_out, st.partial_lse, s.num_splits, st.first_slot, case.softmax_scale, False, 0, 2,
             fuse_combine)
@@ -416,14 +395,14 @@ def test_eager_run_calls_the_bound_plan_without_the_dispatcher(gen):
     direct = plan.state.direct
     plan.state.op = _forbid("the dispatcher op")
     plan.state.direct = _forbid("the extension function")
-    out, lse = _poisoned(case)
+    out, lse = poisoned_outputs(case)
     plan.run(case.q, case.kv_cache, out=out, lse=lse)
     torch.cuda.synchronize()
     _check(case, out, lse)
 
     plan.state.direct = direct
     plan._fast = _forbid("the bound call")
-    out, lse = _poisoned(case)
+    out, lse = poisoned_outputs(case)
     with pytest.raises(AssertionError, match="the bound call was called"):
         plan.run(case.q, case.kv_cache, out=out, lse=lse)
     plan._fast = lambda *args: None  # declines: the checked path and the module function run
@@ -438,7 +417,7 @@ def test_bound_call_declines_what_the_plan_was_not_made_for(gen):
     case = make_case(2, 1, 16, 200, page_size=64, device="cuda", generator=gen)
     plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
     bound = plan.state.bound
-    out, lse = _poisoned(case)
+    out, lse = poisoned_outputs(case)
     bad = {
         "q batch": (case.q[:1], case.kv_cache, None, out, lse),
         "q dtype": (case.q.half(), case.kv_cache, None, out, lse),
@@ -489,13 +468,10 @@ def test_cached_tensor_maps_follow_the_cache(variant, gen):
     used = int(case.block_table.max()) + 1
     caches = [case.kv_cache, torch.randn_like(case.kv_cache.float()).to(case.kv_cache.dtype), case.kv_cache[:used]]
     for kv in caches + caches[::-1]:
-        out, lse = _poisoned(case)
+        out, lse = poisoned_outputs(case)
         plan.run(case.q, kv, out=out, lse=lse)
         torch.cuda.synchronize()
-        ref_out, ref_lse = reference_attention(case.q, kv, case.block_table, case.cache_seqlens,
-                                               head_dim_v=case.head_dim_v, softmax_scale=case.softmax_scale)
-        report = compare_outputs(out, lse, ref_out, ref_lse, _backend().TOLERANCE)
-        assert report, report.message
+        _check(dataclasses.replace(case, kv_cache=kv), out, lse)
 
 
 def test_fake_tensors_and_torch_compile_take_the_op(gen):
@@ -513,7 +489,7 @@ def test_fake_tensors_and_torch_compile_take_the_op(gen):
         fout, flse = plan.run(fq, fkv)  # the op's fake implementation: shapes only
     assert fout.shape == (3, 2, 16, 512) and flse.shape == (3, 16, 2)
 
-    out, lse = _poisoned(case)
+    out, lse = poisoned_outputs(case)
     compiled = torch.compile(lambda q, kv: plan.run(q, kv, out=out, lse=lse), fullgraph=True)
     compiled(case.q, case.kv_cache)
     torch.cuda.synchronize()

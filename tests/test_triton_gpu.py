@@ -13,6 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mla_dispatch.testing import case_reference, compare_outputs, make_case, poisoned_outputs
+
 pytestmark = pytest.mark.gpu
 
 # (make_case kwargs, make_state overrides); ids are generated from the kwargs
@@ -89,19 +91,10 @@ def _case_id(kw: dict, overrides: dict) -> str:
     return "-".join(parts)
 
 
-def _poisoned(case):
-    b, s, h, _ = case.q.shape
-    out = torch.full((b, s, h, case.head_dim_v), float("nan"), dtype=case.q.dtype, device=case.q.device)
-    lse = torch.full((b, h, s), float("nan"), device=case.q.device)
-    return out, lse
-
-
 @pytest.mark.parametrize("kw,overrides", CASES, ids=[_case_id(*c) for c in CASES])
 def test_triton_gpu_matches_reference(kw, overrides, gen):
     from mla_dispatch import plan_decode
-    from mla_dispatch.backends.reference import reference_attention
     from mla_dispatch.backends.triton import TritonBackend
-    from mla_dispatch.testing import compare_outputs, make_case
 
     kw = dict(kw)
     dtype = kw.pop("dtype", torch.bfloat16)
@@ -123,9 +116,9 @@ def test_triton_gpu_matches_reference(kw, overrides, gen):
             assert tma_applies(True, case.kv_cache, kv_format=case.kv_format, sparse=False,
                                block_n=cfg.block_n, v_split=v_split, qk_chunk=qk_chunk, head_dim_v=case.head_dim_v,
                                traced=False)
-    ref_out, ref_lse = reference_attention(*case.args(), **case.kwargs())
+    ref_out, ref_lse = case_reference(case)
     for _ in range(2):  # a second run over the same plan and workspace must give the same answer
-        out, lse = _poisoned(case)
+        out, lse = poisoned_outputs(case)
         plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale, indices=case.indices, out=out, lse=lse)
         torch.cuda.synchronize()
         rep = compare_outputs(out, lse, ref_out, ref_lse, TritonBackend.TOLERANCE)
@@ -134,13 +127,11 @@ def test_triton_gpu_matches_reference(kw, overrides, gen):
 
 def test_triton_gpu_mla_decode_auto_uses_triton_when_named(gen):
     from mla_dispatch import mla_decode
-    from mla_dispatch.backends.reference import reference_attention
     from mla_dispatch.backends.triton import TritonBackend
-    from mla_dispatch.testing import compare_outputs, make_case
 
     case = make_case(2, 1, 16, 100, page_size=64, device="cuda", generator=gen)
     out, lse = mla_decode(*case.args(), backend="triton", **case.kwargs())
-    ref_out, ref_lse = reference_attention(*case.args(), **case.kwargs())
+    ref_out, ref_lse = case_reference(case)
     rep = compare_outputs(out, lse, ref_out, ref_lse, TritonBackend.TOLERANCE)
     assert rep, rep.message
 
@@ -149,13 +140,11 @@ def test_triton_gpu_mla_decode_auto_uses_triton_when_named(gen):
 def test_triton_gpu_cuda_graph_replay_with_new_seqlens(num_heads_q, q_len, gen):
     """Capture DecodePlan.run once; change cache_seqlens values, plan.update, replay: matches the reference."""
     from mla_dispatch import plan_decode
-    from mla_dispatch.backends.reference import reference_attention
     from mla_dispatch.backends.triton import TritonBackend
-    from mla_dispatch.testing import compare_outputs, make_case
 
     case = make_case(4, q_len, num_heads_q, 2000, page_size=64, device="cuda", generator=gen, causal=q_len > 1)
     plan = plan_decode(*case.args(), backend="triton", cuda_graph=True, **case.kwargs())
-    out, lse = _poisoned(case)
+    out, lse = poisoned_outputs(case)
     plan.run(case.q, case.kv_cache, out=out, lse=lse)  # compile outside the capture
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
@@ -179,9 +168,7 @@ def test_triton_gpu_cuda_graph_replay_with_new_seqlens(num_heads_q, q_len, gen):
         lse.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        kwargs = case.kwargs()
-        ref_out, ref_lse = reference_attention(case.q, case.kv_cache, case.block_table, new, **kwargs)
-        rep = compare_outputs(out, lse, ref_out, ref_lse, TritonBackend.TOLERANCE)
+        rep = compare_outputs(out, lse, *case_reference(case, new), TritonBackend.TOLERANCE)
         assert rep, f"replay {trial}: {rep.message}"
 
 
@@ -199,7 +186,6 @@ OPCHECK_CASES = [
 def _op_plan(kw, overrides, gen):
     from mla_dispatch import plan_decode
     from mla_dispatch.backends.triton import TritonBackend
-    from mla_dispatch.testing import make_case
 
     case = make_case(dtype=torch.bfloat16, device="cuda", generator=gen, **kw)
     plan = plan_decode(*case.args(), backend="triton", **case.kwargs())
@@ -213,32 +199,28 @@ def _op_plan(kw, overrides, gen):
 def test_triton_gpu_opcheck(kw, overrides, gen):
     """torch.ops.mla_dispatch.triton_decode is a triton_op: opcheck's every test (fake tensors, AOT dispatch
     traced through wrap_triton) passes on bf16, and the op itself matches the reference."""
-    from mla_dispatch.backends.reference import reference_attention
     from mla_dispatch.backends.triton import TritonBackend
-    from mla_dispatch.testing import compare_outputs
     from tests.test_triton_interpret import triton_op_args
 
     case, plan = _op_plan(kw, overrides, gen)
     op = torch.ops.mla_dispatch.triton_decode.default
     assert plan.state.op is op
-    out, lse = _poisoned(case)
+    out, lse = poisoned_outputs(case)
     args = triton_op_args(plan, case, out, lse)
     torch.library.opcheck(op, args)
     op(*args)  # opcheck ran on clones
     torch.cuda.synchronize()
-    rep = compare_outputs(out, lse, *reference_attention(*case.args(), **case.kwargs()), TritonBackend.TOLERANCE)
+    rep = compare_outputs(out, lse, *case_reference(case), TritonBackend.TOLERANCE)
     assert rep, rep.message
 
 
 def test_triton_gpu_op_under_torch_compile(gen):
     """The op traces into a torch.compile graph with no graph break (fullgraph) and gives the reference."""
-    from mla_dispatch.backends.reference import reference_attention
     from mla_dispatch.backends.triton import TritonBackend
-    from mla_dispatch.testing import compare_outputs
     from tests.test_triton_interpret import triton_op_args
 
     case, plan = _op_plan(*OPCHECK_CASES[0], gen)
-    out, lse = _poisoned(case)
+    out, lse = poisoned_outputs(case)
 
     @torch.compile(fullgraph=True)
     def step(*args):
@@ -246,5 +228,5 @@ def test_triton_gpu_op_under_torch_compile(gen):
 
     step(*triton_op_args(plan, case, out, lse))
     torch.cuda.synchronize()
-    rep = compare_outputs(out, lse, *reference_attention(*case.args(), **case.kwargs()), TritonBackend.TOLERANCE)
+    rep = compare_outputs(out, lse, *case_reference(case), TritonBackend.TOLERANCE)
     assert rep, rep.message

@@ -11,12 +11,11 @@ import pytest
 import torch
 
 import mla_dispatch
-from backends.reference import reference_attention
 from fakes import MI300X, MI355X, fake_aiter, forget, simulate
 from mla_dispatch.backend import Tolerance
 from mla_dispatch.backends.aiter import KERNELS, AiterBackend, choose_kernel
 from mla_dispatch.select import NoBackendError
-from mla_dispatch.testing import compare_outputs, make_case
+from mla_dispatch.testing import case_reference, compare_outputs, make_case
 
 # fp8 q/kv quantisation error (AITER's own test: cos_diff < 3e-2, checkAllclose 1e-2).
 FP8_TOLERANCE = Tolerance(out_atol=2e-2, out_rtol=0.1, out_cos=3e-3, lse_atol=2e-2, lse_rtol=1e-2)
@@ -38,13 +37,6 @@ def _forget():
     forget(AiterBackend)
 
 
-def _reference(case, seqlens=None):
-    return reference_attention(case.q, case.kv_cache, case.block_table,
-                               case.cache_seqlens if seqlens is None else seqlens, head_dim_v=case.head_dim_v,
-                               softmax_scale=case.softmax_scale, causal=case.causal, kv_format=case.kv_format,
-                               kv_scale=case.kv_scale)
-
-
 @pytest.mark.parametrize("platform", [MI300X, MI355X], ids=["gfx942", "gfx950"])
 @pytest.mark.parametrize("h_q,q_len,page_size", [(16, 1, 64), (4, 1, 16), (128, 1, 1), (16, 4, 32), (32, 4, 64)])
 def test_bf16_matches_reference(monkeypatch, legacy, gen, platform, h_q, q_len, page_size):
@@ -52,7 +44,7 @@ def test_bf16_matches_reference(monkeypatch, legacy, gen, platform, h_q, q_len, 
     case = make_case(3, q_len, h_q, 90, page_size=page_size, causal=q_len > 1, zero_len_rows=1, generator=gen,
                      softmax_scale=192**-0.5)
     out, lse = mla_dispatch.mla_decode(*case.args(), backend="aiter", **case.kwargs())
-    assert compare_outputs(out, lse, *_reference(case), AiterBackend.TOLERANCE)
+    assert compare_outputs(out, lse, *case_reference(case), AiterBackend.TOLERANCE)
 
 
 @pytest.mark.parametrize("platform,h_q,q_len", [(MI300X, 16, 1), (MI300X, 128, 1), (MI355X, 32, 2)],
@@ -62,7 +54,7 @@ def test_fp8_matches_reference(monkeypatch, gen, platform, h_q, q_len):
     case = make_case(2, q_len, h_q, 70, page_size=16, kv_format="fp8_e4m3", causal=q_len > 1, generator=gen)
     case.kv_cache.view(torch.uint8)[..., ::5] = 0x80  # e4m3fn negative zero: NaN if read as fnuz bits
     out, lse = mla_dispatch.mla_decode(*case.args(), backend="aiter", **case.kwargs())
-    report = compare_outputs(out, lse, *_reference(case), FP8_TOLERANCE)
+    report = compare_outputs(out, lse, *case_reference(case), FP8_TOLERANCE)
     assert report, report.message
 
 
@@ -74,7 +66,7 @@ def test_persistent_metadata_refreshed_by_update(monkeypatch, gen):
     shorter = (case.cache_seqlens - 3).clamp_min(4)
     plan.update(cache_seqlens=shorter)
     out, lse = plan.run(case.q, case.kv_cache)
-    assert compare_outputs(out, lse, *_reference(case, shorter), AiterBackend.TOLERANCE)
+    assert compare_outputs(out, lse, *case_reference(case, shorter), AiterBackend.TOLERANCE)
 
 
 def test_unsupported_combination_is_refused_before_calling(monkeypatch):

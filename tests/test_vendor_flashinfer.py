@@ -6,18 +6,15 @@ returns a base-2 LSE, like FlashInfer: a wrong kv_indptr/kv_indices, a forgotten
 conversion or transpose, a missing head padding or block-table padding on SM100 fails here.
 """
 
-import math
-
 import pytest
 import torch
 
 import mla_dispatch
-from backends.reference import reference_attention
 from fakes import B200, H100, fake_flashinfer, forget, simulate
 from mla_dispatch.backend import ReasonCode
 from mla_dispatch.backends.flashinfer import FlashInferBackend, trtllm_heads
-from mla_dispatch.select import NoBackendError, explain
-from mla_dispatch.testing import compare_outputs, make_case
+from mla_dispatch.select import NoBackendError
+from mla_dispatch.testing import case_reference, compare_outputs, make_case
 
 
 @pytest.fixture
@@ -29,10 +26,7 @@ def fake(monkeypatch):
 
 def _check(case, **kw):
     out, lse = mla_dispatch.mla_decode(*case.args(), backend="flashinfer", **case.kwargs(), **kw)
-    ref_out, ref_lse = reference_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens,
-                                           head_dim_v=case.head_dim_v, softmax_scale=case.softmax_scale,
-                                           causal=case.causal, kv_format=case.kv_format)
-    report = compare_outputs(out, lse, ref_out, ref_lse, FlashInferBackend.TOLERANCE)
+    report = compare_outputs(out, lse, *case_reference(case), FlashInferBackend.TOLERANCE)
     assert report, report.message
     return out, lse
 
@@ -70,9 +64,7 @@ def test_sm90_plan_once_run_per_layer_and_update(monkeypatch, fake, gen):
     shorter = (case.cache_seqlens - 7).clamp_min(1)
     plan.update(cache_seqlens=shorter)
     out, lse = plan.run(case.q, case.kv_cache)
-    ref_out, ref_lse = reference_attention(case.q, case.kv_cache, case.block_table, shorter,
-                                           softmax_scale=case.softmax_scale)
-    assert compare_outputs(out, lse, ref_out, ref_lse, FlashInferBackend.TOLERANCE)
+    assert compare_outputs(out, lse, *case_reference(case, shorter), FlashInferBackend.TOLERANCE)
 
 
 @pytest.mark.parametrize("page_size,h_q,q_len", [(64, 16, 1), (32, 24, 1), (128, 96, 2), (64, 5, 1)])

@@ -9,11 +9,10 @@ import pytest
 import torch
 
 import mla_dispatch
-from backends.reference import reference_attention
 from fakes import B200, H100, fake_flash_mla, forget, simulate
 from mla_dispatch.backends.flashmla import FlashMLABackend
 from mla_dispatch.select import NoBackendError
-from mla_dispatch.testing import compare_outputs, make_case
+from mla_dispatch.testing import case_reference, compare_outputs, make_case
 
 
 @pytest.fixture(params=[False, True], ids=["schedmeta", "legacy"])
@@ -23,13 +22,6 @@ def fake(request, monkeypatch):
     forget(FlashMLABackend)
 
 
-def _reference(case, seqlens=None):
-    return reference_attention(case.q, case.kv_cache, case.block_table,
-                               case.cache_seqlens if seqlens is None else seqlens, head_dim_v=case.head_dim_v,
-                               softmax_scale=case.softmax_scale, causal=case.causal, kv_format=case.kv_format,
-                               indices=case.indices)
-
-
 @pytest.mark.parametrize("page_size,q_len,h_q,h_kv,causal", [(64, 1, 16, 1, False), (128, 2, 8, 2, True),
                                                              (64, 2, 3, 1, False)])
 def test_dense_matches_reference(monkeypatch, fake, gen, page_size, q_len, h_q, h_kv, causal):
@@ -37,7 +29,7 @@ def test_dense_matches_reference(monkeypatch, fake, gen, page_size, q_len, h_q, 
     case = make_case(3, q_len, h_q, 150, num_heads_kv=h_kv, page_size=page_size, causal=causal, zero_len_rows=1,
                      generator=gen)
     out, lse = mla_dispatch.mla_decode(*case.args(), backend="flashmla", **case.kwargs())
-    assert compare_outputs(out, lse, *_reference(case), FlashMLABackend.TOLERANCE)
+    assert compare_outputs(out, lse, *case_reference(case), FlashMLABackend.TOLERANCE)
 
 
 def test_plan_update_refreshes_metadata(monkeypatch, fake, gen):
@@ -49,7 +41,7 @@ def test_plan_update_refreshes_metadata(monkeypatch, fake, gen):
     shorter = (case.cache_seqlens - 5).clamp_min(1)
     plan.update(cache_seqlens=shorter)
     out, lse = plan.run(case.q, case.kv_cache)
-    assert compare_outputs(out, lse, *_reference(case, shorter), FlashMLABackend.TOLERANCE)
+    assert compare_outputs(out, lse, *case_reference(case, shorter), FlashMLABackend.TOLERANCE)
 
 
 @pytest.mark.parametrize("platform", [H100, B200], ids=["sm90", "sm100"])
@@ -57,7 +49,7 @@ def test_sparse_fp8_ds_mla_matches_reference(monkeypatch, fake, gen, platform):
     simulate(monkeypatch, platform, FlashMLABackend)
     case = make_case(2, 2, 64, 90, page_size=32, kv_format="fp8_ds_mla", topk=24, generator=gen)
     out, lse = mla_dispatch.mla_decode(*case.args(), backend="flashmla", **case.kwargs())
-    ref = _reference(case)
+    ref = case_reference(case)
     tol = FlashMLABackend.TOLERANCE
     assert compare_outputs(out, lse, *ref, tol)
 
