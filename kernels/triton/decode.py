@@ -37,7 +37,8 @@ channels (the scales are powers of two, so the product is exact) and cast.
 Where the cache allows it (bf16/fp16, one KV head, contiguous, pages holding whole
 tiles: :func:`tma_applies`), an item's whole tiles are loaded by TMA through host
 tensor descriptors, which Triton pipelines a tile ahead (``TMA_CONFIGS``); its partial
-last tile takes the masked gather.
+last tile takes the masked gather. With ``q`` contiguous the query tile comes by TMA too
+(:func:`q_tma_applies`), straight into shared memory.
 
 Never read: cache slots at or past a request's length, block-table entries past
 ``ceil(L / page_size)`` (every load is masked by ``t < token_end``), and sparse
