@@ -39,7 +39,7 @@ __device__ __forceinline__ void combine_row_part(const CombineParams& p, int b, 
   const int rows = p.q_len * p.heads_q;
   const int i = row / p.heads_q, h = row % p.heads_q;
   const float* __restrict__ plse = p.partial_lse + first * rows + row;
-  const char* prow = static_cast<const char*>(p.partial_out) + (first * rows + row) * kPartialRowBytes;
+  const char* prow = partial_row(p.partial_out, first * rows + row);
   const char* __restrict__ src = prow + 2 * (c0 + 4 * lane);
   const char* __restrict__ shift = prow + kPartialShiftByte + kPartialShiftStride * (c0 / 128);
   const int64_t slot_bytes = (int64_t)rows * kPartialRowBytes;

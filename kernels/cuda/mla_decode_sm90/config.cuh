@@ -7,6 +7,8 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include "params.h"
+
 namespace mla_sm90 {
 
 struct DecodeConfig {
@@ -71,6 +73,13 @@ template <> struct TypeTraits<__half> {
   static constexpr bool kIsBf16 = false;
 };
 
+// Partial row `prow` ((slot * q_len + query) * heads_q + head) of the workspace, as bytes (params.h).
+__device__ __forceinline__ char* partial_row(void* base, int64_t prow) {
+  return static_cast<char*>(base) + prow * kPartialRowBytes;
+}
+__device__ __forceinline__ const char* partial_row(const void* base, int64_t prow) {
+  return static_cast<const char*>(base) + prow * kPartialRowBytes;
+}
 // Partial rows (params.h). The shift s of a quarter row whose values x are stored as x * inv * 2^s, where
 // m = max |x| * inv: s = 141 - E for m = 1.f 2^(E - 127) (E the biased exponent) puts m * 2^s in [2^14, 2^15).
 // Clamped to [-113, 126], so that 2^s and 2^-s are normal floats, and to 254 - E(inv), so that inv * 2^s is finite

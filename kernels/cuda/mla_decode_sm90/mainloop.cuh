@@ -345,7 +345,7 @@ __device__ __forceinline__ void store_acc_row(const DecodeParams& p, const float
     const int shift = partial_shift(m * inv, inv);
     const float pscale = inv * pow2i(shift);
     const int64_t prow = ((int64_t)slot * p.q_len + qi) * p.heads_q + head;
-    char* row = static_cast<char*>(p.partial_out) + prow * kPartialRowBytes;
+    char* row = partial_row(p.partial_out, prow);
     __half* dst = reinterpret_cast<__half*>(row) + col0 + (lane % 4) * 4;
 #pragma unroll
     for (int k = 0; k < 16; ++k) {  // pairs n = 2k (channels 16k + 2q ..) and 2k + 1 (16k + 8 + 2q ..)

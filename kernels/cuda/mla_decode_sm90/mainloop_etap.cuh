@@ -438,7 +438,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         const int shift = partial_shift(m * inv, inv);
         const float pscale = inv * pow2i(shift);
         const int64_t prow = ((int64_t)slot * p.q_len + qi) * p.heads_q + head;
-        char* row = static_cast<char*>(p.partial_out) + prow * kPartialRowBytes;
+        char* row = partial_row(p.partial_out, prow);
         *reinterpret_cast<uint2*>(reinterpret_cast<__half*>(row) + ch) =
             make_uint2(half2_bits(__floats2half2_rn(lo.x * pscale, lo.y * pscale)),
                        half2_bits(__floats2half2_rn(hi.x * pscale, hi.y * pscale)));
