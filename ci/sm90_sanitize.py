@@ -20,7 +20,7 @@ from mla_dispatch.testing import make_case
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--variants", default="2,5,6")
+    parser.add_argument("--variants", default="2,5,6", help="mainloops to force (0: the plan's own choice)")
     parser.add_argument("--kv-format", default="bf16", help="bf16, fp8_e4m3 or fp8_ds_mla")
     parser.add_argument("--shape", default=None, help="one call of shape B,S_Q,H_Q,L (page 64, equal lengths) instead")
     parser.add_argument("--combine", default="auto", help="auto (the plan's choice), fused (the combine as the "
@@ -44,12 +44,13 @@ def main() -> None:
                              zero_len_rows=0 if args.shape else 1, varlen=not args.shape, device="cuda",
                              generator=gen)
             plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
-            plan.state.variant = variant
+            if variant:
+                plan.state.variant = variant
             if args.combine != "auto":
                 plan.state.fuse_combine = args.combine == "fused"
             out, lse = plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale)
             torch.cuda.synchronize()
-            print(f"variant {variant} b={b} s_q={s_q} h_q={h_q} L={L}: finite={bool(torch.isfinite(out).all())}")
+            print(f"variant {plan.state.variant} fused={plan.state.fuse_combine} b={b} s_q={s_q} h_q={h_q} L={L}: finite={bool(torch.isfinite(out).all())}")
 
 
 if __name__ == "__main__":
