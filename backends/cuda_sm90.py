@@ -33,7 +33,6 @@ __all__ = ["CudaSM90Backend", "load_ops", "load_module"]
 _KV_FORMAT_CODE = {"bf16": 0, "fp16": 0, "fp8_e4m3": 1, "fp8_ds_mla": 2}
 BLOCK_M = 64  # query rows per CTA tile (kernels/cuda/mla_decode_sm90/config.cuh)
 BLOCK_N = 64  # KV tokens per mainloop step = split-KV chunk size
-SCHEDULE_OVERHEAD = 5
 #: mainloop of kernels/cuda/mla_decode_sm90: 0 = choose per plan (:func:`choose_variant`, the default),
 #: 2 = wgmma, serial per tile, 5 = two tiles in flight with TMA loads (FlashMLA's seesaw schedule),
 #: 6 = KV tokens on the wgmma M side for <= 32 query rows per KV head (FlashMLA-ETAP's orientation),
@@ -204,6 +203,11 @@ class CudaSM90Backend(MLABackend):
     #: sessions, H100, CUDA-graph replay): b=1 L=4096 h_q=128 21.6 against 23.0 us, h_q = 16 / 32 / 64 (bf16)
     #: 21.5 / 28.0 / 21.3 against 22.6 / 29.2 / 22.7, fp8_e4m3 8-10% faster at b <= 2. The scripts in ci/ set it.
     MIN_CHUNKS_PER_PART: int = 1
+    #: the split-KV schedule's fixed cost per request, in chunks (mla_dispatch/metadata.py; FlashMLA charges 5). With
+    #: 5, b=1 L=4096 gives parts of two chunks (69 units over 64 parts) and leaves half of them empty. One chunk per
+    #: part (overhead 1 or 2 and 65-66 parts) doubles the splits and measured no faster (h_q=128: 23.1-23.4 against
+    #: 22.1 us; fifteenth session in kernels/cuda/mla_decode_sm90/NOTES.md). The scripts in ci/ set it (--overhead).
+    SCHEDULE_OVERHEAD: int = 5
 
     @classmethod
     def _check_availability(cls) -> list[Reason]:
@@ -233,7 +237,7 @@ class CudaSM90Backend(MLABackend):
         max_chunks = p.batch * math.ceil(p.max_blocks * p.page_size / BLOCK_N)
         num_parts = max(min(sms // tiles, math.ceil(max_chunks / cls.MIN_CHUNKS_PER_PART)), 1)
         schedule = split_kv_schedule(cache_seqlens, num_parts=num_parts, chunk_size=BLOCK_N,
-                                     overhead=SCHEDULE_OVERHEAD)
+                                     overhead=cls.SCHEDULE_OVERHEAD)
         max_slots = schedule.max_slots
         return Sm90State(
             op=load_ops().cuda_sm90_decode.default,

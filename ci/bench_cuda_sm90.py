@@ -187,7 +187,12 @@ def main():
                     "pages, pages16, fp8; \"none\": only the host overhead); default all")
     ap.add_argument("--combine", default="auto", help="where split requests are merged, e.g. fused,separate (auto = the "
                     "backend's per-plan choice, fused = inside the decode launch, separate = a second kernel)")
+    ap.add_argument("--overhead", type=int, default=None, help="the schedule's fixed cost per request, in chunks "
+                    "(CudaSM90Backend.SCHEDULE_OVERHEAD; default: the backend's)")
     args = ap.parse_args()
+    if args.overhead is not None:
+        from mla_dispatch.backends.cuda_sm90 import CudaSM90Backend
+        CudaSM90Backend.SCHEDULE_OVERHEAD = args.overhead
     peaks = measure_peaks()
     print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
     print(f"measured peaks: copy {peaks[0] / 1e12:.2f} TB/s, bf16 matmul {peaks[1] / 1e12:.0f} TFLOP/s")

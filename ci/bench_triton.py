@@ -97,14 +97,15 @@ def kernel_report(plan, q, kv, kv_scale) -> dict:
 
 
 def bench_one(name, peaks, batch, q_len, h_q, seqlen, *, page_size=64, kv_format="bf16", varlen=True,
-              config=None, num_parts=None, graph=True, report=False, kernels=False, check=False,
+              config=None, num_parts=None, overhead=None, graph=True, report=False, kernels=False, check=False,
               compile_only=False) -> dict:
     q, kv, table, lens, kv_scale = make_inputs(batch, q_len, h_q, seqlen, page_size=page_size, kv_format=kv_format,
                                                varlen=varlen)
     plan = plan_decode(q, kv, table, lens, kv_format=kv_format, kv_scale=kv_scale, causal=q_len > 1,
                        backend="triton", cuda_graph=True)
-    if config is not None or num_parts is not None:
-        plan._state = TritonBackend.make_state(plan.problem, plan.platform, lens, config=config, num_parts=num_parts)
+    if config is not None or num_parts is not None or overhead is not None:
+        plan._state = TritonBackend.make_state(plan.problem, plan.platform, lens, config=config, num_parts=num_parts,
+                                               overhead=overhead)
     out = torch.empty(batch, q_len, h_q, D_V, dtype=q.dtype, device="cuda")
     lse = torch.empty(batch, h_q, q_len, device="cuda")
 
@@ -314,6 +315,8 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--report", action="store_true", help="registers/spills/wgmma per config")
     ap.add_argument("--check", action="store_true", help="compare each config's output with the reference")
+    ap.add_argument("--overhead", type=int, default=None, help="the schedule's fixed cost per item, in chunks "
+                    "(default: the backend's, 320 tokens)")
     ap.add_argument("--only", default=None, help="comma-separated names: run just these grid entries")
     ap.add_argument("--precompile", type=int, default=0, metavar="N",
                     help="compile the entries' kernels in N processes first (Triton's cache serves the timed pass); "
@@ -332,7 +335,7 @@ def main():
     for name, kw, graph in entries:
         t0 = time.time()
         try:
-            r = bench_one(name, peaks, graph=graph, report=args.report, check=args.check, **kw)
+            r = bench_one(name, peaks, graph=graph, report=args.report, check=args.check, overhead=args.overhead, **kw)
         except Exception as exc:
             print(f"{name}: FAILED {type(exc).__name__}: {exc}")
             continue

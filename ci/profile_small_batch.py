@@ -47,6 +47,8 @@ def kernel_times(run, calls=20):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--min-chunks", default="1,2,4,8")
+    ap.add_argument("--overhead", default=None, help="comma-separated schedule overheads per request, in chunks "
+                    "(CudaSM90Backend.SCHEDULE_OVERHEAD; default: the backend's)")
     ap.add_argument("--variants", default="2,5", help="mainloop variants, or 'default': the plan's choice")
     ap.add_argument("--combine", default="separate,fused",
                     help="separate (second kernel), fused (in the decode launch) and/or default (the plan's choice)")
@@ -63,8 +65,10 @@ def main():
         q, kv, table, lens, kv_scale = make_inputs(b, 1, h_q, L, varlen=args.varlen, kv_format=args.kv_format)
         out = torch.empty(b, 1, h_q, 512, dtype=q.dtype, device="cuda")
         lse = torch.empty(b, h_q, 1, dtype=torch.float32, device="cuda")
-        for mc in [int(x) for x in args.min_chunks.split(",")]:
+        overheads = [int(x) for x in args.overhead.split(",")] if args.overhead else [CudaSM90Backend.SCHEDULE_OVERHEAD]
+        for mc, ov in [(m, o) for m in (int(x) for x in args.min_chunks.split(",")) for o in overheads]:
             CudaSM90Backend.MIN_CHUNKS_PER_PART = mc
+            CudaSM90Backend.SCHEDULE_OVERHEAD = ov
             for v, comb in [(x, c) for x in args.variants.split(",") for c in args.combine.split(",")]:
                 plan = plan_decode(q, kv, table, lens, kv_format=args.kv_format, kv_scale=kv_scale, backend="cuda_sm90",
                                    cuda_graph=True)
@@ -77,9 +81,11 @@ def main():
                 t_graph = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3
                 kt = kernel_times(run)
                 parts = plan.state.schedule.num_parts
+                splits = int(plan.state.schedule.num_splits.max())
                 comb_used = "fused" if plan.state.fuse_combine else "separate"
                 ks = "  ".join(f"{k}={t:.1f}" for k, t in sorted(kt.items()))
-                print(f"{args.kv_format} h={h_q:3d} b={b:3d} L={L:6d} min_chunks={mc:2d} parts={parts:3d} v{plan.state.variant} "
+                print(f"{args.kv_format} h={h_q:3d} b={b:3d} L={L:6d} min_chunks={mc:2d} overhead={ov} parts={parts:3d} "
+                      f"splits<={splits:3d} v{plan.state.variant} "
                       f"{comb_used:8s}: graph {t_graph:7.1f} us | {ks}", flush=True)
         del q, kv, table
         torch.cuda.empty_cache()
