@@ -315,6 +315,8 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--report", action="store_true", help="registers/spills/wgmma per config")
     ap.add_argument("--check", action="store_true", help="compare each config's output with the reference")
+    ap.add_argument("--kernels", action="store_true", help="also the GPU time of each kernel (decode, combine) of "
+                    "one eager call, for every entry")
     ap.add_argument("--overhead", type=int, default=None, help="the schedule's fixed cost per item, in chunks "
                     "(default: the backend's, 320 tokens)")
     ap.add_argument("--only", default=None, help="comma-separated names: run just these grid entries")
@@ -335,6 +337,8 @@ def main():
     for name, kw, graph in entries:
         t0 = time.time()
         try:
+            if args.kernels:
+                kw = dict(kw, kernels=True)
             r = bench_one(name, peaks, graph=graph, report=args.report, check=args.check, overhead=args.overhead, **kw)
         except Exception as exc:
             print(f"{name}: FAILED {type(exc).__name__}: {exc}")
