@@ -6,9 +6,8 @@ import pytest
 import torch
 
 import mla_dispatch
-from mla_dispatch.backends.reference import reference_attention
 from mla_dispatch.metadata import combine_splits, split_kv_schedule
-from mla_dispatch.testing import compare_outputs, make_case
+from mla_dispatch.testing import case_reference, compare_outputs, make_case, poisoned_outputs
 
 pytestmark = pytest.mark.gpu
 
@@ -33,7 +32,7 @@ def test_schedule_and_combine_do_not_sync_with_the_host(gen):
 
 def test_reference_on_cuda_matches_cpu(gen):
     case = make_case(4, 2, 16, 300, page_size=64, causal=True, zero_len_rows=1, generator=gen)
-    out_cpu, lse_cpu = reference_attention(*case.args(), **case.kwargs())
+    out_cpu, lse_cpu = case_reference(case)
     cuda_case = dataclasses.replace(case, q=case.q.cuda(), kv_cache=case.kv_cache.cuda(),
                                     block_table=case.block_table.cuda(), cache_seqlens=case.cache_seqlens.cuda())
     out, lse = mla_dispatch.mla_decode(*cuda_case.args(), **cuda_case.kwargs(), backend="reference")
@@ -44,8 +43,7 @@ def test_cuda_graph_capture_and_replay_with_new_lengths(gen):
     """plan once, capture run, change cache_seqlens values in place, update, replay."""
     case = make_case(3, 1, 16, 200, page_size=16, generator=gen, device="cuda")
     plan = mla_dispatch.plan_decode(*case.args(), **case.kwargs(), backend="reference", cuda_graph=True)
-    out = torch.full((3, 1, 16, 512), float("nan"), dtype=torch.bfloat16, device="cuda")
-    lse = torch.full((3, 16, 1), float("nan"), device="cuda")
+    out, lse = poisoned_outputs(case)
     plan.run(case.q, case.kv_cache, out=out, lse=lse)  # warm-up outside the graph
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -55,6 +53,6 @@ def test_cuda_graph_capture_and_replay_with_new_lengths(gen):
     plan.update(cache_seqlens=new_lens)
     out.fill_(float("nan"))
     graph.replay()
-    want_out, want_lse = reference_attention(case.q, case.kv_cache, case.block_table, new_lens, **case.kwargs())
+    want_out, want_lse = case_reference(case, new_lens)
     assert compare_outputs(out, lse, want_out, want_lse, mla_dispatch.Tolerance())
     assert torch.isposinf(lse[1]).all()
