@@ -120,7 +120,9 @@ class TritonBackend(MLABackend):
         first_slot = torch.empty(p.batch, dtype=torch.int32, device=device)
         first_slots(schedule.num_splits, out=first_slot)
         max_slots = schedule.max_slots
-        partial_out = torch.empty(max_slots, p.q_len, p.num_heads_q, p.head_dim_v, dtype=torch.float32, device=device)
+        # split rows: fp16 values and their scales (kernels/triton/combine.py, PARTIAL_ROW_FORMAT)
+        partial_out = torch.empty(max_slots, p.q_len, p.num_heads_q, 2 * p.head_dim_v, dtype=torch.float16,
+                                  device=device)
         partial_lse = torch.empty(max_slots, p.q_len, p.num_heads_q, dtype=torch.float32, device=device)
         return BackendState(op=torch.ops.mla_dispatch.triton_decode.default, cfg=cfg, schedule=schedule,
                             lengths=lengths, first_slot=first_slot, partial_out=partial_out, partial_lse=partial_lse)

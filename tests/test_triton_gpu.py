@@ -130,10 +130,11 @@ def test_triton_gpu_matches_reference(kw, overrides, gen):
 @pytest.mark.parametrize("scale", [1e9, 1e-30], ids=["large", "tiny"])
 @pytest.mark.parametrize("num_heads_q", [16, 128], ids=["tokens-on-m", "heads-on-m"])
 def test_triton_gpu_split_rows_keep_the_output_range(num_heads_q, scale, gen):
-    """Outputs far from order 1 merge right across split requests: ~1e6 (past fp16's range) and ~1e-33 (below it),
-    a guard for any change to the partial rows' format (fp32 now; fp16 with a scale was tried, kernels/triton/NOTES.md).
-    The cache's latent channels are multiplied by `scale` and q's divided, so the scores stay as drawn and the outputs
-    scale; so does the absolute tolerance (DESIGN.md section 5's is for outputs of order 1e-3)."""
+    """Split requests store fp16 partial rows with a power-of-two scale per row and decode program
+    (kernels/triton/combine.py, PARTIAL_ROW_FORMAT). Outputs far outside fp16's range still merge right: at ~1e6 they
+    would overflow fp16, at ~1e-33 flush to zero. The cache's latent channels are multiplied by `scale` and q's
+    divided, so the scores stay as drawn and the outputs scale; so does the absolute tolerance (DESIGN.md section 5's
+    is for outputs of order 1e-3)."""
     import dataclasses
 
     from mla_dispatch import plan_decode

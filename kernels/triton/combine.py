@@ -19,10 +19,26 @@ not launched (b = 512, 66 parts: 65 instead of 512 program rows).
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-__all__ = ["combine_kernel", "combine_by_boundary", "launch_combine"]
+__all__ = ["PARTIAL_ROW_FORMAT", "combine_kernel", "combine_by_boundary", "launch_combine"]
+
+#: How the decode kernel (:mod:`.decode`) stores a split request's partial row in the plan's fp16 workspace row
+#: ``partial_out[slot, i, h, :]`` (``2 D_v`` fp16, the bytes of an fp32 row) and this combine reads it:
+#:
+#: - elements ``0 .. D_v - 1``: the normalised output times ``2^s``, in fp16;
+#: - elements ``D_v + 2 v, D_v + 2 v + 1``, one fp32, for decode program ``v`` of the row (``v < v_split``,
+#:   channels ``v D_v / v_split ..``): ``2^-s``, with ``s`` putting that program's largest magnitude in
+#:   ``[2^14, 2^15)`` (``_pow2_scale`` in :mod:`.decode`), so fp16 neither overflows nor drops bits however large or
+#:   small the outputs.
+#:
+#: Half the bytes of fp32 rows are written and read back (as the CUDA kernel's partial rows, kernels/cuda/
+#: mla_decode_sm90/params.h, which scale per quarter row); fp16 rounds to 2^-12 relative, 8x finer than bf16. The
+#: combine reads the values as 32-bit words (two channels each) through an int32 view of the workspace
+#: (kernels/triton/NOTES.md, "fp16 partial rows").
+PARTIAL_ROW_FORMAT = "fp16 values times 2^s, then one fp32 2^-s per decode program of the row"
 
 
 @triton.jit
@@ -34,8 +50,14 @@ def combine_kernel(
     stride_ob, stride_os, stride_oh,
     stride_lb, stride_lh, stride_ls,
     ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    BY_BOUNDARY: tl.constexpr,
+    BY_BOUNDARY: tl.constexpr, D_V: tl.constexpr, SCALE_BLOCK: tl.constexpr,
 ):
+    # Partial rows (PARTIAL_ROW_FORMAT) are read as 32-bit words, two fp16 channels each (`PartialOut` is the
+    # workspace viewed as int32, strides in words): loaded as fp16 elements, the same bytes made the combine 1.2-2.5x
+    # slower with triton 3.6 (kernels/triton/NOTES.md). Word j of a row holds channels 2j (low half) and 2j + 1.
+    # SCALE_BLOCK channels share one scale (D_V / the decode's v_split).
+    tl.static_assert(BLOCK_D % 2 == 0 and (BLOCK_D % SCALE_BLOCK == 0 or SCALE_BLOCK % BLOCK_D == 0))
+    BLOCK_W: tl.constexpr = BLOCK_D // 2
     if BY_BOUNDARY:
         # program_id(0) = boundary k between parts k and k + 1. A split request's second slot is
         # the first item of the part after one of its boundaries (the schedule cuts the cost axis
@@ -59,6 +81,7 @@ def combine_kernel(
         i = (r // num_heads).to(tl.int64)
         h = (r % num_heads).to(tl.int64)
         d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+        word = tl.program_id(2) * BLOCK_W + tl.arange(0, BLOCK_W)
 
         row_off = i * stride_pls + h * stride_plh
         out_off = i * stride_pos + h * stride_poh
@@ -66,7 +89,8 @@ def combine_kernel(
         # block are independent, so BLOCK_S of them are in flight instead of one per loop trip
         m = tl.full([BLOCK_R], float("-inf"), tl.float32)
         denom = tl.zeros([BLOCK_R], tl.float32)
-        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+        acc_lo = tl.zeros([BLOCK_R, BLOCK_W], tl.float32)  # channels 2 word
+        acc_hi = tl.zeros([BLOCK_R, BLOCK_W], tl.float32)  # channels 2 word + 1
         for s0 in range(0, n_splits, BLOCK_S):
             s = s0 + tl.arange(0, BLOCK_S)
             slot = first + s
@@ -77,14 +101,27 @@ def combine_kernel(
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m - m_safe)
             w = tl.exp(lse_s - m_safe[:, None])
-            o_s = tl.load(PartialOut + slot[None, :, None] * stride_pob + out_off[:, None, None] + d[None, None, :],
-                          mask=(w > 0)[:, :, None], other=0.0)  # [R, S, D]; slots that saw no key are not read
-            acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o_s, 1)
+            row_s = slot[None, :] * stride_pob + out_off[:, None]  # [R, S]: offset of each partial row
+            seen = w > 0  # slots that saw no key are not read
+            pair = tl.load(PartialOut + row_s[:, :, None] + word[None, None, :], mask=seen[:, :, None], other=0)
+            lo = (pair & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)  # [R, S, W]
+            hi = ((pair >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+            if SCALE_BLOCK >= BLOCK_D:  # one scale per row and slot for this program's channels
+                sc = tl.load(PartialOut + row_s + D_V // 2 + (tl.program_id(2) * BLOCK_D) // SCALE_BLOCK, mask=seen,
+                             other=0)
+                ws = (w * sc.to(tl.float32, bitcast=True))[:, :, None]
+            else:
+                sc = tl.load(PartialOut + row_s[:, :, None] + D_V // 2 + (2 * word[None, None, :]) // SCALE_BLOCK,
+                             mask=seen[:, :, None], other=0)
+                ws = w[:, :, None] * sc.to(tl.float32, bitcast=True)
+            acc_lo = acc_lo * alpha[:, None] + tl.sum(ws * lo, 1)
+            acc_hi = acc_hi * alpha[:, None] + tl.sum(ws * hi, 1)
             denom = denom * alpha + tl.sum(w, 1)
             m = m_new
         m_safe = tl.where(m == float("-inf"), 0.0, m)
 
         has = denom > 0
+        acc = tl.reshape(tl.join(acc_lo, acc_hi), [BLOCK_R, BLOCK_D])  # channels back in order: 2 word, 2 word + 1
         out = acc / tl.where(has, denom, 1.0)[:, None]
         out = tl.where(has[:, None], out, 0.0)
         lse = tl.where(has, m_safe + tl.log(tl.where(has, denom, 1.0)), float("inf"))
@@ -100,15 +137,18 @@ def combine_by_boundary(batch: int, num_parts: int) -> bool:
 
 
 # (block_r, block_d, block_s) per grid, by measurement (H100, h_q = 128, benchmarks/RESULTS.md "fourth session"):
-# per request (few requests, many slots each: b = 1 has 66) 4 x 128 channels, 8 slots per trip; per boundary
-# (many requests, two or three slots each) whole 512-channel rows, 4 slots per trip.
-_BLOCKS_PER_REQUEST = (4, 128, 8)
-_BLOCKS_PER_BOUNDARY = (1, 512, 4)
+# per request (few requests, many slots each: b = 1 has 66) 4 x 256 channels, 8 slots per trip; per boundary
+# (many requests, two or three slots each) two whole 512-channel rows, 4 slots per trip. Since the fp16 partial rows
+# (fifteenth session, H100): 256 channels per request row block are 128 words, as many 4-byte loads as the 128 fp32
+# channels before (2 rows: slower); per boundary, 2 rows took 15 us at b=128 h=128 L=8K against 32 for 1 row, 92 for
+# 1 row of 256 channels and 35 for 8 slots per trip (the fp32 rows' 1 x 512 x 4: 19 us).
+_BLOCKS_PER_REQUEST = (4, 256, 8)
+_BLOCKS_PER_BOUNDARY = (2, 512, 4)
 
 
 def launch_combine(partial_out, partial_lse, num_splits, first_slot, out, lse, items, part_offsets, *,
-                   block_r: int | None = None, block_d: int | None = None, block_s: int | None = None,
-                   kernel=combine_kernel):
+                   v_split: int = 1, block_r: int | None = None, block_d: int | None = None,
+                   block_s: int | None = None, kernel=combine_kernel):
     """Merge partials into ``out`` ``[B, s_q, h_q, D_v]`` / ``lse`` ``[B, h_q, s_q]`` (no allocation).
 
     One program per (request, or part boundary where :func:`combine_by_boundary` says so,
@@ -118,10 +158,14 @@ def launch_combine(partial_out, partial_lse, num_splits, first_slot, out, lse, i
     defaults of the chosen grid.
     ``kernel`` is :func:`combine_kernel` or ``torch.library.wrap_triton`` of it (inside
     the registered op, :mod:`.ops`). ``items`` int32 ``[max_items, 4]`` and ``part_offsets`` int32
-    ``[num_parts + 1]`` are the schedule's (read by the per-boundary grid).
+    ``[num_parts + 1]`` are the schedule's (read by the per-boundary grid). ``partial_out`` fp16 ``[max_slots, s_q, h_q,
+    2 D_v]`` holds rows in :data:`PARTIAL_ROW_FORMAT`, written by a decode launched with ``v_split`` (as it clipped it).
     Returns Triton's launch handle, or None when there is nothing to merge (one part, or no requests).
     """
     batch, q_len, h_q, d_v = out.shape
+    if partial_out.dtype != torch.float16 or partial_out.shape[-1] != 2 * d_v:
+        raise ValueError(f"partial_out: dtype {partial_out.dtype}, last dim {partial_out.shape[-1]} "
+                         f"(expected float16 and 2 * D_v = {2 * d_v}: PARTIAL_ROW_FORMAT)")
     rows = q_len * h_q
     num_parts = part_offsets.shape[0] - 1
     if batch == 0 or rows == 0 or num_parts <= 1:  # one part: no request is split
@@ -131,14 +175,17 @@ def launch_combine(partial_out, partial_lse, num_splits, first_slot, out, lse, i
     block_r = block_r or defaults[0]
     block_s = block_s or defaults[2]
     block_d = min(block_d or defaults[1], d_v)
+    scale_block = d_v // v_split
     grid = (num_parts - 1 if by_boundary else batch, triton.cdiv(rows, block_r), triton.cdiv(d_v, block_d))
+    words = partial_out.view(torch.int32)  # [max_slots, s_q, h_q, D_v]: two fp16 channels per word
     return kernel[grid](
-        partial_out, partial_lse, out, lse, num_splits, first_slot, items, part_offsets,
+        words, partial_lse, out, lse, num_splits, first_slot, items, part_offsets,
         h_q,
-        partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
+        words.stride(0), words.stride(1), words.stride(2),
         partial_lse.stride(0), partial_lse.stride(1), partial_lse.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1), lse.stride(2),
         ROWS=rows, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_S=block_s, BY_BOUNDARY=by_boundary,
+        D_V=d_v, SCALE_BLOCK=scale_block,
         num_warps=4,
     )

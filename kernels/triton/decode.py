@@ -17,7 +17,7 @@ The work is driven by the shared split-KV schedule
 scheduler): program ``(part, tile)`` walks the items of its part; an item is a
 token range of one request.  An item that covers a whole request writes the
 final ``out``/``lse`` (``slot = -1``); otherwise it writes a partial result
-(normalised output and natural-log LSE) that :mod:`.combine` merges.
+(normalised output as fp16 with a power-of-two scale, and natural-log LSE) that :mod:`.combine` merges.
 
 Two pipelines, chosen per problem class by measurement (``CONFIGS`` below):
 
@@ -247,6 +247,17 @@ def _online_update(s, v, n, valid, limit, m_i, l_i, acc, s_scale, DTYPE: tl.cons
     return m_new, l_i, acc
 
 
+@triton.jit
+def _pow2_scale(amax):
+    """``(2^s, 2^-s)`` for a partial row whose largest magnitude is ``amax`` (>= 0): ``s = 141 - E`` for
+    ``amax = 1.f * 2^(E - 127)`` puts ``amax * 2^s`` in ``[2^14, 2^15)``, where fp16 keeps all 11 bits and cannot
+    overflow. Clamped to ``[-113, 126]`` so both factors are normal floats: zero gets 126, inf / NaN -113 (the values
+    stay inf / NaN). The CUDA kernel's ``partial_shift`` (kernels/cuda/mla_decode_sm90/config.cuh) does the same."""
+    e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    s = tl.minimum(tl.maximum(141 - e, -113), 126)
+    return ((127 + s) << 23).to(tl.float32, bitcast=True), ((127 - s) << 23).to(tl.float32, bitcast=True)
+
+
 # ----------------------------------------------------------------------------------------
 # the kernel
 # ----------------------------------------------------------------------------------------
@@ -408,12 +419,18 @@ def mla_decode_kernel(
             lse_val = tl.where(has_key, lse_nat, float("inf"))
             l_off = req.to(tl.int64) * stride_lb + head.to(tl.int64) * stride_lh + q_tok.to(tl.int64) * stride_ls
             tl.store(Lse + l_off, lse_val, mask=lse_row_ok)
-        else:  # a piece of a split request: fp32 partials for the combine
+        else:  # a piece of a split request: a partial row for the combine (PARTIAL_ROW_FORMAT in .combine)
             p_off = slot.to(tl.int64) * stride_pob + q_tok.to(tl.int64) * stride_pos + head.to(tl.int64) * stride_poh
             if TOKENS_ON_M:
-                tl.store(PartialOut + p_off[None, :] + d_o[:, None], o, mask=row_ok[None, :])
+                up, down = _pow2_scale(tl.max(tl.abs(o), 0))
+                tl.store(PartialOut + p_off[None, :] + d_o[:, None], (o * up[None, :]).to(tl.float16),
+                         mask=row_ok[None, :])
             else:
-                tl.store(PartialOut + p_off[:, None] + d_o[None, :], o, mask=row_ok[:, None])
+                up, down = _pow2_scale(tl.max(tl.abs(o), 1))
+                tl.store(PartialOut + p_off[:, None] + d_o[None, :], (o * up[:, None]).to(tl.float16),
+                         mask=row_ok[:, None])
+            # this program's 2^-s, an fp32 behind the row's values
+            tl.store((PartialOut + p_off + D_V + 2 * v_idx).to(tl.pointer_type(tl.float32)), down, mask=row_ok)
             lse_val = tl.where(has_key, lse_nat, float("-inf"))
             pl_off = slot.to(tl.int64) * stride_plb + q_tok.to(tl.int64) * stride_pls + head.to(tl.int64) * stride_plh
             tl.store(PartialLse + pl_off, lse_val, mask=lse_row_ok)
@@ -598,8 +615,9 @@ def launch_decode(q, kv, block_table, cache_seqlens, indices, kv_scale, schedule
     """Launch :func:`mla_decode_kernel` over ``schedule`` (no allocation, no sync).
 
     Shapes: q ``[B, s_q, h_q, D_qk]``; kv ``[nb, ps, h_kv, D_qk or 656]``; out
-    ``[B, s_q, h_q, D_v]``; lse ``[B, h_q, s_q]`` fp32; partial_out fp32
-    ``[max_slots, s_q, h_q, D_v]``; partial_lse fp32 ``[max_slots, s_q, h_q]``.
+    ``[B, s_q, h_q, D_v]``; lse ``[B, h_q, s_q]`` fp32; partial_out fp16
+    ``[max_slots, s_q, h_q, 2 D_v]`` (rows in :data:`.combine.PARTIAL_ROW_FORMAT`); partial_lse fp32
+    ``[max_slots, s_q, h_q]``.
     Returns Triton's launch handle (the compiled kernel; ``ci/bench_triton.py`` reads
     its registers). The backend launches through the registered op instead
     (:mod:`.ops`, ``torch.ops.mla_dispatch.triton_decode``). Raises ValueError if

@@ -23,7 +23,7 @@ import torch
 from triton.runtime.jit import JITFunction
 
 from mla_dispatch.kernels.triton.combine import combine_kernel, launch_combine
-from mla_dispatch.kernels.triton.decode import KV_FORMAT_IDS, launch_decode_kernel, mla_decode_kernel
+from mla_dispatch.kernels.triton.decode import KV_FORMAT_IDS, _clip_splits, launch_decode_kernel, mla_decode_kernel
 
 __all__ = ["triton_decode", "decode_step"]
 
@@ -82,8 +82,8 @@ def _triton_decode(
     items, part_offsets, num_splits, first_slot: the plan's split-KV schedule
     (:class:`mla_dispatch.metadata.SplitKVSchedule`, :func:`mla_dispatch.metadata.first_slots`).
     Written: out ``[B, s_q, h_q, D_v]`` (q dtype), lse fp32 ``[B, h_q, s_q]`` (+inf for a
-    row that sees no key), and the fp32 workspace partial_out ``[max_slots, s_q, h_q, D_v]``
-    / partial_lse ``[max_slots, s_q, h_q]``. The remaining scalars are the fields of
+    row that sees no key), and the workspace: partial_out fp16 ``[max_slots, s_q, h_q, 2 D_v]``
+    (:data:`.combine.PARTIAL_ROW_FORMAT`) / partial_lse fp32 ``[max_slots, s_q, h_q]``. The remaining scalars are the fields of
     :class:`.decode.KernelConfig` (``chunk_size`` lives in the schedule; ``tma`` applies to plain launches
     only, :func:`.decode.tma_applies`).
 
@@ -106,7 +106,8 @@ def _launch(decode_kernel, combine, q, kv_cache, block_table, seqlens, indices, 
         part_offsets, out, lse, partial_out, partial_lse, softmax_scale=softmax_scale, causal=causal,
         kv_format=kv_format, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
         tokens_on_m=tokens_on_m, v_split=v_split, qk_chunk=qk_chunk, max_registers=max_registers, tma=tma)
-    launch_combine(partial_out, partial_lse, num_splits, first_slot, out, lse, items, part_offsets, kernel=combine)
+    launch_combine(partial_out, partial_lse, num_splits, first_slot, out, lse, items, part_offsets,
+                   v_split=_clip_splits(v_split, qk_chunk, out.shape[-1])[0], kernel=combine)
 
 
 def decode_step(*args) -> None:
