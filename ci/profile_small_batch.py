@@ -84,8 +84,8 @@ def main():
                 splits = int(plan.state.schedule.num_splits.max())
                 comb_used = "fused" if plan.state.fuse_combine else "separate"
                 ks = "  ".join(f"{k}={t:.1f}" for k, t in sorted(kt.items()))
-                print(f"{args.kv_format} h={h_q:3d} b={b:3d} L={L:6d} min_chunks={mc:2d} overhead={ov} parts={parts:3d} "
-                      f"splits<={splits:3d} v{plan.state.variant} "
+                print(f"{args.kv_format} h={h_q:3d} b={b:3d} L={L:6d} min_chunks={mc:2d} overhead={ov} "
+                      f"parts={parts:3d} splits<={splits:3d} v{plan.state.variant} "
                       f"{comb_used:8s}: graph {t_graph:7.1f} us | {ks}", flush=True)
         del q, kv, table
         torch.cuda.empty_cache()

@@ -50,7 +50,8 @@ def main() -> None:
                 plan.state.fuse_combine = args.combine == "fused"
             out, lse = plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale)
             torch.cuda.synchronize()
-            print(f"variant {plan.state.variant} fused={plan.state.fuse_combine} b={b} s_q={s_q} h_q={h_q} L={L}: finite={bool(torch.isfinite(out).all())}")
+            print(f"variant {plan.state.variant} fused={plan.state.fuse_combine} b={b} s_q={s_q} h_q={h_q} L={L}: "
+                  f"finite={bool(torch.isfinite(out).all())}")
 
 
 if __name__ == "__main__":
