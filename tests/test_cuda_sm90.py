@@ -249,7 +249,8 @@ def test_split_rows_keep_the_output_range(variant, h_q, fuse_combine, scale, gen
     params.h). Outputs far outside fp16's range still merge right: at ~1e6 they would overflow fp16, at ~1e-33 flush
     to zero. The cache's latent channels are multiplied by `scale` and q's divided, so the scores stay as drawn and
     the outputs scale; so does the absolute tolerance (DESIGN.md section 5's is for outputs of order 1e-3)."""
-    case = make_case(2, 1, h_q, 3000, page_size=64, device="cuda", generator=gen)
+    # equal lengths: drawn ones can come out too short to split
+    case = make_case(2, 1, h_q, 3000, page_size=64, varlen=False, device="cuda", generator=gen)
     case.kv_cache[..., :512].mul_(scale)
     case.q[..., :512].div_(scale)
     tol = dataclasses.replace(_backend().TOLERANCE, out_atol=_backend().TOLERANCE.out_atol * scale)

@@ -140,7 +140,8 @@ def test_triton_gpu_split_rows_keep_the_output_range(num_heads_q, scale, gen):
     from mla_dispatch import plan_decode
     from mla_dispatch.backends.triton import TritonBackend
 
-    case = make_case(2, 1, num_heads_q, 3000, page_size=64, device="cuda", generator=gen)
+    # equal lengths: drawn ones can come out too short to split
+    case = make_case(2, 1, num_heads_q, 3000, page_size=64, varlen=False, device="cuda", generator=gen)
     case.kv_cache[..., :512].mul_(scale)
     case.q[..., :512].div_(scale)
     tol = dataclasses.replace(TritonBackend.TOLERANCE, out_atol=TritonBackend.TOLERANCE.out_atol * scale)
