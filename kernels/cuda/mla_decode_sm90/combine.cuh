@@ -80,13 +80,12 @@ __device__ __forceinline__ void combine_row_part(const CombineParams& p, int b, 
     m = mb;
   }
   // acc holds channels blk + 2q, +1 (x, y) and blk + 8 + 2q, +1 (z, w)
-  T* dst = reinterpret_cast<T*>(p.out) + (int64_t)b * p.out_stride_b + (int64_t)i * p.out_stride_s +
-           (int64_t)h * p.out_stride_h + c0 + 16 * (lane / 4) + 2 * (lane % 4);
+  T* dst = out_row<T>(p, b, i, h) + c0 + 16 * (lane / 4) + 2 * (lane % 4);
   const float inv = m == -INFINITY ? 0.f : 1.f / denom;  // no slot saw a key: out = 0, lse = +inf
   *reinterpret_cast<typename TT::T2*>(dst) = TT::from_float2(acc.x * inv, acc.y * inv);
   *reinterpret_cast<typename TT::T2*>(dst + 8) = TT::from_float2(acc.z * inv, acc.w * inv);
   if (c0 == 0 && lane == 0)
-    p.lse[(int64_t)b * p.lse_stride_b + (int64_t)h * p.lse_stride_h + i] = m == -INFINITY ? INFINITY : m + logf(denom);
+    lse_at(p, b, i, h) = m == -INFINITY ? INFINITY : m + logf(denom);
 }
 
 // One 128-thread block per (row, request): warp w merges channels 128 w .. +128, 4 slots in flight

@@ -73,6 +73,16 @@ template <> struct TypeTraits<__half> {
   static constexpr bool kIsBf16 = false;
 };
 
+// Output row (request b, query i, head h) and its LSE (params.h); P is DecodeParams or CombineParams, which name
+// out, lse and their strides alike.
+template <typename T, typename P>
+__device__ __forceinline__ T* out_row(const P& p, int64_t b, int64_t i, int64_t h) {
+  return reinterpret_cast<T*>(p.out) + b * p.out_stride_b + i * p.out_stride_s + h * p.out_stride_h;
+}
+template <typename P>
+__device__ __forceinline__ float& lse_at(const P& p, int64_t b, int64_t i, int64_t h) {
+  return p.lse[b * p.lse_stride_b + h * p.lse_stride_h + i];
+}
 // Partial row `prow` ((slot * q_len + query) * heads_q + head) of the workspace, as bytes (params.h).
 __device__ __forceinline__ char* partial_row(void* base, int64_t prow) {
   return static_cast<char*>(base) + prow * kPartialRowBytes;

@@ -328,13 +328,12 @@ __device__ __forceinline__ void store_acc_row(const DecodeParams& p, const float
   using TT = TypeTraits<T>;
   const int lane = threadIdx.x % 32;
   if (slot < 0) {
-    T* dst = reinterpret_cast<T*>(p.out) + (int64_t)req * p.out_stride_b + (int64_t)qi * p.out_stride_s +
-             (int64_t)head * p.out_stride_h + col0 + (lane % 4) * 2;
+    T* dst = out_row<T>(p, req, qi, head) + col0 + (lane % 4) * 2;
 #pragma unroll
     for (int n = 0; n < 32; ++n)
       *reinterpret_cast<typename TT::T2*>(dst + n * 8) =
           TT::from_float2(acc_o[4 * n + 2 * h] * inv, acc_o[4 * n + 2 * h + 1] * inv);
-    if (writes_lse) p.lse[(int64_t)req * p.lse_stride_b + (int64_t)head * p.lse_stride_h + qi] = lse_val;
+    if (writes_lse) lse_at(p, req, qi, head) = lse_val;
   } else {
     float m = 0.f;
 #pragma unroll

@@ -422,11 +422,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const int qi = c / heads_per_kv, head = kvh * heads_per_kv + c % heads_per_kv;
       if (slot < 0) {
         const float4 v = *reinterpret_cast<const float4*>(sO + c * Etap::kOStride + ch);
-        T* dst = reinterpret_cast<T*>(p.out) + (int64_t)req * p.out_stride_b + (int64_t)qi * p.out_stride_s +
-                 (int64_t)head * p.out_stride_h + ch;
+        T* dst = out_row<T>(p, req, qi, head) + ch;
         *reinterpret_cast<typename TT::T2*>(dst) = TT::from_float2(v.x * inv, v.y * inv);
         *reinterpret_cast<typename TT::T2*>(dst + 2) = TT::from_float2(v.z * inv, v.w * inv);
-        if (ch == 0) p.lse[(int64_t)req * p.lse_stride_b + (int64_t)head * p.lse_stride_h + qi] = lse_val;
+        if (ch == 0) lse_at(p, req, qi, head) = lse_val;
       } else {
         // partial row (params.h): position ch holds channels 2q, 2q + 1, 8 + 2q, 9 + 2q of its 16-channel block
         // (q = ch % 16 / 4); the warp holds one quarter row (its 32 lanes, c and slot shared, so all take part)
