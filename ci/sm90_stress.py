@@ -11,7 +11,6 @@ Exit status: the number of failed iterations (0: all passed).
 """
 
 import argparse
-import dataclasses
 import sys
 
 import torch
@@ -19,7 +18,7 @@ from tqdm import tqdm
 
 from mla_dispatch import plan_decode
 from mla_dispatch.registry import get_backend
-from mla_dispatch.testing import case_reference, compare_outputs, make_case, poisoned_outputs
+from mla_dispatch.testing import case_reference, compare_outputs, make_case, poisoned_outputs, scale_outputs
 
 
 def describe_failure(out: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float) -> str:
@@ -54,12 +53,10 @@ def main() -> int:
     b, s_q, h_q, seqlen = (int(x) for x in args.shape.split(","))
     gen = torch.Generator().manual_seed(args.seed)
     base_tol = get_backend("cuda_sm90").TOLERANCE
-    tol = dataclasses.replace(base_tol, out_atol=base_tol.out_atol * args.scale)
     failed = 0
     for it in tqdm(range(args.iters), desc=f"v{args.variant} {args.combine} {args.shape} x{args.scale:g}"):
         case = make_case(b, s_q, h_q, seqlen, page_size=64, device="cuda", generator=gen)
-        case.kv_cache[..., :512].mul_(args.scale)
-        case.q[..., :512].div_(args.scale)
+        tol = scale_outputs(case, args.scale, base_tol)
         plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
         plan.state.variant = args.variant
         if args.combine != "auto":

@@ -18,8 +18,8 @@ import torch
 from mla_dispatch.backend import Tolerance
 from mla_dispatch.formats import pack_ds_mla, quantize_fp8_e4m3
 
-__all__ = ["DecodeCase", "make_case", "case_reference", "poisoned_outputs", "check_close", "compare_outputs",
-           "CloseReport", "UNUSED_BLOCK_ID"]
+__all__ = ["DecodeCase", "make_case", "case_reference", "poisoned_outputs", "scale_outputs", "check_close",
+           "compare_outputs", "CloseReport", "UNUSED_BLOCK_ID"]
 
 UNUSED_BLOCK_ID = 2147480000
 
@@ -166,6 +166,21 @@ def poisoned_outputs(case: DecodeCase) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.full((b, s_q, h_q, case.head_dim_v), float("nan"), dtype=case.q.dtype, device=case.q.device)
     lse = torch.full((b, h_q, s_q), float("nan"), dtype=torch.float32, device=case.q.device)
     return out, lse
+
+
+def scale_outputs(case: DecodeCase, scale: float, tol: Tolerance) -> Tolerance:
+    """Make ``case``'s outputs ``scale`` times larger and leave its scores as drawn: the latent channels of the cache
+    (bf16/fp16) are multiplied by ``scale`` and q's divided by it, in place. Returns ``tol`` with its absolute output
+    bound scaled alike (DESIGN.md §5's is for outputs of order 1e-3). For checks of outputs far outside fp16's range
+    (partial rows stored in fp16 with a scale).
+
+    Raises ValueError for an fp8 cache (its values cannot be scaled in place).
+    """
+    if case.kv_format not in ("bf16", "fp16"):
+        raise ValueError(f"scale_outputs needs a bf16/fp16 cache, got kv_format={case.kv_format!r}")
+    case.kv_cache[..., :case.head_dim_v].mul_(scale)
+    case.q[..., :case.head_dim_v].div_(scale)
+    return dataclasses.replace(tol, out_atol=tol.out_atol * scale)
 
 
 @dataclasses.dataclass

@@ -127,3 +127,20 @@ def test_reference_op_registered_and_opcheck(gen):
                           test_utils=("test_schema", "test_faketensor"))
     torch.ops.mla_dispatch.reference_decode(*args)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+
+
+def test_scale_outputs_scales_the_outputs_not_the_scores(gen):
+    """mla_dispatch.testing.scale_outputs (the output-range tests' setup): the reference's outputs grow by the scale,
+    its LSE stays as drawn (up to q's bf16 rounding), the absolute bound grows alike; fp8 caches are refused."""
+    from mla_dispatch.testing import case_reference, scale_outputs
+
+    case = make_case(2, 1, 16, 300, page_size=64, generator=gen)
+    out, lse = case_reference(case)
+    tol = scale_outputs(case, 1e9, mla_dispatch.Tolerance())
+    big_out, big_lse = case_reference(case)
+    assert tol.out_atol == mla_dispatch.Tolerance().out_atol * 1e9
+    assert check_close("out", big_out / 1e9, out, 1e-4, 2.01 / 128)
+    assert check_close("lse", big_lse, lse, 1e-4, 0.0)
+    with pytest.raises(ValueError, match="bf16/fp16 cache"):
+        scale_outputs(make_case(1, 1, 16, 64, page_size=64, kv_format="fp8_e4m3", generator=gen), 2.0,
+                      mla_dispatch.Tolerance())

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_dispatch.testing import case_reference, compare_outputs, make_case, poisoned_outputs
+from mla_dispatch.testing import case_reference, compare_outputs, make_case, poisoned_outputs, scale_outputs
 
 pytestmark = pytest.mark.gpu
 
@@ -135,16 +135,12 @@ def test_triton_gpu_split_rows_keep_the_output_range(num_heads_q, scale, gen):
     would overflow fp16, at ~1e-33 flush to zero. The cache's latent channels are multiplied by `scale` and q's
     divided, so the scores stay as drawn and the outputs scale; so does the absolute tolerance (DESIGN.md section 5's
     is for outputs of order 1e-3)."""
-    import dataclasses
-
     from mla_dispatch import plan_decode
     from mla_dispatch.backends.triton import TritonBackend
 
     # equal lengths: drawn ones can come out too short to split
     case = make_case(2, 1, num_heads_q, 3000, page_size=64, varlen=False, device="cuda", generator=gen)
-    case.kv_cache[..., :512].mul_(scale)
-    case.q[..., :512].div_(scale)
-    tol = dataclasses.replace(TritonBackend.TOLERANCE, out_atol=TritonBackend.TOLERANCE.out_atol * scale)
+    tol = scale_outputs(case, scale, TritonBackend.TOLERANCE)
     plan = plan_decode(*case.args(), backend="triton", **case.kwargs())
     assert int((plan.state.schedule.num_splits > 1).sum()) > 0, "the shape must split a request"
     out, lse = poisoned_outputs(case)
