@@ -13,14 +13,19 @@ import torch
 from mla_dispatch.kernels.cuda import build
 
 
-def test_kernel_sources_compile_for_sm90a(tmp_path):
+@pytest.mark.parametrize("timeline", [False, True], ids=["kernels", "timeline-build"])
+def test_kernel_sources_compile_for_sm90a(tmp_path, monkeypatch, timeline):
+    """The kernels compile for sm_90a; so does the diagnosis build that stamps a per-CTA timeline
+    (``MLA_SM90_TIMELINE=1``, ci/sm90_timeline.py), which no CPU test can run."""
     nvcc = build.nvcc_path()
     if nvcc is None:
         pytest.skip("nvcc not found (needs CUDA >= 12.4): the sm_90a compile check cannot run here")
+    monkeypatch.setenv("MLA_SM90_TIMELINE", "1" if timeline else "0")
     include = build.cutlass_include_dir()
     obj = tmp_path / "launch.o"
     cmd = [nvcc, "-c", str(build.SM90_SOURCE_DIR / "launch.cu"), "-o", str(obj), "-I", str(build.SM90_SOURCE_DIR),
            "-I", include, "-Xptxas=-warn-spills", *build.nvcc_flags()]
+    assert ("-DMLA_SM90_TIMELINE" in cmd) == timeline
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"nvcc failed:\n{proc.stdout}\n{proc.stderr}"
     assert obj.stat().st_size > 0
@@ -28,6 +33,16 @@ def test_kernel_sources_compile_for_sm90a(tmp_path):
     if cuobjdump:  # the object carries sm_90a machine code
         listing = subprocess.run([cuobjdump, "--list-elf", str(obj)], capture_output=True, text=True)
         assert "sm_90a" in listing.stdout, listing.stdout + listing.stderr
+
+
+def test_timeline_build_is_a_separate_extension(monkeypatch):
+    """The diagnosis build gets its own define and its own source hash, so it never loads in place of the kernels."""
+    monkeypatch.delenv("MLA_SM90_TIMELINE", raising=False)
+    plain_flags, plain_hash = build.nvcc_flags(), build._source_hash()
+    monkeypatch.setenv("MLA_SM90_TIMELINE", "1")
+    assert build.timeline_build()
+    assert build.nvcc_flags() == plain_flags + ["-DMLA_SM90_TIMELINE"]
+    assert build._source_hash() != plain_hash
 
 
 def test_missing_nvcc_is_a_clear_error(monkeypatch):

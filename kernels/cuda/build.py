@@ -18,7 +18,7 @@ import pathlib
 import shutil
 import sys
 
-__all__ = ["KernelBuildError", "SM90_SOURCE_DIR", "nvcc_path", "cutlass_include_dir", "nvcc_flags", "load_sm90", "main"]
+__all__ = ["KernelBuildError", "SM90_SOURCE_DIR", "nvcc_path", "cutlass_include_dir", "nvcc_flags", "timeline_build", "load_sm90", "main"]
 
 SM90_SOURCE_DIR = pathlib.Path(__file__).resolve().parent / "mla_decode_sm90"
 _SM90_SOURCES = ("binding.cpp", "launch.cu")
@@ -52,11 +52,18 @@ def cutlass_include_dir() -> str:
     return str(inc)
 
 
+def timeline_build() -> bool:
+    """Whether ``$MLA_SM90_TIMELINE=1`` asks for the diagnosis build: the kernels stamp a per-CTA timeline
+    (``mla_decode_sm90/timeline.cuh``, read by ``ci/sm90_timeline.py``). A separate extension (its own hash)."""
+    return os.environ.get("MLA_SM90_TIMELINE", "") == "1"
+
+
 def nvcc_flags() -> list[str]:
     """nvcc flags of the SM90 family (also used by the CI compile check)."""
-    return ["-std=c++17", "-O3", SM90_GENCODE, "-lineinfo", "--expt-relaxed-constexpr",
-            "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
-            "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__"]
+    flags = ["-std=c++17", "-O3", SM90_GENCODE, "-lineinfo", "--expt-relaxed-constexpr",
+             "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+             "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__"]
+    return flags + (["-DMLA_SM90_TIMELINE"] if timeline_build() else [])
 
 
 def _source_hash() -> str:
@@ -107,7 +114,7 @@ def load_sm90(verbose: bool = False):
             name=name,
             sources=[str(SM90_SOURCE_DIR / s) for s in _SM90_SOURCES],
             extra_include_paths=[str(SM90_SOURCE_DIR), include],
-            extra_cflags=["-O3", "-std=c++17"],
+            extra_cflags=["-O3", "-std=c++17"] + (["-DMLA_SM90_TIMELINE"] if timeline_build() else []),
             extra_cuda_cflags=nvcc_flags(),
             build_directory=str(build_dir),
             is_python_module=True,

@@ -171,13 +171,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   bool row_ok[2];
   acc_rows(p, row_tile, kvh, rg, lane, row_local, row_i, row_head, row_ok);
   uint32_t loads_done[2] = {0, 0};  // completed loads per stage before the current item (mbarrier phases)
+  int steps = 0;  // pairs done by this CTA (timeline.cuh; dead code without it)
 
+  stamp(kTimelineEntry);
   const int item_begin = p.part_offsets[part], item_end = p.part_offsets[part + 1];
   for (int item = item_begin; item < item_end; ++item) {
     const WorkItem w = load_item(p, item);
     const int req = w.req, tok_begin = w.tok_begin, tok_end = w.tok_end, slot = w.slot;
     if (req < 0) continue;
     const int seqlen = p.cache_seqlens[req];
+    stamp(item_event(item - item_begin, 0), seqlen);
     int limit[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) limit[h] = p.causal ? seqlen - p.q_len + row_i[h] : seqlen - 1;
@@ -209,6 +212,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     cp_async_wait_all();
     fence_proxy_async_smem();
     __syncthreads();
+    stamp(item_event(item - item_begin, 1));
 
     float acc_o[128], acc_s[32];
 #pragma unroll
@@ -463,6 +467,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         else if (a + 2 < num_tiles) pair(a, T_{}, T_{}, F_{});
         else if (a + 1 < num_tiles) pair(a, T_{}, F_{}, F_{});
         else pair(a, F_{}, F_{}, F_{});
+        stamp(step_event(steps++));
       }
     } else {
       // ================= warpgroup 1: tiles 1, 3, 5, ...; O[:, 256:512)
@@ -547,6 +552,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     loads_done[0] += (uint32_t)(num_tiles + 1) / 2;
     loads_done[1] += (uint32_t)num_tiles / 2;
 
+    stamp(item_event(item - item_begin, 2));
     // -- epilogue: both warpgroups' row sums, final max from sM
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -567,7 +573,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
                        wg == 0 && lane % 4 == 0);
     }
     __syncthreads();  // sQ, sK, sM, sSum are reused by the next item
+    stamp(item_event(item - item_begin, 3));
   }
+  stamp(kTimelineCombine);
+  stamp(kTimelineEnd);
 }
 
 }  // namespace mla_sm90
