@@ -203,11 +203,25 @@ class CudaSM90Backend(MLABackend):
     #: sessions, H100, CUDA-graph replay): b=1 L=4096 h_q=128 21.6 against 23.0 us, h_q = 16 / 32 / 64 (bf16)
     #: 21.5 / 28.0 / 21.3 against 22.6 / 29.2 / 22.7, fp8_e4m3 8-10% faster at b <= 2. The scripts in ci/ set it.
     MIN_CHUNKS_PER_PART: int = 1
-    #: the split-KV schedule's fixed cost per request, in chunks (mla_dispatch/metadata.py; FlashMLA charges 5). With
-    #: 5, b=1 L=4096 gives parts of two chunks (69 units over 64 parts) and leaves half of them empty. One chunk per
-    #: part (overhead 1 or 2 and 65-66 parts) doubles the splits and measured no faster (h_q=128: 23.1-23.4 against
-    #: 22.1 us; fifteenth session in kernels/cuda/mla_decode_sm90/NOTES.md). The scripts in ci/ set it (--overhead).
-    SCHEDULE_OVERHEAD: int = 5
+    #: the split-KV schedule's fixed cost per work item, in chunks (mla_dispatch/metadata.py; FlashMLA charges 5), per
+    #: mainloop: what an item costs besides its tiles, read in per-CTA timelines (ci/sm90_timeline.py; sixteenth session
+    #: in kernels/cuda/mla_decode_sm90/NOTES.md). A v2 item's metadata, first loads and stores take ~7 us, two tiles at
+    #: b=64 L=8192 h_q=64; with 5 the parts holding one item ran 5 tiles longer than those holding two and finished
+    #: last. Charging 2 measured 1% faster there and at h_q=32, 3% at b=8 L=8192 h_q=128 (CUDA-graph replay, H100,
+    #: two runs each). v5's and v6's items cost ~4-5 tiles (their first pairs wait for loads); they keep 5.
+    SCHEDULE_OVERHEAD_BY_VARIANT: dict[int, int] = {2: 2}
+    #: one overhead for every mainloop, set by the scripts in ci/ (--overhead); None: SCHEDULE_OVERHEAD_BY_VARIANT,
+    #: else 5. With 5 at b=1 L=4096 h_q=128 the parts get two chunks (69 units over 64 parts) and half of them none;
+    #: one chunk per part (counting the parts in cost units) doubles the splits and measured no faster (fifteenth
+    #: session).
+    SCHEDULE_OVERHEAD: int | None = None
+
+    @classmethod
+    def schedule_overhead(cls, variant: int) -> int:
+        """The schedule's fixed cost per work item, in chunks, for plans running mainloop ``variant``."""
+        if cls.SCHEDULE_OVERHEAD is not None:
+            return cls.SCHEDULE_OVERHEAD
+        return cls.SCHEDULE_OVERHEAD_BY_VARIANT.get(variant, 5)
 
     @classmethod
     def _check_availability(cls) -> list[Reason]:
@@ -236,8 +250,9 @@ class CudaSM90Backend(MLABackend):
         # Upper bound of the work from shapes alone (no host sync): every request at the table's width.
         max_chunks = p.batch * math.ceil(p.max_blocks * p.page_size / BLOCK_N)
         num_parts = max(min(sms // tiles, math.ceil(max_chunks / cls.MIN_CHUNKS_PER_PART)), 1)
+        variant = choose_variant(p, num_parts, max_chunks)
         schedule = split_kv_schedule(cache_seqlens, num_parts=num_parts, chunk_size=BLOCK_N,
-                                     overhead=cls.SCHEDULE_OVERHEAD)
+                                     overhead=cls.schedule_overhead(variant))
         max_slots = schedule.max_slots
         return Sm90State(
             op=load_ops().cuda_sm90_decode.default,
@@ -250,7 +265,7 @@ class CudaSM90Backend(MLABackend):
                                     device=device),
             partial_lse=torch.empty(max_slots, p.q_len, p.num_heads_q, dtype=torch.float32, device=device),
             kv_format_code=_KV_FORMAT_CODE[p.kv_format],
-            variant=choose_variant(p, num_parts, max_chunks),
+            variant=variant,
             fuse_combine=choose_fuse_combine(p, num_parts, num_parts * tiles),
         )
 

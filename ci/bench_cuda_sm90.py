@@ -188,7 +188,7 @@ def main():
     ap.add_argument("--combine", default="auto", help="where split requests are merged, e.g. fused,separate (auto = the "
                     "backend's per-plan choice, fused = inside the decode launch, separate = a second kernel)")
     ap.add_argument("--overhead", type=int, default=None, help="the schedule's fixed cost per request, in chunks "
-                    "(CudaSM90Backend.SCHEDULE_OVERHEAD; default: the backend's)")
+                    "(CudaSM90Backend.SCHEDULE_OVERHEAD; default: the backend's, per mainloop)")
     args = ap.parse_args()
     if args.overhead is not None:
         from mla_dispatch.backends.cuda_sm90 import CudaSM90Backend

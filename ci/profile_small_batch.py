@@ -48,7 +48,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--min-chunks", default="1,2,4,8")
     ap.add_argument("--overhead", default=None, help="comma-separated schedule overheads per request, in chunks "
-                    "(CudaSM90Backend.SCHEDULE_OVERHEAD; default: the backend's)")
+                    "(CudaSM90Backend.SCHEDULE_OVERHEAD; default: the backend's, per mainloop)")
     ap.add_argument("--variants", default="2,5", help="mainloop variants, or 'default': the plan's choice")
     ap.add_argument("--combine", default="separate,fused",
                     help="separate (second kernel), fused (in the decode launch) and/or default (the plan's choice)")
@@ -65,7 +65,7 @@ def main():
         q, kv, table, lens, kv_scale = make_inputs(b, 1, h_q, L, varlen=args.varlen, kv_format=args.kv_format)
         out = torch.empty(b, 1, h_q, 512, dtype=q.dtype, device="cuda")
         lse = torch.empty(b, h_q, 1, dtype=torch.float32, device="cuda")
-        overheads = [int(x) for x in args.overhead.split(",")] if args.overhead else [CudaSM90Backend.SCHEDULE_OVERHEAD]
+        overheads = [int(x) for x in args.overhead.split(",")] if args.overhead else [None]
         for mc, ov in [(m, o) for m in (int(x) for x in args.min_chunks.split(",")) for o in overheads]:
             CudaSM90Backend.MIN_CHUNKS_PER_PART = mc
             CudaSM90Backend.SCHEDULE_OVERHEAD = ov
@@ -84,7 +84,8 @@ def main():
                 splits = int(plan.state.schedule.num_splits.max())
                 comb_used = "fused" if plan.state.fuse_combine else "separate"
                 ks = "  ".join(f"{k}={t:.1f}" for k, t in sorted(kt.items()))
-                print(f"{args.kv_format} h={h_q:3d} b={b:3d} L={L:6d} min_chunks={mc:2d} overhead={ov} "
+                print(f"{args.kv_format} h={h_q:3d} b={b:3d} L={L:6d} min_chunks={mc:2d} "
+                      f"overhead={CudaSM90Backend.schedule_overhead(plan.state.variant)} "
                       f"parts={parts:3d} splits<={splits:3d} v{plan.state.variant} "
                       f"{comb_used:8s}: graph {t_graph:7.1f} us | {ks}", flush=True)
         del q, kv, table
