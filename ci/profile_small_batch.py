@@ -72,6 +72,7 @@ def main():
             for v, comb in [(x, c) for x in args.variants.split(",") for c in args.combine.split(",")]:
                 plan = plan_decode(q, kv, table, lens, kv_format=args.kv_format, kv_scale=kv_scale, backend="cuda_sm90",
                                    cuda_graph=True)
+                ov_used = CudaSM90Backend.schedule_overhead(plan.state.variant)  # the schedule's, before any override
                 if v != "default":
                     plan.state.variant = int(v)
                 if comb != "default":
@@ -85,7 +86,7 @@ def main():
                 comb_used = "fused" if plan.state.fuse_combine else "separate"
                 ks = "  ".join(f"{k}={t:.1f}" for k, t in sorted(kt.items()))
                 print(f"{args.kv_format} h={h_q:3d} b={b:3d} L={L:6d} min_chunks={mc:2d} "
-                      f"overhead={CudaSM90Backend.schedule_overhead(plan.state.variant)} "
+                      f"overhead={ov_used} "
                       f"parts={parts:3d} splits<={splits:3d} v{plan.state.variant} "
                       f"{comb_used:8s}: graph {t_graph:7.1f} us | {ks}", flush=True)
         del q, kv, table
