@@ -54,61 +54,49 @@ def analyse(tl, items, part_offsets, num_parts):
     t0 = min(gt[c, 0].item() for c in live)
     # SM clock (cycles per ns) over the CTAs' whole lives
     rate = sum((ck[c, END] - ck[c, 0]).item() for c in live) / sum((gt[c, END] - gt[c, 0]).item() for c in live)
-    res = {"ghz": rate, "ctas": len(live)}
-    res["entry"] = [(gt[c, 0].item() - t0) / 1e3 for c in live]
+    us = 1 / rate / 1e3  # µs per cycle
     first = {ph: [] for ph in PHASES}
     later = {ph: [] for ph in PHASES}
-    per_tile = []
+    per_tile, rows = [], []
     for c in live:
         part = c % num_parts
-        begin, end = part_offsets[part], part_offsets[part + 1]
+        # the kernel numbers a part's items from its first (tiles of 64 tokens, the schedule's chunk)
+        its = [items[i] for i in range(part_offsets[part], part_offsets[part + 1])]
+        tiles = [-(-(te - tb) // 64) for req, tb, te, _ in its if req >= 0]
+        phases, loaded = [], []
         prev = ck[c, 0].item()
-        for k in range(min(end - begin, ITEMS)):
-            req, tb, te, _ = items[begin + k]
+        for k, (req, tb, te, _) in enumerate(its[:ITEMS]):
             ev = [ck[c, ITEM_BASE + 4 * k + i].item() for i in range(4)]
             if req < 0 or ev[0] == 0:
                 continue
-            spans = [ev[0] - prev, ev[1] - ev[0], ev[2] - ev[1], ev[3] - ev[2]]
-            dest = first if k == 0 else later
-            for ph, s in zip(PHASES, spans):
-                dest[ph].append(s / rate / 1e3)
-            tiles = -(-(te - tb) // 64)
-            if tiles > 0:
-                per_tile.append(spans[2] / rate / 1e3 / tiles)
-            prev = ev[3]
-    res["first"], res["later"], res["per_tile"] = first, later, per_tile
-    res["done"] = [(gt[c, DONE].item() - t0) / 1e3 for c in live]
-    res["sync"] = [(gt[c, GRID_SYNC].item() - t0) / 1e3 for c in live if gt[c, GRID_SYNC] != 0]
-    res["end"] = [(gt[c, END].item() - t0) / 1e3 for c in live]
-    # per CTA: (end µs, part, row tile, items, tiles, phases of its items in µs)
-    rows = []
-    for c in live:
-        part = c % num_parts
-        begin, end = part_offsets[part], part_offsets[part + 1]
-        its = [items[i] for i in range(begin, end) if items[i][0] >= 0]
-        tiles = sum(-(-(te - tb) // 64) for _, tb, te, _ in its)
-        phases = []
-        prev = ck[c, 0].item()
-        for k in range(min(len(its), ITEMS)):
-            ev = [ck[c, ITEM_BASE + 4 * k + i].item() for i in range(4)]
-            phases.append(tuple(round(x / rate / 1e3, 1) for x in (ev[0] - prev, ev[1] - ev[0], ev[2] - ev[1],
-                                                                  ev[3] - ev[2])))
+            spans = [(b - a) * us for a, b in zip([prev] + ev[:3], ev)]  # meta, load, loop, store
+            for ph, x in zip(PHASES, spans):
+                (first if k == 0 else later)[ph].append(x)
+            if te > tb:
+                per_tile.append(spans[2] / -(-(te - tb) // 64))
+            phases.append(tuple(round(x, 1) for x in spans))
+            loaded.append(ev[1])
             prev = ev[3]
         # mainloop steps: time since the previous step's end or the item's tiles landing, whichever is later
-        loaded = sorted(ck[c, ITEM_BASE + 4 * k + 1].item() for k in range(min(len(its), ITEMS)))
         steps, prev = [], None
         for n in range(STEPS):
             t = ck[c, STEP_BASE + n].item()
             if t == 0:
                 break
             start = max([x for x in loaded if x <= t] + ([prev] if prev is not None else []))
-            steps.append(round((t - start) / rate / 1e3, 2))
+            steps.append(round((t - start) * us, 2))
             prev = t
-        rows.append(((gt[c, END].item() - t0) / 1e3, part, c // num_parts, len(its), tiles, phases, steps))
-    res["ctas_detail"] = sorted(rows, reverse=True)
-    res["items_per_cta"] = statistics.mean(min(part_offsets[c % num_parts + 1] - part_offsets[c % num_parts], 99)
-                                           for c in live)
-    return res
+        # per CTA: (end µs, part, row tile, items, tiles, phases of its items, step times)
+        rows.append(((gt[c, END].item() - t0) / 1e3, part, c // num_parts, len(tiles), sum(tiles), phases, steps))
+    return {
+        "ghz": rate, "ctas": len(live), "first": first, "later": later, "per_tile": per_tile,
+        "entry": [(gt[c, 0].item() - t0) / 1e3 for c in live],
+        "done": [(gt[c, DONE].item() - t0) / 1e3 for c in live],
+        "sync": [(gt[c, GRID_SYNC].item() - t0) / 1e3 for c in live if gt[c, GRID_SYNC] != 0],
+        "end": [(gt[c, END].item() - t0) / 1e3 for c in live],
+        "ctas_detail": sorted(rows, reverse=True),
+        "items_per_cta": statistics.mean(r[3] for r in rows),
+    }
 
 
 def spread(xs):

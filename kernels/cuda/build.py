@@ -58,12 +58,17 @@ def timeline_build() -> bool:
     return os.environ.get("MLA_SM90_TIMELINE", "") == "1"
 
 
+def _defines() -> list[str]:
+    """Preprocessor flags for both compilers (nvcc and the host C++ compiler of binding.cpp)."""
+    return ["-DMLA_SM90_TIMELINE"] if timeline_build() else []
+
+
 def nvcc_flags() -> list[str]:
     """nvcc flags of the SM90 family (also used by the CI compile check)."""
     flags = ["-std=c++17", "-O3", SM90_GENCODE, "-lineinfo", "--expt-relaxed-constexpr",
              "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
              "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__"]
-    return flags + (["-DMLA_SM90_TIMELINE"] if timeline_build() else [])
+    return flags + _defines()
 
 
 def _source_hash() -> str:
@@ -114,7 +119,7 @@ def load_sm90(verbose: bool = False):
             name=name,
             sources=[str(SM90_SOURCE_DIR / s) for s in _SM90_SOURCES],
             extra_include_paths=[str(SM90_SOURCE_DIR), include],
-            extra_cflags=["-O3", "-std=c++17"] + (["-DMLA_SM90_TIMELINE"] if timeline_build() else []),
+            extra_cflags=["-O3", "-std=c++17", *_defines()],
             extra_cuda_cflags=nvcc_flags(),
             build_directory=str(build_dir),
             is_python_module=True,
