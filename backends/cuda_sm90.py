@@ -76,7 +76,10 @@ def choose_variant(problem: DecodeProblem, num_parts: int, max_chunks: int) -> i
     keep its two-tile pipeline full: on the H100 (benchmarks/RESULTS.md, 2026-11-22) b=128 h_q=128 (the FlashMLA
     grid, >= 64 chunks per part) and b=32 L=4096 (31 chunks per part; v5 114 us, v2 127 us), but not b=8 L=8192
     (16 chunks per part; v5 77 us, v2 74 us) nor b=1 or one-row-tile (h_q <= 64) shapes. The cut at 24 chunks per
-    part and 32 requests lies between those measurements.
+    part and 32 requests lies between those measurements. Re-measured in the seventeenth session (RESULTS.md): with
+    equal lengths v5 was faster from ~8-15 chunks per part at any batch, but with lengths drawn around the mean (as a
+    server sees them) v2 was ~10% faster at b=2..16 (b=8 L=8192: 56.2 against 62.7 us) and v5 only from b=32, so
+    the cut stays.
 
     ``max_chunks`` comes from the block table's width (no device sync at plan time): an upper bound, so a wide table
     over short sequences can pick v5 or v6 where v2 would be faster.
