@@ -197,7 +197,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       tma_tile<8, 9>(p, &kv_map, stage_of(1), bars1, req, kvh, t0);
     };
     // -- first two tiles (TMA), Q (cp.async), sM, issued in the order S needs them: tile 0 and Q (S of tile 0),
-    // then tile 1. Issuing tile 1 ahead of Q measured 0.5-1% slower where v5 runs (b = 32..96, h_q = 128;
+    // then tile 1. Issuing tile 1 ahead of Q measured 0-1% slower where v5 runs (b = 32..96, h_q = 128;
     // NOTES.md, "Seventeenth session"), which also has the per-column-block Q wait that was tried instead.
     if (tid == 0 && num_tiles > 0) tma_tile<0, 9>(p, &kv_map, stage_of(0), bars0, req, kvh, t0_of(0));
     load_q_tile_async<T, L>(p, sQ, req, row_tile, kvh);
