@@ -45,6 +45,28 @@ def test_timeline_build_is_a_separate_extension(monkeypatch):
     assert build._source_hash() != plain_hash
 
 
+def test_build_lock_clears_the_lock_file_of_a_killed_build(tmp_path):
+    """torch's ``lock`` file, left by a build that was killed, would make every later build wait forever."""
+    pytest.importorskip("fcntl")
+    (tmp_path / "lock").write_text("")
+    with pytest.warns(RuntimeWarning, match="did not finish"):
+        with build._build_lock(tmp_path):
+            assert not (tmp_path / "lock").exists()
+
+
+def test_build_lock_is_exclusive_and_released(tmp_path):
+    fcntl = pytest.importorskip("fcntl")
+    with build._build_lock(tmp_path):
+        with open(tmp_path / "mla_dispatch.flock") as other:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with pytest.raises(ValueError, match="boom"):
+        with build._build_lock(tmp_path):
+            raise ValueError("boom")  # a failed build releases the lock too
+    with open(tmp_path / "mla_dispatch.flock") as other:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
 def test_missing_nvcc_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(build, "nvcc_path", lambda: None)
     with pytest.raises(build.KernelBuildError, match="needs nvcc"):

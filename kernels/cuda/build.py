@@ -11,12 +11,19 @@ loads from the cache (``$MLA_DISPATCH_CACHE`` or ``~/.cache/mla_dispatch``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import hashlib
 import os
 import pathlib
 import shutil
 import sys
+import warnings
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: builds are not serialised and a killed build's lock file is not cleared
+    fcntl = None
 
 __all__ = ["KernelBuildError", "SM90_SOURCE_DIR", "nvcc_path", "cutlass_include_dir", "nvcc_flags", "timeline_build", "load_sm90", "main"]
 
@@ -86,6 +93,30 @@ def _cache_dir() -> pathlib.Path:
     return pathlib.Path(root)
 
 
+@contextlib.contextmanager
+def _build_lock(build_dir: pathlib.Path):
+    """Hold an exclusive advisory lock on ``build_dir`` for one build (or cache load) of its extension.
+
+    ``torch.utils.cpp_extension.load`` guards a build with a ``lock`` file it deletes when it finishes; a build
+    killed on the way (Ctrl-C, ``timeout``) leaves the file behind, and every later build of the same extension waits
+    on it forever. Our builds hold a ``flock`` as well, which the OS releases when its holder dies, so once we have
+    it no build of ours is running and a ``lock`` file found then is stale: it is removed, with a warning.
+    """
+    if fcntl is None:
+        yield
+        return
+    with open(build_dir / "mla_dispatch.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                stale.unlink()
+                warnings.warn(f"removed {stale}, left by a build that did not finish", RuntimeWarning, stacklevel=3)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 @functools.lru_cache(maxsize=1)
 def load_sm90(verbose: bool = False):
     """Build (or load from the cache) the SM90 extension and return its Python module.
@@ -115,16 +146,17 @@ def load_sm90(verbose: bool = False):
     build_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("CUDA_HOME", str(pathlib.Path(nvcc).resolve().parent.parent))
     try:
-        module = cpp_extension.load(
-            name=name,
-            sources=[str(SM90_SOURCE_DIR / s) for s in _SM90_SOURCES],
-            extra_include_paths=[str(SM90_SOURCE_DIR), include],
-            extra_cflags=["-O3", "-std=c++17", *_defines()],
-            extra_cuda_cflags=nvcc_flags(),
-            build_directory=str(build_dir),
-            is_python_module=True,
-            verbose=verbose,
-        )
+        with _build_lock(build_dir):
+            module = cpp_extension.load(
+                name=name,
+                sources=[str(SM90_SOURCE_DIR / s) for s in _SM90_SOURCES],
+                extra_include_paths=[str(SM90_SOURCE_DIR), include],
+                extra_cflags=["-O3", "-std=c++17", *_defines()],
+                extra_cuda_cflags=nvcc_flags(),
+                build_directory=str(build_dir),
+                is_python_module=True,
+                verbose=verbose,
+            )
     except Exception as exc:  # compiler output is in the exception text
         raise KernelBuildError(f"building the cuda_sm90 kernel failed: {type(exc).__name__}: {exc}") from exc
     return module
