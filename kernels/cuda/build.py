@@ -99,8 +99,9 @@ def _build_lock(build_dir: pathlib.Path):
 
     ``torch.utils.cpp_extension.load`` guards a build with a ``lock`` file it deletes when it finishes or raises
     (Ctrl-C included); a build killed by a signal (``timeout``, ``kill``, the out-of-memory killer) leaves the file
-    behind, and every later build of the same extension waits on it forever. Our builds hold a ``flock`` as well, which the OS releases when its holder dies, so once we have
-    it no build of ours is running and a ``lock`` file found then is stale: it is removed, with a warning.
+    behind, and every later build of the same extension waits on it forever. Our builds hold a ``flock`` as well,
+    which the OS releases when its holder dies, so once we have it no build of ours is running and a ``lock`` file
+    found then is stale: it is removed, with a warning.
     """
     if fcntl is None:
         yield

@@ -83,7 +83,12 @@ template <typename P>
 __device__ __forceinline__ float& lse_at(const P& p, int64_t b, int64_t i, int64_t h) {
   return p.lse[b * p.lse_stride_b + h * p.lse_stride_h + i];
 }
-// Partial row `prow` ((slot * q_len + query) * heads_q + head) of the workspace, as bytes (params.h).
+// Index of the partial row of (slot, query qi, head) in the workspace: rows of partial_out and entries of partial_lse.
+template <typename P>
+__device__ __forceinline__ int64_t partial_index(const P& p, int slot, int qi, int head) {
+  return ((int64_t)slot * p.q_len + qi) * p.heads_q + head;
+}
+// Partial row `prow` (partial_index) of the workspace, as bytes (params.h).
 __device__ __forceinline__ char* partial_row(void* base, int64_t prow) {
   return static_cast<char*>(base) + prow * kPartialRowBytes;
 }

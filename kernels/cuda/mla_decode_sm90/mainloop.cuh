@@ -343,7 +343,7 @@ __device__ __forceinline__ void store_acc_row(const DecodeParams& p, const float
     m = fmaxf(m, __shfl_xor_sync(quad, m, 2));
     const int shift = partial_shift(m * inv, inv);
     const float pscale = inv * pow2i(shift);
-    const int64_t prow = ((int64_t)slot * p.q_len + qi) * p.heads_q + head;
+    const int64_t prow = partial_index(p, slot, qi, head);
     char* row = partial_row(p.partial_out, prow);
     __half* dst = reinterpret_cast<__half*>(row) + col0 + (lane % 4) * 4;
 #pragma unroll

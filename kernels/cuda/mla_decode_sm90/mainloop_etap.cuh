@@ -440,7 +440,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         for (int d = 1; d < 32; d *= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));
         const int shift = partial_shift(m * inv, inv);
         const float pscale = inv * pow2i(shift);
-        const int64_t prow = ((int64_t)slot * p.q_len + qi) * p.heads_q + head;
+        const int64_t prow = partial_index(p, slot, qi, head);
         char* row = partial_row(p.partial_out, prow);
         *reinterpret_cast<uint2*>(reinterpret_cast<__half*>(row) + ch) =
             make_uint2(half2_bits(__floats2half2_rn(lo.x * pscale, lo.y * pscale)),
