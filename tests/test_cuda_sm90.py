@@ -139,6 +139,7 @@ V5_GRID = [c for c in GRID if c[5] % 64 == 0] + [
     (4, 4, 64, 1, 4096, 64, True, 0),
     (16, 1, 128, 1, 4096, 64, False, 1),
     (3, 2, 128, 1, 191, 128, True, 0),
+    (3, 2, 128, 2, 700, 64, True, 1),  # two KV heads of two row tiles each: clusters of two along y, grid z = 2
     (2, 64, 2, 1, 900, 64, True, 0),  # q_len = 64, causal: the edge of v5's unmasked steady state
     (2, 80, 1, 1, 700, 64, True, 0),  # q_len > 64: v5 leaves steady-state tiles unmasked, so v2 runs
 ]
@@ -153,6 +154,21 @@ def test_variant5_matches_reference(cfg, dtype, gen):
     case = make_case(b, s_q, h_q, L, num_heads_kv=h_kv, page_size=ps, dtype=dtype, causal=causal,
                      zero_len_rows=zero, device="cuda", generator=gen)
     _run_variant(case, 5, runs=2)  # a second launch of the configured kernel
+
+
+@pytest.mark.parametrize("s_q,h_q,paired", [(1, 128, True), (2, 128, True), (1, 64, False), (3, 64, False)],
+                         ids=["2-row-tiles", "4-row-tiles", "1-row-tile", "3-row-tiles"])
+def test_variant5_runs_row_tile_pairs_as_clusters(s_q, h_q, paired, gen):
+    """v5 launches the two row-tile CTAs of a part as a cluster (the `kPaired` instance, which starts each item in
+    step) exactly where a part's row tiles pair up (and the grid fits the GPU as such clusters, as it does on an
+    H100 / H200); the name of the kernel the profiler saw says which instance ran, and its results match the
+    reference."""
+    case = make_case(4, s_q, h_q, 2000, page_size=64, device="cuda", generator=gen, varlen=False, causal=s_q > 1)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        _run_variant(case, 5)
+    names = {e.name for e in prof.events() if "mla_decode_kernel_v5" in e.name}
+    assert len(names) == 1, names
+    assert (", true>" in names.pop()) == paired
 
 
 V6_GRID = [c for c in GRID if c[1] * c[2] // c[3] <= 32] + [

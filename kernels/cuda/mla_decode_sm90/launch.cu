@@ -172,18 +172,73 @@ static cudaError_t launch_grid(void (*kernel)(DecodeParams, Args...), dim3 grid,
   return e;
 }
 
+// How many clusters of two v5 CTAs the device holds at once (0 if the query fails); once per process.
+template <typename T>
+static int v5_max_pairs() {
+  static const int n = [] {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(1, 2, 1);
+    cfg.blockDim = dim3(DecodeConfig::kThreads);
+    cfg.dynamicSmemBytes = Seesaw::kSmemBytes;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 1;
+    attr[0].val.clusterDim.y = 2;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, mla_decode_kernel_v5<T, true>, &cfg) != cudaSuccess) {
+      cudaGetLastError();
+      clusters = 0;
+    }
+    return clusters;
+  }();
+  return n;
+}
+
+// v5 runs the two row-tile CTAs of a part as a cluster (mainloop_seesaw.cuh, kPaired) where the row tiles
+// come in pairs and the whole grid fits the GPU as such clusters at once (the H100 holds 66, all 132 SMs):
+// 1-6% faster on the FlashMLA grid (NOTES.md, "Eighteenth session"). Otherwise, or if the device refuses
+// the cluster launch, each CTA runs alone.
 template <typename T>
 static cudaError_t launch_v5(const DecodeParams& p, const CUtensorMap& map, int grid_parts, cudaStream_t stream,
                              bool* combined) {
-  auto kernel = mla_decode_kernel_v5<T>;
+  auto alone = mla_decode_kernel_v5<T, false>;
+  auto paired = mla_decode_kernel_v5<T, true>;
   static bool configured = false;  // a benign race sets the same value
   if (!configured) {
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Seesaw::kSmemBytes);
+    cudaError_t e = cudaFuncSetAttribute(alone, cudaFuncAttributeMaxDynamicSharedMemorySize, Seesaw::kSmemBytes);
+    if (e == cudaSuccess)
+      e = cudaFuncSetAttribute(paired, cudaFuncAttributeMaxDynamicSharedMemorySize, Seesaw::kSmemBytes);
     if (e != cudaSuccess) return e;
     configured = true;
   }
-  return launch_grid(kernel, dim3(grid_parts, p.num_row_tiles, p.heads_kv), Seesaw::kSmemBytes, stream, false, p,
-                     combined, map);
+  const dim3 grid(grid_parts, p.num_row_tiles, p.heads_kv);
+  const int64_t pairs = (int64_t)grid.x * grid.y * grid.z / 2;
+  if (p.num_row_tiles % 2 == 0 && pairs <= v5_max_pairs<T>()) {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(DecodeConfig::kThreads);
+    cfg.dynamicSmemBytes = Seesaw::kSmemBytes;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 1;
+    attr[0].val.clusterDim.y = 2;
+    attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    DecodeParams q = p;
+    q.fuse_combine = 0;  // v5 has no combine tail
+    const cudaError_t e = cudaLaunchKernelEx(&cfg, paired, q, map);
+    if (e != cudaErrorInvalidClusterSize && e != cudaErrorLaunchOutOfResources && e != cudaErrorNotSupported) {
+      *combined = false;
+      return e;
+    }
+    cudaGetLastError();  // clear it; launch without clusters
+  }
+  return launch_grid(alone, grid, Seesaw::kSmemBytes, stream, false, p, combined, map);
 }
 
 template <typename T, int kN, bool kTma, int KvFmt = kKvSameAsQ>

@@ -26,6 +26,10 @@
 //            blocks 4..8              by WG1 after sP0 V_aR;
 //   stage 1: blocks 0..3 and 8        by WG0 after sP1 V_bL (sP1 is block 8, below),
 //            blocks 4..7 (V_R)        by WG1 after P_b V_bR.
+// Where a part's row tiles come in pairs (128 or 256 query rows per KV head), launch.cu runs each
+// pair as a cluster of two CTAs (kPaired) that start every item together: 1-6% faster on the
+// FlashMLA grid. Multicasting each KV box to both CTAs of the pair was tried and not kept
+// (NOTES.md, "Eighteenth session").
 // A 64-token tile must sit in one page, so this variant needs page_size % 64 == 0 and
 // a bf16/fp16 cache (launch.cu runs v2 for other caches, and reports an error if such a
 // cache cannot be described by a tensor map).
@@ -75,6 +79,10 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, u
       "[%6];\n" ::"r"(smem_u32(dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_u32(bar))
       : "memory");
+}
+// Every thread of both CTAs of the cluster (release / acquire at cluster scope); also a __syncthreads.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
@@ -132,7 +140,9 @@ __device__ __forceinline__ void zero_v_rows(T* stage, int valid, int half, int t
   }
 }
 
-template <typename T>
+// kPaired: launched in clusters of two row-tile CTAs of a part (grid y, launch.cu); a cluster barrier
+// ends each item, so the pair starts the next one together.
+template <typename T, bool kPaired>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     mla_decode_kernel_v5(const __grid_constant__ DecodeParams p, const __grid_constant__ CUtensorMap kv_map) {
   using TT = TypeTraits<T>;
@@ -570,7 +580,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       store_acc_row<T>(p, acc_o, h, wg * 256, inv, lse_val, req, slot, row_i[h], row_head[h],
                        wg == 0 && lane % 4 == 0);
     }
-    __syncthreads();  // sQ, sK, sM, sSum are reused by the next item
+    // sQ, sK, sM, sSum are reused by the next item
+    if constexpr (kPaired) cluster_sync();
+    else __syncthreads();
     stamp(item_event(item - item_begin, 3));
   }
   stamp(kTimelineCombine);
