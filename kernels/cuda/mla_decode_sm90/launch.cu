@@ -172,21 +172,29 @@ static cudaError_t launch_grid(void (*kernel)(DecodeParams, Args...), dim3 grid,
   return e;
 }
 
+// A launch of v5 CTAs over `grid` in clusters of two along y (the row tiles of a part); `attr` is filled with the
+// cluster shape and must outlive the launch.
+static cudaLaunchConfig_t v5_pair_config(dim3 grid, cudaStream_t stream, cudaLaunchAttribute* attr) {
+  attr->id = cudaLaunchAttributeClusterDimension;
+  attr->val.clusterDim.x = 1;
+  attr->val.clusterDim.y = 2;
+  attr->val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(DecodeConfig::kThreads);
+  cfg.dynamicSmemBytes = Seesaw::kSmemBytes;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
 // How many clusters of two v5 CTAs the device holds at once (0 if the query fails); once per process.
 template <typename T>
 static int v5_max_pairs() {
   static const int n = [] {
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = dim3(1, 2, 1);
-    cfg.blockDim = dim3(DecodeConfig::kThreads);
-    cfg.dynamicSmemBytes = Seesaw::kSmemBytes;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 1;
-    attr[0].val.clusterDim.y = 2;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t cfg = v5_pair_config(dim3(1, 2, 1), nullptr, &attr);
     int clusters = 0;
     if (cudaOccupancyMaxActiveClusters(&clusters, mla_decode_kernel_v5<T, true>, &cfg) != cudaSuccess) {
       cudaGetLastError();
@@ -217,21 +225,9 @@ static cudaError_t launch_v5(const DecodeParams& p, const CUtensorMap& map, int 
   const dim3 grid(grid_parts, p.num_row_tiles, p.heads_kv);
   const int64_t pairs = (int64_t)grid.x * grid.y * grid.z / 2;
   if (p.num_row_tiles % 2 == 0 && pairs <= v5_max_pairs<T>()) {
-    cudaLaunchConfig_t cfg{};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(DecodeConfig::kThreads);
-    cfg.dynamicSmemBytes = Seesaw::kSmemBytes;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = 1;
-    attr[0].val.clusterDim.y = 2;
-    attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    DecodeParams q = p;
-    q.fuse_combine = 0;  // v5 has no combine tail
-    const cudaError_t e = cudaLaunchKernelEx(&cfg, paired, q, map);
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t cfg = v5_pair_config(grid, stream, &attr);
+    const cudaError_t e = cudaLaunchKernelEx(&cfg, paired, p, map);  // v5 has no combine tail: fuse_combine unread
     if (e != cudaErrorInvalidClusterSize && e != cudaErrorLaunchOutOfResources && e != cudaErrorNotSupported) {
       *combined = false;
       return e;

@@ -81,6 +81,8 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, u
       : "memory");
 }
 // Every thread of both CTAs of the cluster (release / acquire at cluster scope); also a __syncthreads.
+// Not cute::cluster_sync: its asm has no "memory" clobber, so the compiler could move shared-memory
+// accesses across it.
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
