@@ -243,3 +243,16 @@ def test_platform_detection_on_this_cpu_machine():
 
     p = detect_platform("cpu")
     assert p.kind == "cpu" and p.capability is None and p.num_compute_units >= 1
+
+
+def test_kernel_device_is_a_no_op_off_cuda():
+    """The device guard the Triton launches run under does nothing for CPU tensors (Triton's interpreter); on two
+    GPUs it is exercised by tests/test_multi_gpu.py."""
+    import contextlib
+
+    from mla_dispatch.platform import kernel_device
+
+    guard = kernel_device(torch.zeros(1))
+    assert isinstance(guard, contextlib.nullcontext)
+    with guard:
+        pass

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mla_dispatch.platform import kernel_device
+
 __all__ = ["PARTIAL_ROW_FORMAT", "combine_kernel", "combine_by_boundary", "launch_combine"]
 
 #: How the decode kernel (:mod:`.decode`) stores a split request's partial row in the plan's fp16 workspace row
@@ -178,14 +180,15 @@ def launch_combine(partial_out, partial_lse, num_splits, first_slot, out, lse, i
     scale_block = d_v // v_split
     grid = (num_parts - 1 if by_boundary else batch, triton.cdiv(rows, block_r), triton.cdiv(d_v, block_d))
     words = partial_out.view(torch.int32)  # [max_slots, s_q, h_q, D_v]: two fp16 channels per word
-    return kernel[grid](
-        words, partial_lse, out, lse, num_splits, first_slot, items, part_offsets,
-        h_q,
-        words.stride(0), words.stride(1), words.stride(2),
-        partial_lse.stride(0), partial_lse.stride(1), partial_lse.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0), lse.stride(1), lse.stride(2),
-        ROWS=rows, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_S=block_s, BY_BOUNDARY=by_boundary,
-        D_V=d_v, SCALE_BLOCK=scale_block,
-        num_warps=4,
-    )
+    with kernel_device(out):  # Triton launches on the current device, not the tensors'
+        return kernel[grid](
+            words, partial_lse, out, lse, num_splits, first_slot, items, part_offsets,
+            h_q,
+            words.stride(0), words.stride(1), words.stride(2),
+            partial_lse.stride(0), partial_lse.stride(1), partial_lse.stride(2),
+            out.stride(0), out.stride(1), out.stride(2),
+            lse.stride(0), lse.stride(1), lse.stride(2),
+            ROWS=rows, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_S=block_s, BY_BOUNDARY=by_boundary,
+            D_V=d_v, SCALE_BLOCK=scale_block,
+            num_warps=4,
+        )

@@ -61,6 +61,8 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
+from mla_dispatch.platform import kernel_device
+
 __all__ = ["KernelConfig", "choose_config", "launch_decode", "launch_decode_kernel", "KV_FORMAT_IDS"]
 
 KV_FORMAT_IDS = {"bf16": 0, "fp16": 0, "fp8_e4m3": 1, "fp8_ds_mla": 2}
@@ -668,24 +670,25 @@ def launch_decode_kernel(kernel, q, kv, block_table, cache_seqlens, indices, kv_
     descs = tma_descriptors(kv, head_dim_v, block_n) if use_tma else (None, None)
     q_tma = use_tma and q_tma_applies(q)
     q_descs = tma_descriptors(q.view(batch * q_len, h_q, 1, d_qk), head_dim_v, block_m) if q_tma else (None, None)
-    return kernel[grid](
-        q, kv, bt, cache_seqlens, idx, scale_ptr,
-        *descs, *q_descs,
-        items, part_offsets,
-        out, lse, partial_out, partial_lse,
-        softmax_scale * 1.4426950408889634,
-        q_len, group,
-        q.stride(0), q.stride(1), q.stride(2),
-        kv.stride(0), kv.stride(1), kv.stride(2),
-        stride_bt, stride_ib, stride_is,
-        out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0), lse.stride(1), lse.stride(2),
-        partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
-        partial_lse.stride(0), partial_lse.stride(1), partial_lse.stride(2),
-        H_KV=h_kv, NUM_M_TILES=tiles_m, PAGE_SIZE=page_size,
-        D_V=head_dim_v, D_ROPE=d_qk - head_dim_v,
-        BLOCK_M=block_m, BLOCK_N=block_n, V_SPLIT=v_split, QK_CHUNK=qk_chunk,
-        KV_FORMAT=KV_FORMAT_IDS[kv_format], CAUSAL=causal, SPARSE=sparse, TOKENS_ON_M=tokens_on_m,
-        TMA=use_tma, ASM_PAGE=use_tma and kv.device.type == "cuda", Q_TMA=q_tma,
-        num_warps=num_warps, num_stages=num_stages, **launch_options,
-    )
+    with kernel_device(q):  # Triton launches on the current device, not the tensors'
+        return kernel[grid](
+            q, kv, bt, cache_seqlens, idx, scale_ptr,
+            *descs, *q_descs,
+            items, part_offsets,
+            out, lse, partial_out, partial_lse,
+            softmax_scale * 1.4426950408889634,
+            q_len, group,
+            q.stride(0), q.stride(1), q.stride(2),
+            kv.stride(0), kv.stride(1), kv.stride(2),
+            stride_bt, stride_ib, stride_is,
+            out.stride(0), out.stride(1), out.stride(2),
+            lse.stride(0), lse.stride(1), lse.stride(2),
+            partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
+            partial_lse.stride(0), partial_lse.stride(1), partial_lse.stride(2),
+            H_KV=h_kv, NUM_M_TILES=tiles_m, PAGE_SIZE=page_size,
+            D_V=head_dim_v, D_ROPE=d_qk - head_dim_v,
+            BLOCK_M=block_m, BLOCK_N=block_n, V_SPLIT=v_split, QK_CHUNK=qk_chunk,
+            KV_FORMAT=KV_FORMAT_IDS[kv_format], CAUSAL=causal, SPARSE=sparse, TOKENS_ON_M=tokens_on_m,
+            TMA=use_tma, ASM_PAGE=use_tma and kv.device.type == "cuda", Q_TMA=q_tma,
+            num_warps=num_warps, num_stages=num_stages, **launch_options,
+        )

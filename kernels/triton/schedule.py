@@ -46,6 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
+from mla_dispatch.platform import kernel_device
+
 __all__ = ["MAX_BATCH", "workspace_numel", "split_kv_schedule_into"]
 
 #: Largest batch one program handles; mla_dispatch.metadata uses torch above it.
@@ -241,14 +243,15 @@ def split_kv_schedule_into(
     block_b = triton.next_power_of_2(batch)
     block_p = triton.next_power_of_2(num_parts + 1)
     block_m = triton.next_power_of_2(n_rows)
-    split_kv_schedule_kernel[(1,)](
-        cache_seqlens, items, part_offsets, num_splits, slot_req,
-        ws_end, ws_flag, ws_excl, ws_slot_base,
-        batch, num_parts, chunk_size, overhead,
-        cache_seqlens.stride(0), items.stride(0), items.stride(1),
-        BLOCK_B=block_b, BLOCK_P=block_p, BLOCK_M=block_m, SEARCH_STEPS=block_b.bit_length(),
-        num_warps=_num_warps(block_m),
-    )
+    with kernel_device(cache_seqlens):  # Triton launches on the current device, not the tensors'
+        split_kv_schedule_kernel[(1,)](
+            cache_seqlens, items, part_offsets, num_splits, slot_req,
+            ws_end, ws_flag, ws_excl, ws_slot_base,
+            batch, num_parts, chunk_size, overhead,
+            cache_seqlens.stride(0), items.stride(0), items.stride(1),
+            BLOCK_B=block_b, BLOCK_P=block_p, BLOCK_M=block_m, SEARCH_STEPS=block_b.bit_length(),
+            num_warps=_num_warps(block_m),
+        )
 
 
 def _num_warps(block_m: int) -> int:

@@ -7,6 +7,7 @@
 
 #include <map>
 #include <mutex>
+#include <set>
 #include <unordered_map>
 #include <utility>
 
@@ -129,6 +130,23 @@ static int64_t coresident_blocks(int dev, const void* kernel, int smem_bytes) {
   return n;
 }
 
+// Allow `kernel` `bytes` of dynamic shared memory (over the default 48 KB) on the current device.
+// cudaFuncSetAttribute acts on the current device's context only, so the opt-in is remembered per
+// (device, kernel): a process that launches on a second GPU opts in there too.
+static cudaError_t opt_in_smem(const void* kernel, int bytes) {
+  static std::mutex mu;
+  static std::set<std::pair<int, const void*>> done;
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return e;
+  const auto key = std::make_pair(dev, kernel);
+  std::lock_guard<std::mutex> lock(mu);
+  if (done.count(key)) return cudaSuccess;
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (e == cudaSuccess) done.insert(key);
+  return e;
+}
+
 // Launch a decode kernel. With p.fuse_combine the kernel merges the split rows itself after a
 // grid-wide barrier (combine.cuh), which needs every CTA resident at once: that is a cooperative
 // launch, possible when the grid fits the GPU (the persistent grid is sized to it, except when
@@ -189,20 +207,24 @@ static cudaLaunchConfig_t v5_pair_config(dim3 grid, cudaStream_t stream, cudaLau
   return cfg;
 }
 
-// How many clusters of two v5 CTAs the device holds at once (0 if the query fails); once per process.
+// How many clusters of two v5 CTAs device `dev` holds at once (0 if the query fails); once per device,
+// after the kernel's shared-memory opt-in there.
 template <typename T>
-static int v5_max_pairs() {
-  static const int n = [] {
-    cudaLaunchAttribute attr;
-    const cudaLaunchConfig_t cfg = v5_pair_config(dim3(1, 2, 1), nullptr, &attr);
-    int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, mla_decode_kernel_v5<T, true>, &cfg) != cudaSuccess) {
-      cudaGetLastError();
-      clusters = 0;
-    }
-    return clusters;
-  }();
-  return n;
+static int v5_max_pairs(int dev) {
+  static std::mutex mu;
+  static std::map<int, int> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  const auto it = cache.find(dev);
+  if (it != cache.end()) return it->second;
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg = v5_pair_config(dim3(1, 2, 1), nullptr, &attr);
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, mla_decode_kernel_v5<T, true>, &cfg) != cudaSuccess) {
+    cudaGetLastError();
+    clusters = 0;
+  }
+  cache.emplace(dev, clusters);
+  return clusters;
 }
 
 // v5 runs the two row-tile CTAs of a part as a cluster (mainloop_seesaw.cuh, kPaired) where the row tiles
@@ -214,20 +236,17 @@ static cudaError_t launch_v5(const DecodeParams& p, const CUtensorMap& map, int 
                              bool* combined) {
   auto alone = mla_decode_kernel_v5<T, false>;
   auto paired = mla_decode_kernel_v5<T, true>;
-  static bool configured = false;  // a benign race sets the same value
-  if (!configured) {
-    cudaError_t e = cudaFuncSetAttribute(alone, cudaFuncAttributeMaxDynamicSharedMemorySize, Seesaw::kSmemBytes);
-    if (e == cudaSuccess)
-      e = cudaFuncSetAttribute(paired, cudaFuncAttributeMaxDynamicSharedMemorySize, Seesaw::kSmemBytes);
-    if (e != cudaSuccess) return e;
-    configured = true;
-  }
+  cudaError_t e = opt_in_smem(reinterpret_cast<const void*>(alone), Seesaw::kSmemBytes);
+  if (e == cudaSuccess) e = opt_in_smem(reinterpret_cast<const void*>(paired), Seesaw::kSmemBytes);
+  if (e != cudaSuccess) return e;
+  int dev = 0;
+  cudaGetDevice(&dev);  // opt_in_smem has read it already
   const dim3 grid(grid_parts, p.num_row_tiles, p.heads_kv);
   const int64_t pairs = (int64_t)grid.x * grid.y * grid.z / 2;
-  if (p.num_row_tiles % 2 == 0 && pairs <= v5_max_pairs<T>()) {
+  if (p.num_row_tiles % 2 == 0 && pairs <= v5_max_pairs<T>(dev)) {
     cudaLaunchAttribute attr;
     const cudaLaunchConfig_t cfg = v5_pair_config(grid, stream, &attr);
-    const cudaError_t e = cudaLaunchKernelEx(&cfg, paired, p, map);  // v5 has no combine tail: fuse_combine unread
+    e = cudaLaunchKernelEx(&cfg, paired, p, map);  // v5 has no combine tail: fuse_combine unread
     if (e != cudaErrorInvalidClusterSize && e != cudaErrorLaunchOutOfResources && e != cudaErrorNotSupported) {
       *combined = false;
       return e;
@@ -241,12 +260,8 @@ template <typename T, int kN, bool kTma, int KvFmt = kKvSameAsQ>
 static cudaError_t launch_v6(const DecodeParams& p, const CUtensorMap& map, int grid_parts, cudaStream_t stream,
                              bool* combined) {
   auto kernel = mla_decode_kernel_v6<T, kN, kTma, KvFmt>;
-  static bool configured = false;  // a benign race sets the same value
-  if (!configured) {
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Etap::kSmemBytes);
-    if (e != cudaSuccess) return e;
-    configured = true;
-  }
+  const cudaError_t e = opt_in_smem(reinterpret_cast<const void*>(kernel), Etap::kSmemBytes);
+  if (e != cudaSuccess) return e;
   return launch_grid(kernel, dim3(grid_parts, 1, p.heads_kv), Etap::kSmemBytes, stream, true, p, combined, map);
 }
 
@@ -292,13 +307,8 @@ static cudaError_t launch_decode_t(const DecodeParams& p, int grid_parts, cudaSt
                 : p.variant == 3 ? mla_decode_kernel_v2<T, KvFmt, true>
                 : p.variant == 4 ? mla_decode_kernel_v2<T, KvFmt, false, KvFmt == kKvSameAsQ>
                                  : mla_decode_kernel_v2<T, KvFmt, false>;
-  const int vi = p.variant == 1 ? 0 : p.variant == 3 ? 2 : p.variant == 4 ? 3 : 1;
-  static bool configured[4] = {false, false, false, false};  // per instantiation; a benign race sets the same value
-  if (!configured[vi]) {
-    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, DecodeConfig::kSmemBytes);
-    if (e != cudaSuccess) return e;
-    configured[vi] = true;
-  }
+  const cudaError_t e = opt_in_smem(reinterpret_cast<const void*>(kernel), DecodeConfig::kSmemBytes);
+  if (e != cudaSuccess) return e;
   return launch_grid(kernel, dim3(grid_parts, p.num_row_tiles, p.heads_kv), DecodeConfig::kSmemBytes, stream,
                      p.variant != 1, p, combined);
 }
