@@ -1,7 +1,7 @@
 """Compile the decode kernel ahead of time for a GPU target, no GPU needed, and report
 registers, spills, shared memory and which MMA instructions the PTX/SASS holds.
 
-    python -m mla_dispatch.kernels.triton.aot_report [--arch 90] [--all]
+    python -m mla_dispatch.kernels.triton.aot_report [--arch 90] [--fmt bf16] [--sass] [SPEC ...]
 
 Used to choose configs without device time (ptxas ships with Triton). Registers
 agree with the device's ``CompiledKernel.n_regs``; ``stack_bytes`` is the
@@ -25,7 +25,7 @@ _FMT = {"bf16": 0, "fp16": 0, "fp8_e4m3": 1, "fp8_ds_mla": 2}
 
 
 def compile_config(cfg: KernelConfig, *, kv_format="bf16", causal=False, sparse=False, arch=90, d_v=512, d_rope=64,
-                   page_size=64):
+                   page_size=64, sass=False):
     names = list(mla_decode_kernel.arg_names)
     sig, attrs = {}, {}
     ptrs = dict(Q="*bf16", KV=_PTR[kv_format], BlockTable="*i32", Seqlens="*i32", Indices="*i32", KVScale="*fp32",
@@ -63,9 +63,12 @@ def compile_config(cfg: KernelConfig, *, kv_format="bf16", causal=False, sparse=
                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                     **({"maxnreg": cfg.max_registers} if cfg.max_registers else {})))
     ptx = k.asm["ptx"]
-    return dict(regs=_reg_count(k), stack_bytes=_spills(k), smem=k.metadata.shared,
-                wgmma=ptx.count("wgmma.mma_async"), mma_sync=ptx.count("mma.sync"),
-                cp_async=ptx.count("cp.async"), tma=ptx.count("cp.async.bulk.tensor"))
+    report = dict(regs=_reg_count(k), stack_bytes=_spills(k), smem=k.metadata.shared,
+                  wgmma=ptx.count("wgmma.mma_async"), mma_sync=ptx.count("mma.sync"),
+                  cp_async=ptx.count("cp.async"), tma=ptx.count("cp.async.bulk.tensor"))
+    if sass:
+        report["sass_loops"] = sass_loops(k.asm["cubin"])
+    return report
 
 
 def _reg_count(k):
@@ -100,6 +103,54 @@ def _spills(k):
     return getattr(k, "_stack", None)
 
 
+# SASS events worth following through a loop body: barrier waits, the matrix instructions by shape, TMA issues,
+# cp.async and global loads (the block-table read), CTA barriers, waits for outstanding wgmma
+_EVENTS = re.compile(r"(SYNCS\.PHASECHK\S*|HGMMA\.\d+x\d+x\d+|UTMALDG|LDGSTS|LDG\S*|BAR\.SYNC|WARPGROUP\.DEPBAR)")
+
+
+def sass_loops(cubin: bytes) -> list[str]:
+    """The innermost loops of a cubin (a backward branch to a label above it, with no other loop inside), each as
+    its instruction count, its local-memory loads / stores, and its events in program order with repeats folded
+    (``HGMMA.64x32x16 x36``): where in an iteration the next tile's TMA is issued, which wgmma shapes run and how
+    many times. Disassembled with the ``nvdisasm`` Triton ships."""
+    import os
+    import subprocess
+    import tempfile
+
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    lines = text.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", line))}
+    spans = []
+    for i, line in enumerate(lines):
+        m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", line)
+        if m and labels.get(m.group(1), i) < i:
+            spans.append((labels[m.group(1)], i))
+    loops = []
+    for lo, hi in spans:
+        if any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in spans):
+            continue  # an outer loop
+        body = lines[lo:hi + 1]
+        count = sum(1 for b in body if re.search(r"/\*[0-9a-f]{4,}\*/", b))
+        local = sum(1 for b in body if re.search(r"\b(LDL|STL)\b", b))
+        events: list[list] = []
+        for b in body:
+            e = _EVENTS.search(b)
+            if e:
+                name = e.group(1)
+                if events and events[-1][0] == name:
+                    events[-1][1] += 1
+                else:
+                    events.append([name, 1])
+        if any(n.startswith("HGMMA") for n, _ in events):
+            loops.append(f"{count} instructions, {local} local loads/stores: "
+                         + ", ".join(n if c == 1 else f"{n} x{c}" for n, c in events))
+    return loops
+
+
 def parse_spec(spec: str) -> KernelConfig:
     """'tM16-n64-w8-v2-q128-s2' -> KernelConfig: t|h tokens/heads on M, M block_m, n block_n,
     w warps, v v_split, q qk_chunk, s stages, p programs per SM, r register cap, tma whole tiles by TMA (the notation
@@ -120,14 +171,18 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--fmt", default="bf16", choices=sorted(_FMT))
+    ap.add_argument("--sass", action="store_true", help="also each loop's SASS events in order (sass_loops)")
     ap.add_argument("specs", nargs="*", default=["tM16-n64", "tM32-n64", "hM64-n32-w8", "hM64-n64-w8"])
     args = ap.parse_args()
     for spec in args.specs:
         try:
-            r = compile_config(parse_spec(spec), kv_format=args.fmt, arch=args.arch)
+            r = compile_config(parse_spec(spec), kv_format=args.fmt, arch=args.arch, sass=args.sass)
         except Exception as exc:  # out of shared memory etc.: report and go on
             r = f"{type(exc).__name__}: {str(exc)[:120]}"
+        loops = r.pop("sass_loops", []) if isinstance(r, dict) else []
         print(f"{spec:24s} {args.fmt:10s} {r}", flush=True)
+        for i, loop in enumerate(loops):
+            print(f"  loop {i}: {loop}", flush=True)
 
 
 if __name__ == "__main__":
