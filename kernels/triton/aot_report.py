@@ -12,7 +12,10 @@ spilled registers); this machine's Triton may be newer than the device's.
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import subprocess
+import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -83,16 +86,17 @@ def _reg_count(k):
     return _cubin_regs(k) or (int(m.group(1)) if m else None)
 
 
-def _cubin_regs(k):
-    import os
-    import subprocess
-    import tempfile
-
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+def _cubin_tool(tool: str, cubin: bytes, *args: str, check: bool = False) -> str:
+    """The standard output of ``tool`` (a binary Triton ships: ``cuobjdump``, ``nvdisasm``) run on ``cubin``."""
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", tool)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(k.asm["cubin"])
+        f.write(cubin)
         f.flush()
-        out = subprocess.run([cuobjdump, "-res-usage", f.name], capture_output=True, text=True).stdout
+        return subprocess.run([path, *args, f.name], capture_output=True, text=True, check=check).stdout
+
+
+def _cubin_regs(k):
+    out = _cubin_tool("cuobjdump", k.asm["cubin"], "-res-usage")
     m = re.search(r"REG:(\d+)", out)
     s = re.search(r"STACK:(\d+)", out)
     k._stack = int(s.group(1)) if s else None
@@ -113,16 +117,7 @@ def sass_loops(cubin: bytes) -> list[str]:
     its instruction count, its local-memory loads / stores, and its events in program order with repeats folded
     (``HGMMA.64x32x16 x36``): where in an iteration the next tile's TMA is issued, which wgmma shapes run and how
     many times. Disassembled with the ``nvdisasm`` Triton ships."""
-    import os
-    import subprocess
-    import tempfile
-
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        text = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
-    lines = text.splitlines()
+    lines = _cubin_tool("nvdisasm", cubin, "-c", check=True).splitlines()
     labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", line))}
     spans = []
     for i, line in enumerate(lines):
