@@ -95,6 +95,7 @@ class TritonBackend(MLABackend):
         """
         import mla_dispatch.kernels.triton.ops  # noqa: F401  (registers torch.ops.mla_dispatch.triton_decode)
         from mla_dispatch.kernels.triton.decode import choose_config, num_m_tiles, programs_per_tile
+        from mla_dispatch.kernels.triton.gluon_sm90 import gluon_possible
 
         p = problem
         device = torch.device(p.device_type, torch.cuda.current_device()) if p.device_type == "cuda" else torch.device(
@@ -103,7 +104,9 @@ class TritonBackend(MLABackend):
             device = cache_seqlens.device
         group = p.num_heads_q // p.num_heads_kv
         rows = group if p.sparse else p.q_len * group
-        cfg = config or choose_config(rows, p.kv_format, page_size=None if p.sparse else p.page_size,
+        gluon = platform.kind == "cuda" and gluon_possible(capability=platform.capability, sparse=p.sparse,
+                                                           head_dim_qk=p.head_dim_qk, head_dim_v=p.head_dim_v)
+        cfg = config or choose_config(rows, p.kv_format, page_size=None if p.sparse else p.page_size, gluon=gluon,
                                       heads_kv=p.num_heads_kv, interpret=platform.kind == "cpu")
         tiles = (p.num_heads_kv * num_m_tiles(rows, cfg) * programs_per_tile(cfg, p.head_dim_v)
                  * (p.q_len if p.sparse else 1))
@@ -145,4 +148,4 @@ class TritonBackend(MLABackend):
         decode_step(q, kv_cache, None if p.sparse else block_table, state.lengths, indices, kv_scale, s.items,
                     s.part_offsets, s.num_splits, state.first_slot, out, lse, state.partial_out, state.partial_lse,
                     softmax_scale, p.causal, p.kv_format, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
-                    cfg.tokens_on_m, cfg.v_split, cfg.qk_chunk, cfg.max_registers, cfg.tma)
+                    cfg.tokens_on_m, cfg.v_split, cfg.qk_chunk, cfg.max_registers, cfg.tma, cfg.gluon)

@@ -51,6 +51,20 @@ def measure_peaks() -> tuple[float, float]:
     return 2 * n / t_copy, 2 * 8192**3 / t_mm
 
 
+def warm_up(seconds: float) -> None:
+    """Keep the GPU copying for ``seconds`` before the timed entries. Without it the first few entries after the
+    compile pass sometimes ran at ~45% of their speed for ~20 s (H100, 2026-11-22: b=64 L=8K h=16 / 32 / 64 all at
+    ~450 us, then 235-250 us in the same process)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t0 = time.time()
+    while time.time() - t0 < seconds:
+        for _ in range(20):
+            dst.copy_(src)
+        torch.cuda.synchronize()
+    del src, dst
+
+
 def make_inputs(batch, q_len, h_q, seqlen, *, page_size=64, kv_format="bf16", varlen=True, seed=0):
     """FlashMLA-benchmark-style inputs generated directly on the GPU (no NaN poison: speed only)."""
     g = torch.Generator().manual_seed(seed)
@@ -212,6 +226,19 @@ def grids(names):
         for spec in ("hM64-n64-w8", "hM64-n64-w8-tma", "hM64-n32-w8-s4-tma"):
             g.append((f"tma-flashmla-s1-L8192-{spec}", dict(batch=128, q_len=1, h_q=128, seqlen=8192,
                                                             config=parse_spec(spec)), False))
+    if "gluon" in names:  # the Gluon sm_90 kernel (KernelConfig.gluon) against the plain TMA configs of its classes
+        for h, specs in ((16, ("tM16-n64-s2-tma", "hM64-n64-w8-tma-gl")), (32, ("tM32-n64-tma", "hM64-n64-w8-tma-gl")),
+                         (64, ("hM64-n64-w8-tma", "hM64-n64-w8-tma-gl"))):
+            for spec in specs:
+                g.append((f"gluon-h{h}-{spec}", dict(batch=64, q_len=1, h_q=h, seqlen=8192, varlen=False,
+                                                     config=parse_spec(spec)), False))
+        for spec in ("hM64-n64-w8-tma", "hM64-n64-w8-tma-gl"):
+            for s_q in (1, 2):
+                for L in (4096, 8192, 16384, 32768):
+                    g.append((f"gluon-flashmla-s{s_q}-L{L}-{spec}", dict(batch=128, q_len=s_q, h_q=128, seqlen=L,
+                                                                         config=parse_spec(spec)), False))
+            g.append((f"gluon-graph-b1-L4096-{spec}", dict(batch=1, q_len=1, h_q=128, seqlen=4096, varlen=False,
+                                                          config=parse_spec(spec)), True))
     if "tmapage16" in names:  # page 16: TMA needs tiles inside a page, so 16-token tiles, deeper pipelines
         for spec in ("hM64-n64-w8-s3", "hM64-n16-w8-s4-tma", "hM64-n16-w8-s6-tma"):
             g.append((f"tmapage16-h64-{spec}", dict(batch=64, q_len=1, h_q=64, seqlen=8192, varlen=False, page_size=16,
@@ -324,6 +351,7 @@ def main():
                     help="compile the entries' kernels in N processes first (Triton's cache serves the timed pass); "
                          "each process builds its entry's inputs on the GPU: 12 ran out of memory on the default grids "
                          "of an 80 GB H100 (those entries then compile in the timed pass), 4 did not")
+    ap.add_argument("--warm-up", type=float, default=5.0, metavar="S", help="seconds of GPU copies before timing")
     args = ap.parse_args()
     names = set(args.grids.split(","))
     print(f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}, triton {triton.__version__}")
@@ -334,6 +362,7 @@ def main():
     entries = [e for e in grids(names) if only is None or e[0] in only]
     if args.precompile:
         precompile(entries, args.precompile)
+    warm_up(args.warm_up)
     for name, kw, graph in entries:
         t0 = time.time()
         try:

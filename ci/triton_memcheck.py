@@ -1,12 +1,21 @@
 """A few small Triton decode runs for `compute-sanitizer --tool memcheck` (dense split, causal page 1, sparse ds_mla;
 the 16/32-row three-per-SM configs on the one-page-per-tile, whole-pages (tl.gather) and per-token table paths;
 the 64-row config on page 1 with the table prefetched a stage ahead, and with an fp8 cache; bf16 whole tiles by TMA
-with 16, 32 and 128 rows; the combine per part boundary where requests outnumber the boundaries)."""
+with 16, 32 and 128 rows; the combine per part boundary where requests outnumber the boundaries). On an H100 / H200 the
+bf16 cases on pages of 64+ tokens take the Gluon kernel (kernels/triton/gluon_sm90.py, decode.GLUON_CONFIG); two
+cases force the plain kernel's TMA configs.
+
+    compute-sanitizer --tool memcheck python ci/triton_memcheck.py
+    compute-sanitizer --tool racecheck python ci/triton_memcheck.py gluon   # only the cases the Gluon kernel runs
+"""
+import sys
+
 import torch
 
 from mla_dispatch import plan_decode
 from mla_dispatch.backends.reference import reference_attention
 from mla_dispatch.backends.triton import TritonBackend
+from mla_dispatch.kernels.triton.aot_report import parse_spec
 from mla_dispatch.testing import compare_outputs, make_case
 
 g = torch.Generator().manual_seed(7)
@@ -27,6 +36,10 @@ cases = [
     (dict(batch=3, q_len=1, num_heads_q=128, seqlen=300, page_size=64, zero_len_rows=1), dict(num_parts=20, overhead=1)),
     (dict(batch=3, q_len=2, num_heads_q=16, seqlen=500, page_size=128, causal=True), {}),
     (dict(batch=2, q_len=1, num_heads_q=32, seqlen=700, page_size=256), {}),
+    # the plain kernel's TMA configs, where the table now picks the Gluon kernel
+    (dict(batch=3, q_len=1, num_heads_q=128, seqlen=300, page_size=64, zero_len_rows=1),
+     dict(num_parts=20, overhead=1, config=parse_spec("hM64-n64-w8-tma"))),
+    (dict(batch=3, q_len=2, num_heads_q=8, seqlen=500, page_size=128, causal=True), dict(config=parse_spec("tM16-n64-s2-tma"))),
     # more requests than part boundaries: the combine runs one program row per boundary (combine.BY_BOUNDARY)
     (dict(batch=8, q_len=1, num_heads_q=16, seqlen=300, page_size=64, zero_len_rows=1), dict(num_parts=4, overhead=1)),
     (dict(batch=6, q_len=2, num_heads_q=64, seqlen=500, page_size=16, causal=True), dict(num_parts=3, overhead=1)),
@@ -36,6 +49,8 @@ for kw, ov in cases:
     plan = plan_decode(*c.args(), backend="triton", **c.kwargs())
     if ov:
         plan._state = TritonBackend.make_state(plan.problem, plan.platform, plan.cache_seqlens, **ov)
+    if "gluon" in sys.argv[1:] and not plan.state.cfg.gluon:
+        continue
     out, lse = plan.run(c.q, c.kv_cache, kv_scale=c.kv_scale, indices=c.indices)
     ro, rl = reference_attention(*c.args(), **c.kwargs())
     print(kw, compare_outputs(out, lse, ro, rl, TritonBackend.TOLERANCE).message)

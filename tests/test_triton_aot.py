@@ -29,3 +29,24 @@ def test_sass_loops_follow_the_tma_loop():
 def test_the_report_without_sass_has_no_loops():
     report = compile_config(parse_spec("hM64-n64-w8"))
     assert "sass_loops" not in report and report["wgmma"] > 0
+
+
+def test_gluon_kernel_splits_s_between_the_warpgroups():
+    """The Gluon sm_90 kernel (kernels/triton/gluon_sm90.py) compiles with this machine's Triton, and its tile loop has
+    what the kernel exists for: each warpgroup's S is 36 ``HGMMA.64x32x16`` (64 rows x 32 of the 64 tokens x 576; the
+    plain kernel's warpgroups each compute all 64 tokens, 72), P V as 4 ``HGMMA.64x256x16`` (256 of the 512 channels per
+    warpgroup), the tile waited for on its mbarrier before S, and no local memory in the loop."""
+    from mla_dispatch.kernels.triton.gluon_sm90 import GLUON_API
+
+    if not GLUON_API:
+        pytest.skip("this Triton has no usable Gluon")
+    for causal in (False, True):
+        report = compile_config(parse_spec("hM64-n64-w8-tma-gl"), causal=causal, sass=True)
+        loops = [loop for loop in report["sass_loops"] if "HGMMA.64x32x16" in loop]
+        assert len(loops) == 1, report["sass_loops"]
+        loop = loops[0]
+        assert "HGMMA.64x32x16 x36" in loop and "HGMMA.64x256x16 x4" in loop, loop
+        assert "0 local loads/stores" in loop, loop
+        assert loop.index("SYNCS.PHASECHK") < loop.index("HGMMA.64x32x16")
+        assert "UTMALDG" in loop  # the next tile's TMA
+        assert report["smem"] <= 227 * 1024 and report["regs"] <= 255

@@ -68,6 +68,19 @@ CASES = [
     (dict(batch=3, q_len=1, num_heads_q=32, seqlen=600, page_size=256, dtype=torch.float16),
      dict(spec="tM32-n64-tma")),
     (dict(batch=2, q_len=1, num_heads_q=16, seqlen=200, page_size=64, head_dim_qk=512), dict(spec="tM16-n32-s4-tma")),
+    # the Gluon sm_90 kernel (KernelConfig.gluon, kernels/triton/gluon_sm90.py): whole tiles by TMA, an item's
+    # partial last tile by masked cp.async (NaN in the unused slots would show), 64-row tiles padded with the next
+    # request's query rows (32 rows), causal s_q = 2 and 4, split requests, zero-length rows, pages 64 / 128 / 256
+    (dict(batch=4, q_len=1, num_heads_q=128, seqlen=700, page_size=128), dict(spec="hM64-n64-w8-tma-gl")),
+    (dict(batch=3, q_len=2, num_heads_q=128, seqlen=400, page_size=64, causal=True, zero_len_rows=1),
+     dict(spec="hM64-n64-w8-tma-gl", num_parts=40, overhead=1)),
+    (dict(batch=4, q_len=1, num_heads_q=64, seqlen=600, page_size=256, dtype=torch.float16),
+     dict(spec="hM64-n64-w8-tma-gl")),
+    (dict(batch=3, q_len=1, num_heads_q=32, seqlen=500, page_size=64), dict(spec="hM64-n64-w8-tma-gl", num_parts=20,
+                                                                          overhead=1)),
+    (dict(batch=3, q_len=4, num_heads_q=16, seqlen=100, page_size=64, causal=True, zero_len_rows=1),
+     dict(spec="hM64-n64-w8-tma-gl")),
+    (dict(batch=2, q_len=1, num_heads_q=128, seqlen=5000, page_size=64, varlen=False), dict(spec="hM64-n64-w8-tma-gl")),
 ]
 
 
@@ -118,6 +131,11 @@ def test_triton_gpu_matches_reference(kw, overrides, gen):
             assert tma_applies(True, case.kv_cache, kv_format=case.kv_format, sparse=False,
                                block_n=cfg.block_n, v_split=v_split, qk_chunk=qk_chunk, head_dim_v=case.head_dim_v,
                                traced=False)
+        if cfg is not None and cfg.gluon:  # the case exists for the Gluon kernel: the launch must take it
+            from mla_dispatch.kernels.triton.gluon_sm90 import gluon_applies
+
+            assert gluon_applies(case.q, case.kv_cache, kv_format=case.kv_format, sparse=False,
+                                 head_dim_v=case.head_dim_v, traced=False)
     ref_out, ref_lse = case_reference(case)
     for _ in range(2):  # a second run over the same plan and workspace must give the same answer
         out, lse = poisoned_outputs(case)
@@ -127,9 +145,20 @@ def test_triton_gpu_matches_reference(kw, overrides, gen):
         assert rep, rep.message
 
 
+def _force_spec(plan, spec):
+    """Replace ``plan``'s config by the one ``spec`` names (None: keep the table's; on an H100 / H200 with bf16 pages of
+    64+ tokens, the Gluon kernel's)."""
+    if spec is not None:
+        from mla_dispatch.backends.triton import TritonBackend
+        from mla_dispatch.kernels.triton.aot_report import parse_spec
+
+        plan._state = TritonBackend.make_state(plan.problem, plan.platform, plan.cache_seqlens, config=parse_spec(spec))
+
+
 @pytest.mark.parametrize("scale", [1e9, 1e-30], ids=["large", "tiny"])
-@pytest.mark.parametrize("num_heads_q", [16, 128], ids=["tokens-on-m", "heads-on-m"])
-def test_triton_gpu_split_rows_keep_the_output_range(num_heads_q, scale, gen):
+@pytest.mark.parametrize("num_heads_q,spec", [(16, None), (128, None), (16, "tM16-n64-s2-tma"), (128, "hM64-n64-w8-tma")],
+                         ids=["h16-table", "h128-table", "tokens-on-m", "heads-on-m"])
+def test_triton_gpu_split_rows_keep_the_output_range(num_heads_q, spec, scale, gen):
     """Split requests store fp16 partial rows with a power-of-two scale per row and decode program
     (kernels/triton/combine.py, PARTIAL_ROW_FORMAT). Outputs far outside fp16's range still merge right: at ~1e6 they
     would overflow fp16, at ~1e-33 flush to zero. The cache's latent channels are multiplied by `scale` and q's
@@ -142,6 +171,7 @@ def test_triton_gpu_split_rows_keep_the_output_range(num_heads_q, scale, gen):
     case = make_case(2, 1, num_heads_q, 3000, page_size=64, varlen=False, device="cuda", generator=gen)
     tol = scale_outputs(case, scale, TritonBackend.TOLERANCE)
     plan = plan_decode(*case.args(), backend="triton", **case.kwargs())
+    _force_spec(plan, spec)
     assert int((plan.state.schedule.num_splits > 1).sum()) > 0, "the shape must split a request"
     out, lse = poisoned_outputs(case)
     plan.run(case.q, case.kv_cache, out=out, lse=lse)
@@ -161,14 +191,16 @@ def test_triton_gpu_mla_decode_auto_uses_triton_when_named(gen):
     assert rep, rep.message
 
 
-@pytest.mark.parametrize("num_heads_q,q_len", [(16, 1), (128, 2)])
-def test_triton_gpu_cuda_graph_replay_with_new_seqlens(num_heads_q, q_len, gen):
-    """Capture DecodePlan.run once; change cache_seqlens values, plan.update, replay: matches the reference."""
+@pytest.mark.parametrize("num_heads_q,q_len,spec", [(16, 1, None), (128, 2, None), (128, 2, "hM64-n64-w8-tma")])
+def test_triton_gpu_cuda_graph_replay_with_new_seqlens(num_heads_q, q_len, spec, gen):
+    """Capture DecodePlan.run once; change cache_seqlens values, plan.update, replay: matches the reference (the
+    table's config, on an H100 the Gluon kernel; and the plain kernel's TMA config)."""
     from mla_dispatch import plan_decode
     from mla_dispatch.backends.triton import TritonBackend
 
     case = make_case(4, q_len, num_heads_q, 2000, page_size=64, device="cuda", generator=gen, causal=q_len > 1)
     plan = plan_decode(*case.args(), backend="triton", cuda_graph=True, **case.kwargs())
+    _force_spec(plan, spec)
     out, lse = poisoned_outputs(case)
     plan.run(case.q, case.kv_cache, out=out, lse=lse)  # compile outside the capture
     torch.cuda.synchronize()

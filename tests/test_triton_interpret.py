@@ -92,7 +92,7 @@ TRITON_DECODE_SCHEMA = (
     "Tensor? kv_scale, Tensor items, Tensor part_offsets, Tensor num_splits, Tensor first_slot, Tensor(a10!) out, "
     "Tensor(a11!) lse, Tensor(a12!) partial_out, Tensor(a13!) partial_lse, float softmax_scale, bool causal, "
     "str kv_format, SymInt block_m, SymInt block_n, SymInt num_warps, SymInt num_stages, bool tokens_on_m, "
-    "SymInt v_split, SymInt qk_chunk, SymInt max_registers, bool tma) -> ()"
+    "SymInt v_split, SymInt qk_chunk, SymInt max_registers, bool tma, bool gluon) -> ()"
 )
 
 
@@ -104,7 +104,7 @@ def triton_op_args(plan, case, out, lse) -> tuple:
     return (case.q, case.kv_cache, None if p.sparse else case.block_table, st.lengths, case.indices, case.kv_scale,
             s.items, s.part_offsets, s.num_splits, st.first_slot, out, lse, st.partial_out, st.partial_lse,
             plan.softmax_scale, p.causal, p.kv_format, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
-            cfg.tokens_on_m, cfg.v_split, cfg.qk_chunk, cfg.max_registers, cfg.tma)
+            cfg.tokens_on_m, cfg.v_split, cfg.qk_chunk, cfg.max_registers, cfg.tma, cfg.gluon)
 
 
 def _run_op_checks(seed: int) -> None:
@@ -274,7 +274,7 @@ def test_tma_applies_only_where_the_descriptors_are_valid():
     pytest.importorskip("triton")
     import torch
 
-    from mla_dispatch.kernels.triton.decode import TMA_CONFIGS, choose_config, tma_applies
+    from mla_dispatch.kernels.triton.decode import GLUON_CONFIG, TMA_CONFIGS, choose_config, tma_applies
 
     def gate(kv, **kw):
         args = dict(kv_format="bf16", sparse=False, block_n=64, v_split=1, qk_chunk=512, head_dim_v=512, traced=False)
@@ -304,3 +304,29 @@ def test_tma_applies_only_where_the_descriptors_are_valid():
         assert not choose_config(rows, "bf16", page_size=64, heads_kv=2).tma
         assert not choose_config(rows, "fp8_e4m3", page_size=64).tma
         assert not choose_config(rows, "bf16").tma  # sparse / unknown page size
+        # the Gluon sm_90 kernel's config, where the caller says it can run, on the same caches as the TMA path
+        assert choose_config(rows, "bf16", page_size=128, gluon=True) is GLUON_CONFIG and GLUON_CONFIG.gluon
+        assert choose_config(rows, "fp16", page_size=64, gluon=True) is GLUON_CONFIG
+        assert not choose_config(rows, "bf16", page_size=64).gluon
+        assert not choose_config(rows, "bf16", page_size=32, gluon=True).gluon
+        assert not choose_config(rows, "bf16", page_size=64, heads_kv=2, gluon=True).gluon
+        assert not choose_config(rows, "fp8_e4m3", page_size=64, gluon=True).gluon
+        assert not choose_config(rows, "bf16", gluon=True).gluon
+
+
+def test_gluon_kernel_gate():
+    """Where the Gluon sm_90 kernel may run (gluon_sm90.gluon_possible at planning, gluon_applies at launch): only on
+    compute capability 9.0, dense, D_qk 576 / D_v 512; never on CPU tensors (the interpreter runs the plain kernel)."""
+    pytest.importorskip("triton")
+    import torch
+
+    from mla_dispatch.kernels.triton.gluon_sm90 import GLUON_API, gluon_applies, gluon_possible
+
+    ok = dict(capability=(9, 0), sparse=False, head_dim_qk=576, head_dim_v=512)
+    assert gluon_possible(**ok) == GLUON_API
+    for bad in (dict(capability=(10, 0)), dict(capability=(8, 0)), dict(capability=None), dict(sparse=True),
+                dict(head_dim_qk=512), dict(head_dim_v=256)):
+        assert not gluon_possible(**dict(ok, **bad)), bad
+    q = torch.zeros(2, 1, 64, 576, dtype=torch.bfloat16)
+    kv = torch.zeros(3, 64, 1, 576, dtype=torch.bfloat16)
+    assert not gluon_applies(q, kv, kv_format="bf16", sparse=False, head_dim_v=512, traced=False)

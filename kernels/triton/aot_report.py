@@ -29,6 +29,8 @@ _FMT = {"bf16": 0, "fp16": 0, "fp8_e4m3": 1, "fp8_ds_mla": 2}
 
 def compile_config(cfg: KernelConfig, *, kv_format="bf16", causal=False, sparse=False, arch=90, d_v=512, d_rope=64,
                    page_size=64, sass=False):
+    if cfg.gluon:
+        return compile_gluon(kv_format=kv_format, causal=causal, arch=arch, page_size=page_size, sass=sass)
     names = list(mla_decode_kernel.arg_names)
     sig, attrs = {}, {}
     ptrs = dict(Q="*bf16", KV=_PTR[kv_format], BlockTable="*i32", Seqlens="*i32", Indices="*i32", KVScale="*fp32",
@@ -65,6 +67,52 @@ def compile_config(cfg: KernelConfig, *, kv_format="bf16", causal=False, sparse=
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                     **({"maxnreg": cfg.max_registers} if cfg.max_registers else {})))
+    return _report(k, sass)
+
+
+def compile_gluon(*, kv_format="bf16", causal=False, arch=90, page_size=64, sass=False):
+    """:func:`compile_config` for the Gluon sm_90 kernel (:mod:`.gluon_sm90`; a ``gl`` spec): bf16/fp16,
+    D_qk = 576, D_v = 512."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from mla_dispatch.kernels.triton import gluon_sm90 as g
+
+    if kv_format not in ("bf16", "fp16"):
+        raise ValueError(f"kv_format={kv_format!r}: the Gluon kernel reads bf16 / fp16 caches")
+    fn = g.mla_decode_sm90_kernel
+    names = list(fn.arg_names)
+    gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[kv_format]
+    dt = {"bf16": "bf16", "fp16": "fp16"}[kv_format]
+
+    def desc(rows, cols):
+        return f"tensordesc<{dt}[{rows}, {cols}],{gl.NVMMASharedLayout.get_default_for([rows, cols], gdt)!r}>"
+
+    ptrs = dict(q_desc=desc(g.BLOCK_M, 512), qr_desc=desc(g.BLOCK_M, 64), k_desc=desc(g.BLOCK_N, 512),
+                r_desc=desc(g.BLOCK_N, 64), KV=f"*{dt}", BlockTable="*i32", Seqlens="*i32", Items="*i32",
+                PartOffsets="*i32", Out=f"*{dt}", Lse="*fp32", PartialOut="*fp16", PartialLse="*fp32")
+    constexprs = dict(PAGE_SIZE=page_size, D_V=512, D_ROPE=64, CAUSAL=causal, TILE_M=g.BLOCK_M, TILE_N=g.BLOCK_N,
+                      STAGES=g.NUM_STAGES)
+    sig, attrs = {}, {}
+    for i, n in enumerate(names):
+        if n in constexprs:
+            sig[n] = "constexpr"
+        elif n in ptrs:
+            sig[n] = ptrs[n]
+            if not ptrs[n].startswith("tensordesc"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        elif n == "qk_scale":
+            sig[n] = "fp32"
+        else:
+            sig[n] = "i32"
+            if n.startswith("stride_") and n not in ("stride_ls", "stride_pls", "stride_plh", "stride_lh"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = GluonASTSource(fn, sig, {(names.index(k),): v for k, v in constexprs.items()}, attrs)
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=g.NUM_WARPS))
+    return _report(k, sass)
+
+
+def _report(k, sass):
     ptx = k.asm["ptx"]
     report = dict(regs=_reg_count(k), stack_bytes=_spills(k), smem=k.metadata.shared,
                   wgmma=ptx.count("wgmma.mma_async"), mma_sync=ptx.count("mma.sync"),
@@ -148,12 +196,12 @@ def sass_loops(cubin: bytes) -> list[str]:
 
 def parse_spec(spec: str) -> KernelConfig:
     """'tM16-n64-w8-v2-q128-s2' -> KernelConfig: t|h tokens/heads on M, M block_m, n block_n,
-    w warps, v v_split, q qk_chunk, s stages, p programs per SM, r register cap, tma whole tiles by TMA (the notation
-    of ci/bench_triton.py)."""
+    w warps, v v_split, q qk_chunk, s stages, p programs per SM, r register cap, tma whole tiles by TMA, gl the Gluon
+    sm_90 kernel where it applies (the notation of ci/bench_triton.py)."""
     f = dict(block_m=16, block_n=64, num_warps=4, num_stages=2, tokens_on_m=spec[0] == "t", v_split=1, qk_chunk=512)
     for tok in spec[1:].split("-"):
-        if tok == "tma":
-            f["tma"] = True
+        if tok in ("tma", "gl"):
+            f[{"tma": "tma", "gl": "gluon"}[tok]] = True
             continue
         key = {"M": "block_m", "n": "block_n", "w": "num_warps", "v": "v_split", "q": "qk_chunk",
                "s": "num_stages", "p": "programs_per_sm", "r": "max_registers"}[tok[0]]

@@ -463,6 +463,9 @@ class KernelConfig:
     # whole tiles by TMA (tensor descriptors), pipelined num_stages - 1 tiles ahead, where the launch allows it
     # (see ``tma_applies``); the partial last tile of an item keeps the masked gather
     tma: bool = False
+    # the Gluon sm_90 kernel (:mod:`.gluon_sm90`: S split between the warpgroups, the next tile's TMA issued before
+    # this tile's compute) where it applies (``gluon_applies``, on the TMA path); elsewhere this config's plain kernel
+    gluon: bool = False
 
     def __post_init__(self):
         if self.chunk_size % self.block_n:
@@ -522,19 +525,30 @@ for _fmt in ("bf16", "fp16"):
         (64, _fmt): KernelConfig(64, 64, 8, 2, tma=True),
         (128, _fmt): KernelConfig(64, 64, 8, 2, tma=True),
     })
+#: The config of the Gluon sm_90 kernel (:mod:`.gluon_sm90`), for every rows bucket of a bf16/fp16 cache with one KV head,
+#: D_qk = 576 / D_v = 512 and pages of whole 64-token tiles, where ``choose_config`` is told the kernel can run (an sm_90
+#: GPU, Gluon importable). 64-row tiles, so 16- and 32-row problems pad. H100, b=64 L=8K, one call (ci/bench_triton.py
+#: --grids gluon): h=16 235.7 us vs 240.5 (TMA_CONFIGS), h=32 239.0 vs 267.9, h=64 248.2 vs 313.2; FlashMLA grid
+#: b=128 h=128 s_q=1 L=8K 737.2 vs 1118.0 (kernels/triton/NOTES.md, "The Gluon kernel"). Where a launch does not meet
+#: ``gluon_sm90.gluon_applies`` (q not contiguous, say), the plain TMA kernel runs with the same tiles.
+GLUON_CONFIG = KernelConfig(64, 64, 8, 2, tma=True, gluon=True)
 #: (rows bucket, kv format) -> config where a 64-token tile spans several pages (page_size < 64, dense caches)
 SMALL_PAGE_CONFIGS: dict[tuple[int, str], KernelConfig] = {(64, "bf16"): _H64_N64_S3, (64, "fp16"): _H64_N64_S3}
 INTERPRETER_CONFIG = KernelConfig(16, 16, 4, 1, chunk_size=16)
 
 
 def choose_config(rows: int, kv_format: str, *, page_size: int | None = None, heads_kv: int = 1,
-                  interpret: bool = False) -> KernelConfig:
+                  interpret: bool = False, gluon: bool = False) -> KernelConfig:
     """The config for a problem class (see ``CONFIGS``; ``TMA_CONFIGS`` for bf16/fp16 caches with one KV head
-    and pages of whole 64-token tiles; ``SMALL_PAGE_CONFIGS`` for dense caches with pages shorter than 64
+    and pages of whole 64-token tiles, ``GLUON_CONFIG`` there when ``gluon`` says the Gluon sm_90 kernel can run
+    (:func:`.gluon_sm90.gluon_possible`); ``SMALL_PAGE_CONFIGS`` for dense caches with pages shorter than 64
     tokens; ``page_size=None``: sparse or unknown)."""
     if interpret:
         return INTERPRETER_CONFIG
     key = (_rows_bucket(rows), kv_format)
+    if gluon and kv_format in ("bf16", "fp16") and page_size is not None and heads_kv == 1 \
+            and page_size % GLUON_CONFIG.block_n == 0:
+        return GLUON_CONFIG
     tma = TMA_CONFIGS.get(key)
     if tma is not None and page_size is not None and heads_kv == 1 and page_size % tma.block_n == 0:
         return tma
@@ -632,13 +646,14 @@ def launch_decode(q, kv, block_table, cache_seqlens, indices, kv_scale, schedule
         schedule.part_offsets, out, lse, partial_out, partial_lse, softmax_scale=softmax_scale, causal=causal,
         kv_format=kv_format, block_m=cfg.block_m, block_n=cfg.block_n, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, tokens_on_m=cfg.tokens_on_m, v_split=cfg.v_split, qk_chunk=cfg.qk_chunk,
-        max_registers=cfg.max_registers, tma=cfg.tma)
+        max_registers=cfg.max_registers, tma=cfg.tma, gluon=cfg.gluon)
 
 
 def launch_decode_kernel(kernel, q, kv, block_table, cache_seqlens, indices, kv_scale, items, part_offsets, out,
                          lse, partial_out, partial_lse, *, softmax_scale: float, causal: bool, kv_format: str,
                          block_m: int, block_n: int, num_warps: int, num_stages: int, tokens_on_m: bool,
-                         v_split: int, qk_chunk: int, max_registers: int = 0, tma: bool = False):
+                         v_split: int, qk_chunk: int, max_registers: int = 0, tma: bool = False,
+                         gluon: bool = False):
     """The launch itself, on tensors and plain scalars: ``kernel[grid](...)``.
 
     ``kernel`` is :func:`mla_decode_kernel` or ``torch.library.wrap_triton`` of it
@@ -669,6 +684,12 @@ def launch_decode_kernel(kernel, q, kv, block_table, cache_seqlens, indices, kv_
                           qk_chunk=qk_chunk, head_dim_v=head_dim_v, traced=traced)
     descs = tma_descriptors(kv, head_dim_v, block_n) if use_tma else (None, None)
     q_tma = use_tma and q_tma_applies(q)
+    if gluon and q_tma and block_m == 64 and not tokens_on_m:
+        from mla_dispatch.kernels.triton.gluon_sm90 import gluon_applies, launch_decode_gluon
+
+        if gluon_applies(q, kv, kv_format=kv_format, sparse=sparse, head_dim_v=head_dim_v, traced=traced):
+            return launch_decode_gluon(q, kv, block_table, cache_seqlens, items, part_offsets, out, lse, partial_out,
+                                       partial_lse, softmax_scale=softmax_scale, causal=causal)
     q_descs = tma_descriptors(q.view(batch * q_len, h_q, 1, d_qk), head_dim_v, block_m) if q_tma else (None, None)
     with kernel_device(q):  # Triton launches on the current device, not the tensors'
         return kernel[grid](

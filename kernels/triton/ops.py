@@ -71,6 +71,7 @@ def _triton_decode(
     qk_chunk: int,
     max_registers: int,
     tma: bool,
+    gluon: bool,
 ) -> None:
     """Split-KV MLA decode into ``out`` / ``lse`` (see :mod:`.decode` and :mod:`.combine`).
 
@@ -92,12 +93,12 @@ def _triton_decode(
     _launch(_launchable(mla_decode_kernel), _launchable(combine_kernel), q, kv_cache, block_table, seqlens,
             indices, kv_scale, items, part_offsets, num_splits, first_slot, out, lse, partial_out, partial_lse,
             softmax_scale, causal, kv_format, block_m, block_n, num_warps, num_stages, tokens_on_m, v_split,
-            qk_chunk, max_registers, tma)
+            qk_chunk, max_registers, tma, gluon)
 
 
 def _launch(decode_kernel, combine, q, kv_cache, block_table, seqlens, indices, kv_scale, items, part_offsets,
             num_splits, first_slot, out, lse, partial_out, partial_lse, softmax_scale, causal, kv_format, block_m,
-            block_n, num_warps, num_stages, tokens_on_m, v_split, qk_chunk, max_registers, tma) -> None:
+            block_n, num_warps, num_stages, tokens_on_m, v_split, qk_chunk, max_registers, tma, gluon) -> None:
     if kv_format not in KV_FORMAT_IDS:
         raise ValueError(f"kv_format={kv_format!r} (supported: {sorted(KV_FORMAT_IDS)})")
     kv = kv_cache.view(torch.uint8) if kv_cache.dtype == torch.int8 else kv_cache
@@ -105,7 +106,8 @@ def _launch(decode_kernel, combine, q, kv_cache, block_table, seqlens, indices, 
         decode_kernel, q, kv, block_table, seqlens, indices, kv_scale, items,
         part_offsets, out, lse, partial_out, partial_lse, softmax_scale=softmax_scale, causal=causal,
         kv_format=kv_format, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-        tokens_on_m=tokens_on_m, v_split=v_split, qk_chunk=qk_chunk, max_registers=max_registers, tma=tma)
+        tokens_on_m=tokens_on_m, v_split=v_split, qk_chunk=qk_chunk, max_registers=max_registers, tma=tma,
+        gluon=gluon)
     launch_combine(partial_out, partial_lse, num_splits, first_slot, out, lse, items, part_offsets,
                    v_split=_clip_splits(v_split, qk_chunk, out.shape[-1])[0], kernel=combine)
 
