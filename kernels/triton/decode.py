@@ -527,9 +527,10 @@ for _fmt in ("bf16", "fp16"):
     })
 #: The config of the Gluon sm_90 kernel (:mod:`.gluon_sm90`), for every rows bucket of a bf16/fp16 cache with one KV head,
 #: D_qk = 576 / D_v = 512 and pages of whole 64-token tiles, where ``choose_config`` is told the kernel can run (an sm_90
-#: GPU, Gluon importable). 64-row tiles, so 16- and 32-row problems pad. H100, b=64 L=8K, one call (ci/bench_triton.py
-#: --grids gluon): h=16 235.7 us vs 240.5 (TMA_CONFIGS), h=32 239.0 vs 267.9, h=64 248.2 vs 313.2; FlashMLA grid
-#: b=128 h=128 s_q=1 L=8K 737.2 vs 1118.0 (kernels/triton/NOTES.md, "The Gluon kernel"). Where a launch does not meet
+#: GPU, Gluon importable). 64-row tiles, so 16- and 32-row problems pad. H100, b=64 L=8K, eager µs (ci/bench_triton.py
+#: --grids gluon, calls 1-4 of 2026-11-22's twentieth session): h=16 232.8 vs 240.5 (TMA_CONFIGS), h=32 239.0 vs 267.9,
+#: h=64 248.2 vs 313.2; FlashMLA grid b=128 h=128 s_q=1 L=8K 696.1-737.2 vs 1118.0 (kernels/triton/NOTES.md, "The Gluon
+#: kernel"). Where a launch does not meet
 #: ``gluon_sm90.gluon_applies`` (q not contiguous, say), the plain TMA kernel runs with the same tiles.
 GLUON_CONFIG = KernelConfig(64, 64, 8, 2, tma=True, gluon=True)
 #: (rows bucket, kv format) -> config where a 64-token tile spans several pages (page_size < 64, dense caches)
@@ -682,7 +683,6 @@ def launch_decode_kernel(kernel, q, kv, block_table, cache_seqlens, indices, kv_
     traced = not isinstance(kernel, (JITFunction, InterpretedFunction))
     use_tma = tma_applies(tma, kv, kv_format=kv_format, sparse=sparse, block_n=block_n, v_split=v_split,
                           qk_chunk=qk_chunk, head_dim_v=head_dim_v, traced=traced)
-    descs = tma_descriptors(kv, head_dim_v, block_n) if use_tma else (None, None)
     q_tma = use_tma and q_tma_applies(q)
     if gluon and q_tma and block_m == 64 and not tokens_on_m:
         from mla_dispatch.kernels.triton.gluon_sm90 import gluon_applies, launch_decode_gluon
@@ -690,6 +690,7 @@ def launch_decode_kernel(kernel, q, kv, block_table, cache_seqlens, indices, kv_
         if gluon_applies(q, kv, kv_format=kv_format, sparse=sparse, head_dim_v=head_dim_v, traced=traced):
             return launch_decode_gluon(q, kv, block_table, cache_seqlens, items, part_offsets, out, lse, partial_out,
                                        partial_lse, softmax_scale=softmax_scale, causal=causal)
+    descs = tma_descriptors(kv, head_dim_v, block_n) if use_tma else (None, None)
     q_descs = tma_descriptors(q.view(batch * q_len, h_q, 1, d_qk), head_dim_v, block_m) if q_tma else (None, None)
     with kernel_device(q):  # Triton launches on the current device, not the tensors'
         return kernel[grid](

@@ -89,8 +89,7 @@ if GLUON_API:
             valid = (start + rows) < tok_end
             base = KV + (r0.to(gl.int64) + rows.to(gl.int64)) * stride_kt
             for c in gl.static_range(D_V // 64):
-                _cp_async(kbuf.slice(c * 64, 64, dim=1),
-                                                       base[:, None] + (c * 64 + cols)[None, :], mask=valid[:, None])
+                _cp_async(kbuf.slice(c * 64, 64, dim=1), base[:, None] + (c * 64 + cols)[None, :], mask=valid[:, None])
             _cp_async(rbuf, base[:, None] + (D_V + cols)[None, :], mask=valid[:, None])
             async_copy.commit_group()
             mbarrier.arrive(bar)

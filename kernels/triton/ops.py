@@ -85,8 +85,8 @@ def _triton_decode(
     Written: out ``[B, s_q, h_q, D_v]`` (q dtype), lse fp32 ``[B, h_q, s_q]`` (+inf for a
     row that sees no key), and the workspace: partial_out fp16 ``[max_slots, s_q, h_q, 2 D_v]``
     (:data:`.combine.PARTIAL_ROW_FORMAT`) / partial_lse fp32 ``[max_slots, s_q, h_q]``. The remaining scalars are
-    the fields of :class:`.decode.KernelConfig` (``chunk_size`` lives in the schedule; ``tma`` applies to plain
-    launches only, :func:`.decode.tma_applies`).
+    the fields of :class:`.decode.KernelConfig` (``chunk_size`` lives in the schedule; ``tma`` and ``gluon`` apply to
+    plain launches only, :func:`.decode.tma_applies`, :func:`.gluon_sm90.gluon_applies`).
 
     Raises ValueError for an unknown ``kv_format``.
     """
