@@ -32,7 +32,6 @@ def compile_config(cfg: KernelConfig, *, kv_format="bf16", causal=False, sparse=
     if cfg.gluon:
         return compile_gluon(kv_format=kv_format, causal=causal, arch=arch, page_size=page_size, sass=sass)
     names = list(mla_decode_kernel.arg_names)
-    sig, attrs = {}, {}
     ptrs = dict(Q="*bf16", KV=_PTR[kv_format], BlockTable="*i32", Seqlens="*i32", Indices="*i32", KVScale="*fp32",
                 Items="*i32", PartOffsets="*i32", Out="*bf16", Lse="*fp32", PartialOut="*fp32", PartialLse="*fp32")
     v_split, qk_chunk = effective_splits(cfg, d_v)
@@ -50,20 +49,7 @@ def compile_config(cfg: KernelConfig, *, kv_format="bf16", causal=False, sparse=
     for desc in ("KDesc", "RDesc", "QDesc", "QRDesc"):
         if desc not in ptrs:
             constexprs[desc] = None
-    for i, n in enumerate(names):
-        if n in constexprs:
-            sig[n] = "constexpr"
-        elif n in ptrs:
-            sig[n] = ptrs[n]
-            if not ptrs[n].startswith("tensordesc"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        elif n == "qk_scale":
-            sig[n] = "fp32"
-        else:
-            sig[n] = "i32"
-            if n.startswith("stride_") and n not in ("stride_ls", "stride_pls", "stride_plh", "stride_lh"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(mla_decode_kernel, sig, {(names.index(k),): v for k, v in constexprs.items()}, attrs)
+    src = ASTSource(mla_decode_kernel, *_signature(names, ptrs, constexprs))
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                                     **({"maxnreg": cfg.max_registers} if cfg.max_registers else {})))
@@ -83,7 +69,7 @@ def compile_gluon(*, kv_format="bf16", causal=False, arch=90, page_size=64, sass
     fn = g.mla_decode_sm90_kernel
     names = list(fn.arg_names)
     gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[kv_format]
-    dt = {"bf16": "bf16", "fp16": "fp16"}[kv_format]
+    dt = kv_format  # Triton's names for the two types
 
     def desc(rows, cols):
         return f"tensordesc<{dt}[{rows}, {cols}],{gl.NVMMASharedLayout.get_default_for([rows, cols], gdt)!r}>"
@@ -93,6 +79,16 @@ def compile_gluon(*, kv_format="bf16", causal=False, arch=90, page_size=64, sass
                 PartOffsets="*i32", Out=f"*{dt}", Lse="*fp32", PartialOut="*fp16", PartialLse="*fp32")
     constexprs = dict(PAGE_SIZE=page_size, D_V=512, D_ROPE=64, CAUSAL=causal, TILE_M=g.BLOCK_M, TILE_N=g.BLOCK_N,
                       STAGES=g.NUM_STAGES)
+    src = GluonASTSource(fn, *_signature(names, ptrs, constexprs))
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=g.NUM_WARPS))
+    return _report(k, sass)
+
+
+def _signature(names, ptrs, constexprs):
+    """(signature, constants, attributes) of a kernel with arguments ``names`` for ``triton.compile``: ``ptrs`` maps
+    pointer / descriptor arguments to their types, ``constexprs`` the compile-time constants to their values;
+    ``qk_scale`` is fp32 and every other argument i32. Pointers and strides are marked 16-divisible, as the JIT
+    specialises them for the benchmark's tensors, except the LSE tensors' strides (1 or the head / query count)."""
     sig, attrs = {}, {}
     for i, n in enumerate(names):
         if n in constexprs:
@@ -107,9 +103,7 @@ def compile_gluon(*, kv_format="bf16", causal=False, arch=90, page_size=64, sass
             sig[n] = "i32"
             if n.startswith("stride_") and n not in ("stride_ls", "stride_pls", "stride_plh", "stride_lh"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    src = GluonASTSource(fn, sig, {(names.index(k),): v for k, v in constexprs.items()}, attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=g.NUM_WARPS))
-    return _report(k, sass)
+    return sig, {(names.index(k),): v for k, v in constexprs.items()}, attrs
 
 
 def _report(k, sass):
