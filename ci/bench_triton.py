@@ -1,6 +1,6 @@
 """Benchmark the Triton MLA decode kernel against the roofline measured in the same run.
 
-    python ci/bench_triton.py [--grids flashmla,mem,pages,fp8,graph,choice,occupancy,small,tma,tmapage16] [--json PATH]
+    python ci/bench_triton.py [--grids flashmla,mem,pages,fp8,graph,choice,occupancy,small,tma,tmapage16,gluon,gluonpages,gluonsched] [--json PATH]
                               [--check] [--only NAME,...] [--report] [--precompile N]
 
 Prints, per config: µs (triton.testing.do_bench median, L2 flushed) for
@@ -200,7 +200,7 @@ def grids(names):
         for ps in (1, 16, 128):
             for h in (16, 64):
                 g.append((f"page{ps}-h{h}", dict(batch=64, q_len=1, h_q=h, seqlen=8192, varlen=False,
-                                                 page_size=ps), False))
+                                                 page_size=ps), True))
     if "fp8" in names:
         for fmt in ("fp8_e4m3", "fp8_ds_mla"):
             for h in (16, 32, 64):
@@ -239,6 +239,20 @@ def grids(names):
                                                                          config=parse_spec(spec)), False))
             g.append((f"gluon-graph-b1-L4096-{spec}", dict(batch=1, q_len=1, h_q=128, seqlen=4096, varlen=False,
                                                           config=parse_spec(spec)), True))
+    if "gluonpages" in names:  # the Gluon kernel gathering every tile (pages not holding whole 64-token tiles)
+        from mla_dispatch.kernels.triton.decode import choose_config
+
+        for h in (16, 32, 64):
+            for ps in (64, 1, 16, 33):
+                plain = choose_config(h, "bf16", page_size=ps)  # the table without the Gluon kernel
+                for spec, cfg in (("plain", plain), ("gl", parse_spec("hM64-n64-w8-tma-gl"))):
+                    g.append((f"gluonpages-h{h}-page{ps}-{spec}", dict(batch=64, q_len=1, h_q=h, seqlen=8192,
+                                                                      varlen=False, page_size=ps, config=cfg), True))
+    if "gluonsched" in names:  # the schedule's fixed cost per item (in 64-token chunks; default 5) for the Gluon kernel
+        for s_q, L in ((1, 4096), (2, 4096), (1, 8192)):
+            for overhead in (None, 2, 10):
+                g.append((f"gluonsched-s{s_q}-L{L}-ovh{overhead or 'default'}",
+                          dict(batch=128, q_len=s_q, h_q=128, seqlen=L, overhead=overhead), True))
     if "tmapage16" in names:  # page 16: TMA needs tiles inside a page, so 16-token tiles, deeper pipelines
         for spec in ("hM64-n64-w8-s3", "hM64-n16-w8-s4-tma", "hM64-n16-w8-s6-tma"):
             g.append((f"tmapage16-h64-{spec}", dict(batch=64, q_len=1, h_q=64, seqlen=8192, varlen=False, page_size=16,
@@ -368,7 +382,8 @@ def main():
         try:
             if args.kernels:
                 kw = dict(kw, kernels=True)
-            r = bench_one(name, peaks, graph=graph, report=args.report, check=args.check, overhead=args.overhead, **kw)
+            kw = dict({"overhead": args.overhead}, **kw)  # an entry's own overhead wins
+            r = bench_one(name, peaks, graph=graph, report=args.report, check=args.check, **kw)
         except Exception as exc:
             print(f"{name}: FAILED {type(exc).__name__}: {exc}")
             continue

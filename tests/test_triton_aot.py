@@ -50,3 +50,22 @@ def test_gluon_kernel_splits_s_between_the_warpgroups():
         assert loop.index("SYNCS.PHASECHK") < loop.index("HGMMA.64x32x16")
         assert "UTMALDG" in loop  # the next tile's TMA
         assert report["smem"] <= 227 * 1024 and report["regs"] <= 255
+
+
+def test_gluon_kernel_gathers_tiles_on_short_pages():
+    """On pages that do not hold whole 64-token tiles the Gluon kernel gathers every tile with cp.async (``LDGSTS``),
+    the next tile's table entries loaded a tile ahead (``LDG``), no TMA and no mbarrier in the loop; the tensor work
+    is the same as on pages of whole tiles, with no local memory in the loop."""
+    from mla_dispatch.kernels.triton.gluon_sm90 import GLUON_API
+
+    if not GLUON_API:
+        pytest.skip("this Triton has no usable Gluon")
+    report = compile_config(parse_spec("hM64-n64-w8-tma-gl"), page_size=16, sass=True)
+    loops = [loop for loop in report["sass_loops"] if "HGMMA.64x32x16" in loop]
+    assert len(loops) == 1, report["sass_loops"]
+    loop = loops[0]
+    assert "HGMMA.64x32x16 x36" in loop and "HGMMA.64x256x16 x4" in loop, loop
+    assert "0 local loads/stores" in loop, loop
+    assert "LDGSTS" in loop and "LDG.E" in loop and "LDGDEPBAR" in loop, loop
+    assert "UTMALDG" not in loop and "SYNCS.PHASECHK" not in loop, loop
+    assert report["tma"] == 2  # the query tile's two loads only

@@ -81,6 +81,14 @@ CASES = [
     (dict(batch=3, q_len=4, num_heads_q=16, seqlen=100, page_size=64, causal=True, zero_len_rows=1),
      dict(spec="hM64-n64-w8-tma-gl")),
     (dict(batch=2, q_len=1, num_heads_q=128, seqlen=5000, page_size=64, varlen=False), dict(spec="hM64-n64-w8-tma-gl")),
+    # ... and on pages not holding whole tiles, every tile gathered by masked cp.async, one table entry per token
+    # (garbage block ids past a request's length never read): pages 1 / 16 / 33 / 96, split and causal
+    (dict(batch=3, q_len=1, num_heads_q=128, seqlen=300, page_size=1), dict(spec="hM64-n64-w8-tma-gl")),
+    (dict(batch=3, q_len=2, num_heads_q=64, seqlen=400, page_size=16, causal=True, zero_len_rows=1),
+     dict(spec="hM64-n64-w8-tma-gl", num_parts=40, overhead=1)),
+    (dict(batch=4, q_len=1, num_heads_q=16, seqlen=500, page_size=33, dtype=torch.float16),
+     dict(spec="hM64-n64-w8-tma-gl", num_parts=20, overhead=1)),
+    (dict(batch=2, q_len=4, num_heads_q=32, seqlen=2000, page_size=96, causal=True), dict(spec="hM64-n64-w8-tma-gl")),
 ]
 
 
@@ -126,7 +134,7 @@ def test_triton_gpu_matches_reference(kw, overrides, gen):
                                                **overrides)
         if "num_parts" in overrides:
             assert bool((plan.state.schedule.num_splits > 1).any()), "schedule override did not split any request"
-        if cfg is not None and cfg.tma:  # the case exists for the TMA path: the launch must take it
+        if cfg is not None and cfg.tma and not cfg.gluon:  # the case exists for the TMA path: the launch must take it
             v_split, qk_chunk = effective_splits(cfg, case.head_dim_v)
             assert tma_applies(True, case.kv_cache, kv_format=case.kv_format, sparse=False,
                                block_n=cfg.block_n, v_split=v_split, qk_chunk=qk_chunk, head_dim_v=case.head_dim_v,

@@ -304,11 +304,12 @@ def test_tma_applies_only_where_the_descriptors_are_valid():
         assert not choose_config(rows, "bf16", page_size=64, heads_kv=2).tma
         assert not choose_config(rows, "fp8_e4m3", page_size=64).tma
         assert not choose_config(rows, "bf16").tma  # sparse / unknown page size
-        # the Gluon sm_90 kernel's config, where the caller says it can run, on the same caches as the TMA path
+        # the Gluon sm_90 kernel's config, where the caller says it can run: bf16 / fp16 caches with one KV head
         assert choose_config(rows, "bf16", page_size=128, gluon=True) is GLUON_CONFIG and GLUON_CONFIG.gluon
         assert choose_config(rows, "fp16", page_size=64, gluon=True) is GLUON_CONFIG
         assert not choose_config(rows, "bf16", page_size=64).gluon
-        assert not choose_config(rows, "bf16", page_size=32, gluon=True).gluon
+        for page_size in (1, 16, 33, 96):  # shorter or unaligned pages: the Gluon kernel gathers every tile
+            assert choose_config(rows, "bf16", page_size=page_size, gluon=True) is GLUON_CONFIG
         assert not choose_config(rows, "bf16", page_size=64, heads_kv=2, gluon=True).gluon
         assert not choose_config(rows, "fp8_e4m3", page_size=64, gluon=True).gluon
         assert not choose_config(rows, "bf16", gluon=True).gluon

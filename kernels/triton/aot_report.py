@@ -78,7 +78,7 @@ def compile_gluon(*, kv_format="bf16", causal=False, arch=90, page_size=64, sass
                 r_desc=desc(g.BLOCK_N, 64), KV=f"*{dt}", BlockTable="*i32", Seqlens="*i32", Items="*i32",
                 PartOffsets="*i32", Out=f"*{dt}", Lse="*fp32", PartialOut="*fp16", PartialLse="*fp32")
     constexprs = dict(PAGE_SIZE=page_size, D_V=512, D_ROPE=64, CAUSAL=causal, TILE_M=g.BLOCK_M, TILE_N=g.BLOCK_N,
-                      STAGES=g.NUM_STAGES)
+                      STAGES=g.NUM_STAGES, GATHER=page_size % g.BLOCK_N != 0)
     src = GluonASTSource(fn, *_signature(names, ptrs, constexprs))
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=g.NUM_WARPS))
     return _report(k, sass)

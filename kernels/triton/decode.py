@@ -526,12 +526,15 @@ for _fmt in ("bf16", "fp16"):
         (128, _fmt): KernelConfig(64, 64, 8, 2, tma=True),
     })
 #: The config of the Gluon sm_90 kernel (:mod:`.gluon_sm90`), for every rows bucket of a bf16/fp16 cache with one KV head,
-#: D_qk = 576 / D_v = 512 and pages of whole 64-token tiles, where ``choose_config`` is told the kernel can run (an sm_90
-#: GPU, Gluon importable). 64-row tiles, so 16- and 32-row problems pad. H100, b=64 L=8K, eager µs (ci/bench_triton.py
+#: D_qk = 576 / D_v = 512 and any page size, where ``choose_config`` is told the kernel can run (an sm_90 GPU, Gluon
+#: importable). 64-row tiles, so 16- and 32-row problems pad. H100, b=64 L=8K, eager µs (ci/bench_triton.py
 #: --grids gluon, calls 1-4 of 2026-11-22's twentieth session): h=16 232.8 vs 240.5 (TMA_CONFIGS), h=32 239.0 vs 267.9,
 #: h=64 248.2 vs 313.2; FlashMLA grid b=128 h=128 s_q=1 L=8K 696.1-737.2 vs 1118.0 (kernels/triton/NOTES.md, "The Gluon
-#: kernel"). Where a launch does not meet
-#: ``gluon_sm90.gluon_applies`` (q not contiguous, say), the plain TMA kernel runs with the same tiles.
+#: kernel"). On pages of 1 / 16 / 33 tokens (every tile gathered), graph µs (--grids gluonpages, 2026-11-22, twenty-first
+#: session): h=16 239.4 / 233.9 / 232.2 vs the plain table's 258.1 / 251.7 / 259.7, h=32 244.8 / 239.9 / 238.6 vs
+#: 327.9 / 386.4 / 391.9, h=64 254.1 / 248.7 / 248.6 vs 351.5 / 388.4 / 397.4. Where a launch does not meet
+#: ``gluon_sm90.gluon_applies`` (q not contiguous, say), the plain kernel runs with the same tiles (by TMA on pages of
+#: whole tiles, gathered on others).
 GLUON_CONFIG = KernelConfig(64, 64, 8, 2, tma=True, gluon=True)
 #: (rows bucket, kv format) -> config where a 64-token tile spans several pages (page_size < 64, dense caches)
 SMALL_PAGE_CONFIGS: dict[tuple[int, str], KernelConfig] = {(64, "bf16"): _H64_N64_S3, (64, "fp16"): _H64_N64_S3}
@@ -541,14 +544,13 @@ INTERPRETER_CONFIG = KernelConfig(16, 16, 4, 1, chunk_size=16)
 def choose_config(rows: int, kv_format: str, *, page_size: int | None = None, heads_kv: int = 1,
                   interpret: bool = False, gluon: bool = False) -> KernelConfig:
     """The config for a problem class (see ``CONFIGS``; ``TMA_CONFIGS`` for bf16/fp16 caches with one KV head
-    and pages of whole 64-token tiles, ``GLUON_CONFIG`` there when ``gluon`` says the Gluon sm_90 kernel can run
-    (:func:`.gluon_sm90.gluon_possible`); ``SMALL_PAGE_CONFIGS`` for dense caches with pages shorter than 64
-    tokens; ``page_size=None``: sparse or unknown)."""
+    and pages of whole 64-token tiles; ``GLUON_CONFIG`` for bf16/fp16 caches with one KV head and any page size when
+    ``gluon`` says the Gluon sm_90 kernel can run (:func:`.gluon_sm90.gluon_possible`); ``SMALL_PAGE_CONFIGS`` for
+    dense caches with pages shorter than 64 tokens; ``page_size=None``: sparse or unknown)."""
     if interpret:
         return INTERPRETER_CONFIG
     key = (_rows_bucket(rows), kv_format)
-    if gluon and kv_format in ("bf16", "fp16") and page_size is not None and heads_kv == 1 \
-            and page_size % GLUON_CONFIG.block_n == 0:
+    if gluon and kv_format in ("bf16", "fp16") and page_size is not None and heads_kv == 1:
         return GLUON_CONFIG
     tma = TMA_CONFIGS.get(key)
     if tma is not None and page_size is not None and heads_kv == 1 and page_size % tma.block_n == 0:
@@ -684,7 +686,7 @@ def launch_decode_kernel(kernel, q, kv, block_table, cache_seqlens, indices, kv_
     use_tma = tma_applies(tma, kv, kv_format=kv_format, sparse=sparse, block_n=block_n, v_split=v_split,
                           qk_chunk=qk_chunk, head_dim_v=head_dim_v, traced=traced)
     q_tma = use_tma and q_tma_applies(q)
-    if gluon and q_tma and block_m == 64 and not tokens_on_m:
+    if gluon and block_m == 64 and not tokens_on_m:
         from mla_dispatch.kernels.triton.gluon_sm90 import gluon_applies, launch_decode_gluon
 
         if gluon_applies(q, kv, kv_format=kv_format, sparse=sparse, head_dim_v=head_dim_v, traced=traced):

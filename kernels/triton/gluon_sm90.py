@@ -25,14 +25,23 @@ this kernel does what plain Triton could not be made to do:
 
 The rest is the plain kernel's contract: one program per (schedule part, 64-row tile), items of the shared split-KV
 schedule, online softmax in base 2, natural-log LSE, and split items written as fp16 partial rows with a power-of-two
-scale (:data:`.combine.PARTIAL_ROW_FORMAT`, one scale per row) for the same combine. An item's partial last tile is
-read with masked ``cp.async`` (zeros for tokens at or past the item's end), so cache slots past a request's length are
-never read; whole tiles come by TMA, one page each.
+scale (:data:`.combine.PARTIAL_ROW_FORMAT`, one scale per row) for the same combine.
+
+How a tile reaches shared memory depends on the page size (``GATHER``, a compile-time constant):
+
+* Pages holding whole 64-token tiles (64, 128, 256): a whole tile by TMA, one page each; an item's partial last tile
+  by masked ``cp.async`` (zeros for tokens at or past the item's end), so cache slots past a request's length are
+  never read.
+* Any other page size (1, 16, 33, 96, ...): every tile by masked ``cp.async``, each of the 64 token rows from its own
+  page. The table entries of tile ``j + 2`` are loaded while tile ``j`` is computed, so the table's latency is off the
+  loop's path; one copy group per tile, waited for with ``wait_group(1)`` while the next tile's is in flight. On the
+  H100 this reads pages of 1 and 16 tokens within 3% of the time of pages of 64 (graph replays, b=64 L=8K,
+  kernels/triton/NOTES.md, "The Gluon kernel on short pages").
 
 Applies (:func:`gluon_applies`): an NVIDIA sm_90 GPU, a plain (untraced) launch, bf16/fp16, one KV head, D_qk = 576 /
-D_v = 512, pages holding whole 64-token tiles, a contiguous cache and q (the conditions of the plain kernel's TMA
-path, :func:`.decode.tma_applies` / :func:`.decode.q_tma_applies`), and the Gluon API this file was written against
-(triton 3.6; :data:`GLUON_API`).
+D_v = 512, a contiguous cache and q with 16-byte aligned bases (the conditions of the plain kernel's TMA path,
+:func:`.decode.tma_applies` / :func:`.decode.q_tma_applies`, any page size), and the Gluon API this file was written
+against (triton 3.6; :data:`GLUON_API`).
 """
 
 from __future__ import annotations
@@ -71,28 +80,54 @@ NUM_WARPS = 8  # two warpgroups
 if GLUON_API:
 
     @gluon.jit
-    def _issue_tile(k_desc, r_desc, KV, bt_row, start, tok_end, kbuf, rbuf, bar, stride_kt,
-                    PAGE_SIZE: gl.constexpr, TILE_N: gl.constexpr, D_V: gl.constexpr, D_ROPE: gl.constexpr,
-                    NBYTES: gl.constexpr, cp_layout: gl.constexpr):
-        """Start loading token tile ``start ..`` of an item into ``kbuf`` (latent) / ``rbuf`` (RoPE), and arrive on
-        ``bar`` once: a whole tile by TMA (``bar`` completes when its bytes land); a partial last tile by masked
-        cp.async, zeros past ``tok_end`` (``bar`` completes at once; the reader waits for the copy group)."""
-        page = gl.load(bt_row + start // PAGE_SIZE)  # the request's table row; start < tok_end: within its length
-        r0 = page * PAGE_SIZE + start % PAGE_SIZE  # token row of the cache viewed as [pages * page_size, D_qk]
-        if start + TILE_N <= tok_end:
-            mbarrier.expect(bar, NBYTES)
-            _tma_load(k_desc, [r0, 0], bar, kbuf)
-            _tma_load(r_desc, [r0, D_V], bar, rbuf)
+    def _tile_pages(bt_row, start, tok_end, PAGE_SIZE: gl.constexpr, TILE_N: gl.constexpr, GATHER: gl.constexpr,
+                    cp_layout: gl.constexpr):
+        """The page of each token row of tile ``start ..`` (``GATHER``; 0 past ``tok_end``: table entries past an
+        item's end are never read, garbage ids there are legal); zeros otherwise (unused)."""
+        rows = gl.arange(0, TILE_N, layout=gl.SliceLayout(1, cp_layout))
+        if GATHER:
+            tok = start + rows
+            return gl.load(bt_row + tok // PAGE_SIZE, mask=tok < tok_end, other=0)
         else:
-            rows = gl.arange(0, TILE_N, layout=gl.SliceLayout(1, cp_layout))
-            cols = gl.arange(0, 64, layout=gl.SliceLayout(0, cp_layout))
-            valid = (start + rows) < tok_end
-            base = KV + (r0.to(gl.int64) + rows.to(gl.int64)) * stride_kt
+            return rows * 0
+
+    @gluon.jit
+    def _issue_tile(k_desc, r_desc, KV, bt_row, start, tok_end, pages, kbuf, rbuf, bar, stride_kt,
+                    PAGE_SIZE: gl.constexpr, TILE_N: gl.constexpr, D_V: gl.constexpr, D_ROPE: gl.constexpr,
+                    NBYTES: gl.constexpr, GATHER: gl.constexpr, cp_layout: gl.constexpr):
+        """Start loading token tile ``start ..`` of an item into ``kbuf`` (latent) / ``rbuf`` (RoPE).
+
+        Pages of whole tiles (``GATHER`` false): a whole tile by TMA, ``bar`` completing when its bytes land; a partial
+        last tile by masked cp.async, zeros past ``tok_end``, and one arrival on ``bar`` (it completes at once; the
+        reader waits for the copy group). Shorter or unaligned pages (``GATHER``): every tile by masked cp.async, each
+        token row from its own page (``pages``, from :func:`_tile_pages`, loaded a tile ahead so that the table's
+        latency is not paid here), one copy group per tile, ``bar`` left alone."""
+        rows = gl.arange(0, TILE_N, layout=gl.SliceLayout(1, cp_layout))
+        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, cp_layout))
+        if GATHER:
+            tok = start + rows
+            valid = tok < tok_end
+            base = KV + (pages.to(gl.int64) * PAGE_SIZE + tok % PAGE_SIZE) * stride_kt
             for c in gl.static_range(D_V // 64):
                 _cp_async(kbuf.slice(c * 64, 64, dim=1), base[:, None] + (c * 64 + cols)[None, :], mask=valid[:, None])
             _cp_async(rbuf, base[:, None] + (D_V + cols)[None, :], mask=valid[:, None])
             async_copy.commit_group()
-            mbarrier.arrive(bar)
+        else:
+            page = gl.load(bt_row + start // PAGE_SIZE)  # the request's table row; start < tok_end: within its length
+            r0 = page * PAGE_SIZE + start % PAGE_SIZE  # token row of the cache viewed as [pages * page_size, D_qk]
+            if start + TILE_N <= tok_end:
+                mbarrier.expect(bar, NBYTES)
+                _tma_load(k_desc, [r0, 0], bar, kbuf)
+                _tma_load(r_desc, [r0, D_V], bar, rbuf)
+            else:
+                valid = (start + rows) < tok_end
+                base = KV + (r0.to(gl.int64) + rows.to(gl.int64)) * stride_kt
+                for c in gl.static_range(D_V // 64):
+                    _cp_async(kbuf.slice(c * 64, 64, dim=1), base[:, None] + (c * 64 + cols)[None, :],
+                              mask=valid[:, None])
+                _cp_async(rbuf, base[:, None] + (D_V + cols)[None, :], mask=valid[:, None])
+                async_copy.commit_group()
+                mbarrier.arrive(bar)
 
     @gluon.jit
     def _pow2_scale(amax):
@@ -115,7 +150,7 @@ if GLUON_API:
         stride_pob, stride_pos, stride_poh,
         stride_plb, stride_pls, stride_plh,
         PAGE_SIZE: gl.constexpr, D_V: gl.constexpr, D_ROPE: gl.constexpr, CAUSAL: gl.constexpr,
-        TILE_M: gl.constexpr, TILE_N: gl.constexpr, STAGES: gl.constexpr,
+        TILE_M: gl.constexpr, TILE_N: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr,
     ):
         gl.static_assert(gl.num_warps() == 8)
         dtype: gl.constexpr = q_desc.dtype
@@ -177,15 +212,17 @@ if GLUON_API:
             n_tiles = gl.cdiv(tok_end - tok_begin, TILE_N)
             if n_tiles > 0:
                 st = it % STAGES
-                _issue_tile(k_desc, r_desc, KV, bt_row, tok_begin, tok_end, k_smem.index(st),
+                pages = _tile_pages(bt_row, tok_begin, tok_end, PAGE_SIZE, TILE_N, GATHER, cp_layout)
+                _issue_tile(k_desc, r_desc, KV, bt_row, tok_begin, tok_end, pages, k_smem.index(st),
                             r_smem.index(st), bars.index(st), stride_kt, PAGE_SIZE, TILE_N, D_V, D_ROPE, NBYTES,
-                            cp_layout)
+                            GATHER, cp_layout)
 
             # key t is visible to row (i, h) iff t < limit[i] (and t < tok_end: the partial tile's zeros)
             if CAUSAL:
                 limit = gl.minimum(seqlen - q_len + 1 + q_tok_s, tok_end)
             else:
                 limit = gl.minimum(seqlen, tok_end) + q_tok_s * 0
+            next_pages = _tile_pages(bt_row, tok_begin + TILE_N, tok_end, PAGE_SIZE, TILE_N, GATHER, cp_layout)
             m_i = gl.full([TILE_M], float("-inf"), gl.float32, layout=row_s)
             l2 = gl.zeros([TILE_M, TILE_N], gl.float32, layout=s_layout)  # row sums, reduced in the epilogue
             acc = gl.zeros([TILE_M, D_V], gl.float32, layout=o_layout)
@@ -198,14 +235,24 @@ if GLUON_API:
                 _cta_barrier()
                 if j + 1 < n_tiles:  # the next tile's load runs under this tile's compute
                     nst = (it + 1) % STAGES
-                    _issue_tile(k_desc, r_desc, KV, bt_row, start + TILE_N, tok_end, k_smem.index(nst),
+                    _issue_tile(k_desc, r_desc, KV, bt_row, start + TILE_N, tok_end, next_pages, k_smem.index(nst),
                                 r_smem.index(nst), bars.index(nst), stride_kt, PAGE_SIZE, TILE_N, D_V, D_ROPE,
-                                NBYTES, cp_layout)
-                mbarrier.wait(bars.index(st), (it // STAGES) & 1)
-                if start + TILE_N > tok_end:  # the partial last tile came by cp.async
-                    async_copy.wait_group(0)
-                    fence_async_shared()
-                    _cta_barrier()
+                                NBYTES, GATHER, cp_layout)
+                    next_pages = _tile_pages(bt_row, start + 2 * TILE_N, tok_end, PAGE_SIZE, TILE_N, GATHER,
+                                             cp_layout)
+                if GATHER:  # tile j's copy group is complete when at most tile j + 1's is in flight
+                    if j + 1 < n_tiles:
+                        async_copy.wait_group(1)
+                    else:
+                        async_copy.wait_group(0)
+                    fence_async_shared()  # this thread's copies, visible to the wgmma (async proxy) ...
+                    _cta_barrier()  # ... and every thread's
+                else:
+                    mbarrier.wait(bars.index(st), (it // STAGES) & 1)
+                    if start + TILE_N > tok_end:  # the partial last tile came by cp.async
+                        async_copy.wait_group(0)
+                        fence_async_shared()
+                        _cta_barrier()
                 kbuf = k_smem.index(st)
                 s = warpgroup_mma(q_smem, kbuf.permute((1, 0)), gl.zeros([TILE_M, TILE_N], gl.float32, s_layout),
                                   use_acc=False, is_async=True)
@@ -268,12 +315,12 @@ def gluon_possible(*, capability, sparse: bool, head_dim_qk: int, head_dim_v: in
 
 def gluon_applies(q, kv, *, kv_format: str, sparse: bool, head_dim_v: int, traced: bool) -> bool:
     """Whether a launch can take :func:`mla_decode_sm90_kernel`: Gluon importable; a plain launch on an NVIDIA sm_90
-    GPU; bf16/fp16 q and cache, dense, one KV head, ``D_qk = 576``, ``D_v = 512``; pages of whole 64-token tiles;
-    cache and q contiguous with 16-byte aligned bases and fewer than 2^31 token / query rows."""
+    GPU; bf16/fp16 q and cache, dense, one KV head, ``D_qk = 576``, ``D_v = 512``; any page size; cache and q
+    contiguous with 16-byte aligned bases and fewer than 2^31 token / query rows."""
     if not GLUON_API or traced or sparse or kv_format not in ("bf16", "fp16"):
         return False
     nb, page_size, h_kv, d_qk = kv.shape
-    if h_kv != 1 or d_qk != 576 or head_dim_v != 512 or page_size % BLOCK_N or q.dtype != kv.dtype:
+    if h_kv != 1 or d_qk != 576 or head_dim_v != 512 or q.dtype != kv.dtype:
         return False
     if not (kv.is_contiguous() and q.is_contiguous()) or kv.data_ptr() % 16 or q.data_ptr() % 16:
         return False
@@ -331,5 +378,6 @@ def launch_decode_gluon(q, kv, block_table, cache_seqlens, items, part_offsets, 
             partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
             partial_lse.stride(0), partial_lse.stride(1), partial_lse.stride(2),
             PAGE_SIZE=page_size, D_V=head_dim_v, D_ROPE=d_qk - head_dim_v, CAUSAL=causal,
-            TILE_M=BLOCK_M, TILE_N=BLOCK_N, STAGES=NUM_STAGES, num_warps=NUM_WARPS,
+            TILE_M=BLOCK_M, TILE_N=BLOCK_N, STAGES=NUM_STAGES, GATHER=page_size % BLOCK_N != 0,
+            num_warps=NUM_WARPS,
         )
