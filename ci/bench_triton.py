@@ -1,6 +1,6 @@
 """Benchmark the Triton MLA decode kernel against the roofline measured in the same run.
 
-    python ci/bench_triton.py [--grids flashmla,mem,pages,fp8,graph,choice,occupancy,small,tma,tmapage16,gluon,gluonpages,gluonsched] [--json PATH]
+    python ci/bench_triton.py [--grids flashmla,mem,pages,fp8,graph,choice,occupancy,small,tma,tmapage16,gluon,gluonpages,gluonfp8,gluonsched] [--json PATH]
                               [--check] [--only NAME,...] [--report] [--precompile N]
 
 Prints, per config: µs (triton.testing.do_bench median, L2 flushed) for
@@ -248,6 +248,22 @@ def grids(names):
                 for spec, cfg in (("plain", plain), ("gl", parse_spec("hM64-n64-w8-tma-gl"))):
                     g.append((f"gluonpages-h{h}-page{ps}-{spec}", dict(batch=64, q_len=1, h_q=h, seqlen=8192,
                                                                       varlen=False, page_size=ps, config=cfg), True))
+    if "gluonfp8" in names:  # the Gluon kernel on fp8_e4m3 caches (converted in shared memory) against the plain table
+        from mla_dispatch.kernels.triton.decode import choose_config
+
+        for h in (16, 32, 64):
+            for ps in (64, 16):
+                plain = choose_config(h, "fp8_e4m3", page_size=ps)
+                for spec, cfg in (("plain", plain), ("gl", parse_spec("hM64-n64-w8-tma-gl"))):
+                    g.append((f"gluonfp8-h{h}-page{ps}-{spec}", dict(batch=64, q_len=1, h_q=h, seqlen=8192,
+                                                                    varlen=False, page_size=ps, kv_format="fp8_e4m3",
+                                                                    config=cfg), True))
+        for s_q in (1, 2):
+            for spec in ("plain", "gl"):
+                cfg = choose_config(128 * s_q, "fp8_e4m3", page_size=64) if spec == "plain" else \
+                    parse_spec("hM64-n64-w8-tma-gl")
+                g.append((f"gluonfp8-flashmla-s{s_q}-L8192-{spec}", dict(batch=128, q_len=s_q, h_q=128, seqlen=8192,
+                                                                        kv_format="fp8_e4m3", config=cfg), True))
     if "gluonsched" in names:  # the schedule's fixed cost per item (in 64-token chunks; default 5) for the Gluon kernel
         for s_q, L in ((1, 4096), (2, 4096), (1, 8192)):
             for overhead in (None, 2, 10):

@@ -69,3 +69,19 @@ def test_gluon_kernel_gathers_tiles_on_short_pages():
     assert "LDGSTS" in loop and "LDG.E" in loop and "LDGDEPBAR" in loop, loop
     assert "UTMALDG" not in loop and "SYNCS.PHASECHK" not in loop, loop
     assert report["tma"] == 2  # the query tile's two loads only
+
+
+def test_gluon_kernel_converts_fp8_tiles_in_shared_memory():
+    """On fp8_e4m3 caches the Gluon kernel gathers every tile as fp8 and converts it to fp16 in shared memory before the
+    same 36 + 4 wgmma (fp16 operands), with no local memory in the loop and no TMA of the cache."""
+    from mla_dispatch.kernels.triton.gluon_sm90 import GLUON_API
+
+    if not GLUON_API:
+        pytest.skip("this Triton has no usable Gluon")
+    report = compile_config(parse_spec("hM64-n64-w8-tma-gl"), kv_format="fp8_e4m3", page_size=64, sass=True)
+    loops = [loop for loop in report["sass_loops"] if "HGMMA.64x32x16" in loop]
+    assert len(loops) == 1, report["sass_loops"]
+    loop = loops[0]
+    assert "HGMMA.64x32x16 x36" in loop and "HGMMA.64x256x16 x4" in loop, loop
+    assert "0 local loads/stores" in loop and "LDGSTS" in loop and "UTMALDG" not in loop, loop
+    assert report["tma"] == 2 and report["smem"] <= 227 * 1024

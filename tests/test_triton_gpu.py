@@ -42,6 +42,9 @@ CASES = [
     (dict(batch=3, q_len=2, num_heads_q=16, seqlen=300, page_size=16, dtype=torch.float16, causal=True), {}),
     (dict(batch=4, q_len=1, num_heads_q=16, seqlen=300, page_size=64, kv_format="fp8_e4m3"), {}),
     (dict(batch=4, q_len=1, num_heads_q=128, seqlen=300, page_size=64, kv_format="fp8_e4m3"), {}),
+    # the plain kernel's fp8 configs for 64 / 128 rows, where the table now picks the Gluon kernel on sm_90
+    (dict(batch=3, q_len=1, num_heads_q=64, seqlen=300, page_size=16, kv_format="fp8_e4m3"), dict(spec="hM64-n64-w8")),
+    (dict(batch=4, q_len=1, num_heads_q=128, seqlen=300, page_size=64, kv_format="fp8_e4m3"), dict(spec="hM64-n32-w8")),
     (dict(batch=4, q_len=1, num_heads_q=16, seqlen=300, page_size=64, kv_format="fp8_ds_mla"), {}),
     (dict(batch=3, q_len=2, num_heads_q=16, seqlen=300, page_size=16, kv_format="fp8_e4m3", causal=True), {}),
     (dict(batch=3, q_len=2, num_heads_q=16, seqlen=300, page_size=16, kv_format="fp8_ds_mla", causal=True,
@@ -89,6 +92,15 @@ CASES = [
     (dict(batch=4, q_len=1, num_heads_q=16, seqlen=500, page_size=33, dtype=torch.float16),
      dict(spec="hM64-n64-w8-tma-gl", num_parts=20, overhead=1)),
     (dict(batch=2, q_len=4, num_heads_q=32, seqlen=2000, page_size=96, causal=True), dict(spec="hM64-n64-w8-tma-gl")),
+    # ... and on fp8_e4m3 caches: every tile gathered as fp8, converted in shared memory, the scale on S and O
+    (dict(batch=3, q_len=1, num_heads_q=16, seqlen=300, page_size=64, kv_format="fp8_e4m3", zero_len_rows=1),
+     dict(spec="hM64-n64-w8-tma-gl")),
+    (dict(batch=3, q_len=2, num_heads_q=128, seqlen=700, page_size=16, kv_format="fp8_e4m3", causal=True),
+     dict(spec="hM64-n64-w8-tma-gl", num_parts=30, overhead=1)),
+    (dict(batch=4, q_len=1, num_heads_q=64, seqlen=500, page_size=1, kv_format="fp8_e4m3", dtype=torch.float16),
+     dict(spec="hM64-n64-w8-tma-gl", num_parts=20, overhead=1)),
+    (dict(batch=2, q_len=1, num_heads_q=32, seqlen=3000, page_size=128, kv_format="fp8_e4m3", varlen=False),
+     dict(spec="hM64-n64-w8-tma-gl")),
 ]
 
 
@@ -185,6 +197,32 @@ def test_triton_gpu_split_rows_keep_the_output_range(num_heads_q, spec, scale, g
     plan.run(case.q, case.kv_cache, out=out, lse=lse)
     torch.cuda.synchronize()
     rep = compare_outputs(out, lse, *case_reference(case), tol)
+    assert rep, rep.message
+
+
+@pytest.mark.parametrize("q_factor", [2.0**17, 2.0**-30], ids=["q-beyond-fp16", "q-below-fp16"])
+def test_triton_gpu_gluon_fp8_query_outside_fp16_range(q_factor, gen):
+    """The Gluon kernel computes fp8_e4m3 caches in fp16 (kernels/triton/gluon_sm90.py, _dequant_tile) and converts a
+    bf16 query tile to fp16 with a power of two per row, undone on S. A query scaled by 2^17 (beyond fp16's 65504) or
+    2^-30 (below its subnormals), with the softmax scale divided by the same power of two, has the same scores and
+    outputs; without the per-row factors the first would overflow and the second flush to zero."""
+    import dataclasses
+
+    from mla_dispatch import plan_decode
+    from mla_dispatch.backends.triton import TritonBackend
+    from mla_dispatch.kernels.triton.gluon_sm90 import gluon_applies
+
+    base = make_case(3, 2, 64, 400, page_size=16, kv_format="fp8_e4m3", causal=True, device="cuda", generator=gen)
+    case = dataclasses.replace(base, q=base.q * q_factor, softmax_scale=base.softmax_scale / q_factor)
+    assert torch.isfinite(case.q).all()
+    plan = plan_decode(*case.args(), backend="triton", **case.kwargs())
+    _force_spec(plan, "hM64-n64-w8-tma-gl")
+    assert gluon_applies(case.q, case.kv_cache, kv_format="fp8_e4m3", sparse=False, head_dim_v=case.head_dim_v,
+                         traced=False)
+    out, lse = poisoned_outputs(case)
+    plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale, out=out, lse=lse)
+    torch.cuda.synchronize()
+    rep = compare_outputs(out, lse, *case_reference(case), TritonBackend.TOLERANCE)
     assert rep, rep.message
 
 

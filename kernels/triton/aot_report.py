@@ -64,21 +64,25 @@ def compile_gluon(*, kv_format="bf16", causal=False, arch=90, page_size=64, sass
 
     from mla_dispatch.kernels.triton import gluon_sm90 as g
 
-    if kv_format not in ("bf16", "fp16"):
-        raise ValueError(f"kv_format={kv_format!r}: the Gluon kernel reads bf16 / fp16 caches")
+    if kv_format not in g.GLUON_KV_FORMATS:
+        raise ValueError(f"kv_format={kv_format!r}: the Gluon kernel reads {', '.join(g.GLUON_KV_FORMATS)} caches")
     fn = g.mla_decode_sm90_kernel
     names = list(fn.arg_names)
-    gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[kv_format]
-    dt = kv_format  # Triton's names for the two types
+    fp8 = kv_format == "fp8_e4m3"
+    dt = "bf16" if fp8 else kv_format  # the query's type (Triton's names for the two types)
+    gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dt]
 
     def desc(rows, cols):
         return f"tensordesc<{dt}[{rows}, {cols}],{gl.NVMMASharedLayout.get_default_for([rows, cols], gdt)!r}>"
 
-    ptrs = dict(q_desc=desc(g.BLOCK_M, 512), qr_desc=desc(g.BLOCK_M, 64), k_desc=desc(g.BLOCK_N, 512),
-                r_desc=desc(g.BLOCK_N, 64), KV=f"*{dt}", BlockTable="*i32", Seqlens="*i32", Items="*i32",
-                PartOffsets="*i32", Out=f"*{dt}", Lse="*fp32", PartialOut="*fp16", PartialLse="*fp32")
+    # an fp8 launch passes the query's descriptors for the unused cache ones (gluon_sm90.launch_decode_gluon)
+    rows_kv = g.BLOCK_M if fp8 else g.BLOCK_N
+    ptrs = dict(q_desc=desc(g.BLOCK_M, 512), qr_desc=desc(g.BLOCK_M, 64), k_desc=desc(rows_kv, 512),
+                r_desc=desc(rows_kv, 64), KV=_PTR[kv_format], KVScale="*fp32" if fp8 else "*i32", BlockTable="*i32",
+                Seqlens="*i32", Items="*i32", PartOffsets="*i32", Out=f"*{dt}", Lse="*fp32", PartialOut="*fp16",
+                PartialLse="*fp32")
     constexprs = dict(PAGE_SIZE=page_size, D_V=512, D_ROPE=64, CAUSAL=causal, TILE_M=g.BLOCK_M, TILE_N=g.BLOCK_N,
-                      STAGES=g.NUM_STAGES, GATHER=page_size % g.BLOCK_N != 0)
+                      STAGES=g.NUM_STAGES, GATHER=fp8 or page_size % g.BLOCK_N != 0, FP8=fp8)
     src = GluonASTSource(fn, *_signature(names, ptrs, constexprs))
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=g.NUM_WARPS))
     return _report(k, sass)

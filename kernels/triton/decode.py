@@ -536,6 +536,11 @@ for _fmt in ("bf16", "fp16"):
 #: ``gluon_sm90.gluon_applies`` (q not contiguous, say), the plain kernel runs with the same tiles (by TMA on pages of
 #: whole tiles, gathered on others).
 GLUON_CONFIG = KernelConfig(64, 64, 8, 2, tma=True, gluon=True)
+#: fp8_e4m3 caches take the Gluon kernel from this rows bucket up: each tile is gathered as fp8 and converted to fp16 in
+#: shared memory, so it costs ~1.25x a bf16 tile's time. H100, b=64 L=8K, graph µs, Gluon vs the plain table (--grids
+#: gluonfp8, 2026-11-22, twenty-first session, call 5): h16 298.1 vs 288.0 (page 64) and 299.2 vs 282.2 (page 16): plain
+#: kept; h32 303.6 vs 474.5, h64 311.5 vs 482.5; FlashMLA grid b=128 h128 L=8K s1 1132.2 vs 2493.4, s2 2187.2 vs 4871.1.
+GLUON_FP8_MIN_ROWS = 32
 #: (rows bucket, kv format) -> config where a 64-token tile spans several pages (page_size < 64, dense caches)
 SMALL_PAGE_CONFIGS: dict[tuple[int, str], KernelConfig] = {(64, "bf16"): _H64_N64_S3, (64, "fp16"): _H64_N64_S3}
 INTERPRETER_CONFIG = KernelConfig(16, 16, 4, 1, chunk_size=16)
@@ -544,13 +549,15 @@ INTERPRETER_CONFIG = KernelConfig(16, 16, 4, 1, chunk_size=16)
 def choose_config(rows: int, kv_format: str, *, page_size: int | None = None, heads_kv: int = 1,
                   interpret: bool = False, gluon: bool = False) -> KernelConfig:
     """The config for a problem class (see ``CONFIGS``; ``TMA_CONFIGS`` for bf16/fp16 caches with one KV head
-    and pages of whole 64-token tiles; ``GLUON_CONFIG`` for bf16/fp16 caches with one KV head and any page size when
-    ``gluon`` says the Gluon sm_90 kernel can run (:func:`.gluon_sm90.gluon_possible`); ``SMALL_PAGE_CONFIGS`` for
+    and pages of whole 64-token tiles; ``GLUON_CONFIG`` for bf16/fp16 caches (and fp8_e4m3 ones from
+    ``GLUON_FP8_MIN_ROWS`` rows) with one KV head and any page size when ``gluon`` says the Gluon sm_90 kernel can run
+    (:func:`.gluon_sm90.gluon_possible`); ``SMALL_PAGE_CONFIGS`` for
     dense caches with pages shorter than 64 tokens; ``page_size=None``: sparse or unknown)."""
     if interpret:
         return INTERPRETER_CONFIG
     key = (_rows_bucket(rows), kv_format)
-    if gluon and kv_format in ("bf16", "fp16") and page_size is not None and heads_kv == 1:
+    if gluon and page_size is not None and heads_kv == 1 and (
+            kv_format in ("bf16", "fp16") or (kv_format == "fp8_e4m3" and key[0] >= GLUON_FP8_MIN_ROWS)):
         return GLUON_CONFIG
     tma = TMA_CONFIGS.get(key)
     if tma is not None and page_size is not None and heads_kv == 1 and page_size % tma.block_n == 0:
@@ -690,8 +697,8 @@ def launch_decode_kernel(kernel, q, kv, block_table, cache_seqlens, indices, kv_
         from mla_dispatch.kernels.triton.gluon_sm90 import gluon_applies, launch_decode_gluon
 
         if gluon_applies(q, kv, kv_format=kv_format, sparse=sparse, head_dim_v=head_dim_v, traced=traced):
-            return launch_decode_gluon(q, kv, block_table, cache_seqlens, items, part_offsets, out, lse, partial_out,
-                                       partial_lse, softmax_scale=softmax_scale, causal=causal)
+            return launch_decode_gluon(q, kv, block_table, cache_seqlens, kv_scale, items, part_offsets, out, lse,
+                                       partial_out, partial_lse, softmax_scale=softmax_scale, causal=causal)
     descs = tma_descriptors(kv, head_dim_v, block_n) if use_tma else (None, None)
     q_descs = tma_descriptors(q.view(batch * q_len, h_q, 1, d_qk), head_dim_v, block_m) if q_tma else (None, None)
     with kernel_device(q):  # Triton launches on the current device, not the tensors'

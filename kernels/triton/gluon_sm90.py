@@ -38,10 +38,20 @@ How a tile reaches shared memory depends on the page size (``GATHER``, a compile
   H100 this reads pages of 1 and 16 tokens within 3% of the time of pages of 64 (graph replays, b=64 L=8K,
   kernels/triton/NOTES.md, "The Gluon kernel on short pages").
 
-Applies (:func:`gluon_applies`): an NVIDIA sm_90 GPU, a plain (untraced) launch, bf16/fp16, one KV head, D_qk = 576 /
-D_v = 512, a contiguous cache and q with 16-byte aligned bases (the conditions of the plain kernel's TMA path,
-:func:`.decode.tma_applies` / :func:`.decode.q_tma_applies`, any page size), and the Gluon API this file was written
-against (triton 3.6; :data:`GLUON_API`).
+fp8_e4m3 caches (``FP8``; :data:`GLUON_KV_FORMATS`): every tile is gathered as fp8 into one of two 36 KB stages and
+converted to fp16 in shared memory (:func:`_dequant_tile`) into the one 72 KB buffer the wgmma read; the per-tensor
+scale multiplies S and O. The operands are fp16 rather than bf16 because e4m3 -> f16 is one conversion per two values
+and e4m3 -> bf16 went through f32, four instructions per two values, two of them ``F2F`` (measured +1.7-2.3 us per tile
+against +1.0 us). A bf16 query tile is converted to fp16 in place once per item, each row times the power of two that
+puts its largest magnitude in ``[2^14, 2^15)``, undone on S (:func:`_query_to_fp16`), so a bf16 query survives whatever
+its range (rows whose largest magnitude is above 2^-112). The conversion runs between a tile's copies and its wgmma, so
+an fp8 tile costs ~1.25x a bf16 one and the kernel reaches ~0.8x bf16's throughput (1.55x the plain kernel's fp8 path at
+32 and 64 rows, 2.2x on FlashMLA's grid; H100, kernels/triton/NOTES.md, "fp8_e4m3 in the Gluon kernel").
+
+Applies (:func:`gluon_applies`): an NVIDIA sm_90 GPU, a plain (untraced) launch, bf16/fp16 q, a cache of q's type or
+fp8_e4m3, one KV head, D_qk = 576 / D_v = 512, a contiguous cache and q with 16-byte aligned bases (the conditions of
+the plain kernel's TMA path, :func:`.decode.tma_applies` / :func:`.decode.q_tma_applies`, any page size), and the Gluon
+API this file was written against (triton 3.6; :data:`GLUON_API`).
 """
 
 from __future__ import annotations
@@ -65,12 +75,17 @@ try:  # Gluon is experimental: its API moves between Triton releases (written fo
     # TMA and cp.async copies into shared memory: async_copy_global_to_shared in 3.6, async_load from 3.7 on
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+    # a shared buffer viewed as another type: shared_memory_descriptor._reinterpret in 3.6, .reinterpret in 3.9
+    from triton.experimental.gluon.language._core import shared_memory_descriptor as _smem_desc
+    _PUBLIC_REINTERPRET = gl.constexpr(hasattr(_smem_desc, "reinterpret"))
     GLUON_API = True
 except ImportError:  # pragma: no cover - a Triton without Gluon
     GLUON_API = False
 
-__all__ = ["GLUON_API", "gluon_applies", "gluon_possible", "launch_decode_gluon"]
+__all__ = ["GLUON_API", "GLUON_KV_FORMATS", "gluon_applies", "gluon_possible", "launch_decode_gluon"]
 
+#: cache formats the kernel reads: 16-bit as they are, fp8_e4m3 converted in shared memory (per-tensor scale)
+GLUON_KV_FORMATS = ("bf16", "fp16", "fp8_e4m3")
 BLOCK_M = 64  # query rows per program (heads on M): one wgmma M
 BLOCK_N = 64  # tokens per tile: one page-aligned TMA box, 72 KB with the RoPE part
 NUM_STAGES = 2  # 2 x 72 KB of KV tiles + 72 KB of query tile + 8 KB of P: 224 KB of the 227 KB
@@ -130,6 +145,40 @@ if GLUON_API:
                 mbarrier.arrive(bar)
 
     @gluon.jit
+    def _dequant_tile(k8, r8, kbuf, rbuf, TILE_N: gl.constexpr, D_V: gl.constexpr, D_ROPE: gl.constexpr):
+        """Convert a gathered fp8_e4m3 tile (``k8`` latent / ``r8`` RoPE, shared memory) to fp16 into ``kbuf`` /
+        ``rbuf``, the operands of the wgmma, 16 token rows at a time (32 values per thread, so the conversion fits
+        beside the accumulator). fp16, not bf16: e4m3 -> f16 is one conversion per two values (``F2FP``), e4m3 -> bf16
+        went through f32 (four per two, two of them ``F2F``), and the tile's conversion runs between the copies and the
+        wgmma. The per-tensor scale is applied to S and O instead."""
+        ROWS: gl.constexpr = 16
+        cvt: gl.constexpr = gl.BlockedLayout([1, 16], [2, 16], [8, 1], [1, 0])  # 16 rows x 256 columns per pass
+        cvt_r: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [8, 1], [1, 0])  # 64 rows x 64 columns
+        for i in gl.static_range(TILE_N // ROWS):
+            x = k8.slice(i * ROWS, ROWS, dim=0).load(cvt)
+            kbuf.slice(i * ROWS, ROWS, dim=0).store(x.to(kbuf.dtype))
+        rbuf.store(r8.load(cvt_r).to(rbuf.dtype))
+
+    @gluon.jit
+    def _query_to_fp16(q_smem, qr_smem, q_op, qr_op, qd_smem, TILE_M: gl.constexpr):
+        """A bf16 query tile (``q_smem`` latent, ``qr_smem`` RoPE) to fp16 in place (``q_op`` / ``qr_op``, the same
+        bytes), each row times a power of two that puts its largest magnitude in ``[2^14, 2^15)`` (so no row overflows
+        fp16 or drowns in its subnormals, whatever the query's range); the inverse factors go to ``qd_smem`` for S.
+        16 rows at a time; each thread writes back exactly the values it read."""
+        ROWS: gl.constexpr = 16
+        lat: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])  # 16 rows x 128 columns per pass
+        rop: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [8, 1], [1, 0])  # 16 rows x 64 columns, same rows
+        for i in gl.static_range(TILE_M // ROWS):
+            x = q_smem.slice(i * ROWS, ROWS, dim=0).load(lat).to(gl.float32)
+            xr = qr_smem.slice(i * ROWS, ROWS, dim=0).load(rop).to(gl.float32)
+            amax = gl.maximum(gl.max(gl.abs(x), 1), gl.convert_layout(gl.max(gl.abs(xr), 1), gl.SliceLayout(1, lat)))
+            up, down = _pow2_scale(amax)
+            q_op.slice(i * ROWS, ROWS, dim=0).store((x * up[:, None]).to(gl.float16))
+            up_r = gl.convert_layout(up, gl.SliceLayout(1, rop))
+            qr_op.slice(i * ROWS, ROWS, dim=0).store((xr * up_r[:, None]).to(gl.float16))
+            qd_smem.slice(i * ROWS, ROWS).store(down)
+
+    @gluon.jit
     def _pow2_scale(amax):
         """``(2^s, 2^-s)`` with ``amax * 2^s`` in ``[2^14, 2^15)``, clamped to ``[-113, 126]`` (as
         :func:`.decode._pow2_scale`)."""
@@ -140,7 +189,7 @@ if GLUON_API:
     @gluon.jit
     def mla_decode_sm90_kernel(
         q_desc, qr_desc, k_desc, r_desc,
-        KV, BlockTable, Seqlens, Items, PartOffsets,
+        KV, KVScale, BlockTable, Seqlens, Items, PartOffsets,
         Out, Lse, PartialOut, PartialLse,
         qk_scale,  # softmax_scale * log2(e)
         q_len, group,  # s_q, h_q
@@ -150,10 +199,14 @@ if GLUON_API:
         stride_pob, stride_pos, stride_poh,
         stride_plb, stride_pls, stride_plh,
         PAGE_SIZE: gl.constexpr, D_V: gl.constexpr, D_ROPE: gl.constexpr, CAUSAL: gl.constexpr,
-        TILE_M: gl.constexpr, TILE_N: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr,
+        TILE_M: gl.constexpr, TILE_N: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr, FP8: gl.constexpr,
     ):
         gl.static_assert(gl.num_warps() == 8)
         dtype: gl.constexpr = q_desc.dtype
+        if FP8:  # the type of the wgmma operands: fp16 for fp8 caches (see _dequant_tile), else the query's
+            cdt: gl.constexpr = gl.float16
+        else:
+            cdt: gl.constexpr = dtype
         LN2: gl.constexpr = 0.6931471805599453
         NBYTES: gl.constexpr = TILE_N * (D_V + D_ROPE) * 2
         # S [rows, tokens]: the two warpgroups split the tokens; O [rows, channels]: they split the channels
@@ -166,13 +219,40 @@ if GLUON_API:
         col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
-        p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_M, TILE_N], dtype)
+        p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_M, TILE_N], cdt)
 
         q_smem = gl.allocate_shared_memory(dtype, [TILE_M, D_V], q_desc.layout)
         qr_smem = gl.allocate_shared_memory(dtype, [TILE_M, D_ROPE], qr_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, TILE_N, D_V], k_desc.layout)
-        r_smem = gl.allocate_shared_memory(dtype, [STAGES, TILE_N, D_ROPE], r_desc.layout)
-        p_smem = gl.allocate_shared_memory(dtype, [TILE_M, TILE_N], p_layout)
+        k_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_N, D_V], cdt)
+        r_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_N, D_ROPE], cdt)
+        if FP8:  # tiles land as fp8 in STAGES buffers (64-byte swizzle: 64-column slices for the copies), converted
+            # into one fp16 buffer that the wgmma read (2 x 36 + 72 KB, as 2 x 72 KB for bf16)
+            gl.static_assert(GATHER)
+            kv8_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
+            kl_smem = gl.allocate_shared_memory(KV.dtype.element_ty, [STAGES, TILE_N, D_V], kv8_layout)
+            rl_smem = gl.allocate_shared_memory(KV.dtype.element_ty, [STAGES, TILE_N, D_ROPE], kv8_layout)
+            k_smem = gl.allocate_shared_memory(cdt, [1, TILE_N, D_V], k_layout)
+            r_smem = gl.allocate_shared_memory(cdt, [1, TILE_N, D_ROPE], r_layout)
+            kv_scale = gl.load(KVScale)
+            # the query tile converted to fp16 in place (same 16-bit swizzled layout) and its rows' scales: see the
+            # item loop
+            if _PUBLIC_REINTERPRET:
+                q_op = q_smem.reinterpret(cdt, [TILE_M, D_V], q_desc.layout)
+                qr_op = qr_smem.reinterpret(cdt, [TILE_M, D_ROPE], qr_desc.layout)
+            else:
+                q_op = q_smem._reinterpret(cdt, [TILE_M, D_V], q_desc.layout)
+                qr_op = qr_smem._reinterpret(cdt, [TILE_M, D_ROPE], qr_desc.layout)
+            qd_smem = gl.allocate_shared_memory(gl.float32, [TILE_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        else:
+            k_smem = gl.allocate_shared_memory(dtype, [STAGES, TILE_N, D_V], k_layout)
+            r_smem = gl.allocate_shared_memory(dtype, [STAGES, TILE_N, D_ROPE], r_layout)
+            kl_smem = k_smem
+            rl_smem = r_smem
+            kv_scale = 1.0
+            q_op = q_smem
+            qr_op = qr_smem
+        s_scale = qk_scale * kv_scale
+        p_smem = gl.allocate_shared_memory(cdt, [TILE_M, TILE_N], p_layout)
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
@@ -213,8 +293,8 @@ if GLUON_API:
             if n_tiles > 0:
                 st = it % STAGES
                 pages = _tile_pages(bt_row, tok_begin, tok_end, PAGE_SIZE, TILE_N, GATHER, cp_layout)
-                _issue_tile(k_desc, r_desc, KV, bt_row, tok_begin, tok_end, pages, k_smem.index(st),
-                            r_smem.index(st), bars.index(st), stride_kt, PAGE_SIZE, TILE_N, D_V, D_ROPE, NBYTES,
+                _issue_tile(k_desc, r_desc, KV, bt_row, tok_begin, tok_end, pages, kl_smem.index(st),
+                            rl_smem.index(st), bars.index(st), stride_kt, PAGE_SIZE, TILE_N, D_V, D_ROPE, NBYTES,
                             GATHER, cp_layout)
 
             # key t is visible to row (i, h) iff t < limit[i] (and t < tok_end: the partial tile's zeros)
@@ -228,6 +308,14 @@ if GLUON_API:
             acc = gl.zeros([TILE_M, D_V], gl.float32, layout=o_layout)
             mbarrier.wait(q_bar, q_phase)
             q_phase ^= 1
+            if FP8:
+                if dtype != cdt:  # a bf16 query tile to fp16 in place, rows scaled by powers of two (undone on S)
+                    _query_to_fp16(q_smem, qr_smem, q_op, qr_op, qd_smem, TILE_M)
+                    fence_async_shared()
+                    _cta_barrier()
+                    s_rows = s_scale * qd_smem.load(row_s)
+                else:
+                    s_rows = s_scale + gl.zeros([TILE_M], gl.float32, layout=row_s)
             for j in range(n_tiles):
                 start = tok_begin + j * TILE_N
                 st = it % STAGES
@@ -235,9 +323,9 @@ if GLUON_API:
                 _cta_barrier()
                 if j + 1 < n_tiles:  # the next tile's load runs under this tile's compute
                     nst = (it + 1) % STAGES
-                    _issue_tile(k_desc, r_desc, KV, bt_row, start + TILE_N, tok_end, next_pages, k_smem.index(nst),
-                                r_smem.index(nst), bars.index(nst), stride_kt, PAGE_SIZE, TILE_N, D_V, D_ROPE,
-                                NBYTES, GATHER, cp_layout)
+                    _issue_tile(k_desc, r_desc, KV, bt_row, start + TILE_N, tok_end, next_pages,
+                                kl_smem.index(nst), rl_smem.index(nst), bars.index(nst), stride_kt, PAGE_SIZE, TILE_N,
+                                D_V, D_ROPE, NBYTES, GATHER, cp_layout)
                     next_pages = _tile_pages(bt_row, start + 2 * TILE_N, tok_end, PAGE_SIZE, TILE_N, GATHER,
                                              cp_layout)
                 if GATHER:  # tile j's copy group is complete when at most tile j + 1's is in flight
@@ -253,14 +341,26 @@ if GLUON_API:
                         async_copy.wait_group(0)
                         fence_async_shared()
                         _cta_barrier()
-                kbuf = k_smem.index(st)
-                s = warpgroup_mma(q_smem, kbuf.permute((1, 0)), gl.zeros([TILE_M, TILE_N], gl.float32, s_layout),
+                if FP8:  # every warp has its copies (barrier above); P V of tile j - 1 is done with k_smem
+                    kbuf = k_smem.index(0)
+                    rbuf = r_smem.index(0)
+                    _dequant_tile(kl_smem.index(st), rl_smem.index(st), kbuf, rbuf, TILE_N, D_V, D_ROPE)
+                    fence_async_shared()
+                    _cta_barrier()
+                else:
+                    kbuf = k_smem.index(st)
+                    rbuf = r_smem.index(st)
+                s = warpgroup_mma(q_op, kbuf.permute((1, 0)), gl.zeros([TILE_M, TILE_N], gl.float32, s_layout),
                                   use_acc=False, is_async=True)
-                s = warpgroup_mma(qr_smem, r_smem.index(st).permute((1, 0)), s, is_async=True)
+                s = warpgroup_mma(qr_op, rbuf.permute((1, 0)), s, is_async=True)
                 s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
 
                 n = start + gl.arange(0, TILE_N, layout=col_s)
-                s = gl.where(n[None, :] < limit[:, None], s * qk_scale, float("-inf"))
+                if FP8:
+                    s = s * s_rows[:, None]
+                else:
+                    s = s * s_scale
+                s = gl.where(n[None, :] < limit[:, None], s, float("-inf"))
                 m_new = gl.maximum(m_i, gl.max(s, 1))
                 m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
                 alpha = gl.exp2(m_i - m_safe)
@@ -269,7 +369,7 @@ if GLUON_API:
                 # warpgroups per tile (reducing the sums per tile too cost 2-5% on the FlashMLA grid, H100)
                 l2 = l2 * alpha[:, None] + p
                 m_i = m_new
-                p_smem.store(p.to(dtype))
+                p_smem.store(p.to(cdt))
                 fence_async_shared()
                 _cta_barrier()  # both halves of P are in shared memory
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -280,7 +380,7 @@ if GLUON_API:
             # -- epilogue: normalise; natural-log LSE ------------------------------------
             l_i = gl.sum(l2, 1)
             has_key = l_i > 0.0
-            inv_l = gl.where(has_key, 1.0 / gl.where(has_key, l_i, 1.0), 0.0)
+            inv_l = gl.where(has_key, kv_scale / gl.where(has_key, l_i, 1.0), 0.0)  # the fp8 scale of V
             lse_nat = (m_i + gl.log2(gl.where(has_key, l_i, 1.0))) * LN2
             o = acc * gl.convert_layout(inv_l, row_o)[:, None]
             row_ok_s = flat_s < rows_total
@@ -315,12 +415,15 @@ def gluon_possible(*, capability, sparse: bool, head_dim_qk: int, head_dim_v: in
 
 def gluon_applies(q, kv, *, kv_format: str, sparse: bool, head_dim_v: int, traced: bool) -> bool:
     """Whether a launch can take :func:`mla_decode_sm90_kernel`: Gluon importable; a plain launch on an NVIDIA sm_90
-    GPU; bf16/fp16 q and cache, dense, one KV head, ``D_qk = 576``, ``D_v = 512``; any page size; cache and q
-    contiguous with 16-byte aligned bases and fewer than 2^31 token / query rows."""
-    if not GLUON_API or traced or sparse or kv_format not in ("bf16", "fp16"):
+    GPU; bf16/fp16 q; a cache of q's type or fp8_e4m3 (:data:`GLUON_KV_FORMATS`), dense, one KV head, ``D_qk = 576``,
+    ``D_v = 512``; any page size; cache and q contiguous with 16-byte aligned bases and fewer than 2^31 token / query
+    rows."""
+    if not GLUON_API or traced or sparse or kv_format not in GLUON_KV_FORMATS:
         return False
     nb, page_size, h_kv, d_qk = kv.shape
-    if h_kv != 1 or d_qk != 576 or head_dim_v != 512 or q.dtype != kv.dtype:
+    if h_kv != 1 or d_qk != 576 or head_dim_v != 512 or q.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if kv.dtype != (torch.float8_e4m3fn if kv_format == "fp8_e4m3" else q.dtype):
         return False
     if not (kv.is_contiguous() and q.is_contiguous()) or kv.data_ptr() % 16 or q.data_ptr() % 16:
         return False
@@ -354,21 +457,24 @@ def _descriptors(t, rows: int, block_rows: int, head_dim_v: int):
                              _layout(block_rows, width - head_dim_v, t.dtype)))
 
 
-def launch_decode_gluon(q, kv, block_table, cache_seqlens, items, part_offsets, out, lse, partial_out, partial_lse,
-                        *, softmax_scale: float, causal: bool):
+def launch_decode_gluon(q, kv, block_table, cache_seqlens, kv_scale, items, part_offsets, out, lse, partial_out,
+                        partial_lse, *, softmax_scale: float, causal: bool):
     """Launch :func:`mla_decode_sm90_kernel` (check :func:`gluon_applies` first): grid
-    ``(num_parts, ceil(s_q * h_q / 64))``. Shapes as :func:`.decode.launch_decode`; the partial rows carry one scale
-    each (combine with ``v_split = 1``). No allocation, no sync."""
+    ``(num_parts, ceil(s_q * h_q / 64))``. Shapes as :func:`.decode.launch_decode`; ``kv_scale`` fp32 ``[1]`` for an
+    fp8_e4m3 cache, else None; the partial rows carry one scale each (combine with ``v_split = 1``). No allocation, no
+    sync."""
     batch, q_len, h_q, d_qk = q.shape
     nb, page_size = kv.shape[:2]
     head_dim_v = out.shape[-1]
+    fp8 = kv.dtype == torch.float8_e4m3fn
     qd, qrd = _descriptors(q, batch * q_len * h_q, BLOCK_M, head_dim_v)
-    kd, rd = _descriptors(kv, nb * page_size, BLOCK_N, head_dim_v)
+    # fp8 tiles are always gathered (no cache descriptors; the query's stand in for the unused arguments)
+    kd, rd = (qd, qrd) if fp8 else _descriptors(kv, nb * page_size, BLOCK_N, head_dim_v)
     grid = (part_offsets.shape[0] - 1, triton.cdiv(q_len * h_q, BLOCK_M))
     with kernel_device(q):
         return mla_decode_sm90_kernel[grid](
             qd, qrd, kd, rd,
-            kv, block_table, cache_seqlens, items, part_offsets,
+            kv, kv_scale if fp8 else cache_seqlens, block_table, cache_seqlens, items, part_offsets,
             out, lse, partial_out, partial_lse,
             softmax_scale * 1.4426950408889634,
             q_len, h_q,
@@ -378,6 +484,6 @@ def launch_decode_gluon(q, kv, block_table, cache_seqlens, items, part_offsets, 
             partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
             partial_lse.stride(0), partial_lse.stride(1), partial_lse.stride(2),
             PAGE_SIZE=page_size, D_V=head_dim_v, D_ROPE=d_qk - head_dim_v, CAUSAL=causal,
-            TILE_M=BLOCK_M, TILE_N=BLOCK_N, STAGES=NUM_STAGES, GATHER=page_size % BLOCK_N != 0,
+            TILE_M=BLOCK_M, TILE_N=BLOCK_N, STAGES=NUM_STAGES, GATHER=fp8 or page_size % BLOCK_N != 0, FP8=fp8,
             num_warps=NUM_WARPS,
         )
