@@ -551,8 +551,8 @@ def choose_config(rows: int, kv_format: str, *, page_size: int | None = None, he
     """The config for a problem class (see ``CONFIGS``; ``TMA_CONFIGS`` for bf16/fp16 caches with one KV head
     and pages of whole 64-token tiles; ``GLUON_CONFIG`` for bf16/fp16 caches (and fp8_e4m3 ones from
     ``GLUON_FP8_MIN_ROWS`` rows) with one KV head and any page size when ``gluon`` says the Gluon sm_90 kernel can run
-    (:func:`.gluon_sm90.gluon_possible`); ``SMALL_PAGE_CONFIGS`` for
-    dense caches with pages shorter than 64 tokens; ``page_size=None``: sparse or unknown)."""
+    (:func:`.gluon_sm90.gluon_possible`); ``SMALL_PAGE_CONFIGS`` for dense caches with pages shorter than 64 tokens;
+    ``page_size=None``: sparse or unknown)."""
     if interpret:
         return INTERPRETER_CONFIG
     key = (_rows_bucket(rows), kv_format)
