@@ -107,6 +107,16 @@ if GLUON_API:
             return rows * 0
 
     @gluon.jit
+    def _copy_rows(base, valid, kbuf, rbuf, D_V: gl.constexpr, cp_layout: gl.constexpr):
+        """Masked cp.async of token rows ``base`` (row pointers, zeros where not ``valid``) into ``kbuf`` (latent, in
+        64-column slices) and ``rbuf`` (RoPE), committed as one copy group."""
+        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, cp_layout))
+        for c in gl.static_range(D_V // 64):
+            _cp_async(kbuf.slice(c * 64, 64, dim=1), base[:, None] + (c * 64 + cols)[None, :], mask=valid[:, None])
+        _cp_async(rbuf, base[:, None] + (D_V + cols)[None, :], mask=valid[:, None])
+        async_copy.commit_group()
+
+    @gluon.jit
     def _issue_tile(k_desc, r_desc, KV, bt_row, start, tok_end, pages, kbuf, rbuf, bar, stride_kt,
                     PAGE_SIZE: gl.constexpr, TILE_N: gl.constexpr, D_V: gl.constexpr, D_ROPE: gl.constexpr,
                     NBYTES: gl.constexpr, GATHER: gl.constexpr, cp_layout: gl.constexpr):
@@ -118,15 +128,10 @@ if GLUON_API:
         token row from its own page (``pages``, from :func:`_tile_pages`, loaded a tile ahead so that the table's
         latency is not paid here), one copy group per tile, ``bar`` left alone."""
         rows = gl.arange(0, TILE_N, layout=gl.SliceLayout(1, cp_layout))
-        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, cp_layout))
         if GATHER:
             tok = start + rows
-            valid = tok < tok_end
             base = KV + (pages.to(gl.int64) * PAGE_SIZE + tok % PAGE_SIZE) * stride_kt
-            for c in gl.static_range(D_V // 64):
-                _cp_async(kbuf.slice(c * 64, 64, dim=1), base[:, None] + (c * 64 + cols)[None, :], mask=valid[:, None])
-            _cp_async(rbuf, base[:, None] + (D_V + cols)[None, :], mask=valid[:, None])
-            async_copy.commit_group()
+            _copy_rows(base, tok < tok_end, kbuf, rbuf, D_V, cp_layout)
         else:
             page = gl.load(bt_row + start // PAGE_SIZE)  # the request's table row; start < tok_end: within its length
             r0 = page * PAGE_SIZE + start % PAGE_SIZE  # token row of the cache viewed as [pages * page_size, D_qk]
@@ -135,13 +140,8 @@ if GLUON_API:
                 _tma_load(k_desc, [r0, 0], bar, kbuf)
                 _tma_load(r_desc, [r0, D_V], bar, rbuf)
             else:
-                valid = (start + rows) < tok_end
                 base = KV + (r0.to(gl.int64) + rows.to(gl.int64)) * stride_kt
-                for c in gl.static_range(D_V // 64):
-                    _cp_async(kbuf.slice(c * 64, 64, dim=1), base[:, None] + (c * 64 + cols)[None, :],
-                              mask=valid[:, None])
-                _cp_async(rbuf, base[:, None] + (D_V + cols)[None, :], mask=valid[:, None])
-                async_copy.commit_group()
+                _copy_rows(base, (start + rows) < tok_end, kbuf, rbuf, D_V, cp_layout)
                 mbarrier.arrive(bar)
 
     @gluon.jit
