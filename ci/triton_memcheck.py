@@ -2,9 +2,9 @@
 the 16/32-row three-per-SM configs on the one-page-per-tile, whole-pages (tl.gather) and per-token table paths;
 the 64-row config on page 1 with the table prefetched a stage ahead, and with an fp8 cache; bf16 whole tiles by TMA
 with 16, 32 and 128 rows; the combine per part boundary where requests outnumber the boundaries). On an H100 / H200 the
-bf16 cases and the fp8_e4m3 ones with 32+ rows take the Gluon kernel (kernels/triton/gluon_sm90.py,
-decode.GLUON_CONFIG: whole tiles by TMA on pages of 64+ tokens, every tile gathered by cp.async on shorter pages and
-for fp8); five cases force the plain kernel's configs.
+bf16 cases and the fp8_e4m3 ones with 32+ rows take the Gluon config (decode.GLUON_CONFIG): the seesaw kernel
+(kernels/triton/gluon_seesaw.py) on 16-bit pages of whole tiles, the gluon_sm90 one (every tile gathered by cp.async)
+on shorter pages and for fp8; five cases force the plain kernel's configs.
 
     compute-sanitizer --tool memcheck python ci/triton_memcheck.py
     compute-sanitizer --tool racecheck python ci/triton_memcheck.py gluon   # only the cases the Gluon kernel runs
@@ -52,6 +52,9 @@ cases = [
           zero_len_rows=1), dict(num_parts=20, overhead=1)),
     (dict(batch=2, q_len=1, num_heads_q=64, seqlen=333, page_size=16, kv_format="fp8_e4m3"),
      dict(config=parse_spec("hM64-n64-w8"))),
+    # the seesaw kernel: fp16, s_q = 3 causal, page 256, items of one to a few tiles
+    (dict(batch=3, q_len=3, num_heads_q=128, seqlen=900, page_size=256, causal=True, dtype=torch.float16),
+     dict(num_parts=24, overhead=1)),
     # more requests than part boundaries: the combine runs one program row per boundary (combine.BY_BOUNDARY)
     (dict(batch=8, q_len=1, num_heads_q=16, seqlen=300, page_size=64, zero_len_rows=1), dict(num_parts=4, overhead=1)),
     (dict(batch=6, q_len=2, num_heads_q=64, seqlen=500, page_size=16, causal=True), dict(num_parts=3, overhead=1)),

@@ -41,7 +41,7 @@ def test_gluon_kernel_splits_s_between_the_warpgroups():
     if not GLUON_API:
         pytest.skip("this Triton has no usable Gluon")
     for causal in (False, True):
-        report = compile_config(parse_spec("hM64-n64-w8-tma-gl"), causal=causal, sass=True)
+        report = compile_config(parse_spec("hM64-n64-w8-tma-gl"), causal=causal, sass=True, seesaw=False)
         loops = [loop for loop in report["sass_loops"] if "HGMMA.64x32x16" in loop]
         assert len(loops) == 1, report["sass_loops"]
         loop = loops[0]
@@ -85,3 +85,31 @@ def test_gluon_kernel_converts_fp8_tiles_in_shared_memory():
     assert "HGMMA.64x32x16 x36" in loop and "HGMMA.64x256x16 x4" in loop, loop
     assert "0 local loads/stores" in loop and "LDGSTS" in loop and "UTMALDG" not in loop, loop
     assert report["tma"] == 2 and report["smem"] <= 227 * 1024
+
+
+def test_seesaw_kernel_runs_two_tiles_one_per_warpgroup():
+    """The seesaw kernel (kernels/triton/gluon_seesaw.py), which the Gluon config takes on 16-bit pages of whole tiles,
+    compiles for sm_90 with this machine's Triton into two warp-specialised loops, one per warpgroup: each computes the
+    S of its own tile over all 64 tokens (36 ``HGMMA.64x64x16``: 16 on the latent half whose TMA landed first, an
+    mbarrier wait, then the other 20), and two P V of 4 ``HGMMA.64x256x16`` on its 256 channels (its own tile's P from
+    registers, the other warpgroup's from shared memory); each refills the stage halves it read last (``UTMALDG`` in the
+    loop), with the next tiles' pages loaded at the top of the pair (``LDG``). Triton 3.6 (the device's) keeps local
+    memory out of both loops; 3.9 spills a few registers in the worker's."""
+    from mla_dispatch.kernels.triton.gluon_sm90 import GLUON_API
+
+    if not GLUON_API:
+        pytest.skip("this Triton has no usable Gluon")
+    for causal in (False, True):
+        report = compile_config(parse_spec("hM64-n64-w8-tma-gl"), causal=causal, sass=True)
+        loops = [loop for loop in report["sass_loops"] if "HGMMA.64x64x16" in loop]
+        assert len(loops) == 2, report["sass_loops"]
+        for loop in loops:
+            events = loop.split(": ", 1)[1].split(", ")
+            s_counts = [int(e.rsplit(" x", 1)[1]) for e in events if e.startswith("HGMMA.64x64x16")]
+            assert sum(s_counts) == 36 and s_counts[0] == 16, loop
+            assert events.count("HGMMA.64x256x16 x4") == 2, loop
+            assert "UTMALDG" in loop and "LDG.E" in loop, loop
+            assert loop.index("SYNCS.PHASECHK") < loop.index("HGMMA.64x64x16"), loop
+            local = int(loop.split(" local loads/stores")[0].rsplit(" ", 1)[1])
+            assert local <= 32, loop
+        assert report["smem"] <= 227 * 1024 and report["regs"] <= 255 and report["wgmma"] > 0

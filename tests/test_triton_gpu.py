@@ -84,6 +84,16 @@ CASES = [
     (dict(batch=3, q_len=4, num_heads_q=16, seqlen=100, page_size=64, causal=True, zero_len_rows=1),
      dict(spec="hM64-n64-w8-tma-gl")),
     (dict(batch=2, q_len=1, num_heads_q=128, seqlen=5000, page_size=64, varlen=False), dict(spec="hM64-n64-w8-tma-gl")),
+    # the seesaw kernel (gluon_seesaw.py; the Gluon config on 16-bit pages of whole tiles, as the cases above): items
+    # of one to a few tiles in both stages, partial last tiles in stage 0 and 1, s_q = 3 causal, fp16
+    (dict(batch=5, q_len=1, num_heads_q=64, seqlen=700, page_size=64, zero_len_rows=1),
+     dict(spec="hM64-n64-w8-tma-gl", num_parts=30, overhead=1)),
+    (dict(batch=3, q_len=3, num_heads_q=128, seqlen=900, page_size=256, causal=True, dtype=torch.float16),
+     dict(spec="hM64-n64-w8-tma-gl", num_parts=24, overhead=1)),
+    # ... and with it switched off (MLA_TRITON_SEESAW=0): the gluon_sm90 kernel's TMA path
+    (dict(batch=3, q_len=2, num_heads_q=128, seqlen=400, page_size=64, causal=True, zero_len_rows=1),
+     dict(spec="hM64-n64-w8-tma-gl", num_parts=40, overhead=1, seesaw=False)),
+    (dict(batch=4, q_len=1, num_heads_q=16, seqlen=700, page_size=128), dict(spec="hM64-n64-w8-tma-gl", seesaw=False)),
     # ... and on pages not holding whole tiles, every tile gathered by masked cp.async, one table entry per token
     # (garbage block ids past a request's length never read): pages 1 / 16 / 33 / 96, split and causal
     (dict(batch=3, q_len=1, num_heads_q=128, seqlen=300, page_size=1), dict(spec="hM64-n64-w8-tma-gl")),
@@ -123,15 +133,21 @@ def _case_id(kw: dict, overrides: dict) -> str:
         parts.append(overrides["spec"])
     if "num_parts" in overrides:
         parts.append(f"split{overrides['num_parts']}")
+    if overrides.get("seesaw") is False:
+        parts.append("noseesaw")
     return "-".join(parts)
 
 
 @pytest.mark.parametrize("kw,overrides", CASES, ids=[_case_id(*c) for c in CASES])
-def test_triton_gpu_matches_reference(kw, overrides, gen):
+def test_triton_gpu_matches_reference(kw, overrides, gen, monkeypatch):
     from mla_dispatch import plan_decode
     from mla_dispatch.backends.triton import TritonBackend
 
     kw = dict(kw)
+    overrides = dict(overrides)
+    seesaw = overrides.pop("seesaw", True)
+    if not seesaw:
+        monkeypatch.setenv("MLA_TRITON_SEESAW", "0")
     dtype = kw.pop("dtype", torch.bfloat16)
     case = make_case(dtype=dtype, device="cuda", generator=gen, **kw)
     plan = plan_decode(*case.args(), backend="triton", **case.kwargs())
@@ -156,6 +172,11 @@ def test_triton_gpu_matches_reference(kw, overrides, gen):
 
             assert gluon_applies(case.q, case.kv_cache, kv_format=case.kv_format, sparse=False,
                                  head_dim_v=case.head_dim_v, traced=False)
+            from mla_dispatch.kernels.triton.gluon_seesaw import seesaw_applies
+
+            # 16-bit pages of whole tiles take the seesaw kernel unless switched off; other cases the gluon_sm90 one
+            expect = seesaw and case.kv_cache.element_size() == 2 and case.kv_cache.shape[1] % 64 == 0
+            assert seesaw_applies(case.kv_cache) == expect
     ref_out, ref_lse = case_reference(case)
     for _ in range(2):  # a second run over the same plan and workspace must give the same answer
         out, lse = poisoned_outputs(case)

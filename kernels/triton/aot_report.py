@@ -28,8 +28,12 @@ _FMT = {"bf16": 0, "fp16": 0, "fp8_e4m3": 1, "fp8_ds_mla": 2}
 
 
 def compile_config(cfg: KernelConfig, *, kv_format="bf16", causal=False, sparse=False, arch=90, d_v=512, d_rope=64,
-                   page_size=64, sass=False):
+                   page_size=64, sass=False, seesaw=None):
     if cfg.gluon:
+        if seesaw is None:  # the kernel a launch takes (decode.launch_decode_kernel)
+            seesaw = kv_format in ("bf16", "fp16") and page_size % 64 == 0
+        if seesaw:
+            return compile_seesaw(kv_format=kv_format, causal=causal, arch=arch, page_size=page_size, sass=sass)
         return compile_gluon(kv_format=kv_format, causal=causal, arch=arch, page_size=page_size, sass=sass)
     names = list(mla_decode_kernel.arg_names)
     ptrs = dict(Q="*bf16", KV=_PTR[kv_format], BlockTable="*i32", Seqlens="*i32", Indices="*i32", KVScale="*fp32",
@@ -85,6 +89,32 @@ def compile_gluon(*, kv_format="bf16", causal=False, arch=90, page_size=64, sass
                       STAGES=g.NUM_STAGES, GATHER=fp8 or page_size % g.BLOCK_N != 0, FP8=fp8)
     src = GluonASTSource(fn, *_signature(names, ptrs, constexprs))
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=g.NUM_WARPS))
+    return _report(k, sass)
+
+
+def compile_seesaw(*, kv_format="bf16", causal=False, arch=90, page_size=64, sass=False):
+    """:func:`compile_config` for the seesaw kernel (:mod:`.gluon_seesaw`: the ``gl`` spec on 16-bit pages of whole
+    tiles), D_qk = 576, D_v = 512."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from mla_dispatch.kernels.triton import gluon_seesaw as ss
+
+    if kv_format not in ("bf16", "fp16") or page_size % ss.BLOCK_N:
+        raise ValueError(f"kv_format={kv_format!r}, page_size={page_size}: the seesaw kernel reads 16-bit caches on "
+                         f"pages of whole {ss.BLOCK_N}-token tiles")
+    fn = ss.mla_decode_seesaw_kernel
+    gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[kv_format]
+
+    def desc(rows, cols):
+        return f"tensordesc<{kv_format}[{rows}, {cols}],{gl.NVMMASharedLayout.get_default_for([rows, cols], gdt)!r}>"
+
+    ptrs = dict(q_desc=desc(ss.BLOCK_M, 2 * ss.HALF), qr_desc=desc(ss.BLOCK_M, 64), k_desc=desc(ss.BLOCK_N, ss.HALF),
+                r_desc=desc(ss.BLOCK_N, 64), BlockTable="*i32", Seqlens="*i32", Items="*i32", PartOffsets="*i32",
+                Out=f"*{kv_format}", Lse="*fp32", PartialOut="*fp16", PartialLse="*fp32")
+    constexprs = dict(PAGE_SIZE=page_size, CAUSAL=causal, WORKER_NUM_REGS=ss.WORKER_REGS)
+    src = GluonASTSource(fn, *_signature(list(fn.arg_names), ptrs, constexprs))
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
     return _report(k, sass)
 
 

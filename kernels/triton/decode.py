@@ -534,7 +534,10 @@ for _fmt in ("bf16", "fp16"):
 #: session): h=16 239.4 / 233.9 / 232.2 vs the plain table's 258.1 / 251.7 / 259.7, h=32 244.8 / 239.9 / 238.6 vs
 #: 327.9 / 386.4 / 391.9, h=64 254.1 / 248.7 / 248.6 vs 351.5 / 388.4 / 397.4. Where a launch does not meet
 #: ``gluon_sm90.gluon_applies`` (q not contiguous, say), the plain kernel runs with the same tiles (by TMA on pages of
-#: whole tiles, gathered on others).
+#: whole tiles, gathered on others). On 16-bit pages of whole tiles the launch takes the seesaw kernel
+#: (:mod:`.gluon_seesaw`, ``seesaw_applies``) instead: FlashMLA grid b=128 h=128 s_q=1/2 graph µs at L=8K 635.9 / 1172.5
+#: vs 736.5 / 1415.5 for ``gluon_sm90``, the memory-bound configs equal (2026-11-22, twenty-second session, call 5;
+#: kernels/triton/NOTES.md, "The seesaw kernel").
 GLUON_CONFIG = KernelConfig(64, 64, 8, 2, tma=True, gluon=True)
 #: fp8_e4m3 caches take the Gluon kernel from this rows bucket up: each tile is gathered as fp8 and converted to fp16 in
 #: shared memory, so it costs ~1.25x a bf16 tile's time. H100, b=64 L=8K, graph µs, Gluon vs the plain table (--grids
@@ -697,6 +700,11 @@ def launch_decode_kernel(kernel, q, kv, block_table, cache_seqlens, indices, kv_
         from mla_dispatch.kernels.triton.gluon_sm90 import gluon_applies, launch_decode_gluon
 
         if gluon_applies(q, kv, kv_format=kv_format, sparse=sparse, head_dim_v=head_dim_v, traced=traced):
+            from mla_dispatch.kernels.triton.gluon_seesaw import launch_decode_seesaw, seesaw_applies
+
+            if seesaw_applies(kv):  # 16-bit caches on pages of whole tiles: two tiles in flight, one per warpgroup
+                return launch_decode_seesaw(q, kv, block_table, cache_seqlens, items, part_offsets, out, lse,
+                                            partial_out, partial_lse, softmax_scale=softmax_scale, causal=causal)
             return launch_decode_gluon(q, kv, block_table, cache_seqlens, kv_scale, items, part_offsets, out, lse,
                                        partial_out, partial_lse, softmax_scale=softmax_scale, causal=causal)
     descs = tma_descriptors(kv, head_dim_v, block_n) if use_tma else (None, None)

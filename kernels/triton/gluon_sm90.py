@@ -1,5 +1,9 @@
 """Split-KV paged MLA decode for Hopper (sm_90) in Gluon, for 64-row head tiles.
 
+Since the twenty-second session, 16-bit caches on pages of whole 64-token tiles take :mod:`.gluon_seesaw` (two tiles
+in flight, one per warpgroup; 1.14-1.24x this kernel on FlashMLA's grid, equal on the memory-bound configs), so this
+kernel runs the other page sizes and fp8_e4m3 caches, and those pages too under ``MLA_TRITON_SEESAW=0``.
+
 Why a second kernel in the Triton backend
 -----------------------------------------
 The plain-Triton kernel (:mod:`.decode`) leaves two things on the table at 64 and 128 query rows, read in its
