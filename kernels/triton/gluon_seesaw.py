@@ -12,19 +12,24 @@ kernels/cuda/mla_decode_sm90/mainloop_seesaw.cuh) with Gluon's warp specialisati
 * warpgroup 0 (the default partition) computes S_a = Q K_a^T over all 64 tokens and owns O[:, 0:256),
 * warpgroup 1 (the worker partition) computes S_b and owns O[:, 256:512),
 
-and each runs its softmax while the other's wgmma occupy the tensor cores. Per pair, with m the running row maximum:
+and each runs its softmax while the other's wgmma occupy the tensor cores. Per pair, with m the running row maximum
+(sc0 = 2^(m - m_a), sc1 = 2^(m_a - m_b)):
 
-    WG0: softmax(S_a) against m -> P_a, m_a          | WG1: waits for m_a
-    WG0: O_L = O_L * sc0 + P_a V_aL  (P_a in regs)   | WG1: softmax(S_b) against m_a -> P_b, m_b; P_b -> smem
-    WG0: waits for m_b; P_a * sc1 -> smem            | WG1: O_R = O_R * sc0 * sc1 + P_b V_bR  (P_b in regs)
-    WG0: O_L = O_L * sc1 + P_b V_bL  (P_b from smem) | WG1: O_R += (P_a sc1) V_aR  (from smem)
-    WG0: S_{a+2}                                     | WG1: S_{b+2}
+    WG0: softmax(S_a) against m -> P_a, m_a; P_a -> smem | WG1: waits for P_a, m_a
+    WG0: O_L = O_L * sc0 + P_a V_aL  (P_a in regs)       | WG1: O_R = O_R * sc0 + P_a V_aR (P_a from smem), in flight
+                                                         |      under softmax(S_b) against m_a -> P_b, m_b; P_b -> smem
+    WG0: waits for P_b, m_b                              | WG1: O_R = O_R * sc1 + P_b V_bR  (P_b in regs)
+    WG0: O_L = O_L * sc1 + P_b V_bL  (P_b from smem)     | WG1: S_{b+2}
+    WG0: S_{a+2}                                         |
 
-Only the row maxima cross between the warpgroups (each derives the other's rescale factor from them), through shared
-memory and mbarriers; P_b lives in stage 1's RoPE block, dead once S_b is done (P V reads only the latent part), as in
-the CUDA kernel. Each half of a stage (latent columns 0-255, 256-511; the RoPE block goes with the half its last reader
-refills) has its own mbarrier and is refilled by the warpgroup that reads it last, as soon as it has, and S starts on
-the half that was refilled first.
+Of the softmax state only the row maxima cross between the warpgroups (each derives the other's rescale factor from
+them; the row sums meet once per item), through shared memory and mbarriers; P_b lives in stage 1's RoPE block, dead
+once S_b is done (P V reads only the latent part), as in the CUDA kernel. Each half of a stage (latent columns 0-255,
+256-511; the RoPE block goes with the half its last reader refills) has its own mbarrier and is refilled by the
+warpgroup that reads it last, as soon as it has, and S starts on the half that was refilled first. (FlashMLA's order,
+warpgroup 1 running P_b V_bR before P_a V_aR with P_a rescaled to m_b, was this kernel's first version; the two orders
+were compared only while the loop still spilled, and this one has not been compared with it since:
+kernels/triton/NOTES.md, "The seesaw kernel".)
 
 Scope: bf16/fp16 caches of q's type, pages of whole 64-token tiles (every tile by TMA; a partial last tile's rows past
 the item's end are zeroed in shared memory before P V reads them, and masked out of S), one KV head, D_qk = 576,
