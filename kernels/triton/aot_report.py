@@ -63,7 +63,6 @@ def compile_config(cfg: KernelConfig, *, kv_format="bf16", causal=False, sparse=
 def compile_gluon(*, kv_format="bf16", causal=False, arch=90, page_size=64, sass=False):
     """:func:`compile_config` for the Gluon sm_90 kernel (:mod:`.gluon_sm90`; a ``gl`` spec): bf16/fp16,
     D_qk = 576, D_v = 512."""
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from mla_dispatch.kernels.triton import gluon_sm90 as g
@@ -74,10 +73,9 @@ def compile_gluon(*, kv_format="bf16", causal=False, arch=90, page_size=64, sass
     names = list(fn.arg_names)
     fp8 = kv_format == "fp8_e4m3"
     dt = "bf16" if fp8 else kv_format  # the query's type (Triton's names for the two types)
-    gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dt]
 
     def desc(rows, cols):
-        return f"tensordesc<{dt}[{rows}, {cols}],{gl.NVMMASharedLayout.get_default_for([rows, cols], gdt)!r}>"
+        return _gluon_desc(dt, rows, cols)
 
     # an fp8 launch passes the query's descriptors for the unused cache ones (gluon_sm90.launch_decode_gluon)
     rows_kv = g.BLOCK_M if fp8 else g.BLOCK_N
@@ -95,7 +93,6 @@ def compile_gluon(*, kv_format="bf16", causal=False, arch=90, page_size=64, sass
 def compile_seesaw(*, kv_format="bf16", causal=False, arch=90, page_size=64, sass=False):
     """:func:`compile_config` for the seesaw kernel (:mod:`.gluon_seesaw`: the ``gl`` spec on 16-bit pages of whole
     tiles), D_qk = 576, D_v = 512."""
-    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     from mla_dispatch.kernels.triton import gluon_seesaw as ss
@@ -104,10 +101,9 @@ def compile_seesaw(*, kv_format="bf16", causal=False, arch=90, page_size=64, sas
         raise ValueError(f"kv_format={kv_format!r}, page_size={page_size}: the seesaw kernel reads 16-bit caches on "
                          f"pages of whole {ss.BLOCK_N}-token tiles")
     fn = ss.mla_decode_seesaw_kernel
-    gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[kv_format]
 
     def desc(rows, cols):
-        return f"tensordesc<{kv_format}[{rows}, {cols}],{gl.NVMMASharedLayout.get_default_for([rows, cols], gdt)!r}>"
+        return _gluon_desc(kv_format, rows, cols)
 
     ptrs = dict(q_desc=desc(ss.BLOCK_M, 2 * ss.HALF), qr_desc=desc(ss.BLOCK_M, 64), k_desc=desc(ss.BLOCK_N, ss.HALF),
                 r_desc=desc(ss.BLOCK_N, 64), BlockTable="*i32", Seqlens="*i32", Items="*i32", PartOffsets="*i32",
@@ -116,6 +112,15 @@ def compile_seesaw(*, kv_format="bf16", causal=False, arch=90, page_size=64, sas
     src = GluonASTSource(fn, *_signature(list(fn.arg_names), ptrs, constexprs))
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
     return _report(k, sass)
+
+
+def _gluon_desc(dt: str, rows: int, cols: int) -> str:
+    """The signature type of a Gluon TMA descriptor argument: a ``[rows, cols]`` block of ``dt`` (bf16 / fp16) with the
+    default shared-memory layout, as the launchers build them (:func:`.gluon_sm90._descriptors`)."""
+    from triton.experimental.gluon import language as gl
+
+    gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dt]
+    return f"tensordesc<{dt}[{rows}, {cols}],{gl.NVMMASharedLayout.get_default_for([rows, cols], gdt)!r}>"
 
 
 def _signature(names, ptrs, constexprs):

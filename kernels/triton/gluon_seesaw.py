@@ -77,15 +77,6 @@ if _g.GLUON_API:
     _H = gl.constexpr(HALF)
 
     @gluon.jit
-    def _item(Items, Seqlens, item):
-        req = gl.load(Items + item * 4 + 0)
-        tok_begin = gl.load(Items + item * 4 + 1)
-        tok_end = gl.load(Items + item * 4 + 2)
-        slot = gl.load(Items + item * 4 + 3)
-        seqlen = gl.load(Seqlens + req)
-        return req, tok_begin, tok_end, slot, seqlen
-
-    @gluon.jit
     def _page(bt_row, start, valid, PAGE_SIZE: gl.constexpr):
         """The page of the tile from ``start`` (0 where not ``valid``: no table entry past an item's end is read)."""
         return gl.load(bt_row + start // PAGE_SIZE, mask=valid, other=0)
@@ -150,7 +141,7 @@ if _g.GLUON_API:
         return gl.where(m == float("-inf"), 0.0, m)
 
     @gluon.jit
-    def _epilogue(acc, l_i, m_i, sums, s_sum, s_amax, sums_phase, ib, req, slot, q_len, group, m_tile,
+    def _epilogue(acc, l_i, m_i, sums, s_sum, s_amax, parity, req, slot, q_len, group, m_tile,
                   Out, Lse, PartialOut, PartialLse,
                   stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
                   stride_pob, stride_pos, stride_poh, stride_plb, stride_pls, stride_plh,
@@ -162,13 +153,13 @@ if _g.GLUON_API:
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
         l_o = gl.convert_layout(l_i, row_o)
-        s_sum.index(ib * 2 + WG).store(l_o)
-        s_amax.index(ib * 2 + WG).store(gl.max(gl.abs(acc), 1))
+        s_sum.index(parity * 2 + WG).store(l_o)
+        s_amax.index(parity * 2 + WG).store(gl.max(gl.abs(acc), 1))
         _cta_barrier()
         mbarrier.arrive(sums)
-        mbarrier.wait(sums, sums_phase)
-        l_tot = s_sum.index(ib * 2).load(row_o) + s_sum.index(ib * 2 + 1).load(row_o)
-        amax = gl.maximum(s_amax.index(ib * 2).load(row_o), s_amax.index(ib * 2 + 1).load(row_o))
+        mbarrier.wait(sums, parity)
+        l_tot = s_sum.index(parity * 2).load(row_o) + s_sum.index(parity * 2 + 1).load(row_o)
+        amax = gl.maximum(s_amax.index(parity * 2).load(row_o), s_amax.index(parity * 2 + 1).load(row_o))
         m_o = gl.convert_layout(m_i, row_o)
         has_key = l_tot > 0.0
         inv_l = gl.where(has_key, 1.0 / gl.where(has_key, l_tot, 1.0), 0.0)
@@ -197,16 +188,17 @@ if _g.GLUON_API:
                 gl.store(PartialLse + pl_off, gl.where(has_key, lse_nat, float("-inf")), mask=row_ok)
 
     @gluon.jit
-    def _partition(q_desc, qr_desc, k_desc, r_desc, BlockTable, Seqlens, Items, PartOffsets,
-                   Out, Lse, PartialOut, PartialLse,
-                   q_smem, qr_smem, k_smem, r_smem, p0_smem, s_m, s_sum, s_amax, bars,
-                   qk_scale, q_len, group, stride_bt,
-                   stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-                   stride_pob, stride_pos, stride_poh, stride_plb, stride_pls, stride_plh,
-                   PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WG: gl.constexpr):
+    def _partition(args, WG: gl.constexpr):
         """One warpgroup's side of the schedule (``WG`` 0: even tiles, O[:, 0:256), issues the query tile and each
-        item's first two tiles; 1: odd tiles, O[:, 256:512)). ``bars`` rows: 0-3 the stage halves (stage * 2 + half),
-        4 the query tile, 5-7 the hand-offs of a pair (below), 8 the item's sums (count 2)."""
+        item's first two tiles; 1: odd tiles, O[:, 256:512)); ``args``: the kernel's arguments and shared buffers, the
+        same tuple for both partitions. ``bars`` rows: 0-3 the stage halves (stage * 2 + half), 4 the query tile, 5-7
+        the hand-offs of a pair (below), 8 the item's sums (count 2)."""
+        (q_desc, qr_desc, k_desc, r_desc, BlockTable, Seqlens, Items, PartOffsets,
+         Out, Lse, PartialOut, PartialLse,
+         q_smem, qr_smem, k_smem, r_smem, p0_smem, s_m, s_sum, s_amax, bars,
+         qk_scale, q_len, group, stride_bt,
+         stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
+         stride_pob, stride_pos, stride_poh, stride_plb, stride_pls, stride_plh, PAGE_SIZE, CAUSAL) = args
         cdt: gl.constexpr = q_desc.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, _N, 16])
@@ -242,7 +234,7 @@ if _g.GLUON_API:
         n_pairs = 0  # pairs done so far (the hand-off barriers complete once per pair)
         n_items = 0
         for item in range(item_begin, item_end):
-            req, tok_begin, tok_end, slot, seqlen = _item(Items, Seqlens, item)
+            req, tok_begin, tok_end, slot, seqlen = _g._item_meta(Items, Seqlens, item)
             bt_row = BlockTable + req.to(gl.int64) * stride_bt
             n_tiles = gl.cdiv(tok_end - tok_begin, _N)
             if CAUSAL:
@@ -387,41 +379,11 @@ if _g.GLUON_API:
             base0 += (n_tiles + 1) // 2
             base1 += n_tiles // 2
 
-            _epilogue(acc, l_i, m_i, sums, s_sum, s_amax, n_items & 1, n_items & 1, req, slot, q_len, group, m_tile,
+            _epilogue(acc, l_i, m_i, sums, s_sum, s_amax, n_items & 1, req, slot, q_len, group, m_tile,
                       Out, Lse, PartialOut, PartialLse,
                       stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
                       stride_pob, stride_pos, stride_poh, stride_plb, stride_pls, stride_plh, WG, o_layout)
             n_items += 1
-
-    @gluon.jit
-    def _worker(q_desc, qr_desc, k_desc, r_desc, BlockTable, Seqlens, Items, PartOffsets,
-                Out, Lse, PartialOut, PartialLse,
-                q_smem, qr_smem, k_smem, r_smem, p0_smem, s_m, s_sum, s_amax, bars,
-                qk_scale, q_len, group, stride_bt,
-                stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-                stride_pob, stride_pos, stride_poh, stride_plb, stride_pls, stride_plh,
-                PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr):
-        _partition(q_desc, qr_desc, k_desc, r_desc, BlockTable, Seqlens, Items, PartOffsets,
-                   Out, Lse, PartialOut, PartialLse,
-                   q_smem, qr_smem, k_smem, r_smem, p0_smem, s_m, s_sum, s_amax, bars,
-                   qk_scale, q_len, group, stride_bt,
-                   stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-                   stride_pob, stride_pos, stride_poh, stride_plb, stride_pls, stride_plh, PAGE_SIZE, CAUSAL, 1)
-
-    @gluon.jit
-    def _default(q_desc, qr_desc, k_desc, r_desc, BlockTable, Seqlens, Items, PartOffsets,
-                 Out, Lse, PartialOut, PartialLse,
-                 q_smem, qr_smem, k_smem, r_smem, p0_smem, s_m, s_sum, s_amax, bars,
-                 qk_scale, q_len, group, stride_bt,
-                 stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-                 stride_pob, stride_pos, stride_poh, stride_plb, stride_pls, stride_plh,
-                 PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr):
-        _partition(q_desc, qr_desc, k_desc, r_desc, BlockTable, Seqlens, Items, PartOffsets,
-                   Out, Lse, PartialOut, PartialLse,
-                   q_smem, qr_smem, k_smem, r_smem, p0_smem, s_m, s_sum, s_amax, bars,
-                   qk_scale, q_len, group, stride_bt,
-                   stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-                   stride_pob, stride_pos, stride_poh, stride_plb, stride_pls, stride_plh, PAGE_SIZE, CAUSAL, 0)
 
     @gluon.jit
     def mla_decode_seesaw_kernel(
@@ -463,16 +425,7 @@ if _g.GLUON_API:
                 qk_scale, q_len, group, stride_bt,
                 stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
                 stride_pob, stride_pos, stride_poh, stride_plb, stride_pls, stride_plh, PAGE_SIZE, CAUSAL)
-        gl.warp_specialize([(_default, args), (_worker, args)], [4], [WORKER_NUM_REGS])
-
-
-def _descriptors(t, rows: int, block_rows: int, cols: int):
-    width = t.shape[-1]
-    flat = t.view(rows, width)
-    return (_g.TensorDescriptor(flat, [rows, width], [width, 1], [block_rows, cols],
-                                _g._layout(block_rows, cols, t.dtype)),
-            _g.TensorDescriptor(flat, [rows, width], [width, 1], [block_rows, width - 2 * HALF],
-                                _g._layout(block_rows, width - 2 * HALF, t.dtype)))
+        gl.warp_specialize([(_partition, (args, 0)), (_partition, (args, 1))], [4], [WORKER_NUM_REGS])
 
 
 def launch_decode_seesaw(q, kv, block_table, cache_seqlens, items, part_offsets, out, lse, partial_out, partial_lse,
@@ -482,8 +435,8 @@ def launch_decode_seesaw(q, kv, block_table, cache_seqlens, items, part_offsets,
     :func:`.gluon_sm90.launch_decode_gluon`. No allocation, no sync."""
     batch, q_len, h_q, d_qk = q.shape
     nb, page_size = kv.shape[:2]
-    qd, qrd = _descriptors(q, batch * q_len * h_q, BLOCK_M, 2 * HALF)
-    kd, rd = _descriptors(kv, nb * page_size, BLOCK_N, HALF)
+    qd, qrd = _g._descriptors(q, batch * q_len * h_q, BLOCK_M, 2 * HALF)
+    kd, rd = _g._descriptors(kv, nb * page_size, BLOCK_N, 2 * HALF, cols=HALF)
     grid = (part_offsets.shape[0] - 1, triton.cdiv(q_len * h_q, BLOCK_M))
     with kernel_device(q):
         return mla_decode_seesaw_kernel[grid](

@@ -99,6 +99,16 @@ NUM_WARPS = 8  # two warpgroups
 if GLUON_API:
 
     @gluon.jit
+    def _item_meta(Items, Seqlens, item):
+        """Work item ``item`` of the split-KV schedule (:mod:`.schedule`: request, token range, partial-row slot or
+        -1) and its request's length."""
+        req = gl.load(Items + item * 4 + 0)
+        tok_begin = gl.load(Items + item * 4 + 1)
+        tok_end = gl.load(Items + item * 4 + 2)
+        slot = gl.load(Items + item * 4 + 3)
+        return req, tok_begin, tok_end, slot, gl.load(Seqlens + req)
+
+    @gluon.jit
     def _tile_pages(bt_row, start, tok_end, PAGE_SIZE: gl.constexpr, TILE_N: gl.constexpr, GATHER: gl.constexpr,
                     cp_layout: gl.constexpr):
         """The page of each token row of tile ``start ..`` (``GATHER``; 0 past ``tok_end``: table entries past an
@@ -280,11 +290,7 @@ if GLUON_API:
         it = 0  # tiles issued by this program so far: stage it % STAGES, barrier phase (it // STAGES) & 1
         q_phase = 0
         for item in range(item_begin, item_end):
-            req = gl.load(Items + item * 4 + 0)
-            tok_begin = gl.load(Items + item * 4 + 1)
-            tok_end = gl.load(Items + item * 4 + 2)
-            slot = gl.load(Items + item * 4 + 3)
-            seqlen = gl.load(Seqlens + req)
+            req, tok_begin, tok_end, slot, seqlen = _item_meta(Items, Seqlens, item)
             bt_row = BlockTable + req.to(gl.int64) * stride_bt
             # every warp is done with the previous item's tiles and query tile before they are overwritten
             _cta_barrier()
@@ -451,12 +457,14 @@ def _layout(block_rows: int, cols: int, dtype: torch.dtype):
     return _LAYOUTS[key]
 
 
-def _descriptors(t, rows: int, block_rows: int, head_dim_v: int):
-    """(latent, RoPE) Gluon TMA descriptors over ``t`` viewed as ``[rows, D_qk]``, blocks of ``block_rows`` rows."""
+def _descriptors(t, rows: int, block_rows: int, head_dim_v: int, cols: int | None = None):
+    """(latent, RoPE) Gluon TMA descriptors over ``t`` viewed as ``[rows, D_qk]``, blocks of ``block_rows`` rows; the
+    latent one ``cols`` wide (default all ``head_dim_v`` columns; :mod:`.gluon_seesaw` loads the latent part in halves),
+    the RoPE one the ``D_qk - head_dim_v`` columns after the latent part."""
     width = t.shape[-1]
+    cols = cols or head_dim_v
     flat = t.view(rows, width)
-    return (TensorDescriptor(flat, [rows, width], [width, 1], [block_rows, head_dim_v],
-                             _layout(block_rows, head_dim_v, t.dtype)),
+    return (TensorDescriptor(flat, [rows, width], [width, 1], [block_rows, cols], _layout(block_rows, cols, t.dtype)),
             TensorDescriptor(flat, [rows, width], [width, 1], [block_rows, width - head_dim_v],
                              _layout(block_rows, width - head_dim_v, t.dtype)))
 
