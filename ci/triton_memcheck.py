@@ -2,9 +2,10 @@
 the 16/32-row three-per-SM configs on the one-page-per-tile, whole-pages (tl.gather) and per-token table paths;
 the 64-row config on page 1 with the table prefetched a stage ahead, and with an fp8 cache; bf16 whole tiles by TMA
 with 16, 32 and 128 rows; the combine per part boundary where requests outnumber the boundaries). On an H100 / H200 the
-bf16 cases and the fp8_e4m3 ones with 32+ rows take the Gluon config (decode.GLUON_CONFIG): the seesaw kernel
-(kernels/triton/gluon_seesaw.py) on 16-bit pages of whole tiles, the gluon_sm90 one (every tile gathered by cp.async)
-on shorter pages and for fp8; five cases force the plain kernel's configs.
+bf16 and fp8_e4m3 cases take the Gluon config (decode.GLUON_CONFIG): the seesaw kernel
+(kernels/triton/gluon_seesaw.py) on 16-bit pages of whole tiles, the tokens-on-M fp8 kernel (gluon_fp8.py) for
+fp8_e4m3 with at most 32 rows, the gluon_sm90 one (every tile gathered by cp.async) on shorter pages and for fp8 with
+more rows; five cases force the plain kernel's configs.
 
     compute-sanitizer --tool memcheck python ci/triton_memcheck.py
     compute-sanitizer --tool racecheck python ci/triton_memcheck.py gluon   # only the cases the Gluon kernel runs
@@ -54,6 +55,12 @@ cases = [
      dict(config=parse_spec("hM64-n64-w8"))),
     # the seesaw kernel: fp16, s_q = 3 causal, page 256, items of one to a few tiles
     (dict(batch=3, q_len=3, num_heads_q=128, seqlen=900, page_size=256, causal=True, dtype=torch.float16),
+     dict(num_parts=24, overhead=1)),
+    # the tokens-on-M fp8 kernel (kernels/triton/gluon_fp8.py; fp8_e4m3 with at most 32 rows, as the 16-head fp8_e4m3
+    # case above): 24 rows in a 32-row program, causal, split, zero-length rows, page 33; 32 rows on page 64
+    (dict(batch=3, q_len=3, num_heads_q=8, seqlen=500, page_size=33, kv_format="fp8_e4m3", causal=True,
+          zero_len_rows=1), dict(num_parts=20, overhead=1)),
+    (dict(batch=3, q_len=1, num_heads_q=32, seqlen=700, page_size=64, kv_format="fp8_e4m3"),
      dict(num_parts=24, overhead=1)),
     # more requests than part boundaries: the combine runs one program row per boundary (combine.BY_BOUNDARY)
     (dict(batch=8, q_len=1, num_heads_q=16, seqlen=300, page_size=64, zero_len_rows=1), dict(num_parts=4, overhead=1)),

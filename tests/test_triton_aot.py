@@ -113,3 +113,27 @@ def test_seesaw_kernel_runs_two_tiles_one_per_warpgroup():
             local = int(loop.split(" local loads/stores")[0].rsplit(" ", 1)[1])
             assert local <= 32, loop
         assert report["smem"] <= 227 * 1024 and report["regs"] <= 255 and report["wgmma"] > 0
+
+
+@pytest.mark.parametrize("rows", [16, 32])
+def test_fp8t_kernel_scores_and_accumulates_in_two_warpgroups(rows):
+    """The tokens-on-M fp8_e4m3 kernel (kernels/triton/gluon_fp8.py; at most 32 query rows) compiles for sm_90 with this
+    machine's Triton into its two consumer loops: the scorer's S^T (36 ``HGMMA.64xRx16`` over the 576 channels, N = the
+    rows per program) after a wait for the stage, and the accumulator's O^T (32: 8 blocks of 64 channels x 4 steps of
+    16 tokens), neither touching local memory. The converter's e4m3 -> fp16 conversion and its L2 prefetches are in the
+    PTX, and shared memory fits the 227 KB."""
+    from mla_dispatch.kernels.triton.aot_report import compile_fp8t
+    from mla_dispatch.kernels.triton.gluon_sm90 import GLUON_API
+
+    if not GLUON_API:
+        pytest.skip("this Triton has no usable Gluon")
+    report = compile_fp8t(rows=rows, causal=True, sass=True)
+    shape = f"HGMMA.64x{rows}x16"
+    loops = [loop for loop in report["sass_loops"] if shape in loop]
+    assert len(loops) == 2, report["sass_loops"]
+    assert sum(f"{shape} x36" in loop for loop in loops) == 1 and sum(f"{shape} x32" in loop for loop in loops) == 1
+    for loop in loops:
+        assert " 0 local loads/stores" in loop and loop.index("SYNCS.PHASECHK") < loop.index(shape), loop
+    assert report["wgmma"] == 68 and report["smem"] <= 227 * 1024
+    ptx = compile_fp8t(rows=rows, causal=True, ptx=True)
+    assert "cvt.rn.f16x2.e4m3x2" in ptx and "cp.async.bulk.prefetch.L2.global" in ptx and "setmaxnreg" in ptx

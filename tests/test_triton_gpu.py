@@ -111,6 +111,24 @@ CASES = [
      dict(spec="hM64-n64-w8-tma-gl", num_parts=20, overhead=1)),
     (dict(batch=2, q_len=1, num_heads_q=32, seqlen=3000, page_size=128, kv_format="fp8_e4m3", varlen=False),
      dict(spec="hM64-n64-w8-tma-gl")),
+    # (the cases above with at most 32 query rows take the tokens-on-M fp8 kernel, gluon_fp8.py; these keep
+    # gluon_sm90's fp8 path checked at those row counts, MLA_TRITON_FP8T=0)
+    (dict(batch=3, q_len=1, num_heads_q=16, seqlen=300, page_size=64, kv_format="fp8_e4m3", zero_len_rows=1),
+     dict(spec="hM64-n64-w8-tma-gl", fp8t=False)),
+    (dict(batch=4, q_len=1, num_heads_q=32, seqlen=500, page_size=1, kv_format="fp8_e4m3", dtype=torch.float16),
+     dict(spec="hM64-n64-w8-tma-gl", num_parts=20, overhead=1, fp8t=False)),
+    # the tokens-on-M fp8 kernel (gluon_fp8.py) at 16 and 32 rows per program: padding rows (8 and 24 query rows),
+    # causal s_q = 2 and 3, split requests, zero-length rows, pages 1 / 16 / 33 / 64 / 256, fp16 queries
+    (dict(batch=4, q_len=1, num_heads_q=8, seqlen=300, page_size=64, kv_format="fp8_e4m3"),
+     dict(spec="hM64-n64-w8-tma-gl")),
+    (dict(batch=3, q_len=2, num_heads_q=16, seqlen=400, page_size=16, kv_format="fp8_e4m3", causal=True),
+     dict(spec="hM64-n64-w8-tma-gl", num_parts=30, overhead=1)),
+    (dict(batch=3, q_len=3, num_heads_q=8, seqlen=500, page_size=33, kv_format="fp8_e4m3", causal=True,
+          zero_len_rows=1), dict(spec="hM64-n64-w8-tma-gl", num_parts=30, overhead=1)),
+    (dict(batch=3, q_len=1, num_heads_q=32, seqlen=900, page_size=256, kv_format="fp8_e4m3", dtype=torch.float16),
+     dict(spec="hM64-n64-w8-tma-gl", num_parts=24, overhead=1)),
+    (dict(batch=2, q_len=1, num_heads_q=16, seqlen=2000, page_size=1, kv_format="fp8_e4m3", varlen=False),
+     dict(spec="hM64-n64-w8-tma-gl")),
 ]
 
 
@@ -135,6 +153,8 @@ def _case_id(kw: dict, overrides: dict) -> str:
         parts.append(f"split{overrides['num_parts']}")
     if overrides.get("seesaw") is False:
         parts.append("noseesaw")
+    if overrides.get("fp8t") is False:
+        parts.append("nofp8t")
     return "-".join(parts)
 
 
@@ -148,6 +168,9 @@ def test_triton_gpu_matches_reference(kw, overrides, gen, monkeypatch):
     seesaw = overrides.pop("seesaw", True)
     if not seesaw:
         monkeypatch.setenv("MLA_TRITON_SEESAW", "0")
+    fp8t = overrides.pop("fp8t", True)
+    if not fp8t:
+        monkeypatch.setenv("MLA_TRITON_FP8T", "0")
     dtype = kw.pop("dtype", torch.bfloat16)
     case = make_case(dtype=dtype, device="cuda", generator=gen, **kw)
     plan = plan_decode(*case.args(), backend="triton", **case.kwargs())
@@ -174,9 +197,14 @@ def test_triton_gpu_matches_reference(kw, overrides, gen, monkeypatch):
                                  head_dim_v=case.head_dim_v, traced=False)
             from mla_dispatch.kernels.triton.gluon_seesaw import seesaw_applies
 
-            # 16-bit pages of whole tiles take the seesaw kernel unless switched off; other cases the gluon_sm90 one
+            from mla_dispatch.kernels.triton.gluon_fp8 import fp8t_applies
+
+            # 16-bit pages of whole tiles take the seesaw kernel unless switched off, fp8_e4m3 caches with at most 32
+            # query rows the tokens-on-M fp8 kernel unless switched off; other cases the gluon_sm90 one
             expect = seesaw and case.kv_cache.element_size() == 2 and case.kv_cache.shape[1] % 64 == 0
             assert seesaw_applies(case.kv_cache) == expect
+            expect = fp8t and case.kv_format == "fp8_e4m3" and case.q.shape[1] * case.q.shape[2] <= 32
+            assert fp8t_applies(case.q, case.kv_cache, kv_format=case.kv_format) == expect
     ref_out, ref_lse = case_reference(case)
     for _ in range(2):  # a second run over the same plan and workspace must give the same answer
         out, lse = poisoned_outputs(case)
@@ -221,19 +249,23 @@ def test_triton_gpu_split_rows_keep_the_output_range(num_heads_q, spec, scale, g
     assert rep, rep.message
 
 
+@pytest.mark.parametrize("num_heads_q", [64, 8], ids=["gluon_sm90", "fp8t"])
 @pytest.mark.parametrize("q_factor", [2.0**17, 2.0**-30], ids=["q-beyond-fp16", "q-below-fp16"])
-def test_triton_gpu_gluon_fp8_query_outside_fp16_range(q_factor, gen):
+def test_triton_gpu_gluon_fp8_query_outside_fp16_range(q_factor, num_heads_q, gen):
     """The Gluon kernel computes fp8_e4m3 caches in fp16 (kernels/triton/gluon_sm90.py, _dequant_tile) and converts a
     bf16 query tile to fp16 with a power of two per row, undone on S. A query scaled by 2^17 (beyond fp16's 65504) or
     2^-30 (below its subnormals), with the softmax scale divided by the same power of two, has the same scores and
-    outputs; without the per-row factors the first would overflow and the second flush to zero."""
+    outputs; without the per-row factors the first would overflow and the second flush to zero. 64 heads (128 rows)
+    take gluon_sm90's kernel, 8 heads (16 rows) the tokens-on-M one (gluon_fp8.py, the same conversion per query
+    row)."""
     import dataclasses
 
     from mla_dispatch import plan_decode
     from mla_dispatch.backends.triton import TritonBackend
     from mla_dispatch.kernels.triton.gluon_sm90 import gluon_applies
 
-    base = make_case(3, 2, 64, 400, page_size=16, kv_format="fp8_e4m3", causal=True, device="cuda", generator=gen)
+    base = make_case(3, 2, num_heads_q, 400, page_size=16, kv_format="fp8_e4m3", causal=True, device="cuda",
+                     generator=gen)
     case = dataclasses.replace(base, q=base.q * q_factor, softmax_scale=base.softmax_scale / q_factor)
     assert torch.isfinite(case.q).all()
     plan = plan_decode(*case.args(), backend="triton", **case.kwargs())
@@ -258,27 +290,31 @@ def test_triton_gpu_mla_decode_auto_uses_triton_when_named(gen):
     assert rep, rep.message
 
 
-@pytest.mark.parametrize("num_heads_q,q_len,spec", [(16, 1, None), (128, 2, None), (128, 2, "hM64-n64-w8-tma")])
-def test_triton_gpu_cuda_graph_replay_with_new_seqlens(num_heads_q, q_len, spec, gen):
+@pytest.mark.parametrize("num_heads_q,q_len,spec,kv_format", [(16, 1, None, None), (128, 2, None, None),
+                                                               (128, 2, "hM64-n64-w8-tma", None),
+                                                               (16, 2, None, "fp8_e4m3")])
+def test_triton_gpu_cuda_graph_replay_with_new_seqlens(num_heads_q, q_len, spec, kv_format, gen):
     """Capture DecodePlan.run once; change cache_seqlens values, plan.update, replay: matches the reference (the
-    table's config, on an H100 the Gluon kernel; and the plain kernel's TMA config)."""
+    table's config, on an H100 the Gluon kernels: seesaw, and the tokens-on-M one for the fp8_e4m3 case; and the
+    plain kernel's TMA config)."""
     from mla_dispatch import plan_decode
     from mla_dispatch.backends.triton import TritonBackend
 
-    case = make_case(4, q_len, num_heads_q, 2000, page_size=64, device="cuda", generator=gen, causal=q_len > 1)
+    case = make_case(4, q_len, num_heads_q, 2000, page_size=64, device="cuda", generator=gen, causal=q_len > 1,
+                     kv_format=kv_format)
     plan = plan_decode(*case.args(), backend="triton", cuda_graph=True, **case.kwargs())
     _force_spec(plan, spec)
     out, lse = poisoned_outputs(case)
-    plan.run(case.q, case.kv_cache, out=out, lse=lse)  # compile outside the capture
+    plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale, out=out, lse=lse)  # compile outside the capture
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    plan.run(case.q, case.kv_cache, out=out, lse=lse)
+    plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale, out=out, lse=lse)
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() == before, "run() allocated device memory"
 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        plan.run(case.q, case.kv_cache, out=out, lse=lse)
+        plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale, out=out, lse=lse)
 
     original = case.cache_seqlens.clone()
     for trial in range(3):

@@ -114,6 +114,28 @@ def compile_seesaw(*, kv_format="bf16", causal=False, arch=90, page_size=64, sas
     return _report(k, sass)
 
 
+def compile_fp8t(*, q_dtype="bf16", rows=16, causal=False, arch=90, page_size=64, sass=False, ptx=False):
+    """:func:`compile_config` for the fp8_e4m3 tokens-on-M kernel (:mod:`.gluon_fp8`): ``rows`` query rows (``s_q *
+    h_q``, at most :data:`.gluon_fp8.MAX_ROWS`), a bf16 / fp16 query, D_qk = 576, D_v = 512. ``ptx``: return the PTX
+    instead of the report."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from mla_dispatch.kernels.triton import gluon_fp8 as f8
+
+    if rows > f8.MAX_ROWS:
+        raise ValueError(f"rows={rows}: the fp8 tokens-on-M kernel covers at most {f8.MAX_ROWS} query rows")
+    fn = f8.mla_decode_fp8t_kernel
+    r = f8.rows_per_program(rows)
+    ptrs = dict(q_desc=_gluon_desc(q_dtype, r, 512), qr_desc=_gluon_desc(q_dtype, r, 64),
+                KV32="*i32", KVScale="*fp32", BlockTable="*i32", Seqlens="*i32", Items="*i32",
+                PartOffsets="*i32", Out=f"*{q_dtype}", Lse="*fp32", PartialOut="*fp16", PartialLse="*fp32")
+    scorer_regs, acc_regs = f8.CONSUMER_REGS[r]
+    constexprs = dict(PAGE_SIZE=page_size, CAUSAL=causal, R=r, SCORER_NUM_REGS=scorer_regs, ACC_NUM_REGS=acc_regs)
+    src = GluonASTSource(fn, *_signature(list(fn.arg_names), ptrs, constexprs))
+    k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
+    return k.asm["ptx"] if ptx else _report(k, sass)
+
+
 def _gluon_desc(dt: str, rows: int, cols: int) -> str:
     """The signature type of a Gluon TMA descriptor argument: a ``[rows, cols]`` block of ``dt`` (bf16 / fp16) with the
     default shared-memory layout, as the launchers build them (:func:`.gluon_sm90._descriptors`)."""

@@ -54,6 +54,7 @@ run once before capturing a graph.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 import triton
@@ -544,6 +545,18 @@ GLUON_CONFIG = KernelConfig(64, 64, 8, 2, tma=True, gluon=True)
 #: gluonfp8, 2026-11-22, twenty-first session, call 5): h16 298.1 vs 288.0 (page 64) and 299.2 vs 282.2 (page 16): plain
 #: kept; h32 303.6 vs 474.5, h64 311.5 vs 482.5; FlashMLA grid b=128 h128 L=8K s1 1132.2 vs 2493.4, s2 2187.2 vs 4871.1.
 GLUON_FP8_MIN_ROWS = 32
+#: fp8_e4m3 caches with at most this many query rows take the tokens-on-M Gluon kernel (:mod:`.gluon_fp8`) instead,
+#: under the same config (its launch is chosen in :func:`launch_decode_kernel`); ``MLA_TRITON_FP8T=0`` switches it off.
+#: H100, b=64 L=8K, graph µs (2026-11-23, twenty-third session, calls 7 / 10): h16 140.9 / 144.8 vs 292.8 (the plain
+#: 16-row config), h32 157.7 / 159.5 vs 305.8 (gluon_sm90); kernels/triton/NOTES.md, "fp8_e4m3 with tokens on M".
+FP8T_MAX_ROWS = 32
+
+
+def fp8t_enabled() -> bool:
+    """Whether the tokens-on-M fp8 kernel may run (``MLA_TRITON_FP8T`` is not ``0``)."""
+    return os.environ.get("MLA_TRITON_FP8T", "1") != "0"
+
+
 #: (rows bucket, kv format) -> config where a 64-token tile spans several pages (page_size < 64, dense caches)
 SMALL_PAGE_CONFIGS: dict[tuple[int, str], KernelConfig] = {(64, "bf16"): _H64_N64_S3, (64, "fp16"): _H64_N64_S3}
 INTERPRETER_CONFIG = KernelConfig(16, 16, 4, 1, chunk_size=16)
@@ -553,14 +566,16 @@ def choose_config(rows: int, kv_format: str, *, page_size: int | None = None, he
                   interpret: bool = False, gluon: bool = False) -> KernelConfig:
     """The config for a problem class (see ``CONFIGS``; ``TMA_CONFIGS`` for bf16/fp16 caches with one KV head
     and pages of whole 64-token tiles; ``GLUON_CONFIG`` for bf16/fp16 caches (and fp8_e4m3 ones from
-    ``GLUON_FP8_MIN_ROWS`` rows) with one KV head and any page size when ``gluon`` says the Gluon sm_90 kernel can run
+    ``GLUON_FP8_MIN_ROWS`` rows, or up to ``FP8T_MAX_ROWS`` rows unless :func:`fp8t_enabled` says no) with one KV head
+    and any page size when ``gluon`` says the Gluon sm_90 kernel can run
     (:func:`.gluon_sm90.gluon_possible`); ``SMALL_PAGE_CONFIGS`` for dense caches with pages shorter than 64 tokens;
     ``page_size=None``: sparse or unknown)."""
     if interpret:
         return INTERPRETER_CONFIG
     key = (_rows_bucket(rows), kv_format)
     if gluon and page_size is not None and heads_kv == 1 and (
-            kv_format in ("bf16", "fp16") or (kv_format == "fp8_e4m3" and key[0] >= GLUON_FP8_MIN_ROWS)):
+            kv_format in ("bf16", "fp16") or (kv_format == "fp8_e4m3" and (
+                key[0] >= GLUON_FP8_MIN_ROWS or (rows <= FP8T_MAX_ROWS and fp8t_enabled())))):
         return GLUON_CONFIG
     tma = TMA_CONFIGS.get(key)
     if tma is not None and page_size is not None and heads_kv == 1 and page_size % tma.block_n == 0:
@@ -700,7 +715,12 @@ def launch_decode_kernel(kernel, q, kv, block_table, cache_seqlens, indices, kv_
         from mla_dispatch.kernels.triton.gluon_sm90 import gluon_applies, launch_decode_gluon
 
         if gluon_applies(q, kv, kv_format=kv_format, sparse=sparse, head_dim_v=head_dim_v, traced=traced):
+            from mla_dispatch.kernels.triton.gluon_fp8 import fp8t_applies, launch_decode_fp8t
             from mla_dispatch.kernels.triton.gluon_seesaw import launch_decode_seesaw, seesaw_applies
+
+            if fp8t_applies(q, kv, kv_format=kv_format):  # fp8_e4m3, <= 32 rows: tokens on M, a converting warpgroup
+                return launch_decode_fp8t(q, kv, block_table, cache_seqlens, kv_scale, items, part_offsets, out, lse,
+                                          partial_out, partial_lse, softmax_scale=softmax_scale, causal=causal)
 
             if seesaw_applies(kv):  # 16-bit caches on pages of whole tiles: two tiles in flight, one per warpgroup
                 return launch_decode_seesaw(q, kv, block_table, cache_seqlens, items, part_offsets, out, lse,

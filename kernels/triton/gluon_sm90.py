@@ -1,8 +1,10 @@
 """Split-KV paged MLA decode for Hopper (sm_90) in Gluon, for 64-row head tiles.
 
 Since the twenty-second session, 16-bit caches on pages of whole 64-token tiles take :mod:`.gluon_seesaw` (two tiles
-in flight, one per warpgroup; 1.14-1.24x this kernel on FlashMLA's grid, equal on the memory-bound configs), so this
-kernel runs the other page sizes and fp8_e4m3 caches, and those pages too under ``MLA_TRITON_SEESAW=0``.
+in flight, one per warpgroup; 1.14-1.24x this kernel on FlashMLA's grid, equal on the memory-bound configs), and since
+the twenty-third fp8_e4m3 caches with at most 32 query rows take :mod:`.gluon_fp8` (tokens on M, a converting
+warpgroup; ~1.9-2x), so this kernel runs the other page sizes and fp8_e4m3 caches with more rows, and those cases too
+under ``MLA_TRITON_SEESAW=0`` / ``MLA_TRITON_FP8T=0``.
 
 Why a second kernel in the Triton backend
 -----------------------------------------
