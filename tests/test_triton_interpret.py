@@ -311,10 +311,16 @@ def test_tma_applies_only_where_the_descriptors_are_valid():
         for page_size in (1, 16, 33, 96):  # shorter or unaligned pages: the Gluon kernel gathers every tile
             assert choose_config(rows, "bf16", page_size=page_size, gluon=True) is GLUON_CONFIG
         assert not choose_config(rows, "bf16", page_size=64, heads_kv=2, gluon=True).gluon
-        # fp8_e4m3 from 32 rows (converted in shared memory: slower than the plain kernel's 16-row config at 16 rows)
-        assert (choose_config(rows, "fp8_e4m3", page_size=16, gluon=True) is GLUON_CONFIG) == (rows >= 32)
+        # fp8_e4m3 at every row count: up to 32 rows the tokens-on-M kernel (gluon_fp8.py), from 32 the Gluon sm_90 one
+        assert choose_config(rows, "fp8_e4m3", page_size=16, gluon=True) is GLUON_CONFIG
         assert not choose_config(rows, "fp8_ds_mla", page_size=64, gluon=True).gluon
         assert not choose_config(rows, "bf16", gluon=True).gluon
+    # without the tokens-on-M kernel (MLA_TRITON_FP8T=0) from 32 rows only: gluon_sm90 converts in shared memory and is
+    # slower than the plain kernel's 16-row config at 16 rows
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLA_TRITON_FP8T", "0")
+        for rows in (16, 32, 64, 128):
+            assert (choose_config(rows, "fp8_e4m3", page_size=16, gluon=True) is GLUON_CONFIG) == (rows >= 32)
 
 
 def test_gluon_kernel_gate():
