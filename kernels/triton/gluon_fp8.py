@@ -38,8 +38,9 @@ scale per row (:data:`.combine.PARTIAL_ROW_FORMAT`) for the same combine. Tokens
 zeros (masked loads and prefetches: a cache slot past a request's length, possibly NaN, and its table entry are never
 read) and their scores masked to -inf.
 
-H100, b=64 L=8K, graph replays (kernels/triton/NOTES.md, "fp8_e4m3 with tokens on M"): 16 heads 140.9-144.8 us (1.59-1.63x
-bf16's 229-230), 32 heads 157.7-160.5 us (1.47-1.50x), against 292.8 / 305.8 us for the kernels that ran them before.
+H100, b=64 L=8K, graph replays (kernels/triton/NOTES.md, "fp8_e4m3 with tokens on M"): 16 heads 140.9-144.8 us
+(1.59-1.63x bf16's 229-230), 32 heads 157.7-160.5 us (1.47-1.50x), against 292.8 / 305.8 us for the kernels that ran
+them before.
 
 Applies (:func:`fp8t_applies`): where :func:`.gluon_sm90.gluon_applies` does, to fp8_e4m3 caches with at most
 ``MAX_ROWS`` query rows, unless ``MLA_TRITON_FP8T=0``. 64 rows do not fit: a 72 KB query tile beside two 72 KB stages.
@@ -112,11 +113,11 @@ if _g.GLUON_API:
     @gluon.jit
     def _prefetch_l2(KV32, pages, start, tok_end, stride_kt, PAGE_SIZE: gl.constexpr):
         """Ask L2 for the rows of the 64-token tile from ``start`` that lie before ``tok_end``
-        (``cp.async.bulk.prefetch.L2``; ``pages`` as :func:`_row_pages` gives them): the converter's register loads of
-        that tile, two iterations later, then wait for L2 rather than DRAM. Profiled without it (H100, 16 heads), the
-        converter spent most of its time waiting for the loads of the tile it had issued one iteration before. On pages
-        of whole tiles (the schedule's items start on 64-token chunks) the tile is one contiguous range and one
-        prefetch; on shorter pages one per 576-byte row."""
+        (``cp.async.bulk.prefetch.L2``; ``pages`` from :func:`.gluon_sm90._tile_pages` in a one-row-per-thread layout):
+        the converter's register loads of that tile, two iterations later, then wait for L2 rather than DRAM. Profiled
+        without it (H100, 16 heads), the converter spent most of its time waiting for the loads of the tile it had
+        issued one iteration before. On pages of whole tiles (the schedule's items start on 64-token chunks) the tile is
+        one contiguous range and one prefetch; on shorter pages one per 576-byte row."""
         rows = gl.arange(0, _N, layout=pages.type.layout)
         tok = start + rows
         if PAGE_SIZE % 64 == 0:
@@ -130,13 +131,6 @@ if _g.GLUON_API:
         gl.inline_asm_elementwise(
             "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; mov.u32 $0, 0; }",
             "=r,l,r,r", [ptr, pred.to(gl.int32), nbytes], dtype=gl.int32, is_pure=False, pack=1)
-
-    @gluon.jit
-    def _row_pages(bt_row, start, tok_end, PAGE_SIZE: gl.constexpr, pf: gl.constexpr):
-        """The page of each token row of the tile from ``start`` in the one-row-per-thread layout ``pf`` (0 at or past
-        ``tok_end``: no table entry there is read)."""
-        tok = start + gl.arange(0, _N, layout=pf)
-        return gl.load(bt_row + tok // PAGE_SIZE, mask=tok < tok_end, other=0)
 
     @gluon.jit
     def _e4m3_words_to_f16(w):
@@ -153,12 +147,8 @@ if _g.GLUON_API:
         through int32 views of the two buffers (the same bytes: the 128-byte swizzle is a function of the byte
         offset)."""
         w32: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-        if _g._PUBLIC_REINTERPRET:
-            k32 = kbuf.reinterpret(gl.int32, [_N, 256], w32)
-            r32 = rbuf.reinterpret(gl.int32, [_N, 32], w32)
-        else:
-            k32 = kbuf._reinterpret(gl.int32, [_N, 256], w32)
-            r32 = rbuf._reinterpret(gl.int32, [_N, 32], w32)
+        k32 = _g._view(kbuf, gl.int32, [_N, 256], w32)
+        r32 = _g._view(rbuf, gl.int32, [_N, 32], w32)
         k32.slice(0, 64, dim=1).store(_e4m3_words_to_f16(x0))
         k32.slice(64, 64, dim=1).store(_e4m3_words_to_f16(x1))
         k32.slice(128, 64, dim=1).store(_e4m3_words_to_f16(x2))
@@ -179,21 +169,18 @@ if _g.GLUON_API:
 
     @gluon.jit
     def _converter(args):
-        """The converting partition: every tile of every item of this program, fp8 rows loaded a tile ahead (registers)
-        and asked of L2 two ahead, converted to fp16 into stage ``it % 2`` (:func:`_put_tile`).
+        """The converting partition (``args``: the cache and its table, the schedule, the stages and their barriers):
+        every tile of every item of this program, fp8 rows loaded a tile ahead (registers) and asked of L2 two ahead,
+        converted to fp16 into stage ``it % 2`` (:func:`_put_tile`).
 
         The loop takes two tiles per iteration, one in each of two register sets (``x*`` / ``y*``), so that no set is
         copied into the other: with one set per iteration, the copy of the next tile's registers at the back edge
         waited for their loads (H100 profile: the converter's top stall), and the load latency was not hidden."""
-        (q_desc, qr_desc, KV32, KVScale, BlockTable, Seqlens, Items, PartOffsets,
-         Out, Lse, PartialOut, PartialLse,
-         q_smem, qr_smem, qd_smem, k_smem, r_smem, p_smem, a_smem, l_smem, bars,
-         qk_scale, q_len, group, stride_kt, stride_bt,
-         stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-         stride_pob, stride_pos, stride_poh, stride_plb, stride_pls, stride_plh, PAGE_SIZE, CAUSAL) = args
+        KV32, BlockTable, Seqlens, Items, PartOffsets, k_smem, r_smem, bars, stride_kt, stride_bt, PAGE_SIZE = args
         # 16-byte loads; four threads cover 64 bytes of a row, eight rows per warp: each warp's stores touch 8 rows of
         # one 128-byte swizzle span (no bank conflicts) and its loads 64-byte pieces of 8 token rows
         ld: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
+        row_ld: gl.constexpr = gl.SliceLayout(1, ld)  # token rows of a tile
         pf: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])  # token rows for the L2 prefetches
         part = gl.program_id(0)
         item_begin = gl.load(PartOffsets + part)
@@ -203,66 +190,48 @@ if _g.GLUON_API:
             req, tok_begin, tok_end, slot, seqlen = _g._item_meta(Items, Seqlens, item)
             bt_row = BlockTable + req.to(gl.int64) * stride_bt
             n_tiles = gl.cdiv(tok_end - tok_begin, _N)
-            pages = _g._tile_pages(bt_row, tok_begin, tok_end, PAGE_SIZE, _N, True, ld)
+            pages = _g._tile_pages(bt_row, tok_begin, tok_end, PAGE_SIZE, _N, True, row_ld)
             x0, x1, x2, x3, xr = _load_fp8(KV32, pages, tok_begin, tok_end, stride_kt, PAGE_SIZE, ld)
             # table entries: of tiles j + 1 / j + 2 for the register loads (pb / pa), of tiles j + 2 / j + 3 for the L2
             # prefetches (fa / fb); each set is read a whole iteration before its use
-            pb = _g._tile_pages(bt_row, tok_begin + _N, tok_end, PAGE_SIZE, _N, True, ld)
-            pa = _g._tile_pages(bt_row, tok_begin + 2 * _N, tok_end, PAGE_SIZE, _N, True, ld)
-            _prefetch_l2(KV32, _row_pages(bt_row, tok_begin + _N, tok_end, PAGE_SIZE, pf), tok_begin + _N, tok_end,
-                         stride_kt, PAGE_SIZE)
-            fa = _row_pages(bt_row, tok_begin + 2 * _N, tok_end, PAGE_SIZE, pf)
-            fb = _row_pages(bt_row, tok_begin + 3 * _N, tok_end, PAGE_SIZE, pf)
+            pb = _g._tile_pages(bt_row, tok_begin + _N, tok_end, PAGE_SIZE, _N, True, row_ld)
+            pa = _g._tile_pages(bt_row, tok_begin + 2 * _N, tok_end, PAGE_SIZE, _N, True, row_ld)
+            _prefetch_l2(KV32, _g._tile_pages(bt_row, tok_begin + _N, tok_end, PAGE_SIZE, _N, True, pf), tok_begin + _N,
+                         tok_end, stride_kt, PAGE_SIZE)
+            fa = _g._tile_pages(bt_row, tok_begin + 2 * _N, tok_end, PAGE_SIZE, _N, True, pf)
+            fb = _g._tile_pages(bt_row, tok_begin + 3 * _N, tok_end, PAGE_SIZE, _N, True, pf)
             for j in range(0, n_tiles, 2):
                 start = tok_begin + j * _N
                 # tile j + 1 into the y registers (all masked past the item's last tile), in flight while tile j is
                 # stored; tile j + 2 into L2
                 y0, y1, y2, y3, yr = _load_fp8(KV32, pb, start + _N, tok_end, stride_kt, PAGE_SIZE, ld)
-                pb = _g._tile_pages(bt_row, start + 3 * _N, tok_end, PAGE_SIZE, _N, True, ld)
+                pb = _g._tile_pages(bt_row, start + 3 * _N, tok_end, PAGE_SIZE, _N, True, row_ld)
                 _prefetch_l2(KV32, fa, start + 2 * _N, tok_end, stride_kt, PAGE_SIZE)
-                fa = _row_pages(bt_row, start + 4 * _N, tok_end, PAGE_SIZE, pf)
+                fa = _g._tile_pages(bt_row, start + 4 * _N, tok_end, PAGE_SIZE, _N, True, pf)
                 _put_tile(x0, x1, x2, x3, xr, k_smem, r_smem, bars, it)
                 it += 1
                 # tile j + 2 into the x registers while tile j + 1 is stored; tile j + 3 into L2
                 x0, x1, x2, x3, xr = _load_fp8(KV32, pa, start + 2 * _N, tok_end, stride_kt, PAGE_SIZE, ld)
-                pa = _g._tile_pages(bt_row, start + 4 * _N, tok_end, PAGE_SIZE, _N, True, ld)
+                pa = _g._tile_pages(bt_row, start + 4 * _N, tok_end, PAGE_SIZE, _N, True, row_ld)
                 _prefetch_l2(KV32, fb, start + 3 * _N, tok_end, stride_kt, PAGE_SIZE)
-                fb = _row_pages(bt_row, start + 5 * _N, tok_end, PAGE_SIZE, pf)
+                fb = _g._tile_pages(bt_row, start + 5 * _N, tok_end, PAGE_SIZE, _N, True, pf)
                 if j + 1 < n_tiles:
                     _put_tile(y0, y1, y2, y3, yr, k_smem, r_smem, bars, it)
                     it += 1
 
     @gluon.jit
-    def _query_to_fp16(q_in, qr_in, q_op, qr_op, qd, ROWS: gl.constexpr):
-        """A bf16 query tile ``[ROWS, 512]`` + ``[ROWS, 64]`` to fp16 in place (``q_op`` / ``qr_op``: the same bytes), each
-        row times the power of two that puts its largest magnitude in ``[2^14, 2^15)``; the inverse factors to ``qd``.
-        Eight rows at a time, each thread writing back exactly the values it read."""
-        lat: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])  # 4 rows x 256 columns per pass
-        rop: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [4, 1], [1, 0])  # 4 rows x 64 columns, same rows
-        for i in gl.static_range(ROWS // 8):
-            x = q_in.slice(i * 8, 8, dim=0).load(lat).to(gl.float32)
-            xr = qr_in.slice(i * 8, 8, dim=0).load(rop).to(gl.float32)
-            amax = gl.maximum(gl.max(gl.abs(x), 1), gl.convert_layout(gl.max(gl.abs(xr), 1), gl.SliceLayout(1, lat)))
-            up, down = _g._pow2_scale(amax)
-            q_op.slice(i * 8, 8, dim=0).store((x * up[:, None]).to(gl.float16))
-            up_r = gl.convert_layout(up, gl.SliceLayout(1, rop))
-            qr_op.slice(i * 8, 8, dim=0).store((xr * up_r[:, None]).to(gl.float16))
-            qd.slice(i * 8, 8).store(down)
-
-    @gluon.jit
     def _q_operands(q_smem, qr_smem, i, ROWS: gl.constexpr):
-        """Query half ``i`` (latent, RoPE) as the fp16 operands of S^T's wgmma: the buffers themselves for an fp16
-        query, their bytes viewed as fp16 for a bf16 one (converted in place by :func:`_query_to_fp16`)."""
+        """Query tile ``i`` (latent, RoPE) as the fp16 operands of S^T's wgmma: the buffers themselves for an fp16
+        query, their bytes viewed as fp16 for a bf16 one (converted in place by :func:`.gluon_sm90._query_to_fp16`)."""
         q_in = q_smem.index(i)
         qr_in = qr_smem.index(i)
         if q_smem.dtype == gl.float16:
             return q_in, qr_in
-        elif _g._PUBLIC_REINTERPRET:
-            return (q_in.reinterpret(gl.float16, [ROWS, 512], q_in.layout),
-                    qr_in.reinterpret(gl.float16, [ROWS, 64], qr_in.layout))
         else:
-            return (q_in._reinterpret(gl.float16, [ROWS, 512], q_in.layout),
-                    qr_in._reinterpret(gl.float16, [ROWS, 64], qr_in.layout))
+            q_layout: gl.constexpr = q_in.layout
+            qr_layout: gl.constexpr = qr_in.layout
+            return (_g._view(q_in, gl.float16, [ROWS, 512], q_layout),
+                    _g._view(qr_in, gl.float16, [ROWS, 64], qr_layout))
 
     @gluon.jit
     def _consumer(args, WG: gl.constexpr):
@@ -279,12 +248,11 @@ if _g.GLUON_API:
         ``bars`` rows: 0-1 the stages' ``full`` (converter -> consumers), 2-3 their ``empty`` (count 2: both consumers
         -> converter), 4-5 ``P^T ready`` (scorer -> accumulator, by stage), 6 the query tile, 7 the item's row sums
         (count 2: both arrive, so that neither runs an item ahead of the other's reads)."""
-        (q_desc, qr_desc, KV32, KVScale, BlockTable, Seqlens, Items, PartOffsets,
-         Out, Lse, PartialOut, PartialLse,
+        (q_desc, qr_desc, KVScale, Seqlens, Items, PartOffsets, Out, Lse, PartialOut, PartialLse,
          q_smem, qr_smem, qd_smem, k_smem, r_smem, p_smem, a_smem, l_smem, bars,
-         qk_scale, q_len, group, stride_kt, stride_bt,
+         qk_scale, q_len, group,
          stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-         stride_pob, stride_pos, stride_poh, stride_plb, stride_pls, stride_plh, PAGE_SIZE, CAUSAL) = args
+         stride_pob, stride_pos, stride_poh, stride_plb, stride_pls, stride_plh, CAUSAL) = args
         R: gl.constexpr = q_smem.shape[1]
         LN2: gl.constexpr = 0.6931471805599453
         dtype: gl.constexpr = q_desc.dtype
@@ -327,7 +295,10 @@ if _g.GLUON_API:
                     s_cols = qk_scale * kv_scale + gl.zeros([R], gl.float32, layout=row_l)
                 else:
                     q_op, qr_op = _q_operands(q_smem, qr_smem, 0, R)
-                    _query_to_fp16(q_smem.index(0), qr_smem.index(0), q_op, qr_op, qd_smem, R)
+                    # 8 rows x 256 / 64 columns a pass over the four warps
+                    _g._query_to_fp16(q_smem.index(0), qr_smem.index(0), q_op, qr_op, qd_smem, R, 8,
+                                      gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0]),
+                                      gl.BlockedLayout([1, 2], [1, 32], [4, 1], [1, 0]))
                     fence_async_shared()
                     _cta_barrier()
                     s_cols = qk_scale * kv_scale * qd_smem.load(row_l)
@@ -455,13 +426,14 @@ if _g.GLUON_API:
         mbarrier.init(bars.index(6), count=1)
         mbarrier.init(bars.index(7), count=2)
         fence_async_shared()
-        args = (q_desc, qr_desc, KV32, KVScale, BlockTable, Seqlens, Items, PartOffsets,
-                Out, Lse, PartialOut, PartialLse,
+        args = (q_desc, qr_desc, KVScale, Seqlens, Items, PartOffsets, Out, Lse, PartialOut, PartialLse,
                 q_smem, qr_smem, qd_smem, k_smem, r_smem, p_smem, a_smem, l_smem, bars,
-                qk_scale, q_len, group, stride_kt, stride_bt,
+                qk_scale, q_len, group,
                 stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
-                stride_pob, stride_pos, stride_poh, stride_plb, stride_pls, stride_plh, PAGE_SIZE, CAUSAL)
-        gl.warp_specialize([(_converter, (args, )), (_consumer, (args, 0)), (_consumer, (args, 1))],
+                stride_pob, stride_pos, stride_poh, stride_plb, stride_pls, stride_plh, CAUSAL)
+        conv_args = (KV32, BlockTable, Seqlens, Items, PartOffsets, k_smem, r_smem, bars, stride_kt, stride_bt,
+                     PAGE_SIZE)  # the converter's: what it reads
+        gl.warp_specialize([(_converter, (conv_args, )), (_consumer, (args, 0)), (_consumer, (args, 1))],
                            [4, 4], [SCORER_NUM_REGS, ACC_NUM_REGS])
 
 

@@ -111,11 +111,21 @@ if GLUON_API:
         return req, tok_begin, tok_end, slot, gl.load(Seqlens + req)
 
     @gluon.jit
+    def _view(buf, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+        """Shared buffer ``buf`` viewed as ``dtype`` / ``shape`` / ``layout`` (the same bytes; ``_reinterpret`` in
+        triton 3.6, ``reinterpret`` from 3.9)."""
+        if _PUBLIC_REINTERPRET:
+            return buf.reinterpret(dtype, shape, layout)
+        else:
+            return buf._reinterpret(dtype, shape, layout)
+
+    @gluon.jit
     def _tile_pages(bt_row, start, tok_end, PAGE_SIZE: gl.constexpr, TILE_N: gl.constexpr, GATHER: gl.constexpr,
-                    cp_layout: gl.constexpr):
-        """The page of each token row of tile ``start ..`` (``GATHER``; 0 past ``tok_end``: table entries past an
-        item's end are never read, garbage ids there are legal); zeros otherwise (unused)."""
-        rows = gl.arange(0, TILE_N, layout=gl.SliceLayout(1, cp_layout))
+                    row_layout: gl.constexpr):
+        """The page of each token row of tile ``start ..`` in the 1-D layout ``row_layout`` (``GATHER``; 0 past
+        ``tok_end``: table entries past an item's end are never read, garbage ids there are legal); zeros otherwise
+        (unused)."""
+        rows = gl.arange(0, TILE_N, layout=row_layout)
         if GATHER:
             tok = start + rows
             return gl.load(bt_row + tok // PAGE_SIZE, mask=tok < tok_end, other=0)
@@ -176,14 +186,13 @@ if GLUON_API:
         rbuf.store(r8.load(cvt_r).to(rbuf.dtype))
 
     @gluon.jit
-    def _query_to_fp16(q_smem, qr_smem, q_op, qr_op, qd_smem, TILE_M: gl.constexpr):
+    def _query_to_fp16(q_smem, qr_smem, q_op, qr_op, qd_smem, TILE_M: gl.constexpr, ROWS: gl.constexpr,
+                       lat: gl.constexpr, rop: gl.constexpr):
         """A bf16 query tile (``q_smem`` latent, ``qr_smem`` RoPE) to fp16 in place (``q_op`` / ``qr_op``, the same
         bytes), each row times a power of two that puts its largest magnitude in ``[2^14, 2^15)`` (so no row overflows
         fp16 or drowns in its subnormals, whatever the query's range); the inverse factors go to ``qd_smem`` for S.
-        16 rows at a time; each thread writes back exactly the values it read."""
-        ROWS: gl.constexpr = 16
-        lat: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])  # 16 rows x 128 columns per pass
-        rop: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [8, 1], [1, 0])  # 16 rows x 64 columns, same rows
+        ``ROWS`` rows at a time, in the layouts ``lat`` / ``rop`` (the same rows in the same threads); each thread
+        writes back exactly the values it read."""
         for i in gl.static_range(TILE_M // ROWS):
             x = q_smem.slice(i * ROWS, ROWS, dim=0).load(lat).to(gl.float32)
             xr = qr_smem.slice(i * ROWS, ROWS, dim=0).load(rop).to(gl.float32)
@@ -231,6 +240,7 @@ if GLUON_API:
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                            instr_shape=[16, D_V // 2, 16])
         cp_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+        row_cp: gl.constexpr = gl.SliceLayout(1, cp_layout)  # token rows of a gathered tile
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -252,12 +262,10 @@ if GLUON_API:
             kv_scale = gl.load(KVScale)
             # the query tile converted to fp16 in place (same 16-bit swizzled layout) and its rows' scales: see the
             # item loop
-            if _PUBLIC_REINTERPRET:
-                q_op = q_smem.reinterpret(cdt, [TILE_M, D_V], q_desc.layout)
-                qr_op = qr_smem.reinterpret(cdt, [TILE_M, D_ROPE], qr_desc.layout)
-            else:
-                q_op = q_smem._reinterpret(cdt, [TILE_M, D_V], q_desc.layout)
-                qr_op = qr_smem._reinterpret(cdt, [TILE_M, D_ROPE], qr_desc.layout)
+            q_layout: gl.constexpr = q_desc.layout
+            qr_layout: gl.constexpr = qr_desc.layout
+            q_op = _view(q_smem, cdt, [TILE_M, D_V], q_layout)
+            qr_op = _view(qr_smem, cdt, [TILE_M, D_ROPE], qr_layout)
             qd_smem = gl.allocate_shared_memory(gl.float32, [TILE_M], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         else:
             k_smem = gl.allocate_shared_memory(dtype, [STAGES, TILE_N, D_V], k_layout)
@@ -304,7 +312,7 @@ if GLUON_API:
             n_tiles = gl.cdiv(tok_end - tok_begin, TILE_N)
             if n_tiles > 0:
                 st = it % STAGES
-                pages = _tile_pages(bt_row, tok_begin, tok_end, PAGE_SIZE, TILE_N, GATHER, cp_layout)
+                pages = _tile_pages(bt_row, tok_begin, tok_end, PAGE_SIZE, TILE_N, GATHER, row_cp)
                 _issue_tile(k_desc, r_desc, KV, bt_row, tok_begin, tok_end, pages, kl_smem.index(st),
                             rl_smem.index(st), bars.index(st), stride_kt, PAGE_SIZE, TILE_N, D_V, D_ROPE, NBYTES,
                             GATHER, cp_layout)
@@ -314,7 +322,7 @@ if GLUON_API:
                 limit = gl.minimum(seqlen - q_len + 1 + q_tok_s, tok_end)
             else:
                 limit = gl.minimum(seqlen, tok_end) + q_tok_s * 0
-            next_pages = _tile_pages(bt_row, tok_begin + TILE_N, tok_end, PAGE_SIZE, TILE_N, GATHER, cp_layout)
+            next_pages = _tile_pages(bt_row, tok_begin + TILE_N, tok_end, PAGE_SIZE, TILE_N, GATHER, row_cp)
             m_i = gl.full([TILE_M], float("-inf"), gl.float32, layout=row_s)
             l2 = gl.zeros([TILE_M, TILE_N], gl.float32, layout=s_layout)  # row sums, reduced in the epilogue
             acc = gl.zeros([TILE_M, D_V], gl.float32, layout=o_layout)
@@ -322,7 +330,10 @@ if GLUON_API:
             q_phase ^= 1
             if FP8:
                 if dtype != cdt:  # a bf16 query tile to fp16 in place, rows scaled by powers of two (undone on S)
-                    _query_to_fp16(q_smem, qr_smem, q_op, qr_op, qd_smem, TILE_M)
+                    # 16 rows x 128 / 64 columns a pass over the eight warps
+                    _query_to_fp16(q_smem, qr_smem, q_op, qr_op, qd_smem, TILE_M, 16,
+                                   gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0]),
+                                   gl.BlockedLayout([1, 4], [2, 16], [8, 1], [1, 0]))
                     fence_async_shared()
                     _cta_barrier()
                     s_rows = s_scale * qd_smem.load(row_s)
@@ -338,8 +349,7 @@ if GLUON_API:
                     _issue_tile(k_desc, r_desc, KV, bt_row, start + TILE_N, tok_end, next_pages,
                                 kl_smem.index(nst), rl_smem.index(nst), bars.index(nst), stride_kt, PAGE_SIZE, TILE_N,
                                 D_V, D_ROPE, NBYTES, GATHER, cp_layout)
-                    next_pages = _tile_pages(bt_row, start + 2 * TILE_N, tok_end, PAGE_SIZE, TILE_N, GATHER,
-                                             cp_layout)
+                    next_pages = _tile_pages(bt_row, start + 2 * TILE_N, tok_end, PAGE_SIZE, TILE_N, GATHER, row_cp)
                 if GATHER:  # tile j's copy group is complete when at most tile j + 1's is in flight
                     if j + 1 < n_tiles:
                         async_copy.wait_group(1)
