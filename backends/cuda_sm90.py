@@ -36,6 +36,8 @@ BLOCK_N = 64  # KV tokens per mainloop step = split-KV chunk size
 #: mainloop of kernels/cuda/mla_decode_sm90: 0 = choose per plan (:func:`choose_variant`, the default),
 #: 2 = wgmma, serial per tile, 5 = two tiles in flight with TMA loads (FlashMLA's seesaw schedule),
 #: 6 = KV tokens on the wgmma M side for <= 32 query rows per KV head (FlashMLA-ETAP's orientation),
+#: 7 = v6's orientation in three warpgroups (an fp8 converter, a scorer, an accumulator) for fp8_e4m3 caches with
+#: <= 32 query rows per KV head,
 #: 1 = mma.sync (v1), 3 = wgmma with S of the next tile issued under PV of this one (measured slower),
 #: 4 = wgmma with S split along D_qk (measured slower); $MLA_SM90_VARIANT overrides
 KERNEL_VARIANT = int(os.environ.get("MLA_SM90_VARIANT", "0"))
@@ -61,6 +63,12 @@ def v6_min_chunks_per_part(rows: int, kv_format: str) -> float:
     return math.inf
 
 
+#: query rows per KV head v7 takes (kernels/cuda/mla_decode_sm90/mainloop_fp8t.cuh, Fp8t::kMaxRows)
+V7_MAX_ROWS = 32
+#: fewest KV chunks per split-KV part for v7: v6's cut for fp8 caches, not measured for v7 itself
+V7_MIN_CHUNKS_PER_PART = 4
+
+
 def choose_variant(problem: DecodeProblem, num_parts: int, max_chunks: int) -> int:
     """The mainloop that measured faster for this shape (benchmarks/RESULTS.md, H100, CUDA-graph replay).
 
@@ -81,6 +89,11 @@ def choose_variant(problem: DecodeProblem, num_parts: int, max_chunks: int) -> i
     server sees them) v2 was ~10% faster at b=2..16 (b=8 L=8192: 56.2 against 62.7 us) and v5 only from b=32, so
     the cut stays.
 
+    v7 (v6's orientation with the fp8 conversion in a warpgroup of its own) takes fp8_e4m3 caches with <= 32 rows
+    per KV head once the parts have v6's fp8 cut of chunks: H100 b=64 L=8192 fp8_e4m3 (RESULTS.md, 2026-11-23) h_q=16
+    v7 165.3 us against v6's 186.1, h_q=32 191.7 against v2's 243.8 (v6 takes no 32-row fp8 cache). Its own cut at
+    small batches is not measured.
+
     ``max_chunks`` comes from the block table's width (no device sync at plan time): an upper bound, so a wide table
     over short sequences can pick v5 or v6 where v2 would be faster.
     """
@@ -88,6 +101,8 @@ def choose_variant(problem: DecodeProblem, num_parts: int, max_chunks: int) -> i
         return KERNEL_VARIANT
     p = problem
     rows = p.q_len * p.num_heads_q // p.num_heads_kv
+    if p.kv_format == "fp8_e4m3" and rows <= V7_MAX_ROWS and max_chunks >= V7_MIN_CHUNKS_PER_PART * num_parts:
+        return 7
     if max_chunks >= v6_min_chunks_per_part(rows, p.kv_format) * num_parts:
         return 6
     if (p.kv_format in ("bf16", "fp16") and p.page_size % BLOCK_N == 0 and rows > BLOCK_M and p.batch >= 32

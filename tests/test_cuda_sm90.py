@@ -214,6 +214,58 @@ def test_variant6_fp8_matches_reference(cfg, dtype, kv_format, gen):
     _run_variant(case, 6, runs=2)
 
 
+V7_GRID = [
+    (4, 1, 16, 1, 300, 64, False, 0),
+    (4, 1, 16, 1, 4096, 64, False, 1),   # long items, split requests, a zero-length request
+    (3, 1, 32, 1, 1031, 16, False, 0),   # 32 rows, page 16 (L2 prefetch per row), odd tile count
+    (3, 2, 16, 1, 1031, 32, True, 0),    # causal MTP, 32 rows, page 32
+    (2, 1, 20, 1, 200, 128, False, 0),   # 20 rows: the 32-row kernel with 12 empty columns
+    (2, 1, 1, 1, 200, 256, False, 0),    # one row, page 256
+    (2, 4, 8, 1, 513, 64, True, 2),      # causal MTP, zero-length requests, a tile with one token
+    (2, 1, 32, 2, 300, 128, False, 0),   # h_kv = 2: 16 rows per KV head, strided cache rows
+    (2, 2, 16, 4, 300, 16, True, 0),     # h_kv = 4, causal
+    (1, 1, 16, 1, 20000, 64, False, 0),  # one request over every part
+    (2, 1, 64, 1, 300, 64, False, 0),    # 64 rows: v7 does not take it, v6 / v2 run
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("cfg", V7_GRID, ids=[_grid_id(c) for c in V7_GRID])
+def test_variant7_fp8_matches_reference(cfg, dtype, gen):
+    """v7 (mainloop_fp8t.cuh: a converter, a scorer and an accumulator warpgroup) on fp8_e4m3 caches with <= 32 query
+    rows per KV head: every page size, partial tiles, split requests, causal MTP, zero-length requests, h_kv > 1; a
+    64-row shape checks the fallback."""
+    b, s_q, h_q, h_kv, L, ps, causal, zero = cfg
+    case = make_case(b, s_q, h_q, L, num_heads_kv=h_kv, page_size=ps, dtype=dtype, causal=causal,
+                     zero_len_rows=zero, kv_format="fp8_e4m3", device="cuda", generator=gen)
+    _run_variant(case, 7, runs=2)  # a second launch of the configured kernel
+
+
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8_ds_mla"])
+def test_variant7_other_caches_run_as_variant6(kv_format, gen):
+    case = make_case(2, 1, 16, 700, page_size=64, kv_format=kv_format, device="cuda", generator=gen)
+    _run_variant(case, 7)
+
+
+@pytest.mark.parametrize("dtype,k", [(torch.bfloat16, -100), (torch.bfloat16, 24), (torch.float16, -20),
+                                     (torch.float16, 10)], ids=["bf16-tiny", "bf16-large", "fp16-tiny", "fp16-large"])
+def test_variant7_query_rows_scaled_into_fp16(dtype, k, gen):
+    """v7 multiplies S^T in fp16: each query row is first scaled by a power of two into fp16's range. q times 2^k with
+    the softmax scale times 2^-k leaves the scores as drawn; unscaled, bf16 q times 2^-100 would flush to zero in fp16
+    (uniform attention) and times 2^24 overflow it (fp16 q: subnormal at 2^-20, large at 2^10)."""
+    case = make_case(3, 1, 16, 900, page_size=64, dtype=dtype, kv_format="fp8_e4m3", device="cuda", generator=gen)
+    case = dataclasses.replace(case, q=case.q * 2.0**k, softmax_scale=case.softmax_scale * 2.0**-k)
+    _run_variant(case, 7)
+
+
+@pytest.mark.parametrize("fuse_combine", [True, False], ids=["fused", "separate"])
+def test_variant7_combine_inside_and_after_the_decode_launch(fuse_combine, gen):
+    case = make_case(3, 2, 16, 3000, page_size=64, causal=True, zero_len_rows=1, kv_format="fp8_e4m3",
+                     device="cuda", generator=gen)
+    plan = _run_variant(case, 7, runs=2, fuse_combine=fuse_combine)
+    assert int((plan.state.schedule.num_splits > 1).sum()) > 0, "the shape must split a request"
+
+
 # Shapes whose split requests the combine merges: one request over every part (b = 1, 64 slots), a few
 # slots per request with zero-length and causal MTP rows, h_kv = 2, page 16; h_kv = 256, whose grid
 # (256 CTAs of one part, so nothing is split) does not fit the GPU at once: a fused request launches plainly;
@@ -359,7 +411,7 @@ for over, pattern in [
     (dict(partial_out=st.partial_out.half()), "partial_out must be contiguous float32"),
     (dict(lse=lse.double()), "lse must be float32"),
     (dict(kv_format=1, kv_cache=case.kv_cache.view(torch.uint8)[..., :576].contiguous()), "kv_scale must be"),
-    (dict(variant=7), "variant must be 1"),
+    (dict(variant=8), "variant must be 1"),
     (dict(q=case.q.cpu()), "must be a CUDA tensor"),
 ]:
     with pytest.raises(ValueError, match=pattern):

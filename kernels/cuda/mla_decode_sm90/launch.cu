@@ -14,6 +14,7 @@
 #include "combine.cuh"
 #include "mainloop.cuh"
 #include "mainloop_etap.cuh"
+#include "mainloop_fp8t.cuh"
 #include "mainloop_seesaw.cuh"
 #include "mainloop_wgmma.cuh"
 #include "params.h"
@@ -22,7 +23,8 @@ namespace mla_sm90 {
 
 int decode_smem_bytes() {
   int b = Seesaw::kSmemBytes > DecodeConfig::kSmemBytes ? Seesaw::kSmemBytes : DecodeConfig::kSmemBytes;
-  return Etap::kSmemBytes > b ? Etap::kSmemBytes : b;
+  b = Etap::kSmemBytes > b ? Etap::kSmemBytes : b;
+  return Fp8t::kSmemBytes > b ? Fp8t::kSmemBytes : b;
 }
 
 // The driver's cuTensorMapEncodeTiled through the runtime (no -lcuda at link time).
@@ -110,7 +112,7 @@ static bool cached_kv_map(const DecodeParams& p, CUtensorMap* map) {
 
 // Blocks of `kernel` the whole of device `dev` holds at once for a cooperative launch (0: none; cached
 // per device and kernel, the queries are not free).
-static int64_t coresident_blocks(int dev, const void* kernel, int smem_bytes) {
+static int64_t coresident_blocks(int dev, const void* kernel, int threads, int smem_bytes) {
   static std::mutex mu;
   static std::map<std::pair<int, const void*>, int64_t> cache;
   std::lock_guard<std::mutex> lock(mu);
@@ -120,7 +122,7 @@ static int64_t coresident_blocks(int dev, const void* kernel, int smem_bytes) {
   int coop = 0, sms = 0, per_sm = 0;
   if (cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, DecodeConfig::kThreads, smem_bytes) !=
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem_bytes) !=
           cudaSuccess) {
     cudaGetLastError();
     coop = 0;
@@ -156,9 +158,11 @@ static cudaError_t opt_in_smem(const void* kernel, int bytes) {
 // sensitive (NOTES.md). Otherwise, or if the cooperative launch itself is refused (e.g. fewer SMs under
 // MPS than the device reports), the flag is cleared, *combined = false, and the caller launches the
 // combine kernel.
+// `threads` per CTA: DecodeConfig::kThreads (launch_grid), or v7's Fp8t::kThreads.
 template <typename... Args>
-static cudaError_t launch_grid(void (*kernel)(DecodeParams, Args...), dim3 grid, int smem_bytes, cudaStream_t stream,
-                               bool has_tail, DecodeParams p, bool* combined, Args... args) {
+static cudaError_t launch_grid_threads(void (*kernel)(DecodeParams, Args...), dim3 grid, int threads, int smem_bytes,
+                                       cudaStream_t stream, bool has_tail, DecodeParams p, bool* combined,
+                                       Args... args) {
   const int64_t ctas = (int64_t)grid.x * grid.y * grid.z;
   if (!has_tail || p.num_parts <= 1) p.fuse_combine = 0;  // one part: no request is split
   if (p.fuse_combine) {
@@ -167,11 +171,11 @@ static cudaError_t launch_grid(void (*kernel)(DecodeParams, Args...), dim3 grid,
     // units of the tail: < num_parts split requests x rows x 4, counted in an int with a stride of ctas x 8
     const int64_t units = (int64_t)p.num_parts * p.q_len * p.heads_q * 4 + ctas * 8;
     p.fuse_combine = p.num_parts <= kFusedMaxSplits && units < INT32_MAX &&
-                     ctas <= coresident_blocks(dev, reinterpret_cast<const void*>(kernel), smem_bytes);
+                     ctas <= coresident_blocks(dev, reinterpret_cast<const void*>(kernel), threads, smem_bytes);
   }
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = grid;
-  cfg.blockDim = dim3(DecodeConfig::kThreads);
+  cfg.blockDim = dim3(threads);
   cfg.dynamicSmemBytes = smem_bytes;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
@@ -188,6 +192,12 @@ static cudaError_t launch_grid(void (*kernel)(DecodeParams, Args...), dim3 grid,
   }
   *combined = e == cudaSuccess && p.fuse_combine != 0;
   return e;
+}
+
+template <typename... Args>
+static cudaError_t launch_grid(void (*kernel)(DecodeParams, Args...), dim3 grid, int smem_bytes, cudaStream_t stream,
+                               bool has_tail, DecodeParams p, bool* combined, Args... args) {
+  return launch_grid_threads(kernel, grid, DecodeConfig::kThreads, smem_bytes, stream, has_tail, p, combined, args...);
 }
 
 // A launch of v5 CTAs over `grid` in clusters of two along y (the row tiles of a part); `attr` is filled with the
@@ -274,6 +284,16 @@ static cudaError_t launch_v6_any(const DecodeParams& p, int grid_parts, cudaStre
   return launch_v6<T, kN, false>(p, map, grid_parts, stream, combined);
 }
 
+// v7 (mainloop_fp8t.cuh): fp8_e4m3 caches with <= 32 query rows per KV head, three warpgroups.
+template <typename T, int kN>
+static cudaError_t launch_v7(const DecodeParams& p, int grid_parts, cudaStream_t stream, bool* combined) {
+  auto kernel = mla_decode_kernel_v7<T, kN>;
+  const cudaError_t e = opt_in_smem(reinterpret_cast<const void*>(kernel), Fp8t::kSmemBytes);
+  if (e != cudaSuccess) return e;
+  return launch_grid_threads(kernel, dim3(grid_parts, 1, p.heads_kv), Fp8t::kThreads, Fp8t::kSmemBytes, stream, true,
+                             p, combined);
+}
+
 template <typename T, int KvFmt>
 static cudaError_t launch_decode_t(const DecodeParams& p, int grid_parts, cudaStream_t stream, bool* combined) {
   // variant 1: warp-level mma.sync (mainloop.cuh); 2: wgmma (mainloop_wgmma.cuh);
@@ -282,6 +302,17 @@ static cudaError_t launch_decode_t(const DecodeParams& p, int grid_parts, cudaSt
   //    bf16/fp16 caches only, fp8 caches run v2)
   // 5: two tiles in flight, TMA loads (mainloop_seesaw.cuh; bf16/fp16 caches with page_size % 64 == 0
   //    and q_len <= 64, anything else runs v2)
+  if (p.variant == 7) {
+    // 7: fp8_e4m3 caches with <= 32 query rows per KV head (mainloop_fp8t.cuh); anything else runs as variant 6
+    if constexpr (KvFmt == kKvFp8E4M3) {
+      if (p.rows_per_kv_head <= Fp8t::kMaxRows)
+        return p.rows_per_kv_head <= 16 ? launch_v7<T, 16>(p, grid_parts, stream, combined)
+                                        : launch_v7<T, 32>(p, grid_parts, stream, combined);
+    }
+    DecodeParams q = p;
+    q.variant = 6;
+    return launch_decode_t<T, KvFmt>(q, grid_parts, stream, combined);
+  }
   if constexpr (KvFmt != kKvSameAsQ) {
     // 6 with an fp8 cache: <= 16 query rows per KV head (the register-staged tile does not fit
     // beside 32 rows' accumulators); anything else runs v2

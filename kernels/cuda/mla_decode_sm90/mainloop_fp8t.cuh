@@ -1,0 +1,595 @@
+// SM90 MLA decode, version 7: fp8_e4m3 caches with at most 32 query rows per KV head (the memory-bound decode of
+// 16-32 heads), in three warpgroups.
+//
+// v6 (mainloop_etap.cuh) puts KV tokens on the 64-row side of wgmma (FlashMLA-ETAP's orientation, Dege et al.
+// 2025), but with an fp8 cache each of its warpgroups runs load wait -> dequantise -> S^T -> softmax -> P V in series
+// on its one stage: 1.25x the bf16 throughput against the 1.6-1.7x the bytes allow (NOTES.md, fifth and eleventh
+// sessions). This kernel is the design the Triton backend measured at 1.59x (kernels/triton/gluon_fp8.py): the same
+// orientation, the dequantisation in a warpgroup of its own (FlashMLA's fp8 kernels divide the work that way), and
+// the two consumers split by role instead of by tile, so each tile is read by the tensor cores once per GEMM:
+//
+//   warpgroup 0, the converter: loads a tile's fp8 rows into registers (16-byte loads, each token row from its own
+//     page, so any page size; a tile ahead, the loop unrolled by two so that no register set is copied, and the tile
+//     after that already asked of L2 with cp.async.bulk.prefetch.L2), converts them to fp16 (cvt.rn.f16x2.e4m3x2:
+//     one instruction per pair, where bf16 takes four; NOTES.md, fifth session) and stores them into one of two
+//     shared-memory stages;
+//   warpgroup 1, the scorer: S^T = K Q^T (m64nNk16 x 36), the softmax over the tile's tokens with FlashAttention-4's
+//     conditional rescaling (the reference maximum of a query row moves only when a score passes it by more than
+//     2^8, so most tiles need no column maximum), P^T and the rescale factors into shared memory, the LSE;
+//   warpgroup 2, the accumulator: O^T += V^T P^T (m64nNk16 x 32), then out or the partial rows.
+//
+// fp16 operands: e4m3 values are exact in fp16. A bf16 query is converted to fp16 per row times the power of two
+// that puts its largest magnitude in [2^14, 2^15) (fp16 keeps all of bf16's 8 significant bits there), and the
+// scores of that row are multiplied by the inverse; an fp16 query takes the same path. The per-tensor kv_scale
+// multiplies the scores and the output, not the tile.
+//
+// Shared memory: two fp16 stages of 72 KB (v6's layout: nine 64-column blocks, 128-byte swizzle, K-major for S^T and
+// MN-major for V^T), the query tile (kN x 576 fp16, 36 KB at kN = 32), two P^T tiles, half an output row block in fp32
+// for the coalesced epilogue (33 KB), and 10 mbarriers:
+//   full[2]       converter -> consumers: the stage holds tile it (one arrive per converter warp)
+//   empty[2]      consumers -> converter: both are done with the stage (one arrive per consumer warp)
+//   p_ready[2]    scorer -> accumulator: P^T and the rescale factors of the stage's tile
+//   sums_full[2]  scorer -> accumulator: the item's row sums (by item parity)
+//   sums_empty[2] accumulator -> scorer: the row sums of that parity are read
+// Registers by setmaxnreg: the converter holds two tiles (2 x 72 registers), the accumulator O^T (kN x 4), the scorer
+// little; all three return to the launch's 168 before the fused combine.
+#pragma once
+#include <cmath>
+#include <cstdint>
+
+#include "mainloop_etap.cuh"
+
+namespace mla_sm90 {
+
+struct Fp8t {
+  static constexpr int kThreads = 384;
+  static constexpr int kMaxRows = 32;
+  static constexpr int kStageBytes = Cfg::kBlockN * Cfg::kHeadDimQK * 2;  // fp16
+  static constexpr int kQBytes = kMaxRows * Cfg::kHeadDimQK * 2;
+  static constexpr int kPBytes = kMaxRows * Cfg::kBlockN * 2;
+  static constexpr int kOStride = Cfg::kHeadDimV / 2 + 4;  // fp32 row stride of half an output row (spreads banks)
+  static constexpr int kOBytes = kMaxRows * kOStride * 4;
+  // byte offsets from the 1024-aligned base (every operand tile 1024-aligned)
+  static constexpr int kOffQ = 2 * kStageBytes;
+  static constexpr int kOffP = kOffQ + kQBytes;
+  static constexpr int kOffO = kOffP + 2 * kPBytes;
+  static constexpr int kOffF = kOffO + kOBytes;  // floats: column scale, alpha [2], maxima / sums exchange, sums [2]
+  static constexpr int kFloats = kMaxRows * (1 + 2 + 4 + 4 + 2 + 1);
+  static constexpr int kOffFlag = kOffF + kFloats * 4;  // int [2]: a tile's rescale flag, by stage
+  static constexpr int kOffBar = kOffFlag + 16;
+  static constexpr int kBars = 10;
+  static constexpr int kSmemBytes = kOffBar + kBars * 8 + 1024;  // + alignment slack
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory over the SM90 per-block limit");
+  static_assert(kOffBar % 8 == 0, "mbarriers are 8-byte aligned");
+  static_assert(kFusedScratchBytes<kThreads> <= 2 * kStageBytes, "the combine's list fits the stages");
+  // named barriers (0 is __syncthreads): one per consumer warpgroup, one for the CTA after the first setmaxnreg
+  static constexpr int kBarScorer = 1, kBarAcc = 2, kBarRegs = 3;
+  // registers per thread by warpgroup (setmaxnreg): converter, scorer, accumulator. setmaxnreg.inc takes only what
+  // other warps of the CTA released with setmaxnreg.dec (not the SM's unallocated registers: a first version with
+  // 200 + 112 + 200 waited forever), so the three sum to the launch's 3 x 168. And every warpgroup holds its new
+  // count before any returns to 168 (kBarRegs after the first setmaxnreg): a CTA without items let its scorer take
+  // back its 56 registers before the converter had its 32, which then waited forever (H100, intermittent)
+  static constexpr int kRegsConv = 200, kRegsScorer = 112, kRegsAcc = 192, kRegsLaunch = 168;
+  static_assert(kRegsConv + kRegsScorer + kRegsAcc == 3 * kRegsLaunch, "setmaxnreg moves registers, adds none");
+};
+
+template <int N> __device__ __forceinline__ void regs_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
+template <int N> __device__ __forceinline__ void regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
+
+// bar.sync's non-aligned form (the three warpgroups reach it from different code), over the whole CTA.
+__device__ __forceinline__ void barrier_cta_unaligned(int id, int threads) {
+  asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+// bar.red.or over `threads` threads of named barrier `id`: whether any of them passed true.
+__device__ __forceinline__ bool named_barrier_any(int id, int threads, bool v) {
+  uint32_t r;
+  asm volatile(
+      "{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbarrier.cta.red.or.pred q, %2, %3, p;\nselp.u32 %0, 1, 0, q;\n}\n"
+      : "=r"(r)
+      : "r"((uint32_t)v), "r"(id), "r"(threads)
+      : "memory");
+  return r != 0;
+}
+// Ask L2 for `bytes` (a multiple of 16) from a 16-byte aligned global address.
+__device__ __forceinline__ void prefetch_l2_bulk(const void* ptr, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(ptr), "r"(bytes) : "memory");
+}
+// 16 bytes of the (read-only) cache, not kept in L1.
+__device__ __forceinline__ uint4 ld_stream_16(const void* ptr) {
+  uint4 r;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "l"(ptr));
+  return r;
+}
+// Four e4m3 values (a word, lowest byte first) -> four fp16 values (two words, in order).
+__device__ __forceinline__ uint2 e4m3x4_to_f16x4(uint32_t w) {
+  uint2 r;
+  asm("{\n.reg .b16 a, b;\nmov.b32 {a, b}, %2;\ncvt.rn.f16x2.e4m3x2 %0, a;\ncvt.rn.f16x2.e4m3x2 %1, b;\n}\n"
+      : "=r"(r.x), "=r"(r.y)
+      : "r"(w));
+  return r;
+}
+
+// A tile's fp8 bytes held by one converter thread: token rows r0 and r0 + 32 (r0 = 8 warp + lane / 4), of each of the
+// nine 64-byte column blocks the 16 bytes at 16 (lane % 4). A warp's loads read 64-byte pieces of 8 rows; its stores
+// (two 16-byte fp16 chunks per piece) put 8 rows of one column block in distinct bank groups (chunks 2 (lane % 4) and
+// +1, XOR-swizzled by the row).
+struct Fp8tRows {
+  uint4 v[2][9];
+};
+
+// The tile at t0 into registers; `page` holds the pages of the thread's two rows (0 past t_end: such a row reads
+// page 0's first row of this head, in bounds, and is zeroed at the store, so nothing past a request is used).
+__device__ __forceinline__ void fp8t_load(const DecodeParams& p, Fp8tRows& x, const int (&page)[2], int t0, int t_end,
+                                          int kvh, int r0, int q4) {
+  const uint8_t* kv = reinterpret_cast<const uint8_t*>(p.kv);
+#pragma unroll
+  for (int pass = 0; pass < 2; ++pass) {
+    const int t = t0 + r0 + 32 * pass;
+    const uint8_t* src = kv + (t < t_end ? kv_token_elem(p, page[pass], t, kvh) : (int64_t)kvh * p.kv_stride_head) +
+                         16 * q4;
+#pragma unroll
+    for (int b = 0; b < 9; ++b) x.v[pass][b] = ld_stream_16(src + 64 * b);
+  }
+}
+
+// The tile of fp8_load at t0 into `stage` as fp16 (Gmma128Tile64), rows at or past t_end as zeros.
+__device__ __forceinline__ void fp8t_store(__half* stage, const Fp8tRows& x, int t0, int t_end, int r0, int q4) {
+#pragma unroll
+  for (int pass = 0; pass < 2; ++pass) {
+    const int row = r0 + 32 * pass;
+    const bool valid = t0 + row < t_end;
+    __half* base = stage + row * 64;
+    const int c0 = ((2 * q4) ^ (row & 7)) << 3, c1 = ((2 * q4 + 1) ^ (row & 7)) << 3;
+#pragma unroll
+    for (int b = 0; b < 9; ++b) {
+      const uint4 w = valid ? x.v[pass][b] : make_uint4(0, 0, 0, 0);
+      const uint2 a = e4m3x4_to_f16x4(w.x), c = e4m3x4_to_f16x4(w.y), d = e4m3x4_to_f16x4(w.z),
+                  e = e4m3x4_to_f16x4(w.w);
+      *reinterpret_cast<uint4*>(base + b * 64 * 64 + c0) = make_uint4(a.x, a.y, c.x, c.y);
+      *reinterpret_cast<uint4*>(base + b * 64 * 64 + c1) = make_uint4(d.x, d.y, e.x, e.y);
+    }
+  }
+}
+
+// Offset of (row, col) in the kN-row query tile: nine [kN][64] blocks, 128-byte swizzle (K-major B of S^T).
+template <int kN>
+__device__ __forceinline__ int q_tile_offset(int row, int col) {
+  return (col >> 6) * (kN * 64) + row * 64 + ((((col & 63) >> 3) ^ (row & 7)) << 3) + (col & 7);
+}
+
+template <typename T, int kN>
+__global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const __grid_constant__ DecodeParams p) {
+  static_assert(kN == 16 || kN == 32, "16 or 32 query rows");
+  using L = Gmma128Tile64;
+  using G = GmmaEtap<__half, kN>;
+  using TT = TypeTraits<T>;
+  constexpr int kAcc = kN / 2;   // fp32 accumulators per thread of one m64 x kN tile
+  constexpr int kCols = kN / 4;  // columns (query rows) per thread: c = 8 (k / 2) + 2 (lane % 4) + k % 2
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  uint8_t* smem_base = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
+  __half* sK = reinterpret_cast<__half*>(smem_base);  // [2 stages][9 blocks][64][64]
+  __half* sQ = reinterpret_cast<__half*>(smem_base + Fp8t::kOffQ);
+  __half* sP = reinterpret_cast<__half*>(smem_base + Fp8t::kOffP);  // [2][kMaxRows x 64]
+  float* sO = reinterpret_cast<float*>(smem_base + Fp8t::kOffO);    // [kN][kOStride]
+  float* sColScale = reinterpret_cast<float*>(smem_base + Fp8t::kOffF);  // [32] 2^-e of each query row
+  float* sAlpha = sColScale + Fp8t::kMaxRows;                            // [2][32] by stage
+  float* sRed = sAlpha + 2 * Fp8t::kMaxRows;                             // [4 warps][32] column maxima
+  float* sLRed = sRed + 4 * Fp8t::kMaxRows;                              // [4 warps][32] column sums
+  float* sSum = sLRed + 4 * Fp8t::kMaxRows;                              // [2][32] an item's row sums, by parity
+  float* sMax = sSum + 2 * Fp8t::kMaxRows;                               // [32] an item's row maxima
+  int* sFlag = reinterpret_cast<int*>(smem_base + Fp8t::kOffFlag);       // [2] by stage
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem_base + Fp8t::kOffBar);
+  uint64_t* full = bars;
+  uint64_t* empty = bars + 2;
+  uint64_t* p_ready = bars + 4;
+  uint64_t* sums_full = bars + 6;
+  uint64_t* sums_empty = bars + 8;
+
+  const int part = blockIdx.x, kvh = blockIdx.z;
+  const int tid = threadIdx.x, lane = tid % 32, tid_wg = tid % 128, warp = (tid / 32) % 4;
+  const int wg = __shfl_sync(0xffffffff, tid / 128, 0);  // warp-uniform (see v6)
+  if (tid == 0) {
+    for (int i = 0; i < 2; ++i) {
+      mbar_init(full + i, 4);
+      mbar_init(empty + i, 8);
+      mbar_init(p_ready + i, 4);
+      mbar_init(sums_full + i, 1);
+      mbar_init(sums_empty + i, 128);
+    }
+    fence_mbar_init();
+  }
+  __syncthreads();
+  stamp(kTimelineEntry);
+  const int item_begin = p.part_offsets[part], item_end = p.part_offsets[part + 1];
+  const int heads_per_kv = p.heads_q / p.heads_kv;
+  const float kv_scale = *p.kv_scale;
+  constexpr float kLog2e = 1.4426950408889634f;
+  constexpr float kLn2 = 0.6931471805599453f;
+  auto col_of = [&](int k) { return 8 * (k / 2) + 2 * (lane % 4) + (k % 2); };
+  auto acc_row = [&](int i) { return 16 * warp + lane / 4 + 8 * ((i % 4) / 2); };
+  auto acc_col = [](int i) { return 2 * (i / 4) + (i % 2); };
+  auto desc = [](const void* base) { return gmma_desc_sw128_addr(smem_u32(base), 16, 1024); };
+  auto desc_v = [](const void* base) { return gmma_desc_sw128_addr(smem_u32(base), 64 * 64 * 2, 1024); };
+
+  if (wg == 0) {
+    // ================= converter =================
+    regs_inc<Fp8t::kRegsConv>();
+    barrier_cta_unaligned(Fp8t::kBarRegs, Fp8t::kThreads);
+    const int r0 = 8 * warp + lane / 4, q4 = lane % 4;
+    // L2 prefetches: one bulk copy per tile where a tile is one contiguous range (whole-tile pages of a single-head
+    // cache whose items start on 64-token chunks), else one per 576-byte row from threads 0..63; none where the
+    // cache is not 16-byte aligned
+    const bool pf_ok = (reinterpret_cast<uintptr_t>(p.kv) & 15) == 0 && p.kv_stride_block % 16 == 0 &&
+                       p.kv_stride_tok % 16 == 0 && p.kv_stride_head % 16 == 0;
+    const bool pf_whole = p.page_size % Cfg::kBlockN == 0 && p.kv_stride_tok == Cfg::kHeadDimQK;
+    const uint8_t* kv = reinterpret_cast<const uint8_t*>(p.kv);
+    uint32_t it = 0;
+    for (int item = item_begin; item < item_end; ++item) {
+      const WorkItem w = load_item(p, item);
+      const int req = w.req, tok_begin = w.tok_begin, tok_end = w.tok_end;
+      if (req < 0) continue;
+      const int n_tiles = (tok_end - tok_begin + Cfg::kBlockN - 1) / Cfg::kBlockN;
+      const int32_t* table_row = p.block_table + (int64_t)req * p.bt_stride;
+      auto page_of = [&](int t) { return t < tok_end ? table_row[t / p.page_size] : 0; };
+      auto rows_pages = [&](int t0, int (&pg)[2]) {
+        pg[0] = page_of(t0 + r0);
+        pg[1] = page_of(t0 + r0 + 32);
+      };
+      // the prefetch's page: of the tile (whole tiles: one page each) or of row tid_wg
+      const bool whole = pf_whole && tok_begin % Cfg::kBlockN == 0;
+      auto pf_page = [&](int t0) { return page_of(t0 + (whole ? 0 : tid_wg % Cfg::kBlockN)); };
+      auto prefetch = [&](int page, int t0) {
+        if (!pf_ok || t0 >= tok_end) return;
+        if (whole) {
+          if (tid_wg == 0)
+            prefetch_l2_bulk(kv + kv_token_elem(p, page, t0, kvh), min(Cfg::kBlockN, tok_end - t0) * Cfg::kHeadDimQK);
+        } else if (tid_wg < Cfg::kBlockN && t0 + tid_wg < tok_end) {
+          prefetch_l2_bulk(kv + kv_token_elem(p, page, t0 + tid_wg, kvh), Cfg::kHeadDimQK);
+        }
+      };
+      // tile `it` of this CTA into stage it % 2 once both consumers released it (a fresh barrier's wait for the
+      // previous phase passes), then the stage's full barrier (one arrive per warp)
+      auto put = [&](const Fp8tRows& x, int t0) {
+        const uint32_t st = it & 1u;
+        mbar_wait(empty + st, ((it >> 1) & 1u) ^ 1u);
+        fp8t_store(sK + st * (Fp8t::kStageBytes / 2), x, t0, tok_end, r0, q4);
+        fence_proxy_async_smem();
+        __syncwarp();
+        if (lane == 0) mbar_arrive(full + st);
+        ++it;
+      };
+      Fp8tRows x, y;
+      int pa[2], pb[2];
+      rows_pages(tok_begin, pa);
+      fp8t_load(p, x, pa, tok_begin, tok_end, kvh, r0, q4);
+      // pages of tiles j + 1 / j + 2 for the register loads (pb / pa), of tiles j + 2 / j + 3 for the L2
+      // prefetches (fa / fb): each read a whole iteration before its use
+      rows_pages(tok_begin + Cfg::kBlockN, pb);
+      rows_pages(tok_begin + 2 * Cfg::kBlockN, pa);
+      prefetch(pf_page(tok_begin + Cfg::kBlockN), tok_begin + Cfg::kBlockN);
+      int fa = pf_page(tok_begin + 2 * Cfg::kBlockN), fb = pf_page(tok_begin + 3 * Cfg::kBlockN);
+      for (int j = 0; j < n_tiles; j += 2) {
+        const int t0 = tok_begin + j * Cfg::kBlockN;
+        // tile j + 1 into y while tile j is stored; tile j + 2 into L2
+        if (j + 1 < n_tiles) fp8t_load(p, y, pb, t0 + Cfg::kBlockN, tok_end, kvh, r0, q4);
+        rows_pages(t0 + 3 * Cfg::kBlockN, pb);
+        prefetch(fa, t0 + 2 * Cfg::kBlockN);
+        fa = pf_page(t0 + 4 * Cfg::kBlockN);
+        put(x, t0);
+        // tile j + 2 into x while tile j + 1 is stored; tile j + 3 into L2
+        if (j + 2 < n_tiles) fp8t_load(p, x, pa, t0 + 2 * Cfg::kBlockN, tok_end, kvh, r0, q4);
+        rows_pages(t0 + 4 * Cfg::kBlockN, pa);
+        prefetch(fb, t0 + 3 * Cfg::kBlockN);
+        fb = pf_page(t0 + 5 * Cfg::kBlockN);
+        if (j + 1 < n_tiles) put(y, t0 + Cfg::kBlockN);
+      }
+    }
+    regs_dec<Fp8t::kRegsLaunch>();
+  } else if (wg == 1) {
+    // ================= scorer =================
+    regs_dec<Fp8t::kRegsScorer>();
+    barrier_cta_unaligned(Fp8t::kBarRegs, Fp8t::kThreads);
+    const float score_scale = p.softmax_scale * kv_scale * kLog2e;
+    uint32_t it = 0, n_items = 0;
+    for (int item = item_begin; item < item_end; ++item) {
+      const WorkItem w = load_item(p, item);
+      const int req = w.req, tok_begin = w.tok_begin, tok_end = w.tok_end, slot = w.slot;
+      if (req < 0) continue;
+      const int seqlen = p.cache_seqlens[req];
+      const int n_tiles = (tok_end - tok_begin + Cfg::kBlockN - 1) / Cfg::kBlockN;
+      // ---- the query tile in fp16: warp w takes rows w, w + 4, ...; lane the 16-byte chunks lane, lane + 32, ...
+      named_barrier(Fp8t::kBarScorer, 128);  // every warp's S^T of the previous item is done: sQ is free
+#pragma unroll 1
+      for (int c = warp; c < kN; c += 4) {
+        const bool valid = c < p.rows_per_kv_head;
+        const T* src = reinterpret_cast<const T*>(p.q) + (int64_t)req * p.q_stride_b +
+                       (int64_t)(valid ? c / heads_per_kv : 0) * p.q_stride_s +
+                       (int64_t)(kvh * heads_per_kv + (valid ? c % heads_per_kv : 0)) * p.q_stride_h;
+        uint4 v[3];
+        float mx = 0.f;
+#pragma unroll
+        for (int k = 0; k < 3; ++k) {
+          const int chunk = lane + 32 * k;
+          v[k] = valid && chunk < Cfg::kChunksQK ? *reinterpret_cast<const uint4*>(src + 8 * chunk)
+                                                 : make_uint4(0, 0, 0, 0);
+          const uint32_t* u = reinterpret_cast<const uint32_t*>(&v[k]);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float2 f = TT::to_float2(*reinterpret_cast<const typename TT::T2*>(u + e));
+            mx = fmaxf(mx, fmaxf(fabsf(f.x), fabsf(f.y)));
+          }
+        }
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+        int ex = 0;
+        frexpf(mx, &ex);  // mx = f 2^ex, f in [0.5, 1): mx 2^(15 - ex) in [2^14, 2^15)
+        const int sh = max(-126, min(126, 15 - ex));
+        const float up = pow2i(sh);
+#pragma unroll
+        for (int k = 0; k < 3; ++k) {
+          const int chunk = lane + 32 * k;
+          if (chunk >= Cfg::kChunksQK) continue;
+          const uint32_t* u = reinterpret_cast<const uint32_t*>(&v[k]);
+          uint4 h;
+          uint32_t* hw = reinterpret_cast<uint32_t*>(&h);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float2 f = TT::to_float2(*reinterpret_cast<const typename TT::T2*>(u + e));
+            hw[e] = half2_bits(__floats2half2_rn(f.x * up, f.y * up));
+          }
+          *reinterpret_cast<uint4*>(sQ + q_tile_offset<kN>(c, 8 * chunk)) = h;
+        }
+        if (lane == 0) sColScale[c] = pow2i(-sh);
+      }
+      fence_proxy_async_smem();
+      named_barrier(Fp8t::kBarScorer, 128);
+      float s_col[kCols], m_run[kCols], m_use[kCols], l_run[kCols];
+      int limit[kCols];
+#pragma unroll
+      for (int k = 0; k < kCols; ++k) {
+        s_col[k] = score_scale * sColScale[col_of(k)];
+        m_run[k] = -INFINITY, m_use[k] = 0.f, l_run[k] = 0.f;
+        limit[k] = p.causal ? seqlen - p.q_len + col_of(k) / heads_per_kv : seqlen - 1;
+      }
+      const int unmasked_end = min(tok_end, p.causal ? seqlen - p.q_len + 1 : seqlen);
+
+      for (int j = 0; j < n_tiles; ++j, ++it) {
+        const int t0 = tok_begin + j * Cfg::kBlockN;
+        const uint32_t st = it & 1u, ph = (it >> 1) & 1u;
+        const __half* stage = sK + st * (Fp8t::kStageBytes / 2);
+        mbar_wait(full + st, ph);
+        // ---- S^T = K Q^T over the 9 column blocks x 4 k-steps
+        float acc_s[kAcc];
+        const uint64_t dk = desc(stage), dq = desc(sQ);
+        fence_regs<kAcc>(acc_s);
+        cute::warpgroup_arrive();
+#pragma unroll
+        for (int blk = 0; blk < 9; ++blk)
+#pragma unroll
+          for (int kk = 0; kk < 4; ++kk) {
+            const uint64_t off_k = (uint64_t)(((blk * 64 * 64 + kk * 16) * 2) >> 4);
+            const uint64_t off_q = (uint64_t)(((blk * kN * 64 + kk * 16) * 2) >> 4);
+            gmma_call<typename G::KQ>(dk + off_k, dq + off_q, acc_s, blk + kk > 0, std::make_index_sequence<kAcc>{});
+          }
+        cute::warpgroup_commit_batch();
+        cute::warpgroup_wait<0>();
+        fence_regs<kAcc>(acc_s);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty + st);  // this warp's share of the stage is read
+
+        // ---- scores in base 2; mask only tiles reaching past unmasked_end
+        const bool masked = t0 + Cfg::kBlockN > unmasked_end;
+        bool over = false;
+#pragma unroll
+        for (int i = 0; i < kAcc; ++i) {
+          const int k = acc_col(i), t = t0 + acc_row(i);
+          acc_s[i] = masked && !(t < tok_end && t <= limit[k]) ? -INFINITY : acc_s[i] * s_col[k];
+          over |= acc_s[i] - m_run[k] > 8.f;  // NaN (both -inf) compares false; a first key gives +inf
+        }
+        // conditional rescaling (FlashAttention-4): the column maxima are taken only when some score passes its
+        // row's reference maximum by more than 2^8; P <= 2^8 is exact enough in fp16 and far from its range
+        const bool fire = named_barrier_any(Fp8t::kBarScorer, 128, over);
+        float alpha[kCols];
+        if (fire) {
+          float cmax[kCols];
+#pragma unroll
+          for (int k = 0; k < kCols; ++k) cmax[k] = -INFINITY;
+#pragma unroll
+          for (int i = 0; i < kAcc; ++i) cmax[acc_col(i)] = fmaxf(cmax[acc_col(i)], acc_s[i]);
+#pragma unroll
+          for (int k = 0; k < kCols; ++k) {
+#pragma unroll
+            for (int o = 4; o < 32; o <<= 1) cmax[k] = fmaxf(cmax[k], __shfl_xor_sync(0xffffffff, cmax[k], o));
+            if (lane < 4) sRed[warp * Fp8t::kMaxRows + col_of(k)] = cmax[k];
+          }
+          named_barrier(Fp8t::kBarScorer, 128);
+#pragma unroll
+          for (int k = 0; k < kCols; ++k) {
+            const int c = col_of(k);
+            const float tile_max = fmaxf(fmaxf(sRed[c], sRed[Fp8t::kMaxRows + c]),
+                                         fmaxf(sRed[2 * Fp8t::kMaxRows + c], sRed[3 * Fp8t::kMaxRows + c]));
+            const float m_new = fmaxf(m_run[k], tile_max);
+            const float mu = m_new == -INFINITY ? 0.f : m_new;
+            alpha[k] = exp2_ftz(m_run[k] - mu);
+            m_run[k] = m_new;
+            m_use[k] = mu;
+          }
+        } else {
+#pragma unroll
+          for (int k = 0; k < kCols; ++k) alpha[k] = 1.f;
+        }
+        // ---- P (fp32 in acc_s), row sums; P^T (fp16) and the rescale factors into shared memory
+        float psum[kCols];
+#pragma unroll
+        for (int k = 0; k < kCols; ++k) psum[k] = 0.f;
+#pragma unroll
+        for (int i = 0; i < kAcc; ++i) {
+          const int k = acc_col(i);
+          acc_s[i] = exp2_ftz(acc_s[i] - m_use[k]);
+          psum[k] += acc_s[i];
+        }
+#pragma unroll
+        for (int k = 0; k < kCols; ++k) l_run[k] = l_run[k] * alpha[k] + psum[k];
+        // the stage's P^T was last read by the accumulator for tile it - 2, before it released the stage
+        __half* pw = sP + st * (Fp8t::kPBytes / 2);
+#pragma unroll
+        for (int i = 0; i < kAcc; ++i) pw[L::offset(col_of(acc_col(i)), acc_row(i))] = __float2half_rn(acc_s[i]);
+        if (warp == 0) {
+          if (fire && lane < 4) {
+#pragma unroll
+            for (int k = 0; k < kCols; ++k) sAlpha[st * Fp8t::kMaxRows + col_of(k)] = alpha[k];
+          }
+          if (lane == 0) sFlag[st] = fire;
+        }
+        fence_proxy_async_smem();
+        __syncwarp();
+        if (lane == 0) mbar_arrive(p_ready + st);
+      }
+
+      // ---- the item's row sums and maxima; LSE; the sums to the accumulator
+      const uint32_t par = n_items & 1u;
+#pragma unroll
+      for (int k = 0; k < kCols; ++k) {
+        float l = l_run[k];
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) l += __shfl_xor_sync(0xffffffff, l, o);
+        if (lane < 4) {
+          sLRed[warp * Fp8t::kMaxRows + col_of(k)] = l;
+          if (warp == 0) sMax[col_of(k)] = m_run[k];
+        }
+      }
+      mbar_wait(sums_empty + par, ((n_items >> 1) & 1u) ^ 1u);  // the accumulator read the sums of item n - 2
+      named_barrier(Fp8t::kBarScorer, 128);
+      if (tid_wg < kN) {
+        const int c = tid_wg;
+        const float total = sLRed[c] + sLRed[Fp8t::kMaxRows + c] + sLRed[2 * Fp8t::kMaxRows + c] +
+                            sLRed[3 * Fp8t::kMaxRows + c];
+        sSum[par * Fp8t::kMaxRows + c] = total;
+        if (c < p.rows_per_kv_head) {
+          const bool has_keys = total > 0.f;
+          const float lse_val = has_keys ? (sMax[c] + log2f(total)) * kLn2 : (slot < 0 ? INFINITY : -INFINITY);
+          const int qi = c / heads_per_kv, head = kvh * heads_per_kv + c % heads_per_kv;
+          if (slot < 0)
+            lse_at(p, req, qi, head) = lse_val;
+          else
+            p.partial_lse[partial_index(p, slot, qi, head)] = lse_val;
+        }
+      }
+      named_barrier(Fp8t::kBarScorer, 128);  // the sums are written (and sLRed / sMax read)
+      if (tid_wg == 0) mbar_arrive(sums_full + par);
+      ++n_items;
+    }
+    regs_inc<Fp8t::kRegsLaunch>();
+  } else {
+    // ================= accumulator =================
+    regs_inc<Fp8t::kRegsAcc>();
+    barrier_cta_unaligned(Fp8t::kBarRegs, Fp8t::kThreads);
+    uint32_t it = 0, n_items = 0;
+    for (int item = item_begin; item < item_end; ++item) {
+      const WorkItem w = load_item(p, item);
+      const int req = w.req, tok_begin = w.tok_begin, tok_end = w.tok_end, slot = w.slot;
+      if (req < 0) continue;
+      const int n_tiles = (tok_end - tok_begin + Cfg::kBlockN - 1) / Cfg::kBlockN;
+      float acc_o[8][kAcc];
+#pragma unroll
+      for (int mb = 0; mb < 8; ++mb)
+#pragma unroll
+        for (int i = 0; i < kAcc; ++i) acc_o[mb][i] = 0.f;
+#pragma unroll
+      for (int mb = 0; mb < 8; ++mb) fence_regs<kAcc>(acc_o[mb]);
+      for (int j = 0; j < n_tiles; ++j, ++it) {
+        const uint32_t st = it & 1u, ph = (it >> 1) & 1u;
+        const __half* stage = sK + st * (Fp8t::kStageBytes / 2);
+        mbar_wait(p_ready + st, ph);
+        if (sFlag[st]) {
+          float alpha[kCols];
+#pragma unroll
+          for (int k = 0; k < kCols; ++k) alpha[k] = sAlpha[st * Fp8t::kMaxRows + col_of(k)];
+#pragma unroll
+          for (int mb = 0; mb < 8; ++mb)
+#pragma unroll
+            for (int i = 0; i < kAcc; ++i) acc_o[mb][i] *= alpha[acc_col(i)];
+        }
+        // ---- O^T += V^T P^T: 8 blocks of 64 channels, 4 k-steps of 16 tokens
+        const uint64_t dp = desc(sP + st * (Fp8t::kPBytes / 2));
+#pragma unroll
+        for (int mb = 0; mb < 8; ++mb) fence_regs<kAcc>(acc_o[mb]);
+        cute::warpgroup_arrive();
+#pragma unroll
+        for (int mb = 0; mb < 8; ++mb) {
+          const uint64_t dv = desc_v(stage + mb * 64 * 64);
+#pragma unroll
+          for (int kt = 0; kt < 4; ++kt) {
+            const uint64_t off_v = (uint64_t)((kt * 16 * 64 * 2) >> 4);
+            const uint64_t off_p = (uint64_t)((kt * 16 * 2) >> 4);
+            gmma_call<typename G::VP>(dv + off_v, dp + off_p, acc_o[mb], true, std::make_index_sequence<kAcc>{});
+          }
+        }
+        cute::warpgroup_commit_batch();
+        cute::warpgroup_wait<0>();
+#pragma unroll
+        for (int mb = 0; mb < 8; ++mb) fence_regs<kAcc>(acc_o[mb]);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty + st);
+      }
+
+      // ---- out: half a row block (256 channels) at a time through sO, rows out 4 channels per thread
+      const uint32_t par = n_items & 1u;
+      mbar_wait(sums_full + par, (n_items >> 1) & 1u);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        named_barrier(Fp8t::kBarAcc, 128);  // sO's previous readers are done
+#pragma unroll
+        for (int mb = 0; mb < 4; ++mb)
+#pragma unroll
+          for (int i = 0; i < kAcc; ++i)
+            sO[col_of(acc_col(i)) * Fp8t::kOStride + mb * 64 + acc_row(i)] = acc_o[4 * half + mb][i];
+        named_barrier(Fp8t::kBarAcc, 128);
+        for (int idx = tid_wg; idx < kN * 64; idx += 128) {
+          const int c = idx / 64, chl = 4 * (idx % 64), ch = Cfg::kHeadDimV / 2 * half + chl;
+          if (c >= p.rows_per_kv_head) break;  // idx grows with c; a warp shares c
+          const float total = sSum[par * Fp8t::kMaxRows + c];
+          const float inv = total > 0.f ? kv_scale / total : 0.f;
+          const int qi = c / heads_per_kv, head = kvh * heads_per_kv + c % heads_per_kv;
+          if (slot < 0) {
+            const float4 v = *reinterpret_cast<const float4*>(sO + c * Fp8t::kOStride + chl);
+            T* dst = out_row<T>(p, req, qi, head) + ch;
+            *reinterpret_cast<typename TT::T2*>(dst) = TT::from_float2(v.x * inv, v.y * inv);
+            *reinterpret_cast<typename TT::T2*>(dst + 2) = TT::from_float2(v.z * inv, v.w * inv);
+          } else {
+            // partial row (params.h), as v6 writes it: the warp holds one quarter row
+            const float* o = sO + c * Fp8t::kOStride + (chl & ~15) + 2 * ((chl & 15) / 4);
+            const float2 lo = *reinterpret_cast<const float2*>(o), hi = *reinterpret_cast<const float2*>(o + 8);
+            float m = fmaxf(fmaxf(fabsf(lo.x), fabsf(lo.y)), fmaxf(fabsf(hi.x), fabsf(hi.y)));
+#pragma unroll
+            for (int d = 1; d < 32; d *= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));
+            const int shift = partial_shift(m * inv, inv);
+            const float pscale = inv * pow2i(shift);
+            char* row = partial_row(p.partial_out, partial_index(p, slot, qi, head));
+            *reinterpret_cast<uint2*>(reinterpret_cast<__half*>(row) + ch) =
+                make_uint2(half2_bits(__floats2half2_rn(lo.x * pscale, lo.y * pscale)),
+                           half2_bits(__floats2half2_rn(hi.x * pscale, hi.y * pscale)));
+            if (ch % 128 < 16) {
+              const uint32_t sw = shift_word(shift);
+              *reinterpret_cast<uint2*>(row + kPartialShiftByte + kPartialShiftStride * (ch / 128) + 2 * (ch % 128)) =
+                  make_uint2(sw, sw);
+            }
+          }
+        }
+      }
+      mbar_arrive(sums_empty + par);  // this thread's reads of the sums are done
+      ++n_items;
+    }
+    regs_dec<Fp8t::kRegsLaunch>();
+  }
+  stamp(kTimelineCombine);
+  if (p.fuse_combine) combine_in_grid<T, Fp8t::kThreads>(p, reinterpret_cast<int*>(smem_base));
+  stamp(kTimelineEnd);
+}
+
+}  // namespace mla_sm90
