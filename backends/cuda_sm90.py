@@ -91,7 +91,7 @@ def choose_variant(problem: DecodeProblem, num_parts: int, max_chunks: int) -> i
 
     v7 (v6's orientation with the fp8 conversion in a warpgroup of its own) takes fp8_e4m3 caches with <= 32 rows
     per KV head once the parts have v6's fp8 cut of chunks: H100 b=64 L=8192 fp8_e4m3 (RESULTS.md, 2026-11-23) h_q=16
-    v7 165.3 us against v6's 186.1, h_q=32 191.7 against v2's 243.8 (v6 takes no 32-row fp8 cache). Its own cut at
+    v7 162.8 us against v6's 186.1, h_q=32 184.1 against v2's 243.8 (v6 takes no 32-row fp8 cache). Its own cut at
     small batches is not measured.
 
     ``max_chunks`` comes from the block table's width (no device sync at plan time): an upper bound, so a wide table

@@ -33,6 +33,10 @@
 //   sums_empty[2] accumulator -> scorer: the row sums of that parity are read
 // Registers by setmaxnreg: the converter holds two tiles (2 x 72 registers), the accumulator O^T (kN x 4), the scorer
 // little; all three return to the launch's 168 before the fused combine.
+//
+// H100, b=64 L=8K, graph replay (NOTES.md, "Twenty-fourth session"): 16 heads 162.8 us (1.41x bf16's 229.7; v6 186.1),
+// 32 heads 184.1 us (1.30x; v2 243.8). The converter bounds it: each stage's release waits for its loads of the
+// next tile (the MEMBAR of the release), so the load latency sits inside the two-stage cycle.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -122,32 +126,62 @@ struct Fp8tRows {
   uint4 v[2][9];
 };
 
+// Token t's page-table column and its row in the page: shifts where the page size is a power of two (every size the
+// backend is tested with; a division by a runtime value is ~20 instructions, and the converter takes several per
+// tile: ncu, H100), a division otherwise.
+struct PageGeometry {
+  int size, shift;
+  bool pow2;
+  __device__ __forceinline__ int index(int t) const { return pow2 ? t >> shift : t / size; }
+  __device__ __forceinline__ int row(int t) const { return pow2 ? t & (size - 1) : t % size; }
+};
+__device__ __forceinline__ PageGeometry page_geometry(int page_size) {
+  PageGeometry g;
+  g.size = page_size;
+  g.shift = __ffs(page_size) - 1;
+  g.pow2 = (page_size & (page_size - 1)) == 0;
+  return g;
+}
+// Byte offset of token t (in cache block `page`) of KV head kvh (kv_token_elem with PageGeometry).
+__device__ __forceinline__ int64_t fp8t_row_offset(const DecodeParams& p, const PageGeometry& pg, int page, int t,
+                                                   int kvh) {
+  return (int64_t)page * p.kv_stride_block + (int64_t)pg.row(t) * p.kv_stride_tok + (int64_t)kvh * p.kv_stride_head;
+}
+
 // The tile at t0 into registers; `page` holds the pages of the thread's two rows (0 past t_end: such a row reads
-// page 0's first row of this head, in bounds, and is zeroed at the store, so nothing past a request is used).
-__device__ __forceinline__ void fp8t_load(const DecodeParams& p, Fp8tRows& x, const int (&page)[2], int t0, int t_end,
-                                          int kvh, int r0, int q4) {
+// page 0's first row of this head, in bounds, and is zeroed before the store, so nothing past a request is used).
+__device__ __forceinline__ void fp8t_load(const DecodeParams& p, const PageGeometry& pg, Fp8tRows& x,
+                                          const int (&page)[2], int t0, int t_end, int kvh, int r0, int q4) {
   const uint8_t* kv = reinterpret_cast<const uint8_t*>(p.kv);
 #pragma unroll
   for (int pass = 0; pass < 2; ++pass) {
     const int t = t0 + r0 + 32 * pass;
-    const uint8_t* src = kv + (t < t_end ? kv_token_elem(p, page[pass], t, kvh) : (int64_t)kvh * p.kv_stride_head) +
+    const uint8_t* src = kv + (t < t_end ? fp8t_row_offset(p, pg, page[pass], t, kvh) : (int64_t)kvh * p.kv_stride_head) +
                          16 * q4;
 #pragma unroll
     for (int b = 0; b < 9; ++b) x.v[pass][b] = ld_stream_16(src + 64 * b);
   }
 }
 
-// The tile of fp8_load at t0 into `stage` as fp16 (Gmma128Tile64), rows at or past t_end as zeros.
-__device__ __forceinline__ void fp8t_store(__half* stage, const Fp8tRows& x, int t0, int t_end, int r0, int q4) {
+// The tile of fp8_load at t0 into `stage` as fp16 (Gmma128Tile64), rows at or past t_end as zeros (zeroed in x, in
+// the item's last tile only: a select per word in every tile was 12% of the converter's instructions).
+__device__ __forceinline__ void fp8t_store(__half* stage, Fp8tRows& x, int t0, int t_end, int r0, int q4) {
+  if (t0 + Cfg::kBlockN > t_end) {
+#pragma unroll
+    for (int pass = 0; pass < 2; ++pass)
+      if (t0 + r0 + 32 * pass >= t_end) {
+#pragma unroll
+        for (int b = 0; b < 9; ++b) x.v[pass][b] = make_uint4(0, 0, 0, 0);
+      }
+  }
 #pragma unroll
   for (int pass = 0; pass < 2; ++pass) {
     const int row = r0 + 32 * pass;
-    const bool valid = t0 + row < t_end;
     __half* base = stage + row * 64;
     const int c0 = ((2 * q4) ^ (row & 7)) << 3, c1 = ((2 * q4 + 1) ^ (row & 7)) << 3;
 #pragma unroll
     for (int b = 0; b < 9; ++b) {
-      const uint4 w = valid ? x.v[pass][b] : make_uint4(0, 0, 0, 0);
+      const uint4 w = x.v[pass][b];
       const uint2 a = e4m3x4_to_f16x4(w.x), c = e4m3x4_to_f16x4(w.y), d = e4m3x4_to_f16x4(w.z),
                   e = e4m3x4_to_f16x4(w.w);
       *reinterpret_cast<uint4*>(base + b * 64 * 64 + c0) = make_uint4(a.x, a.y, c.x, c.y);
@@ -228,6 +262,7 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
                        p.kv_stride_tok % 16 == 0 && p.kv_stride_head % 16 == 0;
     const bool pf_whole = p.page_size % Cfg::kBlockN == 0 && p.kv_stride_tok == Cfg::kHeadDimQK;
     const uint8_t* kv = reinterpret_cast<const uint8_t*>(p.kv);
+    const PageGeometry pg = page_geometry(p.page_size);
     uint32_t it = 0;
     for (int item = item_begin; item < item_end; ++item) {
       const WorkItem w = load_item(p, item);
@@ -235,7 +270,7 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
       if (req < 0) continue;
       const int n_tiles = (tok_end - tok_begin + Cfg::kBlockN - 1) / Cfg::kBlockN;
       const int32_t* table_row = p.block_table + (int64_t)req * p.bt_stride;
-      auto page_of = [&](int t) { return t < tok_end ? table_row[t / p.page_size] : 0; };
+      auto page_of = [&](int t) { return t < tok_end ? table_row[pg.index(t)] : 0; };
       auto rows_pages = [&](int t0, int (&pg)[2]) {
         pg[0] = page_of(t0 + r0);
         pg[1] = page_of(t0 + r0 + 32);
@@ -247,14 +282,14 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
         if (!pf_ok || t0 >= tok_end) return;
         if (whole) {
           if (tid_wg == 0)
-            prefetch_l2_bulk(kv + kv_token_elem(p, page, t0, kvh), min(Cfg::kBlockN, tok_end - t0) * Cfg::kHeadDimQK);
+            prefetch_l2_bulk(kv + fp8t_row_offset(p, pg, page, t0, kvh), min(Cfg::kBlockN, tok_end - t0) * Cfg::kHeadDimQK);
         } else if (tid_wg < Cfg::kBlockN && t0 + tid_wg < tok_end) {
-          prefetch_l2_bulk(kv + kv_token_elem(p, page, t0 + tid_wg, kvh), Cfg::kHeadDimQK);
+          prefetch_l2_bulk(kv + fp8t_row_offset(p, pg, page, t0 + tid_wg, kvh), Cfg::kHeadDimQK);
         }
       };
       // tile `it` of this CTA into stage it % 2 once both consumers released it (a fresh barrier's wait for the
       // previous phase passes), then the stage's full barrier (one arrive per warp)
-      auto put = [&](const Fp8tRows& x, int t0) {
+      auto put = [&](Fp8tRows& x, int t0) {
         const uint32_t st = it & 1u;
         mbar_wait(empty + st, ((it >> 1) & 1u) ^ 1u);
         fp8t_store(sK + st * (Fp8t::kStageBytes / 2), x, t0, tok_end, r0, q4);
@@ -266,7 +301,7 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
       Fp8tRows x, y;
       int pa[2], pb[2];
       rows_pages(tok_begin, pa);
-      fp8t_load(p, x, pa, tok_begin, tok_end, kvh, r0, q4);
+      fp8t_load(p, pg, x, pa, tok_begin, tok_end, kvh, r0, q4);
       // pages of tiles j + 1 / j + 2 for the register loads (pb / pa), of tiles j + 2 / j + 3 for the L2
       // prefetches (fa / fb): each read a whole iteration before its use
       rows_pages(tok_begin + Cfg::kBlockN, pb);
@@ -276,13 +311,13 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
       for (int j = 0; j < n_tiles; j += 2) {
         const int t0 = tok_begin + j * Cfg::kBlockN;
         // tile j + 1 into y while tile j is stored; tile j + 2 into L2
-        if (j + 1 < n_tiles) fp8t_load(p, y, pb, t0 + Cfg::kBlockN, tok_end, kvh, r0, q4);
+        if (j + 1 < n_tiles) fp8t_load(p, pg, y, pb, t0 + Cfg::kBlockN, tok_end, kvh, r0, q4);
         rows_pages(t0 + 3 * Cfg::kBlockN, pb);
         prefetch(fa, t0 + 2 * Cfg::kBlockN);
         fa = pf_page(t0 + 4 * Cfg::kBlockN);
         put(x, t0);
         // tile j + 2 into x while tile j + 1 is stored; tile j + 3 into L2
-        if (j + 2 < n_tiles) fp8t_load(p, x, pa, t0 + 2 * Cfg::kBlockN, tok_end, kvh, r0, q4);
+        if (j + 2 < n_tiles) fp8t_load(p, pg, x, pa, t0 + 2 * Cfg::kBlockN, tok_end, kvh, r0, q4);
         rows_pages(t0 + 4 * Cfg::kBlockN, pa);
         prefetch(fb, t0 + 3 * Cfg::kBlockN);
         fb = pf_page(t0 + 5 * Cfg::kBlockN);
