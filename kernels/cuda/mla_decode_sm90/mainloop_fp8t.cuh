@@ -25,12 +25,18 @@
 //
 // Shared memory: two fp16 stages of 72 KB (v6's layout: nine 64-column blocks, 128-byte swizzle, K-major for S^T and
 // MN-major for V^T), the query tile (kN x 576 fp16, 36 KB at kN = 32), two P^T tiles, half an output row block in fp32
-// for the coalesced epilogue (33 KB), and 10 mbarriers:
-//   full[2]       converter -> consumers: the stage holds tile it (one arrive per converter warp)
+// for the coalesced epilogue (33 KB), and 8 mbarriers:
 //   empty[2]      consumers -> converter: both are done with the stage (one arrive per consumer warp)
-//   p_ready[2]    scorer -> accumulator: P^T and the rescale factors of the stage's tile
+//   p_ready[2]    scorer -> accumulator: P^T and the rescale factors of the stage's tile (one arrive per warp, and
+//                 one more from each of lanes 1..3 of warp 0, which write rescale factors too)
 //   sums_full[2]  scorer -> accumulator: the item's row sums (by item parity)
 //   sums_empty[2] accumulator -> scorer: the row sums of that parity are read
+// A stage's "full" signal is a pair of named barriers (converter -> scorer, converter -> accumulator), not an
+// mbarrier: a release (an mbarrier arrive, or the proxy fence before it) compiles to MEMBAR.ALL.CTA, which waits for
+// the thread's outstanding loads, and the converter always has the next tile's loads in flight (ncu, H100: the load
+// latency sat inside the stage cycle; NOTES.md, twenty-fourth and twenty-fifth sessions). bar.arrive orders the
+// converter's shared-memory stores for the threads that bar.sync on it; each consumer then issues the proxy fence
+// that makes them visible to its wgmma.
 // Registers by setmaxnreg: the converter holds two tiles (2 x 72 registers), the accumulator O^T (kN x 4), the scorer
 // little; all three return to the launch's 168 before the fused combine.
 //
@@ -61,18 +67,22 @@ struct Fp8t {
   static constexpr int kFloats = kMaxRows * (1 + 2 + 4 + 4 + 2 + 1);
   static constexpr int kOffFlag = kOffF + kFloats * 4;  // int [2]: a tile's rescale flag, by stage
   static constexpr int kOffBar = kOffFlag + 16;
-  static constexpr int kBars = 10;
+  static constexpr int kBars = 8;
   static constexpr int kSmemBytes = kOffBar + kBars * 8 + 1024;  // + alignment slack
   static_assert(kSmemBytes <= 227 * 1024, "shared memory over the SM90 per-block limit");
   static_assert(kOffBar % 8 == 0, "mbarriers are 8-byte aligned");
   static_assert(kFusedScratchBytes<kThreads> <= 2 * kStageBytes, "the combine's list fits the stages");
-  // named barriers (0 is __syncthreads): one per consumer warpgroup, one for the CTA after the first setmaxnreg
-  static constexpr int kBarScorer = 1, kBarAcc = 2, kBarRegs = 3;
+  // named barriers (0 is __syncthreads): one per consumer warpgroup, one for the CTA after the first setmaxnreg, and
+  // the stages' full signals, converter -> scorer and converter -> accumulator by stage (256 threads each)
+  static constexpr int kBarScorer = 1, kBarAcc = 2, kBarRegs = 3, kBarFullS = 4, kBarFullA = 6;
   // registers per thread by warpgroup (setmaxnreg): converter, scorer, accumulator. setmaxnreg.inc takes only what
   // other warps of the CTA released with setmaxnreg.dec (not the SM's unallocated registers: a first version with
   // 200 + 112 + 200 waited forever), so the three sum to the launch's 3 x 168. And every warpgroup holds its new
   // count before any returns to 168 (kBarRegs after the first setmaxnreg): a CTA without items let its scorer take
   // back its 56 registers before the converter had its 32, which then waited forever (H100, intermittent)
+  // how many tiles ahead of the one being stored the converter asks L2 for a tile (the register loads run one
+  // ahead). 2 left the L2 hit rate at 35% and the converter 38% in long-scoreboard stalls (ncu, H100)
+  static constexpr int kPrefetchAhead = 4;
   static constexpr int kRegsConv = 200, kRegsScorer = 112, kRegsAcc = 192, kRegsLaunch = 168;
   static_assert(kRegsConv + kRegsScorer + kRegsAcc == 3 * kRegsLaunch, "setmaxnreg moves registers, adds none");
 };
@@ -218,20 +228,18 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
   float* sMax = sSum + 2 * Fp8t::kMaxRows;                               // [32] an item's row maxima
   int* sFlag = reinterpret_cast<int*>(smem_base + Fp8t::kOffFlag);       // [2] by stage
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem_base + Fp8t::kOffBar);
-  uint64_t* full = bars;
-  uint64_t* empty = bars + 2;
-  uint64_t* p_ready = bars + 4;
-  uint64_t* sums_full = bars + 6;
-  uint64_t* sums_empty = bars + 8;
+  uint64_t* empty = bars;
+  uint64_t* p_ready = bars + 2;
+  uint64_t* sums_full = bars + 4;
+  uint64_t* sums_empty = bars + 6;
 
   const int part = blockIdx.x, kvh = blockIdx.z;
   const int tid = threadIdx.x, lane = tid % 32, tid_wg = tid % 128, warp = (tid / 32) % 4;
   const int wg = __shfl_sync(0xffffffff, tid / 128, 0);  // warp-uniform (see v6)
   if (tid == 0) {
     for (int i = 0; i < 2; ++i) {
-      mbar_init(full + i, 4);
       mbar_init(empty + i, 8);
-      mbar_init(p_ready + i, 4);
+      mbar_init(p_ready + i, 4 + 3);
       mbar_init(sums_full + i, 1);
       mbar_init(sums_empty + i, 128);
     }
@@ -288,39 +296,40 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
         }
       };
       // tile `it` of this CTA into stage it % 2 once both consumers released it (a fresh barrier's wait for the
-      // previous phase passes), then the stage's full barrier (one arrive per warp)
+      // previous phase passes), then the stage's full signals: arrives that do not wait for the loads in flight
       auto put = [&](Fp8tRows& x, int t0) {
         const uint32_t st = it & 1u;
         mbar_wait(empty + st, ((it >> 1) & 1u) ^ 1u);
         fp8t_store(sK + st * (Fp8t::kStageBytes / 2), x, t0, tok_end, r0, q4);
-        fence_proxy_async_smem();
-        __syncwarp();
-        if (lane == 0) mbar_arrive(full + st);
+        named_barrier_arrive(Fp8t::kBarFullS + st, 256);
+        named_barrier_arrive(Fp8t::kBarFullA + st, 256);
         ++it;
       };
       Fp8tRows x, y;
       int pa[2], pb[2];
       rows_pages(tok_begin, pa);
       fp8t_load(p, pg, x, pa, tok_begin, tok_end, kvh, r0, q4);
-      // pages of tiles j + 1 / j + 2 for the register loads (pb / pa), of tiles j + 2 / j + 3 for the L2
-      // prefetches (fa / fb): each read a whole iteration before its use
+      // pages of tiles j + 1 / j + 2 for the register loads (pb / pa), of tiles j + A / j + A + 1 for the L2
+      // prefetches (fa / fb; A = kPrefetchAhead): each read a whole iteration before its use
+      constexpr int A = Fp8t::kPrefetchAhead;
       rows_pages(tok_begin + Cfg::kBlockN, pb);
       rows_pages(tok_begin + 2 * Cfg::kBlockN, pa);
-      prefetch(pf_page(tok_begin + Cfg::kBlockN), tok_begin + Cfg::kBlockN);
-      int fa = pf_page(tok_begin + 2 * Cfg::kBlockN), fb = pf_page(tok_begin + 3 * Cfg::kBlockN);
+#pragma unroll
+      for (int k = 1; k < A; ++k) prefetch(pf_page(tok_begin + k * Cfg::kBlockN), tok_begin + k * Cfg::kBlockN);
+      int fa = pf_page(tok_begin + A * Cfg::kBlockN), fb = pf_page(tok_begin + (A + 1) * Cfg::kBlockN);
       for (int j = 0; j < n_tiles; j += 2) {
         const int t0 = tok_begin + j * Cfg::kBlockN;
-        // tile j + 1 into y while tile j is stored; tile j + 2 into L2
+        // tile j + 1 into y while tile j is stored; tile j + A into L2
         if (j + 1 < n_tiles) fp8t_load(p, pg, y, pb, t0 + Cfg::kBlockN, tok_end, kvh, r0, q4);
         rows_pages(t0 + 3 * Cfg::kBlockN, pb);
-        prefetch(fa, t0 + 2 * Cfg::kBlockN);
-        fa = pf_page(t0 + 4 * Cfg::kBlockN);
+        prefetch(fa, t0 + A * Cfg::kBlockN);
+        fa = pf_page(t0 + (A + 2) * Cfg::kBlockN);
         put(x, t0);
-        // tile j + 2 into x while tile j + 1 is stored; tile j + 3 into L2
+        // tile j + 2 into x while tile j + 1 is stored; tile j + A + 1 into L2
         if (j + 2 < n_tiles) fp8t_load(p, pg, x, pa, t0 + 2 * Cfg::kBlockN, tok_end, kvh, r0, q4);
         rows_pages(t0 + 4 * Cfg::kBlockN, pa);
-        prefetch(fb, t0 + 3 * Cfg::kBlockN);
-        fb = pf_page(t0 + 5 * Cfg::kBlockN);
+        prefetch(fb, t0 + (A + 1) * Cfg::kBlockN);
+        fb = pf_page(t0 + (A + 3) * Cfg::kBlockN);
         if (j + 1 < n_tiles) put(y, t0 + Cfg::kBlockN);
       }
     }
@@ -395,9 +404,10 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
 
       for (int j = 0; j < n_tiles; ++j, ++it) {
         const int t0 = tok_begin + j * Cfg::kBlockN;
-        const uint32_t st = it & 1u, ph = (it >> 1) & 1u;
+        const uint32_t st = it & 1u;
         const __half* stage = sK + st * (Fp8t::kStageBytes / 2);
-        mbar_wait(full + st, ph);
+        named_barrier(Fp8t::kBarFullS + st, 256);  // the converter's stores of the stage are done
+        fence_proxy_async_smem();                    // and visible to wgmma
         // ---- S^T = K Q^T over the 9 column blocks x 4 k-steps
         float acc_s[kAcc];
         const uint64_t dk = desc(stage), dq = desc(sQ);
@@ -483,7 +493,8 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
         }
         fence_proxy_async_smem();
         __syncwarp();
-        if (lane == 0) mbar_arrive(p_ready + st);
+        // each writer of sAlpha releases its own stores (racecheck does not follow them through __syncwarp)
+        if (lane == 0 || (warp == 0 && lane < 4)) mbar_arrive(p_ready + st);
       }
 
       // ---- the item's row sums and maxima; LSE; the sums to the accumulator
@@ -540,6 +551,8 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
       for (int j = 0; j < n_tiles; ++j, ++it) {
         const uint32_t st = it & 1u, ph = (it >> 1) & 1u;
         const __half* stage = sK + st * (Fp8t::kStageBytes / 2);
+        named_barrier(Fp8t::kBarFullA + st, 256);  // the converter's stores of the stage are done
+        fence_proxy_async_smem();                    // and visible to wgmma
         mbar_wait(p_ready + st, ph);
         if (sFlag[st]) {
           float alpha[kCols];

@@ -73,6 +73,10 @@ __device__ __forceinline__ float exp2_ftz(float x) {
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// bar.arrive: this warp's share of `threads` on named barrier `id`, without waiting (the producer's side).
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 
 }  // namespace mla_sm90
 
