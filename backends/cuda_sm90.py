@@ -65,8 +65,12 @@ def v6_min_chunks_per_part(rows: int, kv_format: str) -> float:
 
 #: query rows per KV head v7 takes (kernels/cuda/mla_decode_sm90/mainloop_fp8t.cuh, Fp8t::kMaxRows)
 V7_MAX_ROWS = 32
-#: fewest KV chunks per split-KV part for v7: v6's cut for fp8 caches, not measured for v7 itself
-V7_MIN_CHUNKS_PER_PART = 4
+
+
+def v7_min_chunks_per_part(rows: int) -> int:
+    """Fewest KV chunks per split-KV part at which v7 measured faster than v2 / v6 for ``rows`` (<= 32) query rows per
+    KV head of an fp8_e4m3 cache (see :func:`choose_variant`)."""
+    return 4 if rows <= 16 else 12
 
 
 def choose_variant(problem: DecodeProblem, num_parts: int, max_chunks: int) -> int:
@@ -90,9 +94,11 @@ def choose_variant(problem: DecodeProblem, num_parts: int, max_chunks: int) -> i
     the cut stays.
 
     v7 (v6's orientation with the fp8 conversion in a warpgroup of its own) takes fp8_e4m3 caches with <= 32 rows
-    per KV head once the parts have v6's fp8 cut of chunks: H100 b=64 L=8192 fp8_e4m3 (RESULTS.md, 2026-11-23) h_q=16
-    v7 162.8 us against v6's 186.1, h_q=32 184.1 against v2's 243.8 (v6 takes no 32-row fp8 cache). Its own cut at
-    small batches is not measured.
+    per KV head once the parts have enough chunks (:func:`v7_min_chunks_per_part`): H100 fp8_e4m3, 132 parts, graph
+    us v2 / v6 / v7 (RESULTS.md, twenty-fifth session): 16 rows at 3.9 chunks per part (b=4 L=8K) 33.2 / 34.1 /
+    34.2, at 7.75 (b=8 L=8K) 51.6 / 48.5 / 41.6, at 62 (b=64 L=8K) v6 186.1 / v7 148.4; 32 rows (v6 takes no 32-row
+    fp8 cache) at 7.75 51.8 / - / 57.2 (b=8 L=8K) and 52.2 / - / 58.0 (b=16 L=4K), at 15.5 (b=32 L=4K) 81.1 / - /
+    77.7, at 62 v2 243.8 / v7 187.5.
 
     ``max_chunks`` comes from the block table's width (no device sync at plan time): an upper bound, so a wide table
     over short sequences can pick v5 or v6 where v2 would be faster.
@@ -101,7 +107,7 @@ def choose_variant(problem: DecodeProblem, num_parts: int, max_chunks: int) -> i
         return KERNEL_VARIANT
     p = problem
     rows = p.q_len * p.num_heads_q // p.num_heads_kv
-    if p.kv_format == "fp8_e4m3" and rows <= V7_MAX_ROWS and max_chunks >= V7_MIN_CHUNKS_PER_PART * num_parts:
+    if p.kv_format == "fp8_e4m3" and rows <= V7_MAX_ROWS and max_chunks >= v7_min_chunks_per_part(rows) * num_parts:
         return 7
     if max_chunks >= v6_min_chunks_per_part(rows, p.kv_format) * num_parts:
         return 6

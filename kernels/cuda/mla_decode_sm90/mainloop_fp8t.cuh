@@ -10,7 +10,7 @@
 //
 //   warpgroup 0, the converter: loads a tile's fp8 rows into registers (16-byte loads, each token row from its own
 //     page, so any page size; a tile ahead, the loop unrolled by two so that no register set is copied, and the tile
-//     after that already asked of L2 with cp.async.bulk.prefetch.L2), converts them to fp16 (cvt.rn.f16x2.e4m3x2:
+//     three ahead already asked of L2 with cp.async.bulk.prefetch.L2), converts them to fp16 (cvt.rn.f16x2.e4m3x2:
 //     one instruction per pair, where bf16 takes four; NOTES.md, fifth session) and stores them into one of two
 //     shared-memory stages;
 //   warpgroup 1, the scorer: S^T = K Q^T (m64nNk16 x 36), the softmax over the tile's tokens with FlashAttention-4's
@@ -81,8 +81,10 @@ struct Fp8t {
   // count before any returns to 168 (kBarRegs after the first setmaxnreg): a CTA without items let its scorer take
   // back its 56 registers before the converter had its 32, which then waited forever (H100, intermittent)
   // how many tiles ahead of the one being stored the converter asks L2 for a tile (the register loads run one
-  // ahead). 2 left the L2 hit rate at 35% and the converter 38% in long-scoreboard stalls (ncu, H100)
-  static constexpr int kPrefetchAhead = 4;
+  // ahead). H100, b=64 L=8K h16 graph us by distance: 2: 164.3 (L2 hit rate 35%, the converter 38% in
+  // long-scoreboard stalls), 3: 148.3, 4: 148.9, 5: 153.5, 6: 158.8, 8: 176.7 (farther ahead, the prefetched lines
+  // are evicted before use: 132 SMs x 8 tiles x 36 KB is 38 MB of L2's 50). h32 did not move (186.7-187.3 from 2 to 4)
+  static constexpr int kPrefetchAhead = 3;
   static constexpr int kRegsConv = 200, kRegsScorer = 112, kRegsAcc = 192, kRegsLaunch = 168;
   static_assert(kRegsConv + kRegsScorer + kRegsAcc == 3 * kRegsLaunch, "setmaxnreg moves registers, adds none");
 };
