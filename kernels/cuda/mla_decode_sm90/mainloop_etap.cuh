@@ -29,6 +29,40 @@
 
 namespace mla_sm90 {
 
+// Channels ch .. ch + 3 (ch % 4 == 0) of a finished query row (req, qi, head), times inv, from the row's fp32 sums in
+// shared memory (srow[sch] holds channel ch): into out (unsplit item, slot < 0) or into the item's partial row
+// (params.h: position ch of the fp16 row holds channels 2q, 2q + 1, 8 + 2q, 9 + 2q of its 16-channel block, q =
+// ch % 16 / 4, scaled by one power of two per quarter row). For a split item the calling warp's 32 lanes must hold one
+// quarter row (consecutive ch, the same row), since they agree on its scale by shuffles. v6 and v7 write rows so.
+template <typename T>
+__device__ __forceinline__ void store_row_quad(const DecodeParams& p, const float* srow, int sch, int ch, float inv,
+                                               int req, int qi, int head, int slot) {
+  using TT = TypeTraits<T>;
+  if (slot < 0) {
+    const float4 v = *reinterpret_cast<const float4*>(srow + sch);
+    T* dst = out_row<T>(p, req, qi, head) + ch;
+    *reinterpret_cast<typename TT::T2*>(dst) = TT::from_float2(v.x * inv, v.y * inv);
+    *reinterpret_cast<typename TT::T2*>(dst + 2) = TT::from_float2(v.z * inv, v.w * inv);
+    return;
+  }
+  const float* o = srow + (sch & ~15) + 2 * ((sch & 15) / 4);
+  const float2 lo = *reinterpret_cast<const float2*>(o), hi = *reinterpret_cast<const float2*>(o + 8);
+  float m = fmaxf(fmaxf(fabsf(lo.x), fabsf(lo.y)), fmaxf(fabsf(hi.x), fabsf(hi.y)));
+#pragma unroll
+  for (int d = 1; d < 32; d *= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));
+  const int shift = partial_shift(m * inv, inv);
+  const float pscale = inv * pow2i(shift);
+  char* row = partial_row(p.partial_out, partial_index(p, slot, qi, head));
+  *reinterpret_cast<uint2*>(reinterpret_cast<__half*>(row) + ch) =
+      make_uint2(half2_bits(__floats2half2_rn(lo.x * pscale, lo.y * pscale)),
+                 half2_bits(__floats2half2_rn(hi.x * pscale, hi.y * pscale)));
+  if (ch % 128 < 16) {  // lanes 0 .. 3 fill the quarter's shift sector
+    const uint32_t w = shift_word(shift);
+    *reinterpret_cast<uint2*>(row + kPartialShiftByte + kPartialShiftStride * (ch / 128) + 2 * (ch % 128)) =
+        make_uint2(w, w);
+  }
+}
+
 template <typename T, int N> struct GmmaEtap;
 template <> struct GmmaEtap<__nv_bfloat16, 16> {
   using KQ = cute::SM90::GMMA::MMA_64x16x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
@@ -424,33 +458,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const float inv = has_keys ? out_scale / total : 0.f;
       const float lse_val = has_keys ? (mu + log2f(total)) * kLn2 : (slot < 0 ? INFINITY : -INFINITY);
       const int qi = c / heads_per_kv, head = kvh * heads_per_kv + c % heads_per_kv;
-      if (slot < 0) {
-        const float4 v = *reinterpret_cast<const float4*>(sO + c * Etap::kOStride + ch);
-        T* dst = out_row<T>(p, req, qi, head) + ch;
-        *reinterpret_cast<typename TT::T2*>(dst) = TT::from_float2(v.x * inv, v.y * inv);
-        *reinterpret_cast<typename TT::T2*>(dst + 2) = TT::from_float2(v.z * inv, v.w * inv);
-        if (ch == 0) lse_at(p, req, qi, head) = lse_val;
-      } else {
-        // partial row (params.h): position ch holds channels 2q, 2q + 1, 8 + 2q, 9 + 2q of its 16-channel block
-        // (q = ch % 16 / 4); the warp holds one quarter row (its 32 lanes, c and slot shared, so all take part)
-        const float* o = sO + c * Etap::kOStride + (ch & ~15) + 2 * ((ch & 15) / 4);
-        const float2 lo = *reinterpret_cast<const float2*>(o), hi = *reinterpret_cast<const float2*>(o + 8);
-        float m = fmaxf(fmaxf(fabsf(lo.x), fabsf(lo.y)), fmaxf(fabsf(hi.x), fabsf(hi.y)));
-#pragma unroll
-        for (int d = 1; d < 32; d *= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));
-        const int shift = partial_shift(m * inv, inv);
-        const float pscale = inv * pow2i(shift);
-        const int64_t prow = partial_index(p, slot, qi, head);
-        char* row = partial_row(p.partial_out, prow);
-        *reinterpret_cast<uint2*>(reinterpret_cast<__half*>(row) + ch) =
-            make_uint2(half2_bits(__floats2half2_rn(lo.x * pscale, lo.y * pscale)),
-                       half2_bits(__floats2half2_rn(hi.x * pscale, hi.y * pscale)));
-        if (ch % 128 < 16) {  // lanes 0 .. 3 fill the quarter's shift sector
-          const uint32_t w = shift_word(shift);
-          *reinterpret_cast<uint2*>(row + kPartialShiftByte + kPartialShiftStride * (ch / 128) + 2 * (ch % 128)) =
-              make_uint2(w, w);
-        }
-        if (ch == 0) p.partial_lse[prow] = lse_val;
+      // a warp holds one quarter row (its 32 lanes: c and slot shared), as store_row_quad asks
+      store_row_quad<T>(p, sO + c * Etap::kOStride, ch, ch, inv, req, qi, head, slot);
+      if (ch == 0) {
+        if (slot < 0)
+          lse_at(p, req, qi, head) = lse_val;
+        else
+          p.partial_lse[partial_index(p, slot, qi, head)] = lse_val;
       }
     }
     // sQ, the stages and sP are reused by the next item, the stages by TMA (async proxy) after

@@ -606,30 +606,8 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
           const float total = sSum[par * Fp8t::kMaxRows + c];
           const float inv = total > 0.f ? kv_scale / total : 0.f;
           const int qi = c / heads_per_kv, head = kvh * heads_per_kv + c % heads_per_kv;
-          if (slot < 0) {
-            const float4 v = *reinterpret_cast<const float4*>(sO + c * Fp8t::kOStride + chl);
-            T* dst = out_row<T>(p, req, qi, head) + ch;
-            *reinterpret_cast<typename TT::T2*>(dst) = TT::from_float2(v.x * inv, v.y * inv);
-            *reinterpret_cast<typename TT::T2*>(dst + 2) = TT::from_float2(v.z * inv, v.w * inv);
-          } else {
-            // partial row (params.h), as v6 writes it: the warp holds one quarter row
-            const float* o = sO + c * Fp8t::kOStride + (chl & ~15) + 2 * ((chl & 15) / 4);
-            const float2 lo = *reinterpret_cast<const float2*>(o), hi = *reinterpret_cast<const float2*>(o + 8);
-            float m = fmaxf(fmaxf(fabsf(lo.x), fabsf(lo.y)), fmaxf(fabsf(hi.x), fabsf(hi.y)));
-#pragma unroll
-            for (int d = 1; d < 32; d *= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));
-            const int shift = partial_shift(m * inv, inv);
-            const float pscale = inv * pow2i(shift);
-            char* row = partial_row(p.partial_out, partial_index(p, slot, qi, head));
-            *reinterpret_cast<uint2*>(reinterpret_cast<__half*>(row) + ch) =
-                make_uint2(half2_bits(__floats2half2_rn(lo.x * pscale, lo.y * pscale)),
-                           half2_bits(__floats2half2_rn(hi.x * pscale, hi.y * pscale)));
-            if (ch % 128 < 16) {
-              const uint32_t sw = shift_word(shift);
-              *reinterpret_cast<uint2*>(row + kPartialShiftByte + kPartialShiftStride * (ch / 128) + 2 * (ch % 128)) =
-                  make_uint2(sw, sw);
-            }
-          }
+          // sO holds this half of the row: channel ch at chl; a warp holds one quarter row (store_row_quad)
+          store_row_quad<T>(p, sO + c * Fp8t::kOStride, chl, ch, inv, req, qi, head, slot);
         }
       }
       mbar_arrive(sums_empty + par);  // this thread's reads of the sums are done
