@@ -25,24 +25,23 @@
 //
 // Shared memory: two fp16 stages of 72 KB (v6's layout: nine 64-column blocks, 128-byte swizzle, K-major for S^T and
 // MN-major for V^T), the query tile (kN x 576 fp16, 36 KB at kN = 32), two P^T tiles, half an output row block in fp32
-// for the coalesced epilogue (33 KB), and 8 mbarriers:
+// for the coalesced epilogue (33 KB), and 10 mbarriers:
+//   full[2]       converter -> consumers: the stage holds tile it (one arrive per converter warp)
 //   empty[2]      consumers -> converter: both are done with the stage (one arrive per consumer warp)
 //   p_ready[2]    scorer -> accumulator: P^T and the rescale factors of the stage's tile (one arrive per warp, and
 //                 one more from each of lanes 1..3 of warp 0, which write rescale factors too)
 //   sums_full[2]  scorer -> accumulator: the item's row sums (by item parity)
 //   sums_empty[2] accumulator -> scorer: the row sums of that parity are read
-// A stage's "full" signal is a pair of named barriers (converter -> scorer, converter -> accumulator), not an
-// mbarrier: a release (an mbarrier arrive, or the proxy fence before it) compiles to MEMBAR.ALL.CTA, which waits for
-// the thread's outstanding loads, and the converter always has the next tile's loads in flight (ncu, H100: the load
-// latency sat inside the stage cycle; NOTES.md, twenty-fourth and twenty-fifth sessions). bar.arrive orders the
-// converter's shared-memory stores for the threads that bar.sync on it; each consumer then issues the proxy fence
-// that makes them visible to its wgmma.
+// The converter's release of a stage (its proxy fence) compiles to MEMBAR.ALL.CTA, which waits for its loads of the
+// next tile in flight. Named barriers instead (bar.arrive, the proxy fence on the consumers' side) take the MEMBAR out
+// of the converter but measured 5% slower at 32 rows and no faster at 16 (NOTES.md, twenty-fifth session).
 // Registers by setmaxnreg: the converter holds two tiles (2 x 72 registers), the accumulator O^T (kN x 4), the scorer
 // little; all three return to the launch's 168 before the fused combine.
 //
-// H100, b=64 L=8K, graph replay (NOTES.md, "Twenty-fourth session"): 16 heads 162.8 us (1.41x bf16's 229.7; v6 186.1),
-// 32 heads 184.1 us (1.30x; v2 243.8). The converter bounds it: each stage's release waits for its loads of the
-// next tile (the MEMBAR of the release), so the load latency sits inside the two-stage cycle.
+// H100, b=64 L=8K, graph replay (NOTES.md, "Twenty-fifth session"): 16 heads 148.3 us (1.55x bf16's 230.7; v6 186.1),
+// 32 heads 177.4 us (1.35x; v2 243.8). What moved it from 162.8 / 184.1 was the distance of the L2 prefetch
+// (Fp8t::kPrefetchAhead); what bounds it now is not settled (at 32 rows neither the converter nor the scorer's wait
+// for its S^T: NOTES.md).
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -67,14 +66,13 @@ struct Fp8t {
   static constexpr int kFloats = kMaxRows * (1 + 2 + 4 + 4 + 2 + 1);
   static constexpr int kOffFlag = kOffF + kFloats * 4;  // int [2]: a tile's rescale flag, by stage
   static constexpr int kOffBar = kOffFlag + 16;
-  static constexpr int kBars = 8;
+  static constexpr int kBars = 10;
   static constexpr int kSmemBytes = kOffBar + kBars * 8 + 1024;  // + alignment slack
   static_assert(kSmemBytes <= 227 * 1024, "shared memory over the SM90 per-block limit");
   static_assert(kOffBar % 8 == 0, "mbarriers are 8-byte aligned");
   static_assert(kFusedScratchBytes<kThreads> <= 2 * kStageBytes, "the combine's list fits the stages");
-  // named barriers (0 is __syncthreads): one per consumer warpgroup, one for the CTA after the first setmaxnreg, and
-  // the stages' full signals, converter -> scorer and converter -> accumulator by stage (256 threads each)
-  static constexpr int kBarScorer = 1, kBarAcc = 2, kBarRegs = 3, kBarFullS = 4, kBarFullA = 6;
+  // named barriers (0 is __syncthreads): one per consumer warpgroup, one for the CTA after the first setmaxnreg
+  static constexpr int kBarScorer = 1, kBarAcc = 2, kBarRegs = 3;
   // registers per thread by warpgroup (setmaxnreg): converter, scorer, accumulator. setmaxnreg.inc takes only what
   // other warps of the CTA released with setmaxnreg.dec (not the SM's unallocated registers: a first version with
   // 200 + 112 + 200 waited forever), so the three sum to the launch's 3 x 168. And every warpgroup holds its new
@@ -83,7 +81,8 @@ struct Fp8t {
   // how many tiles ahead of the one being stored the converter asks L2 for a tile (the register loads run one
   // ahead). H100, b=64 L=8K h16 graph us by distance: 2: 164.3 (L2 hit rate 35%, the converter 38% in
   // long-scoreboard stalls), 3: 148.3, 4: 148.9, 5: 153.5, 6: 158.8, 8: 176.7 (farther ahead, the prefetched lines
-  // are evicted before use: 132 SMs x 8 tiles x 36 KB is 38 MB of L2's 50). h32 did not move (186.7-187.3 from 2 to 4)
+  // are evicted before use: 132 SMs x 8 tiles x 36 KB is 38 MB of L2's 50). h32 did not move (186.7-187.3 from 2 to 4).
+  // Measured with the stages' full signal on named barriers (reverted after: NOTES.md, twenty-fifth session)
   static constexpr int kPrefetchAhead = 3;
   static constexpr int kRegsConv = 200, kRegsScorer = 112, kRegsAcc = 192, kRegsLaunch = 168;
   static_assert(kRegsConv + kRegsScorer + kRegsAcc == 3 * kRegsLaunch, "setmaxnreg moves registers, adds none");
@@ -230,16 +229,18 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
   float* sMax = sSum + 2 * Fp8t::kMaxRows;                               // [32] an item's row maxima
   int* sFlag = reinterpret_cast<int*>(smem_base + Fp8t::kOffFlag);       // [2] by stage
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem_base + Fp8t::kOffBar);
-  uint64_t* empty = bars;
-  uint64_t* p_ready = bars + 2;
-  uint64_t* sums_full = bars + 4;
-  uint64_t* sums_empty = bars + 6;
+  uint64_t* full = bars;
+  uint64_t* empty = bars + 2;
+  uint64_t* p_ready = bars + 4;
+  uint64_t* sums_full = bars + 6;
+  uint64_t* sums_empty = bars + 8;
 
   const int part = blockIdx.x, kvh = blockIdx.z;
   const int tid = threadIdx.x, lane = tid % 32, tid_wg = tid % 128, warp = (tid / 32) % 4;
   const int wg = __shfl_sync(0xffffffff, tid / 128, 0);  // warp-uniform (see v6)
   if (tid == 0) {
     for (int i = 0; i < 2; ++i) {
+      mbar_init(full + i, 4);
       mbar_init(empty + i, 8);
       mbar_init(p_ready + i, 4 + 3);
       mbar_init(sums_full + i, 1);
@@ -298,13 +299,14 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
         }
       };
       // tile `it` of this CTA into stage it % 2 once both consumers released it (a fresh barrier's wait for the
-      // previous phase passes), then the stage's full signals: arrives that do not wait for the loads in flight
+      // previous phase passes), then the stage's full barrier (one arrive per warp)
       auto put = [&](Fp8tRows& x, int t0) {
         const uint32_t st = it & 1u;
         mbar_wait(empty + st, ((it >> 1) & 1u) ^ 1u);
         fp8t_store(sK + st * (Fp8t::kStageBytes / 2), x, t0, tok_end, r0, q4);
-        named_barrier_arrive(Fp8t::kBarFullS + st, 256);
-        named_barrier_arrive(Fp8t::kBarFullA + st, 256);
+        fence_proxy_async_smem();
+        __syncwarp();
+        if (lane == 0) mbar_arrive(full + st);
         ++it;
       };
       Fp8tRows x, y;
@@ -408,8 +410,7 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
         const int t0 = tok_begin + j * Cfg::kBlockN;
         const uint32_t st = it & 1u;
         const __half* stage = sK + st * (Fp8t::kStageBytes / 2);
-        named_barrier(Fp8t::kBarFullS + st, 256);  // the converter's stores of the stage are done
-        fence_proxy_async_smem();                    // and visible to wgmma
+        mbar_wait(full + st, (it >> 1) & 1u);
         // ---- S^T = K Q^T over the 9 column blocks x 4 k-steps
         float acc_s[kAcc];
         const uint64_t dk = desc(stage), dq = desc(sQ);
@@ -553,8 +554,6 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
       for (int j = 0; j < n_tiles; ++j, ++it) {
         const uint32_t st = it & 1u, ph = (it >> 1) & 1u;
         const __half* stage = sK + st * (Fp8t::kStageBytes / 2);
-        named_barrier(Fp8t::kBarFullA + st, 256);  // the converter's stores of the stage are done
-        fence_proxy_async_smem();                    // and visible to wgmma
         mbar_wait(p_ready + st, ph);
         if (sFlag[st]) {
           float alpha[kCols];
