@@ -96,9 +96,9 @@ def choose_variant(problem: DecodeProblem, num_parts: int, max_chunks: int) -> i
     v7 (v6's orientation with the fp8 conversion in a warpgroup of its own) takes fp8_e4m3 caches with <= 32 rows
     per KV head once the parts have enough chunks (:func:`v7_min_chunks_per_part`): H100 fp8_e4m3, 132 parts, graph
     us v2 / v6 / v7 (RESULTS.md, twenty-fifth session): 16 rows at 3.9 chunks per part (b=4 L=8K) 33.2 / 34.1 /
-    34.2, at 7.75 (b=8 L=8K) 51.6 / 48.5 / 41.6, at 62 (b=64 L=8K) v6 186.1 / v7 148.4; 32 rows (v6 takes no 32-row
-    fp8 cache) at 7.75 51.8 / - / 57.2 (b=8 L=8K) and 52.2 / - / 58.0 (b=16 L=4K), at 15.5 (b=32 L=4K) 81.1 / - /
-    77.7, at 62 v2 243.8 / v7 187.5.
+    34.0, at 7.75 (b=8 L=8K) 51.6 / 48.5 / 41.7, at 62 (b=64 L=8K) v6 186.1 / v7 148.4; 32 rows (v6 takes no 32-row
+    fp8 cache) at 7.75 49.5 / - / 62.7 (b=8 L=8K) and 49.9 / - / 63.3 (b=16 L=4K), at 15.5 (b=32 L=4K) 81.1 / - /
+    77.8, at 62 v2 243.8 / v7 177.8.
 
     ``max_chunks`` comes from the block table's width (no device sync at plan time): an upper bound, so a wide table
     over short sequences can pick v5 or v6 where v2 would be faster.
