@@ -81,6 +81,54 @@ template <> struct GmmaEtap<__half, 32> {
   using VP = cute::SM90::GMMA::MMA_64x32x16_F32F16F16_SS<cute::SM90::GMMA::Major::MN, cute::SM90::GMMA::Major::K>;
 };
 
+// The two GEMMs of a 64-token tile with tokens on the wgmma M side (FlashMLA-ETAP's orientation), shared by v6 and
+// v7 (mainloop_fp8t.cuh). Operands are 16-bit, in nine [rows][64] column blocks with the 128-byte swizzle.
+// S^T = K Q^T: 9 column blocks x 4 k-steps of G::KQ (m64 x kN x k16) into `acc`, K at `dk` (blocks of 64 x 64), Q at
+// `dq` (blocks kQBlock elements apart); `block_ready(blk)` runs before the wgmmas of block blk (v6's TMA waits, with
+// the warpgroup_arrive ptxas needs after each: C7520; a no-op elsewhere). Returns with the wgmmas done.
+template <typename G, int kQBlock, int kAcc, typename BlockReady>
+__device__ __forceinline__ void etap_gemm_s(uint64_t dk, uint64_t dq, float (&acc)[kAcc], BlockReady&& block_ready) {
+  fence_regs<kAcc>(acc);
+  cute::warpgroup_arrive();
+#pragma unroll
+  for (int blk = 0; blk < 9; ++blk) {
+    block_ready(blk);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const uint64_t off_k = (uint64_t)(((blk * 64 * 64 + kk * 16) * 2) >> 4);
+      const uint64_t off_q = (uint64_t)(((blk * kQBlock + kk * 16) * 2) >> 4);
+      gmma_call<typename G::KQ>(dk + off_k, dq + off_q, acc, blk + kk > 0, std::make_index_sequence<kAcc>{});
+    }
+  }
+  cute::warpgroup_commit_batch();
+  cute::warpgroup_wait<0>();
+  fence_regs<kAcc>(acc);
+}
+
+// O^T += V^T P^T: 8 blocks of 64 channels x 4 k-steps of 16 tokens of G::VP, V^T read MN-major from the first 512
+// columns of the tile at `stage`, P^T ([kN][64] tokens, K-major) at `dp`. Returns with the wgmmas done.
+template <typename G, int kAcc, typename E>
+__device__ __forceinline__ void etap_gemm_pv(const E* stage, uint64_t dp, float (&acc_o)[8][kAcc]) {
+  static_assert(sizeof(E) == 2, "16-bit operands");
+#pragma unroll
+  for (int mb = 0; mb < 8; ++mb) fence_regs<kAcc>(acc_o[mb]);
+  cute::warpgroup_arrive();
+#pragma unroll
+  for (int mb = 0; mb < 8; ++mb) {
+    const uint64_t dv = gmma_desc_sw128(stage + mb * 64 * 64, 64 * 64 * 2, 1024);
+#pragma unroll
+    for (int kt = 0; kt < 4; ++kt) {
+      const uint64_t off_v = (uint64_t)((kt * 16 * 64 * 2) >> 4);
+      const uint64_t off_p = (uint64_t)((kt * 16 * 2) >> 4);
+      gmma_call<typename G::VP>(dv + off_v, dp + off_p, acc_o[mb], true, std::make_index_sequence<kAcc>{});
+    }
+  }
+  cute::warpgroup_commit_batch();
+  cute::warpgroup_wait<0>();
+#pragma unroll
+  for (int mb = 0; mb < 8; ++mb) fence_regs<kAcc>(acc_o[mb]);
+}
+
 struct Etap {
   static constexpr int kMaxRows = 32;                  // query rows per KV head this variant takes
   static constexpr int kRedFloats = 2 * 4 * kMaxRows;  // [warpgroup][warp][column]: column maxima of a tile
@@ -195,7 +243,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   auto acc_row = [&](int i) { return 16 * warp + lane / 4 + 8 * ((i % 4) / 2); };
   auto acc_col = [](int i) { return 2 * (i / 4) + (i % 2); };
   auto desc = [](const void* base) { return gmma_desc_sw128_addr(smem_u32(base), 16, 1024); };
-  auto desc_v = [](const void* base) { return gmma_desc_sw128_addr(smem_u32(base), 64 * 64 * 2, 1024); };
 
   stamp(kTimelineEntry);
   const int item_begin = p.part_offsets[part], item_end = p.part_offsets[part + 1];
@@ -266,26 +313,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         cp_async_commit();
       }
       const uint32_t parity = loads_done & 1u;
-      // ---- S^T = K Q^T over the 9 column blocks x 4 k-steps
+      // ---- S^T = K Q^T (etap_gemm_s)
       float acc_s[kAcc];
-      const uint64_t dk = desc(stage), dq = desc(sQ);
-      fence_regs<kAcc>(acc_s);
-      cute::warpgroup_arrive();
-#pragma unroll
-      for (int blk = 0; blk < 9; ++blk) {
+      etap_gemm_s<G, 64 * 64>(desc(stage), desc(sQ), acc_s, [&](int blk) {
         if constexpr (kTma) {
           mbar_wait(bars + blk, parity);
-          cute::warpgroup_arrive();  // after every wait: else ptxas serialises the wgmmas (C7520, as in v5)
+          cute::warpgroup_arrive();
         }
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          const uint64_t off = (uint64_t)(((blk * 64 * 64 + kk * 16) * (int)sizeof(T)) >> 4);
-          gmma_call<typename G::KQ>(dk + off, dq + off, acc_s, blk + kk > 0, std::make_index_sequence<kAcc>{});
-        }
-      }
-      cute::warpgroup_commit_batch();
-      cute::warpgroup_wait<0>();
-      fence_regs<kAcc>(acc_s);
+      });
 
       // ---- mask; column max over the tile's 64 tokens (16 per warp, 4 warps via red)
       float cmax[kCols];
@@ -355,25 +390,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       fence_proxy_async_smem();
       named_barrier(bar, 128);  // P^T complete (and V rows zeroed); every warp has read red
 
-      // ---- O^T += V^T P^T: 8 blocks of 64 channels, 4 k-steps of 16 tokens
-      const uint64_t dp = desc(sPw);
-#pragma unroll
-      for (int mb = 0; mb < 8; ++mb) fence_regs<kAcc>(acc_o[mb]);
-      cute::warpgroup_arrive();
-#pragma unroll
-      for (int mb = 0; mb < 8; ++mb) {
-        const uint64_t dv = desc_v(stage + mb * 64 * 64);
-#pragma unroll
-        for (int kt = 0; kt < 4; ++kt) {
-          const uint64_t off_v = (uint64_t)((kt * 16 * 64 * (int)sizeof(T)) >> 4);
-          const uint64_t off_p = (uint64_t)((kt * 16 * (int)sizeof(T)) >> 4);
-          gmma_call<typename G::VP>(dv + off_v, dp + off_p, acc_o[mb], true, std::make_index_sequence<kAcc>{});
-        }
-      }
-      cute::warpgroup_commit_batch();
-      cute::warpgroup_wait<0>();
-#pragma unroll
-      for (int mb = 0; mb < 8; ++mb) fence_regs<kAcc>(acc_o[mb]);
+      // ---- O^T += V^T P^T (etap_gemm_pv)
+      etap_gemm_pv<G>(stage, desc(sPw), acc_o);
 
       // ---- this warpgroup's next tile into its stage (the other warpgroup computes meanwhile)
       ++loads_done;

@@ -259,7 +259,6 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
   auto acc_row = [&](int i) { return 16 * warp + lane / 4 + 8 * ((i % 4) / 2); };
   auto acc_col = [](int i) { return 2 * (i / 4) + (i % 2); };
   auto desc = [](const void* base) { return gmma_desc_sw128_addr(smem_u32(base), 16, 1024); };
-  auto desc_v = [](const void* base) { return gmma_desc_sw128_addr(smem_u32(base), 64 * 64 * 2, 1024); };
 
   if (wg == 0) {
     // ================= converter =================
@@ -411,22 +410,9 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
         const uint32_t st = it & 1u;
         const __half* stage = sK + st * (Fp8t::kStageBytes / 2);
         mbar_wait(full + st, (it >> 1) & 1u);
-        // ---- S^T = K Q^T over the 9 column blocks x 4 k-steps
+        // ---- S^T = K Q^T (etap_gemm_s)
         float acc_s[kAcc];
-        const uint64_t dk = desc(stage), dq = desc(sQ);
-        fence_regs<kAcc>(acc_s);
-        cute::warpgroup_arrive();
-#pragma unroll
-        for (int blk = 0; blk < 9; ++blk)
-#pragma unroll
-          for (int kk = 0; kk < 4; ++kk) {
-            const uint64_t off_k = (uint64_t)(((blk * 64 * 64 + kk * 16) * 2) >> 4);
-            const uint64_t off_q = (uint64_t)(((blk * kN * 64 + kk * 16) * 2) >> 4);
-            gmma_call<typename G::KQ>(dk + off_k, dq + off_q, acc_s, blk + kk > 0, std::make_index_sequence<kAcc>{});
-          }
-        cute::warpgroup_commit_batch();
-        cute::warpgroup_wait<0>();
-        fence_regs<kAcc>(acc_s);
+        etap_gemm_s<G, kN * 64>(desc(stage), desc(sQ), acc_s, [](int) {});
         __syncwarp();
         if (lane == 0) mbar_arrive(empty + st);  // this warp's share of the stage is read
 
@@ -564,25 +550,8 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
 #pragma unroll
             for (int i = 0; i < kAcc; ++i) acc_o[mb][i] *= alpha[acc_col(i)];
         }
-        // ---- O^T += V^T P^T: 8 blocks of 64 channels, 4 k-steps of 16 tokens
-        const uint64_t dp = desc(sP + st * (Fp8t::kPBytes / 2));
-#pragma unroll
-        for (int mb = 0; mb < 8; ++mb) fence_regs<kAcc>(acc_o[mb]);
-        cute::warpgroup_arrive();
-#pragma unroll
-        for (int mb = 0; mb < 8; ++mb) {
-          const uint64_t dv = desc_v(stage + mb * 64 * 64);
-#pragma unroll
-          for (int kt = 0; kt < 4; ++kt) {
-            const uint64_t off_v = (uint64_t)((kt * 16 * 64 * 2) >> 4);
-            const uint64_t off_p = (uint64_t)((kt * 16 * 2) >> 4);
-            gmma_call<typename G::VP>(dv + off_v, dp + off_p, acc_o[mb], true, std::make_index_sequence<kAcc>{});
-          }
-        }
-        cute::warpgroup_commit_batch();
-        cute::warpgroup_wait<0>();
-#pragma unroll
-        for (int mb = 0; mb < 8; ++mb) fence_regs<kAcc>(acc_o[mb]);
+        // ---- O^T += V^T P^T (etap_gemm_pv)
+        etap_gemm_pv<G>(stage, desc(sP + st * (Fp8t::kPBytes / 2)), acc_o);
         __syncwarp();
         if (lane == 0) mbar_arrive(empty + st);
       }
