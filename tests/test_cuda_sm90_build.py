@@ -45,6 +45,24 @@ def test_timeline_build_is_a_separate_extension(monkeypatch):
     assert build._source_hash() != plain_hash
 
 
+def test_ablation_build_is_a_separate_extension_per_mask(monkeypatch):
+    """``$MLA_SM90_ABLATE`` (ci/sm90_ablate.py) gives each mask its own define and source hash; a value that is not an
+    integer is refused with the variable named."""
+    monkeypatch.delenv("MLA_SM90_TIMELINE", raising=False)
+    monkeypatch.delenv("MLA_SM90_ABLATE", raising=False)
+    assert build.ablate_bits() is None
+    plain_flags, plain_hash = build.nvcc_flags(), build._source_hash()
+    hashes = set()
+    for mask in (1, 16):
+        monkeypatch.setenv("MLA_SM90_ABLATE", str(mask))
+        assert build.ablate_bits() == mask
+        assert build.nvcc_flags() == plain_flags + [f"-DMLA_SM90_ABLATE={mask}"]
+        hashes.add(build._source_hash())
+    assert len(hashes) == 2 and plain_hash not in hashes
+    monkeypatch.setenv("MLA_SM90_ABLATE", "load")
+    with pytest.raises(build.KernelBuildError, match="MLA_SM90_ABLATE"):
+        build.nvcc_flags()
+
 def test_build_lock_clears_the_lock_file_of_a_killed_build(tmp_path):
     """torch's ``lock`` file, left by a build that was killed, would make every later build wait forever."""
     pytest.importorskip("fcntl")

@@ -25,7 +25,7 @@ try:
 except ImportError:  # not POSIX: builds are not serialised and a killed build's lock file is not cleared
     fcntl = None
 
-__all__ = ["KernelBuildError", "SM90_SOURCE_DIR", "nvcc_path", "cutlass_include_dir", "nvcc_flags", "timeline_build", "load_sm90", "main"]
+__all__ = ["KernelBuildError", "SM90_SOURCE_DIR", "nvcc_path", "cutlass_include_dir", "nvcc_flags", "timeline_build", "ablate_bits", "load_sm90", "main"]
 
 SM90_SOURCE_DIR = pathlib.Path(__file__).resolve().parent / "mla_decode_sm90"
 _SM90_SOURCES = ("binding.cpp", "launch.cu")
@@ -65,9 +65,26 @@ def timeline_build() -> bool:
     return os.environ.get("MLA_SM90_TIMELINE", "") == "1"
 
 
+def ablate_bits() -> int | None:
+    """``$MLA_SM90_ABLATE`` (an integer), which asks for an ablation build: a separate extension (one per value) in
+    which mainloop v7 skips the parts of its work named by the bits (``Fp8t::kAblate*`` in
+    ``mla_decode_sm90/mainloop_fp8t.cuh``; ``ci/sm90_ablate.py`` times them). Its outputs are wrong by design: for
+    timing only. None when unset."""
+    bits = os.environ.get("MLA_SM90_ABLATE")
+    if bits is None:
+        return None
+    try:
+        return int(bits)
+    except ValueError:
+        raise KernelBuildError(f"$MLA_SM90_ABLATE must be an integer (bits of Fp8t::kAblate*), got {bits!r}") from None
+
+
 def _defines() -> list[str]:
     """Preprocessor flags for both compilers (nvcc and the host C++ compiler of binding.cpp)."""
-    return ["-DMLA_SM90_TIMELINE"] if timeline_build() else []
+    flags = ["-DMLA_SM90_TIMELINE"] if timeline_build() else []
+    if (bits := ablate_bits()) is not None:
+        flags.append(f"-DMLA_SM90_ABLATE={bits}")
+    return flags
 
 
 def nvcc_flags() -> list[str]:

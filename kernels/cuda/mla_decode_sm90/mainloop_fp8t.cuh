@@ -85,6 +85,22 @@ struct Fp8t {
   // Measured with the stages' full signal on named barriers (reverted after: NOTES.md, twenty-fifth session)
   static constexpr int kPrefetchAhead = 3;
   static constexpr int kRegsConv = 200, kRegsScorer = 112, kRegsAcc = 192, kRegsLaunch = 168;
+  // The ablation build (-DMLA_SM90_ABLATE=bits; kernels/cuda/build.py, ci/sm90_ablate.py) skips the parts of the
+  // work named by these bits, to find which of them bound the time (its results are wrong)
+  static constexpr int kAblateLoad = 1;      // converter: no global loads or L2 prefetches (registers keep stale data)
+  static constexpr int kAblateStore = 2;     // converter: no conversion or stores into the stage
+  static constexpr int kAblateS = 4;         // scorer: no S^T wgmma (scores 0)
+  static constexpr int kAblateSoftmax = 8;   // scorer: no mask, rescale check or exponentials (P = the scores)
+  static constexpr int kAblatePV = 16;       // accumulator: no O^T wgmma
+  static constexpr int kAblatePStore = 32;   // scorer: no P^T stores
+  static constexpr int kAblateOut = 64;      // accumulator: no output stores
+  static constexpr int kAblateUse = 128;     // converter: its loads issued (ld.volatile), their data not used
+  static constexpr int kAblateFence = 256;   // converter: no proxy fence (MEMBAR) before a stage's full signal
+  static constexpr int kAblateRowLoads = 512;  // converter: each warp load reads 512 contiguous bytes of one row
+  static constexpr int kAblateHalfLoads = 1024;  // converter: the loads of one of its two rows only
+  // converter: 56 rows of each tile by one bulk copy into a staging buffer over sO (the accumulator skips its
+  // epilogue), read from there (pages of whole tiles only: a prototype of staging the fp8 bytes by TMA)
+  static constexpr int kAblateTma = 2048;
   static_assert(kRegsConv + kRegsScorer + kRegsAcc == 3 * kRegsLaunch, "setmaxnreg moves registers, adds none");
 };
 
@@ -161,16 +177,35 @@ __device__ __forceinline__ int64_t fp8t_row_offset(const DecodeParams& p, const 
 
 // The tile at t0 into registers; `page` holds the pages of the thread's two rows (0 past t_end: such a row reads
 // page 0's first row of this head, in bounds, and is zeroed before the store, so nothing past a request is used).
+// `sink` (the ablation build's Fp8t::kAblateUse): the same loads, their data dropped and x left as it was.
 __device__ __forceinline__ void fp8t_load(const DecodeParams& p, const PageGeometry& pg, Fp8tRows& x,
-                                          const int (&page)[2], int t0, int t_end, int kvh, int r0, int q4) {
+                                          const int (&page)[2], int t0, int t_end, int kvh, int r0, int q4,
+                                          bool sink = false, bool row_loads = false, bool half_loads = false) {
   const uint8_t* kv = reinterpret_cast<const uint8_t*>(p.kv);
+  if (row_loads) {  // (ablation) warp w reads rows 16 w + 2 b + pass, bytes 16 lane .. + 15 (data wrong)
+    const int lane = threadIdx.x % 32, w = (threadIdx.x / 32) % 4;
 #pragma unroll
-  for (int pass = 0; pass < 2; ++pass) {
+    for (int pass = 0; pass < 2; ++pass)
+#pragma unroll
+      for (int b = 0; b < 9; ++b) {
+        const int t = t0 + (16 * w + 2 * b + pass) % 64;
+        const uint8_t* src = kv + (t < t_end ? fp8t_row_offset(p, pg, page[pass], t, kvh) : (int64_t)kvh * p.kv_stride_head);
+        x.v[pass][b] = ld_stream_16(src + 16 * lane);
+      }
+    return;
+  }
+#pragma unroll
+  for (int pass = 0; pass < (half_loads ? 1 : 2); ++pass) {
     const int t = t0 + r0 + 32 * pass;
     const uint8_t* src = kv + (t < t_end ? fp8t_row_offset(p, pg, page[pass], t, kvh) : (int64_t)kvh * p.kv_stride_head) +
                          16 * q4;
 #pragma unroll
-    for (int b = 0; b < 9; ++b) x.v[pass][b] = ld_stream_16(src + 64 * b);
+    for (int b = 0; b < 9; ++b) {
+      if (sink)
+        asm volatile("{\n.reg .b32 a, b, c, d;\nld.volatile.global.v4.u32 {a, b, c, d}, [%0];\n}\n" ::"l"(src + 64 * b));
+      else
+        x.v[pass][b] = ld_stream_16(src + 64 * b);
+    }
   }
 }
 
@@ -238,6 +273,11 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
   const int part = blockIdx.x, kvh = blockIdx.z;
   const int tid = threadIdx.x, lane = tid % 32, tid_wg = tid % 128, warp = (tid / 32) % 4;
   const int wg = __shfl_sync(0xffffffff, tid / 128, 0);  // warp-uniform (see v6)
+#ifdef MLA_SM90_ABLATE
+  constexpr int ablate = MLA_SM90_ABLATE;
+#else
+  constexpr int ablate = 0;
+#endif
   if (tid == 0) {
     for (int i = 0; i < 2; ++i) {
       mbar_init(full + i, 4);
@@ -245,6 +285,7 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
       mbar_init(p_ready + i, 4 + 3);
       mbar_init(sums_full + i, 1);
       mbar_init(sums_empty + i, 128);
+      if (ablate & Fp8t::kAblateTma) mbar_init(reinterpret_cast<uint64_t*>(smem_base + Fp8t::kOffFlag + 8), 1);
     }
     fence_mbar_init();
   }
@@ -273,7 +314,7 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
     const bool pf_whole = p.page_size % Cfg::kBlockN == 0 && p.kv_stride_tok == Cfg::kHeadDimQK;
     const uint8_t* kv = reinterpret_cast<const uint8_t*>(p.kv);
     const PageGeometry pg = page_geometry(p.page_size);
-    uint32_t it = 0;
+    uint32_t it = 0, stg_it = 0;
     for (int item = item_begin; item < item_end; ++item) {
       const WorkItem w = load_item(p, item);
       const int req = w.req, tok_begin = w.tok_begin, tok_end = w.tok_end;
@@ -289,7 +330,7 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
       const bool whole = pf_whole && tok_begin % Cfg::kBlockN == 0;
       auto pf_page = [&](int t0) { return page_of(t0 + (whole ? 0 : tid_wg % Cfg::kBlockN)); };
       auto prefetch = [&](int page, int t0) {
-        if (!pf_ok || t0 >= tok_end) return;
+        if (!pf_ok || t0 >= tok_end || (ablate & Fp8t::kAblateLoad)) return;
         if (whole) {
           if (tid_wg == 0)
             prefetch_l2_bulk(kv + fp8t_row_offset(p, pg, page, t0, kvh), min(Cfg::kBlockN, tok_end - t0) * Cfg::kHeadDimQK);
@@ -302,8 +343,8 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
       auto put = [&](Fp8tRows& x, int t0) {
         const uint32_t st = it & 1u;
         mbar_wait(empty + st, ((it >> 1) & 1u) ^ 1u);
-        fp8t_store(sK + st * (Fp8t::kStageBytes / 2), x, t0, tok_end, r0, q4);
-        fence_proxy_async_smem();
+        if (!(ablate & Fp8t::kAblateStore)) fp8t_store(sK + st * (Fp8t::kStageBytes / 2), x, t0, tok_end, r0, q4);
+        if (!(ablate & Fp8t::kAblateFence)) fence_proxy_async_smem();
         __syncwarp();
         if (lane == 0) mbar_arrive(full + st);
         ++it;
@@ -311,7 +352,14 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
       Fp8tRows x, y;
       int pa[2], pb[2];
       rows_pages(tok_begin, pa);
-      fp8t_load(p, pg, x, pa, tok_begin, tok_end, kvh, r0, q4);
+      if (ablate & (Fp8t::kAblateLoad | Fp8t::kAblateUse | Fp8t::kAblateTma)) {
+#pragma unroll
+        for (int b = 0; b < 9; ++b) x.v[0][b] = x.v[1][b] = y.v[0][b] = y.v[1][b] = make_uint4(0, 0, 0, 0);
+      }
+      constexpr bool sink = ablate & Fp8t::kAblateUse, row_loads = ablate & Fp8t::kAblateRowLoads,
+                     half_loads = ablate & Fp8t::kAblateHalfLoads;
+      if (!(ablate & (Fp8t::kAblateLoad | Fp8t::kAblateTma)))
+        fp8t_load(p, pg, x, pa, tok_begin, tok_end, kvh, r0, q4, sink, row_loads, half_loads);
       // pages of tiles j + 1 / j + 2 for the register loads (pb / pa), of tiles j + A / j + A + 1 for the L2
       // prefetches (fa / fb; A = kPrefetchAhead): each read a whole iteration before its use
       constexpr int A = Fp8t::kPrefetchAhead;
@@ -320,16 +368,50 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
 #pragma unroll
       for (int k = 1; k < A; ++k) prefetch(pf_page(tok_begin + k * Cfg::kBlockN), tok_begin + k * Cfg::kBlockN);
       int fa = pf_page(tok_begin + A * Cfg::kBlockN), fb = pf_page(tok_begin + (A + 1) * Cfg::kBlockN);
+      if constexpr ((ablate & Fp8t::kAblateTma) != 0) {
+        constexpr int kStgRows = 56;
+        uint64_t* stg_bar = reinterpret_cast<uint64_t*>(smem_base + Fp8t::kOffFlag + 8);
+        uint8_t* stg = smem_base + Fp8t::kOffO;
+        auto issue = [&](int t0) {
+          if (tid_wg == 0 && t0 < tok_end) {
+            const uint32_t bytes = min(kStgRows, tok_end - t0) * Cfg::kHeadDimQK;
+            mbar_arrive_expect_tx(stg_bar, bytes);
+            asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+                         ::"r"(smem_u32(stg)), "l"(kv + fp8t_row_offset(p, pg, page_of(t0), t0, kvh)), "r"(bytes),
+                         "r"(smem_u32(stg_bar)) : "memory");
+          }
+        };
+        issue(tok_begin);
+        for (int j = 0; j < n_tiles; ++j) {
+          const int t0 = tok_begin + j * Cfg::kBlockN;
+          mbar_wait(stg_bar, stg_it & 1u);
+          ++stg_it;
+#pragma unroll
+          for (int pass = 0; pass < 2; ++pass)
+            if (r0 + 32 * pass < kStgRows) {
+#pragma unroll
+              for (int b = 0; b < 9; ++b)
+                x.v[pass][b] = *reinterpret_cast<const uint4*>(stg + (r0 + 32 * pass) * Cfg::kHeadDimQK + 64 * b + 16 * q4);
+            }
+          named_barrier(4, 128);  // every converter thread has read the staging buffer
+          issue(t0 + Cfg::kBlockN);
+          prefetch(pf_page(t0 + A * Cfg::kBlockN), t0 + A * Cfg::kBlockN);
+          put(x, t0);
+        }
+        continue;
+      }
       for (int j = 0; j < n_tiles; j += 2) {
         const int t0 = tok_begin + j * Cfg::kBlockN;
         // tile j + 1 into y while tile j is stored; tile j + A into L2
-        if (j + 1 < n_tiles) fp8t_load(p, pg, y, pb, t0 + Cfg::kBlockN, tok_end, kvh, r0, q4);
+        if (j + 1 < n_tiles && !(ablate & Fp8t::kAblateLoad))
+          fp8t_load(p, pg, y, pb, t0 + Cfg::kBlockN, tok_end, kvh, r0, q4, sink, row_loads, half_loads);
         rows_pages(t0 + 3 * Cfg::kBlockN, pb);
         prefetch(fa, t0 + A * Cfg::kBlockN);
         fa = pf_page(t0 + (A + 2) * Cfg::kBlockN);
         put(x, t0);
         // tile j + 2 into x while tile j + 1 is stored; tile j + A + 1 into L2
-        if (j + 2 < n_tiles) fp8t_load(p, pg, x, pa, t0 + 2 * Cfg::kBlockN, tok_end, kvh, r0, q4);
+        if (j + 2 < n_tiles && !(ablate & Fp8t::kAblateLoad))
+          fp8t_load(p, pg, x, pa, t0 + 2 * Cfg::kBlockN, tok_end, kvh, r0, q4, sink, row_loads, half_loads);
         rows_pages(t0 + 4 * Cfg::kBlockN, pa);
         prefetch(fb, t0 + (A + 1) * Cfg::kBlockN);
         fb = pf_page(t0 + (A + 3) * Cfg::kBlockN);
@@ -412,22 +494,30 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
         mbar_wait(full + st, (it >> 1) & 1u);
         // ---- S^T = K Q^T (etap_gemm_s)
         float acc_s[kAcc];
-        etap_gemm_s<G, kN * 64>(desc(stage), desc(sQ), acc_s, [](int) {});
+        if (ablate & Fp8t::kAblateS) {
+#pragma unroll
+          for (int i = 0; i < kAcc; ++i) acc_s[i] = 0.f;
+        } else {
+          etap_gemm_s<G, kN * 64>(desc(stage), desc(sQ), acc_s, [](int) {});
+        }
         __syncwarp();
         if (lane == 0) mbar_arrive(empty + st);  // this warp's share of the stage is read
 
         // ---- scores in base 2; mask only tiles reaching past unmasked_end
         const bool masked = t0 + Cfg::kBlockN > unmasked_end;
+        const bool softmax = !(ablate & Fp8t::kAblateSoftmax);
         bool over = false;
+        if (softmax) {
 #pragma unroll
-        for (int i = 0; i < kAcc; ++i) {
-          const int k = acc_col(i), t = t0 + acc_row(i);
-          acc_s[i] = masked && !(t < tok_end && t <= limit[k]) ? -INFINITY : acc_s[i] * s_col[k];
-          over |= acc_s[i] - m_run[k] > 8.f;  // NaN (both -inf) compares false; a first key gives +inf
+          for (int i = 0; i < kAcc; ++i) {
+            const int k = acc_col(i), t = t0 + acc_row(i);
+            acc_s[i] = masked && !(t < tok_end && t <= limit[k]) ? -INFINITY : acc_s[i] * s_col[k];
+            over |= acc_s[i] - m_run[k] > 8.f;  // NaN (both -inf) compares false; a first key gives +inf
+          }
         }
         // conditional rescaling (FlashAttention-4): the column maxima are taken only when some score passes its
         // row's reference maximum by more than 2^8; P <= 2^8 is exact enough in fp16 and far from its range
-        const bool fire = named_barrier_any(Fp8t::kBarScorer, 128, over);
+        const bool fire = softmax && named_barrier_any(Fp8t::kBarScorer, 128, over);
         float alpha[kCols];
         if (fire) {
           float cmax[kCols];
@@ -464,7 +554,7 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
 #pragma unroll
         for (int i = 0; i < kAcc; ++i) {
           const int k = acc_col(i);
-          acc_s[i] = exp2_ftz(acc_s[i] - m_use[k]);
+          if (softmax) acc_s[i] = exp2_ftz(acc_s[i] - m_use[k]);
           psum[k] += acc_s[i];
         }
 #pragma unroll
@@ -472,7 +562,8 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
         // the stage's P^T was last read by the accumulator for tile it - 2, before it released the stage
         __half* pw = sP + st * (Fp8t::kPBytes / 2);
 #pragma unroll
-        for (int i = 0; i < kAcc; ++i) pw[L::offset(col_of(acc_col(i)), acc_row(i))] = __float2half_rn(acc_s[i]);
+        for (int i = 0; i < kAcc; ++i)
+          if (!(ablate & Fp8t::kAblatePStore)) pw[L::offset(col_of(acc_col(i)), acc_row(i))] = __float2half_rn(acc_s[i]);
         if (warp == 0) {
           if (fire && lane < 4) {
 #pragma unroll
@@ -551,7 +642,7 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
             for (int i = 0; i < kAcc; ++i) acc_o[mb][i] *= alpha[acc_col(i)];
         }
         // ---- O^T += V^T P^T (etap_gemm_pv)
-        etap_gemm_pv<G>(stage, desc(sP + st * (Fp8t::kPBytes / 2)), acc_o);
+        if (!(ablate & Fp8t::kAblatePV)) etap_gemm_pv<G>(stage, desc(sP + st * (Fp8t::kPBytes / 2)), acc_o);
         __syncwarp();
         if (lane == 0) mbar_arrive(empty + st);
       }
@@ -566,7 +657,8 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
         for (int mb = 0; mb < 4; ++mb)
 #pragma unroll
           for (int i = 0; i < kAcc; ++i)
-            sO[col_of(acc_col(i)) * Fp8t::kOStride + mb * 64 + acc_row(i)] = acc_o[4 * half + mb][i];
+            if (!(ablate & Fp8t::kAblateTma))
+              sO[col_of(acc_col(i)) * Fp8t::kOStride + mb * 64 + acc_row(i)] = acc_o[4 * half + mb][i];
         named_barrier(Fp8t::kBarAcc, 128);
         for (int idx = tid_wg; idx < kN * 64; idx += 128) {
           const int c = idx / 64, chl = 4 * (idx % 64), ch = Cfg::kHeadDimV / 2 * half + chl;
@@ -575,7 +667,8 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
           const float inv = total > 0.f ? kv_scale / total : 0.f;
           const int qi = c / heads_per_kv, head = kvh * heads_per_kv + c % heads_per_kv;
           // sO holds this half of the row: channel ch at chl; a warp holds one quarter row (store_row_quad)
-          store_row_quad<T>(p, sO + c * Fp8t::kOStride, chl, ch, inv, req, qi, head, slot);
+          if (!(ablate & Fp8t::kAblateOut))
+            store_row_quad<T>(p, sO + c * Fp8t::kOStride, chl, ch, inv, req, qi, head, slot);
         }
       }
       mbar_arrive(sums_empty + par);  // this thread's reads of the sums are done
