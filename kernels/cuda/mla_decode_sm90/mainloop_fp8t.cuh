@@ -94,13 +94,8 @@ struct Fp8t {
   static constexpr int kAblatePV = 16;       // accumulator: no O^T wgmma
   static constexpr int kAblatePStore = 32;   // scorer: no P^T stores
   static constexpr int kAblateOut = 64;      // accumulator: no output stores
-  static constexpr int kAblateUse = 128;     // converter: its loads issued (ld.volatile), their data not used
   static constexpr int kAblateFence = 256;   // converter: no proxy fence (MEMBAR) before a stage's full signal
-  static constexpr int kAblateRowLoads = 512;  // converter: each warp load reads 512 contiguous bytes of one row
-  static constexpr int kAblateHalfLoads = 1024;  // converter: the loads of one of its two rows only
-  // converter: 56 rows of each tile by one bulk copy into a staging buffer over sO (the accumulator skips its
-  // epilogue), read from there (pages of whole tiles only: a prototype of staging the fp8 bytes by TMA)
-  static constexpr int kAblateTma = 2048;
+  // (bits 128, 512, 1024 and 2048 of the twenty-sixth session, NOTES.md, are in commit bc70a18 only)
   static_assert(kRegsConv + kRegsScorer + kRegsAcc == 3 * kRegsLaunch, "setmaxnreg moves registers, adds none");
 };
 
@@ -177,35 +172,16 @@ __device__ __forceinline__ int64_t fp8t_row_offset(const DecodeParams& p, const 
 
 // The tile at t0 into registers; `page` holds the pages of the thread's two rows (0 past t_end: such a row reads
 // page 0's first row of this head, in bounds, and is zeroed before the store, so nothing past a request is used).
-// `sink` (the ablation build's Fp8t::kAblateUse): the same loads, their data dropped and x left as it was.
 __device__ __forceinline__ void fp8t_load(const DecodeParams& p, const PageGeometry& pg, Fp8tRows& x,
-                                          const int (&page)[2], int t0, int t_end, int kvh, int r0, int q4,
-                                          bool sink = false, bool row_loads = false, bool half_loads = false) {
+                                          const int (&page)[2], int t0, int t_end, int kvh, int r0, int q4) {
   const uint8_t* kv = reinterpret_cast<const uint8_t*>(p.kv);
-  if (row_loads) {  // (ablation) warp w reads rows 16 w + 2 b + pass, bytes 16 lane .. + 15 (data wrong)
-    const int lane = threadIdx.x % 32, w = (threadIdx.x / 32) % 4;
 #pragma unroll
-    for (int pass = 0; pass < 2; ++pass)
-#pragma unroll
-      for (int b = 0; b < 9; ++b) {
-        const int t = t0 + (16 * w + 2 * b + pass) % 64;
-        const uint8_t* src = kv + (t < t_end ? fp8t_row_offset(p, pg, page[pass], t, kvh) : (int64_t)kvh * p.kv_stride_head);
-        x.v[pass][b] = ld_stream_16(src + 16 * lane);
-      }
-    return;
-  }
-#pragma unroll
-  for (int pass = 0; pass < (half_loads ? 1 : 2); ++pass) {
+  for (int pass = 0; pass < 2; ++pass) {
     const int t = t0 + r0 + 32 * pass;
     const uint8_t* src = kv + (t < t_end ? fp8t_row_offset(p, pg, page[pass], t, kvh) : (int64_t)kvh * p.kv_stride_head) +
                          16 * q4;
 #pragma unroll
-    for (int b = 0; b < 9; ++b) {
-      if (sink)
-        asm volatile("{\n.reg .b32 a, b, c, d;\nld.volatile.global.v4.u32 {a, b, c, d}, [%0];\n}\n" ::"l"(src + 64 * b));
-      else
-        x.v[pass][b] = ld_stream_16(src + 64 * b);
-    }
+    for (int b = 0; b < 9; ++b) x.v[pass][b] = ld_stream_16(src + 64 * b);
   }
 }
 
@@ -285,7 +261,6 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
       mbar_init(p_ready + i, 4 + 3);
       mbar_init(sums_full + i, 1);
       mbar_init(sums_empty + i, 128);
-      if (ablate & Fp8t::kAblateTma) mbar_init(reinterpret_cast<uint64_t*>(smem_base + Fp8t::kOffFlag + 8), 1);
     }
     fence_mbar_init();
   }
@@ -314,7 +289,7 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
     const bool pf_whole = p.page_size % Cfg::kBlockN == 0 && p.kv_stride_tok == Cfg::kHeadDimQK;
     const uint8_t* kv = reinterpret_cast<const uint8_t*>(p.kv);
     const PageGeometry pg = page_geometry(p.page_size);
-    uint32_t it = 0, stg_it = 0;
+    uint32_t it = 0;
     for (int item = item_begin; item < item_end; ++item) {
       const WorkItem w = load_item(p, item);
       const int req = w.req, tok_begin = w.tok_begin, tok_end = w.tok_end;
@@ -352,14 +327,12 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
       Fp8tRows x, y;
       int pa[2], pb[2];
       rows_pages(tok_begin, pa);
-      if (ablate & (Fp8t::kAblateLoad | Fp8t::kAblateUse | Fp8t::kAblateTma)) {
+      if (ablate & Fp8t::kAblateLoad) {
 #pragma unroll
         for (int b = 0; b < 9; ++b) x.v[0][b] = x.v[1][b] = y.v[0][b] = y.v[1][b] = make_uint4(0, 0, 0, 0);
+      } else {
+        fp8t_load(p, pg, x, pa, tok_begin, tok_end, kvh, r0, q4);
       }
-      constexpr bool sink = ablate & Fp8t::kAblateUse, row_loads = ablate & Fp8t::kAblateRowLoads,
-                     half_loads = ablate & Fp8t::kAblateHalfLoads;
-      if (!(ablate & (Fp8t::kAblateLoad | Fp8t::kAblateTma)))
-        fp8t_load(p, pg, x, pa, tok_begin, tok_end, kvh, r0, q4, sink, row_loads, half_loads);
       // pages of tiles j + 1 / j + 2 for the register loads (pb / pa), of tiles j + A / j + A + 1 for the L2
       // prefetches (fa / fb; A = kPrefetchAhead): each read a whole iteration before its use
       constexpr int A = Fp8t::kPrefetchAhead;
@@ -368,50 +341,18 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
 #pragma unroll
       for (int k = 1; k < A; ++k) prefetch(pf_page(tok_begin + k * Cfg::kBlockN), tok_begin + k * Cfg::kBlockN);
       int fa = pf_page(tok_begin + A * Cfg::kBlockN), fb = pf_page(tok_begin + (A + 1) * Cfg::kBlockN);
-      if constexpr ((ablate & Fp8t::kAblateTma) != 0) {
-        constexpr int kStgRows = 56;
-        uint64_t* stg_bar = reinterpret_cast<uint64_t*>(smem_base + Fp8t::kOffFlag + 8);
-        uint8_t* stg = smem_base + Fp8t::kOffO;
-        auto issue = [&](int t0) {
-          if (tid_wg == 0 && t0 < tok_end) {
-            const uint32_t bytes = min(kStgRows, tok_end - t0) * Cfg::kHeadDimQK;
-            mbar_arrive_expect_tx(stg_bar, bytes);
-            asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
-                         ::"r"(smem_u32(stg)), "l"(kv + fp8t_row_offset(p, pg, page_of(t0), t0, kvh)), "r"(bytes),
-                         "r"(smem_u32(stg_bar)) : "memory");
-          }
-        };
-        issue(tok_begin);
-        for (int j = 0; j < n_tiles; ++j) {
-          const int t0 = tok_begin + j * Cfg::kBlockN;
-          mbar_wait(stg_bar, stg_it & 1u);
-          ++stg_it;
-#pragma unroll
-          for (int pass = 0; pass < 2; ++pass)
-            if (r0 + 32 * pass < kStgRows) {
-#pragma unroll
-              for (int b = 0; b < 9; ++b)
-                x.v[pass][b] = *reinterpret_cast<const uint4*>(stg + (r0 + 32 * pass) * Cfg::kHeadDimQK + 64 * b + 16 * q4);
-            }
-          named_barrier(4, 128);  // every converter thread has read the staging buffer
-          issue(t0 + Cfg::kBlockN);
-          prefetch(pf_page(t0 + A * Cfg::kBlockN), t0 + A * Cfg::kBlockN);
-          put(x, t0);
-        }
-        continue;
-      }
       for (int j = 0; j < n_tiles; j += 2) {
         const int t0 = tok_begin + j * Cfg::kBlockN;
         // tile j + 1 into y while tile j is stored; tile j + A into L2
         if (j + 1 < n_tiles && !(ablate & Fp8t::kAblateLoad))
-          fp8t_load(p, pg, y, pb, t0 + Cfg::kBlockN, tok_end, kvh, r0, q4, sink, row_loads, half_loads);
+          fp8t_load(p, pg, y, pb, t0 + Cfg::kBlockN, tok_end, kvh, r0, q4);
         rows_pages(t0 + 3 * Cfg::kBlockN, pb);
         prefetch(fa, t0 + A * Cfg::kBlockN);
         fa = pf_page(t0 + (A + 2) * Cfg::kBlockN);
         put(x, t0);
         // tile j + 2 into x while tile j + 1 is stored; tile j + A + 1 into L2
         if (j + 2 < n_tiles && !(ablate & Fp8t::kAblateLoad))
-          fp8t_load(p, pg, x, pa, t0 + 2 * Cfg::kBlockN, tok_end, kvh, r0, q4, sink, row_loads, half_loads);
+          fp8t_load(p, pg, x, pa, t0 + 2 * Cfg::kBlockN, tok_end, kvh, r0, q4);
         rows_pages(t0 + 4 * Cfg::kBlockN, pa);
         prefetch(fb, t0 + (A + 1) * Cfg::kBlockN);
         fb = pf_page(t0 + (A + 3) * Cfg::kBlockN);
@@ -561,9 +502,10 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
         for (int k = 0; k < kCols; ++k) l_run[k] = l_run[k] * alpha[k] + psum[k];
         // the stage's P^T was last read by the accumulator for tile it - 2, before it released the stage
         __half* pw = sP + st * (Fp8t::kPBytes / 2);
+        if (!(ablate & Fp8t::kAblatePStore)) {
 #pragma unroll
-        for (int i = 0; i < kAcc; ++i)
-          if (!(ablate & Fp8t::kAblatePStore)) pw[L::offset(col_of(acc_col(i)), acc_row(i))] = __float2half_rn(acc_s[i]);
+          for (int i = 0; i < kAcc; ++i) pw[L::offset(col_of(acc_col(i)), acc_row(i))] = __float2half_rn(acc_s[i]);
+        }
         if (warp == 0) {
           if (fire && lane < 4) {
 #pragma unroll
@@ -657,8 +599,7 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
         for (int mb = 0; mb < 4; ++mb)
 #pragma unroll
           for (int i = 0; i < kAcc; ++i)
-            if (!(ablate & Fp8t::kAblateTma))
-              sO[col_of(acc_col(i)) * Fp8t::kOStride + mb * 64 + acc_row(i)] = acc_o[4 * half + mb][i];
+            sO[col_of(acc_col(i)) * Fp8t::kOStride + mb * 64 + acc_row(i)] = acc_o[4 * half + mb][i];
         named_barrier(Fp8t::kBarAcc, 128);
         for (int idx = tid_wg; idx < kN * 64; idx += 128) {
           const int c = idx / 64, chl = 4 * (idx % 64), ch = Cfg::kHeadDimV / 2 * half + chl;
