@@ -126,20 +126,9 @@ __device__ __forceinline__ void prefetch_l2_bulk(const void* ptr, uint32_t bytes
 // 16 bytes of the (read-only) cache, not kept in L1.
 __device__ __forceinline__ uint4 ld_stream_16(const void* ptr) {
   uint4 r;
-#if defined(MLA_SM90_ABLATE) && (MLA_SM90_ABLATE & 128)
-  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(ptr));
-#elif defined(MLA_SM90_ABLATE) && (MLA_SM90_ABLATE & 512)
-  asm("{\n.reg .b64 pol;\ncreatepolicy.fractional.L2::evict_first.b64 pol, 1.0;\n"
-      "ld.global.nc.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], pol;\n}\n"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(ptr));
-#else
   asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
       : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
       : "l"(ptr));
-#endif
   return r;
 }
 // Four e4m3 values (a word, lowest byte first) -> four fp16 values (two words, in order).
@@ -346,7 +335,7 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
       }
       // pages of tiles j + 1 / j + 2 for the register loads (pb / pa), of tiles j + A / j + A + 1 for the L2
       // prefetches (fa / fb; A = kPrefetchAhead): each read a whole iteration before its use
-      constexpr int A = (ablate & 2048) ? 4 : (ablate & 4096) ? 2 : (ablate & 8192) ? 5 : Fp8t::kPrefetchAhead;
+      constexpr int A = Fp8t::kPrefetchAhead;
       rows_pages(tok_begin + Cfg::kBlockN, pb);
       rows_pages(tok_begin + 2 * Cfg::kBlockN, pa);
 #pragma unroll
