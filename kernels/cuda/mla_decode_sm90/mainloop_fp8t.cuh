@@ -101,11 +101,6 @@ struct Fp8t {
 
 template <int N> __device__ __forceinline__ void regs_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
 template <int N> __device__ __forceinline__ void regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
-// From `From` registers per thread to `To`: setmaxnreg.inc or .dec (the wrong one is an illegal instruction).
-template <int From, int To> __device__ __forceinline__ void regs_move() {
-  if constexpr (To > From) regs_inc<To>();
-  if constexpr (To < From) regs_dec<To>();
-}
 
 // bar.sync's non-aligned form (the three warpgroups reach it from different code), over the whole CTA.
 __device__ __forceinline__ void barrier_cta_unaligned(int id, int threads) {
@@ -259,10 +254,6 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
 #else
   constexpr int ablate = 0;
 #endif
-  // (trial 128) at 16 rows the converter holds three tiles: two in flight while one is stored
-  constexpr bool kThree = kN == 16 && (ablate & 128);
-  constexpr int kRegsConv = kThree ? 240 : Fp8t::kRegsConv, kRegsAcc = kThree ? 152 : Fp8t::kRegsAcc;
-  static_assert(kRegsConv + Fp8t::kRegsScorer + kRegsAcc == 3 * Fp8t::kRegsLaunch, "setmaxnreg moves registers");
   if (tid == 0) {
     for (int i = 0; i < 2; ++i) {
       mbar_init(full + i, 4);
@@ -287,7 +278,7 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
 
   if (wg == 0) {
     // ================= converter =================
-    regs_inc<kRegsConv>();
+    regs_inc<Fp8t::kRegsConv>();
     barrier_cta_unaligned(Fp8t::kBarRegs, Fp8t::kThreads);
     const int r0 = 8 * warp + lane / 4, q4 = lane % 4;
     // L2 prefetches: one bulk copy per tile where a tile is one contiguous range (whole-tile pages of a single-head
@@ -350,26 +341,6 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
 #pragma unroll
       for (int k = 1; k < A; ++k) prefetch(pf_page(tok_begin + k * Cfg::kBlockN), tok_begin + k * Cfg::kBlockN);
       int fa = pf_page(tok_begin + A * Cfg::kBlockN), fb = pf_page(tok_begin + (A + 1) * Cfg::kBlockN);
-      if constexpr (kThree) {
-        if (1 < n_tiles) fp8t_load(p, pg, y, pb, tok_begin + Cfg::kBlockN, tok_end, kvh, r0, q4);
-        Fp8tRows z;
-        int fn = fa;  // pages of the next L2 prefetch; pa: of the next register load (tile 2)
-        // store tile jj from `cur` while tile jj + 2 loads into `far` (tile jj + 1 is in flight already)
-        auto step = [&](Fp8tRows& cur, Fp8tRows& far, int jj) {
-          const int tj = tok_begin + jj * Cfg::kBlockN;
-          if (jj + 2 < n_tiles) fp8t_load(p, pg, far, pa, tj + 2 * Cfg::kBlockN, tok_end, kvh, r0, q4);
-          rows_pages(tj + 3 * Cfg::kBlockN, pa);
-          prefetch(fn, tj + A * Cfg::kBlockN);
-          fn = pf_page(tj + (A + 1) * Cfg::kBlockN);
-          put(cur, tj);
-        };
-        for (int j = 0; j < n_tiles; j += 3) {
-          step(x, z, j);
-          if (j + 1 < n_tiles) step(y, x, j + 1);
-          if (j + 2 < n_tiles) step(z, y, j + 2);
-        }
-        continue;
-      }
       for (int j = 0; j < n_tiles; j += 2) {
         const int t0 = tok_begin + j * Cfg::kBlockN;
         // tile j + 1 into y while tile j is stored; tile j + A into L2
@@ -584,7 +555,7 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
     regs_inc<Fp8t::kRegsLaunch>();
   } else {
     // ================= accumulator =================
-    regs_move<Fp8t::kRegsLaunch, kRegsAcc>();
+    regs_inc<Fp8t::kRegsAcc>();
     barrier_cta_unaligned(Fp8t::kBarRegs, Fp8t::kThreads);
     uint32_t it = 0, n_items = 0;
     for (int item = item_begin; item < item_end; ++item) {
@@ -644,7 +615,7 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
       mbar_arrive(sums_empty + par);  // this thread's reads of the sums are done
       ++n_items;
     }
-    regs_move<kRegsAcc, Fp8t::kRegsLaunch>();
+    regs_dec<Fp8t::kRegsLaunch>();
   }
   stamp(kTimelineCombine);
   if (p.fuse_combine) combine_in_grid<T, Fp8t::kThreads>(p, reinterpret_cast<int*>(smem_base));
