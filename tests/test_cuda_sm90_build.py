@@ -4,8 +4,11 @@ what it supports."""
 
 from __future__ import annotations
 
+import importlib.util
+import pathlib
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -62,6 +65,21 @@ def test_ablation_build_is_a_separate_extension_per_mask(monkeypatch):
     monkeypatch.setenv("MLA_SM90_ABLATE", "load")
     with pytest.raises(build.KernelBuildError, match="MLA_SM90_ABLATE"):
         build.nvcc_flags()
+
+def test_ablation_driver_names_masks_and_refuses_unknown_bits(monkeypatch, capsys):
+    """ci/sm90_ablate.py describes a mask by the parts it skips and refuses bits the kernel does not have, before it
+    builds anything."""
+    path = pathlib.Path(__file__).resolve().parents[1] / "ci" / "sm90_ablate.py"
+    spec = importlib.util.spec_from_file_location("sm90_ablate", path)
+    ablate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ablate)
+    assert ablate.describe(0) == "-"
+    assert ablate.describe(1 | 16) == "load+O^T"
+    monkeypatch.setattr(sys, "argv", ["sm90_ablate.py", "--masks", "0,1,128"])
+    monkeypatch.setattr(ablate, "build", lambda mask: pytest.fail("built before the masks were checked"))
+    with pytest.raises(SystemExit):
+        ablate.main()
+    assert "--masks" in capsys.readouterr().err
 
 def test_build_lock_clears_the_lock_file_of_a_killed_build(tmp_path):
     """torch's ``lock`` file, left by a build that was killed, would make every later build wait forever."""
