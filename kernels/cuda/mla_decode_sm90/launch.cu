@@ -134,13 +134,14 @@ static int64_t coresident_blocks(int dev, const void* kernel, int threads, int s
 
 // Allow `kernel` `bytes` of dynamic shared memory (over the default 48 KB) on the current device.
 // cudaFuncSetAttribute acts on the current device's context only, so the opt-in is remembered per
-// (device, kernel): a process that launches on a second GPU opts in there too.
-static cudaError_t opt_in_smem(const void* kernel, int bytes) {
+// (device, kernel): a process that launches on a second GPU opts in there too. The device goes to *dev_out if given.
+static cudaError_t opt_in_smem(const void* kernel, int bytes, int* dev_out = nullptr) {
   static std::mutex mu;
   static std::set<std::pair<int, const void*>> done;
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
+  if (dev_out) *dev_out = dev;
   const auto key = std::make_pair(dev, kernel);
   std::lock_guard<std::mutex> lock(mu);
   if (done.count(key)) return cudaSuccess;
@@ -246,11 +247,10 @@ static cudaError_t launch_v5(const DecodeParams& p, const CUtensorMap& map, int 
                              bool* combined) {
   auto alone = mla_decode_kernel_v5<T, false>;
   auto paired = mla_decode_kernel_v5<T, true>;
-  cudaError_t e = opt_in_smem(reinterpret_cast<const void*>(alone), Seesaw::kSmemBytes);
+  int dev = 0;
+  cudaError_t e = opt_in_smem(reinterpret_cast<const void*>(alone), Seesaw::kSmemBytes, &dev);
   if (e == cudaSuccess) e = opt_in_smem(reinterpret_cast<const void*>(paired), Seesaw::kSmemBytes);
   if (e != cudaSuccess) return e;
-  int dev = 0;
-  cudaGetDevice(&dev);  // opt_in_smem has read it already
   const dim3 grid(grid_parts, p.num_row_tiles, p.heads_kv);
   const int64_t pairs = (int64_t)grid.x * grid.y * grid.z / 2;
   if (p.num_row_tiles % 2 == 0 && pairs <= v5_max_pairs<T>(dev)) {
