@@ -1,6 +1,7 @@
 """Which part of mainloop v7's work bounds its time: ablation builds (GPU machine).
 
-    python ci/sm90_ablate.py [--masks 0,1,2,4,8,16,32,64] [--heads 16,32] [--json F]
+    python ci/sm90_ablate.py [--masks 0,1,2,4,8,16,32,64] [--heads 16,32] [--json F] [--plot F.png]
+    python ci/sm90_ablate.py --replot F.json [G.json ...] --plot F.png   # a chart of saved runs, no GPU
 
 Mask 0 is the normal build; any other mask builds a separate extension with ``-DMLA_SM90_ABLATE=mask``
 (``kernels/cuda/build.py``, ``ablate_bits``) in which v7 skips the parts of its work named by the bits
@@ -35,6 +36,7 @@ def describe(mask: int) -> str:
 
 
 def env_for(mask: int) -> dict:
+    """This process's environment with ``$MLA_SM90_ABLATE`` set to ``mask`` (unset for 0, the normal build)."""
     env = dict(os.environ)
     env.pop("MLA_SM90_ABLATE", None)
     if mask:
@@ -72,15 +74,62 @@ def child(heads: list[int]) -> None:
         torch.cuda.empty_cache()
 
 
+def plot(rows: list[dict], path: str, title: str = "") -> None:
+    """A horizontal bar per mask and head count (graph µs), the normal build's time marked: what each part costs is
+    how far its bar falls short of the mark."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    heads = sorted({int(k[1:-3]) for r in rows for k in r if k.startswith("h") and k.endswith("_us")})
+    fig, axes = plt.subplots(1, len(heads), figsize=(5 * len(heads), 0.35 * len(rows) + 1.5), sharey=True,
+                             squeeze=False)
+    labels = [f"{r['mask']}: {r['skipped']}" for r in rows]
+    for ax, h in zip(axes[0], heads):
+        times = [r.get(f"h{h}_us", float("nan")) for r in rows]
+        base = next((r[f"h{h}_us"] for r in rows if r["mask"] == 0 and f"h{h}_us" in r), None)
+        ax.barh(range(len(rows)), times, color=["tab:gray" if r["mask"] == 0 else "tab:blue" for r in rows])
+        if base is not None:
+            ax.axvline(base, color="tab:red", lw=1, ls="--", label=f"normal build {base:.1f} µs")
+            ax.legend(loc="lower right", fontsize=8)
+        for y, t in enumerate(times):
+            ax.text(t, y, f" {t:.1f}", va="center", fontsize=8)
+        ax.set_title(f"h_q = {h}")
+        ax.set_xlabel("µs (CUDA-graph replay)")
+    axes[0][0].set_yticks(range(len(rows)), labels, fontsize=8)
+    axes[0][0].invert_yaxis()
+    fig.suptitle(title or "v7 with parts of its work switched off (b=64, L=8192, fp8_e4m3)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--masks", default="0,1,2,3,4,8,32,16,20,64", help="comma-separated ablation masks (0: none)")
     parser.add_argument("--heads", default="16,32", help="h_q values (b=64, L=8192)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel builds")
     parser.add_argument("--json", default=None, help="write the rows here")
+    parser.add_argument("--plot", default=None, help="draw the rows into this PNG")
+    parser.add_argument("--replot", nargs="+", default=None, metavar="JSON",
+                        help="no builds or timings: plot the rows of these saved runs (a mask's first row counts)")
+    parser.add_argument("--title", default="", help="the chart's title")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     heads = [int(h) for h in args.heads.split(",")]
+    if args.replot:
+        if not args.plot:
+            parser.error("--replot needs --plot PATH")
+        rows, seen = [], set()
+        for path in args.replot:
+            with open(path) as f:
+                for r in json.load(f):
+                    if r["mask"] not in seen:
+                        seen.add(r["mask"])
+                        rows.append(r)
+        plot(rows, args.plot, args.title)
+        return
     if args.child:
         child(heads)
         return
@@ -109,6 +158,8 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    if args.plot:
+        plot(rows, args.plot, args.title)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ what it supports."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import pathlib
 import shutil
 import subprocess
@@ -80,6 +81,32 @@ def test_ablation_driver_names_masks_and_refuses_unknown_bits(monkeypatch, capsy
     with pytest.raises(SystemExit):
         ablate.main()
     assert "--masks" in capsys.readouterr().err
+
+
+def test_ablation_driver_replots_saved_runs(tmp_path, monkeypatch):
+    """``--replot`` draws saved rows (a mask's first row counts) without building or timing anything."""
+    pytest.importorskip("matplotlib")
+    path = pathlib.Path(__file__).resolve().parents[1] / "ci" / "sm90_ablate.py"
+    spec = importlib.util.spec_from_file_location("sm90_ablate", path)
+    ablate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ablate)
+    runs = [[{"mask": 0, "skipped": "-", "h16_us": 150.0}, {"mask": 1, "skipped": "load", "h16_us": 100.0}],
+            [{"mask": 1, "skipped": "load", "h16_us": 999.0}, {"mask": 16, "skipped": "O^T", "h16_us": 140.0}]]
+    files = []
+    for i, rows in enumerate(runs):
+        files.append(tmp_path / f"run{i}.json")
+        files[-1].write_text(json.dumps(rows))
+    drawn = []
+    monkeypatch.setattr(ablate, "plot", lambda rows, out, title="": drawn.append((rows, out)))
+    monkeypatch.setattr(ablate, "build", lambda mask: pytest.fail("--replot built an extension"))
+    png = tmp_path / "chart.png"
+    monkeypatch.setattr(sys, "argv", ["sm90_ablate.py", "--replot", *map(str, files), "--plot", str(png)])
+    ablate.main()
+    (rows, out), = drawn
+    assert [(r["mask"], r["h16_us"]) for r in rows] == [(0, 150.0), (1, 100.0), (16, 140.0)] and out == str(png)
+    monkeypatch.undo()
+    ablate.plot(rows, str(png))  # the real chart
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 def test_build_lock_clears_the_lock_file_of_a_killed_build(tmp_path):
     """torch's ``lock`` file, left by a build that was killed, would make every later build wait forever."""
