@@ -68,8 +68,6 @@ __all__ = ["MAX_ROWS", "fp8t_applies", "launch_decode_fp8t", "rows_per_program"]
 
 BLOCK_N = 64  # tokens per tile: the M of S^T's wgmma
 RESCALE = 8.0  # log2 of how far a score may exceed the reference maximum before it moves (see _consumer)
-#: how many tiles ahead of the one being stored the converter asks L2 for a tile (its register loads run one ahead)
-PREFETCH_AHEAD = 3
 MAX_ROWS = FP8T_MAX_ROWS  # query rows at most (the N of both wgmma)
 #: registers per thread of the scorer and the accumulator partitions by rows per program (setmaxnreg; O^T takes 4 R of
 #: the accumulator's): no spill in either loop (triton 3.6); the converter (the default partition) gets the rest of the
@@ -92,7 +90,6 @@ def fp8t_applies(q, kv, *, kv_format: str) -> bool:
 if _g.GLUON_API:
     _N = gl.constexpr(BLOCK_N)
     RESCALE_LOG2 = gl.constexpr(RESCALE)
-    _PF = gl.constexpr(PREFETCH_AHEAD)
 
     @gluon.jit
     def _load_fp8(KV32, pages, start, tok_end, stride_kt, PAGE_SIZE: gl.constexpr, ld: gl.constexpr):
@@ -195,30 +192,29 @@ if _g.GLUON_API:
             n_tiles = gl.cdiv(tok_end - tok_begin, _N)
             pages = _g._tile_pages(bt_row, tok_begin, tok_end, PAGE_SIZE, _N, True, row_ld)
             x0, x1, x2, x3, xr = _load_fp8(KV32, pages, tok_begin, tok_end, stride_kt, PAGE_SIZE, ld)
-            # table entries: of tiles j + 1 / j + 2 for the register loads (pb / pa), of tiles j + PF / j + PF + 1 for
-            # the L2 prefetches (fa / fb); each set is read a whole iteration before its use
+            # table entries: of tiles j + 1 / j + 2 for the register loads (pb / pa), of tiles j + 2 / j + 3 for the L2
+            # prefetches (fa / fb); each set is read a whole iteration before its use
             pb = _g._tile_pages(bt_row, tok_begin + _N, tok_end, PAGE_SIZE, _N, True, row_ld)
             pa = _g._tile_pages(bt_row, tok_begin + 2 * _N, tok_end, PAGE_SIZE, _N, True, row_ld)
-            for k in gl.static_range(1, _PF):
-                _prefetch_l2(KV32, _g._tile_pages(bt_row, tok_begin + k * _N, tok_end, PAGE_SIZE, _N, True, pf),
-                             tok_begin + k * _N, tok_end, stride_kt, PAGE_SIZE)
-            fa = _g._tile_pages(bt_row, tok_begin + _PF * _N, tok_end, PAGE_SIZE, _N, True, pf)
-            fb = _g._tile_pages(bt_row, tok_begin + (_PF + 1) * _N, tok_end, PAGE_SIZE, _N, True, pf)
+            _prefetch_l2(KV32, _g._tile_pages(bt_row, tok_begin + _N, tok_end, PAGE_SIZE, _N, True, pf), tok_begin + _N,
+                         tok_end, stride_kt, PAGE_SIZE)
+            fa = _g._tile_pages(bt_row, tok_begin + 2 * _N, tok_end, PAGE_SIZE, _N, True, pf)
+            fb = _g._tile_pages(bt_row, tok_begin + 3 * _N, tok_end, PAGE_SIZE, _N, True, pf)
             for j in range(0, n_tiles, 2):
                 start = tok_begin + j * _N
                 # tile j + 1 into the y registers (all masked past the item's last tile), in flight while tile j is
-                # stored; tile j + PF into L2
+                # stored; tile j + 2 into L2
                 y0, y1, y2, y3, yr = _load_fp8(KV32, pb, start + _N, tok_end, stride_kt, PAGE_SIZE, ld)
                 pb = _g._tile_pages(bt_row, start + 3 * _N, tok_end, PAGE_SIZE, _N, True, row_ld)
-                _prefetch_l2(KV32, fa, start + _PF * _N, tok_end, stride_kt, PAGE_SIZE)
-                fa = _g._tile_pages(bt_row, start + (_PF + 2) * _N, tok_end, PAGE_SIZE, _N, True, pf)
+                _prefetch_l2(KV32, fa, start + 2 * _N, tok_end, stride_kt, PAGE_SIZE)
+                fa = _g._tile_pages(bt_row, start + 4 * _N, tok_end, PAGE_SIZE, _N, True, pf)
                 _put_tile(x0, x1, x2, x3, xr, k_smem, r_smem, bars, it)
                 it += 1
-                # tile j + 2 into the x registers while tile j + 1 is stored; tile j + PF + 1 into L2
+                # tile j + 2 into the x registers while tile j + 1 is stored; tile j + 3 into L2
                 x0, x1, x2, x3, xr = _load_fp8(KV32, pa, start + 2 * _N, tok_end, stride_kt, PAGE_SIZE, ld)
                 pa = _g._tile_pages(bt_row, start + 4 * _N, tok_end, PAGE_SIZE, _N, True, row_ld)
-                _prefetch_l2(KV32, fb, start + (_PF + 1) * _N, tok_end, stride_kt, PAGE_SIZE)
-                fb = _g._tile_pages(bt_row, start + (_PF + 3) * _N, tok_end, PAGE_SIZE, _N, True, pf)
+                _prefetch_l2(KV32, fb, start + 3 * _N, tok_end, stride_kt, PAGE_SIZE)
+                fb = _g._tile_pages(bt_row, start + 5 * _N, tok_end, PAGE_SIZE, _N, True, pf)
                 if j + 1 < n_tiles:
                     _put_tile(y0, y1, y2, y3, yr, k_smem, r_smem, bars, it)
                     it += 1
