@@ -88,6 +88,14 @@ template <typename P>
 __device__ __forceinline__ int64_t partial_index(const P& p, int slot, int qi, int head) {
   return ((int64_t)slot * p.q_len + qi) * p.heads_q + head;
 }
+// An item's LSE of (query qi, head): into lse for a whole request (slot < 0), else into its partial's entry.
+template <typename P>
+__device__ __forceinline__ void store_item_lse(const P& p, int req, int slot, int qi, int head, float lse_val) {
+  if (slot < 0)
+    lse_at(p, req, qi, head) = lse_val;
+  else
+    p.partial_lse[partial_index(p, slot, qi, head)] = lse_val;
+}
 // Partial row `prow` (partial_index) of the workspace, as bytes (params.h).
 __device__ __forceinline__ char* partial_row(void* base, int64_t prow) {
   return static_cast<char*>(base) + prow * kPartialRowBytes;

@@ -105,6 +105,17 @@ __device__ __forceinline__ void etap_gemm_s(uint64_t dk, uint64_t dq, float (&ac
   fence_regs<kAcc>(acc);
 }
 
+// O^T = 0, the zeroing pinned where it is (a mov that ptxas sinks between wgmmas in flight serialises them all: C7515).
+template <int kAcc>
+__device__ __forceinline__ void etap_zero_acc_o(float (&acc_o)[8][kAcc]) {
+#pragma unroll
+  for (int mb = 0; mb < 8; ++mb)
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) acc_o[mb][i] = 0.f;
+#pragma unroll
+  for (int mb = 0; mb < 8; ++mb) fence_regs<kAcc>(acc_o[mb]);
+}
+
 // O^T += V^T P^T: 8 blocks of 64 channels x 4 k-steps of 16 tokens of G::VP, V^T read MN-major from the first 512
 // columns of the tile at `stage`, P^T ([kN][64] tokens, K-major) at `dp`. Returns with the wgmmas done.
 template <typename G, int kAcc, typename E>
@@ -285,13 +296,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     stamp(item_event(item - item_begin, 1));
 
     float acc_o[8][kAcc];
-#pragma unroll
-    for (int mb = 0; mb < 8; ++mb)
-#pragma unroll
-      for (int i = 0; i < kAcc; ++i) acc_o[mb][i] = 0.f;
-    // pin the zeroing here (a mov sunk between wgmmas in flight serialises them all: C7515)
-#pragma unroll
-    for (int mb = 0; mb < 8; ++mb) fence_regs<kAcc>(acc_o[mb]);
+    etap_zero_acc_o(acc_o);
     float m_run[kCols], l_run[kCols];
 #pragma unroll
     for (int k = 0; k < kCols; ++k) m_run[k] = -INFINITY, l_run[k] = 0.f;
@@ -478,12 +483,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       const int qi = c / heads_per_kv, head = kvh * heads_per_kv + c % heads_per_kv;
       // a warp holds one quarter row (its 32 lanes: c and slot shared), as store_row_quad asks
       store_row_quad<T>(p, sO + c * Etap::kOStride, ch, ch, inv, req, qi, head, slot);
-      if (ch == 0) {
-        if (slot < 0)
-          lse_at(p, req, qi, head) = lse_val;
-        else
-          p.partial_lse[partial_index(p, slot, qi, head)] = lse_val;
-      }
+      if (ch == 0) store_item_lse(p, req, slot, qi, head, lse_val);
     }
     // sQ, the stages and sP are reused by the next item, the stages by TMA (async proxy) after
     // the generic-proxy sO writes above

@@ -542,10 +542,7 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
           const bool has_keys = total > 0.f;
           const float lse_val = has_keys ? (sMax[c] + log2f(total)) * kLn2 : (slot < 0 ? INFINITY : -INFINITY);
           const int qi = c / heads_per_kv, head = kvh * heads_per_kv + c % heads_per_kv;
-          if (slot < 0)
-            lse_at(p, req, qi, head) = lse_val;
-          else
-            p.partial_lse[partial_index(p, slot, qi, head)] = lse_val;
+          store_item_lse(p, req, slot, qi, head, lse_val);
         }
       }
       named_barrier(Fp8t::kBarScorer, 128);  // the sums are written (and sLRed / sMax read)
@@ -564,12 +561,7 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
       if (req < 0) continue;
       const int n_tiles = (tok_end - tok_begin + Cfg::kBlockN - 1) / Cfg::kBlockN;
       float acc_o[8][kAcc];
-#pragma unroll
-      for (int mb = 0; mb < 8; ++mb)
-#pragma unroll
-        for (int i = 0; i < kAcc; ++i) acc_o[mb][i] = 0.f;
-#pragma unroll
-      for (int mb = 0; mb < 8; ++mb) fence_regs<kAcc>(acc_o[mb]);
+      etap_zero_acc_o(acc_o);
       for (int j = 0; j < n_tiles; ++j, ++it) {
         const uint32_t st = it & 1u, ph = (it >> 1) & 1u;
         const __half* stage = sK + st * (Fp8t::kStageBytes / 2);
