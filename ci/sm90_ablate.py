@@ -27,7 +27,8 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-PARTS = {1: "load", 2: "store", 4: "S^T", 8: "softmax", 16: "O^T", 32: "P^T st", 64: "out", 256: "fence"}
+PARTS = {1: "load", 2: "store", 4: "S^T", 8: "softmax", 16: "O^T", 32: "P^T st", 64: "out", 256: "fence",
+         128: "TRIAL 1 copy/tile", 2048: "TRIAL +L2 pf"}
 
 
 def describe(mask: int) -> str:
@@ -50,8 +51,9 @@ def build(mask: int) -> tuple[int, int, str]:
     return mask, r.returncode, (r.stdout + r.stderr)[-2000:]
 
 
-def child(heads: list[int]) -> None:
-    """Time v7 in this process's build (the parent set ``$MLA_SM90_ABLATE``); one JSON line per head count."""
+def child(heads: list[int], variant: int = 7) -> None:
+    """Time ``variant`` (7 or 8) in this process's build (the parent set ``$MLA_SM90_ABLATE``); one JSON line per
+    head count."""
     import torch
     import triton
 
@@ -64,7 +66,7 @@ def child(heads: list[int]) -> None:
         q, kv, table, lens, kv_scale = make_inputs(64, 1, h_q, 8192, varlen=False, kv_format="fp8_e4m3")
         plan = plan_decode(q, kv, table, lens, kv_format="fp8_e4m3", kv_scale=kv_scale, backend="cuda_sm90",
                            cuda_graph=True)
-        plan.state.variant = 7
+        plan.state.variant = variant
         out = torch.empty(64, 1, h_q, 512, dtype=q.dtype, device="cuda")
         lse = torch.empty(64, h_q, 1, dtype=torch.float32, device="cuda")
         graph = capture_graph(lambda: plan.run(q, kv, kv_scale=kv_scale, out=out, lse=lse))
@@ -109,6 +111,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--masks", default="0,1,2,3,4,8,32,16,20,64", help="comma-separated ablation masks (0: none)")
     parser.add_argument("--heads", default="16,32", help="h_q values (b=64, L=8192)")
+    parser.add_argument("--variant", type=int, default=7, choices=(7, 8),
+                        help="the mainloop to time: 7, or 8 (its bit 1 skips the producer's bulk copies)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel builds")
     parser.add_argument("--json", default=None, help="write the rows here")
     parser.add_argument("--plot", default=None, help="draw the rows into this PNG")
@@ -131,7 +135,7 @@ def main() -> None:
         plot(rows, args.plot, args.title)
         return
     if args.child:
-        child(heads)
+        child(heads, args.variant)
         return
     masks = [int(m) for m in args.masks.split(",")]
     bad = [m for m in masks if m < 0 or m & ~sum(PARTS)]
@@ -144,7 +148,8 @@ def main() -> None:
     print(f"{'mask':>4s}  {'skipped':24s}" + "".join(f"  h{h:<3d} us" for h in heads))
     rows = []
     for mask in masks:
-        r = subprocess.run([sys.executable, __file__, "--child", "--heads", args.heads], env=env_for(mask),
+        r = subprocess.run([sys.executable, __file__, "--child", "--heads", args.heads, "--variant", str(args.variant)],
+                           env=env_for(mask),
                            capture_output=True, text=True)
         if r.returncode:
             sys.exit(f"timing mask {mask} failed:\n{(r.stdout + r.stderr)[-2000:]}")
@@ -153,7 +158,8 @@ def main() -> None:
             if line.startswith("{"):
                 d = json.loads(line)
                 times[d["h_q"]] = d["us_graph"]
-        rows.append({"mask": mask, "skipped": describe(mask), **{f"h{h}_us": times[h] for h in heads}})
+        rows.append({"mask": mask, "variant": args.variant, "skipped": describe(mask),
+                     **{f"h{h}_us": times[h] for h in heads}})
         print(f"{mask:4d}  {describe(mask):24s}" + "".join(f"  {times[h]:8.1f}" for h in heads), flush=True)
     if args.json:
         with open(args.json, "w") as f:

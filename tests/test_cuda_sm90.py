@@ -229,40 +229,44 @@ V7_GRID = [
 ]
 
 
+@pytest.mark.parametrize("variant", [7, 8], ids=["v7", "v8"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("cfg", V7_GRID, ids=[_grid_id(c) for c in V7_GRID])
-def test_variant7_fp8_matches_reference(cfg, dtype, gen):
-    """v7 (mainloop_fp8t.cuh: a converter, a scorer and an accumulator warpgroup) on fp8_e4m3 caches with <= 32 query
-    rows per KV head: every page size, partial tiles, split requests, causal MTP, zero-length requests, h_kv > 1; a
-    64-row shape checks the fallback."""
+def test_variant7_fp8_matches_reference(cfg, dtype, variant, gen):
+    """v7 (mainloop_fp8t.cuh: a converter, a scorer and an accumulator warpgroup) and v8 (bulk copies of the raw rows,
+    the conversion in the consumers' registers) on fp8_e4m3 caches with <= 32 query rows per KV head: every page size,
+    partial tiles, split requests, causal MTP, zero-length requests, h_kv > 1; a 64-row shape checks the fallback."""
     b, s_q, h_q, h_kv, L, ps, causal, zero = cfg
     case = make_case(b, s_q, h_q, L, num_heads_kv=h_kv, page_size=ps, dtype=dtype, causal=causal,
                      zero_len_rows=zero, kv_format="fp8_e4m3", device="cuda", generator=gen)
-    _run_variant(case, 7, runs=2)  # a second launch of the configured kernel
+    _run_variant(case, variant, runs=2)  # a second launch of the configured kernel
 
 
+@pytest.mark.parametrize("variant", [7, 8], ids=["v7", "v8"])
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8_ds_mla"])
-def test_variant7_other_caches_run_as_variant6(kv_format, gen):
+def test_variant7_other_caches_run_as_variant6(kv_format, variant, gen):
     case = make_case(2, 1, 16, 700, page_size=64, kv_format=kv_format, device="cuda", generator=gen)
-    _run_variant(case, 7)
+    _run_variant(case, variant)
 
 
 @pytest.mark.parametrize("dtype,k", [(torch.bfloat16, -100), (torch.bfloat16, 24), (torch.float16, -20),
                                      (torch.float16, 10)], ids=["bf16-tiny", "bf16-large", "fp16-tiny", "fp16-large"])
-def test_variant7_query_rows_scaled_into_fp16(dtype, k, gen):
+@pytest.mark.parametrize("variant", [7, 8], ids=["v7", "v8"])
+def test_variant7_query_rows_scaled_into_fp16(dtype, k, variant, gen):
     """v7 multiplies S^T in fp16: each query row is first scaled by a power of two into fp16's range. q times 2^k with
     the softmax scale times 2^-k leaves the scores as drawn; unscaled, bf16 q times 2^-100 would flush to zero in fp16
     (uniform attention) and times 2^24 overflow it (fp16 q: subnormal at 2^-20, large at 2^10)."""
     case = make_case(3, 1, 16, 900, page_size=64, dtype=dtype, kv_format="fp8_e4m3", device="cuda", generator=gen)
     case = dataclasses.replace(case, q=case.q * 2.0**k, softmax_scale=case.softmax_scale * 2.0**-k)
-    _run_variant(case, 7)
+    _run_variant(case, variant)
 
 
+@pytest.mark.parametrize("variant", [7, 8], ids=["v7", "v8"])
 @pytest.mark.parametrize("fuse_combine", [True, False], ids=["fused", "separate"])
-def test_variant7_combine_inside_and_after_the_decode_launch(fuse_combine, gen):
+def test_variant7_combine_inside_and_after_the_decode_launch(fuse_combine, variant, gen):
     case = make_case(3, 2, 16, 3000, page_size=64, causal=True, zero_len_rows=1, kv_format="fp8_e4m3",
                      device="cuda", generator=gen)
-    plan = _run_variant(case, 7, runs=2, fuse_combine=fuse_combine)
+    plan = _run_variant(case, variant, runs=2, fuse_combine=fuse_combine)
     assert int((plan.state.schedule.num_splits > 1).sum()) > 0, "the shape must split a request"
 
 

@@ -24,7 +24,8 @@ namespace mla_sm90 {
 int decode_smem_bytes() {
   int b = Seesaw::kSmemBytes > DecodeConfig::kSmemBytes ? Seesaw::kSmemBytes : DecodeConfig::kSmemBytes;
   b = Etap::kSmemBytes > b ? Etap::kSmemBytes : b;
-  return Fp8t::kSmemBytes > b ? Fp8t::kSmemBytes : b;
+  b = Fp8tSmem<false>::kSmemBytes > b ? Fp8tSmem<false>::kSmemBytes : b;
+  return Fp8tSmem<true>::kSmemBytes > b ? Fp8tSmem<true>::kSmemBytes : b;
 }
 
 // The driver's cuTensorMapEncodeTiled through the runtime (no -lcuda at link time).
@@ -284,14 +285,21 @@ static cudaError_t launch_v6_any(const DecodeParams& p, int grid_parts, cudaStre
   return launch_v6<T, kN, false>(p, map, grid_parts, stream, combined);
 }
 
-// v7 (mainloop_fp8t.cuh): fp8_e4m3 caches with <= 32 query rows per KV head, three warpgroups.
-template <typename T, int kN>
+// v7 (mainloop_fp8t.cuh): fp8_e4m3 caches with <= 32 query rows per KV head, three warpgroups; v8 (kRS) the same
+// with the tile's raw bytes by bulk copies and the conversion in the consumers' registers.
+template <typename T, int kN, bool kRS>
 static cudaError_t launch_v7(const DecodeParams& p, int grid_parts, cudaStream_t stream, bool* combined) {
-  auto kernel = mla_decode_kernel_v7<T, kN>;
-  const cudaError_t e = opt_in_smem(reinterpret_cast<const void*>(kernel), Fp8t::kSmemBytes);
+  auto kernel = mla_decode_kernel_v7<T, kN, kRS>;
+  constexpr int smem = Fp8tSmem<kRS>::kSmemBytes;
+  const cudaError_t e = opt_in_smem(reinterpret_cast<const void*>(kernel), smem);
   if (e != cudaSuccess) return e;
-  return launch_grid_threads(kernel, dim3(grid_parts, 1, p.heads_kv), Fp8t::kThreads, Fp8t::kSmemBytes, stream, true,
-                             p, combined);
+  return launch_grid_threads(kernel, dim3(grid_parts, 1, p.heads_kv), Fp8t::kThreads, smem, stream, true, p, combined);
+}
+
+// v8's bulk copies read 16-byte aligned rows of 16-byte multiples.
+static bool fp8_rows_aligned16(const DecodeParams& p) {
+  return (reinterpret_cast<uintptr_t>(p.kv) & 15) == 0 && p.kv_stride_block % 16 == 0 && p.kv_stride_tok % 16 == 0 &&
+         p.kv_stride_head % 16 == 0;
 }
 
 template <typename T, int KvFmt>
@@ -302,12 +310,17 @@ static cudaError_t launch_decode_t(const DecodeParams& p, int grid_parts, cudaSt
   //    bf16/fp16 caches only, fp8 caches run v2)
   // 5: two tiles in flight, TMA loads (mainloop_seesaw.cuh; bf16/fp16 caches with page_size % 64 == 0
   //    and q_len <= 64, anything else runs v2)
-  if (p.variant == 7) {
-    // 7: fp8_e4m3 caches with <= 32 query rows per KV head (mainloop_fp8t.cuh); anything else runs as variant 6
+  if (p.variant == 7 || p.variant == 8) {
+    // 7: fp8_e4m3 caches with <= 32 query rows per KV head (mainloop_fp8t.cuh); 8: the same with register A
+    // fragments (16-byte aligned caches; others run 7); anything else runs as variant 6
     if constexpr (KvFmt == kKvFp8E4M3) {
-      if (p.rows_per_kv_head <= Fp8t::kMaxRows)
-        return p.rows_per_kv_head <= 16 ? launch_v7<T, 16>(p, grid_parts, stream, combined)
-                                        : launch_v7<T, 32>(p, grid_parts, stream, combined);
+      if (p.rows_per_kv_head <= Fp8t::kMaxRows) {
+        if (p.variant == 8 && fp8_rows_aligned16(p))
+          return p.rows_per_kv_head <= 16 ? launch_v7<T, 16, true>(p, grid_parts, stream, combined)
+                                          : launch_v7<T, 32, true>(p, grid_parts, stream, combined);
+        return p.rows_per_kv_head <= 16 ? launch_v7<T, 16, false>(p, grid_parts, stream, combined)
+                                        : launch_v7<T, 32, false>(p, grid_parts, stream, combined);
+      }
     }
     DecodeParams q = p;
     q.variant = 6;

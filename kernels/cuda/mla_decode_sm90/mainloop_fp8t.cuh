@@ -53,24 +53,13 @@ namespace mla_sm90 {
 struct Fp8t {
   static constexpr int kThreads = 384;
   static constexpr int kMaxRows = 32;
-  static constexpr int kStageBytes = Cfg::kBlockN * Cfg::kHeadDimQK * 2;  // fp16
   static constexpr int kQBytes = kMaxRows * Cfg::kHeadDimQK * 2;
   static constexpr int kPBytes = kMaxRows * Cfg::kBlockN * 2;
   static constexpr int kOStride = Cfg::kHeadDimV / 2 + 4;  // fp32 row stride of half an output row (spreads banks)
   static constexpr int kOBytes = kMaxRows * kOStride * 4;
-  // byte offsets from the 1024-aligned base (every operand tile 1024-aligned)
-  static constexpr int kOffQ = 2 * kStageBytes;
-  static constexpr int kOffP = kOffQ + kQBytes;
-  static constexpr int kOffO = kOffP + 2 * kPBytes;
-  static constexpr int kOffF = kOffO + kOBytes;  // floats: column scale, alpha [2], maxima / sums exchange, sums [2]
-  static constexpr int kFloats = kMaxRows * (1 + 2 + 4 + 4 + 2 + 1);
-  static constexpr int kOffFlag = kOffF + kFloats * 4;  // int [2]: a tile's rescale flag, by stage
-  static constexpr int kOffBar = kOffFlag + 16;
-  static constexpr int kBars = 10;
-  static constexpr int kSmemBytes = kOffBar + kBars * 8 + 1024;  // + alignment slack
-  static_assert(kSmemBytes <= 227 * 1024, "shared memory over the SM90 per-block limit");
-  static_assert(kOffBar % 8 == 0, "mbarriers are 8-byte aligned");
-  static_assert(kFusedScratchBytes<kThreads> <= 2 * kStageBytes, "the combine's list fits the stages");
+  // v8: a raw fp8 token row in a stage, kRowBytes apart: 592 = 80 (mod 128) bytes, so the 8 rows of an ldmatrix fall
+  // in 8 different bank groups (576 = 64 (mod 128) would put rows r and r + 2 in the same one)
+  static constexpr int kRowBytes = Cfg::kHeadDimQK + 16;
   // named barriers (0 is __syncthreads): one per consumer warpgroup, one for the CTA after the first setmaxnreg
   static constexpr int kBarScorer = 1, kBarAcc = 2, kBarRegs = 3;
   // registers per thread by warpgroup (setmaxnreg): converter, scorer, accumulator. setmaxnreg.inc takes only what
@@ -85,9 +74,12 @@ struct Fp8t {
   // Measured with the stages' full signal on named barriers (reverted after: NOTES.md, twenty-fifth session)
   static constexpr int kPrefetchAhead = 3;
   static constexpr int kRegsConv = 200, kRegsScorer = 112, kRegsAcc = 192, kRegsLaunch = 168;
+  // v8: the producer (one issuing warp) gives its registers to the consumers, which hold A fragments
+  static constexpr int kRegsProd = 40, kRegsScorerRS = 224, kRegsAccRS = 240;
   // The ablation build (-DMLA_SM90_ABLATE=bits; kernels/cuda/build.py, ci/sm90_ablate.py) skips the parts of the
   // work named by these bits, to find which of them bound the time (its results are wrong)
-  static constexpr int kAblateLoad = 1;      // converter: no global loads or L2 prefetches (registers keep stale data)
+  static constexpr int kAblateLoad = 1;      // converter: no global loads or L2 prefetches (registers keep stale data);
+                                             // v8's producer: no bulk copies
   static constexpr int kAblateStore = 2;     // converter: no conversion or stores into the stage
   static constexpr int kAblateS = 4;         // scorer: no S^T wgmma (scores 0)
   static constexpr int kAblateSoftmax = 8;   // scorer: no mask, rescale check or exponentials (P = the scores)
@@ -97,6 +89,29 @@ struct Fp8t {
   static constexpr int kAblateFence = 256;   // converter: no proxy fence (MEMBAR) before a stage's full signal
   // (bits 128, 512, 1024 and 2048 of the twenty-sixth session, NOTES.md, are in commit bc70a18 only)
   static_assert(kRegsConv + kRegsScorer + kRegsAcc == 3 * kRegsLaunch, "setmaxnreg moves registers, adds none");
+  static_assert(kRegsProd + kRegsScorerRS + kRegsAccRS == 3 * kRegsLaunch, "setmaxnreg moves registers, adds none");
+};
+
+// Shared memory of v7 (kRS = false: two fp16 stages that the converter fills) and v8 (kRS = true: three stages of raw
+// fp8 rows that bulk copies fill), byte offsets from the 1024-aligned base (every operand tile 1024-aligned).
+template <bool kRS>
+struct Fp8tSmem {
+  static constexpr int kStages = kRS ? 3 : 2;
+  static constexpr int kStageBytes = kRS ? Cfg::kBlockN * Fp8t::kRowBytes : Cfg::kBlockN * Cfg::kHeadDimQK * 2;
+  static constexpr int kOffQ = kStages * kStageBytes;
+  static constexpr int kOffP = kOffQ + Fp8t::kQBytes;
+  static constexpr int kOffO = kOffP + kStages * Fp8t::kPBytes;
+  static constexpr int kOffF = kOffO + Fp8t::kOBytes;  // floats: column scale, alpha [stages], maxima / sums exchange, sums [2]
+  static constexpr int kFloats = Fp8t::kMaxRows * (1 + kStages + 4 + 4 + 2 + 1);
+  static constexpr int kOffFlag = kOffF + kFloats * 4;  // int [stages]: a tile's rescale flag
+  static constexpr int kOffBar = kOffFlag + 16;
+  static constexpr int kBars = 3 * kStages + 4;  // full, empty, p_ready by stage; sums_full, sums_empty by item parity
+  static constexpr int kSmemBytes = kOffBar + kBars * 8 + 1024;  // + alignment slack
+  static_assert(kStageBytes % 1024 == 0 && kOffQ % 1024 == 0 && kOffP % 1024 == 0, "operand tiles 1024-aligned");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory over the SM90 per-block limit");
+  static_assert(kOffBar % 8 == 0, "mbarriers are 8-byte aligned");
+  static_assert(kStages <= 4, "the rescale flags hold four stages");
+  static_assert(kFusedScratchBytes<Fp8t::kThreads> <= kStages * kStageBytes, "the combine's list fits the stages");
 };
 
 template <int N> __device__ __forceinline__ void regs_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
@@ -218,33 +233,135 @@ __device__ __forceinline__ int q_tile_offset(int row, int col) {
   return (col >> 6) * (kN * 64) + row * 64 + ((((col & 63) >> 3) ^ (row & 7)) << 3) + (col & 7);
 }
 
-template <typename T, int kN>
+// ---- v8: the tensor cores read fp16 A fragments that the consumers convert in registers from the raw fp8 stage
+// (wgmma's register-A form; FlashAttention-3's fp8 path also feeds V through registers, Shah et al. 2024), so no
+// warpgroup writes a converted tile back to shared memory: v7's ablation builds put its time in that round trip
+// (NOTES.md, twenty-sixth session).
+
+// `bytes` (a multiple of 16) from a 16-byte aligned global address into shared memory by the bulk-copy engine,
+// counted on `bar`'s transaction count.
+__device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                   smem_u32(dst)),
+               "l"(src), "r"(bytes), "r"(smem_u32(bar))
+               : "memory");
+}
+
+template <int kN> struct GmmaFp8RS {  // A (K or V^T) from registers, B (Q or P^T) K-major from shared memory
+  using Op = std::conditional_t<
+      kN == 16, cute::SM90::GMMA::MMA_64x16x16_F32F16F16_RS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>,
+      cute::SM90::GMMA::MMA_64x32x16_F32F16F16_RS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>>;
+};
+
+// S^T = K Q^T with K from a raw stage: per 64-column block two ldmatrix (x4) per thread, converted to the fp16 A
+// fragments of four k-steps (two blocks' fragments in flight). A thread's 4-byte piece of a row holds stage columns
+// 4t .. 4t + 3 of a 16-column step (t = lane % 4), which it uses as the fragment's k = 2t, 2t + 1 and 2t + 8, 2t + 9;
+// so within each step the query tile holds its columns in the order of fp8rs_q_col. Returns with the wgmmas done.
+template <typename Op, int kQBlock, int kAcc>
+__device__ __forceinline__ void fp8rs_gemm_s(const uint8_t* stage, uint64_t dq, float (&acc)[kAcc], int warp,
+                                             int lane) {
+  // matrix i = lane / 8 of an x4: token rows 8 (i % 2) .. + 8 of the warp's 16, the 16 bytes at 16 (i / 2)
+  const uint8_t* src = stage + (16 * warp + 8 * ((lane / 8) % 2) + lane % 8) * Fp8t::kRowBytes + 16 * (lane / 16);
+  uint32_t a[2][16];
+  fence_regs<kAcc>(acc);
+#pragma unroll
+  for (int blk = 0; blk < 9; ++blk) {
+    uint32_t(&f)[16] = a[blk & 1];
+    if (blk >= 2) cute::warpgroup_wait<1>();  // the wgmmas of block blk - 2 have read these registers
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      uint32_t r[4];
+      ldmatrix_x4(r, src + 64 * blk + 32 * h);
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {  // r[2s] / r[2s + 1]: rows g / g + 8 of k-step 4 blk + 2 h + s
+        const uint2 lo = e4m3x4_to_f16x4(r[2 * s]), hi = e4m3x4_to_f16x4(r[2 * s + 1]);
+        uint32_t* q = f + 4 * (2 * h + s);
+        q[0] = lo.x, q[1] = hi.x, q[2] = lo.y, q[3] = hi.y;
+      }
+    }
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+      const uint64_t off_q = (uint64_t)(((blk * kQBlock + kk * 16) * 2) >> 4);
+      gmma_rs_call<Op>(f + 4 * kk, dq + off_q, acc, blk + kk > 0, std::make_index_sequence<kAcc>{});
+    }
+    cute::warpgroup_commit_batch();
+  }
+  cute::warpgroup_wait<0>();
+  fence_regs<kAcc>(acc);
+}
+
+// Where fp8rs_gemm_s wants stage column c (of the 16-column step c / 16) in the query tile: columns 4t, 4t + 1 of a
+// step at 2t, 2t + 1 and columns 4t + 2, 4t + 3 at 2t + 8, 2t + 9.
+__device__ __forceinline__ int fp8rs_q_col(int c) {
+  const int o = c & 15, t = o >> 2, e = o & 3;
+  return (c & ~15) + 2 * t + (e & 1) + ((e >> 1) << 3);
+}
+
+// The fp16 A fragments of V^T for O^T's 64-channel block mb (4 k-steps of 16 tokens) from a raw stage: two ldmatrix
+// (x4, transposed) per thread, bytes regrouped by channel (prmt), converted. Warp w's fragment rows g and g + 8 are the
+// stage's channels 64 mb + 16 w + 2g and + 1 (the epilogue maps them back: fp8rs_channel). kMask: tokens at or past
+// `nv` (a partial tile; the stage holds stale or uninitialised bytes there) are zeros.
+template <bool kMask>
+__device__ __forceinline__ void fp8rs_load_v(uint32_t (&f)[16], const uint8_t* stage, int mb, int nv, int warp,
+                                             int lane) {
+  // matrix i = lane / 8 of an x4: tokens 16 (i / 2) + 8 (i % 2) .. + 8 of the two k-steps, the warp's 16 channels
+  const uint8_t* src =
+      stage + (16 * (lane / 16) + 8 * ((lane / 8) % 2) + lane % 8) * Fp8t::kRowBytes + 64 * mb + 16 * warp;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    uint32_t r[4];
+    ldmatrix_x4_trans(r, src + 32 * h * Fp8t::kRowBytes);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      // r[i]: tokens 2t, 2t + 1 (+ 8 for odd i) of k-step 2h + i / 2, each with channels 2g, 2g + 1
+      if (kMask) {
+        const int tok = 32 * h + 16 * (i / 2) + 8 * (i % 2) + 2 * (lane % 4);
+        r[i] &= tok >= nv ? 0u : (tok + 1 >= nv ? 0xFFFFu : ~0u);
+      }
+      const uint2 v = e4m3x4_to_f16x4(__byte_perm(r[i], 0, 0x3120));  // (channel 2g: both tokens, 2g + 1: both)
+      uint32_t* q = f + 4 * (2 * h + i / 2) + 2 * (i % 2);
+      q[0] = v.x, q[1] = v.y;
+    }
+  }
+}
+
+// The stage channel of O^T's accumulator row `row` (0..63) of a 64-channel block (fp8rs_load_v's order).
+__device__ __forceinline__ int fp8rs_channel(int row) { return (row & ~15) + 2 * (row & 7) + ((row >> 3) & 1); }
+
+template <typename T, int kN, bool kRS = false>
 __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const __grid_constant__ DecodeParams p) {
   static_assert(kN == 16 || kN == 32, "16 or 32 query rows");
   using L = Gmma128Tile64;
   using G = GmmaEtap<__half, kN>;
+  using S = Fp8tSmem<kRS>;
+  constexpr int kStages = S::kStages;
   using TT = TypeTraits<T>;
   constexpr int kAcc = kN / 2;   // fp32 accumulators per thread of one m64 x kN tile
   constexpr int kCols = kN / 4;  // columns (query rows) per thread: c = 8 (k / 2) + 2 (lane % 4) + k % 2
   extern __shared__ __align__(128) uint8_t smem_raw[];
   uint8_t* smem_base = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
-  __half* sK = reinterpret_cast<__half*>(smem_base);  // [2 stages][9 blocks][64][64]
-  __half* sQ = reinterpret_cast<__half*>(smem_base + Fp8t::kOffQ);
-  __half* sP = reinterpret_cast<__half*>(smem_base + Fp8t::kOffP);  // [2][kMaxRows x 64]
-  float* sO = reinterpret_cast<float*>(smem_base + Fp8t::kOffO);    // [kN][kOStride]
-  float* sColScale = reinterpret_cast<float*>(smem_base + Fp8t::kOffF);  // [32] 2^-e of each query row
-  float* sAlpha = sColScale + Fp8t::kMaxRows;                            // [2][32] by stage
-  float* sRed = sAlpha + 2 * Fp8t::kMaxRows;                             // [4 warps][32] column maxima
+  // v7: [2 stages][9 blocks][64][64] fp16; v8: [3 stages][64][kRowBytes] fp8
+  __half* sK = reinterpret_cast<__half*>(smem_base);
+  __half* sQ = reinterpret_cast<__half*>(smem_base + S::kOffQ);
+  __half* sP = reinterpret_cast<__half*>(smem_base + S::kOffP);  // [stages][kMaxRows x 64]
+  float* sO = reinterpret_cast<float*>(smem_base + S::kOffO);    // [kN][kOStride]
+  float* sColScale = reinterpret_cast<float*>(smem_base + S::kOffF);  // [32] 2^-e of each query row
+  float* sAlpha = sColScale + Fp8t::kMaxRows;                         // [stages][32]
+  float* sRed = sAlpha + kStages * Fp8t::kMaxRows;                    // [4 warps][32] column maxima
   float* sLRed = sRed + 4 * Fp8t::kMaxRows;                              // [4 warps][32] column sums
   float* sSum = sLRed + 4 * Fp8t::kMaxRows;                              // [2][32] an item's row sums, by parity
   float* sMax = sSum + 2 * Fp8t::kMaxRows;                               // [32] an item's row maxima
-  int* sFlag = reinterpret_cast<int*>(smem_base + Fp8t::kOffFlag);       // [2] by stage
-  uint64_t* bars = reinterpret_cast<uint64_t*>(smem_base + Fp8t::kOffBar);
+  int* sFlag = reinterpret_cast<int*>(smem_base + S::kOffFlag);          // [stages]
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem_base + S::kOffBar);
   uint64_t* full = bars;
-  uint64_t* empty = bars + 2;
-  uint64_t* p_ready = bars + 4;
-  uint64_t* sums_full = bars + 6;
-  uint64_t* sums_empty = bars + 8;
+  uint64_t* empty = bars + kStages;
+  uint64_t* p_ready = bars + 2 * kStages;
+  uint64_t* sums_full = bars + 3 * kStages;
+  uint64_t* sums_empty = bars + 3 * kStages + 2;
+  // stage `st`, its phase for the it-th tile of the CTA
+  auto stage_bytes = [&](uint32_t st) { return smem_base + st * S::kStageBytes; };
+  auto phase_of = [](uint32_t it) { return (it / kStages) & 1u; };
 
   const int part = blockIdx.x, kvh = blockIdx.z;
   const int tid = threadIdx.x, lane = tid % 32, tid_wg = tid % 128, warp = (tid / 32) % 4;
@@ -255,12 +372,14 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
   constexpr int ablate = 0;
 #endif
   if (tid == 0) {
-    for (int i = 0; i < 2; ++i) {
-      mbar_init(full + i, 4);
+    for (int i = 0; i < kStages; ++i) {
+      mbar_init(full + i, kRS ? 1 : 4);  // v8: the producer's arrive with the stage's byte count
       mbar_init(empty + i, 8);
       mbar_init(p_ready + i, 4 + 3);
-      mbar_init(sums_full + i, 1);
-      mbar_init(sums_empty + i, 128);
+      if (i < 2) {
+        mbar_init(sums_full + i, 1);
+        mbar_init(sums_empty + i, 128);
+      }
     }
     fence_mbar_init();
   }
@@ -276,7 +395,56 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
   auto acc_col = [](int i) { return 2 * (i / 4) + (i % 2); };
   auto desc = [](const void* base) { return gmma_desc_sw128_addr(smem_u32(base), 16, 1024); };
 
-  if (wg == 0) {
+  if (wg == 0 && kRS) {
+    // ================= v8: producer (warp 0) =================
+    // each token row of tile `it` by its own bulk copy into stage it % 3 (any page size), once both consumers
+    // released the stage; rows at or past the item's end are not copied (the consumers mask them)
+    regs_dec<Fp8t::kRegsProd>();
+    barrier_cta_unaligned(Fp8t::kBarRegs, Fp8t::kThreads);
+    if (warp == 0) {
+      const uint8_t* kv = reinterpret_cast<const uint8_t*>(p.kv);
+      const PageGeometry pg = page_geometry(p.page_size);
+      uint32_t it = 0;
+      for (int item = item_begin; item < item_end; ++item) {
+        const WorkItem w = load_item(p, item);
+        const int req = w.req, tok_begin = w.tok_begin, tok_end = w.tok_end;
+        if (req < 0) continue;
+        const int32_t* table_row = p.block_table + (int64_t)req * p.bt_stride;
+        for (int t0 = tok_begin; t0 < tok_end; t0 += Cfg::kBlockN, ++it) {
+          const uint32_t st = it % kStages;
+          const int nv = min(Cfg::kBlockN, tok_end - t0);
+          int page[2];
+#pragma unroll
+          for (int pass = 0; pass < 2; ++pass) {
+            const int t = t0 + lane + 32 * pass;
+            page[pass] = t < tok_end ? table_row[pg.index(t)] : 0;
+          }
+          mbar_wait(empty + st, phase_of(it) ^ 1u);
+          const bool copy = !(ablate & Fp8t::kAblateLoad) && !(ablate & 128);
+          if (lane == 0) mbar_arrive_expect_tx(full + st, (ablate & Fp8t::kAblateLoad) ? 0 : nv * Cfg::kHeadDimQK);
+          __syncwarp();
+          if ((ablate & 128) && lane == 0)  // TRIAL: the tile by one copy (whole-tile pages; rows unpadded: wrong)
+            bulk_copy_g2s(stage_bytes(st), kv + fp8t_row_offset(p, pg, page[0], t0, kvh), nv * Cfg::kHeadDimQK, full + st);
+          if (ablate & 2048) {  // TRIAL: tile it + 3 of the item asked of L2
+            const int tp = t0 + 3 * Cfg::kBlockN;
+#pragma unroll
+            for (int pass = 0; pass < 2; ++pass) {
+              const int t = tp + lane + 32 * pass;
+              if (t < tok_end) prefetch_l2_bulk(kv + fp8t_row_offset(p, pg, table_row[pg.index(t)], t, kvh), Cfg::kHeadDimQK);
+            }
+          }
+#pragma unroll
+          for (int pass = 0; pass < 2; ++pass) {
+            const int row = lane + 32 * pass;
+            if (row < nv && copy)
+              bulk_copy_g2s(stage_bytes(st) + row * Fp8t::kRowBytes, kv + fp8t_row_offset(p, pg, page[pass], t0 + row, kvh),
+                            Cfg::kHeadDimQK, full + st);
+          }
+        }
+      }
+    }
+    regs_inc<Fp8t::kRegsLaunch>();
+  } else if (wg == 0) {
     // ================= converter =================
     regs_inc<Fp8t::kRegsConv>();
     barrier_cta_unaligned(Fp8t::kBarRegs, Fp8t::kThreads);
@@ -318,7 +486,7 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
       auto put = [&](Fp8tRows& x, int t0) {
         const uint32_t st = it & 1u;
         mbar_wait(empty + st, ((it >> 1) & 1u) ^ 1u);
-        if (!(ablate & Fp8t::kAblateStore)) fp8t_store(sK + st * (Fp8t::kStageBytes / 2), x, t0, tok_end, r0, q4);
+        if (!(ablate & Fp8t::kAblateStore)) fp8t_store(sK + st * (S::kStageBytes / 2), x, t0, tok_end, r0, q4);
         if (!(ablate & Fp8t::kAblateFence)) fence_proxy_async_smem();
         __syncwarp();
         if (lane == 0) mbar_arrive(full + st);
@@ -362,7 +530,10 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
     regs_dec<Fp8t::kRegsLaunch>();
   } else if (wg == 1) {
     // ================= scorer =================
-    regs_dec<Fp8t::kRegsScorer>();
+    if constexpr (kRS)
+      regs_inc<Fp8t::kRegsScorerRS>();
+    else
+      regs_dec<Fp8t::kRegsScorer>();
     barrier_cta_unaligned(Fp8t::kBarRegs, Fp8t::kThreads);
     const float score_scale = p.softmax_scale * kv_scale * kLog2e;
     uint32_t it = 0, n_items = 0;
@@ -412,7 +583,12 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
             const float2 f = TT::to_float2(*reinterpret_cast<const typename TT::T2*>(u + e));
             hw[e] = half2_bits(__floats2half2_rn(f.x * up, f.y * up));
           }
-          *reinterpret_cast<uint4*>(sQ + q_tile_offset<kN>(c, 8 * chunk)) = h;
+          if constexpr (kRS) {  // columns in fp8rs_gemm_s's order: (0 1 4 5) and (2 3 6 7) of the chunk apart
+            *reinterpret_cast<uint2*>(sQ + q_tile_offset<kN>(c, fp8rs_q_col(8 * chunk))) = make_uint2(hw[0], hw[2]);
+            *reinterpret_cast<uint2*>(sQ + q_tile_offset<kN>(c, fp8rs_q_col(8 * chunk + 2))) = make_uint2(hw[1], hw[3]);
+          } else {
+            *reinterpret_cast<uint4*>(sQ + q_tile_offset<kN>(c, 8 * chunk)) = h;
+          }
         }
         if (lane == 0) sColScale[c] = pow2i(-sh);
       }
@@ -430,16 +606,17 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
 
       for (int j = 0; j < n_tiles; ++j, ++it) {
         const int t0 = tok_begin + j * Cfg::kBlockN;
-        const uint32_t st = it & 1u;
-        const __half* stage = sK + st * (Fp8t::kStageBytes / 2);
-        mbar_wait(full + st, (it >> 1) & 1u);
-        // ---- S^T = K Q^T (etap_gemm_s)
+        const uint32_t st = it % kStages;
+        mbar_wait(full + st, phase_of(it));
+        // ---- S^T = K Q^T (etap_gemm_s; v8: fp8rs_gemm_s)
         float acc_s[kAcc];
         if (ablate & Fp8t::kAblateS) {
 #pragma unroll
           for (int i = 0; i < kAcc; ++i) acc_s[i] = 0.f;
+        } else if constexpr (kRS) {
+          fp8rs_gemm_s<typename GmmaFp8RS<kN>::Op, kN * 64>(stage_bytes(st), desc(sQ), acc_s, warp, lane);
         } else {
-          etap_gemm_s<G, kN * 64>(desc(stage), desc(sQ), acc_s, [](int) {});
+          etap_gemm_s<G, kN * 64>(desc(sK + st * (S::kStageBytes / 2)), desc(sQ), acc_s, [](int) {});
         }
         __syncwarp();
         if (lane == 0) mbar_arrive(empty + st);  // this warp's share of the stage is read
@@ -549,10 +726,13 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
       if (tid_wg == 0) mbar_arrive(sums_full + par);
       ++n_items;
     }
-    regs_inc<Fp8t::kRegsLaunch>();
+    if constexpr (kRS)
+      regs_dec<Fp8t::kRegsLaunch>();
+    else
+      regs_inc<Fp8t::kRegsLaunch>();
   } else {
     // ================= accumulator =================
-    regs_inc<Fp8t::kRegsAcc>();
+    regs_inc<kRS ? Fp8t::kRegsAccRS : Fp8t::kRegsAcc>();
     barrier_cta_unaligned(Fp8t::kBarRegs, Fp8t::kThreads);
     uint32_t it = 0, n_items = 0;
     for (int item = item_begin; item < item_end; ++item) {
@@ -563,20 +743,59 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
       float acc_o[8][kAcc];
       etap_zero_acc_o(acc_o);
       for (int j = 0; j < n_tiles; ++j, ++it) {
-        const uint32_t st = it & 1u, ph = (it >> 1) & 1u;
-        const __half* stage = sK + st * (Fp8t::kStageBytes / 2);
-        mbar_wait(p_ready + st, ph);
-        if (sFlag[st]) {
-          float alpha[kCols];
+        const uint32_t st = it % kStages, ph = phase_of(it);
+        // P^T of the tile ready, O^T rescaled where the scorer moved a row's reference maximum
+        auto wait_p = [&] {
+          mbar_wait(p_ready + st, ph);
+          if (sFlag[st]) {
+            float alpha[kCols];
 #pragma unroll
-          for (int k = 0; k < kCols; ++k) alpha[k] = sAlpha[st * Fp8t::kMaxRows + col_of(k)];
+            for (int k = 0; k < kCols; ++k) alpha[k] = sAlpha[st * Fp8t::kMaxRows + col_of(k)];
 #pragma unroll
-          for (int mb = 0; mb < 8; ++mb)
+            for (int mb = 0; mb < 8; ++mb)
 #pragma unroll
-            for (int i = 0; i < kAcc; ++i) acc_o[mb][i] *= alpha[acc_col(i)];
+              for (int i = 0; i < kAcc; ++i) acc_o[mb][i] *= alpha[acc_col(i)];
+          }
+        };
+        // ---- O^T += V^T P^T (etap_gemm_pv; v8: register A fragments, two 64-channel blocks in flight, block 0
+        // converted before P is ready)
+        if constexpr (kRS) {
+          const int nv = min(Cfg::kBlockN, tok_end - (tok_begin + j * Cfg::kBlockN));
+          auto load_v = [&](uint32_t(&f)[16], int mb) {
+            if (nv < Cfg::kBlockN)
+              fp8rs_load_v<true>(f, stage_bytes(st), mb, nv, warp, lane);
+            else
+              fp8rs_load_v<false>(f, stage_bytes(st), mb, nv, warp, lane);
+          };
+          const uint64_t dp = desc(sP + st * (Fp8t::kPBytes / 2));
+          uint32_t va[2][16];
+          mbar_wait(full + st, ph);
+          load_v(va[0], 0);
+          wait_p();
+#pragma unroll
+          for (int mb = 0; mb < 8; ++mb) fence_regs<kAcc>(acc_o[mb]);
+#pragma unroll
+          for (int mb = 0; mb < 8; ++mb) {
+            uint32_t(&f)[16] = va[mb & 1];
+            if (mb >= 2) cute::warpgroup_wait<1>();  // the wgmmas of block mb - 2 have read these registers
+            if (mb >= 1) load_v(f, mb);
+            cute::warpgroup_arrive();
+            if (!(ablate & Fp8t::kAblatePV)) {
+#pragma unroll
+              for (int kt = 0; kt < 4; ++kt)
+                gmma_rs_call<typename GmmaFp8RS<kN>::Op>(f + 4 * kt, dp + (uint64_t)((kt * 16 * 2) >> 4), acc_o[mb],
+                                                         true, std::make_index_sequence<kAcc>{});
+            }
+            cute::warpgroup_commit_batch();
+          }
+          cute::warpgroup_wait<0>();
+#pragma unroll
+          for (int mb = 0; mb < 8; ++mb) fence_regs<kAcc>(acc_o[mb]);
+        } else {
+          wait_p();
+          if (!(ablate & Fp8t::kAblatePV))
+            etap_gemm_pv<G>(sK + st * (S::kStageBytes / 2), desc(sP + st * (Fp8t::kPBytes / 2)), acc_o);
         }
-        // ---- O^T += V^T P^T (etap_gemm_pv)
-        if (!(ablate & Fp8t::kAblatePV)) etap_gemm_pv<G>(stage, desc(sP + st * (Fp8t::kPBytes / 2)), acc_o);
         __syncwarp();
         if (lane == 0) mbar_arrive(empty + st);
       }
@@ -591,7 +810,8 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
         for (int mb = 0; mb < 4; ++mb)
 #pragma unroll
           for (int i = 0; i < kAcc; ++i)
-            sO[col_of(acc_col(i)) * Fp8t::kOStride + mb * 64 + acc_row(i)] = acc_o[4 * half + mb][i];
+            sO[col_of(acc_col(i)) * Fp8t::kOStride + mb * 64 + (kRS ? fp8rs_channel(acc_row(i)) : acc_row(i))] =
+                acc_o[4 * half + mb][i];
         named_barrier(Fp8t::kBarAcc, 128);
         for (int idx = tid_wg; idx < kN * 64; idx += 128) {
           const int c = idx / 64, chl = 4 * (idx % 64), ch = Cfg::kHeadDimV / 2 * half + chl;
