@@ -25,7 +25,8 @@ int decode_smem_bytes() {
   int b = Seesaw::kSmemBytes > DecodeConfig::kSmemBytes ? Seesaw::kSmemBytes : DecodeConfig::kSmemBytes;
   b = Etap::kSmemBytes > b ? Etap::kSmemBytes : b;
   b = Fp8tSmem<false>::kSmemBytes > b ? Fp8tSmem<false>::kSmemBytes : b;
-  return Fp8tSmem<true>::kSmemBytes > b ? Fp8tSmem<true>::kSmemBytes : b;
+  b = Fp8tSmem<true, 16>::kSmemBytes > b ? Fp8tSmem<true, 16>::kSmemBytes : b;
+  return Fp8tSmem<true, 32>::kSmemBytes > b ? Fp8tSmem<true, 32>::kSmemBytes : b;
 }
 
 // The driver's cuTensorMapEncodeTiled through the runtime (no -lcuda at link time).
@@ -45,7 +46,8 @@ static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 }
 
 // Variant 5's view of a bf16/fp16 cache [num_blocks, page_size, h_kv, 576] as a 4-D tensor
-// (576, h_kv, page_size, num_blocks), boxes of 64 columns x 64 tokens, 128-byte swizzle.
+// (576, h_kv, page_size, num_blocks), boxes of 64 columns x 64 tokens, 128-byte swizzle; with T = uint8_t
+// variant 8's view of an fp8_e4m3 cache, boxes of 128 columns (the last one's upper half past column 575: zeros).
 // False when TMA cannot address it (alignment, strides, no driver entry point).
 template <typename T>
 static bool make_kv_map(const DecodeParams& p, CUtensorMap* map) {
@@ -58,10 +60,11 @@ static bool make_kv_map(const DecodeParams& p, CUtensorMap* map) {
                                  (cuuint64_t)p.kv_stride_block * e};
   for (cuuint64_t s : strides)
     if (s % 16 != 0 || s >= (cuuint64_t(1) << 40)) return false;
-  const cuuint32_t box[4] = {64, 1, (cuuint32_t)DecodeConfig::kBlockN, 1};
+  const cuuint32_t box[4] = {128 / sizeof(T), 1, (cuuint32_t)DecodeConfig::kBlockN, 1};
   const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
-  const CUtensorMapDataType dtype =
-      TypeTraits<T>::kIsBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  CUtensorMapDataType dtype = CU_TENSOR_MAP_DATA_TYPE_UINT8;
+  if constexpr (sizeof(T) == 2)
+    dtype = TypeTraits<T>::kIsBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   const CUresult r = encode(map, dtype, 4, const_cast<void*>(p.kv), dims, strides, box, elem_strides,
                             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
@@ -285,21 +288,29 @@ static cudaError_t launch_v6_any(const DecodeParams& p, int grid_parts, cudaStre
   return launch_v6<T, kN, false>(p, map, grid_parts, stream, combined);
 }
 
-// v7 (mainloop_fp8t.cuh): fp8_e4m3 caches with <= 32 query rows per KV head, three warpgroups; v8 (kRS) the same
-// with the tile's raw bytes by bulk copies and the conversion in the consumers' registers.
-template <typename T, int kN, bool kRS>
+// v7 (mainloop_fp8t.cuh): fp8_e4m3 caches with <= 32 query rows per KV head, three warpgroups.
+template <typename T, int kN>
 static cudaError_t launch_v7(const DecodeParams& p, int grid_parts, cudaStream_t stream, bool* combined) {
-  auto kernel = mla_decode_kernel_v7<T, kN, kRS>;
-  constexpr int smem = Fp8tSmem<kRS>::kSmemBytes;
+  auto kernel = mla_decode_kernel_v7<T, kN>;
+  constexpr int smem = Fp8tSmem<false>::kSmemBytes;
   const cudaError_t e = opt_in_smem(reinterpret_cast<const void*>(kernel), smem);
   if (e != cudaSuccess) return e;
   return launch_grid_threads(kernel, dim3(grid_parts, 1, p.heads_kv), Fp8t::kThreads, smem, stream, true, p, combined);
 }
 
-// v8's bulk copies read 16-byte aligned rows of 16-byte multiples.
-static bool fp8_rows_aligned16(const DecodeParams& p) {
-  return (reinterpret_cast<uintptr_t>(p.kv) & 15) == 0 && p.kv_stride_block % 16 == 0 && p.kv_stride_tok % 16 == 0 &&
-         p.kv_stride_head % 16 == 0;
+// v8: v7's warpgroups with the tile's raw bytes by tensor copies (whole-tile pages) and the conversion in the
+// consumers' registers; anything TMA cannot address runs v7.
+template <typename T, int kN>
+static cudaError_t launch_v8(const DecodeParams& p, int grid_parts, cudaStream_t stream, bool* combined) {
+  CUtensorMap map{};
+  if (p.page_size % DecodeConfig::kBlockN != 0 || !cached_kv_map<uint8_t>(p, &map))
+    return launch_v7<T, kN>(p, grid_parts, stream, combined);
+  auto kernel = mla_decode_kernel_v8<T, kN>;
+  constexpr int smem = Fp8tSmem<true, kN>::kSmemBytes;
+  const cudaError_t e = opt_in_smem(reinterpret_cast<const void*>(kernel), smem);
+  if (e != cudaSuccess) return e;
+  return launch_grid_threads(kernel, dim3(grid_parts, 1, p.heads_kv), Fp8t::kThreads, smem, stream, true, p, combined,
+                             map);
 }
 
 template <typename T, int KvFmt>
@@ -311,15 +322,15 @@ static cudaError_t launch_decode_t(const DecodeParams& p, int grid_parts, cudaSt
   // 5: two tiles in flight, TMA loads (mainloop_seesaw.cuh; bf16/fp16 caches with page_size % 64 == 0
   //    and q_len <= 64, anything else runs v2)
   if (p.variant == 7 || p.variant == 8) {
-    // 7: fp8_e4m3 caches with <= 32 query rows per KV head (mainloop_fp8t.cuh); 8: the same with register A
-    // fragments (16-byte aligned caches; others run 7); anything else runs as variant 6
+    // 7: fp8_e4m3 caches with <= 32 query rows per KV head (mainloop_fp8t.cuh); 8: the same with tensor copies and
+    // register A fragments (whole-tile pages that TMA can address; others run 7); anything else runs as variant 6
     if constexpr (KvFmt == kKvFp8E4M3) {
       if (p.rows_per_kv_head <= Fp8t::kMaxRows) {
-        if (p.variant == 8 && fp8_rows_aligned16(p))
-          return p.rows_per_kv_head <= 16 ? launch_v7<T, 16, true>(p, grid_parts, stream, combined)
-                                          : launch_v7<T, 32, true>(p, grid_parts, stream, combined);
-        return p.rows_per_kv_head <= 16 ? launch_v7<T, 16, false>(p, grid_parts, stream, combined)
-                                        : launch_v7<T, 32, false>(p, grid_parts, stream, combined);
+        if (p.variant == 8)
+          return p.rows_per_kv_head <= 16 ? launch_v8<T, 16>(p, grid_parts, stream, combined)
+                                          : launch_v8<T, 32>(p, grid_parts, stream, combined);
+        return p.rows_per_kv_head <= 16 ? launch_v7<T, 16>(p, grid_parts, stream, combined)
+                                        : launch_v7<T, 32>(p, grid_parts, stream, combined);
       }
     }
     DecodeParams q = p;

@@ -53,13 +53,11 @@ namespace mla_sm90 {
 struct Fp8t {
   static constexpr int kThreads = 384;
   static constexpr int kMaxRows = 32;
-  static constexpr int kQBytes = kMaxRows * Cfg::kHeadDimQK * 2;
-  static constexpr int kPBytes = kMaxRows * Cfg::kBlockN * 2;
   static constexpr int kOStride = Cfg::kHeadDimV / 2 + 4;  // fp32 row stride of half an output row (spreads banks)
-  static constexpr int kOBytes = kMaxRows * kOStride * 4;
-  // v8: a raw fp8 token row in a stage, kRowBytes apart: 592 = 80 (mod 128) bytes, so the 8 rows of an ldmatrix fall
-  // in 8 different bank groups (576 = 64 (mod 128) would put rows r and r + 2 in the same one)
-  static constexpr int kRowBytes = Cfg::kHeadDimQK + 16;
+  // v8: a stage holds the tile's raw bytes as five [64 tokens][128 bytes] boxes with the 128-byte swizzle (the last
+  // box's upper half is the tensor map's zero fill past column 575)
+  static constexpr int kBoxes = (Cfg::kHeadDimQK + 127) / 128;
+  static constexpr int kBoxBytes = Cfg::kBlockN * 128;
   // named barriers (0 is __syncthreads): one per consumer warpgroup, one for the CTA after the first setmaxnreg
   static constexpr int kBarScorer = 1, kBarAcc = 2, kBarRegs = 3;
   // registers per thread by warpgroup (setmaxnreg): converter, scorer, accumulator. setmaxnreg.inc takes only what
@@ -79,7 +77,7 @@ struct Fp8t {
   // The ablation build (-DMLA_SM90_ABLATE=bits; kernels/cuda/build.py, ci/sm90_ablate.py) skips the parts of the
   // work named by these bits, to find which of them bound the time (its results are wrong)
   static constexpr int kAblateLoad = 1;      // converter: no global loads or L2 prefetches (registers keep stale data);
-                                             // v8's producer: no bulk copies
+                                             // v8's producer: no tensor copies
   static constexpr int kAblateStore = 2;     // converter: no conversion or stores into the stage
   static constexpr int kAblateS = 4;         // scorer: no S^T wgmma (scores 0)
   static constexpr int kAblateSoftmax = 8;   // scorer: no mask, rescale check or exponentials (P = the scores)
@@ -92,16 +90,26 @@ struct Fp8t {
   static_assert(kRegsProd + kRegsScorerRS + kRegsAccRS == 3 * kRegsLaunch, "setmaxnreg moves registers, adds none");
 };
 
-// Shared memory of v7 (kRS = false: two fp16 stages that the converter fills) and v8 (kRS = true: three stages of raw
-// fp8 rows that bulk copies fill), byte offsets from the 1024-aligned base (every operand tile 1024-aligned).
-template <bool kRS>
+#ifdef MLA_SM90_ABLATE
+constexpr int kFp8tAblate = MLA_SM90_ABLATE;
+#else
+constexpr int kFp8tAblate = 0;
+#endif
+
+// Shared memory of v7 (kRS = false: two fp16 stages that the converter fills) and v8 (kRS = true: raw fp8 stages of
+// five boxes that tensor copies fill; Q, P^T and the epilogue buffer sized by the kN rows used, so that four stages fit
+// at 16 rows), byte offsets from the 1024-aligned base (every operand tile 1024-aligned).
+template <bool kRS, int kN = Fp8t::kMaxRows>
 struct Fp8tSmem {
-  static constexpr int kStages = kRS ? 3 : 2;
-  static constexpr int kStageBytes = kRS ? Cfg::kBlockN * Fp8t::kRowBytes : Cfg::kBlockN * Cfg::kHeadDimQK * 2;
+  static constexpr int kRows = kRS ? kN : Fp8t::kMaxRows;
+  static constexpr int kStages = !kRS ? 2 : (kN <= 16 && !(kFp8tAblate & 4096)) ? 4 : 3;
+  static constexpr int kStageBytes = kRS ? Fp8t::kBoxes * Fp8t::kBoxBytes : Cfg::kBlockN * Cfg::kHeadDimQK * 2;
+  static constexpr int kQBytes = kRows * Cfg::kHeadDimQK * 2;
+  static constexpr int kPBytes = kRows * Cfg::kBlockN * 2;
   static constexpr int kOffQ = kStages * kStageBytes;
-  static constexpr int kOffP = kOffQ + Fp8t::kQBytes;
-  static constexpr int kOffO = kOffP + kStages * Fp8t::kPBytes;
-  static constexpr int kOffF = kOffO + Fp8t::kOBytes;  // floats: column scale, alpha [stages], maxima / sums exchange, sums [2]
+  static constexpr int kOffP = kOffQ + kQBytes;
+  static constexpr int kOffO = kOffP + kStages * kPBytes;
+  static constexpr int kOffF = kOffO + kRows * Fp8t::kOStride * 4;  // floats: column scale, alpha [stages], maxima / sums exchange, sums [2]
   static constexpr int kFloats = Fp8t::kMaxRows * (1 + kStages + 4 + 4 + 2 + 1);
   static constexpr int kOffFlag = kOffF + kFloats * 4;  // int [stages]: a tile's rescale flag
   static constexpr int kOffBar = kOffFlag + 16;
@@ -238,13 +246,21 @@ __device__ __forceinline__ int q_tile_offset(int row, int col) {
 // warpgroup writes a converted tile back to shared memory: v7's ablation builds put its time in that round trip
 // (NOTES.md, twenty-sixth session).
 
-// `bytes` (a multiple of 16) from a 16-byte aligned global address into shared memory by the bulk-copy engine,
-// counted on `bar`'s transaction count.
-__device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
-                   smem_u32(dst)),
-               "l"(src), "r"(bytes), "r"(smem_u32(bar))
-               : "memory");
+// Byte offset of the 16 bytes at column `col` (a multiple of 16) of token row `row` in a v8 stage: box col / 128, its
+// 16-byte chunks XOR-swizzled by the row (the 128-byte swizzle of the tensor map; the 8 rows of an ldmatrix, one
+// chunk column, fall in 8 different bank groups).
+__device__ __forceinline__ int fp8rs_offset(int row, int col) {
+  return (col >> 7) * Fp8t::kBoxBytes + row * 128 + ((((col & 127) >> 4) ^ (row & 7)) << 4);
+}
+
+// Ask L2 for a v8 tile (its five boxes) of the tensor map: page `page`, rows from `row`, KV head kvh.
+__device__ __forceinline__ void tma_prefetch_4d(const CUtensorMap* map, int kvh, int row, int page) {
+#pragma unroll
+  for (int b = 0; b < Fp8t::kBoxes; ++b)
+    asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];\n" ::"l"(
+                     reinterpret_cast<uint64_t>(map)),
+                 "r"(128 * b), "r"(kvh), "r"(row), "r"(page)
+                 : "memory");
 }
 
 template <int kN> struct GmmaFp8RS {  // A (K or V^T) from registers, B (Q or P^T) K-major from shared memory
@@ -261,7 +277,7 @@ template <typename Op, int kQBlock, int kAcc>
 __device__ __forceinline__ void fp8rs_gemm_s(const uint8_t* stage, uint64_t dq, float (&acc)[kAcc], int warp,
                                              int lane) {
   // matrix i = lane / 8 of an x4: token rows 8 (i % 2) .. + 8 of the warp's 16, the 16 bytes at 16 (i / 2)
-  const uint8_t* src = stage + (16 * warp + 8 * ((lane / 8) % 2) + lane % 8) * Fp8t::kRowBytes + 16 * (lane / 16);
+  const int row = 16 * warp + 8 * ((lane / 8) % 2) + lane % 8, col = 16 * (lane / 16);
   uint32_t a[2][16];
   fence_regs<kAcc>(acc);
 #pragma unroll
@@ -271,7 +287,7 @@ __device__ __forceinline__ void fp8rs_gemm_s(const uint8_t* stage, uint64_t dq, 
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       uint32_t r[4];
-      ldmatrix_x4(r, src + 64 * blk + 32 * h);
+      ldmatrix_x4(r, stage + fp8rs_offset(row, 64 * blk + 32 * h + col));
 #pragma unroll
       for (int s = 0; s < 2; ++s) {  // r[2s] / r[2s + 1]: rows g / g + 8 of k-step 4 blk + 2 h + s
         const uint2 lo = e4m3x4_to_f16x4(r[2 * s]), hi = e4m3x4_to_f16x4(r[2 * s + 1]);
@@ -306,12 +322,11 @@ template <bool kMask>
 __device__ __forceinline__ void fp8rs_load_v(uint32_t (&f)[16], const uint8_t* stage, int mb, int nv, int warp,
                                              int lane) {
   // matrix i = lane / 8 of an x4: tokens 16 (i / 2) + 8 (i % 2) .. + 8 of the two k-steps, the warp's 16 channels
-  const uint8_t* src =
-      stage + (16 * (lane / 16) + 8 * ((lane / 8) % 2) + lane % 8) * Fp8t::kRowBytes + 64 * mb + 16 * warp;
+  const int row = 16 * (lane / 16) + 8 * ((lane / 8) % 2) + lane % 8;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     uint32_t r[4];
-    ldmatrix_x4_trans(r, src + 32 * h * Fp8t::kRowBytes);
+    ldmatrix_x4_trans(r, stage + fp8rs_offset(row + 32 * h, 64 * mb + 16 * warp));
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       // r[i]: tokens 2t, 2t + 1 (+ 8 for odd i) of k-step 2h + i / 2, each with channels 2g, 2g + 1
@@ -329,19 +344,20 @@ __device__ __forceinline__ void fp8rs_load_v(uint32_t (&f)[16], const uint8_t* s
 // The stage channel of O^T's accumulator row `row` (0..63) of a 64-channel block (fp8rs_load_v's order).
 __device__ __forceinline__ int fp8rs_channel(int row) { return (row & ~15) + 2 * (row & 7) + ((row >> 3) & 1); }
 
-template <typename T, int kN, bool kRS = false>
-__global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const __grid_constant__ DecodeParams p) {
+// v7 (kRS = false) and v8 (kRS = true; kv_map: the cache's tensor map with 128-column boxes, launch.cu make_kv_map).
+template <typename T, int kN, bool kRS>
+__device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtensorMap* kv_map) {
   static_assert(kN == 16 || kN == 32, "16 or 32 query rows");
   using L = Gmma128Tile64;
   using G = GmmaEtap<__half, kN>;
-  using S = Fp8tSmem<kRS>;
+  using S = Fp8tSmem<kRS, kN>;
   constexpr int kStages = S::kStages;
   using TT = TypeTraits<T>;
   constexpr int kAcc = kN / 2;   // fp32 accumulators per thread of one m64 x kN tile
   constexpr int kCols = kN / 4;  // columns (query rows) per thread: c = 8 (k / 2) + 2 (lane % 4) + k % 2
   extern __shared__ __align__(128) uint8_t smem_raw[];
   uint8_t* smem_base = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
-  // v7: [2 stages][9 blocks][64][64] fp16; v8: [3 stages][64][kRowBytes] fp8
+  // v7: [2 stages][9 blocks][64][64] fp16; v8: [3 stages][5 boxes][64][128] fp8
   __half* sK = reinterpret_cast<__half*>(smem_base);
   __half* sQ = reinterpret_cast<__half*>(smem_base + S::kOffQ);
   __half* sP = reinterpret_cast<__half*>(smem_base + S::kOffP);  // [stages][kMaxRows x 64]
@@ -366,11 +382,7 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
   const int part = blockIdx.x, kvh = blockIdx.z;
   const int tid = threadIdx.x, lane = tid % 32, tid_wg = tid % 128, warp = (tid / 32) % 4;
   const int wg = __shfl_sync(0xffffffff, tid / 128, 0);  // warp-uniform (see v6)
-#ifdef MLA_SM90_ABLATE
-  constexpr int ablate = MLA_SM90_ABLATE;
-#else
-  constexpr int ablate = 0;
-#endif
+  constexpr int ablate = kFp8tAblate;
   if (tid == 0) {
     for (int i = 0; i < kStages; ++i) {
       mbar_init(full + i, kRS ? 1 : 4);  // v8: the producer's arrive with the stage's byte count
@@ -396,13 +408,12 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
   auto desc = [](const void* base) { return gmma_desc_sw128_addr(smem_u32(base), 16, 1024); };
 
   if (wg == 0 && kRS) {
-    // ================= v8: producer (warp 0) =================
-    // each token row of tile `it` by its own bulk copy into stage it % 3 (any page size), once both consumers
-    // released the stage; rows at or past the item's end are not copied (the consumers mask them)
+    // ================= v8: producer (one thread) =================
+    // tile `it` as five 128-column boxes of its page (kv_map) into stage it % 3, once both consumers released the
+    // stage; the boxes hold whatever the page has past the item's end (NaN in unused slots), which the consumers mask
     regs_dec<Fp8t::kRegsProd>();
     barrier_cta_unaligned(Fp8t::kBarRegs, Fp8t::kThreads);
-    if (warp == 0) {
-      const uint8_t* kv = reinterpret_cast<const uint8_t*>(p.kv);
+    if (tid == 0) {
       const PageGeometry pg = page_geometry(p.page_size);
       uint32_t it = 0;
       for (int item = item_begin; item < item_end; ++item) {
@@ -410,36 +421,29 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
         const int req = w.req, tok_begin = w.tok_begin, tok_end = w.tok_end;
         if (req < 0) continue;
         const int32_t* table_row = p.block_table + (int64_t)req * p.bt_stride;
+        int page = table_row[pg.index(tok_begin)];
+        constexpr int A = kStages;  // the L2 prefetch's distance in tiles
+        if (!(ablate & 2048)) {
+          for (int k = 1; k < A; ++k) {
+            const int t = tok_begin + k * Cfg::kBlockN;
+            if (t < tok_end) tma_prefetch_4d(kv_map, kvh, pg.row(t), table_row[pg.index(t)]);
+          }
+        }
         for (int t0 = tok_begin; t0 < tok_end; t0 += Cfg::kBlockN, ++it) {
           const uint32_t st = it % kStages;
-          const int nv = min(Cfg::kBlockN, tok_end - t0);
-          int page[2];
-#pragma unroll
-          for (int pass = 0; pass < 2; ++pass) {
-            const int t = t0 + lane + 32 * pass;
-            page[pass] = t < tok_end ? table_row[pg.index(t)] : 0;
-          }
+          const int t1 = t0 + Cfg::kBlockN, next = t1 < tok_end ? table_row[pg.index(t1)] : 0;  // read a tile ahead
+          const int ta = t0 + A * Cfg::kBlockN;
+          if (ta < tok_end && !(ablate & 2048)) tma_prefetch_4d(kv_map, kvh, pg.row(ta), table_row[pg.index(ta)]);
           mbar_wait(empty + st, phase_of(it) ^ 1u);
-          const bool copy = !(ablate & Fp8t::kAblateLoad) && !(ablate & 128);
-          if (lane == 0) mbar_arrive_expect_tx(full + st, (ablate & Fp8t::kAblateLoad) ? 0 : nv * Cfg::kHeadDimQK);
-          __syncwarp();
-          if ((ablate & 128) && lane == 0)  // TRIAL: the tile by one copy (whole-tile pages; rows unpadded: wrong)
-            bulk_copy_g2s(stage_bytes(st), kv + fp8t_row_offset(p, pg, page[0], t0, kvh), nv * Cfg::kHeadDimQK, full + st);
-          if (ablate & 2048) {  // TRIAL: tile it + 3 of the item asked of L2
-            const int tp = t0 + 3 * Cfg::kBlockN;
+          if (ablate & Fp8t::kAblateLoad) {
+            mbar_arrive(full + st);
+          } else {
+            mbar_arrive_expect_tx(full + st, S::kStageBytes);
 #pragma unroll
-            for (int pass = 0; pass < 2; ++pass) {
-              const int t = tp + lane + 32 * pass;
-              if (t < tok_end) prefetch_l2_bulk(kv + fp8t_row_offset(p, pg, table_row[pg.index(t)], t, kvh), Cfg::kHeadDimQK);
-            }
+            for (int b = 0; b < Fp8t::kBoxes; ++b)
+              tma_load_4d(stage_bytes(st) + b * Fp8t::kBoxBytes, kv_map, full + st, 128 * b, kvh, pg.row(t0), page);
           }
-#pragma unroll
-          for (int pass = 0; pass < 2; ++pass) {
-            const int row = lane + 32 * pass;
-            if (row < nv && copy)
-              bulk_copy_g2s(stage_bytes(st) + row * Fp8t::kRowBytes, kv + fp8t_row_offset(p, pg, page[pass], t0 + row, kvh),
-                            Cfg::kHeadDimQK, full + st);
-          }
+          page = next;
         }
       }
     }
@@ -678,7 +682,7 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
 #pragma unroll
         for (int k = 0; k < kCols; ++k) l_run[k] = l_run[k] * alpha[k] + psum[k];
         // the stage's P^T was last read by the accumulator for tile it - 2, before it released the stage
-        __half* pw = sP + st * (Fp8t::kPBytes / 2);
+        __half* pw = sP + st * (S::kPBytes / 2);
         if (!(ablate & Fp8t::kAblatePStore)) {
 #pragma unroll
           for (int i = 0; i < kAcc; ++i) pw[L::offset(col_of(acc_col(i)), acc_row(i))] = __float2half_rn(acc_s[i]);
@@ -767,7 +771,7 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
             else
               fp8rs_load_v<false>(f, stage_bytes(st), mb, nv, warp, lane);
           };
-          const uint64_t dp = desc(sP + st * (Fp8t::kPBytes / 2));
+          const uint64_t dp = desc(sP + st * (S::kPBytes / 2));
           uint32_t va[2][16];
           mbar_wait(full + st, ph);
           load_v(va[0], 0);
@@ -794,7 +798,7 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
         } else {
           wait_p();
           if (!(ablate & Fp8t::kAblatePV))
-            etap_gemm_pv<G>(sK + st * (S::kStageBytes / 2), desc(sP + st * (Fp8t::kPBytes / 2)), acc_o);
+            etap_gemm_pv<G>(sK + st * (S::kStageBytes / 2), desc(sP + st * (S::kPBytes / 2)), acc_o);
         }
         __syncwarp();
         if (lane == 0) mbar_arrive(empty + st);
@@ -832,6 +836,17 @@ __global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const 
   stamp(kTimelineCombine);
   if (p.fuse_combine) combine_in_grid<T, Fp8t::kThreads>(p, reinterpret_cast<int*>(smem_base));
   stamp(kTimelineEnd);
+}
+
+template <typename T, int kN>
+__global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const __grid_constant__ DecodeParams p) {
+  fp8t_decode<T, kN, false>(p, nullptr);
+}
+
+template <typename T, int kN>
+__global__ void __launch_bounds__(Fp8t::kThreads, 1)
+    mla_decode_kernel_v8(const __grid_constant__ DecodeParams p, const __grid_constant__ CUtensorMap kv_map) {
+  fp8t_decode<T, kN, true>(p, &kv_map);
 }
 
 }  // namespace mla_sm90
