@@ -25,8 +25,7 @@ int decode_smem_bytes() {
   int b = Seesaw::kSmemBytes > DecodeConfig::kSmemBytes ? Seesaw::kSmemBytes : DecodeConfig::kSmemBytes;
   b = Etap::kSmemBytes > b ? Etap::kSmemBytes : b;
   b = Fp8tSmem<false>::kSmemBytes > b ? Fp8tSmem<false>::kSmemBytes : b;
-  b = Fp8tSmem<true, 16>::kSmemBytes > b ? Fp8tSmem<true, 16>::kSmemBytes : b;
-  return Fp8tSmem<true, 32>::kSmemBytes > b ? Fp8tSmem<true, 32>::kSmemBytes : b;
+  return Fp8tSmem<true>::kSmemBytes > b ? Fp8tSmem<true>::kSmemBytes : b;
 }
 
 // The driver's cuTensorMapEncodeTiled through the runtime (no -lcuda at link time).
@@ -306,7 +305,7 @@ static cudaError_t launch_v8(const DecodeParams& p, int grid_parts, cudaStream_t
   if (p.page_size % DecodeConfig::kBlockN != 0 || !cached_kv_map<uint8_t>(p, &map))
     return launch_v7<T, kN>(p, grid_parts, stream, combined);
   auto kernel = mla_decode_kernel_v8<T, kN>;
-  constexpr int smem = Fp8tSmem<true, kN>::kSmemBytes;
+  constexpr int smem = Fp8tSmem<true>::kSmemBytes;
   const cudaError_t e = opt_in_smem(reinterpret_cast<const void*>(kernel), smem);
   if (e != cudaSuccess) return e;
   return launch_grid_threads(kernel, dim3(grid_parts, 1, p.heads_kv), Fp8t::kThreads, smem, stream, true, p, combined,

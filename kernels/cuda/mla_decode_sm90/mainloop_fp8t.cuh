@@ -40,8 +40,18 @@
 //
 // H100, b=64 L=8K, graph replay (NOTES.md, "Twenty-fifth session"): 16 heads 148.3 us (1.55x bf16's 230.7; v6 186.1),
 // 32 heads 177.4 us (1.35x; v2 243.8). What moved it from 162.8 / 184.1 was the distance of the L2 prefetch
-// (Fp8t::kPrefetchAhead); what bounds it now is not settled (at 32 rows neither the converter nor the scorer's wait
-// for its S^T: NOTES.md).
+// (Fp8t::kPrefetchAhead). Ablation builds (NOTES.md, twenty-sixth session) put the rest of the gap in the converter's
+// round trip: its register loads and its fp16 stores.
+//
+// Version 8 (kRS; mla_decode_kernel_v8) drops that round trip. One thread issues each tile as five tensor copies of
+// 128-column boxes (128-byte swizzle, the page's raw fp8 bytes; whole-tile pages only, others run v7) into three
+// stages, and the two consumers convert their operands in registers and feed wgmma's register-A form: the scorer K
+// (ldmatrix, fp8rs_gemm_s), the accumulator V^T (transposed ldmatrix and a byte permute, fp8rs_load_v). The query
+// tile holds its columns in the order the scorer's fragments take the stage's bytes (fp8rs_q_col), O^T's rows are the
+// channels in fp8rs_load_v's order (fp8rs_channel), and tokens past an item's end are zeroed in the accumulator's
+// fragments (the scorer masks their scores). Every tile is converted twice (K and V^T), against once in v7, but with
+// no shared-memory stores. H100, b=64 L=8K, graph replay (NOTES.md, twenty-seventh session): 16 heads 140.2 us
+// (1.64x bf16), 32 heads 168.9 (1.41x). Row-wise bulk copies (64 per tile) made it slower than v7 (182 / 200 us).
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -90,19 +100,15 @@ struct Fp8t {
   static_assert(kRegsProd + kRegsScorerRS + kRegsAccRS == 3 * kRegsLaunch, "setmaxnreg moves registers, adds none");
 };
 
-#ifdef MLA_SM90_ABLATE
-constexpr int kFp8tAblate = MLA_SM90_ABLATE;
-#else
-constexpr int kFp8tAblate = 0;
-#endif
-
-// Shared memory of v7 (kRS = false: two fp16 stages that the converter fills) and v8 (kRS = true: raw fp8 stages of
-// five boxes that tensor copies fill; Q, P^T and the epilogue buffer sized by the kN rows used, so that four stages fit
-// at 16 rows), byte offsets from the 1024-aligned base (every operand tile 1024-aligned).
-template <bool kRS, int kN = Fp8t::kMaxRows>
+// Shared memory of v7 (kRS = false: two fp16 stages that the converter fills) and v8 (kRS = true: three raw fp8 stages
+// of five boxes that tensor copies fill), byte offsets from the 1024-aligned base (every operand tile 1024-aligned).
+// v8 measured no faster with an L2 prefetch of the tile a ring ahead (much slower: 187 / 189 us at h16 / h32 against
+// 140 / 169) or with four stages at 16 rows (Q, P^T and the epilogue buffer sized by the rows used: 140.0 against
+// 138.5 us; NOTES.md, twenty-seventh session).
+template <bool kRS>
 struct Fp8tSmem {
-  static constexpr int kRows = kRS ? kN : Fp8t::kMaxRows;
-  static constexpr int kStages = !kRS ? 2 : (kN <= 16 && !(kFp8tAblate & 4096)) ? 4 : 3;
+  static constexpr int kRows = Fp8t::kMaxRows;
+  static constexpr int kStages = kRS ? 3 : 2;
   static constexpr int kStageBytes = kRS ? Fp8t::kBoxes * Fp8t::kBoxBytes : Cfg::kBlockN * Cfg::kHeadDimQK * 2;
   static constexpr int kQBytes = kRows * Cfg::kHeadDimQK * 2;
   static constexpr int kPBytes = kRows * Cfg::kBlockN * 2;
@@ -253,16 +259,6 @@ __device__ __forceinline__ int fp8rs_offset(int row, int col) {
   return (col >> 7) * Fp8t::kBoxBytes + row * 128 + ((((col & 127) >> 4) ^ (row & 7)) << 4);
 }
 
-// Ask L2 for a v8 tile (its five boxes) of the tensor map: page `page`, rows from `row`, KV head kvh.
-__device__ __forceinline__ void tma_prefetch_4d(const CUtensorMap* map, int kvh, int row, int page) {
-#pragma unroll
-  for (int b = 0; b < Fp8t::kBoxes; ++b)
-    asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];\n" ::"l"(
-                     reinterpret_cast<uint64_t>(map)),
-                 "r"(128 * b), "r"(kvh), "r"(row), "r"(page)
-                 : "memory");
-}
-
 template <int kN> struct GmmaFp8RS {  // A (K or V^T) from registers, B (Q or P^T) K-major from shared memory
   using Op = std::conditional_t<
       kN == 16, cute::SM90::GMMA::MMA_64x16x16_F32F16F16_RS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>,
@@ -350,7 +346,7 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
   static_assert(kN == 16 || kN == 32, "16 or 32 query rows");
   using L = Gmma128Tile64;
   using G = GmmaEtap<__half, kN>;
-  using S = Fp8tSmem<kRS, kN>;
+  using S = Fp8tSmem<kRS>;
   constexpr int kStages = S::kStages;
   using TT = TypeTraits<T>;
   constexpr int kAcc = kN / 2;   // fp32 accumulators per thread of one m64 x kN tile
@@ -382,7 +378,11 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
   const int part = blockIdx.x, kvh = blockIdx.z;
   const int tid = threadIdx.x, lane = tid % 32, tid_wg = tid % 128, warp = (tid / 32) % 4;
   const int wg = __shfl_sync(0xffffffff, tid / 128, 0);  // warp-uniform (see v6)
-  constexpr int ablate = kFp8tAblate;
+#ifdef MLA_SM90_ABLATE
+  constexpr int ablate = MLA_SM90_ABLATE;
+#else
+  constexpr int ablate = 0;
+#endif
   if (tid == 0) {
     for (int i = 0; i < kStages; ++i) {
       mbar_init(full + i, kRS ? 1 : 4);  // v8: the producer's arrive with the stage's byte count
@@ -422,18 +422,9 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
         if (req < 0) continue;
         const int32_t* table_row = p.block_table + (int64_t)req * p.bt_stride;
         int page = table_row[pg.index(tok_begin)];
-        constexpr int A = kStages;  // the L2 prefetch's distance in tiles
-        if (!(ablate & 2048)) {
-          for (int k = 1; k < A; ++k) {
-            const int t = tok_begin + k * Cfg::kBlockN;
-            if (t < tok_end) tma_prefetch_4d(kv_map, kvh, pg.row(t), table_row[pg.index(t)]);
-          }
-        }
         for (int t0 = tok_begin; t0 < tok_end; t0 += Cfg::kBlockN, ++it) {
           const uint32_t st = it % kStages;
           const int t1 = t0 + Cfg::kBlockN, next = t1 < tok_end ? table_row[pg.index(t1)] : 0;  // read a tile ahead
-          const int ta = t0 + A * Cfg::kBlockN;
-          if (ta < tok_end && !(ablate & 2048)) tma_prefetch_4d(kv_map, kvh, pg.row(ta), table_row[pg.index(ta)]);
           mbar_wait(empty + st, phase_of(it) ^ 1u);
           if (ablate & Fp8t::kAblateLoad) {
             mbar_arrive(full + st);
