@@ -37,7 +37,8 @@ BLOCK_N = 64  # KV tokens per mainloop step = split-KV chunk size
 #: 2 = wgmma, serial per tile, 5 = two tiles in flight with TMA loads (FlashMLA's seesaw schedule),
 #: 6 = KV tokens on the wgmma M side for <= 32 query rows per KV head (FlashMLA-ETAP's orientation),
 #: 7 = v6's orientation in three warpgroups (an fp8 converter, a scorer, an accumulator) for fp8_e4m3 caches with
-#: <= 32 query rows per KV head,
+#: <= 32 query rows per KV head, 8 = v7 with the tile's raw bytes by TMA and the fp8 conversion in the consumers'
+#: registers (page_size % 64 == 0; other pages run v7),
 #: 1 = mma.sync (v1), 3 = wgmma with S of the next tile issued under PV of this one (measured slower),
 #: 4 = wgmma with S split along D_qk (measured slower); $MLA_SM90_VARIANT overrides
 KERNEL_VARIANT = int(os.environ.get("MLA_SM90_VARIANT", "0"))
@@ -100,6 +101,11 @@ def choose_variant(problem: DecodeProblem, num_parts: int, max_chunks: int) -> i
     fp8 cache) at 7.75 49.5 / - / 62.7 (b=8 L=8K) and 49.9 / - / 63.3 (b=16 L=4K), at 15.5 (b=32 L=4K) 81.1 / - /
     77.8, at 62 v2 243.8 / v7 177.8.
 
+    v8 (v7 with the raw fp8 tile by TMA and the conversion in the consumers' registers) takes v7's place on pages of
+    whole 64-token tiles (page_size % 64 == 0; the kernel runs v7 on other pages): H100, b=64 L=8K, graph us v7 / v8
+    (RESULTS.md, twenty-seventh session) 16 rows 148.4 / 140.2, 32 rows 178.1 / 168.9; at v7's small-batch cut and
+    below they are within 2 us of each other (b=1..32, same call), so v7's cut stands for v8.
+
     ``max_chunks`` comes from the block table's width (no device sync at plan time): an upper bound, so a wide table
     over short sequences can pick v5 or v6 where v2 would be faster.
     """
@@ -108,7 +114,7 @@ def choose_variant(problem: DecodeProblem, num_parts: int, max_chunks: int) -> i
     p = problem
     rows = p.q_len * p.num_heads_q // p.num_heads_kv
     if p.kv_format == "fp8_e4m3" and rows <= V7_MAX_ROWS and max_chunks >= v7_min_chunks_per_part(rows) * num_parts:
-        return 7
+        return 8 if p.page_size % BLOCK_N == 0 else 7
     if max_chunks >= v6_min_chunks_per_part(rows, p.kv_format) * num_parts:
         return 6
     if (p.kv_format in ("bf16", "fp16") and p.page_size % BLOCK_N == 0 and rows > BLOCK_M and p.batch >= 32

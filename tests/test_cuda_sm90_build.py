@@ -165,7 +165,8 @@ def test_backend_declares_capabilities_and_reasons():
 
 def test_variant_choice_follows_the_measurements(monkeypatch):
     """v5 only where it measured faster (128 rows, >= 32 requests with >= 24 KV chunks per part, page % 64 == 0,
-    bf16/fp16 cache, q_len <= 64); v7 for fp8_e4m3 caches with <= 16 query rows per KV head and >= 4 chunks per part, 17-32 rows and >= 12;
+    bf16/fp16 cache, q_len <= 64); v8 for fp8_e4m3 caches with <= 16 query rows per KV head and >= 4 chunks per part,
+    17-32 rows and >= 12, on pages of whole tiles (v7 on others);
     v6 for <= 16 query rows per KV head with >= 16 chunks per part (bf16/fp16) or >= 4 (fp8_ds_mla), and 17-32 rows
     with >= 96 chunks per part (bf16/fp16 only). Each cut is pinned from both sides."""
     from mla_dispatch.backends import cuda_sm90
@@ -201,8 +202,10 @@ def test_variant_choice_follows_the_measurements(monkeypatch):
     assert choose(problem(h_q=32), num_parts=132, max_chunks=132 * 96 - 1) == 2
     assert choose(problem(h_q=32, batch=64), num_parts=132, max_chunks=64 * 128) == 2  # 62 chunks per part
     assert choose(problem(h_q=16, q_len=3), num_parts=132, max_chunks=132 * 512) == 2  # 48 rows
-    assert choose(problem(h_q=16, kv_format="fp8_e4m3"), num_parts=132, max_chunks=132 * 4) == 7  # v7 cut
-    assert choose(problem(h_q=32, kv_format="fp8_e4m3"), num_parts=132, max_chunks=132 * 12) == 7  # 32 rows, v7
+    assert choose(problem(h_q=16, kv_format="fp8_e4m3"), num_parts=132, max_chunks=132 * 4) == 8  # v7's cut, v8
+    assert choose(problem(h_q=32, kv_format="fp8_e4m3"), num_parts=132, max_chunks=132 * 12) == 8  # 32 rows
+    assert choose(problem(h_q=16, kv_format="fp8_e4m3", page_size=32), num_parts=132, max_chunks=132 * 8) == 7
+    assert choose(problem(h_q=16, kv_format="fp8_e4m3", page_size=128), num_parts=132, max_chunks=132 * 4) == 8
     assert choose(problem(h_q=32, kv_format="fp8_e4m3"), num_parts=132, max_chunks=132 * 12 - 1) == 2
     assert choose(problem(h_q=32, kv_format="fp8_ds_mla"), num_parts=132, max_chunks=132 * 512) == 2  # v7: e4m3 only
     assert choose(problem(h_q=48, kv_format="fp8_e4m3"), num_parts=132, max_chunks=132 * 512) == 2  # 48 rows
