@@ -415,7 +415,7 @@ for over, pattern in [
     (dict(partial_out=st.partial_out.half()), "partial_out must be contiguous float32"),
     (dict(lse=lse.double()), "lse must be float32"),
     (dict(kv_format=1, kv_cache=case.kv_cache.view(torch.uint8)[..., :576].contiguous()), "kv_scale must be"),
-    (dict(variant=8), "variant must be 1"),
+    (dict(variant=9), "variant must be 1"),
     (dict(q=case.q.cpu()), "must be a CUDA tensor"),
 ]:
     with pytest.raises(ValueError, match=pattern):
