@@ -119,7 +119,7 @@ struct Fp8tSmem {
   static constexpr int kFloats = Fp8t::kMaxRows * (1 + kStages + 4 + 4 + 2 + 1);
   static constexpr int kOffFlag = kOffF + kFloats * 4;  // int [stages]: a tile's rescale flag
   static constexpr int kOffBar = kOffFlag + 16;
-  static constexpr int kBars = 4 * kStages + 4;  // full, empty, p_ready, p_empty by stage; sums_full, sums_empty by item parity
+  static constexpr int kBars = 3 * kStages + 4;  // full, empty, p_ready by stage; sums_full, sums_empty by item parity
   static constexpr int kSmemBytes = kOffBar + kBars * 8 + 1024;  // + alignment slack
   static_assert(kStageBytes % 1024 == 0 && kOffQ % 1024 == 0 && kOffP % 1024 == 0, "operand tiles 1024-aligned");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory over the SM90 per-block limit");
@@ -269,9 +269,9 @@ template <int kN> struct GmmaFp8RS {  // A (K or V^T) from registers, B (Q or P^
 // fragments of four k-steps (two blocks' fragments in flight). A thread's 4-byte piece of a row holds stage columns
 // 4t .. 4t + 3 of a 16-column step (t = lane % 4), which it uses as the fragment's k = 2t, 2t + 1 and 2t + 8, 2t + 9;
 // so within each step the query tile holds its columns in the order of fp8rs_q_col. Returns with the wgmmas done.
-template <typename Op, int kQBlock, int kAcc, typename Loaded>
+template <typename Op, int kQBlock, int kAcc>
 __device__ __forceinline__ void fp8rs_gemm_s(const uint8_t* stage, uint64_t dq, float (&acc)[kAcc], int warp,
-                                             int lane, Loaded&& loaded) {
+                                             int lane) {
   // matrix i = lane / 8 of an x4: token rows 8 (i % 2) .. + 8 of the warp's 16, the 16 bytes at 16 (i / 2)
   const int row = 16 * warp + 8 * ((lane / 8) % 2) + lane % 8, col = 16 * (lane / 16);
   uint32_t a[2][16];
@@ -291,7 +291,6 @@ __device__ __forceinline__ void fp8rs_gemm_s(const uint8_t* stage, uint64_t dq, 
         q[0] = lo.x, q[1] = hi.x, q[2] = lo.y, q[3] = hi.y;
       }
     }
-    if (blk == 8) loaded();
     cute::warpgroup_arrive();
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk) {
@@ -372,7 +371,6 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
   uint64_t* p_ready = bars + 2 * kStages;
   uint64_t* sums_full = bars + 3 * kStages;
   uint64_t* sums_empty = bars + 3 * kStages + 2;
-  uint64_t* p_empty = bars + 3 * kStages + 4;  // TRIAL 4096
   // stage `st`, its phase for the it-th tile of the CTA
   auto stage_bytes = [&](uint32_t st) { return smem_base + st * S::kStageBytes; };
   auto phase_of = [](uint32_t it) { return (it / kStages) & 1u; };
@@ -390,7 +388,6 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
       mbar_init(full + i, kRS ? 1 : 4);  // v8: the producer's arrive with the stage's byte count
       mbar_init(empty + i, 8);
       mbar_init(p_ready + i, 4 + 3);
-      mbar_init(p_empty + i, 4);
       if (i < 2) {
         mbar_init(sums_full + i, 1);
         mbar_init(sums_empty + i, 128);
@@ -612,17 +609,12 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
 #pragma unroll
           for (int i = 0; i < kAcc; ++i) acc_s[i] = 0.f;
         } else if constexpr (kRS) {
-          fp8rs_gemm_s<typename GmmaFp8RS<kN>::Op, kN * 64>(stage_bytes(st), desc(sQ), acc_s, warp, lane, [&] {
-            if (ablate & 2048) {  // TRIAL: released after the last loads
-              __syncwarp();
-              if (lane == 0) mbar_arrive(empty + st);
-            }
-          });
+          fp8rs_gemm_s<typename GmmaFp8RS<kN>::Op, kN * 64>(stage_bytes(st), desc(sQ), acc_s, warp, lane);
         } else {
           etap_gemm_s<G, kN * 64>(desc(sK + st * (S::kStageBytes / 2)), desc(sQ), acc_s, [](int) {});
         }
         __syncwarp();
-        if (lane == 0 && !(kRS && (ablate & 2048))) mbar_arrive(empty + st);  // this warp's share of the stage is read
+        if (lane == 0) mbar_arrive(empty + st);  // this warp's share of the stage is read
 
         // ---- scores in base 2; mask only tiles reaching past unmasked_end
         const bool masked = t0 + Cfg::kBlockN > unmasked_end;
@@ -682,7 +674,6 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
         for (int k = 0; k < kCols; ++k) l_run[k] = l_run[k] * alpha[k] + psum[k];
         // the stage's P^T was last read by the accumulator for tile it - 2, before it released the stage
         __half* pw = sP + st * (S::kPBytes / 2);
-        if (kRS && (ablate & 4096)) mbar_wait(p_empty + st, phase_of(it) ^ 1u);  // TRIAL: P^T ring of its own
         if (!(ablate & Fp8t::kAblatePStore)) {
 #pragma unroll
           for (int i = 0; i < kAcc; ++i) pw[L::offset(col_of(acc_col(i)), acc_row(i))] = __float2half_rn(acc_s[i]);
@@ -775,7 +766,6 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
           uint32_t va[2][16];
           mbar_wait(full + st, ph);
           load_v(va[0], 0);
-          if (ablate & 2048) load_v(va[1], 1);  // TRIAL: two blocks before P is ready
           wait_p();
 #pragma unroll
           for (int mb = 0; mb < 8; ++mb) fence_regs<kAcc>(acc_o[mb]);
@@ -783,11 +773,7 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
           for (int mb = 0; mb < 8; ++mb) {
             uint32_t(&f)[16] = va[mb & 1];
             if (mb >= 2) cute::warpgroup_wait<1>();  // the wgmmas of block mb - 2 have read these registers
-            if (mb >= 2 || (mb == 1 && !(ablate & 2048))) load_v(f, mb);
-            if (mb == 7 && (ablate & 4096)) {  // TRIAL: the stage released after the last loads
-              __syncwarp();
-              if (lane == 0) mbar_arrive(empty + st);
-            }
+            if (mb >= 1) load_v(f, mb);
             cute::warpgroup_arrive();
             if (!(ablate & Fp8t::kAblatePV)) {
 #pragma unroll
@@ -800,17 +786,13 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
           cute::warpgroup_wait<0>();
 #pragma unroll
           for (int mb = 0; mb < 8; ++mb) fence_regs<kAcc>(acc_o[mb]);
-          if (ablate & 4096) {  // TRIAL: P^T, its rescale factors and flag read
-            __syncwarp();
-            if (lane == 0) mbar_arrive(p_empty + st);
-          }
         } else {
           wait_p();
           if (!(ablate & Fp8t::kAblatePV))
             etap_gemm_pv<G>(sK + st * (S::kStageBytes / 2), desc(sP + st * (S::kPBytes / 2)), acc_o);
         }
         __syncwarp();
-        if (lane == 0 && !(kRS && (ablate & 4096))) mbar_arrive(empty + st);
+        if (lane == 0) mbar_arrive(empty + st);
       }
 
       // ---- out: half a row block (256 channels) at a time through sO, rows out 4 channels per thread
