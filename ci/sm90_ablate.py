@@ -1,6 +1,6 @@
-"""Which part of mainloop v7's work bounds its time: ablation builds (GPU machine).
+"""Which part of mainloop v7's (or v8's) work bounds its time: ablation builds (GPU machine).
 
-    python ci/sm90_ablate.py [--masks 0,1,2,4,8,16,32,64] [--heads 16,32] [--json F] [--plot F.png]
+    python ci/sm90_ablate.py [--masks 0,1,2,4,8,16,32,64] [--heads 16,32] [--variant 7|8] [--json F] [--plot F.png]
     python ci/sm90_ablate.py --replot F.json [G.json ...] --plot F.png   # a chart of saved runs, no GPU
 
 Mask 0 is the normal build; any other mask builds a separate extension with ``-DMLA_SM90_ABLATE=mask``
@@ -8,13 +8,15 @@ Mask 0 is the normal build; any other mask builds a separate extension with ``-D
 (``Fp8t::kAblate*`` in ``kernels/cuda/mla_decode_sm90/mainloop_fp8t.cuh``, ``PARTS`` below): 1 the converter's
 global loads and L2 prefetches, 2 its conversion and stores into the stage (the compiler then drops its register
 loads too, their data unused: the L2 prefetches stay), 4 the scorer's S^T wgmma, 8 its softmax, 16 the accumulator's
-O^T wgmma, 32 the scorer's P^T stores, 64 the output stores, 256 the converter's proxy fence (MEMBAR). Every build's
+O^T wgmma, 32 the scorer's P^T stores, 64 the output stores, 256 the converter's proxy fence (MEMBAR); in v8 (no
+converter) bit 1 skips the producer's tensor copies, and 4 / 16 also drop the scorer's / accumulator's conversions
+(their results unused). Every build's
 pipeline (the mbarriers between the three warpgroups) is kept, so a mask's time is the kernel without that work; what
 drops the time most is what bounds it. The outputs of an ablation build are wrong by design; nothing here checks
 them.
 
 The builds run in parallel (``--jobs``), then each mask is timed in a process of its own (one extension per process):
-b=64, s_q=1, L=8192 (equal lengths), page 64, fp8_e4m3, variant 7, CUDA-graph replay, triton's do_bench median with
+b=64, s_q=1, L=8192 (equal lengths), page 64, fp8_e4m3, variant 7 or 8, CUDA-graph replay, triton's do_bench median with
 L2 flushed, as ``bench_cuda_sm90.py`` times its rows.
 """
 

@@ -81,6 +81,10 @@ def test_ablation_driver_names_masks_and_refuses_unknown_bits(monkeypatch, capsy
     with pytest.raises(SystemExit):
         ablate.main()
     assert "--masks" in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["sm90_ablate.py", "--masks", "0", "--variant", "6"])  # v7 and v8 only
+    with pytest.raises(SystemExit):
+        ablate.main()
+    assert "--variant" in capsys.readouterr().err
 
 
 def test_ablation_driver_replots_saved_runs(tmp_path, monkeypatch):
