@@ -82,7 +82,7 @@ struct Fp8t {
   // Measured with the stages' full signal on named barriers (reverted after: NOTES.md, twenty-fifth session)
   static constexpr int kPrefetchAhead = 3;
   static constexpr int kRegsConv = 200, kRegsScorer = 112, kRegsAcc = 192, kRegsLaunch = 168;
-  // v8: the producer (one issuing warp) gives its registers to the consumers, which hold A fragments
+  // v8: the producer warpgroup (one issuing thread) gives its registers to the consumers, which hold A fragments
   static constexpr int kRegsProd = 40, kRegsScorerRS = 224, kRegsAccRS = 240;
   // The ablation build (-DMLA_SM90_ABLATE=bits; kernels/cuda/build.py, ci/sm90_ablate.py) skips the parts of the
   // work named by these bits, to find which of them bound the time (its results are wrong)
@@ -107,15 +107,15 @@ struct Fp8t {
 // 138.5 us; NOTES.md, twenty-seventh session).
 template <bool kRS>
 struct Fp8tSmem {
-  static constexpr int kRows = Fp8t::kMaxRows;
   static constexpr int kStages = kRS ? 3 : 2;
   static constexpr int kStageBytes = kRS ? Fp8t::kBoxes * Fp8t::kBoxBytes : Cfg::kBlockN * Cfg::kHeadDimQK * 2;
-  static constexpr int kQBytes = kRows * Cfg::kHeadDimQK * 2;
-  static constexpr int kPBytes = kRows * Cfg::kBlockN * 2;
+  static constexpr int kQBytes = Fp8t::kMaxRows * Cfg::kHeadDimQK * 2;
+  static constexpr int kPBytes = Fp8t::kMaxRows * Cfg::kBlockN * 2;
   static constexpr int kOffQ = kStages * kStageBytes;
   static constexpr int kOffP = kOffQ + kQBytes;
   static constexpr int kOffO = kOffP + kStages * kPBytes;
-  static constexpr int kOffF = kOffO + kRows * Fp8t::kOStride * 4;  // floats: column scale, alpha [stages], maxima / sums exchange, sums [2]
+  // floats: column scale, alpha [stages], maxima / sums exchange, sums [2]
+  static constexpr int kOffF = kOffO + Fp8t::kMaxRows * Fp8t::kOStride * 4;
   static constexpr int kFloats = Fp8t::kMaxRows * (1 + kStages + 4 + 4 + 2 + 1);
   static constexpr int kOffFlag = kOffF + kFloats * 4;  // int [stages]: a tile's rescale flag
   static constexpr int kOffBar = kOffFlag + 16;
@@ -672,7 +672,7 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
         }
 #pragma unroll
         for (int k = 0; k < kCols; ++k) l_run[k] = l_run[k] * alpha[k] + psum[k];
-        // the stage's P^T was last read by the accumulator for tile it - 2, before it released the stage
+        // the stage's P^T was last read by the accumulator for tile it - kStages, before it released the stage
         __half* pw = sP + st * (S::kPBytes / 2);
         if (!(ablate & Fp8t::kAblatePStore)) {
 #pragma unroll
