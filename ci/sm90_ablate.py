@@ -86,7 +86,7 @@ def plot(rows: list[dict], path: str, title: str = "") -> None:
     import matplotlib.pyplot as plt
 
     heads = sorted({int(k[1:-3]) for r in rows for k in r if k.startswith("h") and k.endswith("_us")})
-    fig, axes = plt.subplots(1, len(heads), figsize=(5 * len(heads), 0.35 * len(rows) + 1.5), sharey=True,
+    fig, axes = plt.subplots(1, len(heads), figsize=(5 * len(heads), 0.35 * len(rows) + 2.0), sharey=True,
                              squeeze=False)
     labels = [f"{r['mask']}: {r['skipped']}" for r in rows]
     for ax, h in zip(axes[0], heads):
@@ -95,14 +95,15 @@ def plot(rows: list[dict], path: str, title: str = "") -> None:
         ax.barh(range(len(rows)), times, color=["tab:gray" if r["mask"] == 0 else "tab:blue" for r in rows])
         if base is not None:
             ax.axvline(base, color="tab:red", lw=1, ls="--", label=f"normal build {base:.1f} µs")
-            ax.legend(loc="lower right", fontsize=8)
+            ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), fontsize=8)  # below: clear of the bars
         for y, t in enumerate(times):
             ax.text(t, y, f" {t:.1f}", va="center", fontsize=8)
         ax.set_title(f"h_q = {h}")
         ax.set_xlabel("µs (CUDA-graph replay)")
     axes[0][0].set_yticks(range(len(rows)), labels, fontsize=8)
     axes[0][0].invert_yaxis()
-    fig.suptitle(title or "v7 with parts of its work switched off (b=64, L=8192, fp8_e4m3)")
+    variant = rows[0].get("variant", 7) if rows else 7  # rows saved before --variant existed are v7's
+    fig.suptitle(title or f"v{variant} with parts of its work switched off (b=64, L=8192, fp8_e4m3)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
