@@ -64,10 +64,6 @@ struct Fp8t {
   static constexpr int kThreads = 384;
   static constexpr int kMaxRows = 32;
   static constexpr int kOStride = Cfg::kHeadDimV / 2 + 4;  // fp32 row stride of half an output row (spreads banks)
-  // v8 at 16 rows: the whole output row block fits the same buffer (16 rows of 512 channels), which warps 1..3 of the
-  // producer warpgroup write out while the accumulator goes on to the next item (the epilogue warps)
-  static constexpr int kOStrideAll = Cfg::kHeadDimV + 4;
-  static constexpr int kEpiThreads = 96;
   // v8: a stage holds the tile's raw bytes as five [64 tokens][128 bytes] boxes with the 128-byte swizzle (the last
   // box's upper half is the tensor map's zero fill past column 575)
   static constexpr int kBoxes = (Cfg::kHeadDimQK + 127) / 128;
@@ -99,7 +95,6 @@ struct Fp8t {
   static constexpr int kAblatePStore = 32;   // scorer: no P^T stores
   static constexpr int kAblateOut = 64;      // accumulator: no output stores
   static constexpr int kAblateFence = 256;   // converter: no proxy fence (MEMBAR) before a stage's full signal
-  static constexpr int kTrialNoOffload = 2048;  // trial: v8 at 16 rows writes its output as at 32 rows
   // (bits 128, 512, 1024 and 2048 of the twenty-sixth session, NOTES.md, are in commit bc70a18 only)
   static_assert(kRegsConv + kRegsScorer + kRegsAcc == 3 * kRegsLaunch, "setmaxnreg moves registers, adds none");
   static_assert(kRegsProd + kRegsScorerRS + kRegsAccRS == 3 * kRegsLaunch, "setmaxnreg moves registers, adds none");
@@ -124,15 +119,13 @@ struct Fp8tSmem {
   static constexpr int kFloats = Fp8t::kMaxRows * (1 + kStages + 4 + 4 + 2 + 1);
   static constexpr int kOffFlag = kOffF + kFloats * 4;  // int [stages]: a tile's rescale flag
   static constexpr int kOffBar = kOffFlag + 16;
-  // full, empty, p_ready by stage; sums_full, sums_empty by item parity; o_full, o_empty (v8 at 16 rows)
-  static constexpr int kBars = 3 * kStages + 6;
+  static constexpr int kBars = 3 * kStages + 4;  // full, empty, p_ready by stage; sums_full, sums_empty by item parity
   static constexpr int kSmemBytes = kOffBar + kBars * 8 + 1024;  // + alignment slack
   static_assert(kStageBytes % 1024 == 0 && kOffQ % 1024 == 0 && kOffP % 1024 == 0, "operand tiles 1024-aligned");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory over the SM90 per-block limit");
   static_assert(kOffBar % 8 == 0, "mbarriers are 8-byte aligned");
   static_assert(kStages <= 4, "the rescale flags hold four stages");
   static_assert(kFusedScratchBytes<Fp8t::kThreads> <= kStages * kStageBytes, "the combine's list fits the stages");
-  static_assert(16 * Fp8t::kOStrideAll <= Fp8t::kMaxRows * Fp8t::kOStride, "16 whole output rows fit the buffer");
 };
 
 template <int N> __device__ __forceinline__ void regs_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
@@ -364,7 +357,7 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
   __half* sK = reinterpret_cast<__half*>(smem_base);
   __half* sQ = reinterpret_cast<__half*>(smem_base + S::kOffQ);
   __half* sP = reinterpret_cast<__half*>(smem_base + S::kOffP);  // [stages][kMaxRows x 64]
-  float* sO = reinterpret_cast<float*>(smem_base + S::kOffO);    // [kN][kOStride]; kOffload: [16][kOStrideAll]
+  float* sO = reinterpret_cast<float*>(smem_base + S::kOffO);    // [kN][kOStride]
   float* sColScale = reinterpret_cast<float*>(smem_base + S::kOffF);  // [32] 2^-e of each query row
   float* sAlpha = sColScale + Fp8t::kMaxRows;                         // [stages][32]
   float* sRed = sAlpha + kStages * Fp8t::kMaxRows;                    // [4 warps][32] column maxima
@@ -378,8 +371,6 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
   uint64_t* p_ready = bars + 2 * kStages;
   uint64_t* sums_full = bars + 3 * kStages;
   uint64_t* sums_empty = bars + 3 * kStages + 2;
-  uint64_t* o_full = bars + 3 * kStages + 4;   // accumulator -> epilogue warps: the item's O^T is in sO
-  uint64_t* o_empty = bars + 3 * kStages + 5;  // epilogue warps -> accumulator: sO is read
   // stage `st`, its phase for the it-th tile of the CTA
   auto stage_bytes = [&](uint32_t st) { return smem_base + st * S::kStageBytes; };
   auto phase_of = [](uint32_t it) { return (it / kStages) & 1u; };
@@ -392,9 +383,6 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
 #else
   constexpr int ablate = 0;
 #endif
-  // v8 at 16 rows: the epilogue warps (warps 1..3 of the producer warpgroup) write an item's output from sO, so the
-  // accumulator does not wait for its global stores before the next item's tiles
-  constexpr bool kOffload = kRS && kN == 16 && !(ablate & Fp8t::kTrialNoOffload);
   if (tid == 0) {
     for (int i = 0; i < kStages; ++i) {
       mbar_init(full + i, kRS ? 1 : 4);  // v8: the producer's arrive with the stage's byte count
@@ -402,11 +390,9 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
       mbar_init(p_ready + i, 4 + 3);
       if (i < 2) {
         mbar_init(sums_full + i, 1);
-        mbar_init(sums_empty + i, kOffload ? Fp8t::kEpiThreads : 128);
+        mbar_init(sums_empty + i, 128);
       }
     }
-    mbar_init(o_full, 128);
-    mbar_init(o_empty, Fp8t::kEpiThreads);
     fence_mbar_init();
   }
   __syncthreads();
@@ -450,31 +436,6 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
           }
           page = next;
         }
-      }
-    } else if (kOffload && warp >= 1) {
-      // ================= v8 at 16 rows: epilogue warps =================
-      // an item's rows from sO ([16][kOStrideAll], the accumulator's O^T in channel order), a quarter row (128
-      // channels, 4 per lane) per warp at a time as store_row_quad takes it, scaled by the scorer's row sums
-      uint32_t n_items = 0;
-      for (int item = item_begin; item < item_end; ++item) {
-        const WorkItem w = load_item(p, item);
-        const int req = w.req, slot = w.slot;
-        if (req < 0) continue;
-        const uint32_t par = n_items & 1u;
-        mbar_wait(sums_full + par, (n_items >> 1) & 1u);
-        mbar_wait(o_full, n_items & 1u);
-        for (int quad = warp - 1; quad < 4 * kN; quad += 3) {
-          const int c = quad / 4, ch = 128 * (quad % 4) + 4 * lane;
-          if (c >= p.rows_per_kv_head) break;  // quad grows with c
-          const float total = sSum[par * Fp8t::kMaxRows + c];
-          const float inv = total > 0.f ? kv_scale / total : 0.f;
-          const int qi = c / heads_per_kv, head = kvh * heads_per_kv + c % heads_per_kv;
-          if (!(ablate & Fp8t::kAblateOut))
-            store_row_quad<T>(p, sO + c * Fp8t::kOStrideAll, ch, ch, inv, req, qi, head, slot);
-        }
-        mbar_arrive(sums_empty + par);  // this thread's reads of the sums and of sO are done
-        mbar_arrive(o_empty);
-        ++n_items;
       }
     }
     regs_inc<Fp8t::kRegsLaunch>();
@@ -834,18 +795,6 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
         if (lane == 0) mbar_arrive(empty + st);
       }
 
-      if constexpr (kOffload) {
-        // ---- out: O^T into sO for the epilogue warps, once they have read the previous item's
-        mbar_wait(o_empty, (n_items & 1u) ^ 1u);
-#pragma unroll
-        for (int mb = 0; mb < 8; ++mb)
-#pragma unroll
-          for (int i = 0; i < kAcc; ++i)
-            sO[col_of(acc_col(i)) * Fp8t::kOStrideAll + mb * 64 + fp8rs_channel(acc_row(i))] = acc_o[mb][i];
-        mbar_arrive(o_full);
-        ++n_items;
-        continue;
-      }
       // ---- out: half a row block (256 channels) at a time through sO, rows out 4 channels per thread
       const uint32_t par = n_items & 1u;
       mbar_wait(sums_full + par, (n_items >> 1) & 1u);
