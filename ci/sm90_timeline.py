@@ -38,6 +38,10 @@ from bench_cuda_sm90 import make_inputs  # noqa: E402
 ITEMS, ITEM_BASE = 7, 1  # params.h: kTimelineItems, kTimelineItemBase
 DONE, GRID_SYNC, END = ITEM_BASE + 4 * ITEMS, ITEM_BASE + 4 * ITEMS + 1, ITEM_BASE + 4 * ITEMS + 2
 STEP_BASE, STEPS = END + 1, 64  # kTimelineStepBase, kTimelineSteps: the end of each mainloop step (v2 tile, v5 pair)
+COUNTER_BASE = STEP_BASE + STEPS  # kTimelineCounterBase: cycle totals (v7 / v8, mainloop_fp8t.cuh's timeline_count)
+COUNTERS = ("producer waits for a free stage", "scorer waits for a tile", "scorer's query tiles",
+            "scorer waits for the sums' slot", "accumulator waits for a tile", "accumulator waits for P^T",
+            "accumulator's epilogues", "accumulator waits for the sums")
 PHASES = ("meta", "load", "loop", "store")
 
 
@@ -57,7 +61,7 @@ def analyse(tl, items, part_offsets, num_parts):
     us = 1 / rate / 1e3  # µs per cycle
     first = {ph: [] for ph in PHASES}
     later = {ph: [] for ph in PHASES}
-    per_tile, rows = [], []
+    per_tile, rows, counters = [], [], []
     for c in live:
         part = c % num_parts
         # the kernel numbers a part's items from its first (tiles of 64 tokens, the schedule's chunk)
@@ -86,6 +90,8 @@ def analyse(tl, items, part_offsets, num_parts):
             start = max([x for x in loaded if x <= t] + ([prev] if prev is not None else []))
             steps.append(round((t - start) * us, 2))
             prev = t
+        counters.append([tl[c, COUNTER_BASE + i, 0].item() if tl.shape[1] > COUNTER_BASE + i else 0
+                         for i in range(len(COUNTERS))])
         # per CTA: (end µs, part, row tile, items, tiles, phases of its items, step times)
         rows.append(((gt[c, END].item() - t0) / 1e3, part, c // num_parts, len(tiles), sum(tiles), phases, steps))
     return {
@@ -96,6 +102,9 @@ def analyse(tl, items, part_offsets, num_parts):
         "end": [(gt[c, END].item() - t0) / 1e3 for c in live],
         "ctas_detail": sorted(rows, reverse=True),
         "items_per_cta": statistics.mean(r[3] for r in rows),
+        # per counter: its total over each CTA in µs ([] where the kernel keeps no counters)
+        "counters": [[row[i] * us for row in counters] for i in range(len(COUNTERS))]
+        if any(any(row) for row in counters) else [],
     }
 
 
@@ -111,6 +120,7 @@ def main():
     ap.add_argument("--variants", default="default", help="comma-separated mainloop variants or 'default'")
     ap.add_argument("--combine", default="default", help="default, fused or separate")
     ap.add_argument("--varlen", action="store_true", help="lengths drawn around SEQLEN as in the benchmark")
+    ap.add_argument("--kv-format", default="bf16", choices=("bf16", "fp8_e4m3", "fp8_ds_mla"))
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-flush", action="store_true", help="leave L2 as the previous call left it")
     ap.add_argument("--worst", type=int, default=0, help="also list the N CTAs that end last (median call)")
@@ -123,9 +133,11 @@ def main():
     print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} extension {module.__name__}")
     for h_q in (int(h) for h in args.heads.split(",")):
         for b, L in ((int(x), int(y)) for x, y in (c.split("x") for c in args.configs.split(","))):
-            q, kv, table, lens, kv_scale = make_inputs(b, args.q_len, h_q, L, varlen=args.varlen)
+            q, kv, table, lens, kv_scale = make_inputs(b, args.q_len, h_q, L, varlen=args.varlen,
+                                                       kv_format=args.kv_format)
             for v in args.variants.split(","):
-                plan = plan_decode(q, kv, table, lens, backend="cuda_sm90")
+                plan = plan_decode(q, kv, table, lens, kv_format=args.kv_format, kv_scale=kv_scale,
+                                   backend="cuda_sm90")
                 if v != "default":
                     plan.state.variant = int(v)
                 if args.combine != "default":
@@ -134,7 +146,7 @@ def main():
                 items = s.items.tolist()
                 offsets = s.part_offsets.tolist()
                 for _ in range(3):
-                    plan.run(q, kv)
+                    plan.run(q, kv, kv_scale=kv_scale)
                 torch.cuda.synchronize()
                 module.timeline_take()
                 runs = []
@@ -142,7 +154,7 @@ def main():
                     if not args.no_flush:
                         flush.zero_()
                     torch.cuda.synchronize()
-                    plan.run(q, kv)
+                    plan.run(q, kv, kv_scale=kv_scale)
                     torch.cuda.synchronize()
                     runs.append(analyse(module.timeline_take(), items, offsets, s.num_parts))
 
@@ -167,6 +179,11 @@ def main():
                     print(f"  grid sync  min / med / max {spread(last['sync'])} µs")
                 print(f"  end        min / med / max {spread(last['end'])} µs  (median call: "
                       f"{med(lambda r: max(r['end'])):.1f} µs)")
+                if last["counters"]:
+                    print("  waits and phases, total per CTA, median over CTAs (p90) µs:")
+                    for i, name in enumerate(COUNTERS):
+                        print(f"    {name:34s} {med(lambda r: statistics.median(r['counters'][i])):7.2f} "
+                              f"({med(lambda r: p90(r['counters'][i])):7.2f})")
                 by_step = [[r[6][n] for r in last["ctas_detail"] if len(r[6]) > n] for n in range(12)]
                 print("  mainloop step n (v2: tile, v5: pair), median over CTAs µs: "
                       + " ".join(f"{statistics.median(x):.2f}" for x in by_step if x))

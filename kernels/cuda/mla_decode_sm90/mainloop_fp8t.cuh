@@ -95,6 +95,8 @@ struct Fp8t {
   static constexpr int kAblatePStore = 32;   // scorer: no P^T stores
   static constexpr int kAblateOut = 64;      // accumulator: no output stores
   static constexpr int kAblateFence = 256;   // converter: no proxy fence (MEMBAR) before a stage's full signal
+  static constexpr int kTrialQSerial = 2048;  // trial: the query tile one row at a time (as before)
+  static constexpr int kTrialOutSerial = 4096;  // trial: the output loop not unrolled (as before)
   // (bits 128, 512, 1024 and 2048 of the twenty-sixth session, NOTES.md, are in commit bc70a18 only)
   static_assert(kRegsConv + kRegsScorer + kRegsAcc == 3 * kRegsLaunch, "setmaxnreg moves registers, adds none");
   static_assert(kRegsProd + kRegsScorerRS + kRegsAccRS == 3 * kRegsLaunch, "setmaxnreg moves registers, adds none");
@@ -416,6 +418,7 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
     if (tid == 0) {
       const PageGeometry pg = page_geometry(p.page_size);
       uint32_t it = 0;
+      long long t_empty = 0;  // timeline counter 0
       for (int item = item_begin; item < item_end; ++item) {
         const WorkItem w = load_item(p, item);
         const int req = w.req, tok_begin = w.tok_begin, tok_end = w.tok_end;
@@ -425,7 +428,7 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
         for (int t0 = tok_begin; t0 < tok_end; t0 += Cfg::kBlockN, ++it) {
           const uint32_t st = it % kStages;
           const int t1 = t0 + Cfg::kBlockN, next = t1 < tok_end ? table_row[pg.index(t1)] : 0;  // read a tile ahead
-          mbar_wait(empty + st, phase_of(it) ^ 1u);
+          MLA_TIMED(t_empty, mbar_wait(empty + st, phase_of(it) ^ 1u));
           if (ablate & Fp8t::kAblateLoad) {
             mbar_arrive(full + st);
           } else {
@@ -437,6 +440,7 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
           page = next;
         }
       }
+      timeline_count(0, t_empty, 0);
     }
     regs_inc<Fp8t::kRegsLaunch>();
   } else if (wg == 0) {
@@ -532,6 +536,7 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
     barrier_cta_unaligned(Fp8t::kBarRegs, Fp8t::kThreads);
     const float score_scale = p.softmax_scale * kv_scale * kLog2e;
     uint32_t it = 0, n_items = 0;
+    long long t_full = 0, t_q = 0, t_sums = 0;  // timeline counters 1, 2, 3
     for (int item = item_begin; item < item_end; ++item) {
       const WorkItem w = load_item(p, item);
       const int req = w.req, tok_begin = w.tok_begin, tok_end = w.tok_end, slot = w.slot;
@@ -539,56 +544,75 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
       const int seqlen = p.cache_seqlens[req];
       const int n_tiles = (tok_end - tok_begin + Cfg::kBlockN - 1) / Cfg::kBlockN;
       // ---- the query tile in fp16: warp w takes rows w, w + 4, ...; lane the 16-byte chunks lane, lane + 32, ...
+      const long long t_q0 = MLA_CLOCK();
       named_barrier(Fp8t::kBarScorer, 128);  // every warp's S^T of the previous item is done: sQ is free
+      // every row's loads of a batch in flight before any is used: one row at a time, the first item's query tile
+      // took 14 / 17 us at 16 / 32 rows (H100, b=64 L=8K, the loads queued behind the tiles' copies; NOTES.md,
+      // twenty-eighth session). v8's scorer holds all its rows (kN / 4 x 12 registers); v7's (112 registers)
+      // spilled with two at 32 rows, so it keeps one row at a time
+      constexpr int kQBatch = kRS && !(ablate & Fp8t::kTrialQSerial) ? kN / 4 : 1;
 #pragma unroll 1
-      for (int c = warp; c < kN; c += 4) {
-        const bool valid = c < p.rows_per_kv_head;
-        const T* src = reinterpret_cast<const T*>(p.q) + (int64_t)req * p.q_stride_b +
-                       (int64_t)(valid ? c / heads_per_kv : 0) * p.q_stride_s +
-                       (int64_t)(kvh * heads_per_kv + (valid ? c % heads_per_kv : 0)) * p.q_stride_h;
-        uint4 v[3];
-        float mx = 0.f;
+      for (int c0 = warp; c0 < kN; c0 += 4 * kQBatch) {
+        uint4 v[kQBatch][3];
 #pragma unroll
-        for (int k = 0; k < 3; ++k) {
-          const int chunk = lane + 32 * k;
-          v[k] = valid && chunk < Cfg::kChunksQK ? *reinterpret_cast<const uint4*>(src + 8 * chunk)
-                                                 : make_uint4(0, 0, 0, 0);
-          const uint32_t* u = reinterpret_cast<const uint32_t*>(&v[k]);
+        for (int r = 0; r < kQBatch; ++r) {
+          const int c = c0 + 4 * r;
+          const bool valid = c < p.rows_per_kv_head;
+          const T* src = reinterpret_cast<const T*>(p.q) + (int64_t)req * p.q_stride_b +
+                         (int64_t)(valid ? c / heads_per_kv : 0) * p.q_stride_s +
+                         (int64_t)(kvh * heads_per_kv + (valid ? c % heads_per_kv : 0)) * p.q_stride_h;
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const float2 f = TT::to_float2(*reinterpret_cast<const typename TT::T2*>(u + e));
-            mx = fmaxf(mx, fmaxf(fabsf(f.x), fabsf(f.y)));
+          for (int k = 0; k < 3; ++k) {
+            const int chunk = lane + 32 * k;
+            v[r][k] = valid && chunk < Cfg::kChunksQK ? *reinterpret_cast<const uint4*>(src + 8 * chunk)
+                                                      : make_uint4(0, 0, 0, 0);
           }
         }
 #pragma unroll
-        for (int o = 1; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-        int ex = 0;
-        frexpf(mx, &ex);  // mx = f 2^ex, f in [0.5, 1): mx 2^(15 - ex) in [2^14, 2^15)
-        const int sh = max(-126, min(126, 15 - ex));
-        const float up = pow2i(sh);
+        for (int r = 0; r < kQBatch; ++r) {
+          const int c = c0 + 4 * r;
+          float mx = 0.f;
 #pragma unroll
-        for (int k = 0; k < 3; ++k) {
-          const int chunk = lane + 32 * k;
-          if (chunk >= Cfg::kChunksQK) continue;
-          const uint32_t* u = reinterpret_cast<const uint32_t*>(&v[k]);
-          uint4 h;
-          uint32_t* hw = reinterpret_cast<uint32_t*>(&h);
+          for (int k = 0; k < 3; ++k) {
+            const uint32_t* u = reinterpret_cast<const uint32_t*>(&v[r][k]);
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const float2 f = TT::to_float2(*reinterpret_cast<const typename TT::T2*>(u + e));
-            hw[e] = half2_bits(__floats2half2_rn(f.x * up, f.y * up));
+            for (int e = 0; e < 4; ++e) {
+              const float2 f = TT::to_float2(*reinterpret_cast<const typename TT::T2*>(u + e));
+              mx = fmaxf(mx, fmaxf(fabsf(f.x), fabsf(f.y)));
+            }
           }
-          if constexpr (kRS) {  // columns in fp8rs_gemm_s's order: (0 1 4 5) and (2 3 6 7) of the chunk apart
-            *reinterpret_cast<uint2*>(sQ + q_tile_offset<kN>(c, fp8rs_q_col(8 * chunk))) = make_uint2(hw[0], hw[2]);
-            *reinterpret_cast<uint2*>(sQ + q_tile_offset<kN>(c, fp8rs_q_col(8 * chunk + 2))) = make_uint2(hw[1], hw[3]);
-          } else {
-            *reinterpret_cast<uint4*>(sQ + q_tile_offset<kN>(c, 8 * chunk)) = h;
+#pragma unroll
+          for (int o = 1; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+          int ex = 0;
+          frexpf(mx, &ex);  // mx = f 2^ex, f in [0.5, 1): mx 2^(15 - ex) in [2^14, 2^15)
+          const int sh = max(-126, min(126, 15 - ex));
+          const float up = pow2i(sh);
+#pragma unroll
+          for (int k = 0; k < 3; ++k) {
+            const int chunk = lane + 32 * k;
+            if (chunk >= Cfg::kChunksQK) continue;
+            const uint32_t* u = reinterpret_cast<const uint32_t*>(&v[r][k]);
+            uint4 h;
+            uint32_t* hw = reinterpret_cast<uint32_t*>(&h);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const float2 f = TT::to_float2(*reinterpret_cast<const typename TT::T2*>(u + e));
+              hw[e] = half2_bits(__floats2half2_rn(f.x * up, f.y * up));
+            }
+            if constexpr (kRS) {  // columns in fp8rs_gemm_s's order: (0 1 4 5) and (2 3 6 7) of the chunk apart
+              *reinterpret_cast<uint2*>(sQ + q_tile_offset<kN>(c, fp8rs_q_col(8 * chunk))) = make_uint2(hw[0], hw[2]);
+              *reinterpret_cast<uint2*>(sQ + q_tile_offset<kN>(c, fp8rs_q_col(8 * chunk + 2))) =
+                  make_uint2(hw[1], hw[3]);
+            } else {
+              *reinterpret_cast<uint4*>(sQ + q_tile_offset<kN>(c, 8 * chunk)) = h;
+            }
           }
+          if (lane == 0) sColScale[c] = pow2i(-sh);
         }
-        if (lane == 0) sColScale[c] = pow2i(-sh);
       }
       fence_proxy_async_smem();
       named_barrier(Fp8t::kBarScorer, 128);
+      t_q += MLA_CLOCK() - t_q0;
       float s_col[kCols], m_run[kCols], m_use[kCols], l_run[kCols];
       int limit[kCols];
 #pragma unroll
@@ -602,7 +626,7 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
       for (int j = 0; j < n_tiles; ++j, ++it) {
         const int t0 = tok_begin + j * Cfg::kBlockN;
         const uint32_t st = it % kStages;
-        mbar_wait(full + st, phase_of(it));
+        MLA_TIMED(t_full, mbar_wait(full + st, phase_of(it)));
         // ---- S^T = K Q^T (etap_gemm_s; v8: fp8rs_gemm_s)
         float acc_s[kAcc];
         if (ablate & Fp8t::kAblateS) {
@@ -703,7 +727,8 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
           if (warp == 0) sMax[col_of(k)] = m_run[k];
         }
       }
-      mbar_wait(sums_empty + par, ((n_items >> 1) & 1u) ^ 1u);  // the accumulator read the sums of item n - 2
+      MLA_TIMED(t_sums, mbar_wait(sums_empty + par, ((n_items >> 1) & 1u) ^ 1u));  // the accumulator read the sums of
+                                                                                   // item n - 2
       named_barrier(Fp8t::kBarScorer, 128);
       if (tid_wg < kN) {
         const int c = tid_wg;
@@ -721,6 +746,9 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
       if (tid_wg == 0) mbar_arrive(sums_full + par);
       ++n_items;
     }
+    timeline_count(1, t_full, 128);
+    timeline_count(2, t_q, 128);
+    timeline_count(3, t_sums, 128);
     if constexpr (kRS)
       regs_dec<Fp8t::kRegsLaunch>();
     else
@@ -730,9 +758,11 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
     regs_inc<kRS ? Fp8t::kRegsAccRS : Fp8t::kRegsAcc>();
     barrier_cta_unaligned(Fp8t::kBarRegs, Fp8t::kThreads);
     uint32_t it = 0, n_items = 0;
+    long long t_full = 0, t_p = 0, t_out = 0, t_sums = 0;  // timeline counters 4, 5, 6, 7
     for (int item = item_begin; item < item_end; ++item) {
       const WorkItem w = load_item(p, item);
       const int req = w.req, tok_begin = w.tok_begin, tok_end = w.tok_end, slot = w.slot;
+      stamp(item_event(item - item_begin, 0), req, 256);
       if (req < 0) continue;
       const int n_tiles = (tok_end - tok_begin + Cfg::kBlockN - 1) / Cfg::kBlockN;
       float acc_o[8][kAcc];
@@ -741,7 +771,8 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
         const uint32_t st = it % kStages, ph = phase_of(it);
         // P^T of the tile ready, O^T rescaled where the scorer moved a row's reference maximum
         auto wait_p = [&] {
-          mbar_wait(p_ready + st, ph);
+          MLA_TIMED(t_p, mbar_wait(p_ready + st, ph));
+          if (j == 0) stamp(item_event(item - item_begin, 1), 0, 256);
           if (sFlag[st]) {
             float alpha[kCols];
 #pragma unroll
@@ -764,7 +795,7 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
           };
           const uint64_t dp = desc(sP + st * (S::kPBytes / 2));
           uint32_t va[2][16];
-          mbar_wait(full + st, ph);
+          MLA_TIMED(t_full, mbar_wait(full + st, ph));
           load_v(va[0], 0);
           wait_p();
 #pragma unroll
@@ -793,11 +824,14 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
         }
         __syncwarp();
         if (lane == 0) mbar_arrive(empty + st);
+        stamp(step_event(it), 0, 256);
       }
+      stamp(item_event(item - item_begin, 2), 0, 256);
+      const long long t_out0 = MLA_CLOCK();
 
       // ---- out: half a row block (256 channels) at a time through sO, rows out 4 channels per thread
       const uint32_t par = n_items & 1u;
-      mbar_wait(sums_full + par, (n_items >> 1) & 1u);
+      MLA_TIMED(t_sums, mbar_wait(sums_full + par, (n_items >> 1) & 1u));
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         named_barrier(Fp8t::kBarAcc, 128);  // sO's previous readers are done
@@ -808,20 +842,32 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
             sO[col_of(acc_col(i)) * Fp8t::kOStride + mb * 64 + (kRS ? fp8rs_channel(acc_row(i)) : acc_row(i))] =
                 acc_o[4 * half + mb][i];
         named_barrier(Fp8t::kBarAcc, 128);
-        for (int idx = tid_wg; idx < kN * 64; idx += 128) {
-          const int c = idx / 64, chl = 4 * (idx % 64), ch = Cfg::kHeadDimV / 2 * half + chl;
-          if (c >= p.rows_per_kv_head) break;  // idx grows with c; a warp shares c
-          const float total = sSum[par * Fp8t::kMaxRows + c];
-          const float inv = total > 0.f ? kv_scale / total : 0.f;
-          const int qi = c / heads_per_kv, head = kvh * heads_per_kv + c % heads_per_kv;
-          // sO holds this half of the row: channel ch at chl; a warp holds one quarter row (store_row_quad)
-          if (!(ablate & Fp8t::kAblateOut))
-            store_row_quad<T>(p, sO + c * Fp8t::kOStride, chl, ch, inv, req, qi, head, slot);
+        // unrolled by 8 (all of 16 rows; fully, 32 rows spilled), so that the quarter rows' loads, shuffles and
+        // stores overlap: as a loop (one row pair at a time) an item's output took 7 / 14 us at 16 / 32 rows (H100,
+        // b=64 L=8K; NOTES.md, twenty-eighth session)
+        constexpr int kOutUnroll = (ablate & Fp8t::kTrialOutSerial) ? 1 : 8;
+#pragma unroll kOutUnroll
+        for (int k = 0; k < kN / 2; ++k) {
+          const int idx = tid_wg + 128 * k, c = idx / 64, chl = 4 * (idx % 64), ch = Cfg::kHeadDimV / 2 * half + chl;
+          if (c < p.rows_per_kv_head) {  // a warp shares c
+            const float total = sSum[par * Fp8t::kMaxRows + c];
+            const float inv = total > 0.f ? kv_scale / total : 0.f;
+            const int qi = c / heads_per_kv, head = kvh * heads_per_kv + c % heads_per_kv;
+            // sO holds this half of the row: channel ch at chl; a warp holds one quarter row (store_row_quad)
+            if (!(ablate & Fp8t::kAblateOut))
+              store_row_quad<T>(p, sO + c * Fp8t::kOStride, chl, ch, inv, req, qi, head, slot);
+          }
         }
       }
       mbar_arrive(sums_empty + par);  // this thread's reads of the sums are done
+      t_out += MLA_CLOCK() - t_out0;
+      stamp(item_event(item - item_begin, 3), 0, 256);
       ++n_items;
     }
+    timeline_count(4, t_full, 256);
+    timeline_count(5, t_p, 256);
+    timeline_count(6, t_out, 256);
+    timeline_count(7, t_sums, 256);
     regs_dec<Fp8t::kRegsLaunch>();
   }
   stamp(kTimelineCombine);

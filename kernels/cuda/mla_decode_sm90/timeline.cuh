@@ -13,9 +13,9 @@ namespace mla_sm90 {
 #ifdef MLA_SM90_TIMELINE
 __device__ unsigned long long g_timeline[kTimelineCtas][kTimelineEvents][2];
 
-// `dep` is an asm input, so the stamp waits for the load that produced it (a metadata value).
-__device__ __forceinline__ void stamp(int event, int dep = 0) {
-  if (threadIdx.x != 0 || event < 0 || event >= kTimelineEvents) return;
+// `dep` is an asm input, so the stamp waits for the load that produced it (a metadata value); thread `who` stamps.
+__device__ __forceinline__ void stamp(int event, int dep = 0, int who = 0) {
+  if (threadIdx.x != who || event < 0 || event >= kTimelineEvents) return;
   const int cta = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
   if (cta >= kTimelineCtas) return;
   unsigned long long gt, ck;
@@ -24,8 +24,25 @@ __device__ __forceinline__ void stamp(int event, int dep = 0) {
   g_timeline[cta][event][0] = gt;
   g_timeline[cta][event][1] = ck;
 }
+// Counter `i` (< kTimelineCounters) of the CTA := `cycles`, from thread `who`.
+__device__ __forceinline__ void timeline_count(int i, long long cycles, int who) {
+  const int cta = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+  if (threadIdx.x != who || cta >= kTimelineCtas) return;
+  g_timeline[cta][kTimelineCounterBase + i][0] = (unsigned long long)cycles;
+}
+// `stmt` with its SM cycles added to `total` (a long long)
+#define MLA_TIMED(total, stmt)            \
+  do {                                    \
+    const long long t_timed_ = clock64(); \
+    stmt;                                 \
+    total += clock64() - t_timed_;        \
+  } while (0)
+#define MLA_CLOCK() clock64()
 #else
-__device__ __forceinline__ void stamp(int, int = 0) {}
+__device__ __forceinline__ void stamp(int, int = 0, int = 0) {}
+__device__ __forceinline__ void timeline_count(int, long long, int) {}
+#define MLA_TIMED(total, stmt) stmt
+#define MLA_CLOCK() 0ll  // the timeline's clock reads are not compiled in
 #endif
 
 // The events of item k (counted from the CTA's first item) are kTimelineItemBase + 4k + {0: metadata read,
