@@ -95,8 +95,6 @@ struct Fp8t {
   static constexpr int kAblatePStore = 32;   // scorer: no P^T stores
   static constexpr int kAblateOut = 64;      // accumulator: no output stores
   static constexpr int kAblateFence = 256;   // converter: no proxy fence (MEMBAR) before a stage's full signal
-  static constexpr int kTrialQSerial = 2048;  // trial: the query tile one row at a time (as before)
-  static constexpr int kTrialOutSerial = 4096;  // trial: the output loop not unrolled (as before)
   // (bits 128, 512, 1024 and 2048 of the twenty-sixth session, NOTES.md, are in commit bc70a18 only)
   static_assert(kRegsConv + kRegsScorer + kRegsAcc == 3 * kRegsLaunch, "setmaxnreg moves registers, adds none");
   static_assert(kRegsProd + kRegsScorerRS + kRegsAccRS == 3 * kRegsLaunch, "setmaxnreg moves registers, adds none");
@@ -546,11 +544,10 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
       // ---- the query tile in fp16: warp w takes rows w, w + 4, ...; lane the 16-byte chunks lane, lane + 32, ...
       const long long t_q0 = MLA_CLOCK();
       named_barrier(Fp8t::kBarScorer, 128);  // every warp's S^T of the previous item is done: sQ is free
-      // every row's loads of a batch in flight before any is used: one row at a time, the first item's query tile
-      // took 14 / 17 us at 16 / 32 rows (H100, b=64 L=8K, the loads queued behind the tiles' copies; NOTES.md,
-      // twenty-eighth session). v8's scorer holds all its rows (kN / 4 x 12 registers); v7's (112 registers)
-      // spilled with two at 32 rows, so it keeps one row at a time
-      constexpr int kQBatch = kRS && !(ablate & Fp8t::kTrialQSerial) ? kN / 4 : 1;
+      // every row's loads of a batch in flight before any is used (v8 at 32 rows: 167.7 -> 164.9 us at b=64 L=8K,
+      // no change at 16; H100, NOTES.md, twenty-eighth session). v8's scorer holds all its rows (kN / 4 x 12
+      // registers); v7's (112 registers) spilled with two at 32 rows, so it keeps one row at a time
+      constexpr int kQBatch = kRS ? kN / 4 : 1;
 #pragma unroll 1
       for (int c0 = warp; c0 < kN; c0 += 4 * kQBatch) {
         uint4 v[kQBatch][3];
@@ -842,21 +839,17 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
             sO[col_of(acc_col(i)) * Fp8t::kOStride + mb * 64 + (kRS ? fp8rs_channel(acc_row(i)) : acc_row(i))] =
                 acc_o[4 * half + mb][i];
         named_barrier(Fp8t::kBarAcc, 128);
-        // unrolled by 8 (all of 16 rows; fully, 32 rows spilled), so that the quarter rows' loads, shuffles and
-        // stores overlap: as a loop (one row pair at a time) an item's output took 7 / 14 us at 16 / 32 rows (H100,
-        // b=64 L=8K; NOTES.md, twenty-eighth session)
-        constexpr int kOutUnroll = (ablate & Fp8t::kTrialOutSerial) ? 1 : 8;
-#pragma unroll kOutUnroll
-        for (int k = 0; k < kN / 2; ++k) {
-          const int idx = tid_wg + 128 * k, c = idx / 64, chl = 4 * (idx % 64), ch = Cfg::kHeadDimV / 2 * half + chl;
-          if (c < p.rows_per_kv_head) {  // a warp shares c
-            const float total = sSum[par * Fp8t::kMaxRows + c];
-            const float inv = total > 0.f ? kv_scale / total : 0.f;
-            const int qi = c / heads_per_kv, head = kvh * heads_per_kv + c % heads_per_kv;
-            // sO holds this half of the row: channel ch at chl; a warp holds one quarter row (store_row_quad)
-            if (!(ablate & Fp8t::kAblateOut))
-              store_row_quad<T>(p, sO + c * Fp8t::kOStride, chl, ch, inv, req, qi, head, slot);
-          }
+        // (unrolled by 8 it measured no faster at 16 rows, and at 32 rows with the query loads above 12% slower: the
+        // kernel's code doubled; NOTES.md, twenty-eighth session)
+        for (int idx = tid_wg; idx < kN * 64; idx += 128) {
+          const int c = idx / 64, chl = 4 * (idx % 64), ch = Cfg::kHeadDimV / 2 * half + chl;
+          if (c >= p.rows_per_kv_head) break;  // idx grows with c; a warp shares c
+          const float total = sSum[par * Fp8t::kMaxRows + c];
+          const float inv = total > 0.f ? kv_scale / total : 0.f;
+          const int qi = c / heads_per_kv, head = kvh * heads_per_kv + c % heads_per_kv;
+          // sO holds this half of the row: channel ch at chl; a warp holds one quarter row (store_row_quad)
+          if (!(ablate & Fp8t::kAblateOut))
+            store_row_quad<T>(p, sO + c * Fp8t::kOStride, chl, ch, inv, req, qi, head, slot);
         }
       }
       mbar_arrive(sums_empty + par);  // this thread's reads of the sums are done
