@@ -8,9 +8,9 @@ Mask 0 is the normal build; any other mask builds a separate extension with ``-D
 (``Fp8t::kAblate*`` in ``kernels/cuda/mla_decode_sm90/mainloop_fp8t.cuh``, ``PARTS`` below): 1 the converter's
 global loads and L2 prefetches, 2 its conversion and stores into the stage (the compiler then drops its register
 loads too, their data unused: the L2 prefetches stay), 4 the scorer's S^T wgmma, 8 its softmax, 16 the accumulator's
-O^T wgmma, 32 the scorer's P^T stores, 64 the output stores, 256 the converter's proxy fence (MEMBAR); in v8 (no
-converter) bit 1 skips the producer's tensor copies, and 4 / 16 also drop the scorer's / accumulator's conversions
-(their results unused). Every build's
+O^T wgmma, 32 the scorer's P^T stores, 64 the output stores, 256 the converter's proxy fence (MEMBAR), 2048 the
+scorer's global loads of the query tile (zeros); in v8 (no converter) bit 1 skips the producer's tensor copies, and
+4 / 16 also drop the scorer's / accumulator's conversions (their results unused). Every build's
 pipeline (the mbarriers between the three warpgroups) is kept, so a mask's time is the kernel without that work; what
 drops the time most is what bounds it. The outputs of an ablation build are wrong by design; nothing here checks
 them.
@@ -29,7 +29,8 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-PARTS = {1: "load", 2: "store", 4: "S^T", 8: "softmax", 16: "O^T", 32: "P^T st", 64: "out", 256: "fence"}
+PARTS = {1: "load", 2: "store", 4: "S^T", 8: "softmax", 16: "O^T", 32: "P^T st", 64: "out", 256: "fence",
+         2048: "Q loads"}
 
 
 def describe(mask: int) -> str:

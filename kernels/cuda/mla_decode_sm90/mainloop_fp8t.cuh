@@ -95,6 +95,7 @@ struct Fp8t {
   static constexpr int kAblatePStore = 32;   // scorer: no P^T stores
   static constexpr int kAblateOut = 64;      // accumulator: no output stores
   static constexpr int kAblateFence = 256;   // converter: no proxy fence (MEMBAR) before a stage's full signal
+  static constexpr int kAblateQ = 2048;      // scorer: no global loads of the query tile (zeros)
   // (bits 128, 512, 1024 and 2048 of the twenty-sixth session, NOTES.md, are in commit bc70a18 only)
   static_assert(kRegsConv + kRegsScorer + kRegsAcc == 3 * kRegsLaunch, "setmaxnreg moves registers, adds none");
   static_assert(kRegsProd + kRegsScorerRS + kRegsAccRS == 3 * kRegsLaunch, "setmaxnreg moves registers, adds none");
@@ -417,15 +418,39 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
       const PageGeometry pg = page_geometry(p.page_size);
       uint32_t it = 0;
       long long t_empty = 0;  // timeline counter 0
+      // The query rows of the CTA's first item into L2 before its first tile, and of the next item four tiles before
+      // an item's end, so that the scorer's loads of them hit L2: without, the first item's loads queued behind the
+      // tiles' copies (H100, b=64 L=8K, graph us 138.0 -> 134.9 at 16 rows, 166.1 -> 162.9 at 32; without any query
+      // loads 133.9 / 156.0; NOTES.md, twenty-eighth session). Where an item's rows are one range (row stride 576, and
+      // one query token or one KV head); a loop over query tokens spilled the producer's 40 registers.
+      const bool q_pf = (reinterpret_cast<uintptr_t>(p.q) & 15) == 0 && p.q_stride_b % 8 == 0 &&
+                        p.q_stride_h == Cfg::kHeadDimQK &&
+                        (p.q_len == 1 || p.q_stride_s == (int64_t)heads_per_kv * Cfg::kHeadDimQK);
+      auto prefetch_q = [&](int from) {  // the first item from `from`
+        for (int item = from; item < item_end; ++item) {
+          const int req = load_item(p, item).req;
+          if (req < 0) continue;
+          prefetch_l2_bulk(reinterpret_cast<const T*>(p.q) + (int64_t)req * p.q_stride_b +
+                               (int64_t)kvh * heads_per_kv * Cfg::kHeadDimQK,
+                           p.rows_per_kv_head * Cfg::kHeadDimQK * sizeof(T));
+          return;
+        }
+      };
+      if (q_pf) prefetch_q(item_begin);
       for (int item = item_begin; item < item_end; ++item) {
         const WorkItem w = load_item(p, item);
         const int req = w.req, tok_begin = w.tok_begin, tok_end = w.tok_end;
         if (req < 0) continue;
         const int32_t* table_row = p.block_table + (int64_t)req * p.bt_stride;
         int page = table_row[pg.index(tok_begin)];
+        bool q_next = q_pf;
         for (int t0 = tok_begin; t0 < tok_end; t0 += Cfg::kBlockN, ++it) {
           const uint32_t st = it % kStages;
           const int t1 = t0 + Cfg::kBlockN, next = t1 < tok_end ? table_row[pg.index(t1)] : 0;  // read a tile ahead
+          if (q_next && t0 + 4 * Cfg::kBlockN >= tok_end) {  // four tiles before the item's end
+            prefetch_q(item + 1);
+            q_next = false;
+          }
           MLA_TIMED(t_empty, mbar_wait(empty + st, phase_of(it) ^ 1u));
           if (ablate & Fp8t::kAblateLoad) {
             mbar_arrive(full + st);
@@ -561,8 +586,9 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
 #pragma unroll
           for (int k = 0; k < 3; ++k) {
             const int chunk = lane + 32 * k;
-            v[r][k] = valid && chunk < Cfg::kChunksQK ? *reinterpret_cast<const uint4*>(src + 8 * chunk)
-                                                      : make_uint4(0, 0, 0, 0);
+            v[r][k] = valid && chunk < Cfg::kChunksQK && !(ablate & Fp8t::kAblateQ)
+                          ? *reinterpret_cast<const uint4*>(src + 8 * chunk)
+                          : make_uint4(0, 0, 0, 0);
           }
         }
 #pragma unroll
