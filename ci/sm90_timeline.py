@@ -1,6 +1,7 @@
 """Where one call of the cuda_sm90 kernel spends its time, per CTA and per item (GPU machine; diagnosis).
 
     python ci/sm90_timeline.py --configs 8x8192,32x4096 --variants default,2,5 [--heads 128] [--combine default]
+    python ci/sm90_timeline.py --configs 64x8192 --heads 16,32 --variants 8 --kv-format fp8_e4m3
 
 Builds the diagnosis extension (``MLA_SM90_TIMELINE=1``: thread 0 of each CTA stamps ``%globaltimer`` and
 ``clock64`` at fixed events, ``kernels/cuda/mla_decode_sm90/timeline.cuh``), runs one eager call per repetition
@@ -15,6 +16,10 @@ after an L2 flush (as do_bench measures) and prints, as the median over repetiti
 
 Thread 0, which stamps, belongs to the first warpgroup: in v5 and v6 an item's ``loop`` ends when that warpgroup's
 tiles are done and ``store`` includes waiting for the other; v5's steps are that warpgroup's pairs (v6 has none).
+In v7 and v8 the accumulator's first thread stamps the items (``load``: to its first tile's P^T, so the scorer's query
+tile and first S^T) and its tiles as steps, and the kernel adds per-CTA totals of where its warpgroups wait
+(``COUNTERS``: the producer for a free stage, the scorer for a tile, its query tiles, ...), printed as the median over
+CTAs. ``--kv-format fp8_e4m3`` gives those variants their cache.
 Times inside a CTA come from clock64 at the SM clock measured over the call (globaltimer ticks are coarse on
 some parts); ``entry`` and the ends use globaltimer. The stamps cost a little, so compare these numbers with
 each other, not with the benchmark's.

@@ -227,3 +227,34 @@ def test_schedule_overhead_per_mainloop(monkeypatch):
     assert [CudaSM90Backend.schedule_overhead(v) for v in (2, 5, 6, 1)] == [2, 5, 5, 5]
     monkeypatch.setattr(CudaSM90Backend, "SCHEDULE_OVERHEAD", 3)
     assert [CudaSM90Backend.schedule_overhead(v) for v in (2, 5, 6)] == [3, 3, 3]
+
+
+def test_timeline_reader_converts_wait_counters(monkeypatch):
+    """ci/sm90_timeline.py reads v7 / v8's cycle counters (params.h, kTimelineCounterBase) as µs at the SM clock it
+    measures from the stamps, and reports none for kernels that keep no counters."""
+    pytest.importorskip("triton")
+    ci = pathlib.Path(__file__).resolve().parents[1] / "ci"
+    monkeypatch.syspath_prepend(str(ci))  # the script imports bench_cuda_sm90 beside it
+    spec = importlib.util.spec_from_file_location("sm90_timeline", ci / "sm90_timeline.py")
+    tl_mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tl_mod)
+    params = (build.SM90_SOURCE_DIR / "params.h").read_text()
+    assert "kTimelineCounters = 8" in params and len(tl_mod.COUNTERS) == 8
+    ctas, events = 3, tl_mod.COUNTER_BASE + len(tl_mod.COUNTERS)
+    g = torch.Generator().manual_seed(0)
+    ghz = 1.5 + torch.rand((), generator=g).item()  # cycles per ns
+    life_ns = 50_000 + int(torch.randint(0, 10_000, (), generator=g))
+    tl = torch.zeros(ctas, events, 2, dtype=torch.int64)
+    cycles = torch.randint(1, 100_000, (ctas, len(tl_mod.COUNTERS)), generator=g)
+    for c in range(ctas):
+        tl[c, 0] = torch.tensor([1_000, 7])  # entry: globaltimer ns, clock64
+        tl[c, tl_mod.END] = torch.tensor([1_000 + life_ns, 7 + round(life_ns * ghz)])
+        tl[c, tl_mod.COUNTER_BASE:, 0] = cycles[c]
+    items = [(c, 0, 64, -1) for c in range(ctas)]
+    offsets = list(range(ctas + 1))
+    got = tl_mod.analyse(tl, items, offsets, ctas)
+    for i in range(len(tl_mod.COUNTERS)):
+        want = [cycles[c, i].item() / ghz / 1e3 for c in range(ctas)]
+        assert got["counters"][i] == pytest.approx(want, rel=1e-4)
+    tl[:, tl_mod.COUNTER_BASE:, 0] = 0
+    assert tl_mod.analyse(tl, items, offsets, ctas)["counters"] == []
