@@ -46,7 +46,8 @@ STEP_BASE, STEPS = END + 1, 64  # kTimelineStepBase, kTimelineSteps: the end of 
 COUNTER_BASE = STEP_BASE + STEPS  # kTimelineCounterBase: cycle totals (v7 / v8, mainloop_fp8t.cuh's timeline_count)
 COUNTERS = ("producer waits for a free stage", "scorer waits for a tile", "scorer's query tiles",
             "scorer waits for the sums' slot", "accumulator waits for a tile", "accumulator waits for P^T",
-            "accumulator's epilogues", "accumulator waits for the sums")
+            "accumulator's epilogues", "accumulator waits for the sums", "  epilogue: first barrier of a half",
+            "  epilogue: O^T into sO", "  epilogue: second barrier", "  epilogue: rows out of sO")
 PHASES = ("meta", "load", "loop", "store")
 
 

@@ -98,6 +98,7 @@ struct Fp8t {
   static constexpr int kAblateOut = 64;      // accumulator: no output stores
   static constexpr int kAblateFence = 256;   // converter: no proxy fence (MEMBAR) before a stage's full signal
   static constexpr int kAblateQ = 2048;      // scorer: no global loads of the query tile (zeros)
+  static constexpr int kTrialOutLoop = 4096;  // trial: the rows out of sO by the loop of store_row_quad (as before)
   // (bits 128, 512, 1024 and 2048 of the twenty-sixth session, NOTES.md, are in commit bc70a18 only)
   static_assert(kRegsConv + kRegsScorer + kRegsAcc == 3 * kRegsLaunch, "setmaxnreg moves registers, adds none");
   static_assert(kRegsProd + kRegsScorerRS + kRegsAccRS == 3 * kRegsLaunch, "setmaxnreg moves registers, adds none");
@@ -342,6 +343,72 @@ __device__ __forceinline__ void fp8rs_load_v(uint32_t (&f)[16], const uint8_t* s
 
 // The stage channel of O^T's accumulator row `row` (0..63) of a 64-channel block (fp8rs_load_v's order).
 __device__ __forceinline__ int fp8rs_channel(int row) { return (row & ~15) + 2 * (row & 7) + ((row >> 3) & 1); }
+
+// Half of an item's output (channels 256 half .. + 256 of its rows) from sO ([kN][kOStride] fp32) into out (slot < 0)
+// or its partial rows, as store_row_quad writes them, 4 channels per thread and 128 threads: pass k takes row
+// 2 k + tid_wg / 64 (a warp shares it). The passes hold no branch around their loads and shuffles (a row past
+// rows_per_kv_head reads the last row; only its stores are skipped), so that unrolled they overlap: as a loop of
+// store_row_quad each pass waited for the last (loads, five shuffles, the scale), 4.6 / 9.2 us per item at 16 / 32 rows
+// (H100, b=64 L=8K; NOTES.md, twenty-eighth session).
+template <typename T, int kN>
+__device__ __forceinline__ void fp8t_rows_out(const DecodeParams& p, const float* sO, const float* sum, int half,
+                                              float kv_scale, int req, int slot, int kvh, int tid_wg) {
+  using TT = TypeTraits<T>;
+  constexpr int kU = kN == 16 ? 8 : 4;  // passes at once: all of 16 rows; 32 rows by four, as the kernel's code grows
+  const int heads_per_kv = p.heads_q / p.heads_kv, last = p.rows_per_kv_head - 1;
+  const int chl = 4 * (tid_wg % 64), ch = Cfg::kHeadDimV / 2 * half + chl;
+  // out: position chl holds channels chl .. + 3; a partial row: channels 2q, 2q + 1, 8 + 2q, 9 + 2q of the 16 (q =
+  // chl % 16 / 4; store_row_quad)
+  const int so = slot < 0 ? chl : (chl & ~15) + 2 * ((chl & 15) / 4);
+#pragma unroll 1
+  for (int k0 = 0; k0 < kN / 2; k0 += kU) {
+    float4 v[kU];
+    float inv[kU], m[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int cr = min(2 * (k0 + u) + tid_wg / 64, last);
+      const float total = sum[cr];
+      inv[u] = total > 0.f ? kv_scale / total : 0.f;
+      const float* o = sO + cr * Fp8t::kOStride + so;
+      if (slot < 0) {
+        v[u] = *reinterpret_cast<const float4*>(o);
+      } else {
+        const float2 lo = *reinterpret_cast<const float2*>(o), hi = *reinterpret_cast<const float2*>(o + 8);
+        v[u] = make_float4(lo.x, lo.y, hi.x, hi.y);
+      }
+      m[u] = fmaxf(fmaxf(fabsf(v[u].x), fabsf(v[u].y)), fmaxf(fabsf(v[u].z), fabsf(v[u].w)));
+    }
+    if (slot >= 0) {  // the quarter row's maximum, for its scale (uniform: slot is the item's)
+#pragma unroll
+      for (int d = 1; d < 32; d *= 2)
+#pragma unroll
+        for (int u = 0; u < kU; ++u) m[u] = fmaxf(m[u], __shfl_xor_sync(0xffffffffu, m[u], d));
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int c = 2 * (k0 + u) + tid_wg / 64;
+      if (c > last) break;  // c grows with u
+      const int qi = c / heads_per_kv, head = kvh * heads_per_kv + c % heads_per_kv;
+      if (slot < 0) {
+        T* dst = out_row<T>(p, req, qi, head) + ch;
+        *reinterpret_cast<typename TT::T2*>(dst) = TT::from_float2(v[u].x * inv[u], v[u].y * inv[u]);
+        *reinterpret_cast<typename TT::T2*>(dst + 2) = TT::from_float2(v[u].z * inv[u], v[u].w * inv[u]);
+      } else {
+        const int shift = partial_shift(m[u] * inv[u], inv[u]);
+        const float ps = inv[u] * pow2i(shift);
+        char* row = partial_row(p.partial_out, partial_index(p, slot, qi, head));
+        *reinterpret_cast<uint2*>(reinterpret_cast<__half*>(row) + ch) =
+            make_uint2(half2_bits(__floats2half2_rn(v[u].x * ps, v[u].y * ps)),
+                       half2_bits(__floats2half2_rn(v[u].z * ps, v[u].w * ps)));
+        if (ch % 128 < 16) {  // lanes 0 .. 3 fill the quarter's shift sector
+          const uint32_t w = shift_word(shift);
+          *reinterpret_cast<uint2*>(row + kPartialShiftByte + kPartialShiftStride * (ch / 128) + 2 * (ch % 128)) =
+              make_uint2(w, w);
+        }
+      }
+    }
+  }
+}
 
 // v7 (kRS = false) and v8 (kRS = true; kv_map: the cache's tensor map with 128-column boxes, launch.cu make_kv_map).
 template <typename T, int kN, bool kRS>
@@ -784,6 +851,7 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
     barrier_cta_unaligned(Fp8t::kBarRegs, Fp8t::kThreads);
     uint32_t it = 0, n_items = 0;
     long long t_full = 0, t_p = 0, t_out = 0, t_sums = 0;  // timeline counters 4, 5, 6, 7
+    long long t_epi[4] = {0, 0, 0, 0};  // timeline counters 8..11: the epilogue's parts
     for (int item = item_begin; item < item_end; ++item) {
       const WorkItem w = load_item(p, item);
       const int req = w.req, tok_begin = w.tok_begin, tok_end = w.tok_end, slot = w.slot;
@@ -859,16 +927,23 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
       MLA_TIMED(t_sums, mbar_wait(sums_full + par, (n_items >> 1) & 1u));
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
+        const long long c0 = MLA_CLOCK();
         named_barrier(Fp8t::kBarAcc, 128);  // sO's previous readers are done
+        const long long c1 = MLA_CLOCK();
 #pragma unroll
         for (int mb = 0; mb < 4; ++mb)
 #pragma unroll
           for (int i = 0; i < kAcc; ++i)
             sO[col_of(acc_col(i)) * Fp8t::kOStride + mb * 64 + (kRS ? fp8rs_channel(acc_row(i)) : acc_row(i))] =
                 acc_o[4 * half + mb][i];
+        const long long c2 = MLA_CLOCK();
         named_barrier(Fp8t::kBarAcc, 128);
-        // (unrolled by 8 it measured no faster at 16 rows, and at 32 rows with the query loads above 12% slower: the
-        // kernel's code doubled; NOTES.md, twenty-eighth session)
+        const long long c3 = MLA_CLOCK();
+        t_epi[0] += c1 - c0, t_epi[1] += c2 - c1, t_epi[2] += c3 - c2;
+        if (!(ablate & Fp8t::kTrialOutLoop)) {
+          if (!(ablate & Fp8t::kAblateOut))
+            fp8t_rows_out<T, kN>(p, sO, sSum + par * Fp8t::kMaxRows, half, kv_scale, req, slot, kvh, tid_wg);
+        } else
         for (int idx = tid_wg; idx < kN * 64; idx += 128) {
           const int c = idx / 64, chl = 4 * (idx % 64), ch = Cfg::kHeadDimV / 2 * half + chl;
           if (c >= p.rows_per_kv_head) break;  // idx grows with c; a warp shares c
@@ -879,6 +954,7 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
           if (!(ablate & Fp8t::kAblateOut))
             store_row_quad<T>(p, sO + c * Fp8t::kOStride, chl, ch, inv, req, qi, head, slot);
         }
+        t_epi[3] += MLA_CLOCK() - c3;
       }
       mbar_arrive(sums_empty + par);  // this thread's reads of the sums are done
       t_out += MLA_CLOCK() - t_out0;
@@ -889,6 +965,8 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
     timeline_count(5, t_p, 256);
     timeline_count(6, t_out, 256);
     timeline_count(7, t_sums, 256);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) timeline_count(8 + i, t_epi[i], 256);
     regs_dec<Fp8t::kRegsLaunch>();
   }
   stamp(kTimelineCombine);

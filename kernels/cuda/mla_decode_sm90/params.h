@@ -137,7 +137,7 @@ int decode_smem_bytes();
 constexpr int kTimelineCtas = 1056, kTimelineEntry = 0, kTimelineItems = 7, kTimelineItemBase = 1;
 constexpr int kTimelineCombine = kTimelineItemBase + 4 * kTimelineItems, kTimelineGridSync = kTimelineCombine + 1;
 constexpr int kTimelineEnd = kTimelineGridSync + 1, kTimelineStepBase = kTimelineEnd + 1, kTimelineSteps = 64;
-constexpr int kTimelineCounterBase = kTimelineStepBase + kTimelineSteps, kTimelineCounters = 8;
+constexpr int kTimelineCounterBase = kTimelineStepBase + kTimelineSteps, kTimelineCounters = 12;
 constexpr int kTimelineEvents = kTimelineCounterBase + kTimelineCounters;
 #ifdef MLA_SM90_TIMELINE
 // Copy the timeline (kTimelineCtas * kTimelineEvents * 2 uint64) to host memory `dst`, then zero it.
