@@ -98,7 +98,6 @@ struct Fp8t {
   static constexpr int kAblateOut = 64;      // accumulator: no output stores
   static constexpr int kAblateFence = 256;   // converter: no proxy fence (MEMBAR) before a stage's full signal
   static constexpr int kAblateQ = 2048;      // scorer: no global loads of the query tile (zeros)
-  static constexpr int kTrialOutLoop = 4096;  // trial: the rows out of sO by the loop of store_row_quad (as before)
   // (bits 128, 512, 1024 and 2048 of the twenty-sixth session, NOTES.md, are in commit bc70a18 only)
   static_assert(kRegsConv + kRegsScorer + kRegsAcc == 3 * kRegsLaunch, "setmaxnreg moves registers, adds none");
   static_assert(kRegsProd + kRegsScorerRS + kRegsAccRS == 3 * kRegsLaunch, "setmaxnreg moves registers, adds none");
@@ -348,13 +347,13 @@ __device__ __forceinline__ int fp8rs_channel(int row) { return (row & ~15) + 2 *
 // or its partial rows, as store_row_quad writes them, 4 channels per thread and 128 threads: pass k takes row
 // 2 k + tid_wg / 64 (a warp shares it). The passes hold no branch around their loads and shuffles (a row past
 // rows_per_kv_head reads the last row; only its stores are skipped), so that unrolled they overlap: as a loop of
-// store_row_quad each pass waited for the last (loads, five shuffles, the scale), 4.6 / 9.2 us per item at 16 / 32 rows
-// (H100, b=64 L=8K; NOTES.md, twenty-eighth session).
+// store_row_quad each pass waited for the last (loads, five shuffles, the scale): 4.6 / 9.2 us per item at 16 / 32
+// rows (H100, b=64 L=8K; NOTES.md, twenty-eighth session). v8 at 32 rows uses it.
 template <typename T, int kN>
 __device__ __forceinline__ void fp8t_rows_out(const DecodeParams& p, const float* sO, const float* sum, int half,
                                               float kv_scale, int req, int slot, int kvh, int tid_wg) {
   using TT = TypeTraits<T>;
-  constexpr int kU = kN == 16 ? 8 : 4;  // passes at once: all of 16 rows; 32 rows by four, as the kernel's code grows
+  constexpr int kU = 4;  // passes at once (of kN / 2), the kernel's code growing with them
   const int heads_per_kv = p.heads_q / p.heads_kv, last = p.rows_per_kv_head - 1;
   const int chl = 4 * (tid_wg % 64), ch = Cfg::kHeadDimV / 2 * half + chl;
   // out: position chl holds channels chl .. + 3; a partial row: channels 2q, 2q + 1, 8 + 2q, 9 + 2q of the 16 (q =
@@ -940,7 +939,9 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
         named_barrier(Fp8t::kBarAcc, 128);
         const long long c3 = MLA_CLOCK();
         t_epi[0] += c1 - c0, t_epi[1] += c2 - c1, t_epi[2] += c3 - c2;
-        if (!(ablate & Fp8t::kTrialOutLoop)) {
+        // v8 at 32 rows: passes that overlap (H100, b=64 L=8K: 162.3 -> 157.0 us; at 16 rows 134.7 -> 135.2, so
+        // 16 rows and v7, not measured, keep the loop; NOTES.md, twenty-eighth session)
+        if constexpr (kRS && kN == 32) {
           if (!(ablate & Fp8t::kAblateOut))
             fp8t_rows_out<T, kN>(p, sO, sSum + par * Fp8t::kMaxRows, half, kv_scale, req, slot, kvh, tid_wg);
         } else
