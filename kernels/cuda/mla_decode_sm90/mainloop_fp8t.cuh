@@ -98,7 +98,7 @@ struct Fp8t {
   static constexpr int kAblateOut = 64;      // accumulator: no output stores
   static constexpr int kAblateFence = 256;   // converter: no proxy fence (MEMBAR) before a stage's full signal
   static constexpr int kAblateQ = 2048;      // scorer: no global loads of the query tile (zeros)
-  // (bits 128, 512, 1024 and 2048 of the twenty-sixth session, NOTES.md, are in commit bc70a18 only)
+  // (bits 128, 512, 1024 and 2048 of the twenty-sixth session, NOTES.md, are in commit bc70a18 only; 2048 is kAblateQ now)
   static_assert(kRegsConv + kRegsScorer + kRegsAcc == 3 * kRegsLaunch, "setmaxnreg moves registers, adds none");
   static_assert(kRegsProd + kRegsScorerRS + kRegsAccRS == 3 * kRegsLaunch, "setmaxnreg moves registers, adds none");
 };
