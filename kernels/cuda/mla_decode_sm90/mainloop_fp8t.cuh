@@ -53,7 +53,7 @@
 // no shared-memory stores. H100, b=64 L=8K, graph replay (NOTES.md, twenty-seventh session): 16 heads 140.2 us
 // (1.64x bf16), 32 heads 168.9 (1.41x). Row-wise bulk copies (64 per tile) made it slower than v7 (182 / 200 us).
 // With the query rows asked of L2 an item ahead by the producer and, at 32 rows, the output rows written in
-// overlapping passes (twenty-eighth session): 135.6-136.2 us (1.69-1.70x) and 159.6 (1.50x).
+// overlapping passes (twenty-eighth session): 135.8-136.2 us (1.69-1.70x) and 159.6 (1.50x).
 #pragma once
 #include <cmath>
 #include <cstdint>
