@@ -34,15 +34,36 @@ namespace mla_sm90 {
 // (params.h: position ch of the fp16 row holds channels 2q, 2q + 1, 8 + 2q, 9 + 2q of its 16-channel block, q =
 // ch % 16 / 4, scaled by one power of two per quarter row). For a split item the calling warp's 32 lanes must hold one
 // quarter row (consecutive ch, the same row), since they agree on its scale by shuffles. v6 and v7 write rows so.
+// store_row_quad's stores: v, the four values of position ch (out's channels ch .. + 3, or a partial row's order),
+// times inv; m, the largest |value| of the quarter row, sets a partial row's scale. fp8t_rows_out (mainloop_fp8t.cuh)
+// calls it after reading and reducing several rows at once.
 template <typename T>
-__device__ __forceinline__ void store_row_quad(const DecodeParams& p, const float* srow, int sch, int ch, float inv,
-                                               int req, int qi, int head, int slot) {
+__device__ __forceinline__ void store_quad(const DecodeParams& p, float4 v, float m, int ch, float inv, int req,
+                                           int qi, int head, int slot) {
   using TT = TypeTraits<T>;
   if (slot < 0) {
-    const float4 v = *reinterpret_cast<const float4*>(srow + sch);
     T* dst = out_row<T>(p, req, qi, head) + ch;
     *reinterpret_cast<typename TT::T2*>(dst) = TT::from_float2(v.x * inv, v.y * inv);
     *reinterpret_cast<typename TT::T2*>(dst + 2) = TT::from_float2(v.z * inv, v.w * inv);
+    return;
+  }
+  const int shift = partial_shift(m * inv, inv);
+  const float pscale = inv * pow2i(shift);
+  char* row = partial_row(p.partial_out, partial_index(p, slot, qi, head));
+  *reinterpret_cast<uint2*>(reinterpret_cast<__half*>(row) + ch) =
+      make_uint2(half2_bits(__floats2half2_rn(v.x * pscale, v.y * pscale)),
+                 half2_bits(__floats2half2_rn(v.z * pscale, v.w * pscale)));
+  if (ch % 128 < 16) {  // lanes 0 .. 3 fill the quarter's shift sector
+    const uint32_t w = shift_word(shift);
+    *reinterpret_cast<uint2*>(row + kPartialShiftByte + kPartialShiftStride * (ch / 128) + 2 * (ch % 128)) =
+        make_uint2(w, w);
+  }
+}
+template <typename T>
+__device__ __forceinline__ void store_row_quad(const DecodeParams& p, const float* srow, int sch, int ch, float inv,
+                                               int req, int qi, int head, int slot) {
+  if (slot < 0) {
+    store_quad<T>(p, *reinterpret_cast<const float4*>(srow + sch), 0.f, ch, inv, req, qi, head, slot);
     return;
   }
   const float* o = srow + (sch & ~15) + 2 * ((sch & 15) / 4);
@@ -50,17 +71,7 @@ __device__ __forceinline__ void store_row_quad(const DecodeParams& p, const floa
   float m = fmaxf(fmaxf(fabsf(lo.x), fabsf(lo.y)), fmaxf(fabsf(hi.x), fabsf(hi.y)));
 #pragma unroll
   for (int d = 1; d < 32; d *= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));
-  const int shift = partial_shift(m * inv, inv);
-  const float pscale = inv * pow2i(shift);
-  char* row = partial_row(p.partial_out, partial_index(p, slot, qi, head));
-  *reinterpret_cast<uint2*>(reinterpret_cast<__half*>(row) + ch) =
-      make_uint2(half2_bits(__floats2half2_rn(lo.x * pscale, lo.y * pscale)),
-                 half2_bits(__floats2half2_rn(hi.x * pscale, hi.y * pscale)));
-  if (ch % 128 < 16) {  // lanes 0 .. 3 fill the quarter's shift sector
-    const uint32_t w = shift_word(shift);
-    *reinterpret_cast<uint2*>(row + kPartialShiftByte + kPartialShiftStride * (ch / 128) + 2 * (ch % 128)) =
-        make_uint2(w, w);
-  }
+  store_quad<T>(p, make_float4(lo.x, lo.y, hi.x, hi.y), m, ch, inv, req, qi, head, slot);
 }
 
 template <typename T, int N> struct GmmaEtap;

@@ -352,12 +352,10 @@ __device__ __forceinline__ int fp8rs_channel(int row) { return (row & ~15) + 2 *
 template <typename T, int kN>
 __device__ __forceinline__ void fp8t_rows_out(const DecodeParams& p, const float* sO, const float* sum, int half,
                                               float kv_scale, int req, int slot, int kvh, int tid_wg) {
-  using TT = TypeTraits<T>;
   constexpr int kU = 4;  // passes at once (of kN / 2), the kernel's code growing with them
   const int heads_per_kv = p.heads_q / p.heads_kv, last = p.rows_per_kv_head - 1;
   const int chl = 4 * (tid_wg % 64), ch = Cfg::kHeadDimV / 2 * half + chl;
-  // out: position chl holds channels chl .. + 3; a partial row: channels 2q, 2q + 1, 8 + 2q, 9 + 2q of the 16 (q =
-  // chl % 16 / 4; store_row_quad)
+  // store_row_quad's layout of position chl: out's channels chl .. + 3, or a partial row's order
   const int so = slot < 0 ? chl : (chl & ~15) + 2 * ((chl & 15) / 4);
 #pragma unroll 1
   for (int k0 = 0; k0 < kN / 2; k0 += kU) {
@@ -377,7 +375,7 @@ __device__ __forceinline__ void fp8t_rows_out(const DecodeParams& p, const float
       }
       m[u] = fmaxf(fmaxf(fabsf(v[u].x), fabsf(v[u].y)), fmaxf(fabsf(v[u].z), fabsf(v[u].w)));
     }
-    if (slot >= 0) {  // the quarter row's maximum, for its scale (uniform: slot is the item's)
+    if (slot >= 0) {  // the quarter row's maximum, for its scale (the passes' shuffles interleaved)
 #pragma unroll
       for (int d = 1; d < 32; d *= 2)
 #pragma unroll
@@ -387,24 +385,7 @@ __device__ __forceinline__ void fp8t_rows_out(const DecodeParams& p, const float
     for (int u = 0; u < kU; ++u) {
       const int c = 2 * (k0 + u) + tid_wg / 64;
       if (c > last) break;  // c grows with u
-      const int qi = c / heads_per_kv, head = kvh * heads_per_kv + c % heads_per_kv;
-      if (slot < 0) {
-        T* dst = out_row<T>(p, req, qi, head) + ch;
-        *reinterpret_cast<typename TT::T2*>(dst) = TT::from_float2(v[u].x * inv[u], v[u].y * inv[u]);
-        *reinterpret_cast<typename TT::T2*>(dst + 2) = TT::from_float2(v[u].z * inv[u], v[u].w * inv[u]);
-      } else {
-        const int shift = partial_shift(m[u] * inv[u], inv[u]);
-        const float ps = inv[u] * pow2i(shift);
-        char* row = partial_row(p.partial_out, partial_index(p, slot, qi, head));
-        *reinterpret_cast<uint2*>(reinterpret_cast<__half*>(row) + ch) =
-            make_uint2(half2_bits(__floats2half2_rn(v[u].x * ps, v[u].y * ps)),
-                       half2_bits(__floats2half2_rn(v[u].z * ps, v[u].w * ps)));
-        if (ch % 128 < 16) {  // lanes 0 .. 3 fill the quarter's shift sector
-          const uint32_t w = shift_word(shift);
-          *reinterpret_cast<uint2*>(row + kPartialShiftByte + kPartialShiftStride * (ch / 128) + 2 * (ch % 128)) =
-              make_uint2(w, w);
-        }
-      }
+      store_quad<T>(p, v[u], m[u], ch, inv[u], req, c / heads_per_kv, kvh * heads_per_kv + c % heads_per_kv, slot);
     }
   }
 }
