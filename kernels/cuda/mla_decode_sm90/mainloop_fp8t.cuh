@@ -98,7 +98,6 @@ struct Fp8t {
   static constexpr int kAblateOut = 64;      // accumulator: no output stores
   static constexpr int kAblateFence = 256;   // converter: no proxy fence (MEMBAR) before a stage's full signal
   static constexpr int kAblateQ = 2048;      // scorer: no global loads of the query tile (zeros)
-  static constexpr int kTrialS8 = 8192;      // trial (correct results): v8's S^T by e4m3 wgmma, the query in two parts
   // (bits 128, 512, 1024 and 2048 of the twenty-sixth session, NOTES.md, are in commit bc70a18 only; 2048 is kAblateQ now)
   static_assert(kRegsConv + kRegsScorer + kRegsAcc == 3 * kRegsLaunch, "setmaxnreg moves registers, adds none");
   static_assert(kRegsProd + kRegsScorerRS + kRegsAccRS == 3 * kRegsLaunch, "setmaxnreg moves registers, adds none");
@@ -113,8 +112,7 @@ template <bool kRS>
 struct Fp8tSmem {
   static constexpr int kStages = kRS ? 3 : 2;
   static constexpr int kStageBytes = kRS ? Fp8t::kBoxes * Fp8t::kBoxBytes : Cfg::kBlockN * Cfg::kHeadDimQK * 2;
-  // v7: kMaxRows x 576 fp16; v8: that, or two e4m3 parts of five [kMaxRows][128] boxes each (q8_offset)
-  static constexpr int kQBytes = kRS ? 2 * Fp8t::kBoxes * Fp8t::kMaxRows * 128 : Fp8t::kMaxRows * Cfg::kHeadDimQK * 2;
+  static constexpr int kQBytes = Fp8t::kMaxRows * Cfg::kHeadDimQK * 2;
   static constexpr int kPBytes = Fp8t::kMaxRows * Cfg::kBlockN * 2;
   static constexpr int kOffQ = kStages * kStageBytes;
   static constexpr int kOffP = kOffQ + kQBytes;
@@ -308,42 +306,6 @@ __device__ __forceinline__ void fp8rs_gemm_s(const uint8_t* stage, uint64_t dq, 
   fence_regs<kAcc>(acc);
 }
 
-// Byte offset of column `col` of query row `row` in one e4m3 part of the query tile: five [kN][128] boxes with the
-// 128-byte swizzle, the layout of a v8 stage's boxes (K-major B of an e4m3 S^T).
-template <int kN>
-__device__ __forceinline__ int q8_offset(int row, int col) {
-  return (col >> 7) * (kN * 128) + row * 128 + ((((col & 127) >> 4) ^ (row & 7)) << 4) + (col & 15);
-}
-
-template <int kN> struct GmmaFp8SS {  // A (K) and B (a part of Q) e4m3, both K-major from shared memory
-  using Op = std::conditional_t<kN == 16, cute::SM90::GMMA::MMA_64x16x32_F32E4M3E4M3_SS_TN<>,
-                                cute::SM90::GMMA::MMA_64x32x32_F32E4M3E4M3_SS_TN<>>;
-};
-
-// S^T = K Q^T with K straight from a raw stage by e4m3 wgmma (m64nNk32 x 18 per part): the query tile holds Q x 2^sh
-// as hi + lo / 16 (two e4m3 parts; hi + lo holds all 8 significant bits of a bf16 value), and hi's and lo's products
-// go to two accumulators, merged here. No conversion of the tile in the scorer. Returns with the wgmmas done.
-template <typename Op, int kN, int kAcc>
-__device__ __forceinline__ void fp8ss_gemm_s(uint64_t dk, uint64_t dq, float (&acc)[kAcc], float (&acc_lo)[kAcc]) {
-  constexpr uint64_t kLo = (uint64_t)((Fp8t::kBoxes * kN * 128) >> 4);
-  fence_regs<kAcc>(acc);
-  fence_regs<kAcc>(acc_lo);
-  cute::warpgroup_arrive();
-#pragma unroll
-  for (int s = 0; s < Cfg::kHeadDimQK / 32; ++s) {  // box s / 4, bytes 32 (s % 4) of its rows
-    const uint64_t off_k = (uint64_t)(((s / 4) * Fp8t::kBoxBytes + (s % 4) * 32) >> 4);
-    const uint64_t off_q = (uint64_t)(((s / 4) * kN * 128 + (s % 4) * 32) >> 4);
-    gmma_call<Op>(dk + off_k, dq + off_q, acc, s > 0, std::make_index_sequence<kAcc>{});
-    gmma_call<Op>(dk + off_k, dq + kLo + off_q, acc_lo, s > 0, std::make_index_sequence<kAcc>{});
-  }
-  cute::warpgroup_commit_batch();
-  cute::warpgroup_wait<0>();
-  fence_regs<kAcc>(acc);
-  fence_regs<kAcc>(acc_lo);
-#pragma unroll
-  for (int i = 0; i < kAcc; ++i) acc[i] = fmaf(acc_lo[i], 0.0625f, acc[i]);
-}
-
 // Where fp8rs_gemm_s wants stage column c (of the 16-column step c / 16) in the query tile: columns 4t, 4t + 1 of a
 // step at 2t, 2t + 1 and columns 4t + 2, 4t + 3 at 2t + 8, 2t + 9.
 __device__ __forceinline__ int fp8rs_q_col(int c) {
@@ -471,7 +433,6 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
 #else
   constexpr int ablate = 0;
 #endif
-  constexpr bool kS8 = kRS && (ablate & Fp8t::kTrialS8);
   if (tid == 0) {
     for (int i = 0; i < kStages; ++i) {
       mbar_init(full + i, kRS ? 1 : 4);  // v8: the producer's arrive with the stage's byte count
@@ -696,32 +657,13 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
           for (int o = 1; o < 32; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
           int ex = 0;
           frexpf(mx, &ex);  // mx = f 2^ex, f in [0.5, 1): mx 2^(15 - ex) in [2^14, 2^15)
-          // kS8: mx 2^(8 - ex) in [2^7, 2^8), below e4m3's 448
-          const int sh = max(-126, min(126, (kS8 ? 8 : 15) - ex));
+          const int sh = max(-126, min(126, 15 - ex));
           const float up = pow2i(sh);
 #pragma unroll
           for (int k = 0; k < 3; ++k) {
             const int chunk = lane + 32 * k;
             if (chunk >= Cfg::kChunksQK) continue;
             const uint32_t* u = reinterpret_cast<const uint32_t*>(&v[r][k]);
-            if constexpr (kS8) {  // x = hi + lo / 16, each rounded to e4m3; 8 bytes of each part
-              uint32_t hw[2] = {0, 0}, lw[2] = {0, 0};
-#pragma unroll
-              for (int e = 0; e < 4; ++e) {
-                const float2 f = TT::to_float2(*reinterpret_cast<const typename TT::T2*>(u + e));
-                const float2 x = make_float2(f.x * up, f.y * up);
-                const __nv_fp8x2_storage_t h8 = __nv_cvt_float2_to_fp8x2(x, __NV_SATFINITE, __NV_E4M3);
-                const float2 hf = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(h8, __NV_E4M3)));
-                const __nv_fp8x2_storage_t l8 = __nv_cvt_float2_to_fp8x2(
-                    make_float2((x.x - hf.x) * 16.f, (x.y - hf.y) * 16.f), __NV_SATFINITE, __NV_E4M3);
-                hw[e / 2] |= (uint32_t)h8 << (16 * (e % 2));
-                lw[e / 2] |= (uint32_t)l8 << (16 * (e % 2));
-              }
-              uint8_t* q8 = reinterpret_cast<uint8_t*>(sQ) + q8_offset<kN>(c, 8 * chunk);
-              *reinterpret_cast<uint2*>(q8) = make_uint2(hw[0], hw[1]);
-              *reinterpret_cast<uint2*>(q8 + Fp8t::kBoxes * kN * 128) = make_uint2(lw[0], lw[1]);
-              continue;
-            }
             uint4 h;
             uint32_t* hw = reinterpret_cast<uint32_t*>(&h);
 #pragma unroll
@@ -762,9 +704,6 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
         if (ablate & Fp8t::kAblateS) {
 #pragma unroll
           for (int i = 0; i < kAcc; ++i) acc_s[i] = 0.f;
-        } else if constexpr (kS8) {
-          float acc_lo[kAcc];
-          fp8ss_gemm_s<typename GmmaFp8SS<kN>::Op, kN>(desc(stage_bytes(st)), desc(sQ), acc_s, acc_lo);
         } else if constexpr (kRS) {
           fp8rs_gemm_s<typename GmmaFp8RS<kN>::Op, kN * 64>(stage_bytes(st), desc(sQ), acc_s, warp, lane);
         } else {
