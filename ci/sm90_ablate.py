@@ -30,7 +30,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 PARTS = {1: "load", 2: "store", 4: "S^T", 8: "softmax", 16: "O^T", 32: "P^T st", 64: "out", 256: "fence",
-         2048: "Q loads", 8192: "STG only", 16384: "trial: 8 passes"}
+         2048: "Q loads"}
 
 
 def describe(mask: int) -> str:

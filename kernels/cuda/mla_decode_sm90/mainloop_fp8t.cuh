@@ -349,9 +349,10 @@ __device__ __forceinline__ int fp8rs_channel(int row) { return (row & ~15) + 2 *
 // rows_per_kv_head reads the last row; only its stores are skipped), so that unrolled they overlap: as a loop of
 // store_row_quad each pass waited for the last (loads, five shuffles, the scale): 4.6 / 9.2 us per item at 16 / 32
 // rows (H100, b=64 L=8K; NOTES.md, twenty-eighth session). v8 at 32 rows uses it.
-template <typename T, int kN, int kU = 4>  // kU: passes at once (of kN / 2), the kernel's code growing with them
+template <typename T, int kN>
 __device__ __forceinline__ void fp8t_rows_out(const DecodeParams& p, const float* sO, const float* sum, int half,
                                               float kv_scale, int req, int slot, int kvh, int tid_wg) {
+  constexpr int kU = 4;  // passes at once (of kN / 2), the kernel's code growing with them
   const int heads_per_kv = p.heads_q / p.heads_kv, last = p.rows_per_kv_head - 1;
   const int chl = 4 * (tid_wg % 64), ch = Cfg::kHeadDimV / 2 * half + chl;
   // store_row_quad's layout of position chl: out's channels chl .. + 3, or a partial row's order
@@ -921,10 +922,9 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
         t_epi[0] += c1 - c0, t_epi[1] += c2 - c1, t_epi[2] += c3 - c2;
         // v8 at 32 rows: passes that overlap (H100, b=64 L=8K: 162.3 -> 157.0 us; at 16 rows 134.7 -> 135.2, so
         // 16 rows and v7, not measured, keep the loop; NOTES.md, twenty-eighth session)
-        if constexpr (kRS && (kN == 32 || (ablate & 16384))) {  // 16384: trial, at 16 rows all 8 passes at once
+        if constexpr (kRS && kN == 32) {
           if (!(ablate & Fp8t::kAblateOut))
-            fp8t_rows_out<T, kN, kN == 16 ? 8 : 4>(p, sO, sSum + par * Fp8t::kMaxRows, half, kv_scale, req, slot, kvh,
-                                                  tid_wg);
+            fp8t_rows_out<T, kN>(p, sO, sSum + par * Fp8t::kMaxRows, half, kv_scale, req, slot, kvh, tid_wg);
         } else
         for (int idx = tid_wg; idx < kN * 64; idx += 128) {
           const int c = idx / 64, chl = 4 * (idx % 64), ch = Cfg::kHeadDimV / 2 * half + chl;
