@@ -48,6 +48,8 @@ Applies (:func:`fp8t_applies`): where :func:`.gluon_sm90.gluon_applies` does, to
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 
@@ -133,6 +135,24 @@ if _g.GLUON_API:
             "=r,l,r,r", [ptr, pred.to(gl.int32), nbytes], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
+    def _prefetch_q(Q, Items, item, item_end, rows_total, m_tile, q_rows, R: gl.constexpr, pf: gl.constexpr):
+        """Ask L2 for the query tile of work item ``item`` if it is one of this program's (``< item_end``): its ``R``
+        rows from row ``req * rows_total + m_tile * R`` of q viewed as ``[q_rows, 576]``, clipped to the view, so that
+        the scorer's TMA of them hits L2. The CUDA kernel's fp8 mainloop measured its first item's query tile queued
+        behind the tiles' loads at a CTA's start, 12.6 -> 7.7 us with this (kernels/cuda/mla_decode_sm90/NOTES.md,
+        twenty-eighth session)."""
+        ok = item < item_end
+        req = gl.load(Items + gl.minimum(item, item_end - 1) * 4)
+        row0 = req * rows_total + m_tile * R
+        n = gl.minimum(q_rows - row0, R)
+        lanes = gl.arange(0, _N, layout=pf)
+        ptr = Q + row0.to(gl.int64) * 576 + lanes * 0
+        pred = (lanes == 0) & ok & (n > 0)
+        gl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; mov.u32 $0, 0; }",
+            "=r,l,r,r", [ptr, pred.to(gl.int32), n * 1152 + lanes * 0], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
     def _e4m3_words_to_f16(w):
         """int32 words of four e4m3 values ``[64, C]`` -> int32 words of two fp16 values ``[64, 2 C]``, in order (one
         ``cvt.rn.f16x2.e4m3x2`` per pair, the conversion :mod:`.gluon_sm90` measured fastest)."""
@@ -176,7 +196,8 @@ if _g.GLUON_API:
         The loop takes two tiles per iteration, one in each of two register sets (``x*`` / ``y*``), so that no set is
         copied into the other: with one set per iteration, the copy of the next tile's registers at the back edge
         waited for their loads (H100 profile: the converter's top stall), and the load latency was not hidden."""
-        KV32, BlockTable, Seqlens, Items, PartOffsets, k_smem, r_smem, bars, stride_kt, stride_bt, PAGE_SIZE = args
+        (KV32, BlockTable, Seqlens, Items, PartOffsets, k_smem, r_smem, bars, stride_kt, stride_bt, PAGE_SIZE,
+         Q, q_rows, rows_total, R, QPF) = args
         # 16-byte loads; four threads cover 64 bytes of a row, eight rows per warp: each warp's stores touch 8 rows of
         # one 128-byte swizzle span (no bank conflicts) and its loads 64-byte pieces of 8 token rows
         ld: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
@@ -185,11 +206,15 @@ if _g.GLUON_API:
         part = gl.program_id(0)
         item_begin = gl.load(PartOffsets + part)
         item_end = gl.load(PartOffsets + part + 1)
+        m_tile = gl.program_id(1)
         it = 0
+        if QPF:  # the first item's query tile into L2 before any tile's loads
+            _prefetch_q(Q, Items, item_begin, item_end, rows_total, m_tile, q_rows, R, pf)
         for item in range(item_begin, item_end):
             req, tok_begin, tok_end, slot, seqlen = _g._item_meta(Items, Seqlens, item)
             bt_row = BlockTable + req.to(gl.int64) * stride_bt
             n_tiles = gl.cdiv(tok_end - tok_begin, _N)
+            j_qpf = gl.maximum(n_tiles - 4, 0) // 2 * 2  # the next item's query tile into L2 ~4 tiles before the end
             pages = _g._tile_pages(bt_row, tok_begin, tok_end, PAGE_SIZE, _N, True, row_ld)
             x0, x1, x2, x3, xr = _load_fp8(KV32, pages, tok_begin, tok_end, stride_kt, PAGE_SIZE, ld)
             # table entries: of tiles j + 1 / j + 2 for the register loads (pb / pa), of tiles j + 2 / j + 3 for the L2
@@ -208,6 +233,9 @@ if _g.GLUON_API:
                 pb = _g._tile_pages(bt_row, start + 3 * _N, tok_end, PAGE_SIZE, _N, True, row_ld)
                 _prefetch_l2(KV32, fa, start + 2 * _N, tok_end, stride_kt, PAGE_SIZE)
                 fa = _g._tile_pages(bt_row, start + 4 * _N, tok_end, PAGE_SIZE, _N, True, pf)
+                if QPF:
+                    if j == j_qpf:
+                        _prefetch_q(Q, Items, item + 1, item_end, rows_total, m_tile, q_rows, R, pf)
                 _put_tile(x0, x1, x2, x3, xr, k_smem, r_smem, bars, it)
                 it += 1
                 # tile j + 2 into the x registers while tile j + 1 is stored; tile j + 3 into L2
@@ -391,7 +419,7 @@ if _g.GLUON_API:
 
     @gluon.jit
     def mla_decode_fp8t_kernel(
-        q_desc, qr_desc,
+        q_desc, qr_desc, Q, q_rows,
         KV32, KVScale, BlockTable, Seqlens, Items, PartOffsets,
         Out, Lse, PartialOut, PartialLse,
         qk_scale,  # softmax_scale * log2(e)
@@ -402,7 +430,7 @@ if _g.GLUON_API:
         stride_pob, stride_pos, stride_poh,
         stride_plb, stride_pls, stride_plh,
         PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr, R: gl.constexpr,
-        SCORER_NUM_REGS: gl.constexpr, ACC_NUM_REGS: gl.constexpr,
+        SCORER_NUM_REGS: gl.constexpr, ACC_NUM_REGS: gl.constexpr, QPF: gl.constexpr,
     ):
         gl.static_assert(gl.num_warps() == 4)
         dtype: gl.constexpr = q_desc.dtype
@@ -432,7 +460,7 @@ if _g.GLUON_API:
                 stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
                 stride_pob, stride_pos, stride_poh, stride_plb, stride_pls, stride_plh, CAUSAL)
         conv_args = (KV32, BlockTable, Seqlens, Items, PartOffsets, k_smem, r_smem, bars, stride_kt, stride_bt,
-                     PAGE_SIZE)  # the converter's: what it reads
+                     PAGE_SIZE, Q, q_rows, q_len * group, R, QPF)  # the converter's: what it reads
         gl.warp_specialize([(_converter, (conv_args, )), (_consumer, (args, 0)), (_consumer, (args, 1))],
                            [4, 4], [SCORER_NUM_REGS, ACC_NUM_REGS])
 
@@ -452,7 +480,7 @@ def launch_decode_fp8t(q, kv, block_table, cache_seqlens, kv_scale, items, part_
     grid = (part_offsets.shape[0] - 1, triton.cdiv(rows, r))
     with kernel_device(q):
         return mla_decode_fp8t_kernel[grid](
-            qd, qrd,
+            qd, qrd, q, batch * rows,
             kv32, kv_scale, block_table, cache_seqlens, items, part_offsets,
             out, lse, partial_out, partial_lse,
             softmax_scale * 1.4426950408889634,
@@ -463,5 +491,5 @@ def launch_decode_fp8t(q, kv, block_table, cache_seqlens, kv_scale, items, part_
             partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
             partial_lse.stride(0), partial_lse.stride(1), partial_lse.stride(2),
             PAGE_SIZE=page_size, CAUSAL=causal, R=r, SCORER_NUM_REGS=scorer_regs, ACC_NUM_REGS=acc_regs,
-            num_warps=4,
+            QPF=os.environ.get("MLA_TRITON_FP8T_QPF", "1") != "0", num_warps=4,
         )
