@@ -130,8 +130,7 @@ def compile_fp8t(*, q_dtype="bf16", rows=16, causal=False, arch=90, page_size=64
                 Q=f"*{q_dtype}", KV32="*i32", KVScale="*fp32", BlockTable="*i32", Seqlens="*i32", Items="*i32",
                 PartOffsets="*i32", Out=f"*{q_dtype}", Lse="*fp32", PartialOut="*fp16", PartialLse="*fp32")
     scorer_regs, acc_regs = f8.CONSUMER_REGS[r]
-    constexprs = dict(PAGE_SIZE=page_size, CAUSAL=causal, R=r, SCORER_NUM_REGS=scorer_regs, ACC_NUM_REGS=acc_regs,
-                      QPF=True)
+    constexprs = dict(PAGE_SIZE=page_size, CAUSAL=causal, R=r, SCORER_NUM_REGS=scorer_regs, ACC_NUM_REGS=acc_regs)
     src = GluonASTSource(fn, *_signature(list(fn.arg_names), ptrs, constexprs))
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4))
     return k.asm["ptx"] if ptx else _report(k, sass)

@@ -20,7 +20,8 @@ This kernel takes the two fixes named there, for at most 32 query rows (``s_q * 
   - the *converter* loads a tile's fp8 rows into registers as int32 words (16-byte loads, each token row from its own
     page, so any page size; a tile ahead, two tiles in flight, the tile after that already asked of L2 with
     ``cp.async.bulk.prefetch.L2``), converts them (``cvt.rn.f16x2.e4m3x2``) and stores fp16 into one of two
-    shared-memory stages;
+    shared-memory stages; it also asks L2 for each item's query tile, the first before any tile, the next ~4 tiles
+    before an item's end, so that the scorer's TMA of it does not queue behind the tiles' loads;
   - the *scorer* computes S^T, the softmax over tokens and P^T (shared memory), with FlashAttention-4's conditional
     rescaling: the reference maximum of a row moves only when a score passes it by more than 2^8;
   - the *accumulator* computes O^T from P^T.
@@ -40,15 +41,13 @@ read) and their scores masked to -inf.
 
 H100, b=64 L=8K, graph replays (kernels/triton/NOTES.md, "fp8_e4m3 with tokens on M"): 16 heads 140.9-144.8 us
 (1.59-1.63x bf16's 229-230), 32 heads 157.7-160.5 us (1.47-1.50x), against 292.8 / 305.8 us for the kernels that ran
-them before.
+them before; with the query tiles asked of L2 (twenty-ninth session) 143.7 us (1.60x) and 152.0 us (1.55x).
 
 Applies (:func:`fp8t_applies`): where :func:`.gluon_sm90.gluon_applies` does, to fp8_e4m3 caches with at most
 ``MAX_ROWS`` query rows, unless ``MLA_TRITON_FP8T=0``. 64 rows do not fit: a 72 KB query tile beside two 72 KB stages.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
@@ -197,7 +196,7 @@ if _g.GLUON_API:
         copied into the other: with one set per iteration, the copy of the next tile's registers at the back edge
         waited for their loads (H100 profile: the converter's top stall), and the load latency was not hidden."""
         (KV32, BlockTable, Seqlens, Items, PartOffsets, k_smem, r_smem, bars, stride_kt, stride_bt, PAGE_SIZE,
-         Q, q_rows, rows_total, R, QPF) = args
+         Q, q_rows, rows_total, R) = args
         # 16-byte loads; four threads cover 64 bytes of a row, eight rows per warp: each warp's stores touch 8 rows of
         # one 128-byte swizzle span (no bank conflicts) and its loads 64-byte pieces of 8 token rows
         ld: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
@@ -208,8 +207,9 @@ if _g.GLUON_API:
         item_end = gl.load(PartOffsets + part + 1)
         m_tile = gl.program_id(1)
         it = 0
-        if QPF:  # the first item's query tile into L2 before any tile's loads
-            _prefetch_q(Q, Items, item_begin, item_end, rows_total, m_tile, q_rows, R, pf)
+        # the first item's query tile into L2 before any tile's loads (H100, b=64 L=8K fp8_e4m3, graph us, with
+        # against without both prefetches, same call: 16 heads 143.7 / 144.0, 32 heads 152.0 / 158.7; NOTES.md)
+        _prefetch_q(Q, Items, item_begin, item_end, rows_total, m_tile, q_rows, R, pf)
         for item in range(item_begin, item_end):
             req, tok_begin, tok_end, slot, seqlen = _g._item_meta(Items, Seqlens, item)
             bt_row = BlockTable + req.to(gl.int64) * stride_bt
@@ -233,9 +233,8 @@ if _g.GLUON_API:
                 pb = _g._tile_pages(bt_row, start + 3 * _N, tok_end, PAGE_SIZE, _N, True, row_ld)
                 _prefetch_l2(KV32, fa, start + 2 * _N, tok_end, stride_kt, PAGE_SIZE)
                 fa = _g._tile_pages(bt_row, start + 4 * _N, tok_end, PAGE_SIZE, _N, True, pf)
-                if QPF:
-                    if j == j_qpf:
-                        _prefetch_q(Q, Items, item + 1, item_end, rows_total, m_tile, q_rows, R, pf)
+                if j == j_qpf:
+                    _prefetch_q(Q, Items, item + 1, item_end, rows_total, m_tile, q_rows, R, pf)
                 _put_tile(x0, x1, x2, x3, xr, k_smem, r_smem, bars, it)
                 it += 1
                 # tile j + 2 into the x registers while tile j + 1 is stored; tile j + 3 into L2
@@ -430,7 +429,7 @@ if _g.GLUON_API:
         stride_pob, stride_pos, stride_poh,
         stride_plb, stride_pls, stride_plh,
         PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr, R: gl.constexpr,
-        SCORER_NUM_REGS: gl.constexpr, ACC_NUM_REGS: gl.constexpr, QPF: gl.constexpr,
+        SCORER_NUM_REGS: gl.constexpr, ACC_NUM_REGS: gl.constexpr,
     ):
         gl.static_assert(gl.num_warps() == 4)
         dtype: gl.constexpr = q_desc.dtype
@@ -460,7 +459,7 @@ if _g.GLUON_API:
                 stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
                 stride_pob, stride_pos, stride_poh, stride_plb, stride_pls, stride_plh, CAUSAL)
         conv_args = (KV32, BlockTable, Seqlens, Items, PartOffsets, k_smem, r_smem, bars, stride_kt, stride_bt,
-                     PAGE_SIZE, Q, q_rows, q_len * group, R, QPF)  # the converter's: what it reads
+                     PAGE_SIZE, Q, q_rows, q_len * group, R)  # the converter's: what it reads
         gl.warp_specialize([(_converter, (conv_args, )), (_consumer, (args, 0)), (_consumer, (args, 1))],
                            [4, 4], [SCORER_NUM_REGS, ACC_NUM_REGS])
 
@@ -491,5 +490,5 @@ def launch_decode_fp8t(q, kv, block_table, cache_seqlens, kv_scale, items, part_
             partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
             partial_lse.stride(0), partial_lse.stride(1), partial_lse.stride(2),
             PAGE_SIZE=page_size, CAUSAL=causal, R=r, SCORER_NUM_REGS=scorer_regs, ACC_NUM_REGS=acc_regs,
-            QPF=os.environ.get("MLA_TRITON_FP8T_QPF", "1") != "0", num_warps=4,
+            num_warps=4,
         )
