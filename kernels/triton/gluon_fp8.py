@@ -287,7 +287,6 @@ if _g.GLUON_API:
                                                          instr_shape=[16, R, 16])  # S^T [64, R] and O^T [512, R]
         tok_l: gl.constexpr = gl.SliceLayout(1, layout)  # along tokens (S^T's M) or channels (O^T's M)
         row_l: gl.constexpr = gl.SliceLayout(0, layout)  # along query rows (N)
-        st_l: gl.constexpr = gl.BlockedLayout([8, 1], [32, 1], [1, 4], [0, 1])  # [512, R] for the output's stores
         q_bar = bars.index(6)
         sums = bars.index(7)
         kv_scale = gl.load(KVScale)
@@ -403,27 +402,18 @@ if _g.GLUON_API:
                     gl.store(PartialLse + pl_off, gl.where(has_key, lse_nat, float("-inf")), mask=row_ok)
             else:
                 o = acc * gl.where(has_key, kv_scale / gl.where(has_key, l_i, 1.0), 0.0)[None, :]  # V's fp8 scale
-                # stored from a layout in which a thread holds 8 consecutive channels of one row (16-byte stores, a
-                # warp 512 contiguous bytes); in O^T's wgmma layout a thread's channels are 8 apart (2-byte stores)
-                ch = gl.arange(0, 512, layout=gl.SliceLayout(1, st_l))
-                flat_s = m_tile * R + gl.arange(0, R, layout=gl.SliceLayout(0, st_l))
-                q_tok_s = flat_s // group
-                head_s = flat_s % group
-                ok_s = (flat_s < rows_total)[None, :]
+                ch = gl.arange(0, 512, layout=tok_l)
                 if slot < 0:
-                    o_off = (req.to(gl.int64) * stride_ob + q_tok_s.to(gl.int64) * stride_os
-                             + head_s.to(gl.int64) * stride_oh)
-                    gl.store(Out + o_off[None, :] + ch[:, None], gl.convert_layout(o.to(Out.dtype.element_ty), st_l),
-                             mask=ok_s)
+                    o_off = (req.to(gl.int64) * stride_ob + q_tok.to(gl.int64) * stride_os
+                             + head.to(gl.int64) * stride_oh)
+                    gl.store(Out + o_off[None, :] + ch[:, None], o.to(Out.dtype.element_ty), mask=row_ok[None, :])
                 else:  # PARTIAL_ROW_FORMAT: fp16 values and one power-of-two scale per row
-                    p_off = (slot.to(gl.int64) * stride_pob + q_tok_s.to(gl.int64) * stride_pos
-                             + head_s.to(gl.int64) * stride_poh)
-                    up, down = _g._pow2_scale(gl.max(gl.abs(o), 0))
-                    gl.store(PartialOut + p_off[None, :] + ch[:, None],
-                             gl.convert_layout((o * up[None, :]).to(gl.float16), st_l), mask=ok_s)
-                    p_row = (slot.to(gl.int64) * stride_pob + q_tok.to(gl.int64) * stride_pos
+                    p_off = (slot.to(gl.int64) * stride_pob + q_tok.to(gl.int64) * stride_pos
                              + head.to(gl.int64) * stride_poh)
-                    gl.store((PartialOut + p_row + 512).to(gl.pointer_type(gl.float32)), down, mask=row_ok)
+                    up, down = _g._pow2_scale(gl.max(gl.abs(o), 0))
+                    gl.store(PartialOut + p_off[None, :] + ch[:, None], (o * up[None, :]).to(gl.float16),
+                             mask=row_ok[None, :])
+                    gl.store((PartialOut + p_off + 512).to(gl.pointer_type(gl.float32)), down, mask=row_ok)
             n_items += 1
 
     @gluon.jit
