@@ -374,11 +374,7 @@ if _g.GLUON_API:
                     mbarrier.arrive(bars.index(4 + st))
                 else:
                     mbarrier.wait(bars.index(4 + st), ph)
-                    # O^T rescaled only when the scorer moved a reference maximum (alpha < 1 for some row): without
-                    # the check every tile paid 4 R multiplies per thread
-                    alpha = a_smem.index(st).load(row_l)
-                    if gl.min(alpha, 0) < 1.0:
-                        acc = acc * alpha[None, :]
+                    acc = acc * a_smem.index(st).load(row_l)[None, :]
                     acc = warpgroup_mma(kbuf.slice(0, 512, dim=1).permute((1, 0)), pbuf.permute((1, 0)), acc,
                                         is_async=True)
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
