@@ -140,8 +140,8 @@ if _g.GLUON_API:
         the scorer's TMA of them hits L2. The CUDA kernel's fp8 mainloop measured its first item's query tile queued
         behind the tiles' loads at a CTA's start, 12.6 -> 7.7 us with this (kernels/cuda/mla_decode_sm90/NOTES.md,
         twenty-eighth session)."""
-        ok = item < item_end
-        req = gl.load(Items + gl.minimum(item, item_end - 1) * 4)
+        ok = item < item_end  # Items is read neither past the program's entries nor before index 0
+        req = gl.load(Items + gl.maximum(gl.minimum(item, item_end - 1), 0) * 4, mask=ok, other=0)
         row0 = req * rows_total + m_tile * R
         n = gl.minimum(q_rows - row0, R)
         lanes = gl.arange(0, _N, layout=pf)
