@@ -129,6 +129,12 @@ if _g.GLUON_API:
             ptr = KV32 + (pages.to(gl.int64) * PAGE_SIZE + tok % PAGE_SIZE) * stride_kt
             nbytes = rows * 0 + 576
             pred = tok < tok_end
+        _bulk_prefetch_l2(ptr, pred, nbytes)
+
+    @gluon.jit
+    def _bulk_prefetch_l2(ptr, pred, nbytes):
+        """``cp.async.bulk.prefetch.L2`` of ``nbytes`` (a multiple of 16) from ``ptr`` where ``pred`` holds (tensors of
+        one layout: each element that holds issues one)."""
         gl.inline_asm_elementwise(
             "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; mov.u32 $0, 0; }",
             "=r,l,r,r", [ptr, pred.to(gl.int32), nbytes], dtype=gl.int32, is_pure=False, pack=1)
@@ -140,16 +146,13 @@ if _g.GLUON_API:
         the scorer's TMA of them hits L2. The CUDA kernel's fp8 mainloop measured its first item's query tile queued
         behind the tiles' loads at a CTA's start, 12.6 -> 7.7 us with this (kernels/cuda/mla_decode_sm90/NOTES.md,
         twenty-eighth session)."""
-        ok = item < item_end  # Items is read neither past the program's entries nor before index 0
-        req = gl.load(Items + gl.maximum(gl.minimum(item, item_end - 1), 0) * 4, mask=ok, other=0)
+        ok = item < item_end
+        req = gl.load(Items + item * 4, mask=ok, other=0)  # (masked: nothing read past the program's entries)
         row0 = req * rows_total + m_tile * R
         n = gl.minimum(q_rows - row0, R)
         lanes = gl.arange(0, _N, layout=pf)
         ptr = Q + row0.to(gl.int64) * 576 + lanes * 0
-        pred = (lanes == 0) & ok & (n > 0)
-        gl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; mov.u32 $0, 0; }",
-            "=r,l,r,r", [ptr, pred.to(gl.int32), n * 1152 + lanes * 0], dtype=gl.int32, is_pure=False, pack=1)
+        _bulk_prefetch_l2(ptr, (lanes == 0) & ok & (n > 0), n * 1152 + lanes * 0)
 
     @gluon.jit
     def _e4m3_words_to_f16(w):
