@@ -164,36 +164,30 @@ if _g.GLUON_API:
         return gl.reshape(gl.join(lo, hi), [w.shape[0], 2 * w.shape[1]])
 
     @gluon.jit
-    def _store_half(xa, xb, xr, kbuf, rbuf, HALF: gl.constexpr):
-        """Half ``HALF`` of a tile's pieces (:func:`_load_fp8`) converted to fp16 into its stage: latent channels
-        ``256 HALF`` to ``256 HALF + 255`` of ``kbuf`` (``xa``, ``xb``), and with half 1 the RoPE channels into ``rbuf``
-        (``xr``), through int32 views of the buffers (the same bytes: the 128-byte swizzle is a function of the byte
+    def _store_fp16(x0, x1, x2, x3, xr, kbuf, rbuf):
+        """The pieces of :func:`_load_fp8` converted to fp16 into ``kbuf`` (latent) / ``rbuf`` (RoPE), one at a time,
+        through int32 views of the two buffers (the same bytes: the 128-byte swizzle is a function of the byte
         offset)."""
         w32: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
         k32 = _g._view(kbuf, gl.int32, [_N, 256], w32)
-        k32.slice(128 * HALF, 64, dim=1).store(_e4m3_words_to_f16(xa))
-        k32.slice(128 * HALF + 64, 64, dim=1).store(_e4m3_words_to_f16(xb))
-        if HALF == 1:
-            _g._view(rbuf, gl.int32, [_N, 32], w32).store(_e4m3_words_to_f16(xr))
+        r32 = _g._view(rbuf, gl.int32, [_N, 32], w32)
+        k32.slice(0, 64, dim=1).store(_e4m3_words_to_f16(x0))
+        k32.slice(64, 64, dim=1).store(_e4m3_words_to_f16(x1))
+        k32.slice(128, 64, dim=1).store(_e4m3_words_to_f16(x2))
+        k32.slice(192, 64, dim=1).store(_e4m3_words_to_f16(x3))
+        r32.store(_e4m3_words_to_f16(xr))
 
     @gluon.jit
     def _put_tile(x0, x1, x2, x3, xr, k_smem, r_smem, bars, it):
-        """Tile ``it`` of this program (fp8 words in registers, :func:`_load_fp8`) into stage ``it % 2`` as fp16, in
-        two halves by channel: each half once both consumers have released it (a fresh barrier's wait for the previous
-        phase passes), then the half's ``full``. The scorer starts S^T on half 0 while half 1 is converted, and half 0
-        of the next tile in this stage is written while the accumulator's O^T still reads half 1 (:func:`_consumer`)."""
+        """Tile ``it`` of this program (fp8 words in registers, :func:`_load_fp8`) into stage ``it % 2`` as fp16, once
+        both consumers have released the stage (a fresh barrier's wait for the previous phase passes), then the stage's
+        ``full``."""
         st = it % 2
-        ph = ((it // 2) & 1) ^ 1
-        mbarrier.wait(bars.index(4 + 2 * st), ph)
-        _store_half(x0, x1, xr, k_smem.index(st), r_smem.index(st), 0)
+        mbarrier.wait(bars.index(2 + st), ((it // 2) & 1) ^ 1)
+        _store_fp16(x0, x1, x2, x3, xr, k_smem.index(st), r_smem.index(st))
         fence_async_shared()
         _cta_barrier()
-        mbarrier.arrive(bars.index(2 * st))
-        mbarrier.wait(bars.index(5 + 2 * st), ph)
-        _store_half(x2, x3, xr, k_smem.index(st), r_smem.index(st), 1)
-        fence_async_shared()
-        _cta_barrier()
-        mbarrier.arrive(bars.index(2 * st + 1))
+        mbarrier.arrive(bars.index(st))
 
     @gluon.jit
     def _converter(args):
@@ -281,15 +275,9 @@ if _g.GLUON_API:
         tile reads all of the tile from shared memory whatever its N, and at 16 rows the double reads kept shared memory
         ~80% busy (H100 profile). Giving the scorer half of O^T's channels as well measured no faster (16 and 32 rows).
 
-        Each stage is handed over in two halves by channel (``full`` / ``empty`` per half): the scorer starts S^T on
-        half 0 while the converter writes half 1, and the accumulator releases half 0 once O^T's wgmma over channels
-        0-255 are done, so that the converter writes the next tile's half 0 while O^T still reads half 1. With whole
-        stages the two stages' hand-offs ran in series (convert, S^T and softmax, O^T, convert ...).
-
-        ``bars`` rows: 0-3 the stage halves' ``full`` (``2 st + half``; converter -> consumers), 4-7 their ``empty``
-        (``4 + 2 st + half``; count 2: both consumers -> converter), 8-9 ``P^T ready`` (scorer -> accumulator, by
-        stage), 10 the query tile, 11 the item's row sums (count 2: both arrive, so that neither runs an item ahead of
-        the other's reads)."""
+        ``bars`` rows: 0-1 the stages' ``full`` (converter -> consumers), 2-3 their ``empty`` (count 2: both consumers
+        -> converter), 4-5 ``P^T ready`` (scorer -> accumulator, by stage), 6 the query tile, 7 the item's row sums
+        (count 2: both arrive, so that neither runs an item ahead of the other's reads)."""
         (q_desc, qr_desc, KVScale, Seqlens, Items, PartOffsets, Out, Lse, PartialOut, PartialLse,
          q_smem, qr_smem, qd_smem, k_smem, r_smem, p_smem, a_smem, l_smem, bars,
          qk_scale, q_len, group,
@@ -302,8 +290,8 @@ if _g.GLUON_API:
                                                          instr_shape=[16, R, 16])  # S^T [64, R] and O^T [512, R]
         tok_l: gl.constexpr = gl.SliceLayout(1, layout)  # along tokens (S^T's M) or channels (O^T's M)
         row_l: gl.constexpr = gl.SliceLayout(0, layout)  # along query rows (N)
-        q_bar = bars.index(10)
-        sums = bars.index(11)
+        q_bar = bars.index(6)
+        sums = bars.index(7)
         kv_scale = gl.load(KVScale)
 
         part = gl.program_id(0)
@@ -347,8 +335,7 @@ if _g.GLUON_API:
                 m_i = gl.full([R], float("-inf"), gl.float32, layout=row_l)
                 l2 = gl.zeros([_N, R], gl.float32, layout=layout)  # per-thread row sums, reduced in the epilogue
             else:
-                acc0 = gl.zeros([256, R], gl.float32, layout=layout)  # O^T's channels 0-255 (stage half 0)
-                acc1 = gl.zeros([256, R], gl.float32, layout=layout)  # 256-511 (half 1)
+                acc = gl.zeros([512, R], gl.float32, layout=layout)
             for j in range(n_tiles):
                 st = it % 2
                 ph = (it // 2) & 1
@@ -356,15 +343,12 @@ if _g.GLUON_API:
                 pbuf = p_smem.index(st)
                 if WG == 0:
                     start = tok_begin + j * _N
-                    mbarrier.wait(bars.index(2 * st), ph)
+                    mbarrier.wait(bars.index(st), ph)
                     # the query indexed with a zero the compiler cannot fold (tok_begin is loaded): its 36 k-steps'
                     # descriptors would otherwise be hoisted out of the loop and spill (as in gluon_seesaw._scores)
                     q_op, qr_op = _q_operands(q_smem, qr_smem, (start < 0).to(gl.int32), R)
-                    s = warpgroup_mma(kbuf.slice(0, 256, dim=1), q_op.slice(0, 256, dim=1).permute((1, 0)),
-                                      gl.zeros([_N, R], gl.float32, layout), use_acc=False, is_async=True)
-                    mbarrier.wait(bars.index(2 * st + 1), ph)
-                    s = warpgroup_mma(kbuf.slice(256, 256, dim=1), q_op.slice(256, 256, dim=1).permute((1, 0)), s,
-                                      is_async=True)
+                    s = warpgroup_mma(kbuf, q_op.permute((1, 0)), gl.zeros([_N, R], gl.float32, layout),
+                                      use_acc=False, is_async=True)
                     s = warpgroup_mma(r_smem.index(st), qr_op.permute((1, 0)), s, is_async=True)
                     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
                     tok = start + gl.arange(0, _N, layout=tok_l)
@@ -390,22 +374,15 @@ if _g.GLUON_API:
                     a_smem.index(st).store(alpha)
                     fence_async_shared()
                     _cta_barrier()
-                    mbarrier.arrive(bars.index(8 + st))
-                    mbarrier.arrive(bars.index(4 + 2 * st))  # (the scorer is done with the stage once S^T is)
-                    mbarrier.arrive(bars.index(5 + 2 * st))
+                    mbarrier.arrive(bars.index(4 + st))
                 else:
-                    mbarrier.wait(bars.index(8 + st), ph)
-                    alpha = a_smem.index(st).load(row_l)[None, :]
-                    acc0 = warpgroup_mma(kbuf.slice(0, 256, dim=1).permute((1, 0)), pbuf.permute((1, 0)),
-                                         acc0 * alpha, is_async=True)
-                    acc1 = warpgroup_mma(kbuf.slice(256, 256, dim=1).permute((1, 0)), pbuf.permute((1, 0)),
-                                         acc1 * alpha, is_async=True)
-                    acc0 = warpgroup_mma_wait(num_outstanding=1, deps=(acc0, ))
-                    _cta_barrier()  # every warp's share of half 0's wgmma is done
-                    mbarrier.arrive(bars.index(4 + 2 * st))
-                    acc1 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, ))
-                    _cta_barrier()
-                    mbarrier.arrive(bars.index(5 + 2 * st))
+                    mbarrier.wait(bars.index(4 + st), ph)
+                    acc = acc * a_smem.index(st).load(row_l)[None, :]
+                    acc = warpgroup_mma(kbuf.slice(0, 512, dim=1).permute((1, 0)), pbuf.permute((1, 0)), acc,
+                                        is_async=True)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+                    _cta_barrier()  # every warp's share of the wgmma is done
+                mbarrier.arrive(bars.index(2 + st))  # (the scorer is done with the stage once S^T is)
                 it += 1
 
             # -- epilogue: the row sums from the scorer to the accumulator; natural-log LSE; out or partial rows ------
@@ -427,22 +404,18 @@ if _g.GLUON_API:
                               + head.to(gl.int64) * stride_plh)
                     gl.store(PartialLse + pl_off, gl.where(has_key, lse_nat, float("-inf")), mask=row_ok)
             else:
-                inv = gl.where(has_key, kv_scale / gl.where(has_key, l_i, 1.0), 0.0)[None, :]  # V's fp8 scale
-                o0 = acc0 * inv
-                o1 = acc1 * inv
-                ch = gl.arange(0, 256, layout=tok_l)[:, None]
+                o = acc * gl.where(has_key, kv_scale / gl.where(has_key, l_i, 1.0), 0.0)[None, :]  # V's fp8 scale
+                ch = gl.arange(0, 512, layout=tok_l)
                 if slot < 0:
-                    o_ptr = Out + (req.to(gl.int64) * stride_ob + q_tok.to(gl.int64) * stride_os
-                                   + head.to(gl.int64) * stride_oh)[None, :] + ch
-                    gl.store(o_ptr, o0.to(Out.dtype.element_ty), mask=row_ok[None, :])
-                    gl.store(o_ptr + 256, o1.to(Out.dtype.element_ty), mask=row_ok[None, :])
+                    o_off = (req.to(gl.int64) * stride_ob + q_tok.to(gl.int64) * stride_os
+                             + head.to(gl.int64) * stride_oh)
+                    gl.store(Out + o_off[None, :] + ch[:, None], o.to(Out.dtype.element_ty), mask=row_ok[None, :])
                 else:  # PARTIAL_ROW_FORMAT: fp16 values and one power-of-two scale per row
                     p_off = (slot.to(gl.int64) * stride_pob + q_tok.to(gl.int64) * stride_pos
                              + head.to(gl.int64) * stride_poh)
-                    up, down = _g._pow2_scale(gl.maximum(gl.max(gl.abs(o0), 0), gl.max(gl.abs(o1), 0)))
-                    p_ptr = PartialOut + p_off[None, :] + ch
-                    gl.store(p_ptr, (o0 * up[None, :]).to(gl.float16), mask=row_ok[None, :])
-                    gl.store(p_ptr + 256, (o1 * up[None, :]).to(gl.float16), mask=row_ok[None, :])
+                    up, down = _g._pow2_scale(gl.max(gl.abs(o), 0))
+                    gl.store(PartialOut + p_off[None, :] + ch[:, None], (o * up[None, :]).to(gl.float16),
+                             mask=row_ok[None, :])
                     gl.store((PartialOut + p_off + 512).to(gl.pointer_type(gl.float32)), down, mask=row_ok)
             n_items += 1
 
@@ -475,14 +448,13 @@ if _g.GLUON_API:
         p_smem = gl.allocate_shared_memory(gl.float16, [2, R, _N], p_layout)
         a_smem = gl.allocate_shared_memory(gl.float32, [2, R], flat)  # a tile's rescale factors, by stage
         l_smem = gl.allocate_shared_memory(gl.float32, [2, R], flat)  # an item's row sums, by item parity
-        bars = gl.allocate_shared_memory(gl.int64, [12, 1], mbarrier.MBarrierLayout())  # rows: see _consumer
-        for i in gl.static_range(4):
-            mbarrier.init(bars.index(i), count=1)
-            mbarrier.init(bars.index(4 + i), count=2)
+        bars = gl.allocate_shared_memory(gl.int64, [8, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
-            mbarrier.init(bars.index(8 + i), count=1)
-        mbarrier.init(bars.index(10), count=1)
-        mbarrier.init(bars.index(11), count=2)
+            mbarrier.init(bars.index(i), count=1)
+            mbarrier.init(bars.index(2 + i), count=2)
+            mbarrier.init(bars.index(4 + i), count=1)
+        mbarrier.init(bars.index(6), count=1)
+        mbarrier.init(bars.index(7), count=2)
         fence_async_shared()
         args = (q_desc, qr_desc, KVScale, Seqlens, Items, PartOffsets, Out, Lse, PartialOut, PartialLse,
                 q_smem, qr_smem, qd_smem, k_smem, r_smem, p_smem, a_smem, l_smem, bars,
