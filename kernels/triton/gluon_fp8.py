@@ -64,8 +64,6 @@ if _g.GLUON_API:
 
     _cta_barrier = _g._cta_barrier
     _tma_load = _g._tma_load
-    _cp_async = _g._cp_async
-    _async_copy = _g.async_copy
 
 __all__ = ["MAX_ROWS", "fp8t_applies", "launch_decode_fp8t", "rows_per_program"]
 
@@ -100,8 +98,11 @@ if _g.GLUON_API:
         tensor of fp8 carried through a loop takes a register per byte): five ``[64, 32]`` / ``[64, 16]`` pieces (latent
         bytes 0-127, ..., 384-511, RoPE), converted and stored one at a time. Each token row from its page
         (``pages``, :func:`.gluon_sm90._tile_pages`), zeros at or past ``tok_end`` (masked: nothing read there)."""
-        base, valid = _rows_fp8(KV32, pages, start, tok_end, stride_kt, PAGE_SIZE, ld)
+        rows = gl.arange(0, _N, layout=gl.SliceLayout(1, ld))
         cols = gl.arange(0, 32, layout=gl.SliceLayout(0, ld))
+        tok = start + rows
+        valid = (tok < tok_end)[:, None]
+        base = (KV32 + (pages.to(gl.int64) * PAGE_SIZE + tok % PAGE_SIZE) * stride_kt)[:, None]
         x0 = gl.load(base + cols[None, :], mask=valid, other=0)
         x1 = gl.load(base + (32 + cols)[None, :], mask=valid, other=0)
         x2 = gl.load(base + (64 + cols)[None, :], mask=valid, other=0)
@@ -109,30 +110,6 @@ if _g.GLUON_API:
         cols_r = gl.arange(0, 16, layout=gl.SliceLayout(0, ld))
         xr = gl.load(base + (128 + cols_r)[None, :], mask=valid, other=0)
         return x0, x1, x2, x3, xr
-
-    @gluon.jit
-    def _rows_fp8(KV32, pages, start, tok_end, stride_kt, PAGE_SIZE: gl.constexpr, ld: gl.constexpr):
-        """Row pointers ``[64, 1]`` (int32 words) of the 64-token tile from ``start`` and whether each row lies before
-        ``tok_end``, in layout ``ld``."""
-        rows = gl.arange(0, _N, layout=gl.SliceLayout(1, ld))
-        tok = start + rows
-        base = (KV32 + (pages.to(gl.int64) * PAGE_SIZE + tok % PAGE_SIZE) * stride_kt)[:, None]
-        return base, (tok < tok_end)[:, None]
-
-    @gluon.jit
-    def _copy_fp8(s_smem, sr_smem, KV32, pages, start, tok_end, stride_kt, PAGE_SIZE: gl.constexpr,
-                  ld: gl.constexpr):
-        """The fp8 rows of the 64-token tile from ``start`` into the staging buffers (``s_smem`` four ``[64, 32]``
-        int32 pieces of the latent bytes, ``sr_smem`` the RoPE bytes) by cp.async, committed as one group: the same
-        elements per thread as :func:`_load_fp8`, so that each thread later reads back only what its own copies wrote
-        (:func:`_put_staged`; no barrier between the two). Zeros at or past ``tok_end`` (masked: nothing read there)."""
-        base, valid = _rows_fp8(KV32, pages, start, tok_end, stride_kt, PAGE_SIZE, ld)
-        cols = gl.arange(0, 32, layout=gl.SliceLayout(0, ld))
-        for c in gl.static_range(4):
-            _cp_async(s_smem.index(c), base + (32 * c + cols)[None, :], mask=valid)
-        cols_r = gl.arange(0, 16, layout=gl.SliceLayout(0, ld))
-        _cp_async(sr_smem, base + (128 + cols_r)[None, :], mask=valid)
-        _async_copy.commit_group()
 
     @gluon.jit
     def _prefetch_l2(KV32, pages, start, tok_end, stride_kt, PAGE_SIZE: gl.constexpr):
@@ -213,23 +190,6 @@ if _g.GLUON_API:
         mbarrier.arrive(bars.index(st))
 
     @gluon.jit
-    def _put_staged(s_smem, sr_smem, k_smem, r_smem, bars, it, ld: gl.constexpr):
-        """Tile ``it`` from the staging buffers (:func:`_copy_fp8`, the copy group waited for here) into stage
-        ``it % 2`` as fp16, as :func:`_put_tile`, one piece at a time (the two register sets stay live meanwhile)."""
-        st = it % 2
-        _async_copy.wait_group(0)
-        mbarrier.wait(bars.index(2 + st), ((it // 2) & 1) ^ 1)
-        w32: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-        k32 = _g._view(k_smem.index(st), gl.int32, [_N, 256], w32)
-        r32 = _g._view(r_smem.index(st), gl.int32, [_N, 32], w32)
-        for c in gl.static_range(4):
-            k32.slice(64 * c, 64, dim=1).store(_e4m3_words_to_f16(s_smem.index(c).load(ld)))
-        r32.store(_e4m3_words_to_f16(sr_smem.load(ld)))
-        fence_async_shared()
-        _cta_barrier()
-        mbarrier.arrive(bars.index(st))
-
-    @gluon.jit
     def _converter(args):
         """The converting partition (``args``: the cache and its table, the schedule, the stages and their barriers):
         every tile of every item of this program, fp8 rows loaded a tile ahead (registers) and asked of L2 two ahead,
@@ -238,8 +198,8 @@ if _g.GLUON_API:
         The loop takes two tiles per iteration, one in each of two register sets (``x*`` / ``y*``), so that no set is
         copied into the other: with one set per iteration, the copy of the next tile's registers at the back edge
         waited for their loads (H100 profile: the converter's top stall), and the load latency was not hidden."""
-        (KV32, BlockTable, Seqlens, Items, PartOffsets, k_smem, r_smem, s_smem, sr_smem, bars, stride_kt, stride_bt,
-         PAGE_SIZE, Q, q_rows, rows_total, R) = args
+        (KV32, BlockTable, Seqlens, Items, PartOffsets, k_smem, r_smem, bars, stride_kt, stride_bt, PAGE_SIZE,
+         Q, q_rows, rows_total, R) = args
         # 16-byte loads; four threads cover 64 bytes of a row, eight rows per warp: each warp's stores touch 8 rows of
         # one 128-byte swizzle span (no bank conflicts) and its loads 64-byte pieces of 8 token rows
         ld: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
@@ -257,55 +217,37 @@ if _g.GLUON_API:
             req, tok_begin, tok_end, slot, seqlen = _g._item_meta(Items, Seqlens, item)
             bt_row = BlockTable + req.to(gl.int64) * stride_bt
             n_tiles = gl.cdiv(tok_end - tok_begin, _N)
-            j_qpf = gl.maximum(n_tiles - 4, 0) // 3 * 3  # the next item's query tile into L2 ~4 tiles before the end
-            # tiles 0, 1, 2 into the x registers, the y registers and the staging buffers; tile 3 into L2. Table
-            # entries: px / py / ps of the next tile of each buffer, f of the next L2 prefetch, each read a whole
-            # tile before its use
-            x0, x1, x2, x3, xr = _load_fp8(KV32, _g._tile_pages(bt_row, tok_begin, tok_end, PAGE_SIZE, _N, True,
-                                                                 row_ld), tok_begin, tok_end, stride_kt, PAGE_SIZE, ld)
-            y0, y1, y2, y3, yr = _load_fp8(KV32, _g._tile_pages(bt_row, tok_begin + _N, tok_end, PAGE_SIZE, _N, True,
-                                                                 row_ld), tok_begin + _N, tok_end, stride_kt,
-                                           PAGE_SIZE, ld)
-            _copy_fp8(s_smem, sr_smem, KV32, _g._tile_pages(bt_row, tok_begin + 2 * _N, tok_end, PAGE_SIZE, _N, True,
-                                                             row_ld), tok_begin + 2 * _N, tok_end, stride_kt,
-                      PAGE_SIZE, ld)
-            _prefetch_l2(KV32, _g._tile_pages(bt_row, tok_begin + 3 * _N, tok_end, PAGE_SIZE, _N, True, pf),
-                         tok_begin + 3 * _N, tok_end, stride_kt, PAGE_SIZE)
-            px = _g._tile_pages(bt_row, tok_begin + 3 * _N, tok_end, PAGE_SIZE, _N, True, row_ld)
-            py = _g._tile_pages(bt_row, tok_begin + 4 * _N, tok_end, PAGE_SIZE, _N, True, row_ld)
-            ps = _g._tile_pages(bt_row, tok_begin + 5 * _N, tok_end, PAGE_SIZE, _N, True, row_ld)
-            f = _g._tile_pages(bt_row, tok_begin + 4 * _N, tok_end, PAGE_SIZE, _N, True, pf)
-            for j in range(0, n_tiles, 3):
+            j_qpf = gl.maximum(n_tiles - 4, 0) // 2 * 2  # the next item's query tile into L2 ~4 tiles before the end
+            pages = _g._tile_pages(bt_row, tok_begin, tok_end, PAGE_SIZE, _N, True, row_ld)
+            x0, x1, x2, x3, xr = _load_fp8(KV32, pages, tok_begin, tok_end, stride_kt, PAGE_SIZE, ld)
+            # table entries: of tiles j + 1 / j + 2 for the register loads (pb / pa), of tiles j + 2 / j + 3 for the L2
+            # prefetches (fa / fb); each set is read a whole iteration before its use
+            pb = _g._tile_pages(bt_row, tok_begin + _N, tok_end, PAGE_SIZE, _N, True, row_ld)
+            pa = _g._tile_pages(bt_row, tok_begin + 2 * _N, tok_end, PAGE_SIZE, _N, True, row_ld)
+            _prefetch_l2(KV32, _g._tile_pages(bt_row, tok_begin + _N, tok_end, PAGE_SIZE, _N, True, pf), tok_begin + _N,
+                         tok_end, stride_kt, PAGE_SIZE)
+            fa = _g._tile_pages(bt_row, tok_begin + 2 * _N, tok_end, PAGE_SIZE, _N, True, pf)
+            fb = _g._tile_pages(bt_row, tok_begin + 3 * _N, tok_end, PAGE_SIZE, _N, True, pf)
+            for j in range(0, n_tiles, 2):
                 start = tok_begin + j * _N
+                # tile j + 1 into the y registers (all masked past the item's last tile), in flight while tile j is
+                # stored; tile j + 2 into L2
+                y0, y1, y2, y3, yr = _load_fp8(KV32, pb, start + _N, tok_end, stride_kt, PAGE_SIZE, ld)
+                pb = _g._tile_pages(bt_row, start + 3 * _N, tok_end, PAGE_SIZE, _N, True, row_ld)
+                _prefetch_l2(KV32, fa, start + 2 * _N, tok_end, stride_kt, PAGE_SIZE)
+                fa = _g._tile_pages(bt_row, start + 4 * _N, tok_end, PAGE_SIZE, _N, True, pf)
                 if j == j_qpf:
                     _prefetch_q(Q, Items, item + 1, item_end, rows_total, m_tile, q_rows, R, pf)
-                # tile j from the x registers, then tile j + 3 into them (all masked past the item's last tile) and
-                # tile j + 4 into L2: three tiles in flight while one is stored
                 _put_tile(x0, x1, x2, x3, xr, k_smem, r_smem, bars, it)
                 it += 1
-                x0, x1, x2, x3, xr = _load_fp8(KV32, px, start + 3 * _N, tok_end, stride_kt, PAGE_SIZE, ld)
-                px = _g._tile_pages(bt_row, start + 6 * _N, tok_end, PAGE_SIZE, _N, True, row_ld)
-                _prefetch_l2(KV32, f, start + 4 * _N, tok_end, stride_kt, PAGE_SIZE)
-                f = _g._tile_pages(bt_row, start + 5 * _N, tok_end, PAGE_SIZE, _N, True, pf)
-                # tile j + 1 from the y registers, then tile j + 4; tile j + 5 into L2
+                # tile j + 2 into the x registers while tile j + 1 is stored; tile j + 3 into L2
+                x0, x1, x2, x3, xr = _load_fp8(KV32, pa, start + 2 * _N, tok_end, stride_kt, PAGE_SIZE, ld)
+                pa = _g._tile_pages(bt_row, start + 4 * _N, tok_end, PAGE_SIZE, _N, True, row_ld)
+                _prefetch_l2(KV32, fb, start + 3 * _N, tok_end, stride_kt, PAGE_SIZE)
+                fb = _g._tile_pages(bt_row, start + 5 * _N, tok_end, PAGE_SIZE, _N, True, pf)
                 if j + 1 < n_tiles:
                     _put_tile(y0, y1, y2, y3, yr, k_smem, r_smem, bars, it)
                     it += 1
-                y0, y1, y2, y3, yr = _load_fp8(KV32, py, start + 4 * _N, tok_end, stride_kt, PAGE_SIZE, ld)
-                py = _g._tile_pages(bt_row, start + 7 * _N, tok_end, PAGE_SIZE, _N, True, row_ld)
-                _prefetch_l2(KV32, f, start + 5 * _N, tok_end, stride_kt, PAGE_SIZE)
-                f = _g._tile_pages(bt_row, start + 6 * _N, tok_end, PAGE_SIZE, _N, True, pf)
-                # tile j + 2 from the staging buffers, then tile j + 5 into them; tile j + 6 into L2
-                if j + 2 < n_tiles:
-                    _put_staged(s_smem, sr_smem, k_smem, r_smem, bars, it, ld)
-                    it += 1
-                _copy_fp8(s_smem, sr_smem, KV32, ps, start + 5 * _N, tok_end, stride_kt, PAGE_SIZE, ld)
-                ps = _g._tile_pages(bt_row, start + 8 * _N, tok_end, PAGE_SIZE, _N, True, row_ld)
-                _prefetch_l2(KV32, f, start + 6 * _N, tok_end, stride_kt, PAGE_SIZE)
-                f = _g._tile_pages(bt_row, start + 7 * _N, tok_end, PAGE_SIZE, _N, True, pf)
-            # the copies past the item's last tile (masked: zeros) land before the next item's copies are issued into
-            # the same buffers (cp.async gives no order between two copies' writes)
-            _async_copy.wait_group(0)
 
     @gluon.jit
     def _q_operands(q_smem, qr_smem, i, ROWS: gl.constexpr):
@@ -506,11 +448,6 @@ if _g.GLUON_API:
         p_smem = gl.allocate_shared_memory(gl.float16, [2, R, _N], p_layout)
         a_smem = gl.allocate_shared_memory(gl.float32, [2, R], flat)  # a tile's rescale factors, by stage
         l_smem = gl.allocate_shared_memory(gl.float32, [2, R], flat)  # an item's row sums, by item parity
-        # the converter's staging buffers for its third tile in flight: the raw rows as int32 words (_copy_fp8)
-        w32: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-        w32r: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=32, rank=2)
-        s_smem = gl.allocate_shared_memory(gl.int32, [4, _N, 32], w32)
-        sr_smem = gl.allocate_shared_memory(gl.int32, [_N, 16], w32r)
         bars = gl.allocate_shared_memory(gl.int64, [8, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
             mbarrier.init(bars.index(i), count=1)
@@ -524,8 +461,8 @@ if _g.GLUON_API:
                 qk_scale, q_len, group,
                 stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
                 stride_pob, stride_pos, stride_poh, stride_plb, stride_pls, stride_plh, CAUSAL)
-        conv_args = (KV32, BlockTable, Seqlens, Items, PartOffsets, k_smem, r_smem, s_smem, sr_smem, bars, stride_kt,
-                     stride_bt, PAGE_SIZE, Q, q_rows, q_len * group, R)  # the converter's: what it reads
+        conv_args = (KV32, BlockTable, Seqlens, Items, PartOffsets, k_smem, r_smem, bars, stride_kt, stride_bt,
+                     PAGE_SIZE, Q, q_rows, q_len * group, R)  # the converter's: what it reads
         gl.warp_specialize([(_converter, (conv_args, )), (_consumer, (args, 0)), (_consumer, (args, 1))],
                            [4, 4], [SCORER_NUM_REGS, ACC_NUM_REGS])
 
