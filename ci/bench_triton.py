@@ -1,7 +1,8 @@
 """Benchmark the Triton MLA decode kernel against the roofline measured in the same run.
 
     python ci/bench_triton.py [--grids flashmla,mem,pages,fp8,graph,choice,occupancy,small,tma,tmapage16,gluon,gluonpages,gluonfp8,gluonsched] [--json PATH]
-                              [--check] [--only NAME,...] [--report] [--precompile N]
+                              [--check] [--only NAME,...] [--report] [--precompile N] [--plot PNG]
+    python ci/bench_triton.py --from-json PATH --plot PNG      # chart an earlier run (no GPU needed)
 
 Prints, per config: µs (triton.testing.do_bench median, L2 flushed) for
 ``DecodePlan.run`` (decode + combine), for ``update + run`` (the per-step
@@ -16,7 +17,8 @@ schedule included, FlashMLA's "whole call"), and for a CUDA-graph replay of
 Also reports the compiled kernel's registers, spills and whether the PTX holds
 wgmma (Hopper warpgroup MMA) or only mma.sync (``--report``); checks each config's
 output against the reference first (``--check``); ``small`` adds the GPU time of the
-decode and combine kernels per split count.
+decode and combine kernels per split count. ``--plot`` draws the run's results against the
+speed targets of the Triton backend's issue (:func:`plot_targets`).
 """
 
 from __future__ import annotations
@@ -366,6 +368,78 @@ def precompile(entries, workers: int) -> None:
           + "".join(f"\n  {e}" for e in errors), flush=True)
 
 
+#: issue 3's speed targets for the Triton backend (the fp8 and page targets are relative to the bf16 page-64 config)
+TARGETS = dict(flashmla_pct=60.0, mem_pct=80.0, page_within=0.15, fp8_speedup=1.6, b1_us=15.0)
+
+
+def target_rows(results: list[dict]) -> list[dict]:
+    """A run's results against :data:`TARGETS`, one row per config that has a target panel: ``panel`` (``pct``: % of
+    the roofline on the FlashMLA and memory-bound grids; ``page``: % more time than page 64 at the same heads; ``fp8``:
+    throughput relative to bf16 at the same heads; ``b1``: µs at b = 1, L = 4K), ``name``, ``value``, ``target``
+    (None: no target, as for fp8_ds_mla), ``met`` (None without a target). Times are the CUDA-graph replay where one was
+    timed, else the eager run; page and fp8 rows need the run's ``mem-h<heads>`` config (bf16, page 64)."""
+    by = {r["name"]: r for r in results}
+
+    def us(name):
+        r = by[name]
+        return r["us_graph"] if r.get("us_graph") else r["us"]
+
+    def base(n):
+        return f"mem-h{by[n]['h_q']}"
+
+    rows = []
+
+    def add(panel, name, value, target, higher_is_better=True):
+        met = None if target is None else (value >= target) == higher_is_better
+        rows.append(dict(panel=panel, name=name, value=value, target=target, met=met))
+
+    for n in by:
+        if n.startswith(("flashmla-", "mem-h")):
+            add("pct", n, 100 * by[n]["roofline_us"] / us(n),
+                TARGETS["mem_pct" if n.startswith("mem-") else "flashmla_pct"])
+    for n in by:
+        if n.startswith("page") and base(n) in by:
+            add("page", n, 100 * (us(n) / us(base(n)) - 1), 100 * TARGETS["page_within"], higher_is_better=False)
+    for n in by:
+        if n.startswith("fp8_") and base(n) in by:
+            add("fp8", n, us(base(n)) / us(n), TARGETS["fp8_speedup"] if by[n]["kv_format"] == "fp8_e4m3" else None)
+    for n in by:
+        if n.startswith("graph-b1-L4096"):
+            add("b1", n, us(n), TARGETS["b1_us"], higher_is_better=False)
+    return rows
+
+
+def plot_targets(results: list[dict], path: str, title: str = "") -> None:
+    """The four panels of :func:`target_rows` side by side, a bar per config: green where it meets its target (a dashed
+    line), red where it misses it, grey where it has none. Panels whose configs the run lacks stay empty."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = dict(pct="% of roofline (target: FlashMLA grid 60, mem 80)",
+                  page="time vs page 64, % (target: within 15)",
+                  fp8="throughput vs bf16 (target 1.6x, fp8_e4m3)",
+                  b1="us, b=1 L=4K h=128 (target 15)")
+    rows = target_rows(results)
+    fig, axes = plt.subplots(1, 4, figsize=(16, 4.2), gridspec_kw=dict(width_ratios=[3, 1.3, 1.6, 1]))
+    for ax, (panel, ylabel) in zip(axes, panels.items()):
+        mine = [r for r in rows if r["panel"] == panel]
+        colors = {True: "tab:green", False: "tab:red", None: "tab:grey"}
+        ax.bar(range(len(mine)), [r["value"] for r in mine], color=[colors[r["met"]] for r in mine])
+        for t in sorted({r["target"] for r in mine if r["target"] is not None}):
+            ax.axhline(t, color="k", ls="--", lw=1)
+        ax.set_xticks(range(len(mine)))
+        ax.set_xticklabels([r["name"] for r in mine], rotation=40, ha="right", fontsize=7)
+        ax.set_ylabel(ylabel, fontsize=8)
+        for i, r in enumerate(mine):
+            ax.text(i, r["value"], f"{r['value']:.3g}", ha="center", va="bottom", fontsize=6)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--grids", default="flashmla,mem,pages,fp8,graph")
@@ -382,7 +456,17 @@ def main():
                          "each process builds its entry's inputs on the GPU: 12 ran out of memory on the default grids "
                          "of an 80 GB H100 (those entries then compile in the timed pass), 4 did not")
     ap.add_argument("--warm-up", type=float, default=5.0, metavar="S", help="seconds of GPU copies before timing")
+    ap.add_argument("--plot", default=None, metavar="PNG", help="chart the results against the issue's targets")
+    ap.add_argument("--from-json", default=None, metavar="PATH", help="with --plot: chart an earlier run's --json "
+                    "output instead of running (no GPU needed)")
     args = ap.parse_args()
+    if args.from_json:
+        if not args.plot:
+            ap.error("--from-json needs --plot PNG")
+        with open(args.from_json) as f:
+            saved = json.load(f)
+        plot_targets(saved["results"], args.plot, _title(saved))
+        return
     names = set(args.grids.split(","))
     print(f"device {torch.cuda.get_device_name(0)}, torch {torch.__version__}, triton {triton.__version__}")
     peaks = measure_peaks()
@@ -415,10 +499,19 @@ def main():
               f"{r['us_graph'] if r['us_graph'] is None else round(r['us_graph'], 1)!s:>8}  "
               f"{r['tflops']:6.1f} TF/s {r['gbs']:7.0f} GB/s  {r['pct_roofline']:5.1f}% ({r['bound']}) "
               f"[{r['config']}] ({r['wall_s']:.0f}s){extra}", flush=True)
+    saved = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__,
+                 copy_Bps=peaks[0], matmul_flops=peaks[1], results=results)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(0), torch=torch.__version__, triton=triton.__version__,
-                           copy_Bps=peaks[0], matmul_flops=peaks[1], results=results), f, indent=1)
+            json.dump(saved, f, indent=1)
+    if args.plot:
+        plot_targets(results, args.plot, _title(saved))
+
+
+def _title(saved: dict) -> str:
+    return (f"Triton backend, {saved['device']}, torch {saved['torch']}, triton {saved['triton']}; ceilings: copy "
+            f"{saved['copy_Bps'] / 1e12:.2f} TB/s, bf16 matmul {saved['matmul_flops'] / 1e12:.0f} TFLOP/s; "
+            "bars: CUDA-graph replay (green: target met)")
 
 
 if __name__ == "__main__":
