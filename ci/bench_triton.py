@@ -511,7 +511,7 @@ def main():
 def _title(saved: dict) -> str:
     return (f"Triton backend, {saved['device']}, torch {saved['torch']}, triton {saved['triton']}; ceilings: copy "
             f"{saved['copy_Bps'] / 1e12:.2f} TB/s, bf16 matmul {saved['matmul_flops'] / 1e12:.0f} TFLOP/s; "
-            "bars: CUDA-graph replay (green: target met)")
+            "bars: CUDA-graph replay where timed, else the eager run (green: target met, red: missed)")
 
 
 if __name__ == "__main__":
