@@ -397,14 +397,11 @@ def target_rows(results: list[dict]) -> list[dict]:
         if n.startswith(("flashmla-", "mem-h")):
             add("pct", n, 100 * by[n]["roofline_us"] / us(n),
                 TARGETS["mem_pct" if n.startswith("mem-") else "flashmla_pct"])
-    for n in by:
-        if n.startswith("page") and base(n) in by:
+        elif n.startswith("page") and base(n) in by:
             add("page", n, 100 * (us(n) / us(base(n)) - 1), 100 * TARGETS["page_within"], higher_is_better=False)
-    for n in by:
-        if n.startswith("fp8_") and base(n) in by:
+        elif n.startswith("fp8_") and base(n) in by:
             add("fp8", n, us(base(n)) / us(n), TARGETS["fp8_speedup"] if by[n]["kv_format"] == "fp8_e4m3" else None)
-    for n in by:
-        if n.startswith("graph-b1-L4096"):
+        elif n.startswith("graph-b1-L4096"):
             add("b1", n, us(n), TARGETS["b1_us"], higher_is_better=False)
     return rows
 
@@ -422,10 +419,10 @@ def plot_targets(results: list[dict], path: str, title: str = "") -> None:
                   fp8="throughput vs bf16 (target 1.6x, fp8_e4m3)",
                   b1="us, b=1 L=4K h=128 (target 15)")
     rows = target_rows(results)
+    colors = {True: "tab:green", False: "tab:red", None: "tab:grey"}  # by whether the row meets its target
     fig, axes = plt.subplots(1, 4, figsize=(16, 4.2), gridspec_kw=dict(width_ratios=[3, 1.3, 1.6, 1]))
     for ax, (panel, ylabel) in zip(axes, panels.items()):
         mine = [r for r in rows if r["panel"] == panel]
-        colors = {True: "tab:green", False: "tab:red", None: "tab:grey"}
         ax.bar(range(len(mine)), [r["value"] for r in mine], color=[colors[r["met"]] for r in mine])
         for t in sorted({r["target"] for r in mine if r["target"] is not None}):
             ax.axhline(t, color="k", ls="--", lw=1)

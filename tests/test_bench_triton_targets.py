@@ -5,6 +5,7 @@ import importlib.util
 import json
 import pathlib
 import random
+import sys
 
 import pytest
 
@@ -69,7 +70,6 @@ def test_chart_renders_from_a_saved_run(tmp_path, seed):
     src = tmp_path / "run.json"
     src.write_text(json.dumps(saved))
     png = tmp_path / "run.png"
-    import sys
     argv, sys.argv = sys.argv, ["bench_triton.py", "--from-json", str(src), "--plot", str(png)]
     try:
         bench_triton.main()
