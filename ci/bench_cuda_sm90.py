@@ -5,10 +5,15 @@ of sum(L) tokens (2*h_kv*D_qk per token for bf16; 1*h_kv*576 for fp8_e4m3; 656 f
 fp8_ds_mla) + 2*B*s_q*h_q*(D_qk+D_v); roofline = max(FLOPs/peak_flops,
 bytes/peak_bw) with both peaks measured in this run (1 GiB device copy counting
 read+write; 8192^3 bf16 matmul). Times: triton.testing.do_bench median (L2
-flushed) of the eager plan.run, and of CUDA-graph replay of plan.run.
+flushed) of the eager plan.run, and of CUDA-graph replay of plan.run. ``--check``
+compares each config's eager and graph-replay outputs (poisoned with NaN first) with
+the fp32 reference at DESIGN.md §5 tolerances before timing it; ``--plot`` charts the
+run against issue 4's targets (:data:`TARGETS`, :func:`target_rows`).
 
     python ci/bench_cuda_sm90.py [--quick] [--groups flashmla,small] [--variants 0,5,2]
-                                 [--combine auto,fused,separate] [--json PATH]
+                                 [--combine auto,fused,separate] [--check] [--seed N]
+                                 [--json PATH] [--plot PNG]
+    python ci/bench_cuda_sm90.py --from-json PATH --plot PNG    # chart an earlier run (no GPU)
 """
 
 from __future__ import annotations
@@ -16,15 +21,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import pathlib
+import random
+import sys
 
 import torch
-import triton.testing
 
-from mla_dispatch import plan_decode
-from mla_dispatch.formats import pack_ds_mla
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # target_chart, beside this script
+from target_chart import plot_target_rows  # noqa: E402
 
 
 def measure_peaks():
+    import triton.testing
+
     n = 1 << 30
     a = torch.empty(n, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
@@ -39,6 +48,8 @@ def measure_peaks():
 
 
 def make_inputs(b, s_q, h_q, L, *, page_size=64, varlen=True, kv_format="bf16", h_kv=1, seed=0):
+    from mla_dispatch.formats import pack_ds_mla
+
     g = torch.Generator(device="cuda").manual_seed(seed)
     if varlen:
         lens = torch.normal(float(L), L / 2, (b,), generator=g, device="cuda").round().clamp_min(s_q).to(torch.int32)
@@ -77,13 +88,47 @@ def capture_graph(run):
     return graph
 
 
-def bench_one(cfg, peaks, variant=2, combine="auto"):
+def config_name(cfg) -> str:
+    """A config's name in the printed table, the JSON and the chart, e.g. ``membound-b64-s1-h16-L8192-fp8_e4m3``
+    (``-ps128`` where the page is not 64, ``-eq`` for equal lengths outside the groups that always use them)."""
+    name = f"{cfg['group']}-b{cfg['b']}-s{cfg['s_q']}-h{cfg['h_q']}-L{cfg['L']}"
+    if cfg.get("ps", 64) != 64:
+        name += f"-ps{cfg['ps']}"
+    return name + ("" if cfg.get("fmt", "bf16") == "bf16" else f"-{cfg['fmt']}")
+
+
+def check_config(plan, run, graph, q, kv, table, lens, kv_scale, out, lse, cfg) -> str:
+    """The eager call's and one graph replay's outputs, each written over NaN, against the fp32 reference with the
+    backend's tolerances (DESIGN.md §5). Returns ``"ok"`` or ``"MISMATCH <which>: <report>"``."""
+    from mla_dispatch.backends.cuda_sm90 import CudaSM90Backend
+    from mla_dispatch.backends.reference import reference_attention
+    from mla_dispatch.testing import compare_outputs
+
+    ref_out, ref_lse = reference_attention(q, kv, table, lens, head_dim_v=512, softmax_scale=plan.softmax_scale,
+                                           causal=cfg.get("causal", False), kv_format=cfg.get("fmt", "bf16"),
+                                           kv_scale=kv_scale)
+    for which, fn in (("eager", run), ("graph", graph.replay)):
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        fn()
+        torch.cuda.synchronize()
+        rep = compare_outputs(out, lse, ref_out, ref_lse, CudaSM90Backend.TOLERANCE)
+        if not rep:
+            return f"MISMATCH {which}: {rep.message}"
+    return "ok"
+
+
+def bench_one(cfg, peaks, variant=2, combine="auto", *, check=False, seed=0):
+    import triton.testing
+
+    from mla_dispatch import plan_decode
+
     b, s_q, h_q, L = cfg["b"], cfg["s_q"], cfg["h_q"], cfg["L"]
     fmt = cfg.get("fmt", "bf16")
     ps = cfg.get("ps", 64)
     causal = cfg.get("causal", False)
     q, kv, table, lens, kv_scale = make_inputs(b, s_q, h_q, L, page_size=ps, varlen=cfg.get("varlen", True),
-                                               kv_format=fmt)
+                                               kv_format=fmt, seed=seed)
     plan = plan_decode(q, kv, table, lens, causal=causal, kv_format=fmt, kv_scale=kv_scale, backend="cuda_sm90",
                        cuda_graph=True)
     if variant:  # 0: the backend's own choice (choose_variant)
@@ -95,8 +140,9 @@ def bench_one(cfg, peaks, variant=2, combine="auto"):
     out = torch.empty(b, s_q, h_q, 512, dtype=q.dtype, device="cuda")
     lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device="cuda")
     run = lambda: plan.run(q, kv, kv_scale=kv_scale, out=out, lse=lse)  # noqa: E731
-    t_eager = triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median") * 1e-3
     graph = capture_graph(run)
+    verdict = check_config(plan, run, graph, q, kv, table, lens, kv_scale, out, lse, cfg) if check else None
+    t_eager = triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median") * 1e-3
     t_graph = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e-3
     sum_l = int(lens.sum())
     tok_bytes = {"bf16": 2 * 576, "fp8_e4m3": 576, "fp8_ds_mla": 656}[fmt]
@@ -104,8 +150,11 @@ def bench_one(cfg, peaks, variant=2, combine="auto"):
     nbytes = tok_bytes * sum_l + 2 * b * s_q * h_q * (576 + 512)
     roof = max(flops / peaks[1], nbytes / peaks[0])
     t = min(t_eager, t_graph)
-    row = dict(cfg, variant=variant, combine=combine, us_eager=t_eager * 1e6, us_graph=t_graph * 1e6, tflops=flops / t / 1e12, gbps=nbytes / t / 1e9,
-               roofline_pct=100 * roof / t, bound="compute" if flops / peaks[1] > nbytes / peaks[0] else "memory")
+    row = dict(cfg, name=config_name(cfg), variant=variant, combine=combine, us_eager=t_eager * 1e6, us_graph=t_graph * 1e6, tflops=flops / t / 1e12, gbps=nbytes / t / 1e9,
+               roofline_pct=100 * roof / t, bound="compute" if flops / peaks[1] > nbytes / peaks[0] else "memory",
+               roofline_us=roof * 1e6)
+    if verdict is not None:
+        row["check"] = verdict
     del q, kv, table, plan, graph
     torch.cuda.empty_cache()
     return row
@@ -145,6 +194,8 @@ def host_overhead_us(n=200):
     name (both with the op's 18 arguments), and two trivial torch launches for scale."""
     import time
 
+    from mla_dispatch import plan_decode
+
     def per_call(fn):
         torch.cuda.synchronize()
         torch.cuda._sleep(int(2e9 * 0.05))  # ~50 ms of GPU time ahead of the queued calls
@@ -182,6 +233,69 @@ def host_overhead_us(n=200):
     return rows
 
 
+#: issue 4's speed targets (benchmarks/RESULTS.md has the issue's wording): % of the roofline per group; b = 1 L = 4K
+#: in µs (CUDA-graph replay); b = 8 L = 8K and b = 32 L = 4K in % of the roofline; pages 16 / 128 / 256 within 5% of
+#: page 64 (same shape); fp8 caches >= 1.7x bf16's throughput on memory-bound configs and >= 1.0x (never slower) on
+#: compute-bound ones (same shape and lengths, bf16 cache); the host side of an eager ``DecodePlan.run`` <= 10 µs
+TARGETS = dict(flashmla_pct=85.0, mem_pct=88.0, b1_us=8.0, b8_pct=70.0, b32_pct=75.0, page_within=0.05,
+               fp8_mem_speedup=1.7, fp8_compute_speedup=1.0, host_us=10.0)
+
+
+def target_rows(rows: list[dict], host: list[dict] | None = None) -> list[dict]:
+    """A run's rows (and host timings) against :data:`TARGETS`: one dict per config that has a panel, with ``panel``
+    (``pct``: % of the roofline; ``b1``: µs; ``page``: % more time than page 64; ``fp8``: throughput relative to the
+    bf16 cache; ``host``: µs of host time per eager call), ``name``, ``value``, ``target`` (None: no target) and
+    ``met`` (None without a target). Times are the CUDA-graph replay. Page and fp8 rows are compared with the run's
+    bf16 page-64 row of the same shape (same seed, so the same lengths); without one they get no row. Where a config
+    ran more than once (several variants), the last row counts."""
+    def shape(r):
+        return (r["b"], r["s_q"], r["h_q"], r["L"], r.get("varlen", True), r.get("causal", False))
+
+    base = {shape(r): r for r in rows if r.get("fmt", "bf16") == "bf16" and r.get("ps", 64) == 64}
+    out = {}
+
+    def add(panel, r, value, target, higher_is_better=True):
+        met = None if target is None else (value >= target) == higher_is_better
+        out[r["name"]] = dict(panel=panel, name=r["name"], value=value, target=target, met=met)
+
+    for r in rows:
+        t, g, fmt = r["us_graph"], r["group"], r.get("fmt", "bf16")
+        pct = 100 * r["roofline_us"] / t
+        b0 = base.get(shape(r))
+        if fmt != "bf16":
+            if b0 is not None:
+                target = TARGETS["fp8_mem_speedup" if r["bound"] == "memory" else "fp8_compute_speedup"]
+                add("fp8", r, b0["us_graph"] / t, target)
+        elif r.get("ps", 64) != 64:
+            if b0 is not None:
+                add("page", r, 100 * (t / b0["us_graph"] - 1), 100 * TARGETS["page_within"], higher_is_better=False)
+        elif g in ("flashmla", "membound"):
+            add("pct", r, pct, TARGETS["flashmla_pct" if g == "flashmla" else "mem_pct"])
+        elif g == "small" and r["b"] == 1:
+            add("b1", r, t, TARGETS["b1_us"] if r["L"] == 4096 else None, higher_is_better=False)
+        elif g == "small" and (r["b"], r["L"]) in ((8, 8192), (32, 4096)):
+            add("pct", r, pct, TARGETS["b8_pct" if r["b"] == 8 else "b32_pct"])
+    for h in host or []:
+        out[h["config"]] = dict(panel="host", name=h["config"], value=h["run"], target=TARGETS["host_us"],
+                                met=h["run"] <= TARGETS["host_us"])
+    return list(out.values())
+
+
+PANELS = {
+    "pct": "% of roofline (targets: FlashMLA grid 85, mem 88, b8 70, b32 75)",
+    "b1": "µs, b=1 h=128 (target: L=4K <= 8)",
+    "page": "time vs page 64, % (target: within 5)",
+    "fp8": "throughput vs bf16 (targets: mem 1.7x, compute 1.0x)",
+    "host": "host µs per eager call (target <= 10)",
+}
+
+
+def _title(saved: dict) -> str:
+    return (f"cuda_sm90, {saved['device']}, torch {saved['torch']}, {saved['date']}; ceilings: copy "
+            f"{saved['peaks'][0] / 1e12:.2f} TB/s, bf16 matmul {saved['peaks'][1] / 1e12:.0f} TFLOP/s; bars: CUDA-graph "
+            "replay of the plan's own mainloop (green: target met, red: missed, grey: no target)")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="a few configs only")
@@ -194,12 +308,30 @@ def main():
                     "backend's per-plan choice, fused = inside the decode launch, separate = a second kernel)")
     ap.add_argument("--overhead", type=int, default=None, help="the schedule's fixed cost per request, in chunks "
                     "(CudaSM90Backend.SCHEDULE_OVERHEAD; default: the backend's, per mainloop)")
+    ap.add_argument("--check", action="store_true", help="compare each config's eager and graph outputs with the "
+                    "reference before timing it")
+    ap.add_argument("--seed", type=int, default=None, help="seed of the inputs (default: a fresh one, printed and "
+                    "saved in the JSON)")
+    ap.add_argument("--plot", default=None, metavar="PNG", help="chart the run against issue 4's targets")
+    ap.add_argument("--from-json", default=None, metavar="PATH", help="with --plot: chart an earlier run's --json "
+                    "output instead of running (no GPU needed)")
     args = ap.parse_args()
+    if args.from_json:
+        if not args.plot:
+            ap.error("--from-json needs --plot PNG")
+        saved = json.loads(pathlib.Path(args.from_json).read_text())
+        plot_target_rows(target_rows(saved["rows"], saved.get("host")), PANELS, args.plot, _title(saved))
+        return
+    import datetime
+
+    import triton
+
+    seed = args.seed if args.seed is not None else random.randrange(2**31)
     if args.overhead is not None:
         from mla_dispatch.backends.cuda_sm90 import CudaSM90Backend
         CudaSM90Backend.SCHEDULE_OVERHEAD = args.overhead
     peaks = measure_peaks()
-    print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}")
+    print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__} seed {seed}")
     print(f"measured peaks: copy {peaks[0] / 1e12:.2f} TB/s, bf16 matmul {peaks[1] / 1e12:.0f} TFLOP/s")
     configs = CONFIGS if not args.quick else [CONFIGS[0], CONFIGS[2], CONFIGS[8], CONFIGS[11], CONFIGS[13]]
     if args.groups:
@@ -209,14 +341,14 @@ def main():
     runs = [(c, int(v), m) for v in args.variants.split(",") for c in configs for m in args.combine.split(",")]
     for cfg, variant, combine in runs:
         try:
-            r = bench_one(cfg, peaks, variant, combine)
+            r = bench_one(cfg, peaks, variant, combine, check=args.check, seed=seed)
         except Exception as exc:  # keep going; report the failure
             print(f"FAILED {cfg}: {type(exc).__name__}: {exc}")
             continue
         rows.append(r)
         print(f"{r['variant']:1d} {r['combine'][:4]:4s} {r['group']:9s} {r['b']:4d} {r['s_q']:3d} {r['h_q']:4d} {r['L']:6d} {r.get('ps', 64):4d} "
               f"{r.get('fmt', 'bf16'):10s} {str(r.get('causal', False)):6s} {r['us_eager']:9.1f} {r['us_graph']:9.1f} "
-              f"{r['tflops']:8.1f} {r['gbps']:7.0f} {r['roofline_pct']:6.1f} {r['bound']}", flush=True)
+              f"{r['tflops']:8.1f} {r['gbps']:7.0f} {r['roofline_pct']:6.1f} {r['bound']} {r.get('check', '')}", flush=True)
     print(hdr)
     host = host_overhead_us()
     print("host time per eager call (us), GPU kept busy: DecodePlan.run with out/lse | without | the bound call "
@@ -225,9 +357,14 @@ def main():
         print(f"  {h['config']:44s} v{h['variant']} parts {h['parts']:3d}: run {h['run']:5.1f} | run_alloc "
               f"{h['run_alloc']:5.1f} | bound {h['bound']:5.1f} | op {h['op']:5.1f} | direct {h['direct']:5.1f} | "
               f"launches {h['launches']:5.1f}")
+    saved = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), seed=seed,
+                 peaks=peaks, rows=rows, host=host)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(peaks=peaks, rows=rows, host=host), f, indent=1)
+            json.dump(saved, f, indent=1)
+    if args.plot:
+        plot_target_rows(target_rows(rows, host), PANELS, args.plot, _title(saved))
 
 
 if __name__ == "__main__":

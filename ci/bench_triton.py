@@ -26,6 +26,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import pathlib
+import sys
 import time
 
 import torch
@@ -36,6 +38,9 @@ from mla_dispatch import plan_decode
 from mla_dispatch.backends.triton import TritonBackend
 from mla_dispatch.formats import pack_ds_mla
 from mla_dispatch.kernels.triton.aot_report import parse_spec  # the tM16-n64-... config notation
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # target_chart, beside this script
+from target_chart import plot_target_rows  # noqa: E402
 
 D_QK, D_V = 576, 512
 
@@ -406,35 +411,17 @@ def target_rows(results: list[dict]) -> list[dict]:
     return rows
 
 
+PANELS = dict(pct="% of roofline (target: FlashMLA grid 60, mem 80)",
+              page="time vs page 64, % (target: within 15)",
+              fp8="throughput vs bf16 (target 1.6x, fp8_e4m3)",
+              b1="us, b=1 L=4K h=128 (target 15)")
+
+
 def plot_targets(results: list[dict], path: str, title: str = "") -> None:
-    """The four panels of :func:`target_rows` side by side, a bar per config: green where it meets its target (a dashed
-    line), red where it misses it, grey where it has none. Panels whose configs the run lacks stay empty."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = dict(pct="% of roofline (target: FlashMLA grid 60, mem 80)",
-                  page="time vs page 64, % (target: within 15)",
-                  fp8="throughput vs bf16 (target 1.6x, fp8_e4m3)",
-                  b1="us, b=1 L=4K h=128 (target 15)")
-    rows = target_rows(results)
-    colors = {True: "tab:green", False: "tab:red", None: "tab:grey"}  # by whether the row meets its target
-    fig, axes = plt.subplots(1, 4, figsize=(16, 4.2), gridspec_kw=dict(width_ratios=[3, 1.3, 1.6, 1]))
-    for ax, (panel, ylabel) in zip(axes, panels.items()):
-        mine = [r for r in rows if r["panel"] == panel]
-        ax.bar(range(len(mine)), [r["value"] for r in mine], color=[colors[r["met"]] for r in mine])
-        for t in sorted({r["target"] for r in mine if r["target"] is not None}):
-            ax.axhline(t, color="k", ls="--", lw=1)
-        ax.set_xticks(range(len(mine)))
-        ax.set_xticklabels([r["name"] for r in mine], rotation=40, ha="right", fontsize=7)
-        ax.set_ylabel(ylabel, fontsize=8)
-        for i, r in enumerate(mine):
-            ax.text(i, r["value"], f"{r['value']:.3g}", ha="center", va="bottom", fontsize=6)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    """The four panels of :func:`target_rows` side by side (ci/target_chart.py), a bar per config: green where it
+    meets its target (a dashed line), red where it misses it, grey where it has none. Panels whose configs the run
+    lacks stay empty."""
+    plot_target_rows(target_rows(results), PANELS, path, title)
 
 
 def main():
