@@ -156,6 +156,26 @@ def test_variant5_matches_reference(cfg, dtype, gen):
     _run_variant(case, 5, runs=2)  # a second launch of the configured kernel
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("cfg", V5_GRID, ids=[_grid_id(c) for c in V5_GRID])
+def test_variant9_fp8_matches_reference(cfg, dtype, gen):
+    """v9 (v5's schedule for fp8_e4m3 caches, a warpgroup converting each tile in place; mainloop_seesaw.cuh, kFp8)
+    on v5's grid: odd and even tile counts, partial last tiles (rows past the end stored as zeros), split requests,
+    causal MTP, zero-length requests, h_kv > 1, several items per CTA (the converter running an item ahead), and
+    q_len > 64 (runs v2). Two launches of the configured kernel."""
+    b, s_q, h_q, h_kv, L, ps, causal, zero = cfg
+    case = make_case(b, s_q, h_q, L, num_heads_kv=h_kv, page_size=ps, dtype=dtype, causal=causal,
+                     zero_len_rows=zero, kv_format="fp8_e4m3", device="cuda", generator=gen)
+    _run_variant(case, 9, runs=2)
+
+
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8_ds_mla"])
+def test_variant9_other_caches_run_as_variant2(kv_format, gen):
+    """v9 takes fp8_e4m3 caches only; any other cache asked to run it runs v2, and right."""
+    case = make_case(3, 1, 128, 900, page_size=64, kv_format=kv_format, device="cuda", generator=gen)
+    _run_variant(case, 9)
+
+
 @pytest.mark.parametrize("s_q,h_q,paired", [(1, 128, True), (2, 128, True), (1, 64, False), (3, 64, False)],
                          ids=["2-row-tiles", "4-row-tiles", "1-row-tile", "3-row-tiles"])
 def test_variant5_runs_row_tile_pairs_as_clusters(s_q, h_q, paired, gen):
@@ -168,7 +188,7 @@ def test_variant5_runs_row_tile_pairs_as_clusters(s_q, h_q, paired, gen):
         _run_variant(case, 5)
     names = {e.name for e in prof.events() if "mla_decode_kernel_v5" in e.name}
     assert len(names) == 1, names
-    assert (", true>" in names.pop()) == paired
+    assert (", true, false>" in names.pop()) == paired  # <T, kPaired, kFp8>
 
 
 V6_GRID = [c for c in GRID if c[1] * c[2] // c[3] <= 32] + [

@@ -65,10 +65,10 @@ bool aligned(const at::Tensor& t, int64_t dims, int64_t bytes) {
 bool aligned16(const at::Tensor& t, int64_t dims) { return aligned(t, dims, 16); }
 
 void check_variant(int64_t variant) {
-  MLA_CHECK(variant >= 1 && variant <= 8,
+  MLA_CHECK(variant >= 1 && variant <= 9,
             "variant must be 1 (mma.sync), 2 (wgmma), 3 (wgmma, overlapped), 4 (wgmma, S split along D), 5 "
-            "(wgmma, two tiles in flight), 6 (wgmma, tokens on M), 7 (tokens on M, fp8_e4m3 in three warpgroups) or "
-            "8 (7 with register A fragments), got ",
+            "(wgmma, two tiles in flight), 6 (wgmma, tokens on M), 7 (tokens on M, fp8_e4m3 in three warpgroups), "
+            "8 (7 with register A fragments) or 9 (5 for fp8_e4m3, a converting warpgroup), got ",
             variant);
 }
 
@@ -124,9 +124,9 @@ void check_call(const at::Tensor& q, const at::Tensor& kv, const c10::optional<a
   MLA_CHECK(aligned(out, 3, 4), "out rows must start at 4-byte boundaries (even strides)");
   MLA_CHECK(aligned16(kv, 3), "kv_cache tokens must start at 16-byte boundaries");
   // variant 5 reads the cache with TMA (launch.cu): the same 16-byte rule, but for the tensor map
-  if (variant == 5 && kv_format == 0 && kv.size(1) % 64 == 0)
+  if (((variant == 5 && kv_format == 0) || (variant == 9 && kv_format == 1)) && kv.size(1) % 64 == 0)
     MLA_CHECK(kv.stride(0) * kv.element_size() < (int64_t(1) << 40),
-              "variant 5 (TMA) needs kv_cache block strides below 2^40 bytes");
+              "variants 5 and 9 (TMA) need kv_cache block strides below 2^40 bytes");
 }
 
 // The arguments a plan owns (schedule, workspace, options), against the call's B, s_q, h_q and device.

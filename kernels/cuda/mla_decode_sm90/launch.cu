@@ -46,10 +46,12 @@ static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 
 // Variant 5's view of a bf16/fp16 cache [num_blocks, page_size, h_kv, 576] as a 4-D tensor
 // (576, h_kv, page_size, num_blocks), boxes of 64 columns x 64 tokens, 128-byte swizzle; with T = uint8_t
-// variant 8's view of an fp8_e4m3 cache, boxes of 128 columns (the last one's upper half past column 575: zeros).
-// False when TMA cannot address it (alignment, strides, no driver entry point).
-template <typename T>
+// variant 8's view of an fp8_e4m3 cache, boxes of 128 columns (the last one's upper half past column 575: zeros);
+// with kRaw64 (T = uint8_t) variant 9's: boxes of 64 columns x 64 tokens, unswizzled (mainloop_seesaw.cuh,
+// seesaw_fp8_converter). False when TMA cannot address it (alignment, strides, no driver entry point).
+template <typename T, bool kRaw64 = false>
 static bool make_kv_map(const DecodeParams& p, CUtensorMap* map) {
+  static_assert(!kRaw64 || sizeof(T) == 1, "raw boxes are of an fp8 cache");
   const auto encode = tensor_map_encoder();
   if (encode == nullptr || reinterpret_cast<uintptr_t>(p.kv) % 16 != 0) return false;
   const cuuint64_t e = sizeof(T);
@@ -59,13 +61,13 @@ static bool make_kv_map(const DecodeParams& p, CUtensorMap* map) {
                                  (cuuint64_t)p.kv_stride_block * e};
   for (cuuint64_t s : strides)
     if (s % 16 != 0 || s >= (cuuint64_t(1) << 40)) return false;
-  const cuuint32_t box[4] = {128 / sizeof(T), 1, (cuuint32_t)DecodeConfig::kBlockN, 1};
+  const cuuint32_t box[4] = {kRaw64 ? 64u : (cuuint32_t)(128 / sizeof(T)), 1, (cuuint32_t)DecodeConfig::kBlockN, 1};
   const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
   CUtensorMapDataType dtype = CU_TENSOR_MAP_DATA_TYPE_UINT8;
   if constexpr (sizeof(T) == 2)
     dtype = TypeTraits<T>::kIsBf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   const CUresult r = encode(map, dtype, 4, const_cast<void*>(p.kv), dims, strides, box, elem_strides,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, kRaw64 ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   return r == CUDA_SUCCESS;
 }
@@ -92,7 +94,7 @@ struct KvMapKeyHash {
   }
 };
 
-template <typename T>
+template <typename T, bool kRaw64 = false>
 static bool cached_kv_map(const DecodeParams& p, CUtensorMap* map) {
   static std::mutex mu;
   static std::unordered_map<KvMapKey, CUtensorMap, KvMapKeyHash> cache;
@@ -106,7 +108,7 @@ static bool cached_kv_map(const DecodeParams& p, CUtensorMap* map) {
       return true;
     }
   }
-  if (!make_kv_map<T>(p, map)) return false;
+  if (!make_kv_map<T, kRaw64>(p, map)) return false;
   std::lock_guard<std::mutex> lock(mu);
   if (cache.size() >= 4096) cache.clear();  // bound the memory where caches come and go
   cache.emplace(key, *map);
@@ -312,6 +314,18 @@ static cudaError_t launch_v8(const DecodeParams& p, int grid_parts, cudaStream_t
                              map);
 }
 
+// v9: v5's schedule for fp8_e4m3 caches, a third warpgroup converting the tiles (mainloop_seesaw.cuh, kFp8); CTAs
+// alone (no pairs), no combine tail.
+template <typename T>
+static cudaError_t launch_v9(const DecodeParams& p, const CUtensorMap& map, int grid_parts, cudaStream_t stream,
+                             bool* combined) {
+  auto kernel = mla_decode_kernel_v5<T, false, true>;
+  const cudaError_t e = opt_in_smem(reinterpret_cast<const void*>(kernel), Seesaw::kSmemBytes);
+  if (e != cudaSuccess) return e;
+  return launch_grid_threads(kernel, dim3(grid_parts, p.num_row_tiles, p.heads_kv), Seesaw::kThreadsFp8,
+                             Seesaw::kSmemBytes, stream, false, p, combined, map);
+}
+
 template <typename T, int KvFmt>
 static cudaError_t launch_decode_t(const DecodeParams& p, int grid_parts, cudaStream_t stream, bool* combined) {
   // variant 1: warp-level mma.sync (mainloop.cuh); 2: wgmma (mainloop_wgmma.cuh);
@@ -320,6 +334,14 @@ static cudaError_t launch_decode_t(const DecodeParams& p, int grid_parts, cudaSt
   //    bf16/fp16 caches only, fp8 caches run v2)
   // 5: two tiles in flight, TMA loads (mainloop_seesaw.cuh; bf16/fp16 caches with page_size % 64 == 0
   //    and q_len <= 64, anything else runs v2)
+  if constexpr (KvFmt == kKvFp8E4M3) {
+    // 9: v5's schedule for fp8_e4m3 caches (whole-tile pages, q_len <= 64; anything else runs v2)
+    if (p.variant == 9 && p.page_size % DecodeConfig::kBlockN == 0 && p.q_len <= Seesaw::kMaxQLen) {
+      CUtensorMap map;
+      if (!cached_kv_map<uint8_t, true>(p, &map)) return cudaErrorInvalidValue;
+      return launch_v9<T>(p, map, grid_parts, stream, combined);
+    }
+  }
   if (p.variant == 7 || p.variant == 8) {
     // 7: fp8_e4m3 caches with <= 32 query rows per KV head (mainloop_fp8t.cuh); 8: the same with tensor copies and
     // register A fragments (whole-tile pages that TMA can address; others run 7); anything else runs as variant 6

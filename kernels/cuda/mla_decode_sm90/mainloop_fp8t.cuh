@@ -131,15 +131,10 @@ struct Fp8tSmem {
   static_assert(kFusedScratchBytes<Fp8t::kThreads> <= kStages * kStageBytes, "the combine's list fits the stages");
 };
 
-template <int N> __device__ __forceinline__ void regs_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
-template <int N> __device__ __forceinline__ void regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
 
 // bar.sync's non-aligned form (the three warpgroups reach it from different code), over the whole CTA.
 __device__ __forceinline__ void barrier_cta_unaligned(int id, int threads) {
   asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
 }
 // bar.red.or over `threads` threads of named barrier `id`: whether any of them passed true.
 __device__ __forceinline__ bool named_barrier_any(int id, int threads, bool v) {

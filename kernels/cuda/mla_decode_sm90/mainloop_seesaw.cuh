@@ -80,6 +80,11 @@ __device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, u
       "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_u32(bar))
       : "memory");
 }
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+template <int N> __device__ __forceinline__ void regs_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
+template <int N> __device__ __forceinline__ void regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
 // Every thread of both CTAs of the cluster (release / acquire at cluster scope); also a __syncthreads.
 // Not cute::cluster_sync: its asm has no "memory" clobber, so the compiler could move shared-memory
 // accesses across it.
@@ -109,8 +114,18 @@ struct Seesaw {
   // last 65 tokens of a request (launch.cu runs v2 for longer query lengths)
   static constexpr int kMaxQLen = 64;
   static constexpr int kBarScale0 = 1, kBarScale1 = 2, kBarP0 = 3, kBarP1 = 4, kBarWg = 5;  // 5, 6: per warpgroup
+  // v9 (kFp8, fp8_e4m3 caches): a third warpgroup converts the tiles (seesaw_fp8_converter); barriers 7 (the two
+  // consumer warpgroups, in place of __syncthreads) and 8 (the converter). setmaxnreg moves registers between the
+  // warpgroups (it adds none: 2 x 232 + 40 = 3 x 168, the launch's share of 384 threads); v5 itself uses 255 at 256
+  // threads, and ptxas spilled 28 bytes of the unpaired kernel at 232 (4 at 240; no converter fits in 24)
+  static constexpr int kThreadsFp8 = 384;
+  static constexpr int kBarConsumers = 7, kBarConv = 8;
+  static constexpr int kRegsConsumer = 232, kRegsConv = 40, kRegsLaunch = 168;
+  static_assert(2 * kRegsConsumer + kRegsConv == 3 * kRegsLaunch, "setmaxnreg moves registers, adds none");
+  // mbarriers: full [stage][column block]; v9 also empty [stage][early, late] and raw [stage] (the raw TMA copy)
+  static constexpr int kBars = 2 * kBlocks + 6;
   static constexpr int kSmemBytes = 2 * (Cfg::kQElems + Cfg::kStages * Cfg::kKElems + Cfg::kPElems) +
-                                    7 * Cfg::kBlockM * (int)sizeof(float) + 2 * kBlocks * 8 + 1024;
+                                    7 * Cfg::kBlockM * (int)sizeof(float) + kBars * 8 + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory over the SM90 per-block limit");
 };
 
@@ -139,11 +154,102 @@ __device__ __forceinline__ void zero_v_rows(T* stage, int valid, int half, int t
   }
 }
 
+// 16 e4m3 values -> 16 values of T (unscaled), as the two 16-byte chunks of columns [col, col + 16) of row `row`.
+template <typename T>
+__device__ __forceinline__ void store_e4m3x16(T* st, int row, int col, uint4 raw) {
+  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+  uint32_t o[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) o[i] = fp8x2_to<T, false>(w[i / 2] >> (16 * (i % 2)), 1.f);
+  *reinterpret_cast<uint4*>(st + Gmma128Tile64::offset(row, col)) = make_uint4(o[0], o[1], o[2], o[3]);
+  *reinterpret_cast<uint4*>(st + Gmma128Tile64::offset(row, col + 8)) = make_uint4(o[4], o[5], o[6], o[7]);
+}
+
+// v9's converter (warpgroup 2 of mla_decode_kernel_v5<T, false, true>): fills the two K stages with each tile of
+// the CTA's items in turn, converted from fp8_e4m3 into T, unscaled (the kernel folds the per-tensor scale into the
+// softmax scale and the output, as v2 does). Tile j goes to stage j % 2, as in v5.
+//
+// No room for a raw staging buffer beside Q and the two 72 KB stages, so the raw tile lands in the stage it is
+// converted into. v5's readers free a stage in two steps (the refill points of v5): an early part, 32 KB (stage 0:
+// column blocks 0..3, once warpgroup 0 is done with P_a V_aL and S_a; stage 1: blocks 4..7, once warpgroup 1 is done
+// with P_b V_bR), and the rest later. Raw column blocks 0..7 (64 tokens x 64 bytes each) go into the early part by
+// TMA as soon as it is free; raw block 8 (the RoPE columns) by register loads at the same time. Once the rest is free
+// too, each block is converted in place, in an order in which no store overwrites raw bytes not yet read (a block
+// read into registers, a barrier of the warpgroup, then its stores): stage 0 (raw block c at 4c KB): 8, 7, ..., 0;
+// stage 1 (raw block c at 32 + 4c KB): 8, 0, 1, ..., 7. The consumers' S takes the blocks in the same order. Each
+// converted block is signalled on its full barrier (128 arrivals); rows past the item's end are stored as zeros
+// (what v5's fix_partial does for V, for K too). Thread t converts rows t / 4 and t / 4 + 32, 16 bytes (chunk t % 4)
+// of each raw block row: a warp reads 8 whole 64-byte rows, free of bank conflicts.
+template <typename T>
+__device__ __forceinline__ void seesaw_fp8_converter(const DecodeParams& p, const CUtensorMap* map, T* sK, uint64_t* bars,
+                                                  int part, int kvh, int tid_c) {
+  uint64_t* full = bars;
+  uint64_t* empty = bars + 2 * Seesaw::kBlocks;  // [stage][early, late]
+  uint64_t* raw_bar = empty + 4;                  // [stage]
+  const int r0 = tid_c / 4, q = tid_c % 4;
+  const uint8_t* kv = reinterpret_cast<const uint8_t*>(p.kv);
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+  uint32_t fills0 = 0, fills1 = 0;  // fills of each stage so far (the phases of its barriers; scalars, not a stack array)
+  const int item_end = p.part_offsets[part + 1];
+  for (int item = p.part_offsets[part]; item < item_end; ++item) {
+    const WorkItem w = load_item(p, item);
+    if (w.req < 0) continue;
+    const int num_tiles = (w.tok_end - w.tok_begin + Cfg::kBlockN - 1) / Cfg::kBlockN;
+    for (int j = 0; j < num_tiles; ++j) {
+      const int s = j & 1;
+      const uint32_t k = s == 0 ? fills0++ : fills1++;
+      T* st = sK + s * Cfg::kKElems;
+      uint8_t* raw = reinterpret_cast<uint8_t*>(st) + (s == 0 ? 0 : 32768);
+      const int t0 = w.tok_begin + j * Cfg::kBlockN;
+      const int valid = min(Cfg::kBlockN, w.tok_end - t0);
+      const int page = p.block_table[(int64_t)w.req * p.bt_stride + t0 / p.page_size];
+      if (k > 0) mbar_wait(empty + 2 * s, (k - 1) & 1u);
+      if (tid_c == 0) {
+        mbar_arrive_expect_tx(raw_bar + s, 8 * 4096);
+#pragma unroll
+        for (int c = 0; c < 8; ++c) tma_load_4d(raw + 4096 * c, map, raw_bar + s, 64 * c, kvh, t0 % p.page_size, page);
+      }
+      uint4 v[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = r0 + 32 * h;
+        v[h] = row < valid ? __ldg(reinterpret_cast<const uint4*>(kv + kv_token_elem(p, page, t0 + row, kvh) + 512 +
+                                                                  16 * q))
+                           : zero;
+      }
+      if (k > 0) mbar_wait(empty + 2 * s + 1, (k - 1) & 1u);
+      // block 8 from the registers: nothing of the raw tile lies under it
+#pragma unroll
+      for (int h = 0; h < 2; ++h) store_e4m3x16(st, r0 + 32 * h, 512 + 16 * q, v[h]);
+      fence_proxy_async_smem();
+      mbar_arrive(full + s * Seesaw::kBlocks + 8);
+      mbar_wait(raw_bar + s, k & 1u);
+#pragma unroll 1
+      for (int i = 0; i < 8; ++i) {
+        const int c = s == 0 ? 7 - i : i;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = r0 + 32 * h;
+          v[h] = row < valid ? *reinterpret_cast<const uint4*>(raw + 4096 * c + 64 * row + 16 * q) : zero;
+        }
+        named_barrier(Seesaw::kBarConv, 128);  // every raw byte these stores overwrite has been read
+#pragma unroll
+        for (int h = 0; h < 2; ++h) store_e4m3x16(st, r0 + 32 * h, 64 * c + 16 * q, v[h]);
+        fence_proxy_async_smem();
+        mbar_arrive(full + s * Seesaw::kBlocks + c);
+      }
+    }
+  }
+}
+
 // kPaired: launched in clusters of two row-tile CTAs of a part (grid y, launch.cu); a cluster barrier
 // ends each item, so the pair starts the next one together.
-template <typename T, bool kPaired>
-__global__ void __launch_bounds__(Cfg::kThreads, 1)
+// kFp8 (variant 9): an fp8_e4m3 cache, 384 threads, the tiles converted by warpgroup 2 (seesaw_fp8_converter) and
+// `kv_map` the cache's raw bytes in 64-column boxes (launch.cu); never paired.
+template <typename T, bool kPaired, bool kFp8 = false>
+__global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
     mla_decode_kernel_v5(const __grid_constant__ DecodeParams p, const __grid_constant__ CUtensorMap kv_map) {
+  static_assert(!(kPaired && kFp8), "v9 runs its CTAs alone: the converter does not join the cluster barriers");
   using TT = TypeTraits<T>;
   using L = Gmma128Tile64;
   using SS = Gmma<T>;
@@ -168,13 +274,36 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   const int rg = warp % Cfg::kRowGroups, wg = warp / Cfg::kRowGroups, tid_wg = tid % 128;
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr float kLn2 = 0.6931471805599453f;
-  const float score_scale = p.softmax_scale * kLog2e;
+  float out_scale = 1.f;  // v9: the cache's per-tensor scale, applied to the scores and the output
+  if constexpr (kFp8) out_scale = *p.kv_scale;
+  const float score_scale = p.softmax_scale * out_scale * kLog2e;
 
   if (tid == 0) {
-    for (int i = 0; i < 2 * Seesaw::kBlocks; ++i) mbar_init(bars + i, 1);
+    for (int i = 0; i < 2 * Seesaw::kBlocks; ++i) mbar_init(bars + i, kFp8 ? 128 : 1);
+    if constexpr (kFp8) {
+      for (int i = 0; i < 4; ++i) mbar_init(bars + 2 * Seesaw::kBlocks + i, 128);  // empty: a consumer warpgroup
+      for (int i = 4; i < 6; ++i) mbar_init(bars + 2 * Seesaw::kBlocks + i, 1);    // raw: the TMA copy
+    }
     fence_mbar_init();
   }
   __syncthreads();
+  if constexpr (kFp8) {
+    if (wg == 2) {
+      regs_dec<Seesaw::kRegsConv>();
+      seesaw_fp8_converter<T>(p, &kv_map, sK, bars, part, kvh, tid - 256);
+      return;
+    }
+    regs_inc<Seesaw::kRegsConsumer>();
+  }
+  // the two consumer warpgroups' barrier over the CTA (v9's converter does not take part)
+  auto consumers_sync = [] {
+    if constexpr (kFp8) named_barrier(Seesaw::kBarConsumers, 256);
+    else __syncthreads();
+  };
+  // v9: warpgroup `wg` is done reading part `which` (0 early, 1 late) of the stage of tile j
+  auto release = [&](int j, int which) {
+    if constexpr (kFp8) mbar_arrive(bars + 2 * Seesaw::kBlocks + 2 * (j & 1) + which);
+  };
 
   int row_local[2], row_i[2], row_head[2];
   bool row_ok[2];
@@ -208,17 +337,21 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // -- first two tiles (TMA), Q (cp.async), sM, issued in the order S needs them: tile 0 and Q (S of tile 0),
     // then tile 1. Issuing tile 1 ahead of Q measured 0-1% slower where v5 runs (b = 32..96, h_q = 128;
     // NOTES.md, "Seventeenth session"), which also has the per-column-block Q wait that was tried instead.
-    if (tid == 0 && num_tiles > 0) tma_tile<0, 9>(p, &kv_map, stage_of(0), bars0, req, kvh, t0_of(0));
+    if constexpr (!kFp8) {
+      if (tid == 0 && num_tiles > 0) tma_tile<0, 9>(p, &kv_map, stage_of(0), bars0, req, kvh, t0_of(0));
+    }
     load_q_tile_async<T, L>(p, sQ, req, row_tile, kvh);
     cp_async_commit();
-    if (tid == 0 && num_tiles > 1) {
-      tma_tile<4, 8>(p, &kv_map, stage_of(1), bars1, req, kvh, t0_of(1));
-      tma_stage1_lo(t0_of(1));
+    if constexpr (!kFp8) {
+      if (tid == 0 && num_tiles > 1) {
+        tma_tile<4, 8>(p, &kv_map, stage_of(1), bars1, req, kvh, t0_of(1));
+        tma_stage1_lo(t0_of(1));
+      }
     }
     if (tid < Cfg::kBlockM) sM[tid] = -INFINITY;
     cp_async_wait_all();
     fence_proxy_async_smem();
-    __syncthreads();
+    consumers_sync();
     stamp(item_event(item - item_begin, 1));
 
     float acc_o[128], acc_s[32];
@@ -264,6 +397,25 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         for (int kk = 0; kk < 4; ++kk) {
           const uint64_t off = (uint64_t)(((blk * 64 * 64 + kk * 16) * (int)sizeof(T)) >> 4);
           gmma_call<typename SS::QK64>(dq + off, dk + off, acc_s, !(first && blk == B0 && kk == 0),
+                                       std::make_index_sequence<32>{});
+        }
+      }
+    };
+    // the same over blocks B1 - 1 down to B0 (v9, stage 0: the converter's order)
+    auto issue_s_desc = [&](int j, auto b0, auto b1, bool first) {
+      constexpr int B0 = decltype(b0)::value, B1 = decltype(b1)::value;
+      const T* st = stage_of(j);
+      uint64_t* sb = (j & 1) ? bars1 : bars0;
+      const uint32_t par = parity_of(j);
+      const uint64_t dq = desc(sQ), dk = desc(st);
+#pragma unroll
+      for (int blk = B1 - 1; blk >= B0; --blk) {
+        mbar_wait(sb + blk, par);
+        cute::warpgroup_arrive();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) {
+          const uint64_t off = (uint64_t)(((blk * 64 * 64 + kk * 16) * (int)sizeof(T)) >> 4);
+          gmma_call<typename SS::QK64>(dq + off, dk + off, acc_s, !(first && blk == B1 - 1 && kk == 0),
                                        std::make_index_sequence<32>{});
         }
       }
@@ -371,6 +523,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     };
     // zero this warpgroup's V columns of the rows past a partial tile's end, then sync the warpgroup
     auto fix_partial = [&](int j) {
+      if constexpr (kFp8) return;  // v9's converter stores the rows past the end as zeros
       const int valid = valid_of(j);
       if (valid < Cfg::kBlockN) {
         zero_v_rows(stage_of(j), valid, wg, tid_wg);
@@ -384,7 +537,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // ================= warpgroup 0: tiles 0, 2, 4, ...; O[:, 0:256)
       if (num_tiles > 0) {
         fence_regs<32>(acc_s);
-        issue_s(0, I0{}, I9{}, true);
+        if constexpr (kFp8) issue_s_desc(0, I0{}, I9{}, true);
+        else issue_s(0, I0{}, I9{}, true);
         cute::warpgroup_commit_batch();
         cute::warpgroup_wait<0>();
         fence_regs<32>(acc_s);
@@ -416,7 +570,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         cute::warpgroup_commit_batch();
         cute::warpgroup_wait<0>();
         fence_regs<128>(acc_o);
-        if constexpr (kNextA) {  // stage 0, blocks 0..3: WG0 was the last reader
+        if constexpr (kFp8) {
+          release(a, 0);  // stage 0, blocks 0..3 (and 8, dead since S_a)
+        } else if constexpr (kNextA) {  // stage 0, blocks 0..3: WG0 was the last reader
           if (tid_wg == 0) tma_tile<0, 4>(p, &kv_map, stage_of(a), bars0, req, kvh, t0_of(a + 2));
         }
         named_barrier(Seesaw::kBarScale1, 256);  // WG1's softmax of tile b: sM, sScale1
@@ -451,7 +607,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           pv_ss(sP1, stage_of(b));
           cute::warpgroup_commit_batch();
         }
-        if constexpr (kNextA) {
+        if constexpr (kNextA && kFp8) {
+          // S_{a+2} in the converter's order: blocks 8..4, then 3..0
+          fence_regs<32>(acc_s);
+          issue_s_desc(a + 2, I4{}, I9{}, true);
+          cute::warpgroup_commit_batch();
+          cute::warpgroup_wait<1>();  // sP1 V_bL done (tile b exists: a + 2 does)
+          release(b, 1);              // stage 1, blocks 0..3 and 8 (sP1)
+          issue_s_desc(a + 2, I0{}, I4{}, false);
+          cute::warpgroup_commit_batch();
+        } else if constexpr (kNextA) {
           // S_{a+2}: blocks 0..3 (refilled above), then 4..8 (refilled by WG1)
           fence_regs<32>(acc_s);
           issue_s(a + 2, I0{}, I4{}, true);
@@ -466,6 +631,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         cute::warpgroup_wait<0>();
         fence_regs<128>(acc_o);
         fence_regs<32>(acc_s);
+        if constexpr (kFp8 && kHasB && !kNextA) release(b, 1);
       };
       using T_ = std::true_type;
       using F_ = std::false_type;
@@ -480,9 +646,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       // ================= warpgroup 1: tiles 1, 3, 5, ...; O[:, 256:512)
       if (num_tiles > 1) {
         fence_regs<32>(acc_s);
-        issue_s(1, I4{}, I8{}, true);
-        issue_s(1, I0{}, I4{}, false);
-        issue_s(1, I8{}, I9{}, false);
+        if constexpr (kFp8) {  // the converter's order for stage 1: 8, 0..7
+          issue_s(1, I8{}, I9{}, true);
+          issue_s(1, I0{}, I4{}, false);
+          issue_s(1, I4{}, I8{}, false);
+        } else {
+          issue_s(1, I4{}, I8{}, true);
+          issue_s(1, I0{}, I4{}, false);
+          issue_s(1, I8{}, I9{}, false);
+        }
         cute::warpgroup_commit_batch();
         cute::warpgroup_wait<0>();
         fence_regs<32>(acc_s);
@@ -528,16 +700,29 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         cute::warpgroup_arrive();
         pv_ss(sP0, stage_of(a));
         cute::warpgroup_commit_batch();
-        if constexpr (kNextB) {
+        if constexpr (kFp8 && kHasB) {
+          cute::warpgroup_wait<1>();  // P_b V_bR done
+          release(b, 0);              // stage 1, blocks 4..7
+        } else if constexpr (kNextB) {
           cute::warpgroup_wait<1>();  // P_b V_bR done: stage 1, blocks 4..7 are free
           if (tid_wg == 0) tma_tile<4, 8>(p, &kv_map, stage_of(b), bars1, req, kvh, t0_of(b + 2));
         }
         cute::warpgroup_wait<0>();
         fence_regs<128>(acc_o);
-        if constexpr (kNextA) {  // stage 0, blocks 4..8: WG1 was the last reader
+        if constexpr (kFp8) {
+          release(a, 1);  // stage 0, blocks 4..8
+        } else if constexpr (kNextA) {  // stage 0, blocks 4..8: WG1 was the last reader
           if (tid_wg == 0) tma_tile<4, 9>(p, &kv_map, stage_of(a), bars0, req, kvh, t0_of(a + 2));
         }
-        if constexpr (kNextB) {
+        if constexpr (kNextB && kFp8) {
+          fence_regs<32>(acc_s);
+          issue_s(b + 2, I8{}, I9{}, true);
+          issue_s(b + 2, I0{}, I4{}, false);
+          issue_s(b + 2, I4{}, I8{}, false);
+          cute::warpgroup_commit_batch();
+          cute::warpgroup_wait<0>();
+          fence_regs<32>(acc_s);
+        } else if constexpr (kNextB) {
           fence_regs<32>(acc_s);
           issue_s(b + 2, I4{}, I8{}, true);
           issue_s(b + 2, I0{}, I4{}, false);
@@ -567,13 +752,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       row_sum[h] += __shfl_xor_sync(0xffffffff, row_sum[h], 2);
       if (lane % 4 == 0) sSum[wg * Cfg::kBlockM + row_local[h]] = row_sum[h];
     }
-    __syncthreads();
+    consumers_sync();
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float total = sSum[row_local[h]] + sSum[Cfg::kBlockM + row_local[h]];
       const float row_max = sM[row_local[h]];
       const bool has_keys = total > 0.f;
-      const float inv = has_keys ? 1.f / total : 0.f;
+      const float inv = has_keys ? out_scale / total : 0.f;
       const float lse_val = has_keys ? (row_max + log2f(total)) * kLn2 : (slot < 0 ? INFINITY : -INFINITY);
       if (!row_ok[h]) continue;
       store_acc_row<T>(p, acc_o, h, wg * 256, inv, lse_val, req, slot, row_i[h], row_head[h],
@@ -581,7 +766,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
     // sQ, sK, sM, sSum are reused by the next item
     if constexpr (kPaired) cluster_sync();
-    else __syncthreads();
+    else consumers_sync();
     stamp(item_event(item - item_begin, 3));
   }
   stamp(kTimelineCombine);
