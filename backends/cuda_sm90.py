@@ -39,6 +39,7 @@ BLOCK_N = 64  # KV tokens per mainloop step = split-KV chunk size
 #: 7 = v6's orientation in three warpgroups (an fp8 converter, a scorer, an accumulator) for fp8_e4m3 caches with
 #: <= 32 query rows per KV head, 8 = v7 with the tile's raw bytes by TMA and the fp8 conversion in the consumers'
 #: registers (page_size % 64 == 0; other pages run v7),
+#: 9 = v5's schedule for fp8_e4m3 caches, a third warpgroup converting each tile in place (page_size % 64 == 0),
 #: 1 = mma.sync (v1), 3 = wgmma with S of the next tile issued under PV of this one (measured slower),
 #: 4 = wgmma with S split along D_qk (measured slower); $MLA_SM90_VARIANT overrides
 KERNEL_VARIANT = int(os.environ.get("MLA_SM90_VARIANT", "0"))
@@ -106,6 +107,10 @@ def choose_variant(problem: DecodeProblem, num_parts: int, max_chunks: int) -> i
     (RESULTS.md, twenty-seventh session) 16 rows 148.4 / 140.2, 32 rows 178.1 / 168.9; at v7's small-batch cut and
     below they are within 2 us of each other (b=1..32, same call), so v7's cut stands for v8.
 
+    v9 (v5's schedule with a warpgroup converting each fp8_e4m3 tile in place in its stage) takes fp8_e4m3 caches
+    where v5 would take a bf16 cache: H100, b=128 h_q=128 L=8K (RESULTS.md, thirty-first session), graph us v2 807.4 /
+    v9 755.1-761.8 (bf16 v5 626.2).
+
     ``max_chunks`` comes from the block table's width (no device sync at plan time): an upper bound, so a wide table
     over short sequences can pick v5 or v6 where v2 would be faster.
     """
@@ -117,9 +122,9 @@ def choose_variant(problem: DecodeProblem, num_parts: int, max_chunks: int) -> i
         return 8 if p.page_size % BLOCK_N == 0 else 7
     if max_chunks >= v6_min_chunks_per_part(rows, p.kv_format) * num_parts:
         return 6
-    if (p.kv_format in ("bf16", "fp16") and p.page_size % BLOCK_N == 0 and rows > BLOCK_M and p.batch >= 32
-            and max_chunks >= 24 * num_parts and p.q_len <= V5_MAX_Q_LEN):
-        return 5
+    if (p.kv_format in ("bf16", "fp16", "fp8_e4m3") and p.page_size % BLOCK_N == 0 and rows > BLOCK_M
+            and p.batch >= 32 and max_chunks >= 24 * num_parts and p.q_len <= V5_MAX_Q_LEN):
+        return 9 if p.kv_format == "fp8_e4m3" else 5
     return 2
 
 

@@ -169,6 +169,9 @@ CONFIGS = (
     + [dict(group="pages16", b=64, s_q=1, h_q=16, L=8192, varlen=False, ps=ps) for ps in (16, 32, 128, 256)]
     + [dict(group="fp8", b=64, s_q=1, h_q=16, L=8192, varlen=False, fmt=f) for f in ("fp8_e4m3", "fp8_ds_mla")]
     + [dict(group="fp8", b=128, s_q=1, h_q=128, L=8192, fmt=f) for f in ("fp8_e4m3", "fp8_ds_mla")]
+    # the FlashMLA grid with an fp8_e4m3 cache (v9 where v5 runs bf16): "never slower than bf16" on compute-bound configs
+    + [dict(group="fp8grid", b=128, s_q=s, h_q=128, L=L, causal=(s > 1), fmt="fp8_e4m3")
+       for s in (1, 2) for L in (4096, 8192, 16384, 32768)]
     # fp8_e4m3 at 16 / 32 heads (v7) and the bf16 configs they are compared with (membound's)
     + [dict(group="fp8t", b=64, s_q=1, h_q=h, L=8192, varlen=False, fmt=f) for h in (16, 32) for f in ("fp8_e4m3", "bf16")]
     # small batches of fp8_e4m3 at 16 / 32 heads: where v7 stops paying (v7_min_chunks_per_part); run with --variants 0,2,6,7
@@ -303,7 +306,7 @@ def main():
     ap.add_argument("--variants", default="2", help="mainloop variants to time, e.g. 0,5,2 (0 = the backend's per-plan choice, 5 = two tiles in flight, "
                          "4 = S split along D, 3 = overlapped wgmma, 2 = wgmma, 1 = mma.sync)")
     ap.add_argument("--groups", default=None, help="comma-separated config groups to run (flashmla, membound, small, "
-                    "pages, pages16, fp8, fp8t, fp8tsmall; \"none\": only the host overhead); default all")
+                    "pages, pages16, fp8, fp8grid, fp8t, fp8tsmall; \"none\": only the host overhead); default all")
     ap.add_argument("--combine", default="auto", help="where split requests are merged, e.g. fused,separate (auto = the "
                     "backend's per-plan choice, fused = inside the decode launch, separate = a second kernel)")
     ap.add_argument("--overhead", type=int, default=None, help="the schedule's fixed cost per request, in chunks "

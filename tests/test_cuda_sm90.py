@@ -435,7 +435,7 @@ for over, pattern in [
     (dict(partial_out=st.partial_out.half()), "partial_out must be contiguous float32"),
     (dict(lse=lse.double()), "lse must be float32"),
     (dict(kv_format=1, kv_cache=case.kv_cache.view(torch.uint8)[..., :576].contiguous()), "kv_scale must be"),
-    (dict(variant=9), "variant must be 1"),
+    (dict(variant=10), "variant must be 1"),
     (dict(q=case.q.cpu()), "must be a CUDA tensor"),
 ]:
     with pytest.raises(ValueError, match=pattern):
@@ -543,24 +543,27 @@ def test_forced_mainloop_reaches_the_bound_call(gen):
     plan.state.variant, plan.state.fuse_combine = 6, False
     assert (plan.state.bound.variant, plan.state.bound.fuse_combine) == (6, False)
     with pytest.raises(ValueError, match="variant must be 1"):  # checked as the op checks it, nothing changed
-        plan.state.variant = 9
+        plan.state.variant = 10
     assert (plan.state.variant, plan.state.bound.variant) == (6, 6)
 
 
-@pytest.mark.parametrize("variant", [5, 6])
+@pytest.mark.parametrize("variant", [5, 6, 9])
 def test_cached_tensor_maps_follow_the_cache(variant, gen):
     """The TMA tensor map is cached per cache (address, shape, strides). Two layers' caches alternate, so a map
     reused across addresses would read the other layer's values; a narrower view of one (the same address, fewer
-    blocks) runs too. Every run matches the reference."""
-    b, h_q = (32, 128) if variant == 5 else (2, 16)
-    case = make_case(b, 1, h_q, 300, page_size=64, device="cuda", generator=gen, varlen=False)
+    blocks) runs too. Every run matches the reference. (v9: an fp8_e4m3 cache, whose raw map is cached apart from
+    v8's.)"""
+    b, h_q = (2, 16) if variant == 6 else (32, 128)
+    kv_format = "fp8_e4m3" if variant == 9 else "bf16"
+    case = make_case(b, 1, h_q, 300, page_size=64, device="cuda", generator=gen, varlen=False, kv_format=kv_format)
     plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
     plan.state.variant = variant
     used = int(case.block_table.max()) + 1
-    caches = [case.kv_cache, torch.randn_like(case.kv_cache.float()).to(case.kv_cache.dtype), case.kv_cache[:used]]
+    other = (torch.randn_like(case.kv_cache.float()) / (10 if variant == 9 else 1)).to(case.kv_cache.dtype)
+    caches = [case.kv_cache, other, case.kv_cache[:used]]
     for kv in caches + caches[::-1]:
         out, lse = poisoned_outputs(case)
-        plan.run(case.q, kv, out=out, lse=lse)
+        plan.run(case.q, kv, kv_scale=case.kv_scale, out=out, lse=lse)
         torch.cuda.synchronize()
         _check(dataclasses.replace(case, kv_cache=kv), out, lse)
 

@@ -170,7 +170,7 @@ def test_backend_declares_capabilities_and_reasons():
 
 def test_variant_choice_follows_the_measurements(monkeypatch):
     """v5 only where it measured faster (128 rows, >= 32 requests with >= 24 KV chunks per part, page % 64 == 0,
-    bf16/fp16 cache, q_len <= 64); v8 for fp8_e4m3 caches with <= 16 query rows per KV head and >= 4 chunks per part,
+    bf16/fp16 cache, q_len <= 64), and v9 there for fp8_e4m3 caches; v8 for fp8_e4m3 caches with <= 16 query rows per KV head and >= 4 chunks per part,
     17-32 rows and >= 12, on pages of whole tiles (v7 on others);
     v6 for <= 16 query rows per KV head with >= 16 chunks per part (bf16/fp16) or >= 4 (fp8_ds_mla), and 17-32 rows
     with >= 96 chunks per part (bf16/fp16 only). Each cut is pinned from both sides."""
@@ -193,7 +193,10 @@ def test_variant_choice_follows_the_measurements(monkeypatch):
     assert choose(problem(batch=16), num_parts=66, max_chunks=16 * 512) == 2  # long, but few requests
     assert choose(problem(h_q=1, q_len=128), num_parts=66, max_chunks=128 * 64) == 2  # q_len > 64
     assert choose(problem(page_size=16), num_parts=66, max_chunks=128 * 64) == 2  # a tile spans pages
-    assert choose(problem(kv_format="fp8_e4m3"), num_parts=66, max_chunks=128 * 64) == 2
+    assert choose(problem(kv_format="fp8_e4m3"), num_parts=66, max_chunks=128 * 64) == 9  # v5's place, fp8_e4m3
+    assert choose(problem(kv_format="fp8_e4m3", page_size=32), num_parts=66, max_chunks=128 * 64) == 2
+    assert choose(problem(kv_format="fp8_e4m3", batch=8), num_parts=66, max_chunks=8 * 128) == 2
+    assert choose(problem(kv_format="fp8_ds_mla"), num_parts=66, max_chunks=128 * 64) == 2
     assert choose(problem(), num_parts=66, max_chunks=66 * 23) == 2  # the cut: 24 chunks per part
     assert choose(problem(), num_parts=66, max_chunks=66 * 24) == 5
     assert choose(problem(batch=31), num_parts=66, max_chunks=66 * 64) == 2  # and 32 requests

@@ -122,8 +122,12 @@ struct Seesaw {
   static constexpr int kBarConsumers = 7, kBarConv = 8;
   static constexpr int kRegsConsumer = 232, kRegsConv = 40, kRegsLaunch = 168;
   static_assert(2 * kRegsConsumer + kRegsConv == 3 * kRegsLaunch, "setmaxnreg moves registers, adds none");
-  // mbarriers: full [stage][column block]; v9 also empty [stage][early, late] and raw [stage] (the raw TMA copy)
-  static constexpr int kBars = 2 * kBlocks + 6;
+  // mbarriers: full [stage][column block]; v9 also empty [stage][early, late], raw [stage] (the raw TMA copy of
+  // blocks 0..7) and rope [stage] (of block 8)
+  static constexpr int kBars = 2 * kBlocks + 8;
+  // the ablation build's bit (-DMLA_SM90_ABLATE, kernels/cuda/build.py) for v9: the converter waits and signals as
+  // usual but converts and stores nothing (wrong results; what the schedule costs without the conversion)
+  static constexpr int kAblateConvert = 32768;
   static constexpr int kSmemBytes = 2 * (Cfg::kQElems + Cfg::kStages * Cfg::kKElems + Cfg::kPElems) +
                                     7 * Cfg::kBlockM * (int)sizeof(float) + kBars * 8 + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory over the SM90 per-block limit");
@@ -173,71 +177,126 @@ __device__ __forceinline__ void store_e4m3x16(T* st, int row, int col, uint4 raw
 // converted into. v5's readers free a stage in two steps (the refill points of v5): an early part, 32 KB (stage 0:
 // column blocks 0..3, once warpgroup 0 is done with P_a V_aL and S_a; stage 1: blocks 4..7, once warpgroup 1 is done
 // with P_b V_bR), and the rest later. Raw column blocks 0..7 (64 tokens x 64 bytes each) go into the early part by
-// TMA as soon as it is free; raw block 8 (the RoPE columns) by register loads at the same time. Once the rest is free
-// too, each block is converted in place, in an order in which no store overwrites raw bytes not yet read (a block
-// read into registers, a barrier of the warpgroup, then its stores): stage 0 (raw block c at 4c KB): 8, 7, ..., 0;
-// stage 1 (raw block c at 32 + 4c KB): 8, 0, 1, ..., 7. The consumers' S takes the blocks in the same order. Each
-// converted block is signalled on its full barrier (128 arrivals); rows past the item's end are stored as zeros
+// TMA as soon as it is free (raw block c at 4c KB in stage 0, at 32 + 4c KB in stage 1), with an L2 prefetch of the
+// RoPE columns (block 8), which are copied by TMA to 64 KB once the rest is free too. Then the blocks are converted in
+// place in groups, a barrier of the warpgroup before each group's stores where they overwrite raw bytes (every raw
+// block read into registers before any store over it):
+//   stage 0: 7, 6, 5, 4 (over nothing raw) | read 3, 2; barrier; store | read 1, 0; barrier; store | read 8; b.; store
+//   stage 1: 0, 1, 2, 3 (over nothing raw) | read 4, 5; barrier; store | read 6, 7; barrier; store | read 8; b.; store
+// The consumers' S takes the blocks in the same order. Each converted pair of blocks is fenced for the async proxy
+// once and signalled on the blocks' full barriers (128 arrivals each); rows past the item's end are stored as zeros
 // (what v5's fix_partial does for V, for K too). Thread t converts rows t / 4 and t / 4 + 32, 16 bytes (chunk t % 4)
 // of each raw block row: a warp reads 8 whole 64-byte rows, free of bank conflicts.
+//
+// The converter runs its tiles in order, but a stage-0 tile j waits for its late part only after it has started the
+// raw copy of tile j + 1 (stage 1): warpgroup 1 frees the early part of stage 1 (after P_b V_bR) before the late part
+// of stage 0 (after sP0 V_aR), so the wait costs nothing and tile j + 1's bytes fly while tile j is converted. (The
+// other way round would wait for the next pair's P V.)
+// A first version (a barrier and a fence per block, the RoPE block first by register loads; commit c6a2525) measured
+// as slow as v2; register loads of the RoPE block held through the conversion spilled 144 bytes here.
 template <typename T>
 __device__ __forceinline__ void seesaw_fp8_converter(const DecodeParams& p, const CUtensorMap* map, T* sK, uint64_t* bars,
-                                                  int part, int kvh, int tid_c) {
+                                                     int part, int kvh, int tid_c) {
   uint64_t* full = bars;
   uint64_t* empty = bars + 2 * Seesaw::kBlocks;  // [stage][early, late]
   uint64_t* raw_bar = empty + 4;                  // [stage]
+  uint64_t* rope_bar = raw_bar + 2;               // [stage]
+#ifdef MLA_SM90_ABLATE
+  constexpr bool kConvert = !(MLA_SM90_ABLATE & Seesaw::kAblateConvert);
+#else
+  constexpr bool kConvert = true;
+#endif
   const int r0 = tid_c / 4, q = tid_c % 4;
-  const uint8_t* kv = reinterpret_cast<const uint8_t*>(p.kv);
   const uint4 zero = make_uint4(0, 0, 0, 0);
-  uint32_t fills0 = 0, fills1 = 0;  // fills of each stage so far (the phases of its barriers; scalars, not a stack array)
+  uint32_t fills0 = 0, fills1 = 0;  // tiles started in each stage so far (the phases of its barriers)
+  // the raw copy of tile t0.. of request `req` into stage s (its early part free), and the RoPE rows asked of L2
+  auto start_tile = [&](int s, int req, int t0) {
+    const uint32_t k = s == 0 ? fills0++ : fills1++;
+    if (k > 0) mbar_wait(empty + 2 * s, (k - 1) & 1u);
+    const int page = p.block_table[(int64_t)req * p.bt_stride + t0 / p.page_size];
+    if (tid_c == 0) {
+      uint8_t* raw = reinterpret_cast<uint8_t*>(sK + s * Cfg::kKElems) + (s == 0 ? 0 : 32768);
+      mbar_arrive_expect_tx(raw_bar + s, 8 * 4096);
+#pragma unroll
+      for (int c = 0; c < 8; ++c) tma_load_4d(raw + 4096 * c, map, raw_bar + s, 64 * c, kvh, t0 % p.page_size, page);
+      asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global [%0, {%1, %2, %3, %4}];\n" ::"l"(
+                       reinterpret_cast<uint64_t>(map)),
+                   "r"(512), "r"(kvh), "r"(t0 % p.page_size), "r"(page)
+                   : "memory");
+    }
+    return k;
+  };
   const int item_end = p.part_offsets[part + 1];
   for (int item = p.part_offsets[part]; item < item_end; ++item) {
     const WorkItem w = load_item(p, item);
     if (w.req < 0) continue;
     const int num_tiles = (w.tok_end - w.tok_begin + Cfg::kBlockN - 1) / Cfg::kBlockN;
+    auto t0_of = [&](int j) { return w.tok_begin + j * Cfg::kBlockN; };
+    auto valid_of = [&](int j) { return min(Cfg::kBlockN, w.tok_end - t0_of(j)); };
+    uint32_t k_next = 0;  // the fill of tile j when tile j - 1 started it
     for (int j = 0; j < num_tiles; ++j) {
       const int s = j & 1;
-      const uint32_t k = s == 0 ? fills0++ : fills1++;
+      const int t0 = t0_of(j), valid = valid_of(j);
+      const uint32_t k = (s == 1) ? k_next : start_tile(0, w.req, t0);
+      if (s == 0 && j + 1 < num_tiles) k_next = start_tile(1, w.req, t0_of(j + 1));
       T* st = sK + s * Cfg::kKElems;
-      uint8_t* raw = reinterpret_cast<uint8_t*>(st) + (s == 0 ? 0 : 32768);
-      const int t0 = w.tok_begin + j * Cfg::kBlockN;
-      const int valid = min(Cfg::kBlockN, w.tok_end - t0);
-      const int page = p.block_table[(int64_t)w.req * p.bt_stride + t0 / p.page_size];
-      if (k > 0) mbar_wait(empty + 2 * s, (k - 1) & 1u);
-      if (tid_c == 0) {
-        mbar_arrive_expect_tx(raw_bar + s, 8 * 4096);
-#pragma unroll
-        for (int c = 0; c < 8; ++c) tma_load_4d(raw + 4096 * c, map, raw_bar + s, 64 * c, kvh, t0 % p.page_size, page);
-      }
-      uint4 v[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = r0 + 32 * h;
-        v[h] = row < valid ? __ldg(reinterpret_cast<const uint4*>(kv + kv_token_elem(p, page, t0 + row, kvh) + 512 +
-                                                                  16 * q))
-                           : zero;
-      }
+      const uint8_t* raw = reinterpret_cast<const uint8_t*>(st) + (s == 0 ? 0 : 32768);
       if (k > 0) mbar_wait(empty + 2 * s + 1, (k - 1) & 1u);
-      // block 8 from the registers: nothing of the raw tile lies under it
-#pragma unroll
-      for (int h = 0; h < 2; ++h) store_e4m3x16(st, r0 + 32 * h, 512 + 16 * q, v[h]);
-      fence_proxy_async_smem();
-      mbar_arrive(full + s * Seesaw::kBlocks + 8);
+      if (tid_c == 0) {  // the RoPE block, asked of L2 when the tile started, to 64 KB (free now)
+        const int page = p.block_table[(int64_t)w.req * p.bt_stride + t0 / p.page_size];
+        mbar_arrive_expect_tx(rope_bar + s, 4096);
+        tma_load_4d(reinterpret_cast<uint8_t*>(st) + 65536, map, rope_bar + s, 512, kvh, t0 % p.page_size, page);
+      }
       mbar_wait(raw_bar + s, k & 1u);
-#pragma unroll 1
-      for (int i = 0; i < 8; ++i) {
-        const int c = s == 0 ? 7 - i : i;
+      auto read = [&](int c, uint4 (&v)[2]) {  // raw block c (8: the RoPE block at 64 KB)
+        const uint8_t* src = c == 8 ? reinterpret_cast<const uint8_t*>(st) + 65536 : raw + 4096 * c;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int row = r0 + 32 * h;
-          v[h] = row < valid ? *reinterpret_cast<const uint4*>(raw + 4096 * c + 64 * row + 16 * q) : zero;
+          v[h] = row < valid ? *reinterpret_cast<const uint4*>(src + 64 * row + 16 * q) : zero;
         }
-        named_barrier(Seesaw::kBarConv, 128);  // every raw byte these stores overwrite has been read
+      };
+      auto store = [&](int c, const uint4 (&v)[2]) {
+        if constexpr (!kConvert) return;
 #pragma unroll
         for (int h = 0; h < 2; ++h) store_e4m3x16(st, r0 + 32 * h, 64 * c + 16 * q, v[h]);
+      };
+      auto signal = [&](int c0, int c1) {  // blocks c0 and c1 of this tile are in place
         fence_proxy_async_smem();
-        mbar_arrive(full + s * Seesaw::kBlocks + c);
+        mbar_arrive(full + s * Seesaw::kBlocks + c0);
+        mbar_arrive(full + s * Seesaw::kBlocks + c1);
+      };
+      // group 1: four blocks whose places hold no raw bytes (stage 0: 7..4 over [32, 64) KB; stage 1: 0..3)
+#pragma unroll 1
+      for (int i = 0; i < 4; i += 2) {
+        const int c0 = s == 0 ? 7 - i : i, c1 = s == 0 ? 6 - i : i + 1;
+        uint4 v0[2], v1[2];
+        read(c0, v0);
+        read(c1, v1);
+        store(c0, v0);
+        store(c1, v1);
+        signal(c0, c1);
       }
+      // groups 2 and 3: over raw bytes read before the barrier
+#pragma unroll 1
+      for (int g = 0; g < 2; ++g) {
+        const int c0 = s == 0 ? 3 - 2 * g : 4 + 2 * g, c1 = s == 0 ? 2 - 2 * g : 5 + 2 * g;
+        uint4 v0[2], v1[2];
+        read(c0, v0);
+        read(c1, v1);
+        named_barrier(Seesaw::kBarConv, 128);
+        store(c0, v0);
+        store(c1, v1);
+        signal(c0, c1);
+      }
+      // the RoPE block last: its copy (an L2 hit) had the whole conversion to land
+      mbar_wait(rope_bar + s, k & 1u);
+      uint4 v8[2];
+      read(8, v8);
+      named_barrier(Seesaw::kBarConv, 128);
+      store(8, v8);
+      fence_proxy_async_smem();
+      mbar_arrive(full + s * Seesaw::kBlocks + 8);
     }
   }
 }
@@ -282,7 +341,7 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
     for (int i = 0; i < 2 * Seesaw::kBlocks; ++i) mbar_init(bars + i, kFp8 ? 128 : 1);
     if constexpr (kFp8) {
       for (int i = 0; i < 4; ++i) mbar_init(bars + 2 * Seesaw::kBlocks + i, 128);  // empty: a consumer warpgroup
-      for (int i = 4; i < 6; ++i) mbar_init(bars + 2 * Seesaw::kBlocks + i, 1);    // raw: the TMA copy
+      for (int i = 4; i < 8; ++i) mbar_init(bars + 2 * Seesaw::kBlocks + i, 1);    // raw, rope: TMA copies
     }
     fence_mbar_init();
   }
@@ -537,8 +596,12 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
       // ================= warpgroup 0: tiles 0, 2, 4, ...; O[:, 0:256)
       if (num_tiles > 0) {
         fence_regs<32>(acc_s);
-        if constexpr (kFp8) issue_s_desc(0, I0{}, I9{}, true);
-        else issue_s(0, I0{}, I9{}, true);
+        if constexpr (kFp8) {  // the converter's order for stage 0: 7..0, then 8
+          issue_s_desc(0, I0{}, I8{}, true);
+          issue_s(0, I8{}, I9{}, false);
+        } else {
+          issue_s(0, I0{}, I9{}, true);
+        }
         cute::warpgroup_commit_batch();
         cute::warpgroup_wait<0>();
         fence_regs<32>(acc_s);
@@ -608,13 +671,14 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
           cute::warpgroup_commit_batch();
         }
         if constexpr (kNextA && kFp8) {
-          // S_{a+2} in the converter's order: blocks 8..4, then 3..0
+          // S_{a+2} in the converter's order: blocks 7..4, then 3..0 and 8
           fence_regs<32>(acc_s);
-          issue_s_desc(a + 2, I4{}, I9{}, true);
+          issue_s_desc(a + 2, I4{}, I8{}, true);
           cute::warpgroup_commit_batch();
           cute::warpgroup_wait<1>();  // sP1 V_bL done (tile b exists: a + 2 does)
           release(b, 1);              // stage 1, blocks 0..3 and 8 (sP1)
           issue_s_desc(a + 2, I0{}, I4{}, false);
+          issue_s(a + 2, I8{}, I9{}, false);
           cute::warpgroup_commit_batch();
         } else if constexpr (kNextA) {
           // S_{a+2}: blocks 0..3 (refilled above), then 4..8 (refilled by WG1)
@@ -646,10 +710,8 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
       // ================= warpgroup 1: tiles 1, 3, 5, ...; O[:, 256:512)
       if (num_tiles > 1) {
         fence_regs<32>(acc_s);
-        if constexpr (kFp8) {  // the converter's order for stage 1: 8, 0..7
-          issue_s(1, I8{}, I9{}, true);
-          issue_s(1, I0{}, I4{}, false);
-          issue_s(1, I4{}, I8{}, false);
+        if constexpr (kFp8) {  // the converter's order for stage 1: 0..7, then 8
+          issue_s(1, I0{}, I9{}, true);
         } else {
           issue_s(1, I4{}, I8{}, true);
           issue_s(1, I0{}, I4{}, false);
@@ -716,9 +778,7 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
         }
         if constexpr (kNextB && kFp8) {
           fence_regs<32>(acc_s);
-          issue_s(b + 2, I8{}, I9{}, true);
-          issue_s(b + 2, I0{}, I4{}, false);
-          issue_s(b + 2, I4{}, I8{}, false);
+          issue_s(b + 2, I0{}, I9{}, true);  // the converter's order for stage 1: 0..7, then 8
           cute::warpgroup_commit_batch();
           cute::warpgroup_wait<0>();
           fence_regs<32>(acc_s);
