@@ -303,7 +303,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="a few configs only")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--variants", default="2", help="mainloop variants to time, e.g. 0,5,2 (0 = the backend's per-plan choice, 5 = two tiles in flight, "
+    ap.add_argument("--variants", default="2", help="mainloop variants to time, e.g. 0,5,2 (0 = the backend's per-plan choice, 9 = v5 for fp8_e4m3, 5 = two tiles in flight, "
                          "4 = S split along D, 3 = overlapped wgmma, 2 = wgmma, 1 = mma.sync)")
     ap.add_argument("--groups", default=None, help="comma-separated config groups to run (flashmla, membound, small, "
                     "pages, pages16, fp8, fp8grid, fp8t, fp8tsmall; \"none\": only the host overhead); default all")
