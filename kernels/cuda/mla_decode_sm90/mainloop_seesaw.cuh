@@ -439,46 +439,31 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
       a = __shfl_sync(0xffffffff, a, 0);  // warp-uniform: the descriptor math runs in uniform registers
       return gmma_desc_sw128_addr(a, 64 * 64 * 2, 1024);
     };
-    // S = Q K^T of tile j over column blocks [B0, B1), each block issued as soon as its TMA box
-    // has landed (a wgmma.fence after every wait: ptxas would otherwise inject one on the
-    // wait loop's divergent path and serialise the wgmmas, C7520)
-    auto issue_s = [&](int j, auto b0, auto b1, bool first) {
+    // S = Q K^T of tile j over column blocks [B0, B1), in ascending order or, with kDesc, descending (v9's stage 0:
+    // the converter's order), each block issued as soon as its TMA box has landed (a wgmma.fence after every wait:
+    // ptxas would otherwise inject one on the wait loop's divergent path and serialise the wgmmas, C7520)
+    auto issue_s_dir = [&](int j, auto b0, auto b1, bool first, auto desc_c) {
       constexpr int B0 = decltype(b0)::value, B1 = decltype(b1)::value;
+      constexpr bool kDesc = decltype(desc_c)::value;
       const T* st = stage_of(j);
       uint64_t* sb = (j & 1) ? bars1 : bars0;
       const uint32_t par = parity_of(j);
       const uint64_t dq = desc(sQ), dk = desc(st);
 #pragma unroll
-      for (int blk = B0; blk < B1; ++blk) {
+      for (int it = B0; it < B1; ++it) {
+        const int blk = kDesc ? B0 + B1 - 1 - it : it;
         mbar_wait(sb + blk, par);
         cute::warpgroup_arrive();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
           const uint64_t off = (uint64_t)(((blk * 64 * 64 + kk * 16) * (int)sizeof(T)) >> 4);
-          gmma_call<typename SS::QK64>(dq + off, dk + off, acc_s, !(first && blk == B0 && kk == 0),
+          gmma_call<typename SS::QK64>(dq + off, dk + off, acc_s, !(first && it == B0 && kk == 0),
                                        std::make_index_sequence<32>{});
         }
       }
     };
-    // the same over blocks B1 - 1 down to B0 (v9, stage 0: the converter's order)
-    auto issue_s_desc = [&](int j, auto b0, auto b1, bool first) {
-      constexpr int B0 = decltype(b0)::value, B1 = decltype(b1)::value;
-      const T* st = stage_of(j);
-      uint64_t* sb = (j & 1) ? bars1 : bars0;
-      const uint32_t par = parity_of(j);
-      const uint64_t dq = desc(sQ), dk = desc(st);
-#pragma unroll
-      for (int blk = B1 - 1; blk >= B0; --blk) {
-        mbar_wait(sb + blk, par);
-        cute::warpgroup_arrive();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-          const uint64_t off = (uint64_t)(((blk * 64 * 64 + kk * 16) * (int)sizeof(T)) >> 4);
-          gmma_call<typename SS::QK64>(dq + off, dk + off, acc_s, !(first && blk == B1 - 1 && kk == 0),
-                                       std::make_index_sequence<32>{});
-        }
-      }
-    };
+    auto issue_s = [&](int j, auto b0, auto b1, bool first) { issue_s_dir(j, b0, b1, first, std::false_type{}); };
+    auto issue_s_desc = [&](int j, auto b0, auto b1, bool first) { issue_s_dir(j, b0, b1, first, std::true_type{}); };
     // column blocks [B0, B1) of tile j have landed (a V half read by the warpgroup that did not load them)
     auto wait_blocks = [&](int j, int b0, int b1) {
       uint64_t* sb = (j & 1) ? bars1 : bars0;
