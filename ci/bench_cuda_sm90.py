@@ -89,8 +89,8 @@ def capture_graph(run):
 
 
 def config_name(cfg) -> str:
-    """A config's name in the printed table, the JSON and the chart, e.g. ``membound-b64-s1-h16-L8192-fp8_e4m3``
-    (``-ps128`` where the page is not 64, ``-eq`` for equal lengths outside the groups that always use them)."""
+    """A config's name in the JSON and the chart, e.g. ``fp8-b64-s1-h16-L8192-fp8_e4m3`` (``-ps128`` where the page
+    is not 64; no suffix for a bf16 cache)."""
     name = f"{cfg['group']}-b{cfg['b']}-s{cfg['s_q']}-h{cfg['h_q']}-L{cfg['L']}"
     if cfg.get("ps", 64) != 64:
         name += f"-ps{cfg['ps']}"

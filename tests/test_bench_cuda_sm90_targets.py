@@ -3,10 +3,8 @@ the raw timings (fresh random timings per seed), configs without a bf16 page-64 
 the chart renders from a saved run without a GPU."""
 
 import importlib.util
-import json
 import pathlib
 import random
-import sys
 
 import pytest
 
@@ -85,17 +83,10 @@ def test_no_base_no_relative_row(seed):
     assert not any(r["panel"] in ("page", "fp8") for r in got)
 
 
-def test_chart_renders_from_a_saved_run(tmp_path, seed):
+def test_chart_renders_from_a_saved_run(chart_from_saved_run, seed):
     pytest.importorskip("matplotlib")
     rng = random.Random(seed)
     saved = dict(device="a GPU", torch="x", triton="y", date="2026-11-27 00:00 UTC", seed=1, peaks=[3e12, 7e14],
                  rows=_rows(rng), host=_host(rng))
-    src = tmp_path / "run.json"
-    src.write_text(json.dumps(saved))
-    png = tmp_path / "run.png"
-    argv, sys.argv = sys.argv, ["bench_cuda_sm90.py", "--from-json", str(src), "--plot", str(png)]
-    try:
-        bench.main()
-    finally:
-        sys.argv = argv
+    png = chart_from_saved_run(bench, saved)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000

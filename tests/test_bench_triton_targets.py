@@ -2,10 +2,8 @@
 timings, on fresh random results, and the chart renders from a saved run (no GPU)."""
 
 import importlib.util
-import json
 import pathlib
 import random
-import sys
 
 import pytest
 
@@ -63,16 +61,9 @@ def test_target_rows_follow_from_the_timings(seed):
         assert row["met"] == (None if target is None else (value >= target) == higher), row
 
 
-def test_chart_renders_from_a_saved_run(tmp_path, seed):
+def test_chart_renders_from_a_saved_run(chart_from_saved_run, seed):
     pytest.importorskip("matplotlib")
     saved = dict(device="a GPU", torch="x", triton="y", copy_Bps=3e12, matmul_flops=7e14,
                  results=_results(random.Random(seed)))
-    src = tmp_path / "run.json"
-    src.write_text(json.dumps(saved))
-    png = tmp_path / "run.png"
-    argv, sys.argv = sys.argv, ["bench_triton.py", "--from-json", str(src), "--plot", str(png)]
-    try:
-        bench_triton.main()
-    finally:
-        sys.argv = argv
+    png = chart_from_saved_run(bench_triton, saved)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
