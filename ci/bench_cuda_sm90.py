@@ -48,7 +48,7 @@ def measure_peaks():
 
 
 def make_inputs(b, s_q, h_q, L, *, page_size=64, varlen=True, kv_format="bf16", h_kv=1, seed=0):
-    from mla_dispatch.formats import pack_ds_mla
+    from mla_dispatch.kvcache.formats import pack_ds_mla
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     if varlen:
@@ -102,7 +102,7 @@ def check_config(plan, run, graph, q, kv, table, lens, kv_scale, out, lse, cfg) 
     backend's tolerances (DESIGN.md §5). Returns ``"ok"`` or ``"MISMATCH <which>: <report>"``."""
     from mla_dispatch.backends.cuda_sm90 import CudaSM90Backend
     from mla_dispatch.backends.reference import reference_attention
-    from mla_dispatch.testing import compare_outputs
+    from mla_dispatch.numerics.cases import compare_outputs
 
     ref_out, ref_lse = reference_attention(q, kv, table, lens, head_dim_v=512, softmax_scale=plan.softmax_scale,
                                            causal=cfg.get("causal", False), kv_format=cfg.get("fmt", "bf16"),

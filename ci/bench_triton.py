@@ -36,7 +36,7 @@ import triton.testing
 
 from mla_dispatch import plan_decode
 from mla_dispatch.backends.triton import TritonBackend
-from mla_dispatch.formats import pack_ds_mla
+from mla_dispatch.kvcache.formats import pack_ds_mla
 from mla_dispatch.kernels.triton.aot_report import parse_spec  # the tM16-n64-... config notation
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # target_chart, beside this script
@@ -144,7 +144,7 @@ def bench_one(name, peaks, batch, q_len, h_q, seqlen, *, page_size=64, kv_format
     check_msg = None
     if check:  # the config's output against the fp32 reference, DESIGN.md §5 tolerances (poisoned first)
         from mla_dispatch.backends.reference import reference_attention
-        from mla_dispatch.testing import compare_outputs
+        from mla_dispatch.numerics.cases import compare_outputs
 
         out.fill_(float("nan"))
         lse.fill_(float("nan"))

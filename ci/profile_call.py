@@ -15,7 +15,7 @@ import time
 import torch
 
 import mla_dispatch
-from mla_dispatch.testing import make_case
+from mla_dispatch.numerics.cases import make_case
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ import argparse
 import torch
 
 from mla_dispatch import plan_decode
-from mla_dispatch.testing import make_case
+from mla_dispatch.numerics.cases import make_case
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from mla_dispatch import plan_decode
-from mla_dispatch.testing import case_reference, check_close, compare_outputs, make_case, poisoned_outputs
+from mla_dispatch.numerics.cases import case_reference, check_close, compare_outputs, make_case, poisoned_outputs
 
 # (batch, s_q, h_q, seqlen, page_size, causal, kv_format, variants): shapes of tests/test_cuda_sm90.py whose
 # requests are split (few requests, so the schedule cuts them), including the two that met the bound with
@@ -57,7 +57,7 @@ def main():
     ap.add_argument("--draws", type=int, default=40, help="fresh inputs per (shape, mainloop)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    from mla_dispatch.registry import get_backend
+    from mla_dispatch.dispatch.registry import get_backend
 
     tol = get_backend("cuda_sm90").TOLERANCE
     gen = torch.Generator().manual_seed(args.seed)  # make_case draws on the CPU, then moves

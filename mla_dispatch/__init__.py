@@ -10,12 +10,12 @@ runs here.
 import logging
 
 from mla_dispatch.api import DecodePlan, mla_decode, plan_decode
-from mla_dispatch.backend import CGSupport, MLABackend, Reason, ReasonCode, Tolerance
-from mla_dispatch.cache import PagedMLACache
-from mla_dispatch.platform import Platform, detect_platform
-from mla_dispatch.problem import DecodeProblem
-from mla_dispatch.registry import get_backend, register_backend, registered_names
-from mla_dispatch.select import NoBackendError, SelectionReport, explain, priority, select_backend, use_backends
+from mla_dispatch.dispatch.backend import CGSupport, MLABackend, Reason, ReasonCode, Tolerance
+from mla_dispatch.kvcache.cache import PagedMLACache
+from mla_dispatch.dispatch.platform import Platform, detect_platform
+from mla_dispatch.dispatch.problem import DecodeProblem
+from mla_dispatch.dispatch.registry import get_backend, register_backend, registered_names
+from mla_dispatch.dispatch.select import NoBackendError, SelectionReport, explain, priority, select_backend, use_backends
 
 __version__ = "0.1.0"
 

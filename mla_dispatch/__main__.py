@@ -1,5 +1,5 @@
 import sys
 
-from mla_dispatch.cli import main
+from mla_dispatch.tools.cli import main
 
 sys.exit(main())

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from mla_dispatch.backend import BackendState, MLABackend, untraced_eager
-from mla_dispatch.cache import PagedMLACache
-from mla_dispatch.platform import Platform, platform_for
-from mla_dispatch.problem import DecodeProblem, check_values, default_softmax_scale, describe_inputs
-from mla_dispatch.select import select_backend
+from mla_dispatch.dispatch.backend import BackendState, MLABackend, untraced_eager
+from mla_dispatch.kvcache.cache import PagedMLACache
+from mla_dispatch.dispatch.platform import Platform, platform_for
+from mla_dispatch.dispatch.problem import DecodeProblem, check_values, default_softmax_scale, describe_inputs
+from mla_dispatch.dispatch.select import select_backend
 
 # whether a torch.profiler / autograd profile is on (~60 ns); a private torch function, so absent means "no"
 _profiler_enabled = getattr(torch._C._autograd, "_profiler_enabled", lambda: False)
@@ -41,13 +41,13 @@ class DecodePlan:
     """A decode step planned once and run once per layer.
 
     Built by :func:`plan_decode`. Holds the chosen backend, the frozen
-    :class:`~mla_dispatch.problem.DecodeProblem` it was planned for, and the
+    :class:`~mla_dispatch.dispatch.problem.DecodeProblem` it was planned for, and the
     backend's per-step state (split-KV schedule, workspace). :meth:`run` checks
     each call against the plan with cheap shape comparisons, does no host sync,
     and, for backends that declare CUDA-graph support, no allocation when
     ``out`` and ``lse`` are given: it can be captured in a CUDA graph. Where
     the backend binds an eager fast path (:meth:`MLABackend.bind
-    <mla_dispatch.backend.MLABackend.bind>`; ``cuda_sm90`` does), an eager
+    <mla_dispatch.dispatch.backend.MLABackend.bind>`; ``cuda_sm90`` does), an eager
     call on plain tensors is checked against the plan and launched in one
     native call, and the Python checks run only when that call declines.
 

@@ -77,8 +77,8 @@ def registered():
     cleared, so test backends never leak into other tests. A ``runs`` counter on the class, if
     it has one, is reset.
     """
-    from mla_dispatch.registry import register_backend, unregister_backend
-    from mla_dispatch.select import clear_selection_cache
+    from mla_dispatch.dispatch.registry import register_backend, unregister_backend
+    from mla_dispatch.dispatch.select import clear_selection_cache
 
     names = []
 
@@ -121,11 +121,11 @@ def interpreter_child_results(test_file: str) -> dict:
 def simulate_platform(monkeypatch):
     """``simulate_platform(platform)``: for this test every device looks like ``platform``.
 
-    Replaces the one function that asks the hardware (``mla_dispatch.platform.detect_platform``)
+    Replaces the one function that asks the hardware (``mla_dispatch.dispatch.platform.detect_platform``)
     and clears the platform and selection caches before and after, so nothing leaks.
     """
-    import mla_dispatch.platform as platform_mod
-    from mla_dispatch.select import clear_selection_cache
+    import mla_dispatch.dispatch.platform as platform_mod
+    from mla_dispatch.dispatch.select import clear_selection_cache
 
     def use(platform):
         monkeypatch.setattr(platform_mod, "detect_platform", lambda device=None: platform)
@@ -141,10 +141,10 @@ def simulate_platform(monkeypatch):
 @pytest.fixture
 def npu(monkeypatch, simulate_platform):
     """A simulated Ascend 910B, with the Ascend backends' cached availability forgotten."""
-    import mla_dispatch.registry
-    from mla_dispatch.platform import Platform
+    import mla_dispatch.dispatch.registry
+    from mla_dispatch.dispatch.platform import Platform
 
     platform = simulate_platform(Platform("npu", "Ascend910B3", None, "Ascend910B", 20))
     for name in ("torch_npu", "ascend_amla"):
-        monkeypatch.setattr(mla_dispatch.registry.get_backend(name), "_availability_cache", None, raising=False)
+        monkeypatch.setattr(mla_dispatch.dispatch.registry.get_backend(name), "_availability_cache", None, raising=False)
     return platform

@@ -5,7 +5,7 @@ import torch
 
 import mla_dispatch
 from mla_dispatch.backends.reference import ReferenceBackend, reference_attention
-from mla_dispatch.testing import make_case
+from mla_dispatch.numerics.cases import make_case
 
 BF = torch.bfloat16
 

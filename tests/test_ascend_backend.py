@@ -19,13 +19,13 @@ from mla_dispatch.backends.ascend_amla import AscendAMLABackend
 from mla_dispatch.backends.reference import reference_attention
 from mla_dispatch.kernels.ascend import amla_emulation as emu
 from mla_dispatch.kernels.ascend import ops
-from mla_dispatch.platform import Platform
-from mla_dispatch.select import NoBackendError, explain, priority
-from mla_dispatch.testing import compare_outputs, make_case
+from mla_dispatch.dispatch.platform import Platform
+from mla_dispatch.dispatch.select import NoBackendError, explain, priority
+from mla_dispatch.numerics.cases import compare_outputs, make_case
 
 NPU = Platform("npu", "Ascend910B3", None, "Ascend910B", 20)
 CPU = Platform("cpu", "cpu", None, "cpu", 2)
-KERNEL_DIR = pathlib.Path(__file__).resolve().parents[1] / "kernels" / "ascend"
+KERNEL_DIR = pathlib.Path(__file__).resolve().parents[1] / "mla_dispatch" / "kernels" / "ascend"
 
 
 @pytest.fixture

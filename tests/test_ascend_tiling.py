@@ -3,7 +3,7 @@
 ``kernels/ascend/host/tiling_test.cpp`` checks the work partition (every token
 covered exactly once, block-aligned ranges, slots, balance) and that every
 buffer plan fits the 910B memories (L1 512 KB, L0A/L0B 64 KB, L0C 128 KB, UB
-192 KB). The CLI build is compared with ``mla_dispatch.metadata.split_kv_schedule``
+192 KB). The CLI build is compared with ``mla_dispatch.metadata.schedule.split_kv_schedule``
 so that the emulation runs exactly the partition the kernel would.
 """
 
@@ -16,9 +16,9 @@ import subprocess
 import pytest
 import torch
 
-from mla_dispatch.metadata import split_kv_schedule
+from mla_dispatch.metadata.schedule import split_kv_schedule
 
-HOST = pathlib.Path(__file__).resolve().parents[1] / "kernels" / "ascend" / "host"
+HOST = pathlib.Path(__file__).resolve().parents[1] / "mla_dispatch" / "kernels" / "ascend" / "host"
 GXX = shutil.which("g++")
 pytestmark = pytest.mark.skipif(GXX is None, reason="g++ is not installed (needed to build the C++ host tiling)")
 FLAGS = ["-std=c++17", "-O1", "-Wall", "-Wextra", "-Werror"]

@@ -12,10 +12,10 @@ import math
 import pytest
 import torch
 
-from mla_dispatch import bench
+from mla_dispatch.tools import bench
 from mla_dispatch.backends.reference import ReferenceBackend, reference_attention
-from mla_dispatch.roofline import Ceilings
-from mla_dispatch.testing import UNUSED_BLOCK_ID
+from mla_dispatch.tools.roofline import Ceilings
+from mla_dispatch.numerics.cases import UNUSED_BLOCK_ID
 
 FIXED_CEILINGS = Ceilings("test", bytes_per_s=1e10, flops_per_s=1e11, how="fixed for the test")
 
@@ -146,7 +146,7 @@ def test_generated_case_honours_the_data_contract(cfg, seed):
         assert bool((case.block_table[b, nblk:] == UNUSED_BLOCK_ID).all())
         for j in range(n):
             used[case.block_table[b, j // ps], j % ps] = True
-    from mla_dispatch.formats import dequantize_tokens
+    from mla_dispatch.kvcache.formats import dequantize_tokens
 
     values = dequantize_tokens(case.kv_cache, case.kv_format, case.kv_scale)
     assert bool(values[~used].isnan().all()), "an unused slot is not poisoned"

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from mla_dispatch import bench
-from mla_dispatch.roofline import Ceilings, Work, decode_work, kv_bytes_per_token, measure_ceilings
+from mla_dispatch.tools import bench
+from mla_dispatch.tools.roofline import Ceilings, Work, decode_work, kv_bytes_per_token, measure_ceilings
 
 DEEPSEEK = dict(num_heads_kv=1, head_dim_qk=576, head_dim_v=512)
 

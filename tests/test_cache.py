@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import mla_dispatch
-from mla_dispatch.cache import CacheFullError, PagedMLACache
-from mla_dispatch.formats import pack_ds_mla, unpack_ds_mla
+from mla_dispatch.kvcache.cache import CacheFullError, PagedMLACache
+from mla_dispatch.kvcache.formats import pack_ds_mla, unpack_ds_mla
 
 
 def _values(gen, n, d=576, h=1):

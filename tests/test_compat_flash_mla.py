@@ -1,7 +1,7 @@
 """FlashMLA-style tests of mla_dispatch.compat.flash_mla.
 
 Data as FlashMLA's ``tests/test_flash_mla_dense_decoding.py`` makes it
-(mla_dispatch.testing.make_case: random block-table permutation, NaN in unused
+(mla_dispatch.numerics.cases.make_case: random block-table permutation, NaN in unused
 slots, unused table entries 2147480000, zero-length requests, causal MTP) and
 DESIGN.md §5 tolerances. The oracle is written here, per request, in float64,
 independently of the reference backend. The full grid
@@ -20,8 +20,8 @@ import torch
 
 from mla_dispatch import NoBackendError, get_backend, registered_names
 from mla_dispatch.compat import flash_mla as fm
-from mla_dispatch.formats import unpack_ds_mla
-from mla_dispatch.testing import UNUSED_BLOCK_ID, compare_outputs, make_case
+from mla_dispatch.kvcache.formats import unpack_ds_mla
+from mla_dispatch.numerics.cases import UNUSED_BLOCK_ID, compare_outputs, make_case
 
 
 def oracle(q, kv, block_table, seqlens, *, head_dim_v=512, scale=None, causal=False, indices=None, kv_format="bf16"):

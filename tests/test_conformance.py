@@ -5,7 +5,7 @@ import json
 
 import torch
 
-from mla_dispatch import conformance
+from mla_dispatch.tools import conformance
 from mla_dispatch.backends.reference import ReferenceBackend
 
 CPU = torch.device("cpu")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mla_dispatch import plan_decode
-from mla_dispatch.testing import case_reference, compare_outputs, make_case, poisoned_outputs, scale_outputs
+from mla_dispatch.numerics.cases import case_reference, compare_outputs, make_case, poisoned_outputs, scale_outputs
 
 pytestmark = pytest.mark.gpu
 
@@ -29,7 +29,7 @@ def _need_sm90():
 
 
 def _backend():
-    from mla_dispatch.registry import get_backend
+    from mla_dispatch.dispatch.registry import get_backend
 
     return get_backend("cuda_sm90")
 
@@ -409,7 +409,7 @@ def test_out_argument_and_default_allocation(gen):
 _BINDING_CHECKS = r"""
 import pytest, torch
 from mla_dispatch import plan_decode
-from mla_dispatch.testing import make_case
+from mla_dispatch.numerics.cases import make_case
 case = make_case(2, 1, 16, 100, page_size=64, device="cuda", generator=torch.Generator().manual_seed(SEED))
 plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
 st, s = plan.state, plan.state.schedule

@@ -150,10 +150,10 @@ def test_build_cli_reports_failure(monkeypatch, capsys):
 
 
 def test_backend_declares_capabilities_and_reasons():
-    from mla_dispatch.backend import ReasonCode
-    from mla_dispatch.platform import Platform
-    from mla_dispatch.problem import DecodeProblem
-    from mla_dispatch.registry import get_backend
+    from mla_dispatch.dispatch.backend import ReasonCode
+    from mla_dispatch.dispatch.platform import Platform
+    from mla_dispatch.dispatch.problem import DecodeProblem
+    from mla_dispatch.dispatch.registry import get_backend
 
     cls = get_backend("cuda_sm90")
     assert cls.NAME == "cuda_sm90"
@@ -175,7 +175,7 @@ def test_variant_choice_follows_the_measurements(monkeypatch):
     v6 for <= 16 query rows per KV head with >= 16 chunks per part (bf16/fp16) or >= 4 (fp8_ds_mla), and 17-32 rows
     with >= 96 chunks per part (bf16/fp16 only). Each cut is pinned from both sides."""
     from mla_dispatch.backends import cuda_sm90
-    from mla_dispatch.problem import DecodeProblem
+    from mla_dispatch.dispatch.problem import DecodeProblem
 
     monkeypatch.setattr(cuda_sm90, "KERNEL_VARIANT", 0)
 

@@ -1,7 +1,7 @@
 """Dispatch on simulated platforms: priority, feasibility, errors, overrides, plugins.
 
 Every platform is simulated on the CPU by replacing the one function that asks
-the hardware (``mla_dispatch.platform.detect_platform``) or by passing a
+the hardware (``mla_dispatch.dispatch.platform.detect_platform``) or by passing a
 ``Platform`` directly to the pure selection functions.
 """
 
@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import mla_dispatch
-from mla_dispatch import registry, select
-from mla_dispatch.backend import CGSupport, MLABackend, ReasonCode
-from mla_dispatch.platform import Platform
-from mla_dispatch.problem import DecodeProblem
+from mla_dispatch.dispatch import registry, select
+from mla_dispatch.dispatch.backend import CGSupport, MLABackend, ReasonCode
+from mla_dispatch.dispatch.platform import Platform
+from mla_dispatch.dispatch.problem import DecodeProblem
 
 SM90 = Platform("cuda", "NVIDIA H100 80GB HBM3", (9, 0), "sm_90", 132)
 SM100 = Platform("cuda", "NVIDIA B200", (10, 0), "sm_100", 148)
@@ -168,7 +168,7 @@ def test_import_failure_is_a_reason_with_the_real_text(tmp_path, monkeypatch):
 
 def test_entry_point_backends_register_and_rank_before_reference(monkeypatch, tmp_path):
     (tmp_path / "third_party_mla.py").write_text(textwrap.dedent("""
-        from mla_dispatch.backend import MLABackend
+        from mla_dispatch.dispatch.backend import MLABackend
         class Plugin(MLABackend):
             NAME = "plugin"
             PLATFORMS = frozenset({"cpu"})
@@ -202,7 +202,7 @@ def test_tuned_table_moves_measured_best_first():
 
 def test_simulated_platform_through_mla_decode(simulate_platform, fake_backends, gen):
     """The front end asks detect_platform; mocking it steers the whole call."""
-    from mla_dispatch.testing import make_case
+    from mla_dispatch.numerics.cases import make_case
 
     calls = []
 
@@ -228,7 +228,7 @@ def test_simulated_platform_through_mla_decode(simulate_platform, fake_backends,
 def test_importing_mla_dispatch_imports_no_backend_or_kernel_library():
     code = textwrap.dedent("""
         import sys, mla_dispatch
-        from mla_dispatch.info import report
+        from mla_dispatch.tools.info import report
         heavy = [m for m in ("triton", "flash_mla", "flashinfer", "aiter", "torch_npu",
                              "mla_dispatch.backends.triton", "mla_dispatch.backends.cuda_sm90",
                              "mla_dispatch.backends.flashinfer") if m in sys.modules]
@@ -239,7 +239,7 @@ def test_importing_mla_dispatch_imports_no_backend_or_kernel_library():
 
 
 def test_platform_detection_on_this_cpu_machine():
-    from mla_dispatch.platform import detect_platform
+    from mla_dispatch.dispatch.platform import detect_platform
 
     p = detect_platform("cpu")
     assert p.kind == "cpu" and p.capability is None and p.num_compute_units >= 1
@@ -250,7 +250,7 @@ def test_kernel_device_is_a_no_op_off_cuda():
     GPUs it is exercised by tests/test_multi_gpu.py."""
     import contextlib
 
-    from mla_dispatch.platform import kernel_device
+    from mla_dispatch.dispatch.platform import kernel_device
 
     guard = kernel_device(torch.zeros(1))
     assert isinstance(guard, contextlib.nullcontext)

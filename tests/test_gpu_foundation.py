@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import mla_dispatch
-from mla_dispatch.metadata import combine_splits, split_kv_schedule
-from mla_dispatch.testing import case_reference, compare_outputs, make_case, poisoned_outputs
+from mla_dispatch.metadata.schedule import combine_splits, split_kv_schedule
+from mla_dispatch.numerics.cases import case_reference, compare_outputs, make_case, poisoned_outputs
 
 pytestmark = pytest.mark.gpu
 

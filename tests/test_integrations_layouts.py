@@ -21,9 +21,9 @@ import pytest
 import torch
 
 import mla_dispatch
-from mla_dispatch.backend import CGSupport, MLABackend
+from mla_dispatch.dispatch.backend import CGSupport, MLABackend
 from mla_dispatch.integrations import layouts as L
-from mla_dispatch.testing import compare_outputs, make_case
+from mla_dispatch.numerics.cases import compare_outputs, make_case
 
 TOL = mla_dispatch.get_backend("reference").TOLERANCE
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mla_dispatch.backends.reference import reference_attention
-from mla_dispatch.metadata import (
+from mla_dispatch.metadata.schedule import (
     ITEM_SLOT,
     combine_splits,
     first_slots,
@@ -14,7 +14,7 @@ from mla_dispatch.metadata import (
     split_kv_schedule,
     token_indices,
 )
-from mla_dispatch.testing import check_close, make_case
+from mla_dispatch.numerics.cases import check_close, make_case
 
 
 def _random_lengths(gen, batch):

@@ -14,8 +14,8 @@ import torch
 
 import mla_dispatch
 from mla_dispatch.backends.reference import reference_attention
-from mla_dispatch.formats import DS_MLA_TOKEN_BYTES
-from mla_dispatch.testing import check_close, make_case
+from mla_dispatch.kvcache.formats import DS_MLA_TOKEN_BYTES
+from mla_dispatch.numerics.cases import check_close, make_case
 
 
 def _decode_token(raw: torch.Tensor, kv_format: str, kv_scale) -> torch.Tensor:
@@ -130,9 +130,9 @@ def test_reference_op_registered_and_opcheck(gen):
 
 
 def test_scale_outputs_scales_the_outputs_not_the_scores(gen):
-    """mla_dispatch.testing.scale_outputs (the output-range tests' setup): the reference's outputs grow by the scale,
+    """mla_dispatch.numerics.cases.scale_outputs (the output-range tests' setup): the reference's outputs grow by the scale,
     its LSE stays as drawn (up to q's bf16 rounding), the absolute bound grows alike; fp8 caches are refused."""
-    from mla_dispatch.testing import case_reference, scale_outputs
+    from mla_dispatch.numerics.cases import case_reference, scale_outputs
 
     case = make_case(2, 1, 16, 300, page_size=64, generator=gen)
     out, lse = case_reference(case)

@@ -23,7 +23,7 @@ import time
 import pytest
 import torch
 
-from mla_dispatch.metadata import SplitKVSchedule, split_kv_schedule
+from mla_dispatch.metadata.schedule import SplitKVSchedule, split_kv_schedule
 
 OUTPUTS = ("items", "part_offsets", "num_splits", "slot_req")
 
@@ -129,7 +129,7 @@ def test_triton_schedule_matches_torch_under_interpreter(interpreter_results, ca
 
 def test_auto_on_cpu_is_torch_and_imports_no_triton():
     code = ("import sys, torch\n"
-            "from mla_dispatch.metadata import split_kv_schedule\n"
+            "from mla_dispatch.metadata.schedule import split_kv_schedule\n"
             "s = split_kv_schedule(torch.tensor([3, 0, 70], dtype=torch.int32), num_parts=4)\n"
             "s.update_(torch.tensor([1, 2, 3], dtype=torch.int32))\n"
             "print(s.workspace is None, 'triton' in sys.modules)\n")

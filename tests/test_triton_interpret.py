@@ -114,8 +114,8 @@ def _run_op_checks(seed: int) -> None:
     from mla_dispatch import plan_decode
     from mla_dispatch.backends.reference import reference_attention
     from mla_dispatch.backends.triton import TritonBackend
-    from mla_dispatch.platform import platform_for
-    from mla_dispatch.testing import compare_outputs, make_case
+    from mla_dispatch.dispatch.platform import platform_for
+    from mla_dispatch.numerics.cases import compare_outputs, make_case
 
     for i, (cid, kw, overrides) in enumerate(OPCHECK_CASES):
         try:
@@ -153,8 +153,8 @@ def _run_cases(seed: int) -> None:
     from mla_dispatch import plan_decode
     from mla_dispatch.backends.reference import reference_attention
     from mla_dispatch.backends.triton import TritonBackend
-    from mla_dispatch.platform import platform_for
-    from mla_dispatch.testing import compare_outputs, make_case
+    from mla_dispatch.dispatch.platform import platform_for
+    from mla_dispatch.numerics.cases import compare_outputs, make_case
 
     for i, (cid, kw, overrides) in enumerate(CASES):
         try:
@@ -235,11 +235,11 @@ def test_triton_not_runnable_on_cpu_without_interpreter():
     code = (
         "import os, torch\n"
         "os.environ.pop('TRITON_INTERPRET', None)\n"
-        "from mla_dispatch.registry import get_backend\n"
-        "from mla_dispatch.platform import platform_for\n"
-        "from mla_dispatch.problem import describe_inputs\n"
-        "from mla_dispatch.select import priority\n"
-        "from mla_dispatch.testing import make_case\n"
+        "from mla_dispatch.dispatch.registry import get_backend\n"
+        "from mla_dispatch.dispatch.platform import platform_for\n"
+        "from mla_dispatch.dispatch.problem import describe_inputs\n"
+        "from mla_dispatch.dispatch.select import priority\n"
+        "from mla_dispatch.numerics.cases import make_case\n"
         "c = make_case(1, 1, 2, 8, page_size=4, dtype=torch.float16)\n"
         "p = describe_inputs(*c.args(), head_dim_v=512, causal=False, kv_format='auto', kv_scale=None, indices=None,"
         " return_lse=True)\n"

@@ -5,11 +5,12 @@ import pytest
 import torch
 
 import mla_dispatch
-from mla_dispatch import select, tune
+from mla_dispatch.dispatch import select
+from mla_dispatch.tools import tune
 from mla_dispatch.backends.reference import ReferenceBackend
-from mla_dispatch.bench import BenchRow
-from mla_dispatch.platform import detect_platform
-from mla_dispatch.testing import make_case
+from mla_dispatch.tools.bench import BenchRow
+from mla_dispatch.dispatch.platform import detect_platform
+from mla_dispatch.numerics.cases import make_case
 
 CPU = detect_platform("cpu")
 

@@ -11,10 +11,10 @@ import torch
 
 import mla_dispatch
 from fakes import B200, H100, fake_flashinfer, forget, simulate
-from mla_dispatch.backend import ReasonCode
+from mla_dispatch.dispatch.backend import ReasonCode
 from mla_dispatch.backends.flashinfer import FlashInferBackend, trtllm_heads
-from mla_dispatch.select import NoBackendError
-from mla_dispatch.testing import case_reference, compare_outputs, make_case
+from mla_dispatch.dispatch.select import NoBackendError
+from mla_dispatch.numerics.cases import case_reference, compare_outputs, make_case
 
 
 @pytest.fixture

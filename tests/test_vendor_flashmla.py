@@ -11,8 +11,8 @@ import torch
 import mla_dispatch
 from fakes import B200, H100, fake_flash_mla, forget, simulate
 from mla_dispatch.backends.flashmla import FlashMLABackend
-from mla_dispatch.select import NoBackendError
-from mla_dispatch.testing import case_reference, compare_outputs, make_case
+from mla_dispatch.dispatch.select import NoBackendError
+from mla_dispatch.numerics.cases import case_reference, compare_outputs, make_case
 
 
 @pytest.fixture(params=[False, True], ids=["schedmeta", "legacy"])
@@ -68,7 +68,7 @@ def test_reasons(monkeypatch, fake):
 def test_cuda_graph_refused_only_for_schedmeta(monkeypatch, fake):
     simulate(monkeypatch, H100, FlashMLABackend)
     legacy = fake
-    from mla_dispatch.problem import DecodeProblem
+    from mla_dispatch.dispatch.problem import DecodeProblem
 
     p = DecodeProblem(2, 1, 16, 1, 576, 512, 64, 4, torch.bfloat16, "bf16", False, 0, True, "cuda", cuda_graph=True)
     codes = [r.message for r in FlashMLABackend.not_supported_reasons(p, H100)]

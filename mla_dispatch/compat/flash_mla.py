@@ -66,9 +66,9 @@ from typing import Optional, Tuple
 import torch
 
 from mla_dispatch.api import DecodePlan, plan_decode
-from mla_dispatch.formats import DS_MLA_TOKEN_BYTES
-from mla_dispatch.metadata import ITEM_BEGIN, ITEM_END, ITEM_REQ, default_num_parts, split_kv_schedule
-from mla_dispatch.platform import platform_for
+from mla_dispatch.kvcache.formats import DS_MLA_TOKEN_BYTES
+from mla_dispatch.metadata.schedule import ITEM_BEGIN, ITEM_END, ITEM_REQ, default_num_parts, split_kv_schedule
+from mla_dispatch.dispatch.platform import platform_for
 
 __all__ = [
     "FlashMLASchedMeta",

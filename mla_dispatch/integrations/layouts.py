@@ -31,11 +31,11 @@ from typing import Iterable
 
 import torch
 
-from mla_dispatch.backend import CGSupport, MLABackend
-from mla_dispatch.platform import Platform
-from mla_dispatch.problem import DecodeProblem
-from mla_dispatch.registry import get_backend
-from mla_dispatch.select import priority
+from mla_dispatch.dispatch.backend import CGSupport, MLABackend
+from mla_dispatch.dispatch.platform import Platform
+from mla_dispatch.dispatch.problem import DecodeProblem
+from mla_dispatch.dispatch.registry import get_backend
+from mla_dispatch.dispatch.select import priority
 
 __all__ = [
     "EngineCapabilities",

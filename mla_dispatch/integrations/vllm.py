@@ -66,7 +66,7 @@ from mla_dispatch.integrations.layouts import (
     vllm_kv_cache_dtypes,
     vllm_kv_format,
 )
-from mla_dispatch.platform import detect_platform
+from mla_dispatch.dispatch.platform import detect_platform
 
 __all__ = ["MLADispatchBackend", "MLADispatchMetadataBuilder", "MLADispatchImpl", "capabilities"]
 

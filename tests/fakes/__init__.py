@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from mla_dispatch.platform import Platform
+from mla_dispatch.dispatch.platform import Platform
 
 H100 = Platform("cuda", "NVIDIA H100 80GB HBM3", (9, 0), "sm_90", 132)
 B200 = Platform("cuda", "NVIDIA B200", (10, 0), "sm_100", 148)
@@ -15,8 +15,8 @@ MI355X = Platform("rocm", "AMD Instinct MI355X", None, "gfx950", 256)
 
 def simulate(monkeypatch, platform: Platform, backend_cls) -> None:
     """Make every device look like ``platform`` and forget what ``backend_cls`` cached."""
-    import mla_dispatch.platform as plat
-    import mla_dispatch.select as sel
+    import mla_dispatch.dispatch.platform as plat
+    import mla_dispatch.dispatch.select as sel
 
     monkeypatch.setattr(plat, "detect_platform", lambda device=None: platform)
     plat.platform_for.cache_clear()

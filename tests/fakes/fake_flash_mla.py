@@ -22,7 +22,7 @@ import types
 
 import torch
 
-from mla_dispatch.formats import unpack_ds_mla
+from mla_dispatch.kvcache.formats import unpack_ds_mla
 
 from ._attend import attend
 

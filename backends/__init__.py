@@ -1,1 +1,0 @@
-"""Backend adapters, one module each; imported lazily through mla_dispatch.registry."""

@@ -1,0 +1,339 @@
+"""Our native CUDA MLA decode kernel for Hopper (SM90a): the flagship backend.
+
+The kernel lives in ``kernels/cuda/mla_decode_sm90/`` (see its NOTES.md) and is
+built just in time by :mod:`mla_dispatch.kernels.cuda.build` (nvcc >= 12.4 and
+the ``nvidia-cutlass`` headers). One registered op,
+``torch.ops.mla_dispatch.cuda_sm90_decode``, runs a persistent grid over the
+shared split-KV schedule (:func:`mla_dispatch.metadata.schedule.split_kv_schedule`) and
+then the combine of split requests.
+
+Plan computes the schedule and allocates the workspace (partial outputs); run
+allocates nothing and does not sync, so it can be captured in a CUDA graph;
+update refreshes the schedule in place before a replay. Eager runs on plain
+tensors skip the dispatcher: ``DecodePlan.run`` calls the plan's bound
+``PlannedDecode.run`` (:meth:`CudaSM90Backend.bind`), and where that declines,
+:meth:`CudaSM90Backend.run` calls the extension module's function of the op's
+name; traced runs (torch.compile, fake tensors) call the op.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from mla_dispatch.dispatch.backend import BackendState, CGSupport, MLABackend, Reason, ReasonCode, untraced_eager
+from mla_dispatch.metadata.schedule import first_slots, split_kv_schedule
+from mla_dispatch.dispatch.platform import Platform
+from mla_dispatch.dispatch.problem import DecodeProblem
+
+__all__ = ["CudaSM90Backend", "load_ops", "load_module"]
+
+_KV_FORMAT_CODE = {"bf16": 0, "fp16": 0, "fp8_e4m3": 1, "fp8_ds_mla": 2}
+BLOCK_M = 64  # query rows per CTA tile (kernels/cuda/mla_decode_sm90/config.cuh)
+BLOCK_N = 64  # KV tokens per mainloop step = split-KV chunk size
+#: mainloop of kernels/cuda/mla_decode_sm90: 0 = choose per plan (:func:`choose_variant`, the default),
+#: 2 = wgmma, serial per tile, 5 = two tiles in flight with TMA loads (FlashMLA's seesaw schedule),
+#: 6 = KV tokens on the wgmma M side for <= 32 query rows per KV head (FlashMLA-ETAP's orientation),
+#: 7 = v6's orientation in three warpgroups (an fp8 converter, a scorer, an accumulator) for fp8_e4m3 caches with
+#: <= 32 query rows per KV head, 8 = v7 with the tile's raw bytes by TMA and the fp8 conversion in the consumers'
+#: registers (page_size % 64 == 0; other pages run v7),
+#: 9 = v5's schedule for fp8_e4m3 caches, a third warpgroup converting each tile in place (page_size % 64 == 0),
+#: 1 = mma.sync (v1), 3 = wgmma with S of the next tile issued under PV of this one (measured slower),
+#: 4 = wgmma with S split along D_qk (measured slower); $MLA_SM90_VARIANT overrides
+KERNEL_VARIANT = int(os.environ.get("MLA_SM90_VARIANT", "0"))
+#: combine of split requests: "1" inside the decode launch (a cooperative launch whose CTAs merge the
+#: split rows after a grid-wide barrier; the kernel falls back to "0" when its grid does not fit the GPU
+#: at once), "0" as a second kernel, "auto" (default) per plan by :func:`choose_fuse_combine`;
+#: $MLA_SM90_FUSE_COMBINE overrides
+FUSE_COMBINE = os.environ.get("MLA_SM90_FUSE_COMBINE", "auto")
+
+
+#: v5 leaves its steady-state tiles unmasked, which holds for query lengths up to 64 (launch.cu runs v2 beyond)
+V5_MAX_Q_LEN = 64
+
+
+def v6_min_chunks_per_part(rows: int, kv_format: str) -> float:
+    """Fewest KV chunks per split-KV part (over the table's width) at which v6 measured faster than v2 for ``rows``
+    query rows per KV head; ``math.inf`` where v6 does not run (see :func:`choose_variant`)."""
+    fp8 = kv_format.startswith("fp8")
+    if rows <= 16:
+        return 4 if fp8 else 16
+    if rows <= 32 and not fp8:
+        return 96
+    return math.inf
+
+
+#: query rows per KV head v7 takes (kernels/cuda/mla_decode_sm90/mainloop_fp8t.cuh, Fp8t::kMaxRows)
+V7_MAX_ROWS = 32
+
+
+def v7_min_chunks_per_part(rows: int) -> int:
+    """Fewest KV chunks per split-KV part at which v7 measured faster than v2 / v6 for ``rows`` (<= 32) query rows per
+    KV head of an fp8_e4m3 cache (see :func:`choose_variant`)."""
+    return 4 if rows <= 16 else 12
+
+
+def choose_variant(problem: DecodeProblem, num_parts: int, max_chunks: int) -> int:
+    """The mainloop that measured faster for this shape (benchmarks/RESULTS.md, H100, CUDA-graph replay).
+
+    v6 (tokens on the wgmma M side) runs <= 16 query rows per KV head (any cache format) or <= 32 (bf16/fp16), but it
+    pays only once each split-KV part has enough KV chunks; below that v2 (one 64-row tile, mostly padding) is faster.
+    The cuts in :func:`v6_min_chunks_per_part` lie between the fourteenth session's measurements (chunks per part, v2 /
+    v6 us, min_chunks = 1): with 16 rows and a bf16 cache 15.5 chunks 79.8 / 80.6, 23 chunks 106.7 / 105.6, and at
+    b = 1..8 v2 5-9% faster; with 16 rows and an fp8 cache 3.9 chunks 34.0 / 33.9 (fp8_e4m3) and 35.8 / 36.9
+    (fp8_ds_mla), 7.75 chunks 50.8 / 47.1; with 32 rows (bf16) 62 chunks 242.1 / 244.0 and 246.0 / 250.8, 124 chunks
+    452.4 / 450.1 and 447.2 / 442.2, and v2 up to 27% faster at small batches.
+
+    v5 (two tiles in flight) is the faster mainloop for 128 rows once each split-KV part has enough KV chunks to
+    keep its two-tile pipeline full: on the H100 (benchmarks/RESULTS.md, 2026-11-22) b=128 h_q=128 (the FlashMLA
+    grid, >= 64 chunks per part) and b=32 L=4096 (31 chunks per part; v5 114 us, v2 127 us), but not b=8 L=8192
+    (16 chunks per part; v5 77 us, v2 74 us) nor b=1 or one-row-tile (h_q <= 64) shapes. The cut at 24 chunks per
+    part and 32 requests lies between those measurements. Re-measured in the seventeenth session (RESULTS.md): with
+    equal lengths v5 was faster from ~8-15 chunks per part at any batch, but with lengths drawn around the mean (as a
+    server sees them) v2 was ~10% faster at b=2..16 (b=8 L=8192: 56.2 against 62.7 us) and v5 only from b=32, so
+    the cut stays.
+
+    v7 (v6's orientation with the fp8 conversion in a warpgroup of its own) takes fp8_e4m3 caches with <= 32 rows
+    per KV head once the parts have enough chunks (:func:`v7_min_chunks_per_part`): H100 fp8_e4m3, 132 parts, graph
+    us v2 / v6 / v7 (RESULTS.md, twenty-fifth session): 16 rows at 3.9 chunks per part (b=4 L=8K) 33.2 / 34.1 /
+    34.0, at 7.75 (b=8 L=8K) 51.6 / 48.5 / 41.7, at 62 (b=64 L=8K) v6 186.1 / v7 148.4; 32 rows (v6 takes no 32-row
+    fp8 cache) at 7.75 49.5 / - / 62.7 (b=8 L=8K) and 49.9 / - / 63.3 (b=16 L=4K), at 15.5 (b=32 L=4K) 81.1 / - /
+    77.8, at 62 v2 243.8 / v7 177.8.
+
+    v8 (v7 with the raw fp8 tile by TMA and the conversion in the consumers' registers) takes v7's place on pages of
+    whole 64-token tiles (page_size % 64 == 0; the kernel runs v7 on other pages): H100, b=64 L=8K, graph us v7 / v8
+    (RESULTS.md, twenty-seventh session) 16 rows 148.4 / 140.2, 32 rows 178.1 / 168.9; at v7's small-batch cut and
+    below they are within 2 us of each other (b=1..32, same call), so v7's cut stands for v8.
+
+    v9 (v5's schedule with a warpgroup converting each fp8_e4m3 tile in place in its stage) takes fp8_e4m3 caches
+    where v5 would take a bf16 cache: H100, b=128 h_q=128 L=8K (RESULTS.md, thirty-first session), graph us v2 807.4 /
+    v9 755.1-761.8 (bf16 v5 626.2).
+
+    ``max_chunks`` comes from the block table's width (no device sync at plan time): an upper bound, so a wide table
+    over short sequences can pick v5 or v6 where v2 would be faster.
+    """
+    if KERNEL_VARIANT:
+        return KERNEL_VARIANT
+    p = problem
+    rows = p.q_len * p.num_heads_q // p.num_heads_kv
+    if p.kv_format == "fp8_e4m3" and rows <= V7_MAX_ROWS and max_chunks >= v7_min_chunks_per_part(rows) * num_parts:
+        return 8 if p.page_size % BLOCK_N == 0 else 7
+    if max_chunks >= v6_min_chunks_per_part(rows, p.kv_format) * num_parts:
+        return 6
+    if (p.kv_format in ("bf16", "fp16", "fp8_e4m3") and p.page_size % BLOCK_N == 0 and rows > BLOCK_M
+            and p.batch >= 32 and max_chunks >= 24 * num_parts and p.q_len <= V5_MAX_Q_LEN):
+        return 9 if p.kv_format == "fp8_e4m3" else 5
+    return 2
+
+
+def choose_fuse_combine(problem: DecodeProblem, num_parts: int, ctas: int) -> bool:
+    """Whether the decode launch merges the split rows itself (one launch instead of two).
+
+    The tail hands each warp of the grid (8 per CTA) units of a quarter row (128 channels, all slots) in turn, so it
+    pays while there is at most one unit per warp: at most min(batch, num_parts - 1) requests are split, with
+    q_len * h_q rows of 4 quarters each. Measured on the H100 (benchmarks/RESULTS.md, 2026-11-22, CUDA-graph replay,
+    h_q = 128, v2; second kernel -> tail): b=1 L=4096 24.9 -> 23.2 us and L=32768 54.8 -> 50.2 us (512 units,
+    512 / 1056 warps); b=8 L=8192 74.3 -> 75.7 us and b=32 L=4096 127.3 -> 138.9 us (4x / 16x more units than warps).
+    v5 has no tail, and the kernel declines when its grid does not fit the GPU at once.
+    """
+    if FUSE_COMBINE in ("0", "1"):
+        return FUSE_COMBINE == "1"
+    split_requests = min(problem.batch, num_parts - 1)  # one part: nothing is split, nothing to merge
+    return 0 < split_requests * problem.q_len * problem.num_heads_q * 4 <= ctas * 8
+
+
+_fake_registered = False
+
+
+def load_module():
+    """Build/load the extension and return its Python module (``cuda_sm90_decode`` without the dispatcher).
+
+    Raises
+    ------
+    mla_dispatch.kernels.cuda.build.KernelBuildError
+        nvcc or CUTLASS missing, or the build failed (with the compiler's text).
+    """
+    load_ops()
+    from mla_dispatch.kernels.cuda.build import load_sm90
+
+    return load_sm90()
+
+
+def load_ops():
+    """Build/load the extension and return ``torch.ops.mla_dispatch``.
+
+    Raises
+    ------
+    mla_dispatch.kernels.cuda.build.KernelBuildError
+        nvcc or CUTLASS missing, or the build failed (with the compiler's text).
+    """
+    global _fake_registered
+    from mla_dispatch.kernels.cuda.build import load_sm90
+
+    load_sm90()
+    if not _fake_registered:
+        @torch.library.register_fake("mla_dispatch::cuda_sm90_decode")
+        def _decode_fake(q, kv_cache, block_table, cache_seqlens, items, part_offsets, kv_scale, out, lse,
+                         partial_out, partial_lse, num_splits, first_slot, softmax_scale, causal, kv_format,
+                         variant=2, fuse_combine=False):
+            return None
+
+        _fake_registered = True
+    return torch.ops.mla_dispatch
+
+
+def _bound_option(name: str, kind: type) -> property:
+    """A field of the state that, when set, also sets the bound native call's field of the same name."""
+    private = "_" + name
+
+    def get(self):
+        return getattr(self, private)
+
+    def set_(self, value) -> None:
+        value = kind(value)
+        if self.bound is not None:  # first: the native setter may refuse the value (then nothing changes)
+            setattr(self.bound, name, value)
+        setattr(self, private, value)
+
+    return property(get, set_)
+
+
+class Sm90State(BackendState):
+    """The backend's per-step state. ``variant`` and ``fuse_combine`` may be changed after planning (tests and
+    benchmarks force a mainloop or the combine's place); they also change the bound native call (``bound``,
+    :meth:`CudaSM90Backend.bind`), which packed them when it was made."""
+
+    bound = None
+    variant = _bound_option("variant", int)
+    fuse_combine = _bound_option("fuse_combine", bool)
+
+    def __init__(self, **fields) -> None:
+        for name, value in fields.items():
+            setattr(self, name, value)
+
+
+class CudaSM90Backend(MLABackend):
+    """Native SM90 MLA decode (wgmma mainloops v2 / v5; see kernels/cuda/mla_decode_sm90/NOTES.md)."""
+
+    NAME = "cuda_sm90"
+    DESCRIPTION = "our CUDA MLA decode kernel for Hopper (sm_90a), persistent split-KV grid + combine"
+    PLATFORMS = frozenset({"cuda"})
+    MIN_CAPABILITY = (9, 0)
+    MAX_CAPABILITY = (9, 0)
+    Q_DTYPES = frozenset({torch.bfloat16, torch.float16})
+    KV_FORMATS = frozenset({"bf16", "fp16", "fp8_e4m3", "fp8_ds_mla"})
+    HEAD_DIMS = frozenset({(576, 512)})
+    PAGE_SIZES = None  # any page size >= 1
+    MAX_HEADS_Q = None
+    MAX_Q_LEN = None
+    SUPPORTS_CAUSAL = True
+    SUPPORTS_LSE = True
+    SUPPORTS_SPARSE = False
+    CUDA_GRAPH = CGSupport.ALWAYS
+    #: fewest KV chunks (of 64 tokens) a split-KV part gets. It matters only where the batch has fewer chunks than
+    #: two per CTA. A part costs a Q-tile load and a partial-row write besides its chunks, and with fp16 partial rows
+    #: one chunk per part measured faster at every head count (benchmarks/RESULTS.md, thirteenth and fourteenth
+    #: sessions, H100, CUDA-graph replay): b=1 L=4096 h_q=128 21.6 against 23.0 us, h_q = 16 / 32 / 64 (bf16)
+    #: 21.5 / 28.0 / 21.3 against 22.6 / 29.2 / 22.7, fp8_e4m3 8-10% faster at b <= 2. The scripts in ci/ set it.
+    MIN_CHUNKS_PER_PART: int = 1
+    #: the split-KV schedule's fixed cost per work item, in chunks (mla_dispatch/metadata.py; FlashMLA charges 5), per
+    #: mainloop: what an item costs besides its tiles, read in per-CTA timelines (ci/sm90_timeline.py; sixteenth session
+    #: in kernels/cuda/mla_decode_sm90/NOTES.md). A v2 item's metadata, first loads and stores take ~7 us, two tiles at
+    #: b=64 L=8192 h_q=64; with 5 the parts holding one item ran 5 tiles longer than those holding two and finished
+    #: last. Charging 2 measured 1% faster there and at h_q=32, 3% at b=8 L=8192 h_q=128 (CUDA-graph replay, H100,
+    #: two runs each). v5's and v6's items cost ~4-5 tiles (their first pairs wait for loads); they keep 5.
+    SCHEDULE_OVERHEAD_BY_VARIANT: dict[int, int] = {2: 2}
+    #: one overhead for every mainloop, set by the scripts in ci/ (--overhead); None: SCHEDULE_OVERHEAD_BY_VARIANT,
+    #: else 5. With 5 at b=1 L=4096 h_q=128 the parts get two chunks (69 units over 64 parts) and half of them none;
+    #: one chunk per part (counting the parts in cost units) doubles the splits and measured no faster (fifteenth
+    #: session).
+    SCHEDULE_OVERHEAD: int | None = None
+
+    @classmethod
+    def schedule_overhead(cls, variant: int) -> int:
+        """The schedule's fixed cost per work item, in chunks, for plans running mainloop ``variant``."""
+        if cls.SCHEDULE_OVERHEAD is not None:
+            return cls.SCHEDULE_OVERHEAD
+        return cls.SCHEDULE_OVERHEAD_BY_VARIANT.get(variant, 5)
+
+    @classmethod
+    def _check_availability(cls) -> list[Reason]:
+        reasons = super()._check_availability()
+        if reasons:
+            return reasons
+        if not torch.cuda.is_available() or torch.version.cuda is None:
+            return [Reason(ReasonCode.UNAVAILABLE, "no CUDA device visible to torch (the kernel is built on first use)")]
+        cap = torch.cuda.get_device_capability()
+        if cap != (9, 0):  # do not spend a build on a GPU the sm_90a binary cannot run on
+            return [Reason(ReasonCode.CAPABILITY, f"compute capability {cap[0]}.{cap[1]} (supported: 9.0, sm_90a)")]
+        try:
+            load_ops()
+        except Exception as exc:
+            return [Reason(ReasonCode.UNAVAILABLE, f"cuda_sm90 extension unavailable: {exc}")]
+        return []
+
+    @classmethod
+    def plan(cls, problem: DecodeProblem, platform: Platform, block_table, cache_seqlens, *,
+             softmax_scale: float) -> BackendState:
+        p = problem
+        device = cache_seqlens.device
+        rows = p.q_len * p.num_heads_q // p.num_heads_kv
+        tiles = p.num_heads_kv * math.ceil(rows / BLOCK_M)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        # Upper bound of the work from shapes alone (no host sync): every request at the table's width.
+        max_chunks = p.batch * math.ceil(p.max_blocks * p.page_size / BLOCK_N)
+        num_parts = max(min(sms // tiles, math.ceil(max_chunks / cls.MIN_CHUNKS_PER_PART)), 1)
+        variant = choose_variant(p, num_parts, max_chunks)
+        schedule = split_kv_schedule(cache_seqlens, num_parts=num_parts, chunk_size=BLOCK_N,
+                                     overhead=cls.schedule_overhead(variant))
+        max_slots = schedule.max_slots
+        return Sm90State(
+            op=load_ops().cuda_sm90_decode.default,
+            direct=load_module().cuda_sm90_decode,
+            schedule=schedule,
+            first_slot=first_slots(schedule.num_splits),
+            # one 2048-byte row per (slot, query row); the kernels store fp16 rows with per-quarter shifts in them
+            # (kernels/cuda/mla_decode_sm90/params.h, kPartialRowBytes)
+            partial_out=torch.empty(max_slots, p.q_len, p.num_heads_q, p.head_dim_v, dtype=torch.float32,
+                                    device=device),
+            partial_lse=torch.empty(max_slots, p.q_len, p.num_heads_q, dtype=torch.float32, device=device),
+            kv_format_code=_KV_FORMAT_CODE[p.kv_format],
+            variant=variant,
+            fuse_combine=choose_fuse_combine(p, num_parts, num_parts * tiles),
+        )
+
+    @classmethod
+    def bind(cls, state: Sm90State, problem: DecodeProblem, kv_dtype: torch.dtype, block_table, cache_seqlens, *,
+             softmax_scale: float):
+        """The extension's ``PlannedDecode``: the schedule, workspace and options checked and packed once, so an
+        eager run passes q, the cache, its scale, out and lse to one native call that checks only those."""
+        p, s = problem, state.schedule
+        try:
+            state.bound = load_module().PlannedDecode(
+                block_table, cache_seqlens, s.items, s.part_offsets, state.partial_out, state.partial_lse,
+                s.num_splits, state.first_slot, p.q_dtype, kv_dtype, p.q_len, p.num_heads_q, p.num_heads_kv,
+                p.page_size, 656 if p.kv_format == "fp8_ds_mla" else p.head_dim_qk, softmax_scale, p.causal,
+                state.kv_format_code, state.variant, state.fuse_combine)
+        except ValueError:  # e.g. a block table with strided rows: run raises the binding's message per call
+            return None
+        return state.bound.run
+
+    @classmethod
+    def update(cls, state: BackendState, block_table, cache_seqlens) -> None:
+        state.schedule.update_(cache_seqlens)
+        first_slots(state.schedule.num_splits, out=state.first_slot)
+
+    @classmethod
+    def run(cls, state: BackendState, q, kv_cache, block_table, cache_seqlens, *, problem: DecodeProblem,
+            softmax_scale: float, kv_scale, indices, out, lse) -> None:
+        s = state.schedule
+        # Eager calls on plain tensors skip the dispatcher (binding.cpp; on the H100 host of 2026-11-22 the op
+        # took 15.2-16.1 us of host time per call, the module function 8.2-8.9); under torch.compile, fake
+        # tensors, functionalization or any other TorchDispatchMode the op runs, so it is traced.
+        (state.direct if untraced_eager(q) else state.op)(
+            q, kv_cache, block_table, cache_seqlens, s.items, s.part_offsets,
+            kv_scale if state.kv_format_code == 1 else None, out, lse, state.partial_out, state.partial_lse,
+            s.num_splits, state.first_slot, softmax_scale, problem.causal, state.kv_format_code, state.variant,
+            state.fuse_combine)

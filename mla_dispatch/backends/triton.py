@@ -1,0 +1,151 @@
+"""The Triton backend: our portable split-KV paged MLA decode kernel.
+
+Runs wherever Triton runs: NVIDIA SM80+ and AMD ROCm GPUs (auto-selected from
+the platform priority table), and the CPU through Triton's interpreter. On a CPU
+it is never auto-selected (the CPU row of the priority table lists only the
+reference); ``backend="triton"`` on a CPU runs only when ``TRITON_INTERPRET=1``
+was set in the environment *before* Triton was first imported (Triton reads it
+at import), which is how the CPU tests use it. The interpreter is slow and, with
+some triton/torch versions, computes ``tl.dot`` on bf16 operands wrongly: use
+fp16 there.
+
+Per decode step :meth:`TritonBackend.plan` builds the shared split-KV schedule
+(:func:`mla_dispatch.metadata.schedule.split_kv_schedule`) and allocates the workspace
+(fp32 partial outputs and LSEs, one row per possible split slot); every
+:meth:`TritonBackend.run` is then one registered op,
+``torch.ops.mla_dispatch.triton_decode`` (``kernels/triton/ops.py``: two launches,
+decode and combine), that allocates nothing and never syncs, so it can be captured
+in a CUDA graph. Kernels compile on the first run: run once before capturing.
+After capture, change the values of ``cache_seqlens`` / ``block_table`` and call
+``DecodePlan.update`` (which recomputes the schedule in place) before replaying.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from mla_dispatch.dispatch.backend import BackendState, CGSupport, MLABackend, Reason, ReasonCode
+from mla_dispatch.metadata.schedule import first_slots, split_kv_schedule
+from mla_dispatch.dispatch.platform import Platform
+from mla_dispatch.dispatch.problem import DecodeProblem
+
+__all__ = ["TritonBackend"]
+
+_SCHEDULE_OVERHEAD_TOKENS = 320  # fixed cost of a work item, in tokens (FlashMLA: 5 blocks of 64)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+class TritonBackend(MLABackend):
+    """Split-KV paged MLA decode in Triton (``kernels/triton/decode.py``)."""
+
+    NAME = "triton"
+    DESCRIPTION = "Triton split-KV paged MLA decode (NVIDIA SM80+, ROCm; CPU via TRITON_INTERPRET=1)"
+    PLATFORMS = frozenset({"cuda", "rocm", "cpu"})
+    MIN_CAPABILITY = (8, 0)
+    Q_DTYPES = frozenset({torch.bfloat16, torch.float16})
+    KV_FORMATS = frozenset({"bf16", "fp16", "fp8_e4m3", "fp8_ds_mla"})
+    # D_v must be a power of two (a tile width); the RoPE part D_qk - D_v is 0 or 64.
+    HEAD_DIMS = frozenset({(576, 512), (512, 512), (320, 256), (192, 128)})
+    MAX_PAGE_SIZE = 256
+    MAX_HEADS_Q = 128
+    MAX_Q_LEN = 16
+    SUPPORTS_CAUSAL = True
+    SUPPORTS_LSE = True
+    SUPPORTS_SPARSE = True
+    CUDA_GRAPH = CGSupport.ALWAYS
+    REQUIRES = ("triton",)
+
+    @classmethod
+    def version(cls) -> str:
+        import triton
+
+        return f"triton{triton.__version__}"
+
+    @classmethod
+    def extra_reasons(cls, problem: DecodeProblem, platform: Platform) -> list[Reason]:
+        reasons = []
+        if platform.kind == "cpu" and not _interpreting():
+            reasons.append(Reason(ReasonCode.DEVICE, "platform=cpu needs TRITON_INTERPRET=1 set before triton is "
+                                                     "imported (Triton's interpreter; for tests)"))
+        if platform.kind == "cpu" and problem.cuda_graph:
+            reasons.append(Reason(ReasonCode.CUDA_GRAPH, "cuda_graph=True on platform=cpu"))
+        return reasons
+
+    # -- plan / update -----------------------------------------------------------------
+
+    @classmethod
+    def plan(cls, problem: DecodeProblem, platform: Platform, block_table, cache_seqlens, *,
+             softmax_scale: float) -> BackendState:
+        return cls.make_state(problem, platform, cache_seqlens)
+
+    @classmethod
+    def make_state(cls, problem: DecodeProblem, platform: Platform, cache_seqlens, *, config=None,
+                   num_parts: int | None = None, overhead: int | None = None) -> BackendState:
+        """:meth:`plan` with its choices exposed (tests force splits; the benchmark compares configs).
+
+        ``config`` a :class:`~mla_dispatch.kernels.triton.decode.KernelConfig` (default: the
+        table's); ``num_parts`` persistent programs along the schedule (default: one
+        per SM and tile, times the config's ``programs_per_sm``); ``overhead`` the
+        schedule's fixed cost per item, in chunks.
+        """
+        import mla_dispatch.kernels.triton.ops  # noqa: F401  (registers torch.ops.mla_dispatch.triton_decode)
+        from mla_dispatch.kernels.triton.decode import choose_config, num_m_tiles, programs_per_tile
+        from mla_dispatch.kernels.triton.gluon_sm90 import gluon_possible
+
+        p = problem
+        device = torch.device(p.device_type, torch.cuda.current_device()) if p.device_type == "cuda" else torch.device(
+            p.device_type)
+        if cache_seqlens is not None:
+            device = cache_seqlens.device
+        group = p.num_heads_q // p.num_heads_kv
+        rows = group if p.sparse else p.q_len * group
+        gluon = platform.kind == "cuda" and gluon_possible(capability=platform.capability, sparse=p.sparse,
+                                                           head_dim_qk=p.head_dim_qk, head_dim_v=p.head_dim_v)
+        cfg = config or choose_config(rows, p.kv_format, page_size=None if p.sparse else p.page_size, gluon=gluon,
+                                      heads_kv=p.num_heads_kv, interpret=platform.kind == "cpu")
+        tiles = (p.num_heads_kv * num_m_tiles(rows, cfg) * programs_per_tile(cfg, p.head_dim_v)
+                 * (p.q_len if p.sparse else 1))
+        if num_parts is None:
+            num_parts = max(1, cfg.programs_per_sm * platform.num_compute_units // tiles)
+        if p.sparse:
+            # sparse: the "tokens" of a request are its top-k list positions
+            lengths = torch.full((p.batch,), p.topk, dtype=torch.int32, device=device)
+        else:
+            lengths = cache_seqlens
+        if overhead is None:
+            overhead = max(1, _SCHEDULE_OVERHEAD_TOKENS // cfg.chunk_size)
+        schedule = split_kv_schedule(lengths, num_parts=num_parts, chunk_size=cfg.chunk_size, overhead=overhead)
+        first_slot = torch.empty(p.batch, dtype=torch.int32, device=device)
+        first_slots(schedule.num_splits, out=first_slot)
+        max_slots = schedule.max_slots
+        # split rows: fp16 values and their scales (kernels/triton/combine.py, PARTIAL_ROW_FORMAT)
+        partial_out = torch.empty(max_slots, p.q_len, p.num_heads_q, 2 * p.head_dim_v, dtype=torch.float16,
+                                  device=device)
+        partial_lse = torch.empty(max_slots, p.q_len, p.num_heads_q, dtype=torch.float32, device=device)
+        return BackendState(op=torch.ops.mla_dispatch.triton_decode.default, cfg=cfg, schedule=schedule,
+                            lengths=lengths, first_slot=first_slot, partial_out=partial_out, partial_lse=partial_lse)
+
+    @classmethod
+    def update(cls, state: BackendState, block_table, cache_seqlens) -> None:
+        if cache_seqlens is None or state.lengths is not cache_seqlens:
+            return  # sparse: the schedule depends on topk only
+        state.schedule.update_(cache_seqlens)
+        first_slots(state.schedule.num_splits, out=state.first_slot)
+
+    # -- run ---------------------------------------------------------------------------
+
+    @classmethod
+    def run(cls, state: BackendState, q, kv_cache, block_table, cache_seqlens, *, problem: DecodeProblem,
+            softmax_scale, kv_scale, indices, out, lse) -> None:
+        from mla_dispatch.kernels.triton.ops import decode_step
+
+        p, s, cfg = problem, state.schedule, state.cfg
+        decode_step(q, kv_cache, None if p.sparse else block_table, state.lengths, indices, kv_scale, s.items,
+                    s.part_offsets, s.num_splits, state.first_slot, out, lse, state.partial_out, state.partial_lse,
+                    softmax_scale, p.causal, p.kv_format, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
+                    cfg.tokens_on_m, cfg.v_split, cfg.qk_chunk, cfg.max_registers, cfg.tma, cfg.gluon)

@@ -1,0 +1,249 @@
+"""Which backend runs a problem: preference (a pure function) apart from feasibility.
+
+:func:`priority` orders candidate names for a (problem, platform) pair; each
+backend's ``not_supported_reasons`` says whether it can run. The first
+candidate with no reason wins, and the choice is cached on the frozen problem
+(xformers ``ops/fmha/dispatch.py``; vLLM ``attention/selector.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import logging
+from typing import Iterator, Sequence
+
+import torch
+
+from mla_dispatch.dispatch.backend import MLABackend, Reason
+from mla_dispatch.dispatch.platform import Platform, platform_for
+from mla_dispatch.dispatch.problem import DecodeProblem
+from mla_dispatch.dispatch.registry import BUILTIN_BACKENDS, get_backend, registered_names
+
+__all__ = [
+    "priority",
+    "select_backend",
+    "explain",
+    "SelectionReport",
+    "NoBackendError",
+    "use_backends",
+    "set_tuned_table",
+]
+
+logger = logging.getLogger("mla_dispatch")
+
+# DESIGN.md §3: the default order per platform kind (and CUDA generation).
+_DEFAULT_ORDER = {
+    "sm90": ("cuda_sm90", "flashmla", "flashinfer", "triton", "reference"),
+    "sm100": ("flashinfer", "triton", "reference"),
+    "cuda": ("triton", "flashinfer", "reference"),  # other NVIDIA GPUs (Ampere, Ada, ...)
+    "rocm": ("aiter", "triton", "reference"),
+    "npu": ("ascend_amla", "torch_npu", "reference"),
+    "cpu": ("reference",),
+}
+
+# A measured dispatch table: (device fingerprint, ((shape bucket, backend name), ...)).
+# Data, not a toggle: installed from a file written by `python -m mla_dispatch tune`.
+_TUNED: tuple[str, tuple[tuple[str, str], ...]] | None = None
+_tuned_loaded = False  # has the on-disk table (mla_dispatch.tools.tune) been looked for yet?
+_OVERRIDE: contextvars.ContextVar[tuple[tuple[str, ...], bool] | None] = contextvars.ContextVar(
+    "mla_dispatch_backends", default=None
+)
+
+
+def platform_key(platform: Platform) -> str:
+    """The row of the default-order table a platform uses."""
+    if platform.kind == "cuda" and platform.capability is not None:
+        major = platform.capability[0]
+        if major == 9:
+            return "sm90"
+        if major >= 10:
+            return "sm100"
+    return platform.kind
+
+
+def priority(problem: DecodeProblem, platform: Platform, tuned: dict[str, str] | None = None) -> tuple[str, ...]:
+    """Candidate backend names for ``problem`` on ``platform``, best first. Pure.
+
+    ``tuned`` maps a shape bucket (see :func:`shape_bucket`) to the measured
+    fastest backend on this device; when the problem's bucket is in it, that
+    backend moves to the front. Third-party backends (registered but absent
+    from the built-in table) go just before ``reference``; built-in names
+    outside the table (``amla_emulation``) are never candidates for "auto".
+    """
+    order = list(_DEFAULT_ORDER.get(platform_key(platform), ("reference",)))
+    extra = [n for n in registered_names() if n not in BUILTIN_BACKENDS]  # third-party plugins
+    order[-1:-1] = extra
+    if tuned:
+        best = tuned.get(shape_bucket(problem))
+        if best in order:
+            order.remove(best)
+            order.insert(0, best)
+    return tuple(order)
+
+
+def shape_bucket(problem: DecodeProblem) -> str:
+    """Coarse key of a problem for measured dispatch tables (not per sequence length)."""
+    rows = problem.q_len * problem.num_heads_q // problem.num_heads_kv
+    rows_bucket = 1 << max(0, (rows - 1).bit_length())
+    return (
+        f"rows{rows_bucket}-hkv{problem.num_heads_kv}-d{problem.head_dim_qk}x{problem.head_dim_v}"
+        f"-ps{problem.page_size}-{problem.kv_format}-{'sparse' if problem.sparse else 'dense'}"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectionReport:
+    """Each candidate considered, in order, with its reasons (empty = can run)."""
+
+    problem: DecodeProblem
+    platform: Platform
+    candidates: tuple[tuple[str, str, tuple[Reason, ...]], ...]  # (name, version, reasons)
+
+    @property
+    def chosen(self) -> str | None:
+        for name, _, reasons in self.candidates:
+            if not reasons:
+                return name
+        return None
+
+    def format(self) -> str:
+        lines = ["problem:", self.problem.describe(), f"platform: {self.platform.describe()}", "candidates:"]
+        for name, version, reasons in self.candidates:
+            if not reasons:
+                lines.append(f"  - {name}@{version}: can run")
+            else:
+                lines.append(f"  - {name}@{version}: " + "; ".join(str(r) for r in reasons))
+        return "\n".join(lines)
+
+
+class NoBackendError(NotImplementedError):
+    """No backend can run the problem. ``report`` holds every candidate's reasons."""
+
+    def __init__(self, report: SelectionReport, header: str = "No MLA decode backend supports this problem"):
+        self.report = report
+        super().__init__(f"{header}:\n{report.format()}\n(see: python -m mla_dispatch info)")
+
+
+def _active_candidates(problem: DecodeProblem, platform: Platform) -> tuple[str, ...]:
+    tuned = dict(_TUNED[1]) if _TUNED is not None and _TUNED[0] == fingerprint(platform) else None
+    order = priority(problem, platform, tuned)
+    override = _OVERRIDE.get()
+    if override is not None:
+        names, reorder = override
+        if reorder:
+            order = tuple(names) + tuple(n for n in order if n not in names)
+        else:
+            order = tuple(n for n in order if n in names)
+    return order
+
+
+def explain(problem: DecodeProblem, platform: Platform | None = None,
+            candidates: Sequence[str] | None = None) -> SelectionReport:
+    """Every candidate (default: the active priority order) with its reasons, for this problem.
+
+    ``platform`` defaults to the current device of ``problem.device_type``.
+    ``print(explain(p).format())`` shows the same text a ``NoBackendError`` would.
+    """
+    if platform is None:
+        platform = platform_for(torch.device(problem.device_type))
+    _ensure_tuned_loaded(platform)
+    names = tuple(candidates) if candidates is not None else _active_candidates(problem, platform)
+    rows = []
+    for name in names:
+        cls = get_backend(name)
+        rows.append((name, cls.version(), tuple(cls.not_supported_reasons(problem, platform))))
+    return SelectionReport(problem, platform, tuple(rows))
+
+
+@functools.lru_cache(maxsize=1024)
+def _select_cached(problem: DecodeProblem, platform: Platform, backend: str, override, tuned) -> str:
+    if backend != "auto":
+        cls = get_backend(backend)  # ValueError for unknown names
+        reasons = cls.not_supported_reasons(problem, platform)
+        if reasons:
+            report = SelectionReport(problem, platform, ((backend, cls.version(), tuple(reasons)),))
+            raise NoBackendError(report, header=f"Backend {backend!r} was requested but cannot run this problem")
+        return backend
+    for name in _active_candidates(problem, platform):
+        if not get_backend(name).not_supported_reasons(problem, platform):
+            logger.info("mla_dispatch: %s selected for %s", name, shape_bucket(problem))
+            return name
+    raise NoBackendError(explain(problem, platform))
+
+
+def select_backend(problem: DecodeProblem, platform: Platform, backend: str = "auto") -> type[MLABackend]:
+    """The backend class that will run ``problem`` (cached on the frozen problem).
+
+    Raises
+    ------
+    NoBackendError
+        No candidate can run it, or the explicitly named ``backend`` cannot
+        (never a silent fallback).
+    ValueError
+        ``backend`` is not a registered name.
+    """
+    _ensure_tuned_loaded(platform)
+    name = _select_cached(problem, platform, backend, _OVERRIDE.get(), _TUNED)
+    return get_backend(name)
+
+
+def clear_selection_cache() -> None:
+    _select_cached.cache_clear()
+
+
+@contextlib.contextmanager
+def use_backends(*names: str, reorder: bool = False) -> Iterator[None]:
+    """Restrict (default) or reorder the candidates inside a ``with`` block.
+
+    ``use_backends("triton", "reference")`` considers only those two, in the
+    platform's order; with ``reorder=True`` they are tried first, in the given
+    order, and the others after. Scoped with contextvars: threads and asyncio
+    tasks do not see each other's choice.
+
+    Raises
+    ------
+    ValueError
+        A name is not registered.
+    """
+    known = registered_names()
+    for n in names:
+        if n not in known:
+            raise ValueError(f"unknown backend {n!r} (registered: {', '.join(known)})")
+    token = _OVERRIDE.set((tuple(names), reorder))
+    try:
+        yield
+    finally:
+        _OVERRIDE.reset(token)
+
+
+def fingerprint(platform: Platform) -> str:
+    """Identity of a device for measured tables: its name and architecture."""
+    return f"{platform.name}|{platform.arch}"
+
+
+def _ensure_tuned_loaded(platform: Platform) -> None:
+    """At the first selection (never at import), install the table `tune` wrote for this device, if any."""
+    global _tuned_loaded
+    if not _tuned_loaded:
+        _tuned_loaded = True
+        from mla_dispatch.tools.tune import install_active_table  # never raises
+
+        install_active_table(platform)
+
+
+def set_tuned_table(device_fingerprint: str | None, table: dict[str, str] | None) -> None:
+    """Install a measured dispatch table (bucket -> backend) for one device; None clears it.
+
+    An explicit call wins over the on-disk table (which is then not loaded).
+    """
+    global _TUNED, _tuned_loaded
+    _tuned_loaded = True
+    _TUNED = None if table is None else (device_fingerprint, tuple(sorted(table.items())))
+
+
+def tuned_table() -> tuple[str, dict[str, str]] | None:
+    """The installed measured table as (device fingerprint, {bucket: backend}), or None."""
+    return None if _TUNED is None else (_TUNED[0], dict(_TUNED[1]))

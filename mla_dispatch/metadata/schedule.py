@@ -1,0 +1,480 @@
+"""Scheduling metadata shared by every backend: the split-KV work partition,
+the LSE-weighted combine of partial results, and the conversions vendor
+adapters need (token-level indices, indptrs, last-page lengths).
+
+The split-KV schedule
+---------------------
+Decode attention has little parallelism per request (one to a few query tokens)
+and very uneven work across requests (cache lengths vary by orders of
+magnitude).  Like FlashMLA's tile scheduler (``csrc/sm90/decode/...``
+``get_mla_metadata``) we lay the requests end to end on one "cost axis", give
+every request ``ceil(L_b / chunk) + overhead`` cost units, and cut that axis
+into ``num_parts`` equal pieces, one per persistent CTA.  A request that a cut
+falls inside is split; its pieces are merged afterwards by :func:`combine_splits`.
+
+The schedule is a flat list of *work items*.  Each item is one (request, token
+range) pair::
+
+    items[i] = (req, token_begin, token_end, slot)
+
+- ``req``: request index, or -1 for the padding rows at the end.
+- ``[token_begin, token_end)``: the KV tokens of ``req`` this item covers; the
+  range is aligned to ``chunk_size`` (except at the request's end).
+- ``slot``: -1 when the item covers the whole request — the kernel writes the
+  final ``out``/``lse`` directly; otherwise the row of the partial buffers
+  (``partial_out[slot]``, ``partial_lse[slot]``) the kernel writes, to be merged
+  by the combine.
+
+Items of part ``p`` are ``items[part_offsets[p] : part_offsets[p + 1]]``, in
+increasing request order.  Every request has at least one item: a zero-length
+request has exactly one, with an empty token range, whose kernel writes
+``out = 0`` and ``lse = +inf``.
+
+Everything is computed with tensor operations on the device holding
+``cache_seqlens``: no host synchronisation, and every shape depends only on
+``(batch, num_parts)``, so the computation can run inside a CUDA graph (or
+before it, into the same buffers, with :meth:`SplitKVSchedule.update_`).
+On a CUDA/ROCm device the same schedule, bit for bit, comes from one Triton
+launch (``kernels/triton/schedule.py``); the tensor-op code here stays the
+reference and the CPU path (``impl=`` of :func:`split_kv_schedule`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+
+import torch
+
+__all__ = [
+    "SplitKVSchedule",
+    "split_kv_schedule",
+    "combine_splits",
+    "first_slots",
+    "token_indices",
+    "kv_indptr",
+    "kv_last_page_lens",
+    "repage_block_table",
+]
+
+ITEM_REQ, ITEM_BEGIN, ITEM_END, ITEM_SLOT = range(4)
+
+#: Largest batch the one-launch Triton schedule takes (``kernels/triton/schedule.py``); torch above it.
+TRITON_SCHEDULE_MAX_BATCH = 8192
+SCHEDULE_IMPLS = ("auto", "torch", "triton")
+
+
+@dataclasses.dataclass
+class SplitKVSchedule:
+    """A split-KV work partition (see the module docstring for the item format).
+
+    Attributes
+    ----------
+    items : Tensor
+        int32 ``[max_items, 4]``: ``(req, token_begin, token_end, slot)``;
+        ``max_items = batch + num_parts``; unused rows have ``req = -1``.
+    part_offsets : Tensor
+        int32 ``[num_parts + 1]``: part ``p`` owns ``items[part_offsets[p]:part_offsets[p+1]]``.
+    num_splits : Tensor
+        int32 ``[batch]``: number of items of each request (1 = not split).
+    slot_req : Tensor
+        int32 ``[max_slots]``: the request each partial slot belongs to, -1 if unused.
+    chunk_size, num_parts, overhead : int
+        The parameters the schedule was built with.
+    workspace : Tensor or None
+        int32 scratch of the Triton implementation, owned by the schedule so
+        :meth:`update_` allocates nothing (created on the first Triton build or update).
+    """
+
+    items: torch.Tensor
+    part_offsets: torch.Tensor
+    num_splits: torch.Tensor
+    slot_req: torch.Tensor
+    chunk_size: int
+    num_parts: int
+    overhead: int
+    workspace: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def batch(self) -> int:
+        return self.num_splits.shape[0]
+
+    @property
+    def max_items(self) -> int:
+        return self.items.shape[0]
+
+    @property
+    def max_slots(self) -> int:
+        """Static number of partial-result rows a kernel must provide."""
+        return self.slot_req.shape[0]
+
+    def update_(self, cache_seqlens: torch.Tensor, *, impl: str = "auto") -> "SplitKVSchedule":
+        """Recompute in place for new ``cache_seqlens`` of the same batch size.
+
+        No allocation escapes and no host sync happens, so a CUDA graph that
+        reads these buffers stays valid. ``impl`` as in :func:`split_kv_schedule`;
+        the Triton path writes straight into the buffers (one launch, no
+        allocation once :attr:`workspace` exists).
+
+        Raises
+        ------
+        ValueError
+            ``cache_seqlens`` is not int32 ``[batch]``, or ``impl`` is unknown or cannot run.
+        """
+        _check_schedule_args(cache_seqlens, self.num_parts, self.chunk_size, self.overhead)
+        if cache_seqlens.shape[0] != self.batch:
+            raise ValueError(f"cache_seqlens must keep batch={self.batch}, got {cache_seqlens.shape[0]}")
+        if _schedule_impl(impl, cache_seqlens) == "triton":
+            _triton_schedule_into(self, cache_seqlens)
+            return self
+        fresh = split_kv_schedule(
+            cache_seqlens, num_parts=self.num_parts, chunk_size=self.chunk_size, overhead=self.overhead, impl="torch"
+        )
+        for name in ("items", "part_offsets", "num_splits", "slot_req"):
+            getattr(self, name).copy_(getattr(fresh, name))
+        return self
+
+    def to_list(self) -> list[list[tuple[int, int, int, int]]]:
+        """Host-side view for tests and debugging: for each part, its items (syncs)."""
+        items = self.items.tolist()
+        offs = self.part_offsets.tolist()
+        return [[tuple(items[i]) for i in range(offs[p], offs[p + 1])] for p in range(self.num_parts)]
+
+
+def split_kv_schedule(
+    cache_seqlens: torch.Tensor,
+    *,
+    num_parts: int,
+    chunk_size: int = 64,
+    overhead: int = 4,
+    impl: str = "auto",
+) -> SplitKVSchedule:
+    """Partition the KV tokens of all requests over ``num_parts`` work units.
+
+    Parameters
+    ----------
+    cache_seqlens : Tensor
+        int32 ``[batch]``, number of cached tokens per request (the number of
+        tokens each query attends to before any causal cut).
+    num_parts : int
+        Number of parallel work units (typically the number of CTAs a
+        persistent kernel launches). Must be >= 1.
+    chunk_size : int
+        Split granularity in tokens (a kernel's KV tile); splits fall on
+        multiples of it.
+    overhead : int
+        Fixed cost, in chunks, charged per request (the cost of loading the
+        queries and writing the output); FlashMLA uses 5 blocks of 64.
+    impl : str
+        ``"torch"``: the tensor-op reference below (~30 small ops, any device).
+        ``"triton"``: one launch of ``kernels/triton/schedule.py``, identical
+        output; needs ``1 <= batch <= TRITON_SCHEDULE_MAX_BATCH`` and a CUDA/ROCm
+        tensor (or ``TRITON_INTERPRET=1`` on a CPU). ``"auto"`` (default):
+        Triton for a CUDA/ROCm tensor when triton imports and the batch fits,
+        else torch.
+
+    Returns
+    -------
+    SplitKVSchedule
+        On the device of ``cache_seqlens``.
+
+    Raises
+    ------
+    ValueError
+        If ``num_parts``, ``chunk_size`` or ``overhead`` is out of range,
+        ``cache_seqlens`` is not a 1-D int32 tensor, ``impl`` is unknown, or
+        ``impl="triton"`` cannot run on this input.
+    ImportError
+        ``impl="triton"`` without an importable triton.
+    """
+    _check_schedule_args(cache_seqlens, num_parts, chunk_size, overhead)
+    if _schedule_impl(impl, cache_seqlens) == "triton":
+        return _triton_schedule(cache_seqlens, num_parts, chunk_size, overhead)
+
+    device = cache_seqlens.device
+    batch = cache_seqlens.shape[0]
+    i64 = torch.int64
+    seqlens = cache_seqlens.to(i64).clamp_min(0)
+
+    # Cost axis: request b occupies [start[b], start[b] + cost[b]); its first
+    # `overhead` units are the fixed cost, then one unit per chunk of tokens.
+    num_chunks = (seqlens + chunk_size - 1) // chunk_size
+    cost = num_chunks + overhead
+    end = torch.cumsum(cost, 0)
+    start = end - cost
+    total = end[-1:] if batch > 0 else torch.zeros(1, dtype=i64, device=device)
+
+    # Cut the axis into num_parts equal pieces: boundaries[p] = p * ceil(total / P).
+    per_part = (total + num_parts - 1) // num_parts
+    inner_bounds = torch.arange(1, num_parts, device=device, dtype=i64) * per_part
+    inner_bounds = torch.minimum(inner_bounds, total)
+
+    # Intervals between consecutive cut points (request starts and part boundaries).
+    cuts, _ = torch.sort(torch.cat([start, inner_bounds]))
+    nxt = torch.cat([cuts[1:], total])
+    req = torch.searchsorted(end, cuts, right=True).clamp_max(max(batch - 1, 0))
+    part = torch.searchsorted(inner_bounds, cuts, right=True)
+
+    req_start = start[req] + overhead
+    req_len = seqlens[req]
+    tok_begin = ((cuts - req_start).clamp_min(0) * chunk_size).minimum(req_len)
+    tok_end = ((nxt - req_start).clamp_min(0) * chunk_size).minimum(req_len)
+
+    # An interval is a work item if it has tokens, or if it is the owner (first
+    # interval) of a zero-length request.
+    nonempty_axis = nxt > cuts
+    owner_of_empty = (num_chunks[req] == 0) & (cuts == start[req])
+    valid = nonempty_axis & ((tok_end > tok_begin) | owner_of_empty)
+
+    # Compact valid intervals to the front, preserving their order.
+    max_items = batch + num_parts
+    n_cuts = cuts.shape[0]
+    dest = torch.cumsum(valid.to(i64), 0) - 1
+    dest = torch.where(valid, dest, torch.full_like(dest, max_items))  # dump row
+    rows = torch.stack([req, tok_begin, tok_end], dim=1)
+    items = torch.full((max_items + 1, 4), -1, dtype=i64, device=device)
+    items[:, 1:3] = 0
+    items.index_copy_(0, dest, torch.cat([rows, torch.full((n_cuts, 1), -1, dtype=i64, device=device)], 1))
+    item_part = torch.full((max_items + 1,), num_parts, dtype=i64, device=device)
+    item_part.index_copy_(0, dest, part)
+    items, item_part = items[:max_items], item_part[:max_items]
+
+    # Splits per request and partial slots for split requests.
+    item_valid = items[:, ITEM_REQ] >= 0
+    item_req = items[:, ITEM_REQ].clamp_min(0)
+    num_splits = torch.zeros(batch, dtype=i64, device=device)
+    num_splits.index_add_(0, item_req, item_valid.to(i64))
+    first_item = torch.cumsum(num_splits, 0) - num_splits
+    is_split = num_splits > 1
+    slots_per_req = torch.where(is_split, num_splits, torch.zeros_like(num_splits))
+    first_slot = torch.cumsum(slots_per_req, 0) - slots_per_req
+    rank = torch.arange(max_items, device=device, dtype=i64) - first_item[item_req]
+    slot = torch.where(item_valid & is_split[item_req], first_slot[item_req] + rank, torch.full_like(rank, -1))
+    items[:, ITEM_SLOT] = slot
+
+    max_slots = max_items
+    slot_req = torch.full((max_slots + 1,), -1, dtype=i64, device=device)
+    slot_req.index_copy_(0, torch.where(slot >= 0, slot, torch.full_like(slot, max_slots)), item_req)
+    slot_req = slot_req[:max_slots]
+
+    part_offsets = torch.searchsorted(item_part, torch.arange(num_parts + 1, device=device, dtype=i64))
+
+    i32 = torch.int32
+    return SplitKVSchedule(
+        items=items.to(i32).contiguous(),
+        part_offsets=part_offsets.to(i32),
+        num_splits=num_splits.to(i32),
+        slot_req=slot_req.to(i32),
+        chunk_size=chunk_size,
+        num_parts=num_parts,
+        overhead=overhead,
+    )
+
+
+def _check_schedule_args(cache_seqlens: torch.Tensor, num_parts: int, chunk_size: int, overhead: int) -> None:
+    if cache_seqlens.dim() != 1 or cache_seqlens.dtype != torch.int32:
+        raise ValueError(
+            f"cache_seqlens must be a 1-D int32 tensor, got shape {tuple(cache_seqlens.shape)} "
+            f"dtype {cache_seqlens.dtype}"
+        )
+    if num_parts < 1:
+        raise ValueError(f"num_parts must be >= 1, got {num_parts}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if overhead < 1:
+        raise ValueError(f"overhead must be >= 1 (zero-length requests need an owner), got {overhead}")
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _schedule_impl(impl: str, cache_seqlens: torch.Tensor) -> str:
+    """Resolve ``impl`` for this input: "torch" or "triton" (raises if an explicit "triton" cannot run)."""
+    if impl not in SCHEDULE_IMPLS:
+        raise ValueError(f"impl={impl!r} (supported: {', '.join(SCHEDULE_IMPLS)})")
+    if impl == "torch":
+        return "torch"
+    batch = cache_seqlens.shape[0]
+    fits = 1 <= batch <= TRITON_SCHEDULE_MAX_BATCH
+    on_gpu = cache_seqlens.device.type == "cuda"  # ROCm builds of torch report "cuda" too
+    if impl == "auto":
+        return "triton" if on_gpu and fits and _triton_importable() else "torch"
+    if not fits:
+        raise ValueError(f"impl='triton' needs 1 <= batch <= {TRITON_SCHEDULE_MAX_BATCH}, got batch={batch}")
+    if not on_gpu and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"impl='triton' needs a CUDA/ROCm tensor (or TRITON_INTERPRET=1), "
+                         f"got device {cache_seqlens.device}")
+    return "triton"
+
+
+def _triton_schedule(cache_seqlens: torch.Tensor, num_parts: int, chunk_size: int, overhead: int) -> SplitKVSchedule:
+    from mla_dispatch.metadata.schedule_triton import workspace_numel
+
+    batch, device, i32 = cache_seqlens.shape[0], cache_seqlens.device, torch.int32
+    sched = SplitKVSchedule(
+        items=torch.empty(batch + num_parts, 4, dtype=i32, device=device),
+        part_offsets=torch.empty(num_parts + 1, dtype=i32, device=device),
+        num_splits=torch.empty(batch, dtype=i32, device=device),
+        slot_req=torch.empty(batch + num_parts, dtype=i32, device=device),
+        chunk_size=chunk_size,
+        num_parts=num_parts,
+        overhead=overhead,
+        workspace=torch.empty(workspace_numel(batch, num_parts), dtype=i32, device=device),
+    )
+    _triton_schedule_into(sched, cache_seqlens)
+    return sched
+
+
+def _triton_schedule_into(sched: SplitKVSchedule, cache_seqlens: torch.Tensor) -> None:
+    from mla_dispatch.metadata.schedule_triton import split_kv_schedule_into, workspace_numel
+
+    need = workspace_numel(sched.batch, sched.num_parts)
+    ws = sched.workspace
+    if ws is None or ws.device != cache_seqlens.device or ws.numel() < need:
+        sched.workspace = ws = torch.empty(need, dtype=torch.int32, device=cache_seqlens.device)
+    split_kv_schedule_into(cache_seqlens, sched.items, sched.part_offsets, sched.num_splits, sched.slot_req, ws,
+                           num_parts=sched.num_parts, chunk_size=sched.chunk_size, overhead=sched.overhead)
+
+
+def first_slots(num_splits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """int32 ``[batch]``: the first partial slot of each split request.
+
+    Slots of split requests are consecutive, request after request (see
+    :func:`split_kv_schedule`), so this is an exclusive prefix sum of
+    ``num_splits`` over split requests; unsplit requests get the running value
+    (they use no slot). Combine kernels use it to find a request's partials.
+    Written into ``out`` when given (no allocation escapes; CUDA-graph friendly).
+    """
+    slots = torch.where(num_splits > 1, num_splits, torch.zeros_like(num_splits)).to(torch.int64)
+    first = torch.cumsum(slots, 0) - slots
+    if out is None:
+        return first.to(torch.int32)
+    out.copy_(first)
+    return out
+
+
+def combine_splits(
+    partial_out: torch.Tensor,
+    partial_lse: torch.Tensor,
+    schedule: SplitKVSchedule,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+) -> None:
+    """Merge the partial results of split requests into ``out`` and ``lse``, in place.
+
+    Rows of requests that were not split are left untouched (the kernel wrote
+    them directly).
+
+    Parameters
+    ----------
+    partial_out : Tensor
+        fp32 ``[max_slots, s_q, h_q, D_v]``: per-slot output normalised by its
+        own softmax denominator.
+    partial_lse : Tensor
+        fp32 ``[max_slots, s_q, h_q]``: per-slot natural-log LSE, ``-inf`` for a
+        row that saw no key in its slot.
+    schedule : SplitKVSchedule
+        The schedule the partials were computed with.
+    out : Tensor
+        ``[batch, s_q, h_q, D_v]`` in the output dtype.
+    lse : Tensor
+        fp32 ``[batch, h_q, s_q]``; rows with no visible key get ``+inf`` and
+        ``out = 0``.
+    """
+    batch = out.shape[0]
+    slot_req = schedule.slot_req.to(torch.int64)
+    used = slot_req >= 0
+    req = slot_req.clamp_min(0)
+    plse = partial_lse.masked_fill(~used[:, None, None], float("-inf"))  # no host-to-device scalar copy
+
+    # Per request maximum LSE over its slots (requests without slots keep -inf).
+    idx = req[:, None, None].expand_as(plse)
+    m = torch.full((batch,) + tuple(plse.shape[1:]), float("-inf"), device=plse.device)
+    m.scatter_reduce_(0, idx, plse, reduce="amax", include_self=True)
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(plse - m_safe[req])  # 0 for -inf partials and unused slots
+    denom = torch.zeros_like(m).index_add_(0, req, w)
+    acc = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
+    acc.index_add_(0, req, torch.nan_to_num(partial_out, nan=0.0) * w[..., None])
+
+    has_mass = denom > 0
+    merged_out = torch.where(has_mass[..., None], acc / denom.clamp_min(1e-30)[..., None], torch.zeros_like(acc))
+    merged_lse = torch.where(has_mass, m_safe + torch.log(denom.clamp_min(1e-30)), torch.full_like(m, float("inf")))
+
+    split = (schedule.num_splits > 1).to(out.device)
+    out.copy_(torch.where(split[:, None, None, None], merged_out.to(out.dtype), out))
+    lse.copy_(torch.where(split[:, None, None], merged_lse.transpose(1, 2), lse))
+
+
+# --------------------------------------------------------------------------------------
+# Conversions for vendor adapters
+# --------------------------------------------------------------------------------------
+
+
+def kv_indptr(cache_seqlens: torch.Tensor, page_size: int) -> torch.Tensor:
+    """int32 ``[batch + 1]`` exclusive prefix sum of pages per request (FlashInfer/AITER ``kv_indptr``)."""
+    pages = (cache_seqlens.to(torch.int64) + page_size - 1) // page_size
+    return torch.cat([pages.new_zeros(1), torch.cumsum(pages, 0)]).to(torch.int32)
+
+
+def kv_last_page_lens(cache_seqlens: torch.Tensor, page_size: int) -> torch.Tensor:
+    """int32 ``[batch]`` tokens in each request's last page (``page_size`` for a full page, 0 for an empty request)."""
+    seqlens = cache_seqlens.to(torch.int64)
+    last = seqlens - ((seqlens + page_size - 1) // page_size - 1) * page_size
+    return torch.where(seqlens > 0, last, torch.zeros_like(last)).to(torch.int32)
+
+
+def token_indices(
+    block_table: torch.Tensor, cache_seqlens: torch.Tensor, page_size: int, *, max_tokens: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Page-size-1 view of a paged cache: flat token slots of every request.
+
+    Returns ``(indptr, indices)``: int32 ``[batch + 1]`` token offsets and int32
+    ``[batch * max_blocks * page_size]`` slot ids ``block_id * page_size + offset``,
+    packed request after request (entries past ``indptr[-1]`` are 0). The shape is
+    static (no host sync). Table entries past a request's length are never read
+    into ``indices``. With ``max_tokens`` the output is truncated/padded to that size.
+    """
+    batch, max_blocks = block_table.shape
+    cap = max_blocks * page_size
+    seqlens = cache_seqlens.to(torch.int64).clamp(0, cap)
+    pos = torch.arange(cap, device=block_table.device, dtype=torch.int64)
+    live = pos[None, :] < seqlens[:, None]
+    pages = torch.where(live, block_table.to(torch.int64)[:, pos // page_size], torch.zeros_like(live, dtype=torch.int64))
+    slots = pages * page_size + (pos % page_size)[None, :]
+    indptr = torch.cat([seqlens.new_zeros(1), torch.cumsum(seqlens, 0)])
+    n = max_tokens if max_tokens is not None else batch * cap
+    dest = torch.where(live, indptr[:-1, None] + pos[None, :], torch.full_like(slots, n))
+    flat = torch.zeros(n + 1, dtype=torch.int64, device=block_table.device)
+    flat.scatter_(0, dest.reshape(-1).clamp_max(n), torch.where(live, slots, 0).reshape(-1))
+    return indptr.to(torch.int32), flat[:n].to(torch.int32)
+
+
+def repage_block_table(block_table: torch.Tensor, page_size: int, new_page_size: int) -> torch.Tensor:
+    """Block table for viewing the same cache with a smaller page size.
+
+    ``new_page_size`` must divide ``page_size``; the cache tensor is re-viewed as
+    ``[num_blocks * (page_size // new_page_size), new_page_size, ...]`` (a pure
+    view for a contiguous cache). Entry ``j`` of the new table is sub-page
+    ``j % r`` of old page ``j // r``.
+    """
+    if page_size % new_page_size != 0:
+        raise ValueError(f"new_page_size={new_page_size} must divide page_size={page_size}")
+    r = page_size // new_page_size
+    sub = torch.arange(r, device=block_table.device, dtype=torch.int64)
+    table = block_table.to(torch.int64)[:, :, None] * r + sub
+    return table.reshape(block_table.shape[0], -1).to(torch.int32)
+
+
+def default_num_parts(num_compute_units: int, num_heads_kv: int, rows_per_head: int, tile_rows: int = 64) -> int:
+    """FlashMLA's heuristic: one part per SM, divided among KV heads and head tiles."""
+    tiles = num_heads_kv * math.ceil(rows_per_head / tile_rows)
+    return max(num_compute_units // tiles, 1)

@@ -1,0 +1,245 @@
+"""Test data and comparisons shared by the tests, ``conformance`` and ``bench``.
+
+Data are generated like FlashMLA's dense decode test
+(``tests/test_flash_mla_dense_decoding.py``): ``q, kv ~ randn/10`` clamped to
+±1; varlen lengths ``max(N(L, L/2), s_q)``; a random permutation of blocks in
+the block table; NaN in every cache slot no request uses; table entries past a
+request's length set to 2147480000 so a kernel that reads them faults or
+poisons its result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from mla_dispatch.dispatch.backend import Tolerance
+from mla_dispatch.kvcache.formats import pack_ds_mla, quantize_fp8_e4m3
+
+__all__ = ["DecodeCase", "make_case", "case_reference", "poisoned_outputs", "scale_outputs", "check_close",
+           "compare_outputs", "CloseReport", "UNUSED_BLOCK_ID"]
+
+UNUSED_BLOCK_ID = 2147480000
+
+
+@dataclasses.dataclass
+class DecodeCase:
+    """One generated decode problem: the canonical inputs plus the fp32 values behind them."""
+
+    q: torch.Tensor  # [B, s_q, h_q, D]
+    kv_cache: torch.Tensor  # [nb, ps, h_kv, D or 656] in the storage format
+    block_table: torch.Tensor  # int32 [B, max_blocks]
+    cache_seqlens: torch.Tensor  # int32 [B]
+    kv_format: str
+    kv_scale: torch.Tensor | None
+    indices: torch.Tensor | None
+    causal: bool
+    head_dim_v: int
+    softmax_scale: float
+
+    def kwargs(self) -> dict:
+        """Keyword arguments for ``mla_decode`` / ``plan_decode``."""
+        return dict(head_dim_v=self.head_dim_v, softmax_scale=self.softmax_scale, causal=self.causal,
+                    kv_format=self.kv_format, kv_scale=self.kv_scale, indices=self.indices)
+
+    def args(self) -> tuple:
+        return (self.q, self.kv_cache, self.block_table, self.cache_seqlens)
+
+
+def make_case(
+    batch: int,
+    q_len: int,
+    num_heads_q: int,
+    seqlen: int,
+    *,
+    num_heads_kv: int = 1,
+    head_dim_qk: int = 576,
+    head_dim_v: int = 512,
+    page_size: int = 64,
+    dtype: torch.dtype = torch.bfloat16,
+    kv_format: str | None = None,
+    varlen: bool = True,
+    causal: bool = False,
+    zero_len_rows: int = 0,
+    topk: int = 0,
+    device: str | torch.device = "cpu",
+    generator: torch.Generator | None = None,
+    softmax_scale: float | None = None,
+    extra_blocks: int = 2,
+) -> DecodeCase:
+    """Generate a decode case (see the module docstring for how).
+
+    ``zero_len_rows`` requests (the last ones) get length 0. With ``topk > 0``
+    sparse indices are drawn from each request's tokens, with some -1 entries.
+    """
+    g = generator if generator is not None else torch.Generator().manual_seed(0)
+    kv_format = kv_format or ("bf16" if dtype == torch.bfloat16 else "fp16")
+    if varlen:
+        lens = torch.normal(float(seqlen), seqlen / 2, (batch,), generator=g)
+        lens = lens.round().clamp_min(q_len).to(torch.int64)
+    else:
+        lens = torch.full((batch,), seqlen, dtype=torch.int64)
+    if zero_len_rows:
+        lens[batch - zero_len_rows:] = 0
+    max_len = int(lens.max().item()) if batch else 0
+    max_blocks = max(1, math.ceil(max_len / page_size))
+    num_blocks = batch * max_blocks + extra_blocks
+    perm = torch.randperm(num_blocks, generator=g)
+    block_table = perm[: batch * max_blocks].view(batch, max_blocks).clone()
+
+    values = (torch.randn(num_blocks, page_size, num_heads_kv, head_dim_qk, generator=g) / 10).clamp(-1, 1)
+    # Poison: every slot past a request's length holds NaN, and table entries past
+    # ceil(L / page_size) point far outside the cache.
+    used = torch.zeros(num_blocks, page_size, dtype=torch.bool)
+    for b in range(batch):
+        n = int(lens[b])
+        nb = math.ceil(n / page_size)
+        for j in range(nb):
+            used[block_table[b, j], : min(page_size, n - j * page_size)] = True
+        block_table[b, nb:] = UNUSED_BLOCK_ID
+    q = (torch.randn(batch, q_len, num_heads_q, head_dim_qk, generator=g) / 10).clamp(-1, 1)
+
+    kv_scale = None
+    if kv_format in ("bf16", "fp16"):
+        kv = values.to(dtype)
+        kv[~used] = float("nan")
+    elif kv_format == "fp8_e4m3":
+        kv_scale = torch.tensor([values.abs().max().item() / 448.0 * 1.25], dtype=torch.float32)
+        kv = quantize_fp8_e4m3(values, kv_scale)
+        kv.view(torch.uint8)[~used] = 0x7F  # e4m3fn NaN
+    elif kv_format == "fp8_ds_mla":
+        kv = pack_ds_mla(values)
+        nan_token = pack_ds_mla(torch.full((head_dim_qk,), float("nan")))
+        kv[~used] = nan_token
+    else:
+        raise ValueError(f"unknown kv_format {kv_format!r}")
+
+    indices = None
+    if topk:
+        indices = torch.full((batch, q_len, topk), -1, dtype=torch.int64)
+        for b in range(batch):
+            n = int(lens[b])
+            if n == 0:
+                continue
+            for i in range(q_len):
+                k = min(topk, n)
+                tok = torch.randperm(n, generator=g)[:k]
+                slot = block_table[b, tok // page_size] * page_size + tok % page_size
+                keep = torch.rand(k, generator=g) > 0.1  # ~10% skipped entries
+                indices[b, i, :k] = torch.where(keep, slot, torch.full_like(slot, -1))
+        indices = indices.to(torch.int32)
+
+    dev = torch.device(device)
+    return DecodeCase(
+        q=q.to(dtype).to(dev),
+        kv_cache=kv.to(dev),
+        block_table=block_table.to(torch.int32).to(dev),
+        cache_seqlens=lens.to(torch.int32).to(dev),
+        kv_format=kv_format,
+        kv_scale=None if kv_scale is None else kv_scale.to(dev),
+        indices=None if indices is None else indices.to(dev),
+        causal=causal,
+        head_dim_v=head_dim_v,
+        softmax_scale=softmax_scale if softmax_scale is not None else head_dim_qk**-0.5,
+    )
+
+
+def case_reference(case: DecodeCase, cache_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 reference of ``case``: out ``[B, s_q, h_q, D_v]`` and lse ``[B, h_q, s_q]`` (natural log).
+
+    ``cache_seqlens`` replaces the case's lengths (a step that changed them); a 3-D cache ``[nb, ps, D]`` is read as
+    one KV head, as ``mla_decode`` reads it.
+    """
+    from mla_dispatch.backends.reference import reference_attention
+
+    kv = case.kv_cache if case.kv_cache.dim() == 4 else case.kv_cache.unsqueeze(2)
+    lens = case.cache_seqlens if cache_seqlens is None else cache_seqlens
+    return reference_attention(case.q, kv, case.block_table, lens, **case.kwargs())
+
+
+def poisoned_outputs(case: DecodeCase) -> tuple[torch.Tensor, torch.Tensor]:
+    """NaN-filled ``out`` ``[B, s_q, h_q, D_v]`` (q's dtype) and ``lse`` ``[B, h_q, s_q]`` (fp32) on q's device, for a
+    run that must write every element of both."""
+    b, s_q, h_q, _ = case.q.shape
+    out = torch.full((b, s_q, h_q, case.head_dim_v), float("nan"), dtype=case.q.dtype, device=case.q.device)
+    lse = torch.full((b, h_q, s_q), float("nan"), dtype=torch.float32, device=case.q.device)
+    return out, lse
+
+
+def scale_outputs(case: DecodeCase, scale: float, tol: Tolerance) -> Tolerance:
+    """Make ``case``'s outputs ``scale`` times larger and leave its scores as drawn: the latent channels of the cache
+    (bf16/fp16) are multiplied by ``scale`` and q's divided by it, in place. Returns ``tol`` with its absolute output
+    bound scaled alike (DESIGN.md §5's is for outputs of order 1e-3). For checks of outputs far outside fp16's range
+    (partial rows stored in fp16 with a scale).
+
+    Raises ValueError for an fp8 cache (its values cannot be scaled in place).
+    """
+    if case.kv_format not in ("bf16", "fp16"):
+        raise ValueError(f"scale_outputs needs a bf16/fp16 cache, got kv_format={case.kv_format!r}")
+    case.kv_cache[..., :case.head_dim_v].mul_(scale)
+    case.q[..., :case.head_dim_v].div_(scale)
+    return dataclasses.replace(tol, out_atol=tol.out_atol * scale)
+
+
+@dataclasses.dataclass
+class CloseReport:
+    """Outcome of :func:`check_close`: ``ok`` and the worst errors seen."""
+
+    ok: bool
+    max_abs: float
+    max_rel: float
+    cos_diff: float
+    message: str
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def check_close(name: str, got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float,
+                cos: float | None = None) -> CloseReport:
+    """FlashMLA's ``check_is_allclose``: each element passes if abs <= atol or rel <= rtol;
+    Inf/NaN positions must match exactly; optionally a cosine-difference bound."""
+    got = got.double()
+    want = want.double()
+    if got.shape != want.shape:
+        return CloseReport(False, math.inf, math.inf, math.inf, f"{name}: shape {list(got.shape)} != {list(want.shape)}")
+    nonfinite_got, nonfinite_want = ~torch.isfinite(got), ~torch.isfinite(want)
+    if not torch.equal(nonfinite_got, nonfinite_want) or not torch.equal(
+        torch.where(nonfinite_got, got.nan_to_num(nan=1.0, posinf=2.0, neginf=3.0), 0.0),
+        torch.where(nonfinite_want, want.nan_to_num(nan=1.0, posinf=2.0, neginf=3.0), 0.0),
+    ):
+        n = int((nonfinite_got != nonfinite_want).sum())
+        return CloseReport(False, math.inf, math.inf, math.inf, f"{name}: Inf/NaN positions differ ({n} elements)")
+    fin = ~nonfinite_want
+    g, w = got[fin], want[fin]
+    abs_err = (g - w).abs()
+    rel_err = abs_err / w.abs().clamp_min(1e-30)
+    bad = (abs_err > atol) & (rel_err > rtol)
+    max_abs = float(abs_err.max()) if abs_err.numel() else 0.0
+    max_rel = float(torch.where(abs_err > atol, rel_err, 0.0).max()) if abs_err.numel() else 0.0
+    cos_diff = 0.0
+    if cos is not None and g.numel():
+        denom = (g * g + w * w).sum()
+        cos_diff = float(1 - 2 * (g * w).sum() / denom) if denom > 0 else 0.0
+    if bool(bad.any()):
+        i = int(torch.nonzero(bad.flatten())[0])
+        msg = (f"{name}: {int(bad.sum())} of {bad.numel()} elements out of tolerance (atol={atol}, rtol={rtol}); "
+               f"first: got {float(g.flatten()[i]):.6g} want {float(w.flatten()[i]):.6g}")
+        return CloseReport(False, max_abs, max_rel, cos_diff, msg)
+    if cos is not None and cos_diff > cos:
+        return CloseReport(False, max_abs, max_rel, cos_diff, f"{name}: cosine difference {cos_diff:.3g} > {cos}")
+    return CloseReport(True, max_abs, max_rel, cos_diff, f"{name}: ok (max abs {max_abs:.3g})")
+
+
+def compare_outputs(out: torch.Tensor, lse: torch.Tensor | None, ref_out: torch.Tensor, ref_lse: torch.Tensor,
+                    tol: Tolerance) -> CloseReport:
+    """Compare a backend's (out, lse) with the reference's, DESIGN.md §5 tolerances."""
+    r = check_close("out", out, ref_out.to(out.dtype), tol.out_atol, tol.out_rtol, tol.out_cos)
+    if not r or lse is None:
+        return r
+    r2 = check_close("lse", lse, ref_lse, tol.lse_atol, tol.lse_rtol)
+    if not r2:
+        return r2
+    return CloseReport(True, r.max_abs, r.max_rel, r.cos_diff, f"ok (out max abs {r.max_abs:.3g}, cos {r.cos_diff:.2g})")

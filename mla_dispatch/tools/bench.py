@@ -1,0 +1,605 @@
+"""``python -m mla_dispatch bench``: every available backend, side by side, against the roofline.
+
+For each configuration of a named grid, in one process:
+
+1. generate the inputs on the device (FlashMLA's test data, DESIGN.md §5:
+   ``randn/10`` clamped to ±1, varlen lengths ``max(N(L, L/2), s_q)``, a random
+   block permutation, NaN in every unused cache slot, unused table entries
+   2147480000) and compute the fp32 reference once;
+2. for each backend: skip it with its own reasons if it cannot run the
+   problem; run it once and compare with the reference at the backend's
+   declared tolerance — a wrong (or crashing) backend is reported and never
+   timed; otherwise time
+   - ``run``: ``DecodePlan.run`` (the per-layer call; the plan is made once),
+   - ``call``: the whole ``mla_decode`` (planning, metadata and combine included),
+   - ``graph``: replay of a CUDA graph captured over ``DecodePlan.run`` with
+     preallocated ``out``/``lse`` (CUDA only, backends with ``CUDA_GRAPH`` ALWAYS;
+     its output is checked against the reference too);
+3. count FLOPs and bytes (:mod:`mla_dispatch.tools.roofline`) and report µs, TFLOP/s,
+   GB/s and % of the roofline, whose ceilings were measured at the start of
+   the run.
+
+Results are printed as a Markdown table (ready for ``benchmarks/RESULTS.md``)
+and written as JSON and CSV; ``--plot`` adds a PNG of % of roofline per config.
+The exit code is 1 if any backend was wrong or crashed, else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import datetime
+import json
+import logging
+import math
+import os
+import platform as host_platform
+import shlex
+import sys
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+
+from mla_dispatch.api import mla_decode, plan_decode
+from mla_dispatch.dispatch.backend import CGSupport
+from mla_dispatch.kvcache.formats import pack_ds_mla, quantize_fp8_e4m3
+from mla_dispatch.dispatch.platform import platform_for
+from mla_dispatch.dispatch.problem import DecodeProblem, describe_inputs
+from mla_dispatch.dispatch.registry import get_backend, registered_names
+from mla_dispatch.tools.roofline import Ceilings, decode_work, measure_ceilings, time_fn, timer_name
+from mla_dispatch.numerics.cases import UNUSED_BLOCK_ID, DecodeCase, compare_outputs
+
+__all__ = ["BenchConfig", "BenchRow", "GRIDS", "grid_configs", "make_bench_case", "run_bench", "default_backends",
+           "environment", "main"]
+
+logger = logging.getLogger("mla_dispatch")
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# Names never benchmarked unless asked for: the AMLA emulation is a conformance oracle.
+_NOT_BY_DEFAULT = ("amla_emulation",)
+
+
+# -- configurations -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    """One benchmarked shape. ``kv_format=None`` means the q dtype's own format."""
+
+    batch: int
+    q_len: int
+    num_heads_q: int
+    seqlen: int  # L (fixed) or L-bar (varlen)
+    varlen: bool = False
+    causal: bool = False
+    page_size: int = 64
+    num_heads_kv: int = 1
+    kv_format: str | None = None
+    topk: int = 0
+    head_dim_qk: int = 576
+    head_dim_v: int = 512
+
+    @property
+    def label(self) -> str:
+        """``b128-s2-h128-L8192v-ps64-causal``: v = varlen mean (else fixed); a kv format only if not q's."""
+        parts = [f"b{self.batch}", f"s{self.q_len}", f"h{self.num_heads_q}"]
+        if self.num_heads_kv != 1:
+            parts.append(f"hkv{self.num_heads_kv}")
+        parts.append(f"L{self.seqlen}{'v' if self.varlen else ''}")
+        parts.append(f"ps{self.page_size}")
+        if self.kv_format:
+            parts.append(self.kv_format)
+        if self.topk:
+            parts.append(f"topk{self.topk}")
+        if self.causal:
+            parts.append("causal")
+        if (self.head_dim_qk, self.head_dim_v) != (576, 512):
+            parts.append(f"d{self.head_dim_qk}x{self.head_dim_v}")
+        return "-".join(parts)
+
+
+def _flashmla_grid() -> list[BenchConfig]:
+    return [BenchConfig(128, s_q, 128, L, varlen=True, causal=causal)
+            for s_q in (1, 2) for L in (4096, 8192, 16384, 32768)
+            for causal in ((False,) if s_q == 1 else (False, True))]
+
+
+def _heads_grid() -> list[BenchConfig]:
+    return [BenchConfig(64, s_q, h, 8192) for s_q in (1, 2) for h in (16, 32, 64, 128)]
+
+
+def _latency_grid() -> list[BenchConfig]:
+    return [BenchConfig(b, 1, 128, L) for b in (1, 8, 32) for L in (4096, 32768)]
+
+
+def _pages_grid() -> list[BenchConfig]:
+    return [BenchConfig(64, 1, 128, 8192, varlen=True, page_size=ps) for ps in (1, 16, 64, 128, 256)]
+
+
+def _fp8_grid() -> list[BenchConfig]:
+    dense = [BenchConfig(128, s_q, 128, 8192, varlen=True, kv_format=fmt)
+             for fmt in ("fp8_e4m3", "fp8_ds_mla") for s_q in (1, 2)]
+    sparse = [BenchConfig(128, s_q, 128, 32768, varlen=True, kv_format="fp8_ds_mla", topk=2048) for s_q in (1, 2)]
+    return dense + sparse
+
+
+def _quick_grid() -> list[BenchConfig]:
+    return [
+        BenchConfig(2, 1, 16, 256),
+        BenchConfig(3, 2, 16, 200, varlen=True, causal=True, page_size=16),
+        BenchConfig(2, 1, 32, 300, varlen=True, num_heads_kv=2, page_size=1),
+        BenchConfig(2, 1, 16, 256, kv_format="fp8_e4m3"),
+        BenchConfig(2, 1, 16, 256, kv_format="fp8_ds_mla", topk=64),
+    ]
+
+
+# name -> (what it is, configs)
+GRIDS = {
+    "flashmla": ("FlashMLA's own grid: b=128, h_q=128, s_q 1/2, varlen L-bar 4K..32K, causal on/off", _flashmla_grid),
+    "heads": ("b=64, L=8192, h_q 16/32/64/128, s_q 1/2", _heads_grid),
+    "latency": ("small batches: b 1/8/32, L 4096/32768, h_q=128, s_q=1", _latency_grid),
+    "pages": ("page sizes 1/16/64/128/256: b=64, h_q=128, varlen L-bar 8192", _pages_grid),
+    "fp8": ("fp8 caches: fp8_e4m3 and fp8_ds_mla dense (b=128, L-bar 8192) and sparse topk=2048", _fp8_grid),
+    "quick": ("a handful of small configs (seconds on a CPU with the reference backend)", _quick_grid),
+}
+
+
+def grid_configs(name: str) -> list[BenchConfig]:
+    """The configs of grid ``name`` (see :data:`GRIDS`)."""
+    if name not in GRIDS:
+        raise ValueError(f"unknown grid {name!r} (choose from: {', '.join(GRIDS)})")
+    return GRIDS[name][1]()
+
+
+# -- inputs on the device -------------------------------------------------------------------------
+
+
+def make_bench_case(cfg: BenchConfig, *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu",
+                    seed: int = 0, extra_blocks: int = 2) -> DecodeCase:
+    """Inputs for ``cfg``, generated on ``device`` with the data of :func:`mla_dispatch.numerics.cases.make_case`.
+
+    Unlike ``make_case`` it is vectorised and allocates only the blocks the
+    requests use (plus ``extra_blocks`` of junk), so FlashMLA-sized grids
+    (b=128, L=32K) build in seconds on a GPU. ``fp8_e4m3`` uses the fixed scale
+    ``1.25/448`` (values are within ±1).
+    """
+    device = torch.device(device)
+    cpu = torch.Generator().manual_seed(seed)
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    kv_format = cfg.kv_format or ("bf16" if dtype == torch.bfloat16 else "fp16")
+    B, ps, hkv, D = cfg.batch, cfg.page_size, cfg.num_heads_kv, cfg.head_dim_qk
+
+    if cfg.varlen:
+        lens = torch.normal(float(cfg.seqlen), cfg.seqlen / 2, (B,), generator=cpu).round().clamp_min(cfg.q_len)
+        lens = lens.to(torch.int64)
+    else:
+        lens = torch.full((B,), cfg.seqlen, dtype=torch.int64)
+    nblk = (lens + ps - 1) // ps
+    total = int(nblk.sum())
+    max_blocks = max(1, int(nblk.max()))
+    num_blocks = total + extra_blocks
+    perm = torch.randperm(num_blocks, generator=cpu)
+    cols = torch.arange(max_blocks)
+    live = cols[None, :] < nblk[:, None]
+    block_table = torch.full((B, max_blocks), UNUSED_BLOCK_ID, dtype=torch.int64)
+    block_table[live] = perm[:total]  # row-major: request b's blocks in order
+
+    # Values, generated chunk by chunk in fp32 on the device and stored in the format.
+    width = 656 if kv_format == "fp8_ds_mla" else D
+    store = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn,
+             "fp8_ds_mla": torch.uint8}[kv_format]
+    kv = torch.empty(num_blocks, ps, hkv, width, dtype=store, device=device)
+    kv_scale = torch.tensor([1.25 / 448.0], dtype=torch.float32, device=device) if kv_format == "fp8_e4m3" else None
+    chunk = max(1, (64 << 20) // (ps * hkv * D))
+    for s in range(0, num_blocks, chunk):
+        vals = (torch.randn(min(chunk, num_blocks - s), ps, hkv, D, generator=gen, device=device) / 10).clamp(-1, 1)
+        kv[s:s + chunk] = _encode(vals, kv_format, kv_scale)
+    # Poison every slot no request uses: the junk blocks and the tail of each last block.
+    # (Written through byte views: index_put has no float8 kernel on every device.)
+    nan = _encode(torch.full((D,), float("nan"), device=device), kv_format, kv_scale).view(torch.uint8)
+    raw = kv.view(torch.uint8)
+    raw[perm[total:].to(device)] = nan
+    has = nblk > 0
+    last = block_table[has, nblk[has] - 1]
+    used_in_last = lens[has] - (nblk[has] - 1) * ps
+    tail = torch.arange(ps)[None, :] >= used_in_last[:, None]
+    rows, offs = tail.nonzero(as_tuple=True)
+    if rows.numel():
+        raw[last[rows].to(device), offs.to(device)] = nan
+
+    indices = None
+    if cfg.topk:
+        maxlen = max(1, int(lens.max()))
+        scores = torch.rand(B, cfg.q_len, maxlen, generator=cpu)
+        scores[torch.arange(maxlen)[None, None, :].expand(B, cfg.q_len, -1) >= lens[:, None, None]] = -1.0
+        k = min(cfg.topk, maxlen)
+        top, tok = scores.topk(k, dim=-1)
+        slot = torch.gather(block_table, 1, (tok // ps).view(B, -1)).view_as(tok) * ps + tok % ps
+        skip = (top < 0) | (torch.rand(tok.shape, generator=cpu) < 0.1)  # past L_b, or ~10% skipped
+        slot = torch.where(skip, -1, slot)
+        indices = torch.full((B, cfg.q_len, cfg.topk), -1, dtype=torch.int64)
+        indices[..., :k] = slot
+        indices = indices.to(torch.int32).to(device)
+
+    q = (torch.randn(B, cfg.q_len, cfg.num_heads_q, D, generator=gen, device=device) / 10).clamp(-1, 1).to(dtype)
+    return DecodeCase(q=q, kv_cache=kv, block_table=block_table.to(torch.int32).to(device),
+                      cache_seqlens=lens.to(torch.int32).to(device), kv_format=kv_format, kv_scale=kv_scale,
+                      indices=indices, causal=cfg.causal, head_dim_v=cfg.head_dim_v, softmax_scale=D**-0.5)
+
+
+def _encode(vals: torch.Tensor, kv_format: str, kv_scale) -> torch.Tensor:
+    if kv_format == "fp8_e4m3":
+        return quantize_fp8_e4m3(vals, kv_scale)
+    if kv_format == "fp8_ds_mla":
+        return pack_ds_mla(vals)
+    return vals.to(torch.bfloat16 if kv_format == "bf16" else torch.float16)
+
+
+def case_problem(case: DecodeCase, *, cuda_graph: bool = False) -> DecodeProblem:
+    """The :class:`DecodeProblem` of a generated case (what backends decide feasibility on)."""
+    return describe_inputs(case.q, case.kv_cache, case.block_table, case.cache_seqlens, head_dim_v=case.head_dim_v,
+                           causal=case.causal, kv_format=case.kv_format, kv_scale=case.kv_scale,
+                           indices=case.indices, return_lse=True, cuda_graph=cuda_graph)
+
+
+# -- one backend on one config ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class BenchRow:
+    """One (config, backend) result. Times in µs; None where not measured.
+
+    ``status``: ``ok`` (checked, then timed), ``wrong`` (failed the correctness
+    gate: not timed), ``error`` (raised), ``unsupported`` (the backend's reasons
+    in ``note``).
+    """
+
+    config: str
+    backend: str
+    version: str
+    status: str
+    note: str = ""
+    us_run: float | None = None
+    us_call: float | None = None
+    us_graph: float | None = None
+    flops: float = 0.0
+    bytes: float = 0.0
+    roofline_us: float = 0.0
+    max_abs_err: float | None = None
+    cos_diff: float | None = None
+
+    @property
+    def best_us(self) -> float | None:
+        times = [t for t in (self.us_run, self.us_graph) if t is not None]
+        return min(times) if times else None
+
+    def tflops(self, us: float | None) -> float | None:
+        return None if not us else self.flops / us * 1e-6
+
+    def gbps(self, us: float | None) -> float | None:
+        return None if not us else self.bytes / us * 1e-3
+
+    def roof_pct(self, us: float | None) -> float | None:
+        return None if not us else 100.0 * self.roofline_us / us
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d.update(tflops_run=self.tflops(self.us_run), gbps_run=self.gbps(self.us_run),
+                 roof_pct_run=self.roof_pct(self.us_run), roof_pct_call=self.roof_pct(self.us_call),
+                 roof_pct_graph=self.roof_pct(self.us_graph))
+        return d
+
+
+def _check(out, lse, ref, tol):
+    return compare_outputs(out, lse, ref[0], ref[1], tol)
+
+
+def bench_backend(name: str, case: DecodeCase, ref: tuple[torch.Tensor, torch.Tensor], row: BenchRow, *,
+                  graphs: bool = True, rep_ms: float = 100.0) -> BenchRow:
+    """Check, then time, backend ``name`` on ``case``; fills and returns ``row``."""
+    cls = get_backend(name)
+    device = case.q.device
+    problem = case_problem(case)
+    reasons = cls.not_supported_reasons(problem, platform_for(device))
+    if reasons:
+        row.status, row.note = "unsupported", "; ".join(map(str, reasons))
+        return row
+    run_kw = dict(kv_scale=case.kv_scale, indices=case.indices)
+    try:
+        plan = plan_decode(*case.args(), **case.kwargs(), backend=name)
+        out = torch.empty(ref[0].shape, dtype=case.q.dtype, device=device)
+        lse = torch.empty(ref[1].shape, dtype=torch.float32, device=device)
+        plan.run(case.q, case.kv_cache, **run_kw, out=out, lse=lse)
+        report = _check(out, lse, ref, cls.TOLERANCE)
+    except Exception as exc:  # a crashing backend is a result, not the end of the run
+        row.status, row.note = "error", f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        return row
+    row.max_abs_err, row.cos_diff = report.max_abs, report.cos_diff
+    if not report:
+        row.status, row.note = "wrong", report.message
+        return row
+    row.us_run = time_fn(lambda: plan.run(case.q, case.kv_cache, **run_kw, out=out, lse=lse), device,
+                         rep_ms=rep_ms) * 1e6
+    row.us_call = time_fn(lambda: mla_decode(*case.args(), **case.kwargs(), out=out, backend=name), device,
+                          rep_ms=rep_ms) * 1e6
+    row.status = "ok"
+    if graphs and device.type == "cuda" and cls.CUDA_GRAPH is CGSupport.ALWAYS:
+        _bench_graph(name, case, ref, row, rep_ms)
+    return row
+
+
+def _bench_graph(name: str, case: DecodeCase, ref, row: BenchRow, rep_ms: float) -> None:
+    """Capture ``plan.run`` into a CUDA graph, check one replay, time replays."""
+    cls = get_backend(name)
+    run_kw = dict(kv_scale=case.kv_scale, indices=case.indices)
+    try:
+        plan = plan_decode(*case.args(), **case.kwargs(), backend=name, cuda_graph=True)
+        out = torch.empty(ref[0].shape, dtype=case.q.dtype, device=case.q.device)
+        lse = torch.empty(ref[1].shape, dtype=torch.float32, device=case.q.device)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                plan.run(case.q, case.kv_cache, **run_kw, out=out, lse=lse)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            plan.run(case.q, case.kv_cache, **run_kw, out=out, lse=lse)
+        out.zero_()
+        lse.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        report = _check(out, lse, ref, cls.TOLERANCE)
+    except Exception as exc:
+        row.note = f"graph capture failed: {type(exc).__name__}: {exc}".splitlines()[0][:300]
+        return
+    if not report:
+        row.status, row.note = "wrong", f"CUDA-graph replay: {report.message}"
+        return
+    row.us_graph = time_fn(graph.replay, case.q.device, rep_ms=rep_ms) * 1e6
+
+
+# -- the run ------------------------------------------------------------------------------------------
+
+
+def default_backends(device: torch.device) -> list[str]:
+    """Registered backends available in this process; ``reference`` only on a CPU (it is the oracle)."""
+    names = []
+    for name in registered_names():
+        if name in _NOT_BY_DEFAULT or (name == "reference" and device.type != "cpu"):
+            continue
+        if not get_backend(name).availability_reasons():
+            names.append(name)
+    return names
+
+
+def unavailable_backends() -> dict[str, str]:
+    """Registered backends that cannot run anywhere in this process, with why."""
+    out = {}
+    for name in registered_names():
+        reasons = get_backend(name).availability_reasons()
+        if reasons:
+            out[name] = "; ".join(map(str, reasons))
+    return out
+
+
+def environment(device: torch.device, backends: Sequence[str] | None = None) -> dict:
+    """Device, date, software versions: the header of every published number.
+
+    Versions are those of ``backends`` (default: every available one; asking
+    imports, and for JIT-built kernels builds, each backend).
+    """
+    from mla_dispatch import __version__
+
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({os.cpu_count()} cores, "
+                  f"{host_platform.processor() or host_platform.machine()})",
+        "platform": platform_for(device).describe(),
+        "mla_dispatch": __version__,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": host_platform.python_version(),
+        "timer": timer_name(device),
+    }
+    try:
+        import importlib.metadata as md
+
+        env["triton"] = md.version("triton")
+    except Exception:
+        env["triton"] = None
+    if backends is None:
+        backends = [n for n in registered_names() if not get_backend(n).availability_reasons()]
+    env["backends"] = {n: get_backend(n).version() for n in backends}
+    return env
+
+
+def work_of(case: DecodeCase, cfg: BenchConfig):
+    """FLOPs and bytes of one call on ``case`` (DESIGN.md §6)."""
+    return decode_work(batch=cfg.batch, q_len=cfg.q_len, num_heads_q=cfg.num_heads_q, num_heads_kv=cfg.num_heads_kv,
+                       head_dim_qk=cfg.head_dim_qk, head_dim_v=cfg.head_dim_v,
+                       total_kv_tokens=int(case.cache_seqlens.sum()), kv_format=case.kv_format,
+                       q_elem_bytes=case.q.element_size(), topk=cfg.topk)
+
+
+def run_bench(configs: Sequence[BenchConfig], backends: Sequence[str], *, device: torch.device,
+              dtype: torch.dtype = torch.bfloat16, ceilings: Ceilings | None = None, graphs: bool = True,
+              rep_ms: float = 100.0, seed: int = 0, progress: bool = True) -> tuple[list[BenchRow], Ceilings]:
+    """Benchmark ``backends`` on ``configs``; measures the ceilings first unless given."""
+    from tqdm import tqdm
+
+    from mla_dispatch.backends.reference import reference_attention
+
+    ceilings = ceilings or measure_ceilings(device)
+    rows: list[BenchRow] = []
+    bar = tqdm(total=len(configs) * len(backends), desc="bench", unit="run", disable=not progress, leave=False,
+               file=sys.stderr)
+    for i, cfg in enumerate(configs):
+        bar.set_postfix_str(cfg.label)
+        case = make_bench_case(cfg, dtype=dtype, device=device, seed=seed + i)
+        ref = reference_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens,
+                                  head_dim_v=case.head_dim_v, softmax_scale=case.softmax_scale, causal=case.causal,
+                                  kv_format=case.kv_format, kv_scale=case.kv_scale, indices=case.indices)
+        work = work_of(case, cfg)
+        for name in backends:
+            cls = get_backend(name)
+            row = BenchRow(cfg.label, name, cls.version(), "?", flops=work.flops, bytes=work.bytes,
+                           roofline_us=work.roofline_seconds(ceilings) * 1e6)
+            rows.append(bench_backend(name, case, ref, row, graphs=graphs, rep_ms=rep_ms))
+            bar.update(1)
+        del case, ref
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    bar.close()
+    return rows, ceilings
+
+
+# -- output ---------------------------------------------------------------------------------------------
+
+
+def _f(x: float | None, fmt: str) -> str:
+    return "" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, fmt)
+
+
+def format_table(rows: Iterable[BenchRow]) -> str:
+    """Markdown table: one row per (config, backend); unsupported ones say why."""
+    head = ("| config | backend | status | run µs | call µs | graph µs | TFLOP/s | GB/s | % roofline (run / graph) |\n"
+            "|---|---|---|---:|---:|---:|---:|---:|---:|")
+    lines = [head]
+    for r in rows:
+        if r.status == "ok":
+            pct = _f(r.roof_pct(r.us_run), ".1f") + (f" / {r.roof_pct(r.us_graph):.1f}" if r.us_graph else "")
+            status = "ok" + (f" ({r.note})" if r.note else "")
+            lines.append(f"| {r.config} | {r.backend} | {status} | {_f(r.us_run, '.1f')} | {_f(r.us_call, '.1f')} | "
+                         f"{_f(r.us_graph, '.1f')} | {_f(r.tflops(r.us_run), '.3g')} | {_f(r.gbps(r.us_run), '.4g')} | "
+                         f"{pct} |")
+        else:
+            note = r.note.replace("|", "/")
+            lines.append(f"| {r.config} | {r.backend} | {r.status}: {note} | | | | | | |")
+    return "\n".join(lines)
+
+
+def format_header(env: dict, ceilings: Ceilings, command: str) -> str:
+    versions = ", ".join(f"{k} {v}" for k, v in (("mla_dispatch", env["mla_dispatch"]), ("torch", env["torch"]),
+                                                 ("CUDA", env["cuda"]), ("triton", env["triton"])) if v)
+    backends = ", ".join(f"{k}@{v}" for k, v in env["backends"].items())
+    return (f"- device: {env['device']}; date: {env['date']}\n- versions: {versions}; backends: {backends}\n"
+            f"- ceilings (measured in this run): {ceilings.describe()}\n- command: `{command}`")
+
+
+def write_json(path: Path, rows: Sequence[BenchRow], env: dict, ceilings: Ceilings, meta: dict) -> None:
+    doc = {"environment": env, "ceilings": dataclasses.asdict(ceilings), **meta, "rows": [r.as_dict() for r in rows]}
+    path.write_text(json.dumps(doc, indent=1, default=str))
+
+
+def write_csv(path: Path, rows: Sequence[BenchRow]) -> None:
+    dicts = [r.as_dict() for r in rows]
+    fields = list(dicts[0]) if dicts else list(BenchRow.__dataclass_fields__)
+    with path.open("w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=fields)
+        w.writeheader()
+        w.writerows(dicts)
+
+
+def write_plot(path: Path, rows: Sequence[BenchRow], title: str) -> None:
+    """Grouped bars: % of roofline (eager ``run``) per config, one bar per backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = list(dict.fromkeys(r.config for r in rows))
+    backends = list(dict.fromkeys(r.backend for r in rows if r.us_run))  # those that ran somewhere
+    pct = {(r.config, r.backend): (r.roof_pct(r.us_run) or 0.0) for r in rows}
+    width = 0.8 / max(1, len(backends))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(configs) * max(1, len(backends)) ** 0.5 + 2), 4.5))
+    for j, name in enumerate(backends):
+        xs = [i + (j - (len(backends) - 1) / 2) * width for i in range(len(configs))]
+        ax.bar(xs, [pct.get((c, name), 0.0) for c in configs], width, label=name)
+    ax.set_xticks(range(len(configs)))
+    ax.set_xticklabels(configs, rotation=35, ha="right", fontsize=7)
+    ax.set_ylabel("% of roofline (eager run; 0 = not run)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# -- CLI ------------------------------------------------------------------------------------------------
+
+
+def _split_names(text: str | None) -> list[str] | None:
+    return None if not text else [n.strip() for n in text.split(",") if n.strip()]
+
+
+def parser() -> argparse.ArgumentParser:
+    grids = "\n".join(f"  {name:<9} {desc}" for name, (desc, _) in GRIDS.items())
+    p = argparse.ArgumentParser(prog="python -m mla_dispatch bench", description=__doc__.split("\n\n")[0],
+                                epilog=f"grids:\n{grids}", formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--grid", default="quick", help="grid name(s), comma-separated (default: quick)")
+    p.add_argument("--backends", default=None,
+                   help="comma-separated names (default: every available backend; 'reference' only on CPU)")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="q (and dense cache) dtype")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--out", default="bench_out", help="directory for bench-<grid>.json/.csv/.png (default: bench_out)")
+    p.add_argument("--plot", action="store_true", help="also write a PNG of %% of roofline per config")
+    p.add_argument("--no-graph", action="store_true", help="skip CUDA-graph replay timing")
+    p.add_argument("--rep-ms", type=float, default=100.0, help="timing budget per measurement (do_bench rep)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--list", action="store_true", help="print the grid's configs and exit")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    grid_names = _split_names(args.grid) or ["quick"]
+    try:
+        configs = [c for g in grid_names for c in grid_configs(g)]
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    if args.list:
+        print("\n".join(c.label for c in configs))
+        return 0
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    chosen = _split_names(args.backends)
+    backends = chosen or default_backends(device)
+    known = registered_names()
+    for name in backends:
+        if name not in known:
+            print(f"unknown backend {name!r} (registered: {', '.join(known)})", file=sys.stderr)
+            return 2
+    given = argv if argv is not None else sys.argv[1:]
+    command = "python -m mla_dispatch bench " + " ".join(shlex.quote(a) for a in given)
+    env = environment(device, backends)
+    rows, ceilings = run_bench(configs, backends, device=device, dtype=_DTYPES[args.dtype], graphs=not args.no_graph,
+                               rep_ms=args.rep_ms, seed=args.seed, progress=not args.quiet)
+    print(f"## bench {'+'.join(grid_names)} ({args.dtype})\n")
+    print(format_header(env, ceilings, command.strip()))
+    skipped = {} if chosen else {n: r for n, r in unavailable_backends().items() if n not in backends}
+    if skipped:
+        print("- not available here: " + "; ".join(f"{n} ({r})" for n, r in skipped.items()))
+    print()
+    print(format_table(rows))
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / f"bench-{'+'.join(grid_names)}"
+    meta = {"grids": grid_names, "dtype": args.dtype, "command": command.strip(),
+            "configs": {c.label: dataclasses.asdict(c) for c in configs}}
+    write_json(stem.with_suffix(".json"), rows, env, ceilings, meta)
+    write_csv(stem.with_suffix(".csv"), rows)
+    written = [stem.with_suffix(".json"), stem.with_suffix(".csv")]
+    if args.plot:
+        write_plot(stem.with_suffix(".png"), rows, f"{'+'.join(grid_names)} on {env['device']} ({env['date']})")
+        written.append(stem.with_suffix(".png"))
+    print("\nwrote: " + ", ".join(map(str, written)))
+    bad = [r for r in rows if r.status in ("wrong", "error")]
+    if bad:
+        print(f"{len(bad)} result(s) failed the correctness gate or raised: "
+              + ", ".join(f"{r.backend} on {r.config}" for r in bad), file=sys.stderr)
+        return 1
+    return 0

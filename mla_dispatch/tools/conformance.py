@@ -1,0 +1,232 @@
+"""``python -m mla_dispatch conformance``: every available backend against the reference.
+
+A generated case set walks the feature grid of DESIGN.md §1–2 — page sizes,
+query heads, KV heads, query length, causal, variable lengths, zero-length
+requests, NaN-poisoned unused slots, head dims, the softmax scale, KV formats,
+sparse indices — with the test data of :func:`mla_dispatch.numerics.cases.make_case`
+(every case carries NaN in all unused cache slots and out-of-range ids in
+unused block-table entries; the ``nan-poison`` row makes them the majority).
+Each backend runs each case through :func:`mla_dispatch.mla_decode` and is
+compared with the fp32 reference at the backend's declared tolerance
+(DESIGN.md §5).
+
+The result is a matrix: rows = case class, columns = backends, cells =
+``pass``, ``FAIL (worst error)``, ``ERROR (exception)`` or ``unsupported
+(the backend's own reason)``. The exit code is 1 if any cell failed or raised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import random
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from mla_dispatch.api import mla_decode
+from mla_dispatch.dispatch.platform import platform_for
+from mla_dispatch.dispatch.problem import describe_inputs
+from mla_dispatch.dispatch.registry import get_backend, registered_names
+from mla_dispatch.numerics.cases import DecodeCase, compare_outputs, make_case
+
+__all__ = ["ConformanceCase", "Cell", "case_set", "run_conformance", "format_matrix", "main"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ConformanceCase:
+    """One row of the matrix: a feature class and the ``make_case`` arguments that exercise it."""
+
+    name: str
+    feature: str  # which DESIGN.md §1–2 feature it covers
+    params: dict
+
+    def make(self, device: torch.device, generator: torch.Generator) -> DecodeCase:
+        return make_case(**self.params, device=device, generator=generator)
+
+
+def case_set(quick: bool = False) -> list[ConformanceCase]:
+    """The generated cases. ``quick``: CI-sized (seconds on a CPU); otherwise bigger and more of them."""
+    b, L, h = (2, 160, 16) if quick else (4, 700, 16)
+    base = dict(batch=b, q_len=1, num_heads_q=h, seqlen=L, page_size=64, varlen=True)
+
+    def case(name, feature, full_only=False, **over):
+        return None if (quick and full_only) else ConformanceCase(name, feature, {**base, **over})
+
+    ds_scale = 192**-0.5 * (0.1 * math.log(40) + 1.0) ** 2  # DeepSeek-V3: YaRN factor 40, mscale_all_dim 1
+    cases = [
+        case("baseline", "bf16, h_q=16, s_q=1, page 64, varlen"),
+        *(case(f"page_size={ps}", "page sizes", full_only=ps in (128,), page_size=ps) for ps in (1, 16, 128, 256)),
+        *(case(f"h_q={hq}", "query heads", full_only=hq in (32,), num_heads_q=hq) for hq in (32, 64, 128)),
+        case("h_kv=2", "KV heads (h_q=32)", num_heads_q=32, num_heads_kv=2),
+        case("h_kv=4", "KV heads (h_q=64)", full_only=True, num_heads_q=64, num_heads_kv=4),
+        case("s_q=2", "query length, not causal", q_len=2),
+        case("s_q=2 causal", "causal (multi-token decode)", q_len=2, causal=True),
+        case("s_q=4 causal h_q=64", "causal, longer", full_only=True, q_len=4, num_heads_q=64, causal=True),
+        case("fixed length", "every request the same length", varlen=False),
+        case("zero-length rows", "L_b = 0: out 0, lse +inf", zero_len_rows=1),
+        case("zero-length causal", "L_b = 0 with s_q=2 causal", q_len=2, causal=True, zero_len_rows=1),
+        case("nan-poison", "short requests in big pages: most slots NaN", page_size=256, seqlen=12, extra_blocks=6),
+        case("long single", "b=1, one long request", batch=1, seqlen=4 * L, varlen=False),
+        case("d=512/512", "head dims without RoPE", head_dim_qk=512, head_dim_v=512),
+        case("d=320/256", "head dims 256+64", full_only=True, head_dim_qk=320, head_dim_v=256),
+        case("DeepSeek scale", "softmax_scale = 1/sqrt(192)*mscale^2", softmax_scale=ds_scale),
+        case("fp16", "fp16 q and cache", dtype=torch.float16),
+        case("fp8_e4m3", "fp8 cache, per-tensor scale", kv_format="fp8_e4m3"),
+        case("fp8_e4m3 s_q=2 causal", "fp8 cache, causal", full_only=True, kv_format="fp8_e4m3", q_len=2, causal=True),
+        case("fp8_ds_mla", "656-byte DeepSeek token", kv_format="fp8_ds_mla"),
+        case("fp8_ds_mla s_q=2 causal", "656-byte token, causal", kv_format="fp8_ds_mla", q_len=2, causal=True),
+        case("sparse topk=64", "token-level sparse (bf16)", topk=64),
+        case("sparse fp8_ds_mla topk=128", "DeepSeek Sparse Attention layout", kv_format="fp8_ds_mla", topk=128),
+        case("sparse s_q=2 h_q=64", "sparse, two query tokens", full_only=True, q_len=2, num_heads_q=64, topk=96),
+    ]
+    return [c for c in cases if c is not None]
+
+
+@dataclasses.dataclass
+class Cell:
+    """One (case, backend) outcome: ``pass``, ``fail``, ``error`` or ``unsupported``, and why."""
+
+    status: str
+    detail: str = ""
+    max_abs: float | None = None
+    cos_diff: float | None = None
+
+    def short(self) -> str:
+        if self.status == "pass":
+            return "pass"
+        if self.status == "fail":
+            return f"FAIL ({self.detail})"
+        if self.status == "error":
+            return f"ERROR ({self.detail})"
+        return f"unsupported ({self.detail})"
+
+
+def check_backend(name: str, case: DecodeCase, ref: tuple[torch.Tensor, torch.Tensor]) -> Cell:
+    """Run backend ``name`` on ``case`` and compare with ``ref`` at its tolerance."""
+    cls = get_backend(name)
+    problem = describe_inputs(case.q, case.kv_cache, case.block_table, case.cache_seqlens, head_dim_v=case.head_dim_v,
+                              causal=case.causal, kv_format=case.kv_format, kv_scale=case.kv_scale,
+                              indices=case.indices, return_lse=True)
+    reasons = cls.not_supported_reasons(problem, platform_for(case.q.device))
+    if reasons:
+        return Cell("unsupported", "; ".join(map(str, reasons)))
+    try:
+        out, lse = mla_decode(*case.args(), **case.kwargs(), backend=name)
+        report = compare_outputs(out, lse, ref[0], ref[1], cls.TOLERANCE)
+    except Exception as exc:
+        return Cell("error", f"{type(exc).__name__}: {exc}".splitlines()[0][:200])
+    if report:
+        return Cell("pass", report.message, report.max_abs, report.cos_diff)
+    worst = report.message if report.max_abs == float("inf") else (
+        f"max abs {report.max_abs:.3g}, cos diff {report.cos_diff:.3g}: {report.message}")
+    return Cell("fail", worst, report.max_abs, report.cos_diff)
+
+
+def run_conformance(cases: Sequence[ConformanceCase], backends: Sequence[str], *, device: torch.device,
+                    seed: int = 0, progress: bool = True) -> dict[str, dict[str, Cell]]:
+    """``{case name: {backend: Cell}}`` for every case and backend."""
+    from tqdm import tqdm
+
+    from mla_dispatch.backends.reference import reference_attention
+
+    matrix: dict[str, dict[str, Cell]] = {}
+    bar = tqdm(total=len(cases) * len(backends), desc="conformance", unit="cell", disable=not progress, leave=False,
+               file=sys.stderr)
+    for i, spec in enumerate(cases):
+        bar.set_postfix_str(spec.name)
+        case = spec.make(device, torch.Generator().manual_seed(seed + i))
+        ref = reference_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens,
+                                  head_dim_v=case.head_dim_v, softmax_scale=case.softmax_scale, causal=case.causal,
+                                  kv_format=case.kv_format, kv_scale=case.kv_scale, indices=case.indices)
+        row = matrix.setdefault(spec.name, {})
+        for name in backends:
+            row[name] = check_backend(name, case, ref)
+            bar.update(1)
+    bar.close()
+    return matrix
+
+
+def format_matrix(matrix: dict[str, dict[str, Cell]], backends: Sequence[str]) -> str:
+    """Markdown matrix: rows = case class, columns = backends.
+
+    Unsupported cells carry a footnote number; the notes (each backend's own
+    reasons, verbatim) follow the table, so a repeated reason is printed once.
+    """
+    notes: dict[str, int] = {}
+    lines = ["| case | " + " | ".join(backends) + " |", "|---|" + "---|" * len(backends)]
+    for case, cells in matrix.items():
+        shown = []
+        for b in backends:
+            cell = cells[b]
+            if cell.status == "unsupported":
+                n = notes.setdefault(f"{b}: {cell.detail}", len(notes) + 1)
+                shown.append(f"unsupported [{n}]")
+            else:
+                shown.append(cell.short().replace("|", "/"))
+        lines.append(f"| {case} | " + " | ".join(shown) + " |")
+    if notes:
+        lines.append("")
+        lines += [f"[{n}] {text}" for text, n in notes.items()]
+    return "\n".join(lines)
+
+
+def _default_backends(device: torch.device) -> list[str]:
+    names = [n for n in registered_names() if not get_backend(n).availability_reasons()]
+    # Against itself the reference only checks the harness: shown on CPU, where it is all there is.
+    return [n for n in names if n != "reference" or device.type == "cpu"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mla_dispatch conformance", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="CI-sized case set (seconds on a CPU)")
+    p.add_argument("--backends", default=None,
+                   help="comma-separated names (default: every available backend; 'reference' only on CPU)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--seed", type=int, default=None, help="data seed (default: random, printed for replay)")
+    p.add_argument("--json", default=None, help="also write the matrix as JSON to this path")
+    p.add_argument("--list", action="store_true", help="print the case set and exit")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    cases = case_set(quick=args.quick)
+    if args.list:
+        for c in cases:
+            print(f"{c.name:<28} {c.feature}")
+        return 0
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.backends:
+        backends = [n.strip() for n in args.backends.split(",") if n.strip()]
+    else:
+        backends = _default_backends(device)
+    known = registered_names()
+    for name in backends:
+        if name not in known:
+            print(f"unknown backend {name!r} (registered: {', '.join(known)})", file=sys.stderr)
+            return 2
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
+    matrix = run_conformance(cases, backends, device=device, seed=seed, progress=not args.quiet)
+    plat = platform_for(device)
+    print(f"## conformance ({'quick' if args.quick else 'full'}) on {plat.describe()}, torch {torch.__version__}, "
+          f"seed {seed} (replay: --seed {seed})\n")
+    print(format_matrix(matrix, backends))
+    unavailable = {} if args.backends else {
+        n: "; ".join(map(str, get_backend(n).availability_reasons())) for n in known if n not in backends}
+    unavailable = {n: r for n, r in unavailable.items() if r}
+    if unavailable:
+        print("\nnot available here: " + "; ".join(f"{n} ({r})" for n, r in unavailable.items()))
+    failed = [(c, b) for c, cells in matrix.items() for b, cell in cells.items() if cell.status in ("fail", "error")]
+    if args.json:
+        doc = {"platform": plat.describe(), "torch": torch.__version__, "seed": seed, "quick": args.quick,
+               "backends": {b: get_backend(b).version() for b in backends},
+               "matrix": {c: {b: dataclasses.asdict(cell) for b, cell in cells.items()} for c, cells in matrix.items()}}
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+    if failed:
+        print(f"\n{len(failed)} failing cell(s): " + ", ".join(f"{b} on {c}" for c, b in failed), file=sys.stderr)
+        return 1
+    print(f"\nall {sum(len(c) for c in matrix.values())} cells pass or are unsupported")
+    return 0
