@@ -101,8 +101,8 @@ def check_config(plan, run, graph, q, kv, table, lens, kv_scale, out, lse, cfg) 
     """The eager call's and one graph replay's outputs, each written over NaN, against the fp32 reference with the
     backend's tolerances (DESIGN.md §5). Returns ``"ok"`` or ``"MISMATCH <which>: <report>"``."""
     from mla_dispatch.backends.cuda_sm90 import CudaSM90Backend
-    from mla_dispatch.backends.reference import reference_attention
-    from mla_dispatch.numerics.cases import compare_outputs
+    from mla_dispatch.numerics.oracle import reference_attention
+    from mla_dispatch.numerics.tolerance import compare_outputs
 
     ref_out, ref_lse = reference_attention(q, kv, table, lens, head_dim_v=512, softmax_scale=plan.softmax_scale,
                                            causal=cfg.get("causal", False), kv_format=cfg.get("fmt", "bf16"),

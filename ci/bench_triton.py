@@ -143,8 +143,8 @@ def bench_one(name, peaks, batch, q_len, h_q, seqlen, *, page_size=64, kv_format
         return {}
     check_msg = None
     if check:  # the config's output against the fp32 reference, DESIGN.md §5 tolerances (poisoned first)
-        from mla_dispatch.backends.reference import reference_attention
-        from mla_dispatch.numerics.cases import compare_outputs
+        from mla_dispatch.numerics.oracle import reference_attention
+        from mla_dispatch.numerics.tolerance import compare_outputs
 
         out.fill_(float("nan"))
         lse.fill_(float("nan"))

@@ -18,7 +18,8 @@ from tqdm import tqdm
 
 from mla_dispatch import plan_decode
 from mla_dispatch.dispatch.registry import get_backend
-from mla_dispatch.numerics.cases import case_reference, compare_outputs, make_case, poisoned_outputs, scale_outputs
+from mla_dispatch.numerics.cases import case_reference, make_case, poisoned_outputs, scale_outputs
+from mla_dispatch.numerics.tolerance import compare_outputs
 
 
 def describe_failure(out: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float) -> str:

@@ -20,7 +20,8 @@ import torch
 from tqdm import tqdm
 
 from mla_dispatch import plan_decode
-from mla_dispatch.numerics.cases import case_reference, check_close, compare_outputs, make_case, poisoned_outputs
+from mla_dispatch.numerics.cases import case_reference, make_case, poisoned_outputs
+from mla_dispatch.numerics.tolerance import check_close, compare_outputs
 
 # (batch, s_q, h_q, seqlen, page_size, causal, kv_format, variants): shapes of tests/test_cuda_sm90.py whose
 # requests are split (few requests, so the schedule cuts them), including the two that met the bound with

@@ -15,10 +15,11 @@ import sys
 import torch
 
 from mla_dispatch import plan_decode
-from mla_dispatch.backends.reference import reference_attention
+from mla_dispatch.numerics.oracle import reference_attention
 from mla_dispatch.backends.triton import TritonBackend
 from mla_dispatch.kernels.triton.aot_report import parse_spec
-from mla_dispatch.numerics.cases import compare_outputs, make_case
+from mla_dispatch.numerics.cases import make_case
+from mla_dispatch.numerics.tolerance import compare_outputs
 
 g = torch.Generator().manual_seed(7)
 cases = [

@@ -10,14 +10,15 @@ runs here.
 import logging
 
 from mla_dispatch.api import DecodePlan, mla_decode, plan_decode
-from mla_dispatch.dispatch.backend import CGSupport, MLABackend, Reason, ReasonCode, Tolerance
+from mla_dispatch.dispatch.backend import CGSupport, MLABackend, Reason, ReasonCode
+from mla_dispatch.numerics.tolerance import Tolerance
+from mla_dispatch.version import __version__
 from mla_dispatch.kvcache.cache import PagedMLACache
 from mla_dispatch.dispatch.platform import Platform, detect_platform
 from mla_dispatch.dispatch.problem import DecodeProblem
 from mla_dispatch.dispatch.registry import get_backend, register_backend, registered_names
 from mla_dispatch.dispatch.select import NoBackendError, SelectionReport, explain, priority, select_backend, use_backends
 
-__version__ = "0.1.0"
 
 # Silent by default; enable with logging.getLogger("mla_dispatch").setLevel(logging.INFO) and a handler.
 logging.getLogger("mla_dispatch").addHandler(logging.NullHandler())

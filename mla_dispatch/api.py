@@ -8,12 +8,12 @@ from mla_dispatch.dispatch.backend import BackendState, MLABackend, untraced_eag
 from mla_dispatch.kvcache.cache import PagedMLACache
 from mla_dispatch.dispatch.platform import Platform, platform_for
 from mla_dispatch.dispatch.problem import DecodeProblem, check_values, default_softmax_scale, describe_inputs
-from mla_dispatch.dispatch.select import select_backend
+from mla_dispatch.dispatch.select import auto_candidates, select_backend
 
 # whether a torch.profiler / autograd profile is on (~60 ns); a private torch function, so absent means "no"
 _profiler_enabled = getattr(torch._C._autograd, "_profiler_enabled", lambda: False)
 
-__all__ = ["mla_decode", "plan_decode", "DecodePlan"]
+__all__ = ["mla_decode", "plan_decode", "DecodePlan", "auto_candidates"]
 
 
 def _unwrap_cache(kv_cache, kv_format, kv_scale):

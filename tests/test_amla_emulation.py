@@ -17,11 +17,12 @@ import torch
 
 import mla_dispatch
 from mla_dispatch.backends.amla_emulation import AMLAEmulationBackend
-from mla_dispatch.backends.reference import reference_attention
+from mla_dispatch.numerics.oracle import reference_attention
 from mla_dispatch.kernels.ascend import amla_emulation as emu
 from mla_dispatch.kernels.ascend.accuracy import DEFAULT_DISTRIBUTIONS, format_table, run_study
 from mla_dispatch.metadata.schedule import split_kv_schedule
-from mla_dispatch.numerics.cases import compare_outputs, make_case
+from mla_dispatch.numerics.cases import make_case
+from mla_dispatch.numerics.tolerance import compare_outputs
 
 TOL = AMLAEmulationBackend.TOLERANCE
 

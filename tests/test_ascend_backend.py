@@ -16,12 +16,13 @@ import torch
 
 import mla_dispatch
 from mla_dispatch.backends.ascend_amla import AscendAMLABackend
-from mla_dispatch.backends.reference import reference_attention
+from mla_dispatch.numerics.oracle import reference_attention
 from mla_dispatch.kernels.ascend import amla_emulation as emu
 from mla_dispatch.kernels.ascend import ops
 from mla_dispatch.dispatch.platform import Platform
 from mla_dispatch.dispatch.select import NoBackendError, explain, priority
-from mla_dispatch.numerics.cases import compare_outputs, make_case
+from mla_dispatch.numerics.cases import make_case
+from mla_dispatch.numerics.tolerance import compare_outputs
 
 NPU = Platform("npu", "Ascend910B3", None, "Ascend910B", 20)
 CPU = Platform("cpu", "cpu", None, "cpu", 2)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import mla_dispatch
-from mla_dispatch.dispatch import registry, select
+from mla_dispatch.dispatch import registry, select, tuned
 from mla_dispatch.dispatch.backend import CGSupport, MLABackend, ReasonCode
 from mla_dispatch.dispatch.platform import Platform
 from mla_dispatch.dispatch.problem import DecodeProblem
@@ -191,13 +191,13 @@ def test_entry_point_backends_register_and_rank_before_reference(monkeypatch, tm
 
 def test_tuned_table_moves_measured_best_first():
     p = problem()
-    select.set_tuned_table(select.fingerprint(SM90), {select.shape_bucket(p): "triton"})
+    tuned.set_tuned_table(tuned.fingerprint(SM90), {tuned.shape_bucket(p): "triton"})
     try:
-        assert select.priority(p, SM90, dict(select.tuned_table()[1]))[0] == "triton"
+        assert select.priority(p, SM90, dict(tuned.tuned_table()[1]))[0] == "triton"
         assert select._active_candidates(p, SM90)[0] == "triton"
         assert select._active_candidates(p, SM100)[0] == "flashinfer", "table is per device"
     finally:
-        select.set_tuned_table(None, None)
+        tuned.set_tuned_table(None, None)
 
 
 def test_simulated_platform_through_mla_decode(simulate_platform, fake_backends, gen):
@@ -250,7 +250,7 @@ def test_kernel_device_is_a_no_op_off_cuda():
     GPUs it is exercised by tests/test_multi_gpu.py."""
     import contextlib
 
-    from mla_dispatch.dispatch.platform import kernel_device
+    from mla_dispatch.kernels.triton.device import kernel_device
 
     guard = kernel_device(torch.zeros(1))
     assert isinstance(guard, contextlib.nullcontext)

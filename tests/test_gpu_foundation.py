@@ -6,8 +6,10 @@ import pytest
 import torch
 
 import mla_dispatch
-from mla_dispatch.metadata.schedule import combine_splits, split_kv_schedule
-from mla_dispatch.numerics.cases import case_reference, compare_outputs, make_case, poisoned_outputs
+from mla_dispatch.metadata.schedule import split_kv_schedule
+from mla_dispatch.metadata.combine import combine_splits
+from mla_dispatch.numerics.cases import case_reference, make_case, poisoned_outputs
+from mla_dispatch.numerics.tolerance import compare_outputs
 
 pytestmark = pytest.mark.gpu
 

@@ -23,7 +23,8 @@ import torch
 import mla_dispatch
 from mla_dispatch.dispatch.backend import CGSupport, MLABackend
 from mla_dispatch.integrations import layouts as L
-from mla_dispatch.numerics.cases import compare_outputs, make_case
+from mla_dispatch.numerics.cases import make_case
+from mla_dispatch.numerics.tolerance import compare_outputs
 
 TOL = mla_dispatch.get_backend("reference").TOLERANCE
 

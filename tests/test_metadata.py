@@ -3,18 +3,12 @@
 import pytest
 import torch
 
-from mla_dispatch.backends.reference import reference_attention
-from mla_dispatch.metadata.schedule import (
-    ITEM_SLOT,
-    combine_splits,
-    first_slots,
-    kv_indptr,
-    kv_last_page_lens,
-    repage_block_table,
-    split_kv_schedule,
-    token_indices,
-)
-from mla_dispatch.numerics.cases import check_close, make_case
+from mla_dispatch.numerics.oracle import reference_attention
+from mla_dispatch.metadata.combine import combine_splits, first_slots
+from mla_dispatch.metadata.conversions import kv_indptr, kv_last_page_lens, repage_block_table, token_indices
+from mla_dispatch.metadata.schedule import ITEM_SLOT, split_kv_schedule
+from mla_dispatch.numerics.cases import make_case
+from mla_dispatch.numerics.tolerance import check_close
 
 
 def _random_lengths(gen, batch):

@@ -6,7 +6,7 @@ What it guards against:
 - Triton launches on the *current* device, not on its tensors' device: with tensors on ``cuda:1`` while
   ``cuda:0`` was current, triton 3.6 refused the split-KV schedule's launch ("Pointer argument (at 0) cannot be
   accessed from Triton"), so neither backend could plan there. The schedule, decode and combine launches now run
-  under ``mla_dispatch.dispatch.platform.kernel_device``.
+  under ``mla_dispatch.kernels.triton.device.kernel_device``.
 - ``cudaFuncSetAttribute`` (the opt-in to more than 48 KB of dynamic shared memory) acts on the current device
   only; the SM90 launchers remembered it once per process, so after a launch on ``cuda:0`` a launch on ``cuda:1``
   was refused ("kernel launch failed: invalid argument"). They now remember it per device.
@@ -23,7 +23,8 @@ import torch
 
 from mla_dispatch import plan_decode
 from mla_dispatch.dispatch.registry import get_backend
-from mla_dispatch.numerics.cases import case_reference, compare_outputs, make_case, poisoned_outputs
+from mla_dispatch.numerics.cases import case_reference, make_case, poisoned_outputs
+from mla_dispatch.numerics.tolerance import compare_outputs
 
 pytestmark = pytest.mark.gpu
 

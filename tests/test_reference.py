@@ -13,9 +13,10 @@ import pytest
 import torch
 
 import mla_dispatch
-from mla_dispatch.backends.reference import reference_attention
+from mla_dispatch.numerics.oracle import reference_attention
 from mla_dispatch.kvcache.formats import DS_MLA_TOKEN_BYTES
-from mla_dispatch.numerics.cases import check_close, make_case
+from mla_dispatch.numerics.cases import make_case
+from mla_dispatch.numerics.tolerance import check_close
 
 
 def _decode_token(raw: torch.Tensor, kv_format: str, kv_scale) -> torch.Tensor:

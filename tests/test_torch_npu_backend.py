@@ -22,11 +22,12 @@ import torch
 
 import mla_dispatch
 import mla_dispatch.dispatch.platform as platform_mod
-from mla_dispatch.backends.reference import reference_attention
+from mla_dispatch.numerics.oracle import reference_attention
 from mla_dispatch.backends.torch_npu import TorchNpuBackend, padded_heads
 from mla_dispatch.dispatch.platform import Platform
 from mla_dispatch.dispatch.select import explain, select_backend
-from mla_dispatch.numerics.cases import compare_outputs, make_case
+from mla_dispatch.numerics.cases import make_case
+from mla_dispatch.numerics.tolerance import compare_outputs
 
 NPU = Platform("npu", "Ascend910B3", None, "Ascend910B", 20)
 

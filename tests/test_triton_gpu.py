@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mla_dispatch.numerics.cases import case_reference, compare_outputs, make_case, poisoned_outputs, scale_outputs
+from mla_dispatch.numerics.cases import case_reference, make_case, poisoned_outputs, scale_outputs
+from mla_dispatch.numerics.tolerance import compare_outputs
 
 pytestmark = pytest.mark.gpu
 

@@ -112,10 +112,11 @@ def _run_op_checks(seed: int) -> None:
     import torch
 
     from mla_dispatch import plan_decode
-    from mla_dispatch.backends.reference import reference_attention
+    from mla_dispatch.numerics.oracle import reference_attention
     from mla_dispatch.backends.triton import TritonBackend
     from mla_dispatch.dispatch.platform import platform_for
-    from mla_dispatch.numerics.cases import compare_outputs, make_case
+    from mla_dispatch.numerics.cases import make_case
+    from mla_dispatch.numerics.tolerance import compare_outputs
 
     for i, (cid, kw, overrides) in enumerate(OPCHECK_CASES):
         try:
@@ -151,10 +152,11 @@ def _run_cases(seed: int) -> None:
     import torch
 
     from mla_dispatch import plan_decode
-    from mla_dispatch.backends.reference import reference_attention
+    from mla_dispatch.numerics.oracle import reference_attention
     from mla_dispatch.backends.triton import TritonBackend
     from mla_dispatch.dispatch.platform import platform_for
-    from mla_dispatch.numerics.cases import compare_outputs, make_case
+    from mla_dispatch.numerics.cases import make_case
+    from mla_dispatch.numerics.tolerance import compare_outputs
 
     for i, (cid, kw, overrides) in enumerate(CASES):
         try:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import mla_dispatch
-from mla_dispatch.dispatch import select
+from mla_dispatch.dispatch import select, tuned
 from mla_dispatch.tools import tune
 from mla_dispatch.backends.reference import ReferenceBackend
 from mla_dispatch.tools.bench import BenchRow
@@ -38,11 +38,11 @@ def clean(monkeypatch, tmp_path, registered):
 
     Returns the shared ``registered`` helper, so test backends are unregistered too.
     """
-    monkeypatch.delenv(tune.ENV_VAR, raising=False)
+    monkeypatch.delenv(tuned.ENV_VAR, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    tune.reload_table()
+    tuned.reload_table()
     yield registered
-    tune.reload_table()
+    tuned.reload_table()
 
 
 def _problem(gen, **kw):
@@ -52,15 +52,15 @@ def _problem(gen, **kw):
 
 
 def _doc(fingerprint, table):
-    return {"format": tune.TABLE_FORMAT, "fingerprint": fingerprint, "device": "x", "versions": {},
+    return {"format": tuned.TABLE_FORMAT, "fingerprint": fingerprint, "device": "x", "versions": {},
             "created": "today", "metric": "run", "table": table, "measurements": {}}
 
 
 def test_round_trip(clean, tmp_path):
-    doc = _doc(select.fingerprint(CPU), {"rows16-hkv1-d576x512-ps64-bf16-dense": "reference", "b": "triton"})
+    doc = _doc(tuned.fingerprint(CPU), {"rows16-hkv1-d576x512-ps64-bf16-dense": "reference", "b": "triton"})
     path = tmp_path / "sub" / "t.json"
     tune.write_table(path, doc)
-    assert tune.read_table(path) == doc
+    assert tuned.read_table(path) == doc
 
 
 @pytest.mark.parametrize("text, message", [
@@ -72,7 +72,7 @@ def test_bad_files_are_rejected_with_a_reason(tmp_path, text, message):
     path = tmp_path / "t.json"
     path.write_text(text)
     with pytest.raises(ValueError, match=message):
-        tune.read_table(path)
+        tuned.read_table(path)
 
 
 def test_table_reorders_selection_loaded_lazily_from_env(clean, tmp_path, monkeypatch, gen):
@@ -80,20 +80,20 @@ def test_table_reorders_selection_loaded_lazily_from_env(clean, tmp_path, monkey
     problem = _problem(gen)
     other_bucket = _problem(gen, page_size=16)
     assert select.select_backend(problem, CPU) is FakeFast  # default: plugins before the reference
-    bucket = select.shape_bucket(problem)
+    bucket = tuned.shape_bucket(problem)
     path = tmp_path / "table.json"
-    tune.write_table(path, _doc(select.fingerprint(CPU), {bucket: "reference"}))
-    monkeypatch.setenv(tune.ENV_VAR, str(path))
-    tune.reload_table()  # forget the earlier look-up; nothing is read until the next selection
-    assert select.tuned_table() is None
+    tune.write_table(path, _doc(tuned.fingerprint(CPU), {bucket: "reference"}))
+    monkeypatch.setenv(tuned.ENV_VAR, str(path))
+    tuned.reload_table()  # forget the earlier look-up; nothing is read until the next selection
+    assert tuned.tuned_table() is None
     assert select.select_backend(problem, CPU).NAME == "reference"
-    assert select.tuned_table() == (select.fingerprint(CPU), {bucket: "reference"})
+    assert tuned.tuned_table() == (tuned.fingerprint(CPU), {bucket: "reference"})
     assert select.explain(problem, CPU).chosen == "reference"
-    assert select.priority(problem, CPU, select.tuned_table()[1])[0] == "reference"
+    assert select.priority(problem, CPU, tuned.tuned_table()[1])[0] == "reference"
     assert select.select_backend(other_bucket, CPU).NAME == fake  # buckets not in the table keep the default
     out, _ = mla_dispatch.mla_decode(*make_case(2, 1, 16, 64, generator=gen).args())
     assert out.shape == (2, 1, 16, 512)
-    description = tune.active_table_description(CPU)
+    description = tuned.active_table_description(CPU)
     assert str(path) in description and "in use" in description and "1 buckets" in description
 
 
@@ -101,26 +101,26 @@ def test_table_of_another_device_is_ignored(clean, tmp_path, monkeypatch, gen):
     clean(FakeFast)
     problem = _problem(gen)
     path = tmp_path / "table.json"
-    tune.write_table(path, _doc("NVIDIA H100 80GB HBM3|sm_90", {select.shape_bucket(problem): "reference"}))
-    monkeypatch.setenv(tune.ENV_VAR, str(path))
-    tune.reload_table()
+    tune.write_table(path, _doc("NVIDIA H100 80GB HBM3|sm_90", {tuned.shape_bucket(problem): "reference"}))
+    monkeypatch.setenv(tuned.ENV_VAR, str(path))
+    tuned.reload_table()
     assert select.select_backend(problem, CPU) is FakeFast
-    assert "NOT used: measured on NVIDIA H100" in tune.active_table_description(CPU)
+    assert "NOT used: measured on NVIDIA H100" in tuned.active_table_description(CPU)
 
 
 def test_unreadable_table_never_breaks_selection(clean, tmp_path, monkeypatch, gen):
     path = tmp_path / "table.json"
     path.write_text("{broken")
-    monkeypatch.setenv(tune.ENV_VAR, str(path))
-    tune.reload_table()
+    monkeypatch.setenv(tuned.ENV_VAR, str(path))
+    tuned.reload_table()
     assert select.select_backend(_problem(gen), CPU).NAME == "reference"
-    assert "unreadable" in tune.active_table_description(CPU)
+    assert "unreadable" in tuned.active_table_description(CPU)
 
 
 def test_default_path_is_per_device_under_the_cache_dir(clean, tmp_path):
-    path = tune.table_path(CPU)
+    path = tuned.table_path(CPU)
     assert path == tmp_path / "cache" / "mla_dispatch" / "tuned-cpu_cpu.json"
-    assert "none (default order" in tune.active_table_description(CPU)
+    assert "none (default order" in tuned.active_table_description(CPU)
 
 
 def test_pick_winners_needs_every_config_correct():
@@ -143,18 +143,18 @@ def test_tune_cli_end_to_end(clean, tmp_path, monkeypatch, capsys, gen):
     out = tmp_path / "tuned.json"
     rc = tune.main(["--quick", "--backends", f"reference,{wrong}", "--out", str(out), "--quiet", "--rep-ms", "3"])
     assert rc == 0
-    doc = tune.read_table(out)
+    doc = tuned.read_table(out)
     buckets = {tune.config_bucket(c) for c in tune.tune_configs(quick=True)}
     assert set(doc["table"]) == buckets
     assert set(doc["table"].values()) == {"reference"}  # the instant-but-wrong one never wins
     assert all(wrong not in m for m in doc["measurements"].values())
-    assert doc["fingerprint"] == select.fingerprint(CPU) and doc["versions"]["torch"] == torch.__version__
+    assert doc["fingerprint"] == tuned.fingerprint(CPU) and doc["versions"]["torch"] == torch.__version__
     assert "excluded: " + wrong in capsys.readouterr().err
     # the bucket a config lands in is the one selection computes for its problems
     cfg = tune.tune_configs(quick=True)[3]
     problem = _problem(gen, page_size=cfg.page_size)
-    assert tune.config_bucket(cfg) == select.shape_bucket(problem)
+    assert tune.config_bucket(cfg) == tuned.shape_bucket(problem)
     # and the written file, pointed to, drives selection
-    monkeypatch.setenv(tune.ENV_VAR, str(out))
-    tune.reload_table()
+    monkeypatch.setenv(tuned.ENV_VAR, str(out))
+    tuned.reload_table()
     assert select.select_backend(problem, CPU).NAME == "reference"

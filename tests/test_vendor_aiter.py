@@ -12,10 +12,11 @@ import torch
 
 import mla_dispatch
 from fakes import MI300X, MI355X, fake_aiter, forget, simulate
-from mla_dispatch.dispatch.backend import Tolerance
+from mla_dispatch.numerics.tolerance import Tolerance
 from mla_dispatch.backends.aiter import KERNELS, AiterBackend, choose_kernel
 from mla_dispatch.dispatch.select import NoBackendError
-from mla_dispatch.numerics.cases import case_reference, compare_outputs, make_case
+from mla_dispatch.numerics.cases import case_reference, make_case
+from mla_dispatch.numerics.tolerance import compare_outputs
 
 # fp8 q/kv quantisation error (AITER's own test: cos_diff < 3e-2, checkAllclose 1e-2).
 FP8_TOLERANCE = Tolerance(out_atol=2e-2, out_rtol=0.1, out_cos=3e-3, lse_atol=2e-2, lse_rtol=1e-2)

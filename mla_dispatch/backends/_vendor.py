@@ -13,7 +13,7 @@ import importlib.metadata
 import torch
 
 from mla_dispatch.dispatch.backend import Reason, ReasonCode
-from mla_dispatch.metadata.schedule import token_indices
+from mla_dispatch.metadata.conversions import token_indices
 
 __all__ = ["dist_version", "import_reasons", "packed_page_indices", "visible_rows", "zero_invisible_rows"]
 
@@ -46,7 +46,7 @@ def packed_page_indices(block_table: torch.Tensor, cache_seqlens: torch.Tensor, 
     Request ``b``'s pages are ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``, its first
     ``ceil(L_b / page_size)`` table entries; entries past ``kv_indptr[-1]`` are 0 (a
     valid page id), table entries past a request's length are never copied. This is
-    :func:`mla_dispatch.metadata.schedule.token_indices` applied to the table itself, one
+    :func:`mla_dispatch.metadata.conversions.token_indices` applied to the table itself, one
     "token" per page.
     """
     pages = (cache_seqlens.to(torch.int64) + page_size - 1) // page_size

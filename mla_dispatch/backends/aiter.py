@@ -38,7 +38,7 @@ import inspect
 import torch
 
 from mla_dispatch.dispatch.backend import BackendState, CGSupport, MLABackend, Reason, ReasonCode
-from mla_dispatch.metadata.schedule import kv_last_page_lens, token_indices
+from mla_dispatch.metadata.conversions import kv_last_page_lens, token_indices
 from mla_dispatch.dispatch.platform import Platform
 from mla_dispatch.dispatch.problem import DecodeProblem
 

@@ -12,7 +12,8 @@ outside the priority table. Ask for it by name::
 
 from __future__ import annotations
 
-from mla_dispatch.dispatch.backend import BackendState, CGSupport, MLABackend, Reason, ReasonCode, Tolerance
+from mla_dispatch.dispatch.backend import BackendState, CGSupport, MLABackend, Reason, ReasonCode
+from mla_dispatch.numerics.tolerance import Tolerance
 from mla_dispatch.dispatch.problem import DecodeProblem
 
 __all__ = ["AMLAEmulationBackend"]

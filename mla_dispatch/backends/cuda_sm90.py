@@ -24,7 +24,8 @@ import os
 import torch
 
 from mla_dispatch.dispatch.backend import BackendState, CGSupport, MLABackend, Reason, ReasonCode, untraced_eager
-from mla_dispatch.metadata.schedule import first_slots, split_kv_schedule
+from mla_dispatch.metadata.schedule import split_kv_schedule
+from mla_dispatch.metadata.combine import first_slots
 from mla_dispatch.dispatch.platform import Platform
 from mla_dispatch.dispatch.problem import DecodeProblem
 

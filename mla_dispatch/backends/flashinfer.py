@@ -38,8 +38,9 @@ import math
 
 import torch
 
-from mla_dispatch.dispatch.backend import BackendState, CGSupport, MLABackend, Reason, ReasonCode, Tolerance
-from mla_dispatch.metadata.schedule import repage_block_table
+from mla_dispatch.dispatch.backend import BackendState, CGSupport, MLABackend, Reason, ReasonCode
+from mla_dispatch.numerics.tolerance import Tolerance
+from mla_dispatch.metadata.conversions import repage_block_table
 from mla_dispatch.dispatch.platform import Platform
 from mla_dispatch.dispatch.problem import DecodeProblem
 

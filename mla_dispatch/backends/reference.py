@@ -1,11 +1,5 @@
-"""The PyTorch reference: fp32 math on the gathered cache, on any device.
-
-It is the oracle every other backend is tested against (FlashMLA's own test
-computes the same thing: ``tests/test_flash_mla_dense_decoding.py``), so it is
-written to be obviously right rather than fast: gather every request's tokens
-through the block table, dequantise them to fp32, mask what a query may not
-see, and take an exact softmax. Requests are processed in groups so memory
-stays bounded for long contexts.
+"""The ``reference`` backend: :func:`mla_dispatch.numerics.oracle.reference_attention` (fp32 math on the
+gathered cache) as a registered op, on any device. Slow; it is the oracle every other backend is tested against.
 """
 
 from __future__ import annotations
@@ -13,96 +7,10 @@ from __future__ import annotations
 import torch
 
 from mla_dispatch.dispatch.backend import BackendState, CGSupport, MLABackend
-from mla_dispatch.kvcache.formats import dequantize_tokens
 from mla_dispatch.dispatch.problem import DecodeProblem
+from mla_dispatch.numerics.oracle import reference_attention
 
-__all__ = ["ReferenceBackend", "reference_attention"]
-
-# Upper bound on fp32 elements materialised per request group (~1 GiB).
-_GROUP_ELEMENTS = 1 << 28
-
-
-def _softmax_rows(scores: torch.Tensor, values: torch.Tensor, v_eq: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact masked softmax: (P @ V, lse); rows with no finite score give (0, +inf)."""
-    lse = torch.logsumexp(scores, dim=-1)
-    empty = torch.isneginf(lse)
-    probs = torch.exp(scores - torch.where(empty, torch.zeros_like(lse), lse)[..., None])
-    out = torch.einsum(v_eq, probs, values)
-    lse = torch.where(empty, torch.full_like(lse, float("inf")), lse)
-    return out, lse
-
-
-def reference_attention(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_table: torch.Tensor | None,
-    cache_seqlens: torch.Tensor | None,
-    *,
-    head_dim_v: int = 512,
-    softmax_scale: float | None = None,
-    causal: bool = False,
-    kv_format: str = "bf16",
-    kv_scale: torch.Tensor | float | None = None,
-    indices: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """MLA decode attention in fp32.
-
-    Parameters are the canonical ones of :func:`mla_dispatch.mla_decode`
-    (``kv_cache`` must be 4-D ``[num_blocks, page_size, h_kv, D_qk or 656]``).
-
-    Returns
-    -------
-    out : Tensor
-        fp32 ``[B, s_q, h_q, head_dim_v]``; zeros for rows that see no key.
-    lse : Tensor
-        fp32 ``[B, h_q, s_q]``, natural log; ``+inf`` for rows that see no key.
-    """
-    batch, q_len, h_q, d_qk = q.shape
-    num_blocks, page_size, h_kv, _ = kv_cache.shape
-    group = h_q // h_kv
-    scale = softmax_scale if softmax_scale is not None else d_qk**-0.5
-    qf = q.float().view(batch, q_len, h_kv, group, d_qk)
-    out = torch.zeros(batch, q_len, h_kv, group, head_dim_v, dtype=torch.float32, device=q.device)
-    lse = torch.zeros(batch, q_len, h_kv, group, dtype=torch.float32, device=q.device)
-
-    if indices is not None:
-        # Sparse: each query token attends to its own token list; -1 entries are skipped.
-        flat = kv_cache.reshape(num_blocks * page_size, h_kv, kv_cache.shape[-1])
-        topk = indices.shape[-1]
-        step = max(1, _GROUP_ELEMENTS // max(1, q_len * topk * h_kv * (d_qk + group)))
-        for b0 in range(0, batch, step):
-            idx = indices[b0 : b0 + step].long()
-            valid = idx >= 0
-            keys = dequantize_tokens(flat[idx.clamp_min(0)], kv_format, kv_scale)  # [g, s_q, k, h_kv, D]
-            keys = torch.where(valid[..., None, None], keys, torch.zeros((), device=q.device))
-            scores = torch.einsum("bsgrd,bskgd->bsgrk", qf[b0 : b0 + step], keys) * scale
-            scores = scores.masked_fill(~valid[:, :, None, None, :], float("-inf"))
-            o, l = _softmax_rows(scores, keys[..., :head_dim_v], "bsgrk,bskgd->bsgrd")
-            out[b0 : b0 + step], lse[b0 : b0 + step] = o, l
-    else:
-        max_blocks = block_table.shape[1]
-        cap = max_blocks * page_size
-        pos = torch.arange(cap, device=q.device)
-        step = max(1, _GROUP_ELEMENTS // max(1, cap * (h_kv * d_qk + q_len * h_q)))
-        for b0 in range(0, batch, step):
-            seqlens = cache_seqlens[b0 : b0 + step].long()
-            live = pos[None, :] < seqlens[:, None]  # [g, cap]
-            blocks = torch.where(live, block_table[b0 : b0 + step].long()[:, pos // page_size], 0)
-            keys = dequantize_tokens(kv_cache[blocks, pos % page_size], kv_format, kv_scale)  # [g, cap, h_kv, D]
-            keys = torch.where(live[..., None, None], keys, torch.zeros((), device=q.device))  # NaN never leaks
-            scores = torch.einsum("bsgrd,btgd->bsgrt", qf[b0 : b0 + step], keys) * scale
-            # Key t is visible to query token i iff t < L and, if causal, t <= L - s_q + i.
-            limit = seqlens[:, None].expand(-1, q_len)
-            if causal:
-                limit = limit - q_len + 1 + torch.arange(q_len, device=q.device)[None, :]
-            visible = pos[None, None, :] < limit[:, :, None]  # [g, s_q, cap]
-            scores = scores.masked_fill(~visible[:, :, None, None, :], float("-inf"))
-            o, l = _softmax_rows(scores, keys[..., :head_dim_v], "bsgrt,btgd->bsgrd")
-            out[b0 : b0 + step], lse[b0 : b0 + step] = o, l
-
-    out = out.view(batch, q_len, h_q, head_dim_v)
-    lse = lse.view(batch, q_len, h_q).transpose(1, 2).contiguous()
-    return out, lse
+__all__ = ["ReferenceBackend"]
 
 
 @torch.library.custom_op("mla_dispatch::reference_decode", mutates_args=("out", "lse"))

@@ -48,8 +48,9 @@ import sys
 
 import torch
 
-from mla_dispatch.dispatch.backend import BackendState, CGSupport, MLABackend, Reason, ReasonCode, Tolerance
-from mla_dispatch.metadata.schedule import repage_block_table
+from mla_dispatch.dispatch.backend import BackendState, CGSupport, MLABackend, Reason, ReasonCode
+from mla_dispatch.numerics.tolerance import Tolerance
+from mla_dispatch.metadata.conversions import repage_block_table
 from mla_dispatch.dispatch.problem import DecodeProblem
 
 __all__ = ["TorchNpuBackend", "load_torch_npu", "vendor_op"]

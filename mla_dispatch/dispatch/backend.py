@@ -19,8 +19,9 @@ import torch
 
 from mla_dispatch.dispatch.platform import Platform
 from mla_dispatch.dispatch.problem import DecodeProblem
+from mla_dispatch.numerics.tolerance import BF16_TOLERANCE, Tolerance
 
-__all__ = ["ReasonCode", "Reason", "CGSupport", "Tolerance", "MLABackend", "BackendState", "Unimplemented",
+__all__ = ["ReasonCode", "Reason", "CGSupport", "MLABackend", "BackendState", "Unimplemented",
            "untraced_eager"]
 
 _is_compiling = torch.compiler.is_compiling
@@ -67,18 +68,6 @@ class CGSupport(enum.Enum):
     ALWAYS = 1
 
 
-@dataclasses.dataclass(frozen=True)
-class Tolerance:
-    """Per-element ``abs <= atol or rel <= rtol`` plus a cosine-difference bound (DESIGN.md §5)."""
-
-    out_atol: float = 8e-4
-    out_rtol: float = 2.01 / 128
-    out_cos: float = 5e-6
-    lse_atol: float = 1e-6
-    lse_rtol: float = 8.01 / 65536
-
-
-BF16_TOLERANCE = Tolerance()
 
 
 class BackendState:

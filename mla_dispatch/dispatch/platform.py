@@ -5,7 +5,6 @@ simulate every platform on a CPU.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import importlib.util
@@ -13,7 +12,7 @@ import os
 
 import torch
 
-__all__ = ["Platform", "detect_platform", "platform_for", "kernel_device", "KINDS"]
+__all__ = ["Platform", "detect_platform", "platform_for", "KINDS"]
 
 KINDS = ("cuda", "rocm", "npu", "cpu")
 
@@ -115,16 +114,3 @@ def platform_for(device: torch.device) -> Platform:
 
 
 platform_for.cache_clear = _platform_cached.cache_clear  # type: ignore[attr-defined]
-
-
-def kernel_device(t: torch.Tensor):
-    """A context in which a kernel launched on the *current* CUDA device runs on ``t``'s GPU.
-
-    Triton launches on the current device whatever device its tensor arguments are on: with
-    tensors on ``cuda:1`` while ``cuda:0`` is current, triton 3.6 refuses the launch ("Pointer
-    argument ... cannot be accessed from Triton"). Returns ``torch.cuda.device(t.device)`` for a
-    CUDA tensor and a no-op context otherwise (CPU tensors under Triton's interpreter).
-    """
-    if t.device.type == "cuda":
-        return torch.cuda.device(t.device)
-    return contextlib.nullcontext()

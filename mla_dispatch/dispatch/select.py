@@ -20,7 +20,9 @@ import torch
 from mla_dispatch.dispatch.backend import MLABackend, Reason
 from mla_dispatch.dispatch.platform import Platform, platform_for
 from mla_dispatch.dispatch.problem import DecodeProblem
+from mla_dispatch.dispatch import tuned
 from mla_dispatch.dispatch.registry import BUILTIN_BACKENDS, get_backend, registered_names
+from mla_dispatch.dispatch.tuned import shape_bucket
 
 __all__ = [
     "priority",
@@ -29,7 +31,7 @@ __all__ = [
     "SelectionReport",
     "NoBackendError",
     "use_backends",
-    "set_tuned_table",
+    "auto_candidates",
 ]
 
 logger = logging.getLogger("mla_dispatch")
@@ -44,10 +46,6 @@ _DEFAULT_ORDER = {
     "cpu": ("reference",),
 }
 
-# A measured dispatch table: (device fingerprint, ((shape bucket, backend name), ...)).
-# Data, not a toggle: installed from a file written by `python -m mla_dispatch tune`.
-_TUNED: tuple[str, tuple[tuple[str, str], ...]] | None = None
-_tuned_loaded = False  # has the on-disk table (mla_dispatch.tools.tune) been looked for yet?
 _OVERRIDE: contextvars.ContextVar[tuple[tuple[str, ...], bool] | None] = contextvars.ContextVar(
     "mla_dispatch_backends", default=None
 )
@@ -64,10 +62,10 @@ def platform_key(platform: Platform) -> str:
     return platform.kind
 
 
-def priority(problem: DecodeProblem, platform: Platform, tuned: dict[str, str] | None = None) -> tuple[str, ...]:
+def priority(problem: DecodeProblem, platform: Platform, table: dict[str, str] | None = None) -> tuple[str, ...]:
     """Candidate backend names for ``problem`` on ``platform``, best first. Pure.
 
-    ``tuned`` maps a shape bucket (see :func:`shape_bucket`) to the measured
+    ``table`` maps a shape bucket (:func:`mla_dispatch.dispatch.tuned.shape_bucket`) to the measured
     fastest backend on this device; when the problem's bucket is in it, that
     backend moves to the front. Third-party backends (registered but absent
     from the built-in table) go just before ``reference``; built-in names
@@ -76,22 +74,12 @@ def priority(problem: DecodeProblem, platform: Platform, tuned: dict[str, str] |
     order = list(_DEFAULT_ORDER.get(platform_key(platform), ("reference",)))
     extra = [n for n in registered_names() if n not in BUILTIN_BACKENDS]  # third-party plugins
     order[-1:-1] = extra
-    if tuned:
-        best = tuned.get(shape_bucket(problem))
+    if table:
+        best = table.get(shape_bucket(problem))
         if best in order:
             order.remove(best)
             order.insert(0, best)
     return tuple(order)
-
-
-def shape_bucket(problem: DecodeProblem) -> str:
-    """Coarse key of a problem for measured dispatch tables (not per sequence length)."""
-    rows = problem.q_len * problem.num_heads_q // problem.num_heads_kv
-    rows_bucket = 1 << max(0, (rows - 1).bit_length())
-    return (
-        f"rows{rows_bucket}-hkv{problem.num_heads_kv}-d{problem.head_dim_qk}x{problem.head_dim_v}"
-        f"-ps{problem.page_size}-{problem.kv_format}-{'sparse' if problem.sparse else 'dense'}"
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,8 +116,7 @@ class NoBackendError(NotImplementedError):
 
 
 def _active_candidates(problem: DecodeProblem, platform: Platform) -> tuple[str, ...]:
-    tuned = dict(_TUNED[1]) if _TUNED is not None and _TUNED[0] == fingerprint(platform) else None
-    order = priority(problem, platform, tuned)
+    order = priority(problem, platform, tuned.active_table(platform))
     override = _OVERRIDE.get()
     if override is not None:
         names, reorder = override
@@ -149,7 +136,6 @@ def explain(problem: DecodeProblem, platform: Platform | None = None,
     """
     if platform is None:
         platform = platform_for(torch.device(problem.device_type))
-    _ensure_tuned_loaded(platform)
     names = tuple(candidates) if candidates is not None else _active_candidates(problem, platform)
     rows = []
     for name in names:
@@ -159,7 +145,7 @@ def explain(problem: DecodeProblem, platform: Platform | None = None,
 
 
 @functools.lru_cache(maxsize=1024)
-def _select_cached(problem: DecodeProblem, platform: Platform, backend: str, override, tuned) -> str:
+def _select_cached(problem: DecodeProblem, platform: Platform, backend: str, override, table_token) -> str:
     if backend != "auto":
         cls = get_backend(backend)  # ValueError for unknown names
         reasons = cls.not_supported_reasons(problem, platform)
@@ -185,8 +171,8 @@ def select_backend(problem: DecodeProblem, platform: Platform, backend: str = "a
     ValueError
         ``backend`` is not a registered name.
     """
-    _ensure_tuned_loaded(platform)
-    name = _select_cached(problem, platform, backend, _OVERRIDE.get(), _TUNED)
+    tuned.active_table(platform)  # loads the measured table at the first selection
+    name = _select_cached(problem, platform, backend, _OVERRIDE.get(), tuned.state_token())
     return get_backend(name)
 
 
@@ -219,31 +205,13 @@ def use_backends(*names: str, reorder: bool = False) -> Iterator[None]:
         _OVERRIDE.reset(token)
 
 
-def fingerprint(platform: Platform) -> str:
-    """Identity of a device for measured tables: its name and architecture."""
-    return f"{platform.name}|{platform.arch}"
+def auto_candidates(platform: Platform) -> list[type[MLABackend]]:
+    """The backend classes ``backend="auto"`` may choose on ``platform`` (best first, before any measured table).
 
-
-def _ensure_tuned_loaded(platform: Platform) -> None:
-    """At the first selection (never at import), install the table `tune` wrote for this device, if any."""
-    global _tuned_loaded
-    if not _tuned_loaded:
-        _tuned_loaded = True
-        from mla_dispatch.tools.tune import install_active_table  # never raises
-
-        install_active_table(platform)
-
-
-def set_tuned_table(device_fingerprint: str | None, table: dict[str, str] | None) -> None:
-    """Install a measured dispatch table (bucket -> backend) for one device; None clears it.
-
-    An explicit call wins over the on-disk table (which is then not loaded).
+    Conformance-only backends (``amla_emulation``) are not among them.
     """
-    global _TUNED, _tuned_loaded
-    _tuned_loaded = True
-    _TUNED = None if table is None else (device_fingerprint, tuple(sorted(table.items())))
-
-
-def tuned_table() -> tuple[str, dict[str, str]] | None:
-    """The installed measured table as (device fingerprint, {bucket: backend}), or None."""
-    return None if _TUNED is None else (_TUNED[0], dict(_TUNED[1]))
+    # priority() reads only the platform when no measured table is passed; any problem will do.
+    probe = DecodeProblem(batch=1, q_len=1, num_heads_q=1, num_heads_kv=1, head_dim_qk=576, head_dim_v=512,
+                          page_size=1, max_blocks=1, q_dtype=torch.bfloat16, kv_format="bf16", causal=False,
+                          topk=0, return_lse=True, device_type=platform.kind)
+    return [get_backend(name) for name in priority(probe, platform)]

@@ -34,8 +34,7 @@ import torch
 from mla_dispatch.dispatch.backend import CGSupport, MLABackend
 from mla_dispatch.dispatch.platform import Platform
 from mla_dispatch.dispatch.problem import DecodeProblem
-from mla_dispatch.dispatch.registry import get_backend
-from mla_dispatch.dispatch.select import priority
+from mla_dispatch.api import auto_candidates
 
 __all__ = [
     "EngineCapabilities",
@@ -103,18 +102,6 @@ def engine_capabilities(backends: Iterable[type[MLABackend]], platform_kind: str
         cuda_graph=cuda_graph,
         backends=tuple(names),
     )
-
-
-def auto_candidates(platform: Platform) -> list[type[MLABackend]]:
-    """The backend classes ``backend="auto"`` may choose on ``platform`` (best first).
-
-    Conformance-only backends (``amla_emulation``) are not among them.
-    """
-    # priority() reads only the platform when no tuned table is passed; any problem will do.
-    probe = DecodeProblem(batch=1, q_len=1, num_heads_q=1, num_heads_kv=1, head_dim_qk=576, head_dim_v=512,
-                          page_size=1, max_blocks=1, q_dtype=torch.bfloat16, kv_format="bf16", causal=False,
-                          topk=0, return_lse=True, device_type=platform.kind)
-    return [get_backend(name) for name in priority(probe, platform)]
 
 
 # --------------------------------------------------------------------------------------

@@ -1,6 +1,5 @@
-"""Scheduling metadata shared by every backend: the split-KV work partition,
-the LSE-weighted combine of partial results, and the conversions vendor
-adapters need (token-level indices, indptrs, last-page lengths).
+"""The split-KV work partition shared by every backend (the combine of its partial results is in
+:mod:`mla_dispatch.metadata.combine`).
 
 The split-KV schedule
 ---------------------
@@ -10,7 +9,8 @@ magnitude).  Like FlashMLA's tile scheduler (``csrc/sm90/decode/...``
 ``get_mla_metadata``) we lay the requests end to end on one "cost axis", give
 every request ``ceil(L_b / chunk) + overhead`` cost units, and cut that axis
 into ``num_parts`` equal pieces, one per persistent CTA.  A request that a cut
-falls inside is split; its pieces are merged afterwards by :func:`combine_splits`.
+falls inside is split; its pieces are merged afterwards by
+:func:`mla_dispatch.metadata.combine.combine_splits`.
 
 The schedule is a flat list of *work items*.  Each item is one (request, token
 range) pair::
@@ -35,7 +35,7 @@ Everything is computed with tensor operations on the device holding
 ``(batch, num_parts)``, so the computation can run inside a CUDA graph (or
 before it, into the same buffers, with :meth:`SplitKVSchedule.update_`).
 On a CUDA/ROCm device the same schedule, bit for bit, comes from one Triton
-launch (``kernels/triton/schedule.py``); the tensor-op code here stays the
+launch (``metadata/schedule_triton.py``); the tensor-op code here stays the
 reference and the CPU path (``impl=`` of :func:`split_kv_schedule`).
 """
 
@@ -48,20 +48,12 @@ import os
 
 import torch
 
-__all__ = [
-    "SplitKVSchedule",
-    "split_kv_schedule",
-    "combine_splits",
-    "first_slots",
-    "token_indices",
-    "kv_indptr",
-    "kv_last_page_lens",
-    "repage_block_table",
-]
+__all__ = ["SplitKVSchedule", "split_kv_schedule", "default_num_parts", "ITEM_REQ", "ITEM_BEGIN", "ITEM_END",
+           "ITEM_SLOT"]
 
 ITEM_REQ, ITEM_BEGIN, ITEM_END, ITEM_SLOT = range(4)
 
-#: Largest batch the one-launch Triton schedule takes (``kernels/triton/schedule.py``); torch above it.
+#: Largest batch the one-launch Triton schedule takes (``metadata/schedule_triton.py``); torch above it.
 TRITON_SCHEDULE_MAX_BATCH = 8192
 SCHEDULE_IMPLS = ("auto", "torch", "triton")
 
@@ -342,136 +334,6 @@ def _triton_schedule_into(sched: SplitKVSchedule, cache_seqlens: torch.Tensor) -
         sched.workspace = ws = torch.empty(need, dtype=torch.int32, device=cache_seqlens.device)
     split_kv_schedule_into(cache_seqlens, sched.items, sched.part_offsets, sched.num_splits, sched.slot_req, ws,
                            num_parts=sched.num_parts, chunk_size=sched.chunk_size, overhead=sched.overhead)
-
-
-def first_slots(num_splits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """int32 ``[batch]``: the first partial slot of each split request.
-
-    Slots of split requests are consecutive, request after request (see
-    :func:`split_kv_schedule`), so this is an exclusive prefix sum of
-    ``num_splits`` over split requests; unsplit requests get the running value
-    (they use no slot). Combine kernels use it to find a request's partials.
-    Written into ``out`` when given (no allocation escapes; CUDA-graph friendly).
-    """
-    slots = torch.where(num_splits > 1, num_splits, torch.zeros_like(num_splits)).to(torch.int64)
-    first = torch.cumsum(slots, 0) - slots
-    if out is None:
-        return first.to(torch.int32)
-    out.copy_(first)
-    return out
-
-
-def combine_splits(
-    partial_out: torch.Tensor,
-    partial_lse: torch.Tensor,
-    schedule: SplitKVSchedule,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-) -> None:
-    """Merge the partial results of split requests into ``out`` and ``lse``, in place.
-
-    Rows of requests that were not split are left untouched (the kernel wrote
-    them directly).
-
-    Parameters
-    ----------
-    partial_out : Tensor
-        fp32 ``[max_slots, s_q, h_q, D_v]``: per-slot output normalised by its
-        own softmax denominator.
-    partial_lse : Tensor
-        fp32 ``[max_slots, s_q, h_q]``: per-slot natural-log LSE, ``-inf`` for a
-        row that saw no key in its slot.
-    schedule : SplitKVSchedule
-        The schedule the partials were computed with.
-    out : Tensor
-        ``[batch, s_q, h_q, D_v]`` in the output dtype.
-    lse : Tensor
-        fp32 ``[batch, h_q, s_q]``; rows with no visible key get ``+inf`` and
-        ``out = 0``.
-    """
-    batch = out.shape[0]
-    slot_req = schedule.slot_req.to(torch.int64)
-    used = slot_req >= 0
-    req = slot_req.clamp_min(0)
-    plse = partial_lse.masked_fill(~used[:, None, None], float("-inf"))  # no host-to-device scalar copy
-
-    # Per request maximum LSE over its slots (requests without slots keep -inf).
-    idx = req[:, None, None].expand_as(plse)
-    m = torch.full((batch,) + tuple(plse.shape[1:]), float("-inf"), device=plse.device)
-    m.scatter_reduce_(0, idx, plse, reduce="amax", include_self=True)
-    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    w = torch.exp(plse - m_safe[req])  # 0 for -inf partials and unused slots
-    denom = torch.zeros_like(m).index_add_(0, req, w)
-    acc = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
-    acc.index_add_(0, req, torch.nan_to_num(partial_out, nan=0.0) * w[..., None])
-
-    has_mass = denom > 0
-    merged_out = torch.where(has_mass[..., None], acc / denom.clamp_min(1e-30)[..., None], torch.zeros_like(acc))
-    merged_lse = torch.where(has_mass, m_safe + torch.log(denom.clamp_min(1e-30)), torch.full_like(m, float("inf")))
-
-    split = (schedule.num_splits > 1).to(out.device)
-    out.copy_(torch.where(split[:, None, None, None], merged_out.to(out.dtype), out))
-    lse.copy_(torch.where(split[:, None, None], merged_lse.transpose(1, 2), lse))
-
-
-# --------------------------------------------------------------------------------------
-# Conversions for vendor adapters
-# --------------------------------------------------------------------------------------
-
-
-def kv_indptr(cache_seqlens: torch.Tensor, page_size: int) -> torch.Tensor:
-    """int32 ``[batch + 1]`` exclusive prefix sum of pages per request (FlashInfer/AITER ``kv_indptr``)."""
-    pages = (cache_seqlens.to(torch.int64) + page_size - 1) // page_size
-    return torch.cat([pages.new_zeros(1), torch.cumsum(pages, 0)]).to(torch.int32)
-
-
-def kv_last_page_lens(cache_seqlens: torch.Tensor, page_size: int) -> torch.Tensor:
-    """int32 ``[batch]`` tokens in each request's last page (``page_size`` for a full page, 0 for an empty request)."""
-    seqlens = cache_seqlens.to(torch.int64)
-    last = seqlens - ((seqlens + page_size - 1) // page_size - 1) * page_size
-    return torch.where(seqlens > 0, last, torch.zeros_like(last)).to(torch.int32)
-
-
-def token_indices(
-    block_table: torch.Tensor, cache_seqlens: torch.Tensor, page_size: int, *, max_tokens: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Page-size-1 view of a paged cache: flat token slots of every request.
-
-    Returns ``(indptr, indices)``: int32 ``[batch + 1]`` token offsets and int32
-    ``[batch * max_blocks * page_size]`` slot ids ``block_id * page_size + offset``,
-    packed request after request (entries past ``indptr[-1]`` are 0). The shape is
-    static (no host sync). Table entries past a request's length are never read
-    into ``indices``. With ``max_tokens`` the output is truncated/padded to that size.
-    """
-    batch, max_blocks = block_table.shape
-    cap = max_blocks * page_size
-    seqlens = cache_seqlens.to(torch.int64).clamp(0, cap)
-    pos = torch.arange(cap, device=block_table.device, dtype=torch.int64)
-    live = pos[None, :] < seqlens[:, None]
-    pages = torch.where(live, block_table.to(torch.int64)[:, pos // page_size], torch.zeros_like(live, dtype=torch.int64))
-    slots = pages * page_size + (pos % page_size)[None, :]
-    indptr = torch.cat([seqlens.new_zeros(1), torch.cumsum(seqlens, 0)])
-    n = max_tokens if max_tokens is not None else batch * cap
-    dest = torch.where(live, indptr[:-1, None] + pos[None, :], torch.full_like(slots, n))
-    flat = torch.zeros(n + 1, dtype=torch.int64, device=block_table.device)
-    flat.scatter_(0, dest.reshape(-1).clamp_max(n), torch.where(live, slots, 0).reshape(-1))
-    return indptr.to(torch.int32), flat[:n].to(torch.int32)
-
-
-def repage_block_table(block_table: torch.Tensor, page_size: int, new_page_size: int) -> torch.Tensor:
-    """Block table for viewing the same cache with a smaller page size.
-
-    ``new_page_size`` must divide ``page_size``; the cache tensor is re-viewed as
-    ``[num_blocks * (page_size // new_page_size), new_page_size, ...]`` (a pure
-    view for a contiguous cache). Entry ``j`` of the new table is sub-page
-    ``j % r`` of old page ``j // r``.
-    """
-    if page_size % new_page_size != 0:
-        raise ValueError(f"new_page_size={new_page_size} must divide page_size={page_size}")
-    r = page_size // new_page_size
-    sub = torch.arange(r, device=block_table.device, dtype=torch.int64)
-    table = block_table.to(torch.int64)[:, :, None] * r + sub
-    return table.reshape(block_table.shape[0], -1).to(torch.int32)
 
 
 def default_num_parts(num_compute_units: int, num_heads_kv: int, rows_per_head: int, tile_rows: int = 64) -> int:

@@ -42,11 +42,12 @@ requests on), and the caller falls back to torch above :data:`MAX_BATCH`.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
 
-from mla_dispatch.dispatch.platform import kernel_device
 
 __all__ = ["MAX_BATCH", "workspace_numel", "split_kv_schedule_into"]
 
@@ -243,7 +244,8 @@ def split_kv_schedule_into(
     block_b = triton.next_power_of_2(batch)
     block_p = triton.next_power_of_2(num_parts + 1)
     block_m = triton.next_power_of_2(n_rows)
-    with kernel_device(cache_seqlens):  # Triton launches on the current device, not the tensors'
+    # Triton launches on the current device, not the tensors' (the kernels' guard: kernels/triton/device.py)
+    with torch.cuda.device(cache_seqlens.device) if cache_seqlens.is_cuda else contextlib.nullcontext():
         split_kv_schedule_kernel[(1,)](
             cache_seqlens, items, part_offsets, num_splits, slot_req,
             ws_end, ws_flag, ws_excl, ws_slot_base,

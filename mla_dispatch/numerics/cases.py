@@ -15,11 +15,11 @@ import math
 
 import torch
 
-from mla_dispatch.dispatch.backend import Tolerance
+from mla_dispatch.numerics.oracle import reference_attention
+from mla_dispatch.numerics.tolerance import Tolerance
 from mla_dispatch.kvcache.formats import pack_ds_mla, quantize_fp8_e4m3
 
-__all__ = ["DecodeCase", "make_case", "case_reference", "poisoned_outputs", "scale_outputs", "check_close",
-           "compare_outputs", "CloseReport", "UNUSED_BLOCK_ID"]
+__all__ = ["DecodeCase", "make_case", "case_reference", "poisoned_outputs", "scale_outputs", "UNUSED_BLOCK_ID"]
 
 UNUSED_BLOCK_ID = 2147480000
 
@@ -152,8 +152,6 @@ def case_reference(case: DecodeCase, cache_seqlens: torch.Tensor | None = None) 
     ``cache_seqlens`` replaces the case's lengths (a step that changed them); a 3-D cache ``[nb, ps, D]`` is read as
     one KV head, as ``mla_decode`` reads it.
     """
-    from mla_dispatch.backends.reference import reference_attention
-
     kv = case.kv_cache if case.kv_cache.dim() == 4 else case.kv_cache.unsqueeze(2)
     lens = case.cache_seqlens if cache_seqlens is None else cache_seqlens
     return reference_attention(case.q, kv, case.block_table, lens, **case.kwargs())
@@ -181,65 +179,3 @@ def scale_outputs(case: DecodeCase, scale: float, tol: Tolerance) -> Tolerance:
     case.kv_cache[..., :case.head_dim_v].mul_(scale)
     case.q[..., :case.head_dim_v].div_(scale)
     return dataclasses.replace(tol, out_atol=tol.out_atol * scale)
-
-
-@dataclasses.dataclass
-class CloseReport:
-    """Outcome of :func:`check_close`: ``ok`` and the worst errors seen."""
-
-    ok: bool
-    max_abs: float
-    max_rel: float
-    cos_diff: float
-    message: str
-
-    def __bool__(self) -> bool:
-        return self.ok
-
-
-def check_close(name: str, got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float,
-                cos: float | None = None) -> CloseReport:
-    """FlashMLA's ``check_is_allclose``: each element passes if abs <= atol or rel <= rtol;
-    Inf/NaN positions must match exactly; optionally a cosine-difference bound."""
-    got = got.double()
-    want = want.double()
-    if got.shape != want.shape:
-        return CloseReport(False, math.inf, math.inf, math.inf, f"{name}: shape {list(got.shape)} != {list(want.shape)}")
-    nonfinite_got, nonfinite_want = ~torch.isfinite(got), ~torch.isfinite(want)
-    if not torch.equal(nonfinite_got, nonfinite_want) or not torch.equal(
-        torch.where(nonfinite_got, got.nan_to_num(nan=1.0, posinf=2.0, neginf=3.0), 0.0),
-        torch.where(nonfinite_want, want.nan_to_num(nan=1.0, posinf=2.0, neginf=3.0), 0.0),
-    ):
-        n = int((nonfinite_got != nonfinite_want).sum())
-        return CloseReport(False, math.inf, math.inf, math.inf, f"{name}: Inf/NaN positions differ ({n} elements)")
-    fin = ~nonfinite_want
-    g, w = got[fin], want[fin]
-    abs_err = (g - w).abs()
-    rel_err = abs_err / w.abs().clamp_min(1e-30)
-    bad = (abs_err > atol) & (rel_err > rtol)
-    max_abs = float(abs_err.max()) if abs_err.numel() else 0.0
-    max_rel = float(torch.where(abs_err > atol, rel_err, 0.0).max()) if abs_err.numel() else 0.0
-    cos_diff = 0.0
-    if cos is not None and g.numel():
-        denom = (g * g + w * w).sum()
-        cos_diff = float(1 - 2 * (g * w).sum() / denom) if denom > 0 else 0.0
-    if bool(bad.any()):
-        i = int(torch.nonzero(bad.flatten())[0])
-        msg = (f"{name}: {int(bad.sum())} of {bad.numel()} elements out of tolerance (atol={atol}, rtol={rtol}); "
-               f"first: got {float(g.flatten()[i]):.6g} want {float(w.flatten()[i]):.6g}")
-        return CloseReport(False, max_abs, max_rel, cos_diff, msg)
-    if cos is not None and cos_diff > cos:
-        return CloseReport(False, max_abs, max_rel, cos_diff, f"{name}: cosine difference {cos_diff:.3g} > {cos}")
-    return CloseReport(True, max_abs, max_rel, cos_diff, f"{name}: ok (max abs {max_abs:.3g})")
-
-
-def compare_outputs(out: torch.Tensor, lse: torch.Tensor | None, ref_out: torch.Tensor, ref_lse: torch.Tensor,
-                    tol: Tolerance) -> CloseReport:
-    """Compare a backend's (out, lse) with the reference's, DESIGN.md §5 tolerances."""
-    r = check_close("out", out, ref_out.to(out.dtype), tol.out_atol, tol.out_rtol, tol.out_cos)
-    if not r or lse is None:
-        return r
-    r2 = check_close("lse", lse, ref_lse, tol.lse_atol, tol.lse_rtol)
-    if not r2:
-        return r2
-    return CloseReport(True, r.max_abs, r.max_rel, r.cos_diff, f"ok (out max abs {r.max_abs:.3g}, cos {r.cos_diff:.2g})")

@@ -49,7 +49,8 @@ from mla_dispatch.dispatch.platform import platform_for
 from mla_dispatch.dispatch.problem import DecodeProblem, describe_inputs
 from mla_dispatch.dispatch.registry import get_backend, registered_names
 from mla_dispatch.tools.roofline import Ceilings, decode_work, measure_ceilings, time_fn, timer_name
-from mla_dispatch.numerics.cases import UNUSED_BLOCK_ID, DecodeCase, compare_outputs
+from mla_dispatch.numerics.cases import UNUSED_BLOCK_ID, DecodeCase
+from mla_dispatch.numerics.tolerance import compare_outputs
 
 __all__ = ["BenchConfig", "BenchRow", "GRIDS", "grid_configs", "make_bench_case", "run_bench", "default_backends",
            "environment", "main"]
@@ -391,7 +392,7 @@ def environment(device: torch.device, backends: Sequence[str] | None = None) -> 
     Versions are those of ``backends`` (default: every available one; asking
     imports, and for JIT-built kernels builds, each backend).
     """
-    from mla_dispatch import __version__
+    from mla_dispatch.version import __version__
 
     env = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -430,7 +431,7 @@ def run_bench(configs: Sequence[BenchConfig], backends: Sequence[str], *, device
     """Benchmark ``backends`` on ``configs``; measures the ceilings first unless given."""
     from tqdm import tqdm
 
-    from mla_dispatch.backends.reference import reference_attention
+    from mla_dispatch.numerics.oracle import reference_attention
 
     ceilings = ceilings or measure_ceilings(device)
     rows: list[BenchRow] = []

@@ -32,7 +32,8 @@ from mla_dispatch.api import mla_decode
 from mla_dispatch.dispatch.platform import platform_for
 from mla_dispatch.dispatch.problem import describe_inputs
 from mla_dispatch.dispatch.registry import get_backend, registered_names
-from mla_dispatch.numerics.cases import DecodeCase, compare_outputs, make_case
+from mla_dispatch.numerics.cases import DecodeCase, make_case
+from mla_dispatch.numerics.tolerance import compare_outputs
 
 __all__ = ["ConformanceCase", "Cell", "case_set", "run_conformance", "format_matrix", "main"]
 
@@ -132,7 +133,7 @@ def run_conformance(cases: Sequence[ConformanceCase], backends: Sequence[str], *
     """``{case name: {backend: Cell}}`` for every case and backend."""
     from tqdm import tqdm
 
-    from mla_dispatch.backends.reference import reference_attention
+    from mla_dispatch.numerics.oracle import reference_attention
 
     matrix: dict[str, dict[str, Cell]] = {}
     bar = tqdm(total=len(cases) * len(backends), desc="conformance", unit="cell", disable=not progress, leave=False,

@@ -17,11 +17,11 @@ import time
 import torch
 
 from mla_dispatch.api import plan_decode
-from mla_dispatch.backends.reference import reference_attention
+from mla_dispatch.numerics.oracle import reference_attention
 from mla_dispatch.kvcache.cache import PagedMLACache
 from mla_dispatch.dispatch.platform import detect_platform
 from mla_dispatch.dispatch.registry import get_backend
-from mla_dispatch.numerics.cases import compare_outputs
+from mla_dispatch.numerics.tolerance import compare_outputs
 
 # DeepSeek-V3: qk_nope 128 + qk_rope 64 per head before absorption; YaRN mscale for
 # factor 40 with mscale_all_dim 1.0 is 0.1*ln(40)+1.

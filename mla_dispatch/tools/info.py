@@ -13,6 +13,8 @@ import platform as host_platform
 import torch
 
 from mla_dispatch.dispatch.platform import detect_platform
+from mla_dispatch.dispatch.tuned import active_table_description
+from mla_dispatch.version import __version__
 from mla_dispatch.dispatch.problem import DecodeProblem
 from mla_dispatch.dispatch.registry import get_backend, registered_names
 from mla_dispatch.dispatch.select import explain, priority
@@ -61,17 +63,11 @@ def report(problem: DecodeProblem | None = None) -> str:
 
 
 def _version() -> str:
-    from mla_dispatch import __version__
-
     return __version__
 
 
 def _tuned_description() -> str:
-    try:
-        from mla_dispatch.tools.tune import active_table_description
-    except ImportError:
-        return "default order (no measured table support in this version)"
-    return active_table_description()
+    return active_table_description(detect_platform())
 
 
 def main(argv: list[str] | None = None) -> int:

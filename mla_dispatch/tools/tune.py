@@ -1,25 +1,8 @@
 """``python -m mla_dispatch tune``: measure the backends here and write this device's dispatch table.
 
-The table maps a shape bucket (:func:`mla_dispatch.dispatch.select.shape_bucket`: rows
-per KV head, h_kv, head dims, page size, KV format, dense/sparse) to the
-fastest backend that passed the correctness gate on every config of that
-bucket, on this device, with these software versions. It is a JSON file::
-
-    {"format": "mla_dispatch-tuned-table/1",
-     "fingerprint": "NVIDIA H100 80GB HBM3|sm_90", "device": ..., "versions": {...},
-     "created": "...", "command": "...", "metric": "run",
-     "table": {"rows128-hkv1-d576x512-ps64-bf16-dense": "flashmla", ...},
-     "measurements": {bucket: {backend: µs summed over the bucket's configs}}}
-
-Where it lives: ``$MLA_DISPATCH_TUNED_TABLE`` if set, else
-``$XDG_CACHE_HOME/mla_dispatch/tuned-<device>.json`` (``~/.cache`` by
-default). It is read lazily, at the first backend selection of the process
-(never at import), and installed with :func:`mla_dispatch.dispatch.select.set_tuned_table`:
-``priority()`` then moves the measured winner of a problem's bucket to the
-front. Feasibility still decides: a winner that cannot run a problem is
-skipped. A table written on another device (fingerprint mismatch) is ignored
-by selection. ``python -m mla_dispatch info`` prints
-:func:`active_table_description`.
+The table maps a shape bucket (:func:`mla_dispatch.dispatch.tuned.shape_bucket`) to the fastest backend that
+passed the correctness gate on every config of that bucket, on this device, with these software versions. Its
+format, where it is read from and how selection uses it: :mod:`mla_dispatch.dispatch.tuned`.
 """
 
 from __future__ import annotations
@@ -37,16 +20,14 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from mla_dispatch.dispatch import select
 from mla_dispatch.dispatch.platform import Platform, detect_platform
 from mla_dispatch.dispatch.problem import DecodeProblem
+from mla_dispatch.dispatch.tuned import ENV_VAR, TABLE_FORMAT, fingerprint, shape_bucket, table_path
 
 if TYPE_CHECKING:  # the harness is imported only by `tune` itself, not when a table is loaded
     from mla_dispatch.tools.bench import BenchConfig, BenchRow
 
-__all__ = ["TABLE_FORMAT", "ENV_VAR", "tune_configs", "config_bucket", "pick_winners", "table_path",
-           "default_table_path", "write_table", "read_table", "install_table", "install_active_table", "reload_table",
-           "active_table_description", "main"]
+__all__ = ["tune_configs", "config_bucket", "pick_winners", "write_table", "main"]
 
 logger = logging.getLogger("mla_dispatch")
 
@@ -54,8 +35,6 @@ TABLE_FORMAT = "mla_dispatch-tuned-table/1"
 ENV_VAR = "MLA_DISPATCH_TUNED_TABLE"
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
-# What was found at the first selection: (path looked at, loaded document or None, note).
-_ACTIVE: tuple[Path | None, dict | None, str] | None = None
 
 
 # -- the shape grid -----------------------------------------------------------------------------------
@@ -84,7 +63,7 @@ def config_bucket(cfg: BenchConfig, dtype: torch.dtype = torch.bfloat16) -> str:
                             num_heads_kv=cfg.num_heads_kv, head_dim_qk=cfg.head_dim_qk, head_dim_v=cfg.head_dim_v,
                             page_size=cfg.page_size, max_blocks=1, q_dtype=dtype, kv_format=fmt,
                             causal=cfg.causal and cfg.q_len > 1, topk=cfg.topk, return_lse=True, device_type="any")
-    return select.shape_bucket(problem)
+    return shape_bucket(problem)
 
 
 def _metric_us(row: BenchRow, metric: str) -> float | None:
@@ -124,119 +103,12 @@ def pick_winners(rows: Sequence[BenchRow], buckets: dict[str, str], metric: str 
 # -- the table on disk --------------------------------------------------------------------------------
 
 
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "device"
-
-
-def default_table_path(platform: Platform) -> Path:
-    """``$XDG_CACHE_HOME/mla_dispatch/tuned-<device>.json`` (``~/.cache`` when unset)."""
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return root / "mla_dispatch" / f"tuned-{_slug(select.fingerprint(platform))}.json"
-
-
-def table_path(platform: Platform) -> Path:
-    """Where the table for ``platform`` is read from and written to: ``$MLA_DISPATCH_TUNED_TABLE`` or the default."""
-    env = os.environ.get(ENV_VAR)
-    return Path(env) if env else default_table_path(platform)
-
-
 def write_table(path: Path, doc: dict) -> None:
-    """Write a table document (see the module docstring) atomically."""
+    """Write a table document (format: :mod:`mla_dispatch.dispatch.tuned`) atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(doc, indent=1, sort_keys=True))
     tmp.replace(path)
-
-
-def read_table(path: Path) -> dict:
-    """Read and check a table document.
-
-    Raises
-    ------
-    ValueError
-        Not JSON, or not a table of this format (the message says what is wrong).
-    """
-    try:
-        doc = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: not JSON ({exc})") from None
-    if not isinstance(doc, dict) or doc.get("format") != TABLE_FORMAT:
-        got = doc.get("format") if isinstance(doc, dict) else type(doc).__name__
-        raise ValueError(f"{path}: format {got!r} (expected {TABLE_FORMAT!r})")
-    table = doc.get("table")
-    if not isinstance(table, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in table.items()):
-        raise ValueError(f"{path}: 'table' must map shape buckets to backend names")
-    if not isinstance(doc.get("fingerprint"), str):
-        raise ValueError(f"{path}: 'fingerprint' (device identity) missing")
-    return doc
-
-
-def install_table(doc: dict | None) -> None:
-    """Make ``doc``'s table the one selection uses (None: back to the default order)."""
-    if doc is None:
-        select.set_tuned_table(None, None)
-    else:
-        select.set_tuned_table(doc["fingerprint"], dict(doc["table"]))
-    select.clear_selection_cache()
-
-
-def install_active_table(platform: Platform) -> None:
-    """Look for this device's table and install it; called once, at the first selection.
-
-    Never raises: a missing file means the default order, an unreadable one is
-    logged and ignored.
-    """
-    global _ACTIVE
-    path = table_path(platform)
-    if not path.exists():
-        _ACTIVE = (path, None, "no file")
-        return
-    try:
-        doc = read_table(path)
-    except (OSError, ValueError) as exc:
-        logger.warning("mla_dispatch: ignoring measured dispatch table: %s", exc)
-        _ACTIVE = (path, None, f"unreadable: {exc}")
-        return
-    install_table(doc)
-    _ACTIVE = (path, doc, "loaded")
-
-
-def reload_table(platform: Platform | None = None) -> None:
-    """Forget what was loaded and look for the table again (after ``tune`` wrote one, or in tests)."""
-    global _ACTIVE
-    _ACTIVE = None
-    install_table(None)
-    select._tuned_loaded = False
-    if platform is not None:
-        select._ensure_tuned_loaded(platform)
-
-
-def active_table_description(platform: Platform | None = None) -> str:
-    """One line for ``info``: which measured table selection uses here, or why none."""
-    platform = platform or detect_platform()
-    select._ensure_tuned_loaded(platform)
-    installed = select.tuned_table()
-    if _ACTIVE is None or _ACTIVE[1] is None:
-        if installed is not None:
-            return f"set in-process by set_tuned_table() for {installed[0]} ({len(installed[1])} buckets)"
-        where = _ACTIVE[0] if _ACTIVE is not None else table_path(platform)
-        why = "" if _ACTIVE is None or _ACTIVE[2] == "no file" else f"; {_ACTIVE[2]}"
-        return f"none (default order; looked for {where}{why}; write one with `python -m mla_dispatch tune`)"
-    path, doc, _ = _ACTIVE
-    if installed is None or installed[0] != doc["fingerprint"]:
-        return f"{path} was replaced in-process by set_tuned_table()"
-    mine = select.fingerprint(platform)
-    used = "in use" if doc["fingerprint"] == mine else f"NOT used: measured on {doc['fingerprint']}, this is {mine}"
-    v = doc.get("versions", {})
-    stale = [f"{k} {v[k]} -> {now}" for k, now in _current_versions().items() if v.get(k) not in (None, now)]
-    return (f"{path} ({used}; {len(doc['table'])} buckets, {doc.get('created', '?')}, metric {doc.get('metric', '?')}"
-            + (f"; versions changed since: {', '.join(stale)}" if stale else "") + ")")
-
-
-def _current_versions() -> dict[str, str]:
-    from mla_dispatch import __version__
-
-    return {"mla_dispatch": __version__, "torch": torch.__version__}
 
 
 # -- CLI ----------------------------------------------------------------------------------------------
@@ -280,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python -m mla_dispatch tune " + " ".join(shlex.quote(a) for a in given)
     doc = {
         "format": TABLE_FORMAT,
-        "fingerprint": select.fingerprint(platform),
+        "fingerprint": fingerprint(platform),
         "device": platform.name,
         "platform": platform.describe(),
         "versions": {k: env[k] for k in ("mla_dispatch", "torch", "cuda", "triton")} | {"backends": env["backends"]},

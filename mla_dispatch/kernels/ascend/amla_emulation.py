@@ -54,7 +54,7 @@ A row that sees no key (empty request, causal cut) never enters the loop: out
 0, lse +inf. With split-KV (a request's tokens spread over several cores) each
 split runs the recurrence above on its own 512-aligned token range and writes
 a normalised partial ``out`` and its ``lse``; the standard LSE-weighted combine
-(``mla_dispatch.metadata.schedule.combine_splits``) merges them. AMLA acts only inside a
+(``mla_dispatch.metadata.combine.combine_splits``) merges them. AMLA acts only inside a
 split.
 
 What is emulated exactly and what is not
@@ -273,7 +273,8 @@ def amla_decode(
     lse : Tensor
         fp32 ``[B, h_q, s_q]``; ``+inf`` for rows with no key.
     """
-    from mla_dispatch.metadata.schedule import combine_splits, split_kv_schedule
+    from mla_dispatch.metadata.schedule import split_kv_schedule
+    from mla_dispatch.metadata.combine import combine_splits
 
     batch, q_len, h_q, d_qk = q.shape
     _, page_size, h_kv, _ = kv_cache.shape

@@ -1,6 +1,6 @@
 """LSE-weighted merge of split-KV partial results, in Triton.
 
-Same contract as the torch reference :func:`mla_dispatch.metadata.schedule.combine_splits`:
+Same contract as the torch reference :func:`mla_dispatch.metadata.combine.combine_splits`:
 for every request with ``num_splits > 1``, its slots
 ``first_slot[b] .. first_slot[b] + num_splits[b] - 1`` hold per-slot outputs
 normalised by their own softmax denominator and natural-log LSEs (``-inf``: the
@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mla_dispatch.dispatch.platform import kernel_device
+from mla_dispatch.kernels.triton.device import kernel_device
 
 __all__ = ["PARTIAL_ROW_FORMAT", "combine_kernel", "combine_by_boundary", "launch_combine"]
 

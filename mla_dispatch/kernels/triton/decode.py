@@ -62,7 +62,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
-from mla_dispatch.dispatch.platform import kernel_device
+from mla_dispatch.kernels.triton.device import kernel_device
 
 __all__ = ["KernelConfig", "choose_config", "launch_decode", "launch_decode_kernel", "KV_FORMAT_IDS"]
 

@@ -54,7 +54,7 @@ import triton
 
 from mla_dispatch.kernels.triton import gluon_sm90 as _g
 from mla_dispatch.kernels.triton.decode import FP8T_MAX_ROWS, fp8t_enabled
-from mla_dispatch.dispatch.platform import kernel_device
+from mla_dispatch.kernels.triton.device import kernel_device
 
 if _g.GLUON_API:
     from triton.experimental import gluon

@@ -43,7 +43,7 @@ import os
 import triton
 
 from mla_dispatch.kernels.triton import gluon_sm90 as _g
-from mla_dispatch.dispatch.platform import kernel_device
+from mla_dispatch.kernels.triton.device import kernel_device
 
 if _g.GLUON_API:
     from triton.experimental import gluon

@@ -65,7 +65,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from mla_dispatch.dispatch.platform import kernel_device
+from mla_dispatch.kernels.triton.device import kernel_device
 
 try:  # Gluon is experimental: its API moves between Triton releases (written for 3.6, compiled with 3.6 and 3.9)
     if tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 6):

@@ -81,7 +81,7 @@ def _triton_decode(
     (the cache lengths; the top-k width when sparse); indices int32 ``[B, s_q, topk]``
     (-1 = skip; None when dense); kv_scale fp32 ``[1]`` (``fp8_e4m3`` only, else None);
     items, part_offsets, num_splits, first_slot: the plan's split-KV schedule
-    (:class:`mla_dispatch.metadata.schedule.SplitKVSchedule`, :func:`mla_dispatch.metadata.schedule.first_slots`).
+    (:class:`mla_dispatch.metadata.schedule.SplitKVSchedule`, :func:`mla_dispatch.metadata.combine.first_slots`).
     Written: out ``[B, s_q, h_q, D_v]`` (q dtype), lse fp32 ``[B, h_q, s_q]`` (+inf for a
     row that sees no key), and the workspace: partial_out fp16 ``[max_slots, s_q, h_q, 2 D_v]``
     (:data:`.combine.PARTIAL_ROW_FORMAT`) / partial_lse fp32 ``[max_slots, s_q, h_q]``. The remaining scalars are
