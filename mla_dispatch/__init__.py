@@ -9,7 +9,7 @@ runs here.
 
 import logging
 
-from mla_dispatch.api import DecodePlan, mla_decode, plan_decode
+from mla_dispatch.api import DecodePlan, auto_candidates, mla_decode, plan_decode
 from mla_dispatch.dispatch.backend import CGSupport, MLABackend, Reason, ReasonCode
 from mla_dispatch.numerics.tolerance import Tolerance
 from mla_dispatch.version import __version__
@@ -24,6 +24,8 @@ from mla_dispatch.dispatch.select import NoBackendError, SelectionReport, explai
 logging.getLogger("mla_dispatch").addHandler(logging.NullHandler())
 
 __all__ = [
+    "__version__",
+    "auto_candidates",
     "mla_decode",
     "plan_decode",
     "DecodePlan",

@@ -55,21 +55,6 @@ def gen(seed) -> torch.Generator:
 
 
 @pytest.fixture
-def chart_from_saved_run(tmp_path, monkeypatch):
-    """``render(module, saved) -> png``: run a ci/ bench script's ``main`` (``module``, loaded from its file) as
-    ``--from-json RUN --plot PNG`` on ``saved``, a run's JSON as the script writes it (no GPU), and return the PNG's
-    path."""
-    def render(module, saved: dict):
-        src, png = tmp_path / "run.json", tmp_path / "run.png"
-        src.write_text(json.dumps(saved))
-        monkeypatch.setattr(sys, "argv", [f"{module.__name__}.py", "--from-json", str(src), "--plot", str(png)])
-        module.main()
-        return png
-
-    return render
-
-
-@pytest.fixture
 def registered():
     """``register(cls) -> name``: register a test backend class under ``cls.NAME`` for this test.
 

@@ -32,8 +32,6 @@ from typing import Iterable
 import torch
 
 from mla_dispatch.dispatch.backend import CGSupport, MLABackend
-from mla_dispatch.dispatch.platform import Platform
-from mla_dispatch.dispatch.problem import DecodeProblem
 from mla_dispatch.api import auto_candidates
 
 __all__ = [

@@ -10,9 +10,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
-import os
-import re
 import shlex
 import sys
 from pathlib import Path
@@ -20,7 +17,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from mla_dispatch.dispatch.platform import Platform, detect_platform
+from mla_dispatch.dispatch.platform import detect_platform
 from mla_dispatch.dispatch.problem import DecodeProblem
 from mla_dispatch.dispatch.tuned import ENV_VAR, TABLE_FORMAT, fingerprint, shape_bucket, table_path
 
@@ -29,10 +26,6 @@ if TYPE_CHECKING:  # the harness is imported only by `tune` itself, not when a t
 
 __all__ = ["tune_configs", "config_bucket", "pick_winners", "write_table", "main"]
 
-logger = logging.getLogger("mla_dispatch")
-
-TABLE_FORMAT = "mla_dispatch-tuned-table/1"
-ENV_VAR = "MLA_DISPATCH_TUNED_TABLE"
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
