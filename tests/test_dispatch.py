@@ -256,3 +256,17 @@ def test_kernel_device_is_a_no_op_off_cuda():
     assert isinstance(guard, contextlib.nullcontext)
     with guard:
         pass
+
+
+def test_a_backend_registered_with_a_priority_takes_its_place_in_the_default_order():
+    """One place to register a backend: its registry row's priority is where ``auto`` tries it, per platform."""
+    registry.register_backend("ranked_plugin", _fake_backend("ranked_plugin"), priority={"sm90": 15, "cpu": 5})
+    try:
+        assert select.priority(problem(), SM90) == ("cuda_sm90", "ranked_plugin", "flashmla", "flashinfer", "triton",
+                                                    "reference")
+        assert select.priority(problem(device_type="cpu"), CPU) == ("ranked_plugin", "reference")
+        assert "ranked_plugin" not in select.priority(problem(), SM100), "absent from the platforms it does not name"
+        with pytest.raises(ValueError, match="platform keys"):
+            registry.register_backend("bad_plugin", _fake_backend("bad_plugin"), priority={"gpu": 1})
+    finally:
+        registry.unregister_backend("ranked_plugin")

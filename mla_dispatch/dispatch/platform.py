@@ -12,9 +12,11 @@ import os
 
 import torch
 
-__all__ = ["Platform", "detect_platform", "platform_for", "KINDS"]
+__all__ = ["Platform", "detect_platform", "platform_for", "platform_key", "KINDS", "PLATFORM_KEYS"]
 
 KINDS = ("cuda", "rocm", "npu", "cpu")
+#: The rows of the backends' default preference (:func:`platform_key`): Hopper and Blackwell apart from other CUDA GPUs.
+PLATFORM_KEYS = ("sm90", "sm100", "cuda", "rocm", "npu", "cpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,3 +116,14 @@ def platform_for(device: torch.device) -> Platform:
 
 
 platform_for.cache_clear = _platform_cached.cache_clear  # type: ignore[attr-defined]
+
+
+def platform_key(platform: Platform) -> str:
+    """The row of the backends' default preference a platform uses (one of :data:`PLATFORM_KEYS`)."""
+    if platform.kind == "cuda" and platform.capability is not None:
+        major = platform.capability[0]
+        if major == 9:
+            return "sm90"
+        if major >= 10:
+            return "sm100"
+    return platform.kind

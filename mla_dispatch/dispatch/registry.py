@@ -16,20 +16,33 @@ import logging
 from importlib import metadata as importlib_metadata
 
 from mla_dispatch.dispatch.backend import MLABackend, Reason, ReasonCode, Unimplemented
+from mla_dispatch.dispatch.platform import PLATFORM_KEYS
 
-__all__ = ["BackendSpec", "register_backend", "get_backend", "registered_names", "load_entry_points", "ENTRY_POINT_GROUP"]
+__all__ = ["BackendSpec", "register_backend", "get_backend", "registered_names", "default_order", "load_entry_points",
+           "ENTRY_POINT_GROUP", "LAST"]
 
 logger = logging.getLogger("mla_dispatch")
 
 ENTRY_POINT_GROUP = "mla_dispatch.backends"
 
 
+#: Rank of the reference backend on every platform: after every other candidate.
+LAST = 1000
+
+
 @dataclasses.dataclass(frozen=True)
 class BackendSpec:
-    """A registered backend: its name and where its class lives (``"pkg.module:Class"``)."""
+    """A registered backend: its name, where its class lives (``"pkg.module:Class"``) and its default preference.
+
+    ``priority`` maps a platform key (:func:`mla_dispatch.dispatch.platform.platform_key`: ``"sm90"``,
+    ``"sm100"``, ``"cuda"``, ``"rocm"``, ``"npu"``, ``"cpu"``) to a rank, lower first; on a platform it does not
+    name, the backend is never a candidate of ``backend="auto"`` (it still runs when named). ``None`` (third-party
+    backends that declare nothing): a candidate on every platform, just before the reference.
+    """
 
     name: str
     qualname: str
+    priority: dict[str, int] | None = None
 
 
 _SPECS: dict[str, BackendSpec] = {}
@@ -37,21 +50,34 @@ _CLASSES: dict[str, type[MLABackend]] = {}
 _entry_points_loaded = False
 
 
-def register_backend(name: str, qualname: str | type[MLABackend], *, replace: bool = False) -> None:
+_KEEP = object()
+
+
+def register_backend(name: str, qualname: str | type[MLABackend], *, priority=_KEEP, replace: bool = False) -> None:
     """Register ``name``; ``qualname`` is ``"module:Class"`` (imported lazily) or the class itself.
+
+    ``priority``: {platform key: rank} (see :class:`BackendSpec`); when replacing a backend and not given, the
+    replaced one's is kept, otherwise it defaults to None (a candidate everywhere, before the reference).
 
     Raises
     ------
     ValueError
-        If ``name`` is taken and ``replace`` is False.
+        If ``name`` is taken and ``replace`` is False, or a priority names an unknown platform key.
     """
     if name in _SPECS and not replace:
         raise ValueError(f"backend {name!r} is already registered (as {_SPECS[name].qualname}); pass replace=True")
+    if priority is _KEEP:
+        priority = _SPECS[name].priority if name in _SPECS else None
+    if priority is not None:
+        unknown = set(priority) - set(PLATFORM_KEYS)
+        if unknown:
+            raise ValueError(f"priority of backend {name!r} names {sorted(unknown)} (platform keys: {PLATFORM_KEYS})")
+        priority = dict(priority)
     if isinstance(qualname, type):
-        _SPECS[name] = BackendSpec(name, f"{qualname.__module__}:{qualname.__qualname__}")
+        _SPECS[name] = BackendSpec(name, f"{qualname.__module__}:{qualname.__qualname__}", priority)
         _CLASSES[name] = qualname
     else:
-        _SPECS[name] = BackendSpec(name, qualname)
+        _SPECS[name] = BackendSpec(name, qualname, priority)
         _CLASSES.pop(name, None)
 
 
@@ -65,6 +91,18 @@ def registered_names() -> tuple[str, ...]:
     """All registered backend names, built-in first, in registration order."""
     load_entry_points()
     return tuple(_SPECS)
+
+
+def default_order(key: str) -> tuple[str, ...]:
+    """The candidates of ``backend="auto"`` on platforms of ``key``, best first, from the registered priorities."""
+    load_entry_points()
+    ranked = []
+    for i, spec in enumerate(_SPECS.values()):
+        if spec.priority is None:
+            ranked.append((LAST - 1, i, spec.name))
+        elif key in spec.priority:
+            ranked.append((spec.priority[key], i, spec.name))
+    return tuple(name for _, _, name in sorted(ranked))
 
 
 class _ImportFailed(MLABackend):
@@ -138,20 +176,21 @@ def _reset_entry_points() -> None:
     _entry_points_loaded = False
 
 
-# Built-in backends, in no particular order (preference is select.priority's job).
-# An adapter module that does not exist yet makes its name a planned backend that
-# reports "not implemented in this version" and is never selected.
+# Built-in backends: class path and default preference per platform (rank, lower first). This table is the one
+# place a built-in backend is registered: docs/adding-a-backend.md. An adapter module that does not exist yet makes
+# its name a planned backend that reports "not implemented in this version" and is never selected.
+_EVERYWHERE = {key: LAST for key in PLATFORM_KEYS}
 BUILTIN_BACKENDS = {
-    "reference": "mla_dispatch.backends.reference:ReferenceBackend",
-    "triton": "mla_dispatch.backends.triton:TritonBackend",
-    "cuda_sm90": "mla_dispatch.backends.cuda_sm90:CudaSM90Backend",
-    "flashmla": "mla_dispatch.backends.flashmla:FlashMLABackend",
-    "flashinfer": "mla_dispatch.backends.flashinfer:FlashInferBackend",
-    "aiter": "mla_dispatch.backends.aiter:AiterBackend",
-    "ascend_amla": "mla_dispatch.backends.ascend_amla:AscendAMLABackend",
-    "torch_npu": "mla_dispatch.backends.torch_npu:TorchNpuBackend",
+    "reference": ("mla_dispatch.backends.reference:ReferenceBackend", _EVERYWHERE),
+    "cuda_sm90": ("mla_dispatch.backends.cuda_sm90:CudaSM90Backend", {"sm90": 10}),
+    "flashmla": ("mla_dispatch.backends.flashmla:FlashMLABackend", {"sm90": 20}),
+    "flashinfer": ("mla_dispatch.backends.flashinfer:FlashInferBackend", {"sm90": 30, "sm100": 10, "cuda": 20}),
+    "triton": ("mla_dispatch.backends.triton:TritonBackend", {"sm90": 40, "sm100": 20, "cuda": 10, "rocm": 20}),
+    "aiter": ("mla_dispatch.backends.aiter:AiterBackend", {"rocm": 10}),
+    "ascend_amla": ("mla_dispatch.backends.ascend_amla:AscendAMLABackend", {"npu": 10}),
+    "torch_npu": ("mla_dispatch.backends.torch_npu:TorchNpuBackend", {"npu": 20}),
     # Conformance-only: the bit-faithful AMLA emulation, never chosen by "auto".
-    "amla_emulation": "mla_dispatch.backends.amla_emulation:AMLAEmulationBackend",
+    "amla_emulation": ("mla_dispatch.backends.amla_emulation:AMLAEmulationBackend", {}),
 }
-for _name, _qualname in BUILTIN_BACKENDS.items():
-    register_backend(_name, _qualname)
+for _name, (_qualname, _priority) in BUILTIN_BACKENDS.items():
+    register_backend(_name, _qualname, priority=_priority)

@@ -18,10 +18,10 @@ from typing import Iterator, Sequence
 import torch
 
 from mla_dispatch.dispatch.backend import MLABackend, Reason
-from mla_dispatch.dispatch.platform import Platform, platform_for
+from mla_dispatch.dispatch.platform import Platform, platform_for, platform_key
 from mla_dispatch.dispatch.problem import DecodeProblem
 from mla_dispatch.dispatch import tuned
-from mla_dispatch.dispatch.registry import BUILTIN_BACKENDS, get_backend, registered_names
+from mla_dispatch.dispatch.registry import default_order, get_backend, registered_names
 from mla_dispatch.dispatch.tuned import shape_bucket
 
 __all__ = [
@@ -36,30 +36,9 @@ __all__ = [
 
 logger = logging.getLogger("mla_dispatch")
 
-# DESIGN.md §3: the default order per platform kind (and CUDA generation).
-_DEFAULT_ORDER = {
-    "sm90": ("cuda_sm90", "flashmla", "flashinfer", "triton", "reference"),
-    "sm100": ("flashinfer", "triton", "reference"),
-    "cuda": ("triton", "flashinfer", "reference"),  # other NVIDIA GPUs (Ampere, Ada, ...)
-    "rocm": ("aiter", "triton", "reference"),
-    "npu": ("ascend_amla", "torch_npu", "reference"),
-    "cpu": ("reference",),
-}
-
 _OVERRIDE: contextvars.ContextVar[tuple[tuple[str, ...], bool] | None] = contextvars.ContextVar(
     "mla_dispatch_backends", default=None
 )
-
-
-def platform_key(platform: Platform) -> str:
-    """The row of the default-order table a platform uses."""
-    if platform.kind == "cuda" and platform.capability is not None:
-        major = platform.capability[0]
-        if major == 9:
-            return "sm90"
-        if major >= 10:
-            return "sm100"
-    return platform.kind
 
 
 def priority(problem: DecodeProblem, platform: Platform, table: dict[str, str] | None = None) -> tuple[str, ...]:
@@ -67,13 +46,13 @@ def priority(problem: DecodeProblem, platform: Platform, table: dict[str, str] |
 
     ``table`` maps a shape bucket (:func:`mla_dispatch.dispatch.tuned.shape_bucket`) to the measured
     fastest backend on this device; when the problem's bucket is in it, that
-    backend moves to the front. Third-party backends (registered but absent
-    from the built-in table) go just before ``reference``; built-in names
-    outside the table (``amla_emulation``) are never candidates for "auto".
+    backend moves to the front. The default order comes from the priorities
+    registered with each backend (:func:`mla_dispatch.dispatch.registry.default_order`):
+    third-party backends that declare none go just before ``reference``; a
+    backend whose priority omits the platform (``amla_emulation``) is never a
+    candidate for "auto".
     """
-    order = list(_DEFAULT_ORDER.get(platform_key(platform), ("reference",)))
-    extra = [n for n in registered_names() if n not in BUILTIN_BACKENDS]  # third-party plugins
-    order[-1:-1] = extra
+    order = list(default_order(platform_key(platform)))
     if table:
         best = table.get(shape_bucket(problem))
         if best in order:
