@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The published benchmark: every available backend on DESIGN.md §6's grids, one process.
+# The published benchmark: every available backend on docs/design.md §6's grids, one process.
 #   bash ci/gpu_bench.sh [grids]     (default: flashmla,heads,latency,pages,fp8)
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 source ci/gpu_setup.sh

@@ -1,13 +1,13 @@
 """Benchmark of the native SM90 kernel (backend cuda_sm90) on issue 4's configs.
 
-Counting as DESIGN.md §6: FLOPs = 2*s_q*h_q*(D_qk+D_v)*sum(L); bytes = cache bytes
+Counting as docs/design.md §6: FLOPs = 2*s_q*h_q*(D_qk+D_v)*sum(L); bytes = cache bytes
 of sum(L) tokens (2*h_kv*D_qk per token for bf16; 1*h_kv*576 for fp8_e4m3; 656 for
 fp8_ds_mla) + 2*B*s_q*h_q*(D_qk+D_v); roofline = max(FLOPs/peak_flops,
 bytes/peak_bw) with both peaks measured in this run (1 GiB device copy counting
 read+write; 8192^3 bf16 matmul). Times: triton.testing.do_bench median (L2
 flushed) of the eager plan.run, and of CUDA-graph replay of plan.run. ``--check``
 compares each config's eager and graph-replay outputs (poisoned with NaN first) with
-the fp32 reference at DESIGN.md §5 tolerances before timing it; ``--plot`` charts the
+the fp32 reference at docs/design.md §5 tolerances before timing it; ``--plot`` charts the
 run against issue 4's targets (:data:`TARGETS`, :func:`target_rows`).
 
     python ci/bench_cuda_sm90.py [--quick] [--groups flashmla,small] [--variants 0,5,2]
@@ -99,7 +99,7 @@ def config_name(cfg) -> str:
 
 def check_config(plan, run, graph, q, kv, table, lens, kv_scale, out, lse, cfg) -> str:
     """The eager call's and one graph replay's outputs, each written over NaN, against the fp32 reference with the
-    backend's tolerances (DESIGN.md §5). Returns ``"ok"`` or ``"MISMATCH <which>: <report>"``."""
+    backend's tolerances (docs/design.md §5). Returns ``"ok"`` or ``"MISMATCH <which>: <report>"``."""
     from mla_dispatch.backends.cuda_sm90 import CudaSM90Backend
     from mla_dispatch.numerics.oracle import reference_attention
     from mla_dispatch.numerics.tolerance import compare_outputs

@@ -7,7 +7,7 @@
 Prints, per config: µs (triton.testing.do_bench median, L2 flushed) for
 ``DecodePlan.run`` (decode + combine), for ``update + run`` (the per-step
 schedule included, FlashMLA's "whole call"), and for a CUDA-graph replay of
-``run``; TFLOP/s, GB/s and % of the roofline (DESIGN.md §6):
+``run``; TFLOP/s, GB/s and % of the roofline (docs/design.md §6):
 
     FLOPs = 2 * s_q * h_q * (D_qk + D_v) * sum(L)
     bytes = h_kv * token_bytes * sum(L) + 2 * B * s_q * h_q * (D_qk + D_v)
@@ -142,7 +142,7 @@ def bench_one(name, peaks, batch, q_len, h_q, seqlen, *, page_size=64, kv_format
         torch.cuda.synchronize()
         return {}
     check_msg = None
-    if check:  # the config's output against the fp32 reference, DESIGN.md §5 tolerances (poisoned first)
+    if check:  # the config's output against the fp32 reference, docs/design.md §5 tolerances (poisoned first)
         from mla_dispatch.numerics.oracle import reference_attention
         from mla_dispatch.numerics.tolerance import compare_outputs
 

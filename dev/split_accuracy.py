@@ -1,4 +1,4 @@
-"""How much room do split requests leave under DESIGN.md §5's bounds? (GPU machine)
+"""How much room do split requests leave under docs/design.md §5's bounds? (GPU machine)
 
     python ci/split_accuracy.py [--draws 40] [--seed 0]
 

@@ -1,6 +1,6 @@
 """The AMLA emulation: bit arithmetic, agreement with the reference, edge cases, accuracy vs Base.
 
-Agreement with the fp32 reference uses DESIGN.md §5 tolerances. The one place
+Agreement with the fp32 reference uses docs/design.md §5 tolerances. The one place
 the algorithm cannot follow the reference is covered by
 ``test_known_limit_huge_accumulator_is_zeroed``: the final guard sets every
 un-normalised accumulator element with |O| > 1e10 to 0, so outputs whose
@@ -71,7 +71,7 @@ def test_kernel_path_uses_integer_adds_once_per_block_after_the_first(monkeypatc
     assert len(calls) == math.ceil(1500 / emu.BLOCK) - 1
 
 
-# -- agreement with the reference (DESIGN.md §5) -------------------------------------------------
+# -- agreement with the reference (docs/design.md §5) -------------------------------------------------
 
 
 @pytest.mark.parametrize(

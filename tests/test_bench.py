@@ -134,7 +134,7 @@ def test_unsupported_config_reports_the_backends_reason(registered):
     bench.BenchConfig(4, 2, 16, 90, varlen=True, page_size=1, kv_format="fp8_ds_mla", topk=32),
 ], ids=lambda c: c.label)
 def test_generated_case_honours_the_data_contract(cfg, seed):
-    """DESIGN.md §5 data: lengths >= s_q, NaN in every unused slot, unused table entries, valid sparse ids."""
+    """docs/design.md §5 data: lengths >= s_q, NaN in every unused slot, unused table entries, valid sparse ids."""
     case = bench.make_bench_case(cfg, seed=seed)
     nb, ps, hkv, _ = case.kv_cache.shape
     lens = case.cache_seqlens.long()

@@ -1,4 +1,4 @@
-"""Roofline arithmetic (DESIGN.md §6) against hand-computed values."""
+"""Roofline arithmetic (docs/design.md §6) against hand-computed values."""
 
 import pytest
 import torch
@@ -18,8 +18,8 @@ def test_bf16_dense_counts():
 
 
 def test_design_h100_example_is_reproduced():
-    """DESIGN.md §6: FlashMLA at 292 µs on b=128, L-bar=4K, s_q=1 is ~73% of a 3.00 TB/s / 778 TFLOP/s roofline."""
-    h100 = Ceilings("H100", bytes_per_s=3.00e12, flops_per_s=778e12, how="DESIGN.md §6")
+    """docs/design.md §6: FlashMLA at 292 µs on b=128, L-bar=4K, s_q=1 is ~73% of a 3.00 TB/s / 778 TFLOP/s roofline."""
+    h100 = Ceilings("H100", bytes_per_s=3.00e12, flops_per_s=778e12, how="docs/design.md §6")
     w = decode_work(batch=128, q_len=1, num_heads_q=128, total_kv_tokens=128 * 4096, **DEEPSEEK)
     t = w.roofline_seconds(h100)
     assert t == pytest.approx(639_631_360 / 3.00e12)  # memory-bound: 213.2 µs > 187.7 µs of compute

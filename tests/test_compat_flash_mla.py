@@ -3,7 +3,7 @@
 Data as FlashMLA's ``tests/test_flash_mla_dense_decoding.py`` makes it
 (mla_dispatch.numerics.cases.make_case: random block-table permutation, NaN in unused
 slots, unused table entries 2147480000, zero-length requests, causal MTP) and
-DESIGN.md §5 tolerances. The oracle is written here, per request, in float64,
+docs/design.md §5 tolerances. The oracle is written here, per request, in float64,
 independently of the reference backend. The full grid
 (b, s_q, L, h_q, h_kv, varlen, causal) runs on a GPU against every GPU backend;
 CI runs a slice on the CPU.

@@ -34,7 +34,7 @@ class IgnoresCausal(ReferenceBackend):
 
 
 class Base2Lse(ReferenceBackend):
-    """Returns a base-2 LSE (the mistake DESIGN.md §2 tells adapters to convert)."""
+    """Returns a base-2 LSE (the mistake docs/design.md §2 tells adapters to convert)."""
 
     NAME = "test_conf_base2_lse"
 

@@ -1,7 +1,7 @@
 """GPU feature grid of the native SM90 kernel (backend ``cuda_sm90``) against the reference.
 
 Runs on the device tool's H100 (skipped elsewhere). Fresh random data per test
-(``gen`` fixture), outputs poisoned with NaN before every run, DESIGN.md §5
+(``gen`` fixture), outputs poisoned with NaN before every run, docs/design.md §5
 tolerances (the backend's declared TOLERANCE).
 """
 
@@ -341,7 +341,7 @@ def test_split_rows_keep_the_output_range(variant, h_q, fuse_combine, scale, gen
     """Split requests store their partial rows in fp16, scaled per quarter row (kernels/cuda/mla_decode_sm90/
     params.h). Outputs far outside fp16's range still merge right: at ~1e6 they would overflow fp16, at ~1e-33 flush
     to zero. The cache's latent channels are multiplied by `scale` and q's divided, so the scores stay as drawn and
-    the outputs scale; so does the absolute tolerance (DESIGN.md section 5's is for outputs of order 1e-3)."""
+    the outputs scale; so does the absolute tolerance (docs/design.md §5's is for outputs of order 1e-3)."""
     # equal lengths: drawn ones can come out too short to split
     case = make_case(2, 1, h_q, 3000, page_size=64, varlen=False, device="cuda", generator=gen)
     tol = scale_outputs(case, scale, _backend().TOLERANCE)

@@ -72,7 +72,7 @@ def fake_backends(monkeypatch):
     ids=["sm90", "sm100", "sm80", "mi300x", "npu", "cpu"],
 )
 def test_priority_per_platform(platform, expected):
-    assert select.priority(problem(), platform) == expected, "DESIGN.md §3 default order"
+    assert select.priority(problem(), platform) == expected, "docs/design.md §3 default order"
 
 
 @pytest.mark.parametrize("platform,chosen", [(SM90, "cuda_sm90"), (SM100, "flashinfer"), (MI300X, "aiter"),

@@ -3,7 +3,7 @@
 The naive oracle below walks every request, query token and head with Python
 loops, gathers tokens one by one through the block table and dequantises them
 with its own code, so it shares nothing with the reference's vectorised gather
-and masking except the format definitions in DESIGN.md.
+and masking except the format definitions in docs/design.md.
 """
 
 import math

@@ -1,4 +1,4 @@
-"""The Triton backend on a GPU against the fp32 reference (DESIGN.md §5 tolerances).
+"""The Triton backend on a GPU against the fp32 reference (docs/design.md §5 tolerances).
 
 Fresh random data every run (the session seed in the header replays it), output
 poisoned with NaN before every run, NaN in every unused cache slot and garbage
@@ -232,7 +232,7 @@ def test_triton_gpu_split_rows_keep_the_output_range(num_heads_q, spec, scale, g
     """Split requests store fp16 partial rows with a power-of-two scale per row and decode program
     (kernels/triton/combine.py, PARTIAL_ROW_FORMAT). Outputs far outside fp16's range still merge right: at ~1e6 they
     would overflow fp16, at ~1e-33 flush to zero. The cache's latent channels are multiplied by `scale` and q's
-    divided, so the scores stay as drawn and the outputs scale; so does the absolute tolerance (DESIGN.md section 5's
+    divided, so the scores stay as drawn and the outputs scale; so does the absolute tolerance (docs/design.md §5's
     is for outputs of order 1e-3)."""
     from mla_dispatch import plan_decode
     from mla_dispatch.backends.triton import TritonBackend

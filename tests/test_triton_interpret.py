@@ -5,7 +5,7 @@ in one child process (``python tests/test_triton_interpret.py SEED``) that
 prints one JSON line per case; each parametrized test checks its line. Nothing
 leaks into this process's environment.
 
-fp16 only: ``tl.dot`` on bf16 operands is wrong in the interpreter (DESIGN.md
+fp16 only: ``tl.dot`` on bf16 operands is wrong in the interpreter (docs/design.md
 §7); bf16 is tested on the GPU (tests/test_triton_gpu.py).
 
 The same child also checks the registered op ``torch.ops.mla_dispatch.triton_decode``

@@ -114,7 +114,7 @@ class FlashInferBackend(MLABackend):
     SUPPORTS_LSE = True  # SM80/SM90 wrapper only; SM100 trtllm-gen: no (extra_reasons)
     CUDA_GRAPH = CGSupport.ALWAYS  # wrapper in use_cuda_graph mode with plan-owned buffers
     REQUIRES = ("flashinfer",)
-    # DESIGN.md's bounds, except cosine difference 1e-5 (FlashMLA's own test bound) instead of
+    # docs/design.md's bounds, except cosine difference 1e-5 (FlashMLA's own test bound) instead of
     # 5e-6: 0.6.0 gave 5.26e-6 on H200 for b=1, h_q=1, L~20 (a single 512-value row averaging a
     # handful of bf16-rounded P values); every element was within the per-element bounds.
     TOLERANCE = Tolerance(out_cos=1e-5)

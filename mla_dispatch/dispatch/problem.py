@@ -2,7 +2,7 @@
 
 :class:`DecodeProblem` is frozen and hashable: backend selection is cached on
 it, and backends decide feasibility from it alone. :func:`describe_inputs`
-checks the user's tensors against the canonical layout of DESIGN.md §2 and
+checks the user's tensors against the canonical layout of docs/design.md §2 and
 raises errors that name the argument, the expected and the given value.
 """
 

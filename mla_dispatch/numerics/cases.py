@@ -169,7 +169,7 @@ def poisoned_outputs(case: DecodeCase) -> tuple[torch.Tensor, torch.Tensor]:
 def scale_outputs(case: DecodeCase, scale: float, tol: Tolerance) -> Tolerance:
     """Make ``case``'s outputs ``scale`` times larger and leave its scores as drawn: the latent channels of the cache
     (bf16/fp16) are multiplied by ``scale`` and q's divided by it, in place. Returns ``tol`` with its absolute output
-    bound scaled alike (DESIGN.md §5's is for outputs of order 1e-3). For checks of outputs far outside fp16's range
+    bound scaled alike (docs/design.md §5's is for outputs of order 1e-3). For checks of outputs far outside fp16's range
     (partial rows stored in fp16 with a scale).
 
     Raises ValueError for an fp8 cache (its values cannot be scaled in place).

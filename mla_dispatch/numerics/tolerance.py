@@ -18,7 +18,7 @@ __all__ = ["Tolerance", "BF16_TOLERANCE", "CloseReport", "check_close", "compare
 
 @dataclasses.dataclass(frozen=True)
 class Tolerance:
-    """Per-element ``abs <= atol or rel <= rtol`` plus a cosine-difference bound (DESIGN.md §5)."""
+    """Per-element ``abs <= atol or rel <= rtol`` plus a cosine-difference bound (docs/design.md §5)."""
 
     out_atol: float = 8e-4
     out_rtol: float = 2.01 / 128
@@ -82,7 +82,7 @@ def check_close(name: str, got: torch.Tensor, want: torch.Tensor, atol: float, r
 
 def compare_outputs(out: torch.Tensor, lse: torch.Tensor | None, ref_out: torch.Tensor, ref_lse: torch.Tensor,
                     tol: Tolerance) -> CloseReport:
-    """Compare a backend's (out, lse) with the reference's, DESIGN.md §5 tolerances."""
+    """Compare a backend's (out, lse) with the reference's, docs/design.md §5 tolerances."""
     r = check_close("out", out, ref_out.to(out.dtype), tol.out_atol, tol.out_rtol, tol.out_cos)
     if not r or lse is None:
         return r

@@ -2,7 +2,7 @@
 
 For each configuration of a named grid, in one process:
 
-1. generate the inputs on the device (FlashMLA's test data, DESIGN.md §5:
+1. generate the inputs on the device (FlashMLA's test data, docs/design.md §5:
    ``randn/10`` clamped to ±1, varlen lengths ``max(N(L, L/2), s_q)``, a random
    block permutation, NaN in every unused cache slot, unused table entries
    2147480000) and compute the fp32 reference once;
@@ -418,7 +418,7 @@ def environment(device: torch.device, backends: Sequence[str] | None = None) -> 
 
 
 def work_of(case: DecodeCase, cfg: BenchConfig):
-    """FLOPs and bytes of one call on ``case`` (DESIGN.md §6)."""
+    """FLOPs and bytes of one call on ``case`` (docs/design.md §6)."""
     return decode_work(batch=cfg.batch, q_len=cfg.q_len, num_heads_q=cfg.num_heads_q, num_heads_kv=cfg.num_heads_kv,
                        head_dim_qk=cfg.head_dim_qk, head_dim_v=cfg.head_dim_v,
                        total_kv_tokens=int(case.cache_seqlens.sum()), kv_format=case.kv_format,

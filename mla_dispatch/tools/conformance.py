@@ -1,6 +1,6 @@
 """``python -m mla_dispatch conformance``: every available backend against the reference.
 
-A generated case set walks the feature grid of DESIGN.md §1–2 — page sizes,
+A generated case set walks the feature grid of docs/design.md §1–2 — page sizes,
 query heads, KV heads, query length, causal, variable lengths, zero-length
 requests, NaN-poisoned unused slots, head dims, the softmax scale, KV formats,
 sparse indices — with the test data of :func:`mla_dispatch.numerics.cases.make_case`
@@ -8,7 +8,7 @@ sparse indices — with the test data of :func:`mla_dispatch.numerics.cases.make
 unused block-table entries; the ``nan-poison`` row makes them the majority).
 Each backend runs each case through :func:`mla_dispatch.mla_decode` and is
 compared with the fp32 reference at the backend's declared tolerance
-(DESIGN.md §5).
+(docs/design.md §5).
 
 The result is a matrix: rows = case class, columns = backends, cells =
 ``pass``, ``FAIL (worst error)``, ``ERROR (exception)`` or ``unsupported
@@ -43,7 +43,7 @@ class ConformanceCase:
     """One row of the matrix: a feature class and the ``make_case`` arguments that exercise it."""
 
     name: str
-    feature: str  # which DESIGN.md §1–2 feature it covers
+    feature: str  # which docs/design.md §1–2 feature it covers
     params: dict
 
     def make(self, device: torch.device, generator: torch.Generator) -> DecodeCase:

@@ -3,7 +3,7 @@
 Builds a paged cache with :class:`PagedMLACache` (h_q=128, D_qk=576, D_v=512,
 one latent KV head, a few requests of different lengths, one of them empty),
 plans the step, runs it on the best backend here, checks the result against
-the fp32 reference with DESIGN.md tolerances, and prints the backend, the
+the fp32 reference with docs/design.md tolerances, and prints the backend, the
 error and the time. On a CPU-only machine the best backend is the reference
 itself, so the check compares it with an independent float64 computation.
 """

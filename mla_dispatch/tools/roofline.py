@@ -1,4 +1,4 @@
-"""Counting work and measuring ceilings for the roofline (DESIGN.md §6).
+"""Counting work and measuring ceilings for the roofline (docs/design.md §6).
 
 For one decode call over requests ``b`` with ``L_b`` cached tokens::
 
@@ -6,7 +6,7 @@ For one decode call over requests ``b`` with ``L_b`` cached tokens::
     bytes = h_kv * kv_bytes_per_token * sum_b L_b + q_bytes * B * s_q * h_q * (D_qk + D_v)
 
 With bf16 everywhere ``kv_bytes_per_token = 2 * D_qk`` and ``q_bytes = 2``,
-which is DESIGN.md's ``2 * (h_kv * D_qk * sum L + B * s_q * h_q * (D_qk + D_v))``
+which is docs/design.md's ``2 * (h_kv * D_qk * sum L + B * s_q * h_q * (D_qk + D_v))``
 (the cache read once; q read and out written once). fp8 formats count the bytes
 actually stored: ``fp8_e4m3`` is 1 byte per value (plus its single 4-byte
 scale), ``fp8_ds_mla`` is the 656-byte token. Sparse calls (``topk > 0``) read

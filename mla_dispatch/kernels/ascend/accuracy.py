@@ -13,7 +13,7 @@ with the fp32 golden (exact softmax, fp32 P) by the relative Frobenius error
 ``||O - O_gold||_F / ||O_gold||_F``, averaged over the samples. Two columns
 per method: the error of the bf16 output the kernel returns (the quantity the
 paper's Tables 3/4 report, as far as we can tell: our Base at N(0, 1), 8K,
-h_q=128 measures 1.775e-3, the paper's figure as quoted in DESIGN.md is
+h_q=128 measures 1.775e-3, the paper's figure as quoted in docs/design.md is
 ~1.77e-3; the paper's tables themselves could not be read here) and of the fp32 result before that final cast, which
 isolates the algorithms (the cast adds the same ~1.7e-3 to both) and shows
 AMLA's intrinsic extra error; the acceptance criterion (AMLA within 5% of

@@ -23,7 +23,7 @@ enum KvFormat : int {
 //   the stored values are out * 2^s, with s putting the quarter's largest magnitude in [2^14, 2^15) (config.cuh,
 //   partial_shift), where fp16 keeps all 11 significant bits and cannot overflow.
 // Every store fills whole 32-byte sectors (NOTES.md, twelfth and thirteenth sessions: partly written sectors cost
-// more). fp16 rounds 8x finer than bf16: bf16 partial rows fell outside DESIGN.md section 5's cosine bound.
+// more). fp16 rounds 8x finer than bf16: bf16 partial rows fell outside docs/design.md §5's cosine bound.
 constexpr int kPartialRowBytes = 2048;
 constexpr int kPartialShiftByte = 1024;
 constexpr int kPartialShiftStride = 32;  // one sector per quarter row
