@@ -144,17 +144,39 @@ def test_tune_cli_end_to_end(clean, tmp_path, monkeypatch, capsys, gen):
     rc = tune.main(["--quick", "--backends", f"reference,{wrong}", "--out", str(out), "--quiet", "--rep-ms", "3"])
     assert rc == 0
     doc = tuned.read_table(out)
-    buckets = {tune.config_bucket(c) for c in tune.tune_configs(quick=True)}
+    buckets = {tune.config_bucket(c, seed=i) for i, c in enumerate(tune.tune_configs(quick=True))}
     assert set(doc["table"]) == buckets
     assert set(doc["table"].values()) == {"reference"}  # the instant-but-wrong one never wins
     assert all(wrong not in m for m in doc["measurements"].values())
     assert doc["fingerprint"] == tuned.fingerprint(CPU) and doc["versions"]["torch"] == torch.__version__
     assert "excluded: " + wrong in capsys.readouterr().err
     # the bucket a config lands in is the one selection computes for its problems
-    cfg = tune.tune_configs(quick=True)[3]
-    problem = _problem(gen, page_size=cfg.page_size)
-    assert tune.config_bucket(cfg) == tuned.shape_bucket(problem)
+    from mla_dispatch.tools.bench import case_problem, make_bench_case
+
+    for i, cfg in enumerate(tune.tune_configs(quick=True)):
+        problem = case_problem(make_bench_case(cfg, seed=i))  # the case run_bench made for config i
+        assert tune.config_bucket(cfg, seed=i) == tuned.shape_bucket(problem)
     # and the written file, pointed to, drives selection
     monkeypatch.setenv(tuned.ENV_VAR, str(out))
     tuned.reload_table()
     assert select.select_backend(problem, CPU).NAME == "reference"
+
+
+def test_lookup_takes_the_nearest_measured_size_of_the_same_shape_class():
+    """A table measured at some batches and capacities answers for the others by the nearest size (octaves of
+    batch + octaves of capacity), never across shape classes; a size-less entry (format-1 tables) is the fallback."""
+    import dataclasses
+
+    base = mla_dispatch.DecodeProblem(batch=128, q_len=1, num_heads_q=128, num_heads_kv=1, head_dim_qk=576,
+                                      head_dim_v=512, page_size=64, max_blocks=512, q_dtype=torch.bfloat16,
+                                      kv_format="bf16", causal=False, topk=0, return_lse=True, device_type="cuda")
+    at = lambda b, blocks: dataclasses.replace(base, batch=b, max_blocks=blocks)  # noqa: E731
+    table = {tuned.shape_bucket(at(1, 64)): "cuda_sm90", tuned.shape_bucket(at(128, 512)): "flashmla"}
+    assert tuned.shape_bucket(at(128, 512)).endswith("-b128-L32768")
+    assert tuned.lookup(table, at(1, 64)) == "cuda_sm90"           # its own bucket
+    assert tuned.lookup(table, at(2, 64)) == "cuda_sm90"           # one octave of batch away
+    assert tuned.lookup(table, at(100, 400)) == "flashmla"          # rounds up into the measured bucket
+    assert tuned.lookup(table, at(16, 128)) == "flashmla"           # 4 + 1 octaves against 3 + 2: a tie, larger wins
+    other_class = dataclasses.replace(base, page_size=16)
+    assert tuned.lookup(table, other_class) is None
+    assert tuned.lookup({tuned.shape_class(base): "triton"}, at(7, 3)) == "triton"

@@ -45,6 +45,9 @@ class DecodeProblem:
     return_lse: bool
     device_type: str  # torch device type: "cpu", "cuda", "npu", ...
     cuda_graph: bool = False
+    #: elements of the cache tensor, ``num_blocks * page_stride`` (0: unknown). Backends with 32-bit offsets
+    #: decline caches too large for them; any page id in the table may be as large as num_blocks - 1.
+    cache_numel: int = 0
 
     @property
     def sparse(self) -> bool:
@@ -244,6 +247,7 @@ def describe_inputs(
         return_lse=return_lse,
         device_type=device.type,
         cuda_graph=cuda_graph,
+        cache_numel=kv_cache.shape[0] * kv_cache.stride(0),
     )
 
 

@@ -22,7 +22,7 @@ from mla_dispatch.dispatch.platform import Platform, platform_for, platform_key
 from mla_dispatch.dispatch.problem import DecodeProblem
 from mla_dispatch.dispatch import tuned
 from mla_dispatch.dispatch.registry import default_order, get_backend, registered_names
-from mla_dispatch.dispatch.tuned import shape_bucket
+from mla_dispatch.dispatch.tuned import lookup, shape_bucket
 
 __all__ = [
     "priority",
@@ -45,8 +45,9 @@ def priority(problem: DecodeProblem, platform: Platform, table: dict[str, str] |
     """Candidate backend names for ``problem`` on ``platform``, best first. Pure.
 
     ``table`` maps a shape bucket (:func:`mla_dispatch.dispatch.tuned.shape_bucket`) to the measured
-    fastest backend on this device; when the problem's bucket is in it, that
-    backend moves to the front. The default order comes from the priorities
+    fastest backend on this device; the entry for the problem's bucket, or the
+    nearest measured size of its shape class (:func:`~mla_dispatch.dispatch.tuned.lookup`),
+    moves to the front. The default order comes from the priorities
     registered with each backend (:func:`mla_dispatch.dispatch.registry.default_order`):
     third-party backends that declare none go just before ``reference``; a
     backend whose priority omits the platform (``amla_emulation``) is never a
@@ -54,7 +55,7 @@ def priority(problem: DecodeProblem, platform: Platform, table: dict[str, str] |
     """
     order = list(default_order(platform_key(platform)))
     if table:
-        best = table.get(shape_bucket(problem))
+        best = lookup(table, problem)
         if best in order:
             order.remove(best)
             order.insert(0, best)

@@ -28,7 +28,7 @@ from mla_dispatch.dispatch.platform import Platform
 from mla_dispatch.dispatch.problem import DecodeProblem
 from mla_dispatch.version import __version__
 
-__all__ = ["TABLE_FORMAT", "ENV_VAR", "SHIPPED_DIR", "fingerprint", "shape_bucket", "default_table_path",
+__all__ = ["TABLE_FORMAT", "ENV_VAR", "SHIPPED_DIR", "fingerprint", "shape_class", "shape_bucket", "lookup", "default_table_path",
            "table_path", "shipped_table_path", "read_table", "active_table", "set_tuned_table", "tuned_table",
            "reload_table", "active_table_description", "state_token"]
 
@@ -52,14 +52,50 @@ def fingerprint(platform: Platform) -> str:
     return f"{platform.name}|{platform.arch}"
 
 
-def shape_bucket(problem: DecodeProblem) -> str:
-    """Coarse key of a problem for measured tables (not per sequence length)."""
+def _pow2(n: int) -> int:
+    return 1 << max(0, (max(1, n) - 1).bit_length())
+
+
+def shape_class(problem: DecodeProblem) -> str:
+    """The part of a bucket that must match exactly: rows per KV head, h_kv, head dims, page size, KV format,
+    dense/sparse."""
     rows = problem.q_len * problem.num_heads_q // problem.num_heads_kv
-    rows_bucket = 1 << max(0, (rows - 1).bit_length())
     return (
-        f"rows{rows_bucket}-hkv{problem.num_heads_kv}-d{problem.head_dim_qk}x{problem.head_dim_v}"
+        f"rows{_pow2(rows)}-hkv{problem.num_heads_kv}-d{problem.head_dim_qk}x{problem.head_dim_v}"
         f"-ps{problem.page_size}-{problem.kv_format}-{'sparse' if problem.sparse else 'dense'}"
     )
+
+
+def shape_bucket(problem: DecodeProblem) -> str:
+    """Key of a problem in measured tables: :func:`shape_class` plus the batch and the block table's capacity
+    (``max_blocks * page_size``, the longest request it can hold), each rounded up to a power of two. Lengths
+    themselves are not known at plan time (they live on the device)."""
+    capacity = problem.topk if problem.sparse else problem.max_blocks * problem.page_size
+    return f"{shape_class(problem)}-b{_pow2(min(problem.batch, 1 << 16))}-L{_pow2(capacity)}"
+
+
+_SIZE = re.compile(r"^(?P<cls>.+)-b(?P<b>\d+)-L(?P<L>\d+)$")
+
+
+def lookup(table: dict[str, str], problem: DecodeProblem) -> str | None:
+    """The measured winner for ``problem``: its own bucket's; else that of the nearest measured size of the same
+    shape class (distance: octaves of batch plus octaves of capacity; ties go to the larger size); else a
+    size-less entry of the class (tables of format 1). None when the table says nothing about the class."""
+    key = shape_bucket(problem)
+    if key in table:
+        return table[key]
+    m = _SIZE.match(key)
+    cls, b, cap = m["cls"], int(m["b"]), int(m["L"])
+    best, best_d = None, None
+    for k, name in table.items():
+        km = _SIZE.match(k)
+        if km is None or km["cls"] != cls:
+            continue
+        kb, kl = int(km["b"]), int(km["L"])
+        d = (abs(kb.bit_length() - b.bit_length()) + abs(kl.bit_length() - cap.bit_length()), -kb, -kl)
+        if best_d is None or d < best_d:
+            best, best_d = name, d
+    return best if best is not None else table.get(cls)
 
 
 def _slug(text: str) -> str:

@@ -172,11 +172,7 @@ def make_bench_case(cfg: BenchConfig, *, dtype: torch.dtype = torch.bfloat16, de
     kv_format = cfg.kv_format or ("bf16" if dtype == torch.bfloat16 else "fp16")
     B, ps, hkv, D = cfg.batch, cfg.page_size, cfg.num_heads_kv, cfg.head_dim_qk
 
-    if cfg.varlen:
-        lens = torch.normal(float(cfg.seqlen), cfg.seqlen / 2, (B,), generator=cpu).round().clamp_min(cfg.q_len)
-        lens = lens.to(torch.int64)
-    else:
-        lens = torch.full((B,), cfg.seqlen, dtype=torch.int64)
+    lens = case_lengths(cfg, cpu)
     nblk = (lens + ps - 1) // ps
     total = int(nblk.sum())
     max_blocks = max(1, int(nblk.max()))
@@ -228,6 +224,15 @@ def make_bench_case(cfg: BenchConfig, *, dtype: torch.dtype = torch.bfloat16, de
     return DecodeCase(q=q, kv_cache=kv, block_table=block_table.to(torch.int32).to(device),
                       cache_seqlens=lens.to(torch.int32).to(device), kv_format=kv_format, kv_scale=kv_scale,
                       indices=indices, causal=cfg.causal, head_dim_v=cfg.head_dim_v, softmax_scale=D**-0.5)
+
+
+def case_lengths(cfg: BenchConfig, generator: torch.Generator) -> torch.Tensor:
+    """int64 ``[batch]`` cache lengths of ``cfg``: fixed, or ``max(N(L, L/2), s_q)`` drawn from ``generator``
+    (a CPU generator seeded like :func:`make_bench_case`'s, which draws them first)."""
+    if cfg.varlen:
+        lens = torch.normal(float(cfg.seqlen), cfg.seqlen / 2, (cfg.batch,), generator=generator)
+        return lens.round().clamp_min(cfg.q_len).to(torch.int64)
+    return torch.full((cfg.batch,), cfg.seqlen, dtype=torch.int64)
 
 
 def _encode(vals: torch.Tensor, kv_format: str, kv_scale) -> torch.Tensor:

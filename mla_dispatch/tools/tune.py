@@ -49,13 +49,18 @@ def tune_configs(quick: bool = False) -> list[BenchConfig]:
     return dense + pages + fp8 + sparse
 
 
-def config_bucket(cfg: BenchConfig, dtype: torch.dtype = torch.bfloat16) -> str:
-    """The shape bucket a config's problems fall in (no data needed)."""
+def config_bucket(cfg: BenchConfig, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> str:
+    """The shape bucket of the case :func:`~mla_dispatch.tools.bench.run_bench` makes for ``cfg`` with ``seed``
+    (its lengths are drawn on the CPU; no cache is built)."""
+    from mla_dispatch.tools.bench import case_lengths
+
     fmt = cfg.kv_format or ("bf16" if dtype == torch.bfloat16 else "fp16")
+    longest = int(case_lengths(cfg, torch.Generator().manual_seed(seed)).max())
     problem = DecodeProblem(batch=cfg.batch, q_len=cfg.q_len, num_heads_q=cfg.num_heads_q,
                             num_heads_kv=cfg.num_heads_kv, head_dim_qk=cfg.head_dim_qk, head_dim_v=cfg.head_dim_v,
-                            page_size=cfg.page_size, max_blocks=1, q_dtype=dtype, kv_format=fmt,
-                            causal=cfg.causal and cfg.q_len > 1, topk=cfg.topk, return_lse=True, device_type="any")
+                            page_size=cfg.page_size, max_blocks=max(1, -(-longest // cfg.page_size)), q_dtype=dtype,
+                            kv_format=fmt, causal=cfg.causal and cfg.q_len > 1, topk=cfg.topk, return_lse=True,
+                            device_type="any")
     return shape_bucket(problem)
 
 
@@ -138,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         backends.append("reference")  # a candidate too, so every bucket gets an entry
     rows, ceilings = run_bench(configs, backends, device=device, dtype=dtype, graphs=args.metric == "graph",
                                rep_ms=args.rep_ms, progress=not args.quiet)
-    buckets = {c.label: config_bucket(c, dtype) for c in configs}
+    buckets = {c.label: config_bucket(c, dtype, seed=i) for i, c in enumerate(configs)}
     table, measurements = pick_winners(rows, buckets, args.metric)
     env = environment(device, backends)
     given = argv if argv is not None else sys.argv[1:]
