@@ -141,3 +141,27 @@ def test_real_flashinfer_on_gpu(gen, page_size, q_len, h_q, causal, dtype):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(o2, out) and torch.equal(l2.nan_to_num(), lse.nan_to_num())
+
+
+@pytest.mark.parametrize("version,declined", [("0.6.0", True), ("0.6.10", True), ("0.6.11", False)])
+def test_sm90_declines_caches_past_2_32_elements_before_the_offset_fix(monkeypatch, version, declined):
+    """flashinfer < 0.6.11 computes MLA page offsets in 32-bit arithmetic: wrong output once a used page lies past
+    2^32 cache elements (NaN in ~98% of out at b=128, mean length 32K, on an H100). Declined there with the
+    limit named; a cache of exactly 2^32 elements, or a fixed version, still runs."""
+    import dataclasses
+
+    fake_flashinfer.install(monkeypatch, version=version)
+    simulate(monkeypatch, H100, FlashInferBackend)
+    try:
+        problem = mla_dispatch.DecodeProblem(batch=128, q_len=1, num_heads_q=128, num_heads_kv=1, head_dim_qk=576,
+                                             head_dim_v=512, page_size=64, max_blocks=1386, q_dtype=torch.bfloat16,
+                                             kv_format="bf16", causal=False, topk=0, return_lse=True,
+                                             device_type="cuda", cache_numel=177410 * 64 * 576)
+        reasons = FlashInferBackend.not_supported_reasons(problem, H100)
+        assert bool(reasons) == declined, reasons
+        if declined:
+            assert "2^32" in reasons[0].message and str(problem.cache_numel) in reasons[0].message
+        at_limit = dataclasses.replace(problem, cache_numel=1 << 32)
+        assert not FlashInferBackend.not_supported_reasons(at_limit, H100)
+    finally:
+        forget(FlashInferBackend)

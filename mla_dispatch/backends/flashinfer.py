@@ -49,6 +49,14 @@ from ._vendor import dist_version, import_reasons, packed_page_indices, visible_
 __all__ = ["FlashInferBackend", "trtllm_heads"]
 
 MIN_VERSION = (0, 6, 0)
+#: Before this version the MLA wrapper's kernels (include/flashinfer/attention/mla_hopper.cuh and mla.cuh,
+#: ``prefetch_offset``) compute a page's offset as int32 page id * uint32 page stride in 32-bit arithmetic, so
+#: every page whose first element lies at or past 2^32 elements of the cache is read from a wrapped address:
+#: silently wrong output (NaN where the wrap lands in unused slots). Fixed by flashinfer PR #3136 (commit
+#: d885b71, first released in 0.6.11). Found as NaN in ~98% of out/lse with 0.6.0 on an H100 at b=128,
+#: h_q=128, mean length 32768 (a cache of ~177K pages of 64 tokens).
+PAGE_OFFSET_FIX = (0, 6, 11)
+_WRAPPER_MAX_CACHE_ELEMENTS = 1 << 32
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's and vLLM's recommendation
 _LN2 = math.log(2.0)
 _TRTLLM_PAGE_SIZES = (64, 32)
@@ -142,6 +150,11 @@ class FlashInferBackend(MLABackend):
         if p.num_heads_kv != 1:
             return reasons  # MAX_HEADS_KV already says it
         if not _is_trtllm(platform):
+            if p.cache_numel > _WRAPPER_MAX_CACHE_ELEMENTS and _parse_version(cls.version()) < PAGE_OFFSET_FIX:
+                fix = ".".join(map(str, PAGE_OFFSET_FIX))
+                reasons.append(Reason(R.FEATURE, f"a KV cache of {p.cache_numel} elements (supported: <= 2^32 with "
+                                                 f"flashinfer {cls.version()}; its MLA kernel's page offsets wrap at "
+                                                 f"2^32 elements before {fix})"))
             # Measured wrong (not a rounding margin: ~0.2% of the softmax mass missing on some rows)
             # with 0.6.0 on H200, 2026-11-21, FlashMLA-compat grid: causal s_q=4, h_q in {63, 126},
             # b=64, varlen (L=140 and 4096); b in {1, 2, 6} and h_q in {1, 3, 9, 64, 128} passed.

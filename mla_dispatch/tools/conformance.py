@@ -35,7 +35,7 @@ from mla_dispatch.dispatch.registry import get_backend, registered_names
 from mla_dispatch.numerics.cases import DecodeCase, make_case
 from mla_dispatch.numerics.tolerance import compare_outputs
 
-__all__ = ["ConformanceCase", "Cell", "case_set", "run_conformance", "format_matrix", "main"]
+__all__ = ["ConformanceCase", "Cell", "case_set", "large_case_set", "run_conformance", "format_matrix", "main"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,11 +47,38 @@ class ConformanceCase:
     params: dict
 
     def make(self, device: torch.device, generator: torch.Generator) -> DecodeCase:
+        if "bench" in self.params:  # a large case: generated on the device, chunk by chunk, as `bench` does
+            from mla_dispatch.tools.bench import BenchConfig, make_bench_case
+
+            params = dict(self.params)
+            cfg = BenchConfig(**params.pop("bench"))
+            seed = int(torch.randint(1 << 30, (1,), generator=generator))
+            return make_bench_case(cfg, device=device, seed=seed, **params)
         return make_case(**self.params, device=device, generator=generator)
 
 
+#: Pages of 64 bf16 tokens past which a cache holds more than 2^32 elements (576 per token).
+_PAGES_PAST_2_32 = (1 << 32) // (64 * 576) + 1
+
+
+def large_case_set() -> list[ConformanceCase]:
+    """Cases at the sizes where 32-bit offsets overflow (GPU only; ~15 GB of device memory): a cache of more than
+    2^32 elements whose few used pages are spread over all of it, and FlashMLA's largest serving shapes (b=128,
+    mean length 32K: ~4M cached tokens, > 2^31 elements)."""
+    return [
+        ConformanceCase("cache > 2^32 elements", "page ids past 2^32 elements (b=8, L~4K, a 10 GB bf16 cache)",
+                        {"bench": dict(batch=8, q_len=1, num_heads_q=128, seqlen=4096, varlen=True),
+                         "extra_blocks": _PAGES_PAST_2_32 + 20000}),
+        ConformanceCase("b=128 L~32K", "sum of lengths ~4M tokens, h_q=128",
+                        {"bench": dict(batch=128, q_len=1, num_heads_q=128, seqlen=32768, varlen=True)}),
+        ConformanceCase("b=128 L~32K s_q=2 causal", "the same with two causal query tokens",
+                        {"bench": dict(batch=128, q_len=2, num_heads_q=128, seqlen=32768, varlen=True, causal=True)}),
+    ]
+
+
 def case_set(quick: bool = False) -> list[ConformanceCase]:
-    """The generated cases. ``quick``: CI-sized (seconds on a CPU); otherwise bigger and more of them."""
+    """The generated cases. ``quick``: CI-sized (seconds on a CPU); otherwise bigger and more of them (the large
+    caches of :func:`large_case_set` are separate: ``--large``)."""
     b, L, h = (2, 160, 16) if quick else (4, 700, 16)
     base = dict(batch=b, q_len=1, num_heads_q=h, seqlen=L, page_size=64, varlen=True)
 
@@ -185,6 +212,8 @@ def _default_backends(device: torch.device) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mla_dispatch conformance", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="CI-sized case set (seconds on a CPU)")
+    p.add_argument("--large", action="store_true",
+                   help="also the large-cache cases (> 2^32 cache elements, ~4M tokens; a GPU with ~20 GB free)")
     p.add_argument("--backends", default=None,
                    help="comma-separated names (default: every available backend; 'reference' only on CPU)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
@@ -193,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="print the case set and exit")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
-    cases = case_set(quick=args.quick)
+    cases = case_set(quick=args.quick) + (large_case_set() if args.large else [])
     if args.list:
         for c in cases:
             print(f"{c.name:<28} {c.feature}")
