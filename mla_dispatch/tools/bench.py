@@ -15,9 +15,16 @@ For each configuration of a named grid, in one process:
    - ``graph``: replay of a CUDA graph captured over ``DecodePlan.run`` with
      preallocated ``out``/``lse`` (CUDA only, backends with ``CUDA_GRAPH`` ALWAYS;
      its output is checked against the reference too);
-3. count FLOPs and bytes (:mod:`mla_dispatch.tools.roofline`) and report µs, TFLOP/s,
+3. on a GPU, the host time of ``plan_decode``, ``DecodePlan.run`` and the one-shot
+   ``mla_decode`` (wall clock with a device synchronisation after, median of 50);
+4. where FlashMLA is installed, FlashMLA itself called directly on the same inputs
+   (:mod:`mla_dispatch.tools.peers`), and every row's "× FlashMLA": its CUDA-graph
+   time over FlashMLA's (lower is better);
+5. count FLOPs and bytes (:mod:`mla_dispatch.tools.roofline`) and report µs, TFLOP/s,
    GB/s and % of the roofline, whose ceilings were measured at the start of
    the run.
+
+The backend ``auto`` is what ``backend="auto"`` chooses (the row's note names it).
 
 Results are printed as a Markdown table (ready for ``benchmarks/RESULTS.md``)
 and written as JSON and CSV; ``--plot`` adds a PNG of % of roofline per config.
@@ -48,6 +55,8 @@ from mla_dispatch.kvcache.formats import pack_ds_mla, quantize_fp8_e4m3
 from mla_dispatch.dispatch.platform import platform_for
 from mla_dispatch.dispatch.problem import DecodeProblem, describe_inputs
 from mla_dispatch.dispatch.registry import get_backend, registered_names
+from mla_dispatch.dispatch.select import NoBackendError, select_backend
+from mla_dispatch.tools.peers import PEER_FLASHMLA, flashmla_peer_available, flashmla_runs, host_us, time_flashmla
 from mla_dispatch.tools.roofline import Ceilings, decode_work, measure_ceilings, time_fn, timer_name
 from mla_dispatch.numerics.cases import UNUSED_BLOCK_ID, DecodeCase
 from mla_dispatch.numerics.tolerance import compare_outputs
@@ -275,6 +284,10 @@ class BenchRow:
     roofline_us: float = 0.0
     max_abs_err: float | None = None
     cos_diff: float | None = None
+    host_plan_us: float | None = None  # plan_decode, wall clock + device sync
+    host_run_us: float | None = None   # DecodePlan.run, wall clock + device sync
+    host_call_us: float | None = None  # one-shot mla_decode, wall clock + device sync
+    x_flashmla: float | None = None    # us_graph (else us_call) over FlashMLA's own, same config
 
     @property
     def best_us(self) -> float | None:
@@ -304,14 +317,22 @@ def _check(out, lse, ref, tol):
 
 def bench_backend(name: str, case: DecodeCase, ref: tuple[torch.Tensor, torch.Tensor], row: BenchRow, *,
                   graphs: bool = True, rep_ms: float = 100.0) -> BenchRow:
-    """Check, then time, backend ``name`` on ``case``; fills and returns ``row``."""
-    cls = get_backend(name)
+    """Check, then time, backend ``name`` (or ``"auto"``) on ``case``; fills and returns ``row``."""
     device = case.q.device
     problem = case_problem(case)
-    reasons = cls.not_supported_reasons(problem, platform_for(device))
-    if reasons:
-        row.status, row.note = "unsupported", "; ".join(map(str, reasons))
-        return row
+    if name == "auto":
+        try:
+            cls = select_backend(problem, platform_for(device))
+        except NoBackendError as exc:
+            row.status, row.note = "unsupported", str(exc).splitlines()[0]
+            return row
+        row.note = f"chose {cls.NAME}"
+    else:
+        cls = get_backend(name)
+        reasons = cls.not_supported_reasons(problem, platform_for(device))
+        if reasons:
+            row.status, row.note = "unsupported", "; ".join(map(str, reasons))
+            return row
     run_kw = dict(kv_scale=case.kv_scale, indices=case.indices)
     try:
         plan = plan_decode(*case.args(), **case.kwargs(), backend=name)
@@ -324,13 +345,17 @@ def bench_backend(name: str, case: DecodeCase, ref: tuple[torch.Tensor, torch.Te
         return row
     row.max_abs_err, row.cos_diff = report.max_abs, report.cos_diff
     if not report:
-        row.status, row.note = "wrong", report.message
+        row.status, row.note = "wrong", (row.note + ": " if row.note else "") + report.message
         return row
     row.us_run = time_fn(lambda: plan.run(case.q, case.kv_cache, **run_kw, out=out, lse=lse), device,
                          rep_ms=rep_ms) * 1e6
     row.us_call = time_fn(lambda: mla_decode(*case.args(), **case.kwargs(), out=out, backend=name), device,
                           rep_ms=rep_ms) * 1e6
     row.status = "ok"
+    if device.type == "cuda":
+        row.host_plan_us = host_us(lambda: plan_decode(*case.args(), **case.kwargs(), backend=name), device)
+        row.host_run_us = host_us(lambda: plan.run(case.q, case.kv_cache, **run_kw, out=out, lse=lse), device)
+        row.host_call_us = host_us(lambda: mla_decode(*case.args(), **case.kwargs(), out=out, backend=name), device)
     if graphs and device.type == "cuda" and cls.CUDA_GRAPH is CGSupport.ALWAYS:
         _bench_graph(name, case, ref, row, rep_ms)
     return row
@@ -338,10 +363,10 @@ def bench_backend(name: str, case: DecodeCase, ref: tuple[torch.Tensor, torch.Te
 
 def _bench_graph(name: str, case: DecodeCase, ref, row: BenchRow, rep_ms: float) -> None:
     """Capture ``plan.run`` into a CUDA graph, check one replay, time replays."""
-    cls = get_backend(name)
     run_kw = dict(kv_scale=case.kv_scale, indices=case.indices)
     try:
         plan = plan_decode(*case.args(), **case.kwargs(), backend=name, cuda_graph=True)
+        cls = get_backend(plan.backend)
         out = torch.empty(ref[0].shape, dtype=case.q.dtype, device=case.q.device)
         lse = torch.empty(ref[1].shape, dtype=torch.float32, device=case.q.device)
         side = torch.cuda.Stream()
@@ -353,8 +378,8 @@ def _bench_graph(name: str, case: DecodeCase, ref, row: BenchRow, rep_ms: float)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             plan.run(case.q, case.kv_cache, **run_kw, out=out, lse=lse)
-        out.zero_()
-        lse.zero_()
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         report = _check(out, lse, ref, cls.TOLERANCE)
@@ -378,6 +403,8 @@ def default_backends(device: torch.device) -> list[str]:
             continue
         if not get_backend(name).availability_reasons():
             names.append(name)
+    if device.type != "cpu" and len(names) > 1:
+        names.insert(0, "auto")  # what the library would choose, beside each candidate
     return names
 
 
@@ -439,6 +466,7 @@ def run_bench(configs: Sequence[BenchConfig], backends: Sequence[str], *, device
     from mla_dispatch.numerics.oracle import reference_attention
 
     ceilings = ceilings or measure_ceilings(device)
+    peer_version = flashmla_peer_available() if device.type == "cuda" else None
     rows: list[BenchRow] = []
     bar = tqdm(total=len(configs) * len(backends), desc="bench", unit="run", disable=not progress, leave=False,
                file=sys.stderr)
@@ -449,17 +477,41 @@ def run_bench(configs: Sequence[BenchConfig], backends: Sequence[str], *, device
                                   head_dim_v=case.head_dim_v, softmax_scale=case.softmax_scale, causal=case.causal,
                                   kv_format=case.kv_format, kv_scale=case.kv_scale, indices=case.indices)
         work = work_of(case, cfg)
+        roof_us = work.roofline_seconds(ceilings) * 1e6
+        config_rows = []
         for name in backends:
-            cls = get_backend(name)
-            row = BenchRow(cfg.label, name, cls.version(), "?", flops=work.flops, bytes=work.bytes,
-                           roofline_us=work.roofline_seconds(ceilings) * 1e6)
-            rows.append(bench_backend(name, case, ref, row, graphs=graphs, rep_ms=rep_ms))
+            version = "" if name == "auto" else get_backend(name).version()
+            row = BenchRow(cfg.label, name, version, "?", flops=work.flops, bytes=work.bytes, roofline_us=roof_us)
+            config_rows.append(bench_backend(name, case, ref, row, graphs=graphs, rep_ms=rep_ms))
             bar.update(1)
+        if peer_version and flashmla_runs(case):
+            peer = BenchRow(cfg.label, PEER_FLASHMLA, peer_version, "?", flops=work.flops, bytes=work.bytes,
+                            roofline_us=roof_us)
+            for key, value in time_flashmla(case, ref, time_fn, rep_ms=rep_ms).items():
+                setattr(peer, key, value)
+            config_rows.append(peer)
+        _ratios_to_flashmla(config_rows)
+        rows.extend(config_rows)
         del case, ref
         if device.type == "cuda":
             torch.cuda.empty_cache()
     bar.close()
     return rows, ceilings
+
+
+def _ratios_to_flashmla(rows: list[BenchRow]) -> None:
+    """Each row's time over FlashMLA's on the same config: CUDA-graph replay where both have one, else the whole
+    eager call."""
+    peer = next((r for r in rows if r.backend == PEER_FLASHMLA and r.status == "ok"), None)
+    if peer is None:
+        return
+    for r in rows:
+        if r.status != "ok":
+            continue
+        if r.us_graph and peer.us_graph:
+            r.x_flashmla = r.us_graph / peer.us_graph
+        elif r.us_call and peer.us_call:
+            r.x_flashmla = r.us_call / peer.us_call
 
 
 # -- output ---------------------------------------------------------------------------------------------
@@ -471,19 +523,21 @@ def _f(x: float | None, fmt: str) -> str:
 
 def format_table(rows: Iterable[BenchRow]) -> str:
     """Markdown table: one row per (config, backend); unsupported ones say why."""
-    head = ("| config | backend | status | run µs | call µs | graph µs | TFLOP/s | GB/s | % roofline (run / graph) |\n"
-            "|---|---|---|---:|---:|---:|---:|---:|---:|")
+    head = ("| config | backend | status | run µs | call µs | graph µs | × FlashMLA | TFLOP/s | GB/s "
+            "| % roofline (run / graph) | host plan / run / call µs |\n"
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     lines = [head]
     for r in rows:
         if r.status == "ok":
             pct = _f(r.roof_pct(r.us_run), ".1f") + (f" / {r.roof_pct(r.us_graph):.1f}" if r.us_graph else "")
             status = "ok" + (f" ({r.note})" if r.note else "")
+            host = " / ".join(_f(x, ".0f") or "-" for x in (r.host_plan_us, r.host_run_us, r.host_call_us))
             lines.append(f"| {r.config} | {r.backend} | {status} | {_f(r.us_run, '.1f')} | {_f(r.us_call, '.1f')} | "
-                         f"{_f(r.us_graph, '.1f')} | {_f(r.tflops(r.us_run), '.3g')} | {_f(r.gbps(r.us_run), '.4g')} | "
-                         f"{pct} |")
+                         f"{_f(r.us_graph, '.1f')} | {_f(r.x_flashmla, '.3f')} | {_f(r.tflops(r.us_run), '.3g')} | "
+                         f"{_f(r.gbps(r.us_run), '.4g')} | {pct} | {host} |")
         else:
             note = r.note.replace("|", "/")
-            lines.append(f"| {r.config} | {r.backend} | {r.status}: {note} | | | | | | |")
+            lines.append(f"| {r.config} | {r.backend} | {r.status}: {note} | | | | | | | | |")
     return "\n".join(lines)
 
 
@@ -574,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     chosen = _split_names(args.backends)
     backends = chosen or default_backends(device)
-    known = registered_names()
+    known = ("auto",) + registered_names()
     for name in backends:
         if name not in known:
             print(f"unknown backend {name!r} (registered: {', '.join(known)})", file=sys.stderr)

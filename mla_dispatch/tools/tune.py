@@ -139,11 +139,13 @@ def main(argv: list[str] | None = None) -> int:
         print(exc, file=sys.stderr)
         return 2
     backends = [n.strip() for n in args.backends.split(",") if n.strip()] if args.backends else default_backends(device)
+    backends = [n for n in backends if n != "auto"]  # the table decides what auto runs: never a candidate itself
     if device.type != "cpu" and not args.backends:
         backends.append("reference")  # a candidate too, so every bucket gets an entry
     rows, ceilings = run_bench(configs, backends, device=device, dtype=dtype, graphs=args.metric == "graph",
                                rep_ms=args.rep_ms, progress=not args.quiet)
     buckets = {c.label: config_bucket(c, dtype, seed=i) for i, c in enumerate(configs)}
+    rows = [r for r in rows if r.backend in backends]  # peers timed beside them (FlashMLA direct) are not backends
     table, measurements = pick_winners(rows, buckets, args.metric)
     env = environment(device, backends)
     given = argv if argv is not None else sys.argv[1:]
