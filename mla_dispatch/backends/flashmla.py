@@ -80,6 +80,10 @@ class FlashMLABackend(MLABackend):
             if getattr(flash_mla, "MLA_DISPATCH_ALIAS", None) is not None:  # would call back into mla_dispatch
                 reasons.append(Reason(ReasonCode.UNAVAILABLE, "flash_mla in this process is mla_dispatch's own alias "
                                                               "(mla_dispatch.compat.flash_mla), not DeepSeek FlashMLA"))
+            elif not hasattr(flash_mla, "flash_mla_with_kvcache"):  # e.g. a directory without its Python sources
+                where = getattr(flash_mla, "__file__", None) or list(getattr(flash_mla, "__path__", []))
+                reasons.append(Reason(ReasonCode.UNAVAILABLE, f"flash_mla at {where} has no flash_mla_with_kvcache "
+                                                              "(not an installed DeepSeek FlashMLA)"))
         return reasons
 
     @classmethod
