@@ -66,14 +66,46 @@ def test_reasons(monkeypatch, fake):
     assert "page_size=16" in text and "compute capability 10.0 for dense decode" in text
 
 
-def test_cuda_graph_refused_only_for_schedmeta(monkeypatch, fake):
+def test_cuda_graph_refused_only_for_sparse_schedmeta(monkeypatch, fake):
+    """Dense CUDA-graph plans run on both interfaces (the current one with its schedule filled by us before
+    capture); sparse ones only on the legacy interface."""
+    import dataclasses
+
     simulate(monkeypatch, H100, FlashMLABackend)
     legacy = fake
     from mla_dispatch.dispatch.problem import DecodeProblem
 
     p = DecodeProblem(2, 1, 16, 1, 576, 512, 64, 4, torch.bfloat16, "bf16", False, 0, True, "cuda", cuda_graph=True)
-    codes = [r.message for r in FlashMLABackend.not_supported_reasons(p, H100)]
+    assert FlashMLABackend.not_supported_reasons(p, H100) == []
+    sparse = dataclasses.replace(p, num_heads_q=64, kv_format="fp8_ds_mla", topk=64)
+    codes = [r.message for r in FlashMLABackend.not_supported_reasons(sparse, H100)]
     assert (codes == []) == legacy, codes
+
+
+def test_graph_plan_fills_the_schedule_before_the_first_call(monkeypatch, fake, gen):
+    """A cuda_graph plan hands FlashMLA a schedule object already filled (FlashMLA's layout, FlashMLA's algorithm);
+    update() refreshes its tensors in place (a captured graph keeps their addresses); results match the oracle."""
+    if fake:
+        pytest.skip("the legacy interface takes metadata tensors directly")
+    simulate(monkeypatch, H100, FlashMLABackend)
+    from mla_dispatch.metadata.flashmla_sched import flashmla_sched_meta_host
+
+    case = make_case(3, 2, 16, 300, causal=True, zero_len_rows=1, generator=gen)
+    plan = mla_dispatch.plan_decode(*case.args(), backend="flashmla", **case.kwargs(), cuda_graph=True)
+    meta = plan.state.meta
+    assert meta.have_initialized and meta.config.b == 3 and meta.config.causal
+    parts = meta.tile_scheduler_metadata.shape[0]
+    assert parts == max(132 // 1 // -(-2 * 16 // 64), 1)  # FlashMLA's num_sm_parts on an H100
+    rows, splits = flashmla_sched_meta_host(case.cache_seqlens.tolist(), parts)
+    assert meta.tile_scheduler_metadata.tolist() == rows and meta.num_splits.tolist() == splits
+    out, lse = torch.full_like(case.q[..., :512], float("nan")), torch.full((3, 16, 2), float("nan"))
+    plan.run(case.q, case.kv_cache, out=out, lse=lse)
+    assert compare_outputs(out, lse, *case_reference(case), FlashMLABackend.TOLERANCE)
+    address = meta.tile_scheduler_metadata.data_ptr()
+    longer = case.cache_seqlens + 7
+    plan.update(cache_seqlens=longer)
+    assert plan.state.meta is meta and meta.tile_scheduler_metadata.data_ptr() == address
+    assert meta.num_splits.tolist() == flashmla_sched_meta_host(longer.tolist(), parts)[1]
 
 
 def test_compat_alias_is_not_mistaken_for_flashmla(monkeypatch):

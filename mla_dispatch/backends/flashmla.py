@@ -12,14 +12,20 @@ Both interfaces of ``flash_mla_with_kvcache`` are handled; which one is detected
 the installed module (``FlashMLASchedMeta`` in ``flash_mla.flash_mla_interface``):
 
 - current (HEAD 9241ae3 and since late 2025): ``get_mla_metadata()`` returns an empty
-  ``FlashMLASchedMeta`` that the first call fills; ``num_splits`` must be None. One
-  object per decode step; :meth:`update` makes a new one. Not capturable by this
-  adapter (the object fills itself on first use), so CUDA-graph plans are refused.
+  ``FlashMLASchedMeta`` that the first call fills; ``num_splits`` must be None. Eager
+  plans keep one such object per decode step (:meth:`update` makes a new one), so the
+  first layer's call schedules, as in FlashMLA's own use. CUDA-graph plans fill the
+  object before capture with the same schedule computed by us
+  (:mod:`mla_dispatch.metadata.flashmla_sched`, one launch) and refresh its tensors in
+  place in :meth:`update`, so a captured graph holds only FlashMLA's decode and combine.
 - legacy (up to c28eca9, Sep 2025): ``get_mla_metadata(cache_seqlens, s_q*h_q//h_kv,
   h_kv, ...)`` returns ``(tile_scheduler_metadata, num_splits)`` tensors, computed in
   :meth:`plan` and refreshed in place by :meth:`update` (capturable).
 
-Output and LSE are FlashMLA's native layout (natural log, ``[B, h_q, s_q]``).
+Output and LSE are FlashMLA's native layout (natural log, ``[B, h_q, s_q]``); rows that see
+no key already hold 0 / +inf (FlashMLA's test requires it: ``tests/ref.py``, ``lonely_q_mask``).
+FlashMLA allocates its outputs: an eager call without ``out`` returns them as they are
+(:meth:`FlashMLABackend.bind`), one with ``out`` / ``lse`` copies into them.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from mla_dispatch.metadata.conversions import repage_block_table
 from mla_dispatch.dispatch.platform import Platform
 from mla_dispatch.dispatch.problem import DecodeProblem
 
-from ._vendor import dist_version, import_reasons, visible_rows, zero_invisible_rows
+from ._vendor import dist_version, import_reasons, zero_invisible_rows
 
 __all__ = ["FlashMLABackend"]
 
@@ -111,9 +117,9 @@ class FlashMLABackend(MLABackend):
             if p.page_size % DENSE_PAGE != 0:
                 reasons.append(Reason(R.PAGE_SIZE, f"page_size={p.page_size} for dense decode "
                                                    f"(supported: {DENSE_PAGE}, or a multiple re-viewed as {DENSE_PAGE})"))
-        if p.cuda_graph and not cls.availability_reasons() and _has_sched_meta():
-            reasons.append(Reason(R.CUDA_GRAPH, "cuda_graph=True with FlashMLA's FlashMLASchedMeta interface "
-                                                "(the object fills itself on its first call)"))
+        if p.cuda_graph and p.sparse and not cls.availability_reasons() and _has_sched_meta():
+            reasons.append(Reason(R.CUDA_GRAPH, "cuda_graph=True for sparse decode with FlashMLA's FlashMLASchedMeta "
+                                                "interface (the object fills itself on its first call)"))
         return reasons
 
     # -- plan ------------------------------------------------------------------------
@@ -126,7 +132,7 @@ class FlashMLABackend(MLABackend):
         if block_table is not None and ratio > 1:
             table = repage_block_table(block_table, p.page_size, DENSE_PAGE)
         state = BackendState(problem=p, ratio=ratio, table=table, new_api=_has_sched_meta(), meta=None,
-                             num_splits=None, seqlens=cache_seqlens)
+                             num_splits=None, seqlens=cache_seqlens, parts=platform.num_compute_units)
         cls._schedule(state, cache_seqlens)
         return state
 
@@ -135,6 +141,9 @@ class FlashMLABackend(MLABackend):
         import flash_mla
 
         p = state.problem
+        if state.new_api and p.cuda_graph and not p.sparse:
+            cls._fill_sched_meta(state, cache_seqlens)
+            return
         if state.new_api:
             state.meta, _ = flash_mla.get_mla_metadata()
             return
@@ -152,12 +161,64 @@ class FlashMLABackend(MLABackend):
             state.num_splits.copy_(splits)
 
     @classmethod
+    def _fill_sched_meta(cls, state: BackendState, cache_seqlens) -> None:
+        """A ``FlashMLASchedMeta`` filled as FlashMLA's first call would fill it, its tensors refreshed in place."""
+        from flash_mla.flash_mla_interface import FlashMLASchedMeta
+
+        from mla_dispatch.metadata.flashmla_sched import META_INTS, flashmla_sched_meta_into, num_sm_parts
+
+        p = state.problem
+        if state.meta is None:
+            parts = num_sm_parts(state.parts, p.num_heads_q, p.num_heads_kv, p.q_len)
+            dev = cache_seqlens.device
+            meta = FlashMLASchedMeta()
+            meta.tile_scheduler_metadata = torch.empty(parts, META_INTS, dtype=torch.int32, device=dev)
+            meta.num_splits = torch.empty(p.batch + 1, dtype=torch.int32, device=dev)
+            meta.config = FlashMLASchedMeta.Config(p.batch, p.q_len, p.num_heads_q, DENSE_PAGE, p.num_heads_kv,
+                                                   p.causal, False, None, None, None)
+            meta.have_initialized = True
+            state.meta = meta
+        flashmla_sched_meta_into(cache_seqlens, state.meta.tile_scheduler_metadata, state.meta.num_splits)
+
+    @classmethod
     def update(cls, state: BackendState, block_table, cache_seqlens) -> None:
         if block_table is not None and state.ratio > 1:
             state.table.copy_(repage_block_table(block_table, state.problem.page_size, DENSE_PAGE))
         cls._schedule(state, cache_seqlens)
 
     # -- run -----------------------------------------------------------------------------
+
+    @classmethod
+    def bind(cls, state, problem, kv_dtype, block_table, cache_seqlens, *, softmax_scale):
+        """Dense eager calls: FlashMLA's own call and nothing else; its outputs are returned as they are unless
+        ``out`` / ``lse`` were given."""
+        import flash_mla
+
+        p = problem
+        call = flash_mla.flash_mla_with_kvcache
+        q_shape, q_dtype = (p.batch, p.q_len, p.num_heads_q, p.head_dim_qk), p.q_dtype
+        kv_tail = (p.page_size, p.num_heads_kv, p.head_dim_qk)
+        out_shape, lse_shape = (p.batch, p.q_len, p.num_heads_q, p.head_dim_v), (p.batch, p.num_heads_q, p.q_len)
+        pages, dv, causal = DENSE_PAGE, p.head_dim_v, p.causal
+
+        def fast(q, kv, kv_scale, out, lse):
+            if (kv_scale is not None or q.shape != q_shape or q.dtype != q_dtype or q.stride(-1) != 1
+                    or kv.shape[1:] != kv_tail or kv.dtype != kv_dtype or kv.stride(-1) != 1
+                    or (out is not None and (out.shape != out_shape or out.dtype != q_dtype or out.device != q.device))
+                    or (lse is not None and (lse.shape != lse_shape or lse.dtype != torch.float32
+                                             or lse.device != q.device))):
+                return None  # the checked path names what is wrong
+            if state.ratio > 1:
+                kv = kv.view(kv.shape[0] * state.ratio, pages, kv.shape[2], kv.shape[3])
+            o, l = call(q, kv, state.table, cache_seqlens, dv, state.meta, state.num_splits,
+                        softmax_scale=softmax_scale, causal=causal)
+            if out is not None:
+                o = out.copy_(o)
+            if lse is not None:
+                l = lse.copy_(l)
+            return o, l
+
+        return fast
 
     @classmethod
     def run(cls, state, q, kv_cache, block_table, cache_seqlens, *, problem, softmax_scale, kv_scale, indices,
@@ -174,8 +235,5 @@ class FlashMLABackend(MLABackend):
             softmax_scale=softmax_scale, causal=p.causal, is_fp8_kvcache=p.sparse, indices=indices)
         out.copy_(o)
         lse.copy_(l)
-        if p.sparse:
-            visible = (indices >= 0).any(dim=-1)
-        else:
-            visible = visible_rows(cache_seqlens, p.q_len, p.causal)
-        zero_invisible_rows(out, lse, visible)
+        if p.sparse:  # dense rows with no key already hold FlashMLA's 0 / +inf
+            zero_invisible_rows(out, lse, (indices >= 0).any(dim=-1))

@@ -445,7 +445,7 @@ def environment(device: torch.device, backends: Sequence[str] | None = None) -> 
         env["triton"] = None
     if backends is None:
         backends = [n for n in registered_names() if not get_backend(n).availability_reasons()]
-    env["backends"] = {n: get_backend(n).version() for n in backends}
+    env["backends"] = {n: get_backend(n).version() for n in backends if n != "auto"}
     return env
 
 
@@ -647,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(rows))
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / f"bench-{'+'.join(grid_names)}"
+    stem = out_dir / f"bench-{'_'.join(grid_names)}"
     meta = {"grids": grid_names, "dtype": args.dtype, "command": command.strip(),
             "configs": {c.label: dataclasses.asdict(c) for c in configs}}
     write_json(stem.with_suffix(".json"), rows, env, ceilings, meta)

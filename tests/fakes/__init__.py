@@ -14,13 +14,21 @@ MI355X = Platform("rocm", "AMD Instinct MI355X", None, "gfx950", 256)
 
 
 def simulate(monkeypatch, platform: Platform, backend_cls) -> None:
-    """Make every device look like ``platform`` and forget what ``backend_cls`` cached."""
+    """Make every device look like ``platform`` for this test and forget what ``backend_cls`` cached.
+
+    The platform cache is replaced for the test, not cleared, so the simulated platform cannot outlive it (a
+    cleared cache would be refilled with it and keep it for the tests after); the selection cache, which holds
+    choices made for the simulated platform, is cleared after the test too.
+    """
+    import functools
+
     import mla_dispatch.dispatch.platform as plat
     import mla_dispatch.dispatch.select as sel
 
     monkeypatch.setattr(plat, "detect_platform", lambda device=None: platform)
-    plat.platform_for.cache_clear()
+    monkeypatch.setattr(plat, "_platform_cached", functools.lru_cache(maxsize=64)(lambda kind, index: platform))
     sel.clear_selection_cache()
+    monkeypatch.setattr(sel, "_select_cached", functools.lru_cache(maxsize=1024)(sel._select_cached.__wrapped__))
     forget(backend_cls)
 
 

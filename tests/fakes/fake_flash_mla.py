@@ -27,12 +27,28 @@ from mla_dispatch.kvcache.formats import unpack_ds_mla
 from ._attend import attend
 
 
-@dataclasses.dataclass
 class FlashMLASchedMeta:
-    config: tuple | None = None
-    tile_scheduler_metadata: torch.Tensor | None = None
-    num_splits: torch.Tensor | None = None
-    _seqlens: torch.Tensor | None = None
+    """HEAD's class: a ``Config`` dataclass, ``have_initialized``, the two tensors (filled by the first call)."""
+
+    @dataclasses.dataclass
+    class Config:
+        b: int
+        s_q: int
+        h_q: int
+        page_block_size: int
+        h_k: int
+        causal: bool
+        is_fp8_kvcache: bool
+        topk: int | None
+        extra_page_block_size: int | None
+        extra_topk: int | None
+
+    def __init__(self):
+        self.have_initialized = False
+        self.config = None
+        self.tile_scheduler_metadata = None
+        self.num_splits = None
+        self._seqlens = None  # the fake's own: the lengths its first call scheduled
 
 
 def get_mla_metadata(*args, **kwargs):
@@ -107,15 +123,20 @@ def flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, head_dim_v, t
     if num_splits is not None:
         raise AssertionError("num_splits must be None")
     b, s_q, h_q, _ = q.shape
-    config = (b, s_q, h_q, k_cache.shape[1], k_cache.shape[2], causal, is_fp8_kvcache,
-              None if indices is None else indices.shape[-1])
-    if meta.config is None:
+    config = FlashMLASchedMeta.Config(b, s_q, h_q, k_cache.shape[1], k_cache.shape[2], causal, is_fp8_kvcache,
+                                      None if indices is None else indices.shape[-1], None, None)
+    if not meta.have_initialized:
+        meta.have_initialized = True
         meta.config = config
         meta._seqlens = None if cache_seqlens is None else cache_seqlens.clone()
         meta.tile_scheduler_metadata = torch.zeros(4, 8, dtype=torch.int32)
         meta.num_splits = torch.zeros(b + 1, dtype=torch.int32)
     elif meta.config != config:
         raise AssertionError(f"FlashMLASchedMeta reused for another config {meta.config} != {config}")
+    elif meta._seqlens is None:  # filled by its user, as FlashMLA's first call would (shapes as dense_decode.h checks)
+        t, n = meta.tile_scheduler_metadata, meta.num_splits
+        if t is None or t.dim() != 2 or t.shape[1] != 8 or t.dtype != torch.int32 or n is None or n.shape != (b + 1,):
+            raise RuntimeError("tile_scheduler_metadata must be int32 [num_sm_parts, 8], num_splits int32 [b + 1]")
     elif cache_seqlens is not None and not torch.equal(meta._seqlens, cache_seqlens):
         raise AssertionError("FlashMLASchedMeta reused after cache_seqlens changed (make one per decode step)")
     return _compute(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, is_fp8_kvcache,
