@@ -180,3 +180,19 @@ def test_lookup_takes_the_nearest_measured_size_of_the_same_shape_class():
     other_class = dataclasses.replace(base, page_size=16)
     assert tuned.lookup(table, other_class) is None
     assert tuned.lookup({tuned.shape_class(base): "triton"}, at(7, 3)) == "triton"
+
+
+def test_table_from_a_saved_bench_run(clean, tmp_path, capsys):
+    """`tune --from-json` ranks a saved bench run's rows (no measuring): the bucket of each config is the one its
+    run drew, the winner the fastest backend correct on every config of the bucket, the device the run's."""
+    from mla_dispatch.tools import bench
+
+    wrong = clean(WrongButInstant)
+    assert bench.main(["--grid", "quick", "--backends", f"reference,{wrong}", "--quiet", "--rep-ms", "2",
+                       "--out", str(tmp_path), "--seed", "5"]) == 1  # the wrong backend fails the gate
+    out = tmp_path / "table.json"
+    assert tune.main(["--from-json", str(tmp_path / "bench-quick.json"), "--out", str(out)]) == 0
+    doc = tuned.read_table(out)
+    want = {tune.config_bucket(c, seed=5 + i) for i, c in enumerate(bench.grid_configs("quick"))}
+    assert set(doc["table"]) == want and set(doc["table"].values()) == {"reference"}
+    assert doc["fingerprint"] == tuned.fingerprint(CPU)

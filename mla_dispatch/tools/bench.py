@@ -56,6 +56,7 @@ from mla_dispatch.dispatch.platform import platform_for
 from mla_dispatch.dispatch.problem import DecodeProblem, describe_inputs
 from mla_dispatch.dispatch.registry import get_backend, registered_names
 from mla_dispatch.dispatch.select import NoBackendError, select_backend
+from mla_dispatch.dispatch.tuned import fingerprint
 from mla_dispatch.tools.peers import PEER_FLASHMLA, flashmla_peer_available, flashmla_runs, host_us, time_flashmla
 from mla_dispatch.tools.roofline import Ceilings, decode_work, measure_ceilings, time_fn, timer_name
 from mla_dispatch.numerics.cases import UNUSED_BLOCK_ID, DecodeCase
@@ -436,6 +437,7 @@ def environment(device: torch.device, backends: Sequence[str] | None = None) -> 
         "cuda": torch.version.cuda,
         "python": host_platform.python_version(),
         "timer": timer_name(device),
+        "fingerprint": fingerprint(platform_for(device)),
     }
     try:
         import importlib.metadata as md
@@ -648,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = out_dir / f"bench-{'_'.join(grid_names)}"
-    meta = {"grids": grid_names, "dtype": args.dtype, "command": command.strip(),
+    meta = {"grids": grid_names, "dtype": args.dtype, "seed": args.seed, "command": command.strip(),
             "configs": {c.label: dataclasses.asdict(c) for c in configs}}
     write_json(stem.with_suffix(".json"), rows, env, ceilings, meta)
     write_csv(stem.with_suffix(".csv"), rows)

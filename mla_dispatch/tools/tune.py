@@ -109,6 +109,38 @@ def write_table(path: Path, doc: dict) -> None:
     tmp.replace(path)
 
 
+def _table_from_bench(path: Path, args, argv) -> int:
+    """``--from-json``: the winners of a saved bench run, written as a table for the device it ran on."""
+    from mla_dispatch.tools.bench import BenchConfig, BenchRow
+
+    doc = json.loads(path.read_text())
+    dtype = _DTYPES[doc.get("dtype", "bf16")]
+    seed = int(doc.get("seed", 0))
+    configs = {label: BenchConfig(**cfg) for label, cfg in doc["configs"].items()}
+    buckets = {label: config_bucket(cfg, dtype, seed=seed + i) for i, (label, cfg) in enumerate(configs.items())}
+    env = doc["environment"]
+    names = set(env["backends"])  # the backends the run measured (not `auto`, not the FlashMLA peer)
+    if args.backends:
+        names &= {n.strip() for n in args.backends.split(",")}
+    fields = set(BenchRow.__dataclass_fields__)
+    rows = [BenchRow(**{k: v for k, v in r.items() if k in fields}) for r in doc["rows"] if r["backend"] in names]
+    table, measurements = pick_winners(rows, buckets, args.metric)
+    out = {"format": TABLE_FORMAT, "fingerprint": env["fingerprint"], "device": env["device"],
+           "platform": env["platform"],
+           "versions": {k: env.get(k) for k in ("mla_dispatch", "torch", "cuda", "triton")} | {"backends": env["backends"]},
+           "created": env["date"], "command": doc.get("command", "") + f" | python -m mla_dispatch tune --from-json "
+           f"{path.name} --metric {args.metric}", "metric": args.metric, "ceilings": doc.get("ceilings"),
+           "table": table, "measurements": measurements}
+    for bucket in sorted(set(buckets.values())):
+        print(f"{bucket}: {table.get(bucket, '(none ran every config correctly)')}")
+    if args.dry_run:
+        return 0
+    target = Path(args.out) if args.out else table_path(detect_platform())
+    write_table(target, out)
+    print(f"wrote {target}")
+    return 0
+
+
 # -- CLI ----------------------------------------------------------------------------------------------
 
 
@@ -126,7 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="measure and print, write nothing")
     p.add_argument("--rep-ms", type=float, default=100.0)
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--from-json", default=None, metavar="BENCH_JSON",
+                   help="make the table from a saved `bench` run (its rows, device and versions) instead of measuring")
     args = p.parse_args(argv)
+    if args.from_json:
+        return _table_from_bench(Path(args.from_json), args, argv)
     from mla_dispatch.tools.bench import default_backends, environment, grid_configs, run_bench
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
