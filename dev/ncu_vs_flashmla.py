@@ -1,0 +1,42 @@
+"""One config, FlashMLA's decode kernel and ours on the same inputs, for Nsight Compute to profile side by side.
+
+    ncu --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section InstructionStats \\
+        --section MemoryWorkloadAnalysis --section Occupancy -k regex:"flash_fwd_splitkv_mla|mla_decode_kernel" \\
+        -c 4 --csv --page details python dev/ncu_vs_flashmla.py --config 128,1,128,8192
+
+Runs FlashMLA's call twice (the first fills its schedule), then ours twice: with `-c 4` ncu profiles two launches
+of each decode kernel. Needs FlashMLA importable (ci/flashmla_peer.sh).
+"""
+
+import argparse
+
+import torch
+
+import mla_dispatch
+from mla_dispatch.tools.bench import BenchConfig, make_bench_case
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", default="128,1,128,8192", help="batch,s_q,h_q,mean length (varlen, page 64)")
+    p.add_argument("--causal", action="store_true")
+    args = p.parse_args()
+    b, s_q, h_q, L = map(int, args.config.split(","))
+    case = make_bench_case(BenchConfig(b, s_q, h_q, L, varlen=True, causal=args.causal), device="cuda")
+    import flash_mla
+
+    meta, _ = flash_mla.get_mla_metadata()
+    fm = lambda: flash_mla.flash_mla_with_kvcache(case.q, case.kv_cache, case.block_table,  # noqa: E731
+                                                  case.cache_seqlens, 512, meta, None,
+                                                  softmax_scale=case.softmax_scale, causal=case.causal)
+    plan = mla_dispatch.plan_decode(*case.args(), **case.kwargs(), backend="cuda_sm90")
+    ours = lambda: plan.run(case.q, case.kv_cache)  # noqa: E731
+    for fn in (fm, ours):
+        for _ in range(2):
+            fn()
+        torch.cuda.synchronize()
+    print("ran", args.config, "causal" if args.causal else "")
+
+
+if __name__ == "__main__":
+    main()
