@@ -120,12 +120,14 @@ class TritonBackend(MLABackend):
             num_parts = max(1, cfg.programs_per_sm * platform.num_compute_units // tiles)
         if p.sparse:
             # sparse: the "tokens" of a request are its top-k list positions
-            lengths = torch.full((p.batch,), p.topk, dtype=torch.int32, device=device)
+            lengths, capacity = torch.full((p.batch,), p.topk, dtype=torch.int32, device=device), None
         else:
-            lengths = cache_seqlens
+            # no item reaches past a block-table row, whatever cache_seqlens holds
+            lengths, capacity = cache_seqlens, p.max_blocks * p.page_size
         if overhead is None:
             overhead = max(1, _SCHEDULE_OVERHEAD_TOKENS // cfg.chunk_size)
-        schedule = split_kv_schedule(lengths, num_parts=num_parts, chunk_size=cfg.chunk_size, overhead=overhead)
+        schedule = split_kv_schedule(lengths, num_parts=num_parts, chunk_size=cfg.chunk_size, overhead=overhead,
+                                     capacity=capacity)
         first_slot = torch.empty(p.batch, dtype=torch.int32, device=device)
         first_slots(schedule.num_splits, out=first_slot)
         max_slots = schedule.max_slots
