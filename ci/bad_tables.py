@@ -17,13 +17,17 @@ a sentinel row on either side, which must stay as they were; the cache sits betw
 kernel reading block -1 or ``num_blocks`` unchecked gives finite rows where NaN is due) and checks: NaN rows exactly
 for the requests with a bad id; every other request within the backend's tolerance of the reference; the requests
 left alone bitwise equal to the repaired run. One line per case and backend, PASS / FAIL / SKIP (the backend cannot
-run the problem: its reason); the exit status is 1 if anything failed.
+run the problem: its reason; a backend that is not available at all fails); the exit status is 1 if anything failed.
 
     python ci/bad_tables.py --backends triton,cuda_sm90,reference
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python ci/bad_tables.py --backends triton,cuda_sm90
 
-(without the caching allocator every tensor is its own allocation, so memcheck sees a read past one). On a CPU:
-``--device cpu --small`` (float16, small shapes; Triton under ``TRITON_INTERPRET=1``).
+(without the caching allocator every tensor is its own allocation, so memcheck sees a read past one). On an H100 the
+Triton backend takes its Gluon kernels here: the seesaw kernel for bf16 on page 64, ``gluon_sm90`` (every tile gathered)
+on pages 1 and 16 and for fp8_e4m3 with 64 heads, the tokens-on-M fp8 kernel for fp8_e4m3 with 16 heads, the plain
+kernel for fp8_ds_mla; ``MLA_TRITON_SEESAW=0`` sends page 64 to ``gluon_sm90``'s TMA path, ``MLA_TRITON_FP8T=0`` the
+16-head fp8 cases to ``gluon_sm90``. On a CPU: ``--device cpu --small`` (float16, small shapes; Triton under
+``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
@@ -153,9 +157,9 @@ class Inputs:
     touched: set
 
 
-def _guarded_cache(case, gen) -> torch.Tensor:
-    """The case's cache as a view between two blocks of finite values (what an unchecked read of block -1 or
-    ``num_blocks`` would find)."""
+def _guarded_cache(case, gen, device) -> torch.Tensor:
+    """The case's cache on ``device`` as a view between two blocks of finite values (what an unchecked read of block
+    -1 or ``num_blocks`` would find)."""
     from mla_dispatch.kvcache.formats import pack_ds_mla, quantize_fp8_e4m3
 
     kv = case.kv_cache
@@ -166,7 +170,7 @@ def _guarded_cache(case, gen) -> torch.Tensor:
         guard = pack_ds_mla(guard)
     else:
         guard = guard.to(kv.dtype)
-    big = torch.cat([guard[:1], kv, guard[1:]])
+    big = torch.cat([guard[:1], kv, guard[1:]]).to(device)
     return big[1:-1]
 
 
@@ -199,9 +203,9 @@ def build_inputs(bad: BadCase, *, page_size: int, dtype: torch.dtype, batch: int
         row = good_table[b, :n]
         row[(row < 0) | (row >= g.num_blocks)] = 0
     good_lens = lens.clamp(0, g.capacity)
-    kv = _guarded_cache(case, gen)
     dev = torch.device(device)
-    case = dataclasses.replace(case, q=case.q.to(dev), kv_cache=kv.to(dev),
+    kv = _guarded_cache(case, gen, dev)
+    case = dataclasses.replace(case, q=case.q.to(dev), kv_cache=kv,
                                kv_scale=None if case.kv_scale is None else case.kv_scale.to(dev))
     i32 = torch.int32
     return Inputs(case, table.to(i32).to(dev), lens.to(i32).to(dev), good_table.to(i32).to(dev),
@@ -243,6 +247,7 @@ def _run(backend: str, inp: Inputs, table, lens, tweak_plan=None):
 
 def check_backend(backend: str, inp: Inputs, tweak_plan=None) -> tuple[str, str]:
     """``("PASS" | "FAIL" | "SKIP", message)`` for one backend on one case (``tweak_plan`` as in :func:`_run`)."""
+    from mla_dispatch.dispatch.backend import ReasonCode
     from mla_dispatch.dispatch.select import NoBackendError
     from mla_dispatch.dispatch.registry import get_backend
     from mla_dispatch.numerics.oracle import reference_attention
@@ -253,8 +258,11 @@ def check_backend(backend: str, inp: Inputs, tweak_plan=None) -> tuple[str, str]
         out, lse, problems = _run(backend, inp, inp.bad_table, inp.bad_lens, tweak_plan)
         good_out, good_lse, good_problems = _run(backend, inp, inp.good_table, inp.good_lens, tweak_plan)
     except NoBackendError as exc:
-        reasons = "; ".join(str(r) for r in exc.report.candidates[0][2])
-        return "SKIP", reasons
+        reasons = exc.report.candidates[0][2]
+        text = "; ".join(str(r) for r in reasons)
+        if any(r.code in (ReasonCode.UNAVAILABLE, ReasonCode.NOT_IMPLEMENTED) for r in reasons):
+            return "FAIL", f"the backend is not available here: {text}"  # asked for by name: not a skip
+        return "SKIP", text
     except Exception as exc:
         return "FAIL", f"raised {type(exc).__name__}: {str(exc)[:300]}"
     problems += [p + " (repaired run)" for p in good_problems]

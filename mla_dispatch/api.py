@@ -358,10 +358,16 @@ def mla_decode(
     block_table : Tensor
         int32 ``[B, max_blocks]``: request ``b``'s token ``j`` is in block
         ``block_table[b, j // page_size]``. Entries past ``ceil(L_b / page_size)``
-        are never read. Unused (None) with sparse ``indices``.
+        are never read. Unused (None) with sparse ``indices``. A block id outside
+        ``[0, num_blocks)`` among the entries a request uses is never read either:
+        that request's ``out`` rows and ``lse`` are NaN, the other requests'
+        results do not change (``validate=True`` raises instead).
     cache_seqlens : Tensor
         int32 ``[B]``, ``L_b``: cached tokens per request (including the
-        ``s_q`` new ones). Slots past ``L_b`` are never read.
+        ``s_q`` new ones). Slots past ``L_b`` are never read. A request's tokens
+        are its first ``clamp(L_b, 0, max_blocks * page_size)``: a negative length
+        counts as 0, one past the table's capacity as the capacity (the causal
+        cut is still counted from ``L_b``; ``validate=True`` raises instead).
     head_dim_v : int
         ``D_v`` (DeepSeek: 512 = kv_lora_rank); ``<= D_qk``.
     softmax_scale : float, optional
@@ -390,7 +396,9 @@ def mla_decode(
         Reuse a plan from :func:`plan_decode` (then only ``q``, ``kv_cache``,
         ``kv_scale``, ``indices`` and ``out`` are used).
     validate : bool
-        Also check values (block ids, sequence lengths, indices); syncs.
+        Also check values (block ids, sequence lengths, indices): a ValueError
+        names ``block_table`` / ``cache_seqlens`` / ``indices`` and the offending
+        requests (rows). Syncs with the device.
 
     Returns
     -------
