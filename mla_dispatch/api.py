@@ -398,7 +398,8 @@ def mla_decode(
     validate : bool
         Also check values (block ids, sequence lengths, indices): a ValueError
         names ``block_table`` / ``cache_seqlens`` / ``indices`` and the offending
-        requests (rows). Syncs with the device.
+        requests (rows). Syncs with the device. With ``plan``, the plan's table
+        and lengths are checked.
 
     Returns
     -------
@@ -433,4 +434,7 @@ def mla_decode(
         plan = plan_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=head_dim_v, softmax_scale=softmax_scale,
                            causal=causal, kv_format=kv_format, kv_scale=kv_scale, indices=indices,
                            return_lse=return_lse, backend=backend, validate=validate)
+    elif validate:  # the plan's own table and lengths (what run() reads), against this cache
+        kv = _unwrap_cache(kv_cache, "auto", None)[0]
+        check_values(plan.problem, kv.shape[0], plan.block_table, plan.cache_seqlens, indices)
     return plan.run(q, kv_cache, kv_scale=kv_scale, indices=indices, out=out)

@@ -194,6 +194,21 @@ def test_float_kv_scale_is_converted_at_plan_time_not_per_run(gen, monkeypatch):
         mla_dispatch.plan_decode(*case.args(), **dict(kwargs, kv_scale=math.nan))
 
 
+# -- validate=True with a plan checks the plan's table ------------------------------------------------------------------
+
+
+def test_validate_with_a_plan_checks_the_plans_table(gen):
+    """validate=True was ignored when a plan was passed: the plan's table (what run() reads) was never checked."""
+    case = make_case(2, 1, 4, 30, page_size=8, generator=gen, head_dim_qk=64, head_dim_v=32)
+    table = case.block_table.clone()
+    table[1, 0] = case.kv_cache.shape[0]
+    plan = mla_dispatch.plan_decode(case.q, case.kv_cache, table, case.cache_seqlens, **case.kwargs())
+    with pytest.raises(ValueError, match=r"block_table has block ids outside .* rows \[1\]"):
+        mla_dispatch.mla_decode(case.q, case.kv_cache, None, None, plan=plan, validate=True)
+    out, lse = mla_dispatch.mla_decode(case.q, case.kv_cache, None, None, plan=plan)  # unchecked: request 1 is NaN
+    assert torch.isnan(out[1]).all() and torch.isnan(lse[1]).all() and torch.isfinite(lse[0]).all()
+
+
 # -- the cases that need Triton's interpreter (1 and 3), in a child process --------------------------------------------
 
 
