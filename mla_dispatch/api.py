@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from mla_dispatch.dispatch.backend import BackendState, MLABackend, untraced_eager
@@ -27,14 +29,23 @@ def _unwrap_cache(kv_cache, kv_format, kv_scale):
     return kv_cache, kv_format, kv_scale
 
 
+def _check_positive_finite(name: str, value) -> float:
+    value = float(value)
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} must be a finite positive float, got {value!r}")
+    return value
+
+
 def _as_scale_tensor(kv_scale, device) -> torch.Tensor | None:
     # A tensor's value is not checked (reading it would synchronise with the device); the kernels fold the
     # scale into the softmax scale and take maxima of unscaled scores, so it must be positive.
     if kv_scale is None or isinstance(kv_scale, torch.Tensor):
         return kv_scale
-    if not float(kv_scale) > 0:
-        raise ValueError(f"kv_scale must be a positive float, got {kv_scale!r}")
-    return torch.tensor([float(kv_scale)], dtype=torch.float32, device=device)
+    return torch.tensor([_check_positive_finite("kv_scale", kv_scale)], dtype=torch.float32, device=device)
+
+
+#: float kv_scales a plan keeps as device tensors (one per layer's scale, typically); past this many it stops adding
+_MAX_CACHED_SCALES = 1024
 
 
 class DecodePlan:
@@ -62,7 +73,7 @@ class DecodePlan:
 
     __slots__ = ("backend", "problem", "platform", "softmax_scale", "block_table", "cache_seqlens", "_cls", "_state",
                  "_q_shape", "_kv_tail", "_kv_dtype", "_q_dtype", "_out_shape", "_lse_shape", "_fp8_scale", "_sparse",
-                 "_run", "_fast", "_lse_scratch")
+                 "_run", "_fast", "_lse_scratch", "_scales", "_any_out_strides")
 
     def __init__(self, backend_cls: type[MLABackend], problem: DecodeProblem, platform: Platform,
                  softmax_scale: float, block_table, cache_seqlens, state: BackendState, q_shape, kv_tail, kv_dtype):
@@ -84,12 +95,29 @@ class DecodePlan:
         self._fp8_scale = problem.kv_format == "fp8_e4m3"
         self._sparse = problem.sparse
         self._run = backend_cls.run
+        self._any_out_strides = backend_cls.ANY_OUT_STRIDES
         # the backend's one-call eager path (MLABackend.bind), and where it writes an LSE nobody asked for
         self._fast = None if problem.sparse else backend_cls.bind(state, problem, kv_dtype, block_table, cache_seqlens,
                                                                   softmax_scale=softmax_scale)
         self._lse_scratch = None
         if self._fast is not None and not problem.return_lse:
             self._lse_scratch = torch.empty(self._lse_shape, dtype=torch.float32, device=cache_seqlens.device)
+        # float kv_scale -> its fp32 [1] tensor on the plan's device: made once (plan_decode's scale here, a layer's
+        # own on its first run), so run() copies nothing from the host (CUDA-graph capture forbids it)
+        self._scales: dict[float, torch.Tensor] = {}
+
+    def _scale_tensor(self, kv_scale, device: torch.device) -> torch.Tensor:
+        """The device tensor of a float ``kv_scale``, converted on the first call with that value only."""
+        tensor = self._scales.get(kv_scale)
+        if tensor is None:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise ValueError(f"kv_scale={kv_scale!r} is a float this plan has not seen before this CUDA-graph "
+                                 "capture, and copying it to the GPU cannot be captured: pass a float32 [1] tensor "
+                                 "on the GPU, or run the plan once with this value before capturing")
+            tensor = _as_scale_tensor(kv_scale, device)
+            if len(self._scales) < _MAX_CACHED_SCALES:
+                self._scales[kv_scale] = tensor
+        return tensor
 
     def __repr__(self) -> str:
         p = self.problem
@@ -137,11 +165,15 @@ class DecodePlan:
         kv_cache : Tensor or PagedMLACache
             The planned geometry (page size, heads, format); any number of blocks.
         kv_scale : float or Tensor, optional
-            Per-tensor fp32 scale, positive (``fp8_e4m3`` only); per layer.
+            Per-tensor fp32 scale, positive (``fp8_e4m3`` only); per layer. A float is made a device tensor
+            once per value (the one given to :func:`plan_decode` at planning, any other on its first run):
+            run once with each float before capturing a CUDA graph, or pass a float32 ``[1]`` device tensor.
         indices : Tensor, optional
             int32 ``[B, s_q, topk]`` sparse token ids (sparse plans only); per layer.
         out : Tensor, optional
-            ``[B, s_q, h_q, D_v]`` in q's dtype, written in place.
+            ``[B, s_q, h_q, D_v]`` in q's dtype, written in place. Its last dim must be contiguous
+            (stride 1) unless the backend declares ``ANY_OUT_STRIDES`` (the reference does; the
+            Triton and CUDA kernels do not).
         lse : Tensor, optional
             fp32 ``[B, h_q, s_q]``, written in place. Without it, a plan made with
             ``return_lse=False`` on a backend with a fast path writes the LSE to a
@@ -188,7 +220,8 @@ class DecodePlan:
         if self._fp8_scale:
             if kv_scale is None:
                 raise ValueError("kv_scale is required for kv_format='fp8_e4m3'")
-            kv_scale = _as_scale_tensor(kv_scale, q.device)
+            if not isinstance(kv_scale, torch.Tensor):
+                kv_scale = self._scale_tensor(kv_scale, q.device)
         elif kv_scale is not None:
             raise ValueError(f"kv_scale is only used with kv_format='fp8_e4m3' (planned: {p.kv_format!r})")
         if self._sparse:
@@ -204,6 +237,10 @@ class DecodePlan:
         elif out.shape != out_shape or out.dtype != q.dtype or out.device != device:
             raise ValueError(f"out must be {list(out_shape)} {q.dtype} on {device}, got {list(out.shape)} {out.dtype} "
                              f"on {out.device}")
+        elif out.stride(-1) != 1 and out_shape[-1] > 1 and not self._any_out_strides:
+            raise ValueError(f"out must be contiguous in its last dim (stride 1) for backend {self.backend!r}, got "
+                             f"strides {list(out.stride())} (pass a tensor whose rows of {out_shape[-1]} values are "
+                             f"contiguous, or out=None)")
         lse_shape = self._lse_shape
         give_lse = lse is not None or p.return_lse
         if lse is None:
@@ -267,15 +304,20 @@ def plan_decode(
         kv = kv.unsqueeze(2)
     if validate:
         check_values(problem, kv.shape[0], block_table, cache_seqlens, indices)
+    if kv_scale is not None and not isinstance(kv_scale, torch.Tensor):
+        _check_positive_finite("kv_scale", kv_scale)
     if softmax_scale is None:
         softmax_scale = default_softmax_scale(problem.head_dim_qk)
-    elif not softmax_scale > 0:
-        raise ValueError(f"softmax_scale must be a positive float, got {softmax_scale!r}")
+    else:
+        softmax_scale = _check_positive_finite("softmax_scale", softmax_scale)
     platform = platform_for(q.device)
     cls = select_backend(problem, platform, backend)
     state = cls.plan(problem, platform, block_table, cache_seqlens, softmax_scale=float(softmax_scale))
-    return DecodePlan(cls, problem, platform, float(softmax_scale), block_table, cache_seqlens, state,
+    plan = DecodePlan(cls, problem, platform, float(softmax_scale), block_table, cache_seqlens, state,
                       tuple(q.shape), tuple(kv.shape[1:]), kv.dtype)
+    if kv_scale is not None and not isinstance(kv_scale, torch.Tensor):
+        plan._scale_tensor(kv_scale, q.device)  # checked and converted now, not in run()
+    return plan
 
 
 def mla_decode(
@@ -316,10 +358,16 @@ def mla_decode(
     block_table : Tensor
         int32 ``[B, max_blocks]``: request ``b``'s token ``j`` is in block
         ``block_table[b, j // page_size]``. Entries past ``ceil(L_b / page_size)``
-        are never read. Unused (None) with sparse ``indices``.
+        are never read. Unused (None) with sparse ``indices``. A block id outside
+        ``[0, num_blocks)`` among the entries a request uses is never read either:
+        that request's ``out`` rows and ``lse`` are NaN, the other requests'
+        results do not change (``validate=True`` raises instead).
     cache_seqlens : Tensor
         int32 ``[B]``, ``L_b``: cached tokens per request (including the
-        ``s_q`` new ones). Slots past ``L_b`` are never read.
+        ``s_q`` new ones). Slots past ``L_b`` are never read. A request's tokens
+        are its first ``clamp(L_b, 0, max_blocks * page_size)``: a negative length
+        counts as 0, one past the table's capacity as the capacity (the causal
+        cut is still counted from ``L_b``; ``validate=True`` raises instead).
     head_dim_v : int
         ``D_v`` (DeepSeek: 512 = kv_lora_rank); ``<= D_qk``.
     softmax_scale : float, optional
@@ -337,7 +385,8 @@ def mla_decode(
         int32 ``[B, s_q, topk]`` sparse attention (DeepSeek Sparse Attention):
         entry ``block_id * page_size + offset``, ``-1`` = skip.
     out : Tensor, optional
-        ``[B, s_q, h_q, D_v]`` in q's dtype, written in place.
+        ``[B, s_q, h_q, D_v]`` in q's dtype, written in place; contiguous in its last dim
+        unless the backend takes any strides (``ANY_OUT_STRIDES``: the reference does).
     return_lse : bool
         Return the LSE (otherwise the second element is None).
     backend : str
@@ -347,7 +396,10 @@ def mla_decode(
         Reuse a plan from :func:`plan_decode` (then only ``q``, ``kv_cache``,
         ``kv_scale``, ``indices`` and ``out`` are used).
     validate : bool
-        Also check values (block ids, sequence lengths, indices); syncs.
+        Also check values (block ids, sequence lengths, indices): a ValueError
+        names ``block_table`` / ``cache_seqlens`` / ``indices`` and the offending
+        requests (rows). Syncs with the device. With ``plan``, the plan's table
+        and lengths are checked.
 
     Returns
     -------
@@ -360,7 +412,8 @@ def mla_decode(
     Raises
     ------
     ValueError
-        An argument has the wrong dtype, rank, shape, device or layout; the
+        An argument has the wrong dtype, rank, shape, device or layout, or
+        ``softmax_scale`` / a float ``kv_scale`` is not finite and positive; the
         message names it and the expected value.
     NoBackendError
         No available backend can run the problem; the message lists the
@@ -381,4 +434,7 @@ def mla_decode(
         plan = plan_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=head_dim_v, softmax_scale=softmax_scale,
                            causal=causal, kv_format=kv_format, kv_scale=kv_scale, indices=indices,
                            return_lse=return_lse, backend=backend, validate=validate)
+    elif validate:  # the plan's own table and lengths (what run() reads), against this cache
+        kv = _unwrap_cache(kv_cache, "auto", None)[0]
+        check_values(plan.problem, kv.shape[0], plan.block_table, plan.cache_seqlens, indices)
     return plan.run(q, kv_cache, kv_scale=kv_scale, indices=indices, out=out)

@@ -45,11 +45,11 @@ BAD_INPUTS = [
     ("format-dtype", dict(kv_format="fp8_e4m3", kv_scale=1.0), ValueError, "kv_cache.dtype must be float8_e4m3fn for kv_format='fp8_e4m3', got bfloat16"),
     ("scale-needed", dict(kv_cache=torch.zeros(6, 8, 1, 64, dtype=torch.float8_e4m3fn)), ValueError, "kv_scale is required for kv_format='fp8_e4m3'"),
     ("scale-unused", dict(kv_scale=0.5), ValueError, "kv_scale is only used with kv_format='fp8_e4m3'"),
-    ("kv-scale-zero", dict(kv_cache=torch.zeros(6, 8, 1, 64, dtype=torch.float8_e4m3fn), kv_scale=0.0), ValueError, "kv_scale must be a positive float, got 0.0"),
+    ("kv-scale-zero", dict(kv_cache=torch.zeros(6, 8, 1, 64, dtype=torch.float8_e4m3fn), kv_scale=0.0), ValueError, "kv_scale must be a finite positive float, got 0.0"),
     ("ds-mla-bytes", dict(kv_cache=torch.zeros(6, 8, 1, 600, dtype=torch.uint8)), ValueError, "kv_cache.shape.-1. must be 656 bytes"),
     ("indices", dict(indices=torch.zeros(2, 1, 4, dtype=torch.int64)), ValueError, r"indices must be int32 \[batch=2, s_q=1, topk\]"),
     ("sparse-causal", dict(q=torch.randn(2, 2, 4, 64, dtype=BF), indices=torch.zeros(2, 2, 4, dtype=torch.int32), causal=True), ValueError, "causal=True cannot be combined with sparse indices"),
-    ("scale-neg", dict(softmax_scale=-1.0), ValueError, "softmax_scale must be a positive float, got -1.0"),
+    ("scale-neg", dict(softmax_scale=-1.0), ValueError, "softmax_scale must be a finite positive float, got -1.0"),
     ("q-type", dict(q=[1, 2]), TypeError, "q must be a torch.Tensor, got list"),
     ("backend", dict(backend="fastest"), ValueError, "unknown backend 'fastest'"),
 ]

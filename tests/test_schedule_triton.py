@@ -49,22 +49,31 @@ EDGE_CASES = [
     ("b1024-p132", None, 132, 64, 5),
     ("b8192-max-batch-p132", None, 132, 64, 5),
 ]
+# (id, lengths, num_parts, chunk_size, overhead, capacity): lengths past the block table's capacity
+# (max_blocks * page_size) count as the capacity
+CAPACITY_CASES = [
+    ("capacity-clamps", [-5, 100, 300, 2**31 - 1, 64, 0], 4, 16, 1, 128),
+    ("capacity-zero", [5, 0, 7], 3, 8, 1, 0),
+    ("capacity-one-chunk1", [3, 1, 0, 2**31 - 1], 5, 1, 2, 1),
+    ("capacity-unaligned", [1000, 999, 37, 2**30], 9, 64, 5, 999),
+]
 NUM_RANDOM = 24
 
 
-def make_cases(seed: int) -> list[tuple[str, list[int], int, int, int]]:
-    """Edge cases plus ``NUM_RANDOM`` random ones; ids do not depend on the seed."""
+def make_cases(seed: int) -> list[tuple[str, list[int], int, int, int, int | None]]:
+    """Edge cases plus ``NUM_RANDOM`` random ones (with a capacity or none); ids do not depend on the seed."""
     rng = random.Random(seed)
 
     def lengths(batch: int) -> list[int]:
         return [0 if rng.random() < 0.2 else rng.randint(-3, 3000) for _ in range(batch)]
 
-    cases = [(cid, lens if lens is not None else lengths(int(cid.split("-")[0][1:])), p, c, o)
+    cases = [(cid, lens if lens is not None else lengths(int(cid.split("-")[0][1:])), p, c, o, None)
              for cid, lens, p, c, o in EDGE_CASES]
+    cases += CAPACITY_CASES
     for i in range(NUM_RANDOM):
         batch = rng.choice([1, 2, 3, 5, 8, 31, 64, 129, 200])
         cases.append((f"rand{i:02d}", lengths(batch), rng.choice([1, 2, 3, 7, 16, 33, 132, 160]),
-                      rng.choice([1, 16, 64, 128]), rng.randint(1, 5)))
+                      rng.choice([1, 16, 64, 128]), rng.randint(1, 5), rng.choice([None, None, 0, 1, 500, 2999])))
     return cases
 
 
@@ -77,10 +86,11 @@ def _mismatches(got: SplitKVSchedule, want: SplitKVSchedule) -> list[str]:
     return bad
 
 
-def _check_case(lens: list[int], num_parts: int, chunk: int, overhead: int, device: str = "cpu") -> list[str]:
+def _check_case(lens: list[int], num_parts: int, chunk: int, overhead: int, capacity: int | None = None,
+                device: str = "cpu") -> list[str]:
     """Compare a fresh triton build and a triton update_ into junk-filled buffers with the torch path."""
     seqlens = torch.tensor(lens, dtype=torch.int32, device=device)
-    kw = dict(num_parts=num_parts, chunk_size=chunk, overhead=overhead)
+    kw = dict(num_parts=num_parts, chunk_size=chunk, overhead=overhead, capacity=capacity)
     want = split_kv_schedule(seqlens, impl="torch", **kw)
     problems = [f"fresh {m}" for m in _mismatches(split_kv_schedule(seqlens, impl="triton", **kw), want)]
 
@@ -98,14 +108,14 @@ def _check_case(lens: list[int], num_parts: int, chunk: int, overhead: int, devi
 
 def _run_cases(seed: int) -> None:
     """Child process (TRITON_INTERPRET=1): run every case, print one JSON line each."""
-    for cid, lens, num_parts, chunk, overhead in make_cases(seed):
+    for cid, lens, num_parts, chunk, overhead, capacity in make_cases(seed):
         try:
-            problems = _check_case(lens, num_parts, chunk, overhead)
+            problems = _check_case(lens, num_parts, chunk, overhead, capacity)
             msg = "; ".join(problems)[:4000]
         except Exception as exc:  # reported to the parent
             problems, msg = [exc], f"{type(exc).__name__}: {exc}"
         print(json.dumps({"id": cid, "ok": not problems, "message": msg,
-                          "case": [len(lens), num_parts, chunk, overhead]}), flush=True)
+                          "case": [len(lens), num_parts, chunk, overhead, capacity]}), flush=True)
 
 
 # --------------------------------------------------------------------------------------
@@ -124,7 +134,7 @@ def interpreter_results() -> dict:
 def test_triton_schedule_matches_torch_under_interpreter(interpreter_results, case_id):
     rec = interpreter_results.get(case_id)
     assert rec is not None, f"case {case_id} did not report (child crashed?)"
-    assert rec["ok"], f"[batch, num_parts, chunk, overhead]={rec['case']}: {rec['message']}"
+    assert rec["ok"], f"[batch, num_parts, chunk, overhead, capacity]={rec['case']}: {rec['message']}"
 
 
 def test_auto_on_cpu_is_torch_and_imports_no_triton():
@@ -166,9 +176,9 @@ def test_triton_schedule_matches_torch_on_gpu(seed):
         batch = rng.choice([1, 2, 7, 64, 128, 333, 512, 1000, 1024])
         lens = [0 if rng.random() < 0.2 else rng.randint(-3, rng.choice([100, 4000, 130000])) for _ in range(batch)]
         cases.append((f"gpu{i}", lens, rng.choice([1, 2, 16, 78, 100, 132]), rng.choice([1, 16, 64, 128]),
-                      rng.randint(1, 5)))
-    failures = [(cid, len(lens), p, c, o, problems[:2]) for cid, lens, p, c, o in cases
-                if (problems := _check_case(lens, p, c, o, device="cuda"))]
+                      rng.randint(1, 5), rng.choice([None, 64, 5000])))
+    failures = [(cid, len(lens), p, c, o, cap, problems[:2]) for cid, lens, p, c, o, cap in cases
+                if (problems := _check_case(lens, p, c, o, cap, device="cuda"))]
     assert not failures, failures[:3]
 
 

@@ -114,6 +114,7 @@ class AiterBackend(MLABackend):
     MAX_HEADS_KV = 1  # asm_mla.cu: nhead_kv == 1
     MAX_HEADS_Q = 128
     CUDA_GRAPH = CGSupport.ALWAYS  # persistent buffers owned by the plan, refilled in place
+    ANY_OUT_STRIDES = True  # out.copy_(...)
     REQUIRES = ("aiter",)
 
     @classmethod

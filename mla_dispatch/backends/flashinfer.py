@@ -121,6 +121,7 @@ class FlashInferBackend(MLABackend):
     MAX_HEADS_KV = 1  # one latent KV head
     SUPPORTS_LSE = True  # SM80/SM90 wrapper only; SM100 trtllm-gen: no (extra_reasons)
     CUDA_GRAPH = CGSupport.ALWAYS  # wrapper in use_cuda_graph mode with plan-owned buffers
+    ANY_OUT_STRIDES = True  # out.copy_(...) where out is not contiguous
     REQUIRES = ("flashinfer",)
     # docs/design.md's bounds, except cosine difference 1e-5 (FlashMLA's own test bound) instead of
     # 5e-6: 0.6.0 gave 5.26e-6 on H200 for b=1, h_q=1, L~20 (a single 512-value row averaging a

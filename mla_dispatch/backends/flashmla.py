@@ -68,6 +68,7 @@ class FlashMLABackend(MLABackend):
     HEAD_DIMS = frozenset({(576, 512), (512, 512)})
     SUPPORTS_SPARSE = True
     CUDA_GRAPH = CGSupport.ALWAYS  # legacy interface only (extra_reasons)
+    ANY_OUT_STRIDES = True  # out.copy_(...)
     REQUIRES = ("flash_mla",)
 
     @classmethod

@@ -58,6 +58,7 @@ class ReferenceBackend(MLABackend):
     KV_FORMATS = frozenset({"bf16", "fp16", "fp8_e4m3", "fp8_ds_mla"})
     SUPPORTS_SPARSE = True
     CUDA_GRAPH = CGSupport.ALWAYS  # no host sync: shapes come from block_table, not from seqlen values
+    ANY_OUT_STRIDES = True  # out.copy_(...)
 
     @classmethod
     def version(cls) -> str:

@@ -101,6 +101,7 @@ class TorchNpuBackend(MLABackend):
     MAX_HEADS_KV = 1
     SUPPORTS_LSE = False  # FIA MLA mode and the legacy op return no LSE
     CUDA_GRAPH = CGSupport.NEVER
+    ANY_OUT_STRIDES = True  # out.copy_(...)
     TOLERANCE = Tolerance()
 
     @classmethod

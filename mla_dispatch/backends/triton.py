@@ -6,8 +6,8 @@ it is never auto-selected (the CPU row of the priority table lists only the
 reference); ``backend="triton"`` on a CPU runs only when ``TRITON_INTERPRET=1``
 was set in the environment *before* Triton was first imported (Triton reads it
 at import), which is how the CPU tests use it. The interpreter is slow and, with
-some triton/torch versions, computes ``tl.dot`` on bf16 operands wrongly: use
-fp16 there.
+some triton/torch versions, computes ``tl.dot`` on bf16 operands wrongly, so the
+backend declines bf16 queries there (a ``dtype`` reason): use fp16.
 
 Per decode step :meth:`TritonBackend.plan` builds the shared split-KV schedule
 (:func:`mla_dispatch.metadata.schedule.split_kv_schedule`) and allocates the workspace
@@ -59,6 +59,7 @@ class TritonBackend(MLABackend):
     SUPPORTS_LSE = True
     SUPPORTS_SPARSE = True
     CUDA_GRAPH = CGSupport.ALWAYS
+    ANY_OUT_STRIDES = False  # the kernels store rows of out with stride 1
     REQUIRES = ("triton",)
 
     @classmethod
@@ -75,6 +76,10 @@ class TritonBackend(MLABackend):
                                                      "imported (Triton's interpreter; for tests)"))
         if platform.kind == "cpu" and problem.cuda_graph:
             reasons.append(Reason(ReasonCode.CUDA_GRAPH, "cuda_graph=True on platform=cpu"))
+        if _interpreting() and problem.q_dtype == torch.bfloat16:
+            # the interpreter's tl.dot on bf16 operands returns values ~1e8 off (triton 3.9, torch 2.13)
+            reasons.append(Reason(ReasonCode.DTYPE, "q dtype=bfloat16 under TRITON_INTERPRET=1 (supported there: "
+                                                    "float16; Triton's interpreter computes bf16 tl.dot wrongly)"))
         return reasons
 
     # -- plan / update -----------------------------------------------------------------
@@ -115,12 +120,14 @@ class TritonBackend(MLABackend):
             num_parts = max(1, cfg.programs_per_sm * platform.num_compute_units // tiles)
         if p.sparse:
             # sparse: the "tokens" of a request are its top-k list positions
-            lengths = torch.full((p.batch,), p.topk, dtype=torch.int32, device=device)
+            lengths, capacity = torch.full((p.batch,), p.topk, dtype=torch.int32, device=device), None
         else:
-            lengths = cache_seqlens
+            # no item reaches past a block-table row, whatever cache_seqlens holds
+            lengths, capacity = cache_seqlens, p.max_blocks * p.page_size
         if overhead is None:
             overhead = max(1, _SCHEDULE_OVERHEAD_TOKENS // cfg.chunk_size)
-        schedule = split_kv_schedule(lengths, num_parts=num_parts, chunk_size=cfg.chunk_size, overhead=overhead)
+        schedule = split_kv_schedule(lengths, num_parts=num_parts, chunk_size=cfg.chunk_size, overhead=overhead,
+                                     capacity=capacity)
         first_slot = torch.empty(p.batch, dtype=torch.int32, device=device)
         first_slots(schedule.num_splits, out=first_slot)
         max_slots = schedule.max_slots

@@ -118,6 +118,10 @@ class MLABackend:
     SUPPORTS_SPARSE: ClassVar[bool] = False
     SUPPORTS_DENSE: ClassVar[bool] = True
     CUDA_GRAPH: ClassVar[CGSupport] = CGSupport.NEVER
+    #: ``True``: ``out`` may have any strides (the backend writes it through torch ops, ``out.copy_``); ``False``:
+    #: its last dim must be contiguous (a kernel stores rows of D_v values with stride 1). The front end checks
+    #: ``out`` against it (``DecodePlan.run``) and raises a ValueError naming ``out`` rather than copying.
+    ANY_OUT_STRIDES: ClassVar[bool] = False
     TOLERANCE: ClassVar[Tolerance] = BF16_TOLERANCE
     #: ``False`` for names registered ahead of their implementation
     IMPLEMENTED: ClassVar[bool] = True

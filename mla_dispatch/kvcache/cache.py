@@ -146,9 +146,16 @@ class PagedMLACache:
         Raises
         ------
         KeyError
-            An unknown sequence (nothing written).
+            An unknown sequence.
+        ValueError
+            Values of the wrong shape or not floating point, a sequence named twice, or as many
+            ids as value tensors not given.
         CacheFullError
-            Not enough free blocks for all of it (nothing written).
+            Not enough free blocks for all of it.
+
+        Whatever raises, the cache is left exactly as it was: every check, the encoding of the
+        values (quantisation) and the slots are done before the write, and the sequences' blocks,
+        lengths and the free list change only after it.
         """
         if isinstance(values, torch.Tensor):
             seq_ids, chunks = [seq_id], [values]
@@ -165,15 +172,25 @@ class PagedMLACache:
         if sum(need) > len(self._free):
             raise CacheFullError(f"append needs {sum(need)} free blocks of {self.page_size} tokens, "
                                  f"{len(self._free)} are free (capacity {self.num_blocks} blocks)")
-        slots = []
+        if not chunks:
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        # Encoded per sequence (each may have its own float dtype), then the slots of the blocks pop() would hand out.
+        encoded = torch.cat([self._encode(v) for v in chunks])
+        taken = self._free[len(self._free) - sum(need):][::-1]
+        new_blocks, slots = [], []
         for s, v, n in zip(seqs, chunks, need):
-            s.blocks.extend(self._free.pop() for _ in range(n))
+            blocks, taken = taken[:n], taken[n:]
             pos = torch.arange(s.length, s.length + v.shape[0])
-            blocks = torch.tensor(s.blocks, dtype=torch.int64)[pos // self.page_size]
-            slots.append(blocks * self.page_size + pos % self.page_size)
-            s.length += v.shape[0]
+            table = torch.tensor(s.blocks + blocks, dtype=torch.int64)
+            slots.append(table[pos // self.page_size] * self.page_size + pos % self.page_size)
+            new_blocks.append(blocks)
         slot_mapping = torch.cat(slots).to(self.device)
-        self.write_slots(slot_mapping, torch.cat(chunks))
+        self._flat()[slot_mapping] = encoded
+        # The write is done: commit the bookkeeping (list operations, nothing below raises).
+        del self._free[len(self._free) - sum(need):]
+        for s, v, blocks in zip(seqs, chunks, new_blocks):
+            s.blocks.extend(blocks)
+            s.length += v.shape[0]
         return slot_mapping
 
     def write_slots(self, slot_mapping: torch.Tensor, values: torch.Tensor) -> None:
@@ -195,8 +212,11 @@ class PagedMLACache:
             raise ValueError(f"slot_mapping entries must be in [-1, {cap})")
         keep = slot_mapping >= 0
         slot_mapping, values = slot_mapping[keep], values[keep]
-        flat = self.kv.view(cap, self.num_heads_kv, self.kv.shape[-1])
-        flat[slot_mapping] = self._encode(values)
+        self._flat()[slot_mapping] = self._encode(values)
+
+    def _flat(self) -> torch.Tensor:
+        """The cache as ``[num_blocks * page_size, h_kv, last]`` token slots (a view)."""
+        return self.kv.view(self.num_blocks * self.page_size, self.num_heads_kv, self.kv.shape[-1])
 
     def _encode(self, values: torch.Tensor) -> torch.Tensor:
         if self.kv_format in ("bf16", "fp16"):

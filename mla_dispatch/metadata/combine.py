@@ -53,7 +53,8 @@ def combine_splits(
         ``[batch, s_q, h_q, D_v]`` in the output dtype.
     lse : Tensor
         fp32 ``[batch, h_q, s_q]``; rows with no visible key get ``+inf`` and
-        ``out = 0``.
+        ``out = 0``; rows with a NaN partial LSE (a piece that met a bad block
+        id) get NaN in both.
     """
     batch = out.shape[0]
     slot_req = schedule.slot_req.to(torch.int64)
@@ -71,9 +72,9 @@ def combine_splits(
     acc = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
     acc.index_add_(0, req, torch.nan_to_num(partial_out, nan=0.0) * w[..., None])
 
-    has_mass = denom > 0
-    merged_out = torch.where(has_mass[..., None], acc / denom.clamp_min(1e-30)[..., None], torch.zeros_like(acc))
-    merged_lse = torch.where(has_mass, m_safe + torch.log(denom.clamp_min(1e-30)), torch.full_like(m, float("inf")))
+    empty = denom == 0  # NaN (a NaN partial) is not empty: it stays NaN
+    merged_out = torch.where(empty[..., None], torch.zeros_like(acc), acc / denom.clamp_min(1e-30)[..., None])
+    merged_lse = torch.where(empty, torch.full_like(m, float("inf")), m_safe + torch.log(denom.clamp_min(1e-30)))
 
     split = (schedule.num_splits > 1).to(out.device)
     out.copy_(torch.where(split[:, None, None, None], merged_out.to(out.dtype), out))

@@ -75,6 +75,9 @@ class SplitKVSchedule:
         int32 ``[max_slots]``: the request each partial slot belongs to, -1 if unused.
     chunk_size, num_parts, overhead : int
         The parameters the schedule was built with.
+    capacity : int or None
+        Tokens a request's block-table row can address (``max_blocks * page_size``): longer lengths count as
+        this many. None: no bound (sparse schedules, whose "tokens" are top-k positions).
     workspace : Tensor or None
         int32 scratch of the Triton implementation, owned by the schedule so
         :meth:`update_` allocates nothing (created on the first Triton build or update).
@@ -87,6 +90,7 @@ class SplitKVSchedule:
     chunk_size: int
     num_parts: int
     overhead: int
+    capacity: int | None = None
     workspace: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
@@ -115,14 +119,15 @@ class SplitKVSchedule:
         ValueError
             ``cache_seqlens`` is not int32 ``[batch]``, or ``impl`` is unknown or cannot run.
         """
-        _check_schedule_args(cache_seqlens, self.num_parts, self.chunk_size, self.overhead)
+        _check_schedule_args(cache_seqlens, self.num_parts, self.chunk_size, self.overhead, self.capacity)
         if cache_seqlens.shape[0] != self.batch:
             raise ValueError(f"cache_seqlens must keep batch={self.batch}, got {cache_seqlens.shape[0]}")
         if _schedule_impl(impl, cache_seqlens) == "triton":
             _triton_schedule_into(self, cache_seqlens)
             return self
         fresh = split_kv_schedule(
-            cache_seqlens, num_parts=self.num_parts, chunk_size=self.chunk_size, overhead=self.overhead, impl="torch"
+            cache_seqlens, num_parts=self.num_parts, chunk_size=self.chunk_size, overhead=self.overhead,
+            capacity=self.capacity, impl="torch"
         )
         for name in ("items", "part_offsets", "num_splits", "slot_req"):
             getattr(self, name).copy_(getattr(fresh, name))
@@ -141,6 +146,7 @@ def split_kv_schedule(
     num_parts: int,
     chunk_size: int = 64,
     overhead: int = 4,
+    capacity: int | None = None,
     impl: str = "auto",
 ) -> SplitKVSchedule:
     """Partition the KV tokens of all requests over ``num_parts`` work units.
@@ -149,7 +155,8 @@ def split_kv_schedule(
     ----------
     cache_seqlens : Tensor
         int32 ``[batch]``, number of cached tokens per request (the number of
-        tokens each query attends to before any causal cut).
+        tokens each query attends to before any causal cut). Negative lengths
+        count as 0, lengths past ``capacity`` as ``capacity``.
     num_parts : int
         Number of parallel work units (typically the number of CTAs a
         persistent kernel launches). Must be >= 1.
@@ -159,6 +166,10 @@ def split_kv_schedule(
     overhead : int
         Fixed cost, in chunks, charged per request (the cost of loading the
         queries and writing the output); FlashMLA uses 5 blocks of 64.
+    capacity : int, optional
+        Tokens a request's block-table row can address, ``max_blocks * page_size``:
+        no item reaches past it, so a kernel following the schedule reads no table
+        entry past the row, whatever ``cache_seqlens`` holds. None: no bound.
     impl : str
         ``"torch"``: the tensor-op reference below (~30 small ops, any device).
         ``"triton"``: one launch of ``kernels/triton/schedule.py``, identical
@@ -181,14 +192,14 @@ def split_kv_schedule(
     ImportError
         ``impl="triton"`` without an importable triton.
     """
-    _check_schedule_args(cache_seqlens, num_parts, chunk_size, overhead)
+    _check_schedule_args(cache_seqlens, num_parts, chunk_size, overhead, capacity)
     if _schedule_impl(impl, cache_seqlens) == "triton":
-        return _triton_schedule(cache_seqlens, num_parts, chunk_size, overhead)
+        return _triton_schedule(cache_seqlens, num_parts, chunk_size, overhead, capacity)
 
     device = cache_seqlens.device
     batch = cache_seqlens.shape[0]
     i64 = torch.int64
-    seqlens = cache_seqlens.to(i64).clamp_min(0)
+    seqlens = cache_seqlens.to(i64).clamp(0, capacity)  # capacity None: no upper bound
 
     # Cost axis: request b occupies [start[b], start[b] + cost[b]); its first
     # `overhead` units are the fixed cost, then one unit per chunk of tokens.
@@ -262,10 +273,12 @@ def split_kv_schedule(
         chunk_size=chunk_size,
         num_parts=num_parts,
         overhead=overhead,
+        capacity=capacity,
     )
 
 
-def _check_schedule_args(cache_seqlens: torch.Tensor, num_parts: int, chunk_size: int, overhead: int) -> None:
+def _check_schedule_args(cache_seqlens: torch.Tensor, num_parts: int, chunk_size: int, overhead: int,
+                         capacity: int | None = None) -> None:
     if cache_seqlens.dim() != 1 or cache_seqlens.dtype != torch.int32:
         raise ValueError(
             f"cache_seqlens must be a 1-D int32 tensor, got shape {tuple(cache_seqlens.shape)} "
@@ -277,6 +290,8 @@ def _check_schedule_args(cache_seqlens: torch.Tensor, num_parts: int, chunk_size
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if overhead < 1:
         raise ValueError(f"overhead must be >= 1 (zero-length requests need an owner), got {overhead}")
+    if capacity is not None and capacity < 0:
+        raise ValueError(f"capacity (max_blocks * page_size) must be >= 0 or None, got {capacity}")
 
 
 @functools.cache
@@ -307,7 +322,8 @@ def _schedule_impl(impl: str, cache_seqlens: torch.Tensor) -> str:
     return "triton"
 
 
-def _triton_schedule(cache_seqlens: torch.Tensor, num_parts: int, chunk_size: int, overhead: int) -> SplitKVSchedule:
+def _triton_schedule(cache_seqlens: torch.Tensor, num_parts: int, chunk_size: int, overhead: int,
+                     capacity: int | None) -> SplitKVSchedule:
     from mla_dispatch.metadata.schedule_triton import workspace_numel
 
     batch, device, i32 = cache_seqlens.shape[0], cache_seqlens.device, torch.int32
@@ -319,6 +335,7 @@ def _triton_schedule(cache_seqlens: torch.Tensor, num_parts: int, chunk_size: in
         chunk_size=chunk_size,
         num_parts=num_parts,
         overhead=overhead,
+        capacity=capacity,
         workspace=torch.empty(workspace_numel(batch, num_parts), dtype=i32, device=device),
     )
     _triton_schedule_into(sched, cache_seqlens)
@@ -333,7 +350,8 @@ def _triton_schedule_into(sched: SplitKVSchedule, cache_seqlens: torch.Tensor) -
     if ws is None or ws.device != cache_seqlens.device or ws.numel() < need:
         sched.workspace = ws = torch.empty(need, dtype=torch.int32, device=cache_seqlens.device)
     split_kv_schedule_into(cache_seqlens, sched.items, sched.part_offsets, sched.num_splits, sched.slot_req, ws,
-                           num_parts=sched.num_parts, chunk_size=sched.chunk_size, overhead=sched.overhead)
+                           num_parts=sched.num_parts, chunk_size=sched.chunk_size, overhead=sched.overhead,
+                           capacity=sched.capacity)
 
 
 def default_num_parts(num_compute_units: int, num_heads_kv: int, rows_per_head: int, tile_rows: int = 64) -> int:

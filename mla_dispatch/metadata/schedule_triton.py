@@ -8,7 +8,7 @@ torch reference builds the cut list with ~30 small ops (a sort, searchsorteds,
 scatters).  Here every position on the cost axis is known in closed form, so
 one program of one CTA computes the whole schedule:
 
-1. **Cost axis.**  ``cost[b] = ceil(max(L_b, 0) / chunk) + overhead``;
+1. **Cost axis.**  ``cost[b] = ceil(clamp(L_b, 0, capacity) / chunk) + overhead``;
    ``end = cumsum(cost)``, ``start = end - cost``, ``total = end[B-1]``.  The part
    boundaries are ``T_k = k * pp`` (``k = 1 .. P-1``, ``pp = ceil(total / P)``).
 2. **Cuts in merged order.**  The reference sorts the ``B`` request starts
@@ -53,6 +53,7 @@ __all__ = ["MAX_BATCH", "workspace_numel", "split_kv_schedule_into"]
 
 #: Largest batch one program handles; mla_dispatch.metadata.schedule uses torch above it.
 MAX_BATCH = 8192
+_INT32_MAX = 2**31 - 1  # "no capacity": lengths are int32
 
 
 @triton.jit
@@ -79,7 +80,7 @@ def _count_le(Sorted, n, x, mask, STEPS: tl.constexpr):
 def split_kv_schedule_kernel(
     SeqLens, Items, PartOffsets, NumSplits, SlotReq,
     WsEnd, WsFlag, WsExcl, WsSlotBase,
-    batch, num_parts, chunk_size, overhead,
+    batch, num_parts, chunk_size, overhead, capacity,
     stride_seq, stride_item_row, stride_item_col,
     BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, SEARCH_STEPS: tl.constexpr,
 ):
@@ -89,7 +90,8 @@ def split_kv_schedule_kernel(
     # -- phase 1: the cost axis; request starts as cuts ---------------------------------
     b = tl.arange(0, BLOCK_B)
     in_b = b < batch
-    seqlen = tl.maximum(tl.load(SeqLens + b.to(tl.int64) * stride_seq, mask=in_b, other=0).to(tl.int64), 0)
+    seqlen = tl.load(SeqLens + b.to(tl.int64) * stride_seq, mask=in_b, other=0).to(tl.int64)
+    seqlen = tl.minimum(tl.maximum(seqlen, 0), capacity)  # the tokens the request's table row can address
     n_chunks = _cdiv(seqlen, chunk_size)
     cost = tl.where(in_b, n_chunks + overhead, 0)
     end = tl.cumsum(cost, 0)
@@ -116,7 +118,8 @@ def split_kv_schedule_kernel(
     req = _count_le(WsEnd, batch, bound, is_bound, SEARCH_STEPS)
     req_c = tl.minimum(req, batch - 1)
     r_end = tl.load(WsEnd + req_c, mask=is_bound, other=0)
-    r_len = tl.maximum(tl.load(SeqLens + req_c.to(tl.int64) * stride_seq, mask=is_bound, other=0).to(tl.int64), 0)
+    r_len = tl.load(SeqLens + req_c.to(tl.int64) * stride_seq, mask=is_bound, other=0).to(tl.int64)
+    r_len = tl.minimum(tl.maximum(r_len, 0), capacity)
     r_start = r_end - (_cdiv(r_len, chunk_size) + overhead)
     at_start = on_axis & (r_start == bound)
     r_next = tl.minimum(r_end, bound + per_part)
@@ -199,13 +202,15 @@ def split_kv_schedule_into(
     num_parts: int,
     chunk_size: int,
     overhead: int,
+    capacity: int | None = None,
 ) -> None:
     """Write the split-KV schedule of ``cache_seqlens`` into preallocated buffers (one launch, no host sync).
 
     Parameters
     ----------
     cache_seqlens : Tensor
-        int32 ``[B]``, ``1 <= B <= MAX_BATCH`` (negative lengths count as 0).
+        int32 ``[B]``, ``1 <= B <= MAX_BATCH`` (negative lengths count as 0, lengths past ``capacity`` as
+        ``capacity``).
     items, part_offsets, num_splits, slot_req : Tensor
         int32 ``[B + P, 4]``, ``[P + 1]``, ``[B]``, ``[B + P]`` on the same device
         (the 1-D ones contiguous); every element is overwritten.
@@ -213,6 +218,8 @@ def split_kv_schedule_into(
         int32 ``[workspace_numel(B, P)]`` (or larger), contiguous; contents are scratch.
     num_parts, chunk_size, overhead : int
         As in :func:`mla_dispatch.metadata.schedule.split_kv_schedule` (all >= 1).
+    capacity : int, optional
+        As there: ``max_blocks * page_size``, or None (no bound).
 
     Raises
     ------
@@ -249,7 +256,7 @@ def split_kv_schedule_into(
         split_kv_schedule_kernel[(1,)](
             cache_seqlens, items, part_offsets, num_splits, slot_req,
             ws_end, ws_flag, ws_excl, ws_slot_base,
-            batch, num_parts, chunk_size, overhead,
+            batch, num_parts, chunk_size, overhead, _INT32_MAX if capacity is None else min(capacity, _INT32_MAX),
             cache_seqlens.stride(0), items.stride(0), items.stride(1),
             BLOCK_B=block_b, BLOCK_P=block_p, BLOCK_M=block_m, SEARCH_STEPS=block_b.bit_length(),
             num_warps=_num_warps(block_m),

@@ -48,6 +48,12 @@ def reference_attention(
     Parameters are the canonical ones of :func:`mla_dispatch.mla_decode`
     (``kv_cache`` must be 4-D ``[num_blocks, page_size, h_kv, D_qk or 656]``).
 
+    Request ``b``'s tokens are its first ``clamp(L_b, 0, max_blocks * page_size)``; the causal cut is
+    counted from ``L_b``. Bad inputs never raise (nothing is read outside ``kv_cache``): a block id
+    outside ``[0, num_blocks)`` among the table entries a request's tokens use makes all of that
+    request's ``out`` rows and its ``lse`` NaN (a sparse index at or past ``num_blocks * page_size``:
+    that query token's rows); other requests are unaffected.
+
     Returns
     -------
     out : Tensor
@@ -63,21 +69,28 @@ def reference_attention(
     out = torch.zeros(batch, q_len, h_kv, group, head_dim_v, dtype=torch.float32, device=q.device)
     lse = torch.zeros(batch, q_len, h_kv, group, dtype=torch.float32, device=q.device)
 
+    nan = torch.full((), float("nan"), device=q.device)
     if indices is not None:
-        # Sparse: each query token attends to its own token list; -1 entries are skipped.
+        # Sparse: each query token attends to its own token list; negative entries are skipped, entries past the
+        # cache make that query token's rows NaN.
         flat = kv_cache.reshape(num_blocks * page_size, h_kv, kv_cache.shape[-1])
         topk = indices.shape[-1]
         step = max(1, _GROUP_ELEMENTS // max(1, q_len * topk * h_kv * (d_qk + group)))
         for b0 in range(0, batch, step):
             idx = indices[b0 : b0 + step].long()
-            valid = idx >= 0
-            keys = dequantize_tokens(flat[idx.clamp_min(0)], kv_format, kv_scale)  # [g, s_q, k, h_kv, D]
+            past = idx >= num_blocks * page_size
+            valid = (idx >= 0) & ~past
+            keys = dequantize_tokens(flat[torch.where(valid, idx, 0)], kv_format, kv_scale)  # [g, s_q, k, h_kv, D]
             keys = torch.where(valid[..., None, None], keys, torch.zeros((), device=q.device))
             scores = torch.einsum("bsgrd,bskgd->bsgrk", qf[b0 : b0 + step], keys) * scale
             scores = scores.masked_fill(~valid[:, :, None, None, :], float("-inf"))
             o, l = _softmax_rows(scores, keys[..., :head_dim_v], "bsgrk,bskgd->bsgrd")
-            out[b0 : b0 + step], lse[b0 : b0 + step] = o, l
+            poisoned = past.any(dim=-1)[:, :, None, None]  # [g, s_q, 1, 1]
+            out[b0 : b0 + step] = torch.where(poisoned[..., None], nan, o)
+            lse[b0 : b0 + step] = torch.where(poisoned, nan, l)
     else:
+        # A request's tokens are its first clamp(L, 0, cap) (its table row addresses no more); a block id outside
+        # [0, num_blocks) among the entries they use makes all its rows NaN (docs/design.md §1).
         max_blocks = block_table.shape[1]
         cap = max_blocks * page_size
         pos = torch.arange(cap, device=q.device)
@@ -85,7 +98,9 @@ def reference_attention(
         for b0 in range(0, batch, step):
             seqlens = cache_seqlens[b0 : b0 + step].long()
             live = pos[None, :] < seqlens[:, None]  # [g, cap]
-            blocks = torch.where(live, block_table[b0 : b0 + step].long()[:, pos // page_size], 0)
+            ids = block_table[b0 : b0 + step].long()[:, pos // page_size]
+            bad = live & ((ids < 0) | (ids >= num_blocks))
+            blocks = torch.where(live & ~bad, ids, 0)
             keys = dequantize_tokens(kv_cache[blocks, pos % page_size], kv_format, kv_scale)  # [g, cap, h_kv, D]
             keys = torch.where(live[..., None, None], keys, torch.zeros((), device=q.device))  # NaN never leaks
             scores = torch.einsum("bsgrd,btgd->bsgrt", qf[b0 : b0 + step], keys) * scale
@@ -96,7 +111,9 @@ def reference_attention(
             visible = pos[None, None, :] < limit[:, :, None]  # [g, s_q, cap]
             scores = scores.masked_fill(~visible[:, :, None, None, :], float("-inf"))
             o, l = _softmax_rows(scores, keys[..., :head_dim_v], "bsgrt,btgd->bsgrd")
-            out[b0 : b0 + step], lse[b0 : b0 + step] = o, l
+            poisoned = bad.any(dim=1)[:, None, None, None]  # [g, 1, 1, 1]
+            out[b0 : b0 + step] = torch.where(poisoned[..., None], nan, o)
+            lse[b0 : b0 + step] = torch.where(poisoned, nan, l)
 
     out = out.view(batch, q_len, h_q, head_dim_v)
     lse = lse.view(batch, q_len, h_q).transpose(1, 2).contiguous()

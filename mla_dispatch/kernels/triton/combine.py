@@ -8,7 +8,8 @@ slot saw no key for that row).  With ``M = max_s lse_s``::
 
     w_s = exp(lse_s - M);  out = sum_s w_s * out_s / sum_s w_s;  lse = M + log(sum_s w_s)
 
-A row whose every slot is ``-inf`` gets ``out = 0`` and ``lse = +inf``.
+A row whose every slot is ``-inf`` gets ``out = 0`` and ``lse = +inf``; a row with a NaN slot (the decode
+kernel met a bad block id in that piece of the request) gets NaN for both.
 Requests that were not split are left untouched (the decode kernel wrote them).
 One program per (request, tile of query rows, tile of channels); rows are ``(query token, head)``.
 Where the batch has more requests than the schedule has part boundaries, the first grid axis
@@ -122,11 +123,12 @@ def combine_kernel(
             m = m_new
         m_safe = tl.where(m == float("-inf"), 0.0, m)
 
-        has = denom > 0
+        # no key in any slot: denom = 0; a NaN slot makes denom NaN, and out and lse stay NaN
+        empty = denom == 0.0
         acc = tl.reshape(tl.join(acc_lo, acc_hi), [BLOCK_R, BLOCK_D])  # channels back in order: 2 word, 2 word + 1
-        out = acc / tl.where(has, denom, 1.0)[:, None]
-        out = tl.where(has[:, None], out, 0.0)
-        lse = tl.where(has, m_safe + tl.log(tl.where(has, denom, 1.0)), float("inf"))
+        out = acc / tl.where(empty, 1.0, denom)[:, None]
+        out = tl.where(empty[:, None], 0.0, out)
+        lse = tl.where(empty, float("inf"), m_safe + tl.log(tl.where(empty, 1.0, denom)))
         bo = b.to(tl.int64)
         tl.store(Out + bo * stride_ob + (i * stride_os + h * stride_oh)[:, None] + d[None, :],
                  out.to(Out.dtype.element_ty), mask=ok[:, None])

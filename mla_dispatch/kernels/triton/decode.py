@@ -41,8 +41,12 @@ last tile takes the masked gather. With ``q`` contiguous the query tile comes by
 (:func:`q_tma_applies`), straight into shared memory.
 
 Never read: cache slots at or past a request's length, block-table entries past
-``ceil(L / page_size)`` (every load is masked by ``t < token_end``), and sparse
-``indices`` entries equal to -1.
+``ceil(L / page_size)`` (every load is masked by ``t < token_end``; the schedule's items
+end at the table's capacity, ``max_blocks * page_size``, whatever the length), and sparse
+``indices`` entries below 0. Nothing outside the cache either: a block id outside
+``[0, num_blocks)`` (a sparse index at or past ``num_blocks * page_size``) is not loaded
+and scores NaN for every row, so the item that met it writes NaN for all its rows, out and
+LSE (the combine keeps the NaN): a bad table entry poisons its own request, nothing else.
 
 Tuning happens *offline*: the config table is keyed on the problem class
 (rows per KV head, D, kv format), never on sequence lengths, and there is no
@@ -78,16 +82,19 @@ DS_MLA_TILE = tl.constexpr(128)  # channels per fp32 scale
 
 
 @triton.jit
-def _token_rows(BlockTable, Indices, req, i_row0, start, end, PAGE_SIZE: tl.constexpr, stride_bt, stride_ib, stride_is,
-                stride_kb, stride_kt, kv_head_off, BLOCK_N: tl.constexpr, SPARSE: tl.constexpr):
-    """Token positions, validity mask and int64 cache offsets of one token tile."""
+def _token_rows(BlockTable, Indices, req, i_row0, start, end, num_blocks, PAGE_SIZE: tl.constexpr, stride_bt,
+                stride_ib, stride_is, stride_kb, stride_kt, kv_head_off, BLOCK_N: tl.constexpr, SPARSE: tl.constexpr):
+    """Token positions, validity mask, int64 cache offsets of one token tile, and which of its tokens have a block id
+    outside ``[0, num_blocks)`` (not loaded: ``valid`` is false there, and the caller poisons the item)."""
     n = start + tl.arange(0, BLOCK_N)
     in_range = n < end
     if SPARSE:
-        # n indexes the request's top-k list for query token i_row0; -1 = skip
+        # n indexes the request's top-k list for query token i_row0; negative = skip, past the cache = bad
         idx = tl.load(Indices + req.to(tl.int64) * stride_ib + i_row0 * stride_is + n, mask=in_range, other=-1)
-        valid = in_range & (idx >= 0)
-        idx = tl.maximum(idx, 0).to(tl.int64)
+        block = tl.maximum(idx, 0) // PAGE_SIZE
+        bad = in_range & (block >= num_blocks)
+        valid = in_range & (idx >= 0) & ~bad
+        idx = tl.where(valid, idx, 0).to(tl.int64)
         block = idx // PAGE_SIZE
         rows = block * stride_kb + (idx - block * PAGE_SIZE) * stride_kt + kv_head_off
     elif PAGE_SIZE % BLOCK_N == 0:
@@ -95,8 +102,11 @@ def _token_rows(BlockTable, Indices, req, i_row0, start, end, PAGE_SIZE: tl.cons
         # chunk-aligned, metadata.split_kv_schedule, and chunk_size % BLOCK_N == 0): one table entry,
         # read as a scalar (the page holds `start`, so the entry is within the request's length),
         # and rows = scalar base + a loop-invariant ramp
-        valid = in_range
-        block = tl.load(BlockTable + req.to(tl.int64) * stride_bt + start // PAGE_SIZE).to(tl.int64)
+        block = tl.load(BlockTable + req.to(tl.int64) * stride_bt + start // PAGE_SIZE)
+        ok = block.to(tl.uint32, bitcast=True) < num_blocks  # 0 <= block < num_blocks, in one compare
+        bad = tl.where(ok, False, in_range)  # (a scalar `&` a tensor of int1 gives a mask the interpreter refuses)
+        valid = tl.where(ok, in_range, False)
+        block = tl.where(ok, block, 0).to(tl.int64)
         base = block * stride_kb + (start % PAGE_SIZE) * stride_kt + kv_head_off  # in-page term fits int32
         rows = base + tl.arange(0, BLOCK_N).to(tl.int64) * stride_kt
     elif PAGE_SIZE > 1 and BLOCK_N % PAGE_SIZE == 0:
@@ -104,16 +114,22 @@ def _token_rows(BlockTable, Indices, req, i_row0, start, end, PAGE_SIZE: tl.cons
         # request's length are never read), spread over their pages' slots
         NP: tl.constexpr = BLOCK_N // PAGE_SIZE
         page = start // PAGE_SIZE + tl.arange(0, NP)
-        valid = in_range
         block = tl.load(BlockTable + req.to(tl.int64) * stride_bt + page, mask=page * PAGE_SIZE < end, other=0)
-        block = tl.gather(block, tl.arange(0, BLOCK_N) // PAGE_SIZE, 0).to(tl.int64)
+        block = tl.gather(block, tl.arange(0, BLOCK_N) // PAGE_SIZE, 0)
+        ok = block.to(tl.uint32, bitcast=True) < num_blocks
+        bad = in_range & ~ok
+        valid = in_range & ok  # (a bad id's rows are computed and never loaded)
+        block = block.to(tl.int64)
         rows = block * stride_kb + (n % PAGE_SIZE).to(tl.int64) * stride_kt + kv_head_off
     else:
-        valid = in_range
         # masked: table entries past the request's length are never read
-        block = tl.load(BlockTable + req.to(tl.int64) * stride_bt + n // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+        block = tl.load(BlockTable + req.to(tl.int64) * stride_bt + n // PAGE_SIZE, mask=in_range, other=0)
+        ok = block.to(tl.uint32, bitcast=True) < num_blocks
+        bad = in_range & ~ok
+        valid = in_range & ok  # (a bad id's rows are computed and never loaded)
+        block = block.to(tl.int64)
         rows = block * stride_kb + (n % PAGE_SIZE).to(tl.int64) * stride_kt + kv_head_off
-    return n, valid, rows
+    return n, valid, rows, bad
 
 
 @triton.jit
@@ -224,13 +240,16 @@ def _tma_tile(KDesc, RDesc, r0, D_ROPE: tl.constexpr):
 
 
 @triton.jit
-def _online_update(s, v, n, valid, limit, m_i, l_i, acc, s_scale, DTYPE: tl.constexpr, TOKENS_ON_M: tl.constexpr):
+def _online_update(s, v, n, valid, bad, limit, m_i, l_i, acc, s_scale, DTYPE: tl.constexpr,
+                   TOKENS_ON_M: tl.constexpr):
     """One token tile of the online softmax (base 2): mask, rescale, ``acc += P V``. ``s`` raw scores
-    ``[BLOCK_N, BLOCK_M]`` (tokens on M) or ``[BLOCK_M, BLOCK_N]``; returns ``(m_i, l_i, acc)``."""
+    ``[BLOCK_N, BLOCK_M]`` (tokens on M) or ``[BLOCK_M, BLOCK_N]``; returns ``(m_i, l_i, acc)``. A token with a bad
+    block id (``bad``, not loaded) scores NaN for every row, visible or not: the row sums and the accumulator become
+    NaN, and so the item's out and LSE (nothing is carried between tiles for it)."""
     if TOKENS_ON_M:
         # S^T = K Q^T : tokens on M, query rows on N
         vis = valid[:, None] & (n[:, None] < limit[None, :])
-        s = tl.where(vis, s * s_scale, float("-inf"))
+        s = tl.where(vis, s * s_scale, tl.where(bad, float("nan"), float("-inf"))[:, None])  # (bad: never valid)
         m_new = tl.maximum(m_i, tl.max(s, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
@@ -240,7 +259,7 @@ def _online_update(s, v, n, valid, limit, m_i, l_i, acc, s_scale, DTYPE: tl.cons
         acc = tl.dot(tl.trans(v), p.to(DTYPE), acc * alpha[None, :])
     else:
         vis = valid[None, :] & (n[None, :] < limit[:, None])
-        s = tl.where(vis, s * s_scale, float("-inf"))
+        s = tl.where(vis, s * s_scale, tl.where(bad, float("nan"), float("-inf"))[None, :])
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_safe)
@@ -283,6 +302,7 @@ def mla_decode_kernel(
     stride_pob, stride_pos, stride_poh,
     stride_plb, stride_pls, stride_plh,
     H_KV, NUM_M_TILES,
+    num_blocks,  # kv_cache.shape[0]: block ids outside [0, num_blocks) are not loaded (the item's rows become NaN)
     PAGE_SIZE: tl.constexpr,  # a constant: the token -> (page, slot) split compiles to shifts / a multiply
     D_V: tl.constexpr, D_ROPE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -381,16 +401,20 @@ def mla_decode_kernel(
             gather_begin = tok_begin + (tok_end - tok_begin) // BLOCK_N * BLOCK_N
             for start in range(tok_begin, gather_begin, BLOCK_N):
                 page = _page_of(BlockTable + req.to(tl.int64) * stride_bt + start // PAGE_SIZE, ASM_PAGE)
+                page_ok = page.to(tl.uint32, bitcast=True) < num_blocks
+                page = tl.where(page_ok, page, 0)  # (block 0 is read instead, and scored NaN)
                 k, k_r = _tma_tile(KDesc, RDesc, page * PAGE_SIZE + start % PAGE_SIZE, D_ROPE)
                 s = _qk(k, q_whole, None, TOKENS_ON_M)
                 if D_ROPE > 0:
                     s = _qk(k_r, q_rope, s, TOKENS_ON_M)
                 n = start + tl.arange(0, BLOCK_N)
-                m_i, l_i, acc = _online_update(s, k, n, n < tok_end, limit, m_i, l_i, acc, s_scale, DTYPE,
-                                               TOKENS_ON_M)
+                m_i, l_i, acc = _online_update(s, k, n, tl.where(page_ok, n < tok_end, False),
+                                               tl.where(page_ok, False, n < tok_end), limit, m_i, l_i, acc, s_scale,
+                                               DTYPE, TOKENS_ON_M)
         for start in range(gather_begin, tok_end, BLOCK_N):
-            n, valid, rows = _token_rows(BlockTable, Indices, req, i_row0, start, tok_end, PAGE_SIZE, stride_bt,
-                                         stride_ib, stride_is, stride_kb, stride_kt, kv_head_off, BLOCK_N, SPARSE)
+            n, valid, rows, bad = _token_rows(BlockTable, Indices, req, i_row0, start, tok_end, num_blocks, PAGE_SIZE,
+                                              stride_bt, stride_ib, stride_is, stride_kb, stride_kt, kv_head_off,
+                                              BLOCK_N, SPARSE)
             if REUSE_K:
                 k = _load_latent(KV, rows, valid, 0, DTYPE, D_V, KV_FORMAT)
                 s = _qk(k, q_whole, None, TOKENS_ON_M)
@@ -402,10 +426,10 @@ def mla_decode_kernel(
                 s = _scores(Q, q_off, row_ok, q_whole, q_rope, KV, rows, valid, DTYPE, D_V, D_ROPE, QK_CHUNK,
                             KV_FORMAT, BLOCK_M, BLOCK_N, TOKENS_ON_M)
                 v = _load_latent(KV, rows, valid, v_lo, DTYPE, DV_BLOCK, KV_FORMAT)
-            m_i, l_i, acc = _online_update(s, v, n, valid, limit, m_i, l_i, acc, s_scale, DTYPE, TOKENS_ON_M)
+            m_i, l_i, acc = _online_update(s, v, n, valid, bad, limit, m_i, l_i, acc, s_scale, DTYPE, TOKENS_ON_M)
 
-        # -- epilogue: normalise; natural-log LSE ----------------------------------------
-        has_key = l_i > 0.0
+        # -- epilogue: normalise; natural-log LSE (l_i = 0: no key; NaN, a bad block id: out and LSE NaN) ------
+        has_key = l_i != 0.0
         inv_l = tl.where(has_key, kv_scale / tl.where(has_key, l_i, 1.0), 0.0)
         lse_nat = (m_i + tl.log2(tl.where(has_key, l_i, 1.0))) * LN2
         if TOKENS_ON_M:
@@ -744,7 +768,7 @@ def launch_decode_kernel(kernel, q, kv, block_table, cache_seqlens, indices, kv_
             lse.stride(0), lse.stride(1), lse.stride(2),
             partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
             partial_lse.stride(0), partial_lse.stride(1), partial_lse.stride(2),
-            H_KV=h_kv, NUM_M_TILES=tiles_m, PAGE_SIZE=page_size,
+            H_KV=h_kv, NUM_M_TILES=tiles_m, num_blocks=kv.shape[0], PAGE_SIZE=page_size,
             D_V=head_dim_v, D_ROPE=d_qk - head_dim_v,
             BLOCK_M=block_m, BLOCK_N=block_n, V_SPLIT=v_split, QK_CHUNK=qk_chunk,
             KV_FORMAT=KV_FORMAT_IDS[kv_format], CAUSAL=causal, SPARSE=sparse, TOKENS_ON_M=tokens_on_m,

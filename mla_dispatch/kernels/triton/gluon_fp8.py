@@ -178,13 +178,15 @@ if _g.GLUON_API:
         r32.store(_e4m3_words_to_f16(xr))
 
     @gluon.jit
-    def _put_tile(x0, x1, x2, x3, xr, k_smem, r_smem, bars, it):
-        """Tile ``it`` of this program (fp8 words in registers, :func:`_load_fp8`) into stage ``it % 2`` as fp16, once
-        both consumers have released the stage (a fresh barrier's wait for the previous phase passes), then the stage's
-        ``full``."""
+    def _put_tile(x0, x1, x2, x3, xr, bad, k_smem, r_smem, bad_smem, bars, it):
+        """Tile ``it`` of this program (fp8 words in registers, :func:`_load_fp8`) into stage ``it % 2`` as fp16, and
+        which of its token rows had a bad block id (``bad``, from :func:`.gluon_sm90._tile_pages`: those rows read block
+        0) into the stage's row of ``bad_smem`` for the scorer, once both consumers have released the stage (a fresh
+        barrier's wait for the previous phase passes), then the stage's ``full``."""
         st = it % 2
         mbarrier.wait(bars.index(2 + st), ((it // 2) & 1) ^ 1)
         _store_fp16(x0, x1, x2, x3, xr, k_smem.index(st), r_smem.index(st))
+        bad_smem.index(st).store(bad)
         fence_async_shared()
         _cta_barrier()
         mbarrier.arrive(bars.index(st))
@@ -198,8 +200,8 @@ if _g.GLUON_API:
         The loop takes two tiles per iteration, one in each of two register sets (``x*`` / ``y*``), so that no set is
         copied into the other: with one set per iteration, the copy of the next tile's registers at the back edge
         waited for their loads (H100 profile: the converter's top stall), and the load latency was not hidden."""
-        (KV32, BlockTable, Seqlens, Items, PartOffsets, k_smem, r_smem, bars, stride_kt, stride_bt, PAGE_SIZE,
-         Q, q_rows, rows_total, R) = args
+        (KV32, BlockTable, Seqlens, Items, PartOffsets, k_smem, r_smem, bad_smem, bars, stride_kt, stride_bt,
+         num_blocks, PAGE_SIZE, Q, q_rows, rows_total, R) = args
         # 16-byte loads; four threads cover 64 bytes of a row, eight rows per warp: each warp's stores touch 8 rows of
         # one 128-byte swizzle span (no bank conflicts) and its loads 64-byte pieces of 8 token rows
         ld: gl.constexpr = gl.BlockedLayout([1, 4], [8, 4], [4, 1], [1, 0])
@@ -218,35 +220,39 @@ if _g.GLUON_API:
             bt_row = BlockTable + req.to(gl.int64) * stride_bt
             n_tiles = gl.cdiv(tok_end - tok_begin, _N)
             j_qpf = gl.maximum(n_tiles - 4, 0) // 2 * 2  # the next item's query tile into L2 ~4 tiles before the end
-            pages = _g._tile_pages(bt_row, tok_begin, tok_end, PAGE_SIZE, _N, True, row_ld)
+            # pages of bad block ids come as 0 with their rows flagged (bx, by, bb, ba), which go with the tile to the
+            # scorer; the prefetches' flags are not needed (the same entries reach the register loads)
+            pages, bx = _g._tile_pages(bt_row, tok_begin, tok_end, num_blocks, PAGE_SIZE, _N, True, row_ld)
             x0, x1, x2, x3, xr = _load_fp8(KV32, pages, tok_begin, tok_end, stride_kt, PAGE_SIZE, ld)
             # table entries: of tiles j + 1 / j + 2 for the register loads (pb / pa), of tiles j + 2 / j + 3 for the L2
             # prefetches (fa / fb); each set is read a whole iteration before its use
-            pb = _g._tile_pages(bt_row, tok_begin + _N, tok_end, PAGE_SIZE, _N, True, row_ld)
-            pa = _g._tile_pages(bt_row, tok_begin + 2 * _N, tok_end, PAGE_SIZE, _N, True, row_ld)
-            _prefetch_l2(KV32, _g._tile_pages(bt_row, tok_begin + _N, tok_end, PAGE_SIZE, _N, True, pf), tok_begin + _N,
-                         tok_end, stride_kt, PAGE_SIZE)
-            fa = _g._tile_pages(bt_row, tok_begin + 2 * _N, tok_end, PAGE_SIZE, _N, True, pf)
-            fb = _g._tile_pages(bt_row, tok_begin + 3 * _N, tok_end, PAGE_SIZE, _N, True, pf)
+            pb, bb = _g._tile_pages(bt_row, tok_begin + _N, tok_end, num_blocks, PAGE_SIZE, _N, True, row_ld)
+            pa, ba = _g._tile_pages(bt_row, tok_begin + 2 * _N, tok_end, num_blocks, PAGE_SIZE, _N, True, row_ld)
+            f1, _f = _g._tile_pages(bt_row, tok_begin + _N, tok_end, num_blocks, PAGE_SIZE, _N, True, pf)
+            _prefetch_l2(KV32, f1, tok_begin + _N, tok_end, stride_kt, PAGE_SIZE)
+            fa, _f = _g._tile_pages(bt_row, tok_begin + 2 * _N, tok_end, num_blocks, PAGE_SIZE, _N, True, pf)
+            fb, _f = _g._tile_pages(bt_row, tok_begin + 3 * _N, tok_end, num_blocks, PAGE_SIZE, _N, True, pf)
             for j in range(0, n_tiles, 2):
                 start = tok_begin + j * _N
                 # tile j + 1 into the y registers (all masked past the item's last tile), in flight while tile j is
                 # stored; tile j + 2 into L2
                 y0, y1, y2, y3, yr = _load_fp8(KV32, pb, start + _N, tok_end, stride_kt, PAGE_SIZE, ld)
-                pb = _g._tile_pages(bt_row, start + 3 * _N, tok_end, PAGE_SIZE, _N, True, row_ld)
+                by = bb
+                pb, bb = _g._tile_pages(bt_row, start + 3 * _N, tok_end, num_blocks, PAGE_SIZE, _N, True, row_ld)
                 _prefetch_l2(KV32, fa, start + 2 * _N, tok_end, stride_kt, PAGE_SIZE)
-                fa = _g._tile_pages(bt_row, start + 4 * _N, tok_end, PAGE_SIZE, _N, True, pf)
+                fa, _f = _g._tile_pages(bt_row, start + 4 * _N, tok_end, num_blocks, PAGE_SIZE, _N, True, pf)
                 if j == j_qpf:
                     _prefetch_q(Q, Items, item + 1, item_end, rows_total, m_tile, q_rows, R, pf)
-                _put_tile(x0, x1, x2, x3, xr, k_smem, r_smem, bars, it)
+                _put_tile(x0, x1, x2, x3, xr, bx, k_smem, r_smem, bad_smem, bars, it)
                 it += 1
                 # tile j + 2 into the x registers while tile j + 1 is stored; tile j + 3 into L2
                 x0, x1, x2, x3, xr = _load_fp8(KV32, pa, start + 2 * _N, tok_end, stride_kt, PAGE_SIZE, ld)
-                pa = _g._tile_pages(bt_row, start + 4 * _N, tok_end, PAGE_SIZE, _N, True, row_ld)
+                bx = ba
+                pa, ba = _g._tile_pages(bt_row, start + 4 * _N, tok_end, num_blocks, PAGE_SIZE, _N, True, row_ld)
                 _prefetch_l2(KV32, fb, start + 3 * _N, tok_end, stride_kt, PAGE_SIZE)
-                fb = _g._tile_pages(bt_row, start + 5 * _N, tok_end, PAGE_SIZE, _N, True, pf)
+                fb, _f = _g._tile_pages(bt_row, start + 5 * _N, tok_end, num_blocks, PAGE_SIZE, _N, True, pf)
                 if j + 1 < n_tiles:
-                    _put_tile(y0, y1, y2, y3, yr, k_smem, r_smem, bars, it)
+                    _put_tile(y0, y1, y2, y3, yr, by, k_smem, r_smem, bad_smem, bars, it)
                     it += 1
 
     @gluon.jit
@@ -279,7 +285,7 @@ if _g.GLUON_API:
         -> converter), 4-5 ``P^T ready`` (scorer -> accumulator, by stage), 6 the query tile, 7 the item's row sums
         (count 2: both arrive, so that neither runs an item ahead of the other's reads)."""
         (q_desc, qr_desc, KVScale, Seqlens, Items, PartOffsets, Out, Lse, PartialOut, PartialLse,
-         q_smem, qr_smem, qd_smem, k_smem, r_smem, p_smem, a_smem, l_smem, bars,
+         q_smem, qr_smem, qd_smem, k_smem, r_smem, p_smem, a_smem, l_smem, bad_smem, bars,
          qk_scale, q_len, group,
          stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
          stride_pob, stride_pos, stride_poh, stride_plb, stride_pls, stride_plh, CAUSAL) = args
@@ -334,6 +340,7 @@ if _g.GLUON_API:
                     s_cols = qk_scale * kv_scale * qd_smem.load(row_l)
                 m_i = gl.full([R], float("-inf"), gl.float32, layout=row_l)
                 l2 = gl.zeros([_N, R], gl.float32, layout=layout)  # per-thread row sums, reduced in the epilogue
+                poison = gl.zeros([_N], gl.int32, layout=tok_l)  # token rows whose block id was bad (the converter's)
             else:
                 acc = gl.zeros([512, R], gl.float32, layout=layout)
             for j in range(n_tiles):
@@ -344,6 +351,7 @@ if _g.GLUON_API:
                 if WG == 0:
                     start = tok_begin + j * _N
                     mbarrier.wait(bars.index(st), ph)
+                    poison = poison | bad_smem.index(st).load(tok_l)
                     # the query indexed with a zero the compiler cannot fold (tok_begin is loaded): its 36 k-steps'
                     # descriptors would otherwise be hoisted out of the loop and spill (as in gluon_seesaw._scores)
                     q_op, qr_op = _q_operands(q_smem, qr_smem, (start < 0).to(gl.int32), R)
@@ -385,14 +393,15 @@ if _g.GLUON_API:
                 mbarrier.arrive(bars.index(2 + st))  # (the scorer is done with the stage once S^T is)
                 it += 1
 
-            # -- epilogue: the row sums from the scorer to the accumulator; natural-log LSE; out or partial rows ------
+            # -- epilogue: the row sums from the scorer to the accumulator (NaN if a page of the item was a bad block id:
+            # out and LSE NaN; 0: no key); natural-log LSE; out or partial rows ------------------------------------
             if WG == 0:
-                l_smem.index(par).store(gl.sum(l2, 0))
+                l_smem.index(par).store(gl.where(gl.max(poison, 0) != 0, float("nan"), gl.sum(l2, 0)))
                 _cta_barrier()
             mbarrier.arrive(sums)
             mbarrier.wait(sums, par)
             l_i = l_smem.index(par).load(row_l)
-            has_key = l_i > 0.0
+            has_key = l_i != 0.0
             if WG == 0:
                 lse_nat = gl.where(has_key, (m_i + gl.log2(gl.where(has_key, l_i, 1.0))) * LN2, float("inf"))
                 if slot < 0:  # the whole request
@@ -431,6 +440,7 @@ if _g.GLUON_API:
         stride_lb, stride_lh, stride_ls,
         stride_pob, stride_pos, stride_poh,
         stride_plb, stride_pls, stride_plh,
+        num_blocks,  # kv.shape[0]: a block id outside [0, num_blocks) is not loaded, and its item's rows are NaN
         PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr, R: gl.constexpr,
         SCORER_NUM_REGS: gl.constexpr, ACC_NUM_REGS: gl.constexpr,
     ):
@@ -448,6 +458,7 @@ if _g.GLUON_API:
         p_smem = gl.allocate_shared_memory(gl.float16, [2, R, _N], p_layout)
         a_smem = gl.allocate_shared_memory(gl.float32, [2, R], flat)  # a tile's rescale factors, by stage
         l_smem = gl.allocate_shared_memory(gl.float32, [2, R], flat)  # an item's row sums, by item parity
+        bad_smem = gl.allocate_shared_memory(gl.int32, [2, _N], flat)  # a tile's rows with a bad block id, by stage
         bars = gl.allocate_shared_memory(gl.int64, [8, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
             mbarrier.init(bars.index(i), count=1)
@@ -457,12 +468,12 @@ if _g.GLUON_API:
         mbarrier.init(bars.index(7), count=2)
         fence_async_shared()
         args = (q_desc, qr_desc, KVScale, Seqlens, Items, PartOffsets, Out, Lse, PartialOut, PartialLse,
-                q_smem, qr_smem, qd_smem, k_smem, r_smem, p_smem, a_smem, l_smem, bars,
+                q_smem, qr_smem, qd_smem, k_smem, r_smem, p_smem, a_smem, l_smem, bad_smem, bars,
                 qk_scale, q_len, group,
                 stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
                 stride_pob, stride_pos, stride_poh, stride_plb, stride_pls, stride_plh, CAUSAL)
-        conv_args = (KV32, BlockTable, Seqlens, Items, PartOffsets, k_smem, r_smem, bars, stride_kt, stride_bt,
-                     PAGE_SIZE, Q, q_rows, q_len * group, R)  # the converter's: what it reads
+        conv_args = (KV32, BlockTable, Seqlens, Items, PartOffsets, k_smem, r_smem, bad_smem, bars, stride_kt,
+                     stride_bt, num_blocks, PAGE_SIZE, Q, q_rows, q_len * group, R)  # the converter's: what it reads
         gl.warp_specialize([(_converter, (conv_args, )), (_consumer, (args, 0)), (_consumer, (args, 1))],
                            [4, 4], [SCORER_NUM_REGS, ACC_NUM_REGS])
 
@@ -492,6 +503,7 @@ def launch_decode_fp8t(q, kv, block_table, cache_seqlens, kv_scale, items, part_
             lse.stride(0), lse.stride(1), lse.stride(2),
             partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
             partial_lse.stride(0), partial_lse.stride(1), partial_lse.stride(2),
+            kv.shape[0],
             PAGE_SIZE=page_size, CAUSAL=causal, R=r, SCORER_NUM_REGS=scorer_regs, ACC_NUM_REGS=acc_regs,
             num_warps=4,
         )

@@ -77,9 +77,13 @@ if _g.GLUON_API:
     _H = gl.constexpr(HALF)
 
     @gluon.jit
-    def _page(bt_row, start, valid, PAGE_SIZE: gl.constexpr):
-        """The page of the tile from ``start`` (0 where not ``valid``: no table entry past an item's end is read)."""
-        return gl.load(bt_row + start // PAGE_SIZE, mask=valid, other=0)
+    def _page(bt_row, start, valid, num_blocks, PAGE_SIZE: gl.constexpr):
+        """The page of the tile from ``start`` (0 where not ``valid``: no table entry past an item's end is read), and 1
+        if the entry is a block id outside ``[0, num_blocks)`` (the page is 0 instead: nothing outside the cache is
+        read; the caller poisons the item), else 0."""
+        page = gl.load(bt_row + start // PAGE_SIZE, mask=valid, other=0)
+        ok = page.to(gl.uint32, bitcast=True) < num_blocks  # 0 <= page < num_blocks, in one compare
+        return gl.where(ok, page, 0), gl.where(ok, 0, 1)
 
     @gluon.jit
     def _load_half(k_desc, r_desc, page, start, kbuf, rbuf, bar, PAGE_SIZE: gl.constexpr, H: gl.constexpr,
@@ -141,18 +145,19 @@ if _g.GLUON_API:
         return gl.where(m == float("-inf"), 0.0, m)
 
     @gluon.jit
-    def _epilogue(acc, l_i, m_i, sums, s_sum, s_amax, parity, req, slot, q_len, group, m_tile,
+    def _epilogue(acc, l_i, m_i, poison, sums, s_sum, s_amax, parity, req, slot, q_len, group, m_tile,
                   Out, Lse, PartialOut, PartialLse,
                   stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
                   stride_pob, stride_pos, stride_poh, stride_plb, stride_pls, stride_plh,
                   WG: gl.constexpr, o_layout: gl.constexpr):
         """Both warpgroups' row sums and largest |O| through shared memory (one barrier of count 2 per item), then
         this warpgroup's 256 channels of out (or of the partial row: fp16 with one power-of-two scale per row,
-        :data:`.combine.PARTIAL_ROW_FORMAT`) and, from warpgroup 0, the LSE and the row scale."""
+        :data:`.combine.PARTIAL_ROW_FORMAT`) and, from warpgroup 0, the LSE and the row scale. A warpgroup that met a
+        bad block id in the item (``poison``) passes NaN row sums, so out and LSE are NaN in both."""
         LN2: gl.constexpr = 0.6931471805599453
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         col_o: gl.constexpr = gl.SliceLayout(0, o_layout)
-        l_o = gl.convert_layout(l_i, row_o)
+        l_o = gl.where(poison != 0, float("nan"), gl.convert_layout(l_i, row_o))
         s_sum.index(parity * 2 + WG).store(l_o)
         s_amax.index(parity * 2 + WG).store(gl.max(gl.abs(acc), 1))
         _cta_barrier()
@@ -161,7 +166,7 @@ if _g.GLUON_API:
         l_tot = s_sum.index(parity * 2).load(row_o) + s_sum.index(parity * 2 + 1).load(row_o)
         amax = gl.maximum(s_amax.index(parity * 2).load(row_o), s_amax.index(parity * 2 + 1).load(row_o))
         m_o = gl.convert_layout(m_i, row_o)
-        has_key = l_tot > 0.0
+        has_key = l_tot != 0.0  # 0: no key; NaN: a bad block id (out and LSE NaN)
         inv_l = gl.where(has_key, 1.0 / gl.where(has_key, l_tot, 1.0), 0.0)
         lse_nat = (m_o + gl.log2(gl.where(has_key, l_tot, 1.0))) * LN2
         o = acc * inv_l[:, None]
@@ -196,7 +201,7 @@ if _g.GLUON_API:
         (q_desc, qr_desc, k_desc, r_desc, BlockTable, Seqlens, Items, PartOffsets,
          Out, Lse, PartialOut, PartialLse,
          q_smem, qr_smem, k_smem, r_smem, p0_smem, s_m, s_sum, s_amax, bars,
-         qk_scale, q_len, group, stride_bt,
+         qk_scale, q_len, group, stride_bt, num_blocks,
          stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
          stride_pob, stride_pos, stride_poh, stride_plb, stride_pls, stride_plh, PAGE_SIZE, CAUSAL) = args
         cdt: gl.constexpr = q_desc.dtype
@@ -245,17 +250,20 @@ if _g.GLUON_API:
             l_i = gl.zeros([_M], gl.float32, layout=row_s)
             acc = gl.zeros([_M, _H], gl.float32, layout=o_layout)
             s = gl.zeros([_M, _N], gl.float32, layout=s_layout)
+            poison = n_tiles * 0  # nonzero once a page of this item was a bad block id (warpgroup 0 reads every page)
             if n_tiles > 0:
                 if WG == 0:  # both warpgroups are done with the previous item (its sums barrier)
                     q_row0 = req * rows_total + m_tile * _M
                     mbarrier.expect(q_bar, _M * (2 * _H + 64) * 2)
                     _tma_load(q_desc, [q_row0, 0], q_bar, q_smem.index(0))
                     _tma_load(qr_desc, [q_row0, 2 * _H], q_bar, qr_smem.index(0))
-                    pg0 = _page(bt_row, tok_begin, True, PAGE_SIZE)
+                    pg0, bad = _page(bt_row, tok_begin, True, num_blocks, PAGE_SIZE)
+                    poison = poison | bad
                     _load_half(k_desc, r_desc, pg0, tok_begin, k0, r0, bars.index(0), PAGE_SIZE, 0, False)
                     _load_half(k_desc, r_desc, pg0, tok_begin, k0, r0, bars.index(1), PAGE_SIZE, 1, True)
                     if n_tiles > 1:
-                        pg1 = _page(bt_row, tok_begin + _N, True, PAGE_SIZE)
+                        pg1, bad = _page(bt_row, tok_begin + _N, True, num_blocks, PAGE_SIZE)
+                        poison = poison | bad
                         _load_half(k_desc, r_desc, pg1, tok_begin + _N, k1, r1, bars.index(2), PAGE_SIZE, 0, True)
                         _load_half(k_desc, r_desc, pg1, tok_begin + _N, k1, r1, bars.index(3), PAGE_SIZE, 1, False)
                     mbarrier.wait(q_bar, n_q & 1)
@@ -279,8 +287,10 @@ if _g.GLUON_API:
                 ph_a = (base0 + a // 2) & 1  # stage phases of tiles a, b (a + 2, b + 2: the opposite)
                 ph_b = (base1 + a // 2) & 1
                 # the pages of tiles a + 2 and b + 2, read now: the refills below would otherwise wait for them
-                pg_a2 = _page(bt_row, start_a + 2 * _N, next_a, PAGE_SIZE)
-                pg_b2 = _page(bt_row, start_b + 2 * _N, next_b, PAGE_SIZE)
+                pg_a2, bad_a = _page(bt_row, start_a + 2 * _N, next_a, num_blocks, PAGE_SIZE)
+                pg_b2, bad_b = _page(bt_row, start_b + 2 * _N, next_b, num_blocks, PAGE_SIZE)
+                if WG == 0:  # (warpgroup 1's rows get the NaN through the row sums: no register of its own for it)
+                    poison = poison | bad_a | bad_b
                 if WG == 0:
                     # -- softmax of tile a against m (the maximum after the previous pair's tile b); P_a and m_a out
                     s = _masked(s, start_a, limit, qk_scale, col_s)
@@ -379,7 +389,7 @@ if _g.GLUON_API:
             base0 += (n_tiles + 1) // 2
             base1 += n_tiles // 2
 
-            _epilogue(acc, l_i, m_i, sums, s_sum, s_amax, n_items & 1, req, slot, q_len, group, m_tile,
+            _epilogue(acc, l_i, m_i, poison, sums, s_sum, s_amax, n_items & 1, req, slot, q_len, group, m_tile,
                       Out, Lse, PartialOut, PartialLse,
                       stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
                       stride_pob, stride_pos, stride_poh, stride_plb, stride_pls, stride_plh, WG, o_layout)
@@ -397,6 +407,7 @@ if _g.GLUON_API:
         stride_lb, stride_lh, stride_ls,
         stride_pob, stride_pos, stride_poh,
         stride_plb, stride_pls, stride_plh,
+        num_blocks,  # kv.shape[0]: a block id outside [0, num_blocks) is not loaded, and its item's rows are NaN
         PAGE_SIZE: gl.constexpr, CAUSAL: gl.constexpr, WORKER_NUM_REGS: gl.constexpr,
     ):
         gl.static_assert(gl.num_warps() == 4)
@@ -422,7 +433,7 @@ if _g.GLUON_API:
         args = (q_desc, qr_desc, k_desc, r_desc, BlockTable, Seqlens, Items, PartOffsets,
                 Out, Lse, PartialOut, PartialLse,
                 q_smem, qr_smem, k_smem, r_smem, p0_smem, s_m, s_sum, s_amax, bars,
-                qk_scale, q_len, group, stride_bt,
+                qk_scale, q_len, group, stride_bt, num_blocks,
                 stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_ls,
                 stride_pob, stride_pos, stride_poh, stride_plb, stride_pls, stride_plh, PAGE_SIZE, CAUSAL)
         gl.warp_specialize([(_partition, (args, 0)), (_partition, (args, 1))], [4], [WORKER_NUM_REGS])
@@ -450,6 +461,7 @@ def launch_decode_seesaw(q, kv, block_table, cache_seqlens, items, part_offsets,
             lse.stride(0), lse.stride(1), lse.stride(2),
             partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
             partial_lse.stride(0), partial_lse.stride(1), partial_lse.stride(2),
+            nb,
             PAGE_SIZE=page_size, CAUSAL=causal, WORKER_NUM_REGS=WORKER_REGS,
             num_warps=4,
         )

@@ -31,7 +31,9 @@ this kernel does what plain Triton could not be made to do:
 
 The rest is the plain kernel's contract: one program per (schedule part, 64-row tile), items of the shared split-KV
 schedule, online softmax in base 2, natural-log LSE, and split items written as fp16 partial rows with a power-of-two
-scale (:data:`.combine.PARTIAL_ROW_FORMAT`, one scale per row) for the same combine.
+scale (:data:`.combine.PARTIAL_ROW_FORMAT`, one scale per row) for the same combine. A block id outside
+``[0, num_blocks)`` is not loaded (block 0 is, in its place) and makes every row of its item NaN, out and LSE, through
+the row sums (:func:`_tile_pages`, :func:`_issue_tile`; :mod:`.gluon_seesaw` and :mod:`.gluon_fp8` do the same).
 
 How a tile reaches shared memory depends on the page size (``GATHER``, a compile-time constant):
 
@@ -120,17 +122,20 @@ if GLUON_API:
             return buf._reinterpret(dtype, shape, layout)
 
     @gluon.jit
-    def _tile_pages(bt_row, start, tok_end, PAGE_SIZE: gl.constexpr, TILE_N: gl.constexpr, GATHER: gl.constexpr,
-                    row_layout: gl.constexpr):
+    def _tile_pages(bt_row, start, tok_end, num_blocks, PAGE_SIZE: gl.constexpr, TILE_N: gl.constexpr,
+                    GATHER: gl.constexpr, row_layout: gl.constexpr):
         """The page of each token row of tile ``start ..`` in the 1-D layout ``row_layout`` (``GATHER``; 0 past
-        ``tok_end``: table entries past an item's end are never read, garbage ids there are legal); zeros otherwise
-        (unused)."""
+        ``tok_end``: table entries past an item's end are never read, garbage ids there are legal), and 1 where the
+        entry is a block id outside ``[0, num_blocks)`` (its page is 0 instead, so nothing outside the cache is read;
+        the caller poisons the item); zeros otherwise (unused)."""
         rows = gl.arange(0, TILE_N, layout=row_layout)
         if GATHER:
             tok = start + rows
-            return gl.load(bt_row + tok // PAGE_SIZE, mask=tok < tok_end, other=0)
+            pages = gl.load(bt_row + tok // PAGE_SIZE, mask=tok < tok_end, other=0)
+            ok = pages.to(gl.uint32, bitcast=True) < num_blocks  # 0 <= page < num_blocks, in one compare
+            return gl.where(ok, pages, 0), gl.where(ok, 0, 1)
         else:
-            return rows * 0
+            return rows * 0, rows * 0
 
     @gluon.jit
     def _copy_rows(base, valid, kbuf, rbuf, D_V: gl.constexpr, cp_layout: gl.constexpr):
@@ -143,23 +148,29 @@ if GLUON_API:
         async_copy.commit_group()
 
     @gluon.jit
-    def _issue_tile(k_desc, r_desc, KV, bt_row, start, tok_end, pages, kbuf, rbuf, bar, stride_kt,
+    def _issue_tile(k_desc, r_desc, KV, bt_row, start, tok_end, num_blocks, pages, kbuf, rbuf, bar, stride_kt,
                     PAGE_SIZE: gl.constexpr, TILE_N: gl.constexpr, D_V: gl.constexpr, D_ROPE: gl.constexpr,
                     NBYTES: gl.constexpr, GATHER: gl.constexpr, cp_layout: gl.constexpr):
-        """Start loading token tile ``start ..`` of an item into ``kbuf`` (latent) / ``rbuf`` (RoPE).
+        """Start loading token tile ``start ..`` of an item into ``kbuf`` (latent) / ``rbuf`` (RoPE); returns 1 if its
+        page is a block id outside ``[0, num_blocks)`` (then block 0 is loaded instead and the caller poisons the item),
+        else 0.
 
         Pages of whole tiles (``GATHER`` false): a whole tile by TMA, ``bar`` completing when its bytes land; a partial
         last tile by masked cp.async, zeros past ``tok_end``, and one arrival on ``bar`` (it completes at once; the
         reader waits for the copy group). Shorter or unaligned pages (``GATHER``): every tile by masked cp.async, each
         token row from its own page (``pages``, from :func:`_tile_pages`, loaded a tile ahead so that the table's
-        latency is not paid here), one copy group per tile, ``bar`` left alone."""
+        latency is not paid here, bad ids already replaced), one copy group per tile, ``bar`` left alone."""
         rows = gl.arange(0, TILE_N, layout=gl.SliceLayout(1, cp_layout))
+        bad = start * 0
         if GATHER:
             tok = start + rows
             base = KV + (pages.to(gl.int64) * PAGE_SIZE + tok % PAGE_SIZE) * stride_kt
             _copy_rows(base, tok < tok_end, kbuf, rbuf, D_V, cp_layout)
         else:
             page = gl.load(bt_row + start // PAGE_SIZE)  # the request's table row; start < tok_end: within its length
+            ok = page.to(gl.uint32, bitcast=True) < num_blocks
+            bad = gl.where(ok, 0, 1)
+            page = gl.where(ok, page, 0)
             r0 = page * PAGE_SIZE + start % PAGE_SIZE  # token row of the cache viewed as [pages * page_size, D_qk]
             if start + TILE_N <= tok_end:
                 mbarrier.expect(bar, NBYTES)
@@ -169,6 +180,7 @@ if GLUON_API:
                 base = KV + (r0.to(gl.int64) + rows.to(gl.int64)) * stride_kt
                 _copy_rows(base, (start + rows) < tok_end, kbuf, rbuf, D_V, cp_layout)
                 mbarrier.arrive(bar)
+        return bad
 
     @gluon.jit
     def _dequant_tile(k8, r8, kbuf, rbuf, TILE_N: gl.constexpr, D_V: gl.constexpr, D_ROPE: gl.constexpr):
@@ -223,6 +235,7 @@ if GLUON_API:
         stride_lb, stride_lh, stride_ls,
         stride_pob, stride_pos, stride_poh,
         stride_plb, stride_pls, stride_plh,
+        num_blocks,  # kv.shape[0]: a block id outside [0, num_blocks) is not loaded, and its item's rows are NaN
         PAGE_SIZE: gl.constexpr, D_V: gl.constexpr, D_ROPE: gl.constexpr, CAUSAL: gl.constexpr,
         TILE_M: gl.constexpr, TILE_N: gl.constexpr, STAGES: gl.constexpr, GATHER: gl.constexpr, FP8: gl.constexpr,
     ):
@@ -310,19 +323,25 @@ if GLUON_API:
             _tma_load(q_desc, [q_row0, 0], q_bar, q_smem)
             _tma_load(qr_desc, [q_row0, D_V], q_bar, qr_smem)
             n_tiles = gl.cdiv(tok_end - tok_begin, TILE_N)
+            # nonzero where a tile of this item met a block id outside [0, num_blocks): its rows become NaN
+            poison = gl.zeros([TILE_N], gl.int32, layout=row_cp)
             if n_tiles > 0:
                 st = it % STAGES
-                pages = _tile_pages(bt_row, tok_begin, tok_end, PAGE_SIZE, TILE_N, GATHER, row_cp)
-                _issue_tile(k_desc, r_desc, KV, bt_row, tok_begin, tok_end, pages, kl_smem.index(st),
-                            rl_smem.index(st), bars.index(st), stride_kt, PAGE_SIZE, TILE_N, D_V, D_ROPE, NBYTES,
-                            GATHER, cp_layout)
+                pages, bad = _tile_pages(bt_row, tok_begin, tok_end, num_blocks, PAGE_SIZE, TILE_N, GATHER, row_cp)
+                poison = poison | bad
+                bad = _issue_tile(k_desc, r_desc, KV, bt_row, tok_begin, tok_end, num_blocks, pages,
+                                  kl_smem.index(st), rl_smem.index(st), bars.index(st), stride_kt, PAGE_SIZE, TILE_N,
+                                  D_V, D_ROPE, NBYTES, GATHER, cp_layout)
+                poison = poison | bad
 
             # key t is visible to row (i, h) iff t < limit[i] (and t < tok_end: the partial tile's zeros)
             if CAUSAL:
                 limit = gl.minimum(seqlen - q_len + 1 + q_tok_s, tok_end)
             else:
                 limit = gl.minimum(seqlen, tok_end) + q_tok_s * 0
-            next_pages = _tile_pages(bt_row, tok_begin + TILE_N, tok_end, PAGE_SIZE, TILE_N, GATHER, row_cp)
+            next_pages, bad = _tile_pages(bt_row, tok_begin + TILE_N, tok_end, num_blocks, PAGE_SIZE, TILE_N, GATHER,
+                                          row_cp)
+            poison = poison | bad
             m_i = gl.full([TILE_M], float("-inf"), gl.float32, layout=row_s)
             l2 = gl.zeros([TILE_M, TILE_N], gl.float32, layout=s_layout)  # row sums, reduced in the epilogue
             acc = gl.zeros([TILE_M, D_V], gl.float32, layout=o_layout)
@@ -346,10 +365,13 @@ if GLUON_API:
                 _cta_barrier()
                 if j + 1 < n_tiles:  # the next tile's load runs under this tile's compute
                     nst = (it + 1) % STAGES
-                    _issue_tile(k_desc, r_desc, KV, bt_row, start + TILE_N, tok_end, next_pages,
-                                kl_smem.index(nst), rl_smem.index(nst), bars.index(nst), stride_kt, PAGE_SIZE, TILE_N,
-                                D_V, D_ROPE, NBYTES, GATHER, cp_layout)
-                    next_pages = _tile_pages(bt_row, start + 2 * TILE_N, tok_end, PAGE_SIZE, TILE_N, GATHER, row_cp)
+                    bad = _issue_tile(k_desc, r_desc, KV, bt_row, start + TILE_N, tok_end, num_blocks, next_pages,
+                                      kl_smem.index(nst), rl_smem.index(nst), bars.index(nst), stride_kt, PAGE_SIZE,
+                                      TILE_N, D_V, D_ROPE, NBYTES, GATHER, cp_layout)
+                    poison = poison | bad
+                    next_pages, bad = _tile_pages(bt_row, start + 2 * TILE_N, tok_end, num_blocks, PAGE_SIZE, TILE_N,
+                                                  GATHER, row_cp)
+                    poison = poison | bad
                 if GATHER:  # tile j's copy group is complete when at most tile j + 1's is in flight
                     if j + 1 < n_tiles:
                         async_copy.wait_group(1)
@@ -399,9 +421,10 @@ if GLUON_API:
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                 it += 1
 
-            # -- epilogue: normalise; natural-log LSE ------------------------------------
+            # -- epilogue: normalise; natural-log LSE (l_i = 0: no key; NaN, a bad block id: out and LSE NaN) -----
             l_i = gl.sum(l2, 1)
-            has_key = l_i > 0.0
+            l_i = gl.where(gl.max(poison, 0) != 0, float("nan"), l_i)
+            has_key = l_i != 0.0
             inv_l = gl.where(has_key, kv_scale / gl.where(has_key, l_i, 1.0), 0.0)  # the fp8 scale of V
             lse_nat = (m_i + gl.log2(gl.where(has_key, l_i, 1.0))) * LN2
             o = acc * gl.convert_layout(inv_l, row_o)[:, None]
@@ -507,6 +530,7 @@ def launch_decode_gluon(q, kv, block_table, cache_seqlens, kv_scale, items, part
             lse.stride(0), lse.stride(1), lse.stride(2),
             partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
             partial_lse.stride(0), partial_lse.stride(1), partial_lse.stride(2),
+            nb,
             PAGE_SIZE=page_size, D_V=head_dim_v, D_ROPE=d_qk - head_dim_v, CAUSAL=causal,
             TILE_M=BLOCK_M, TILE_N=BLOCK_N, STAGES=NUM_STAGES, GATHER=fp8 or page_size % BLOCK_N != 0, FP8=fp8,
             num_warps=NUM_WARPS,
