@@ -40,9 +40,8 @@ BLOCK_N = 64  # KV tokens per mainloop step = split-KV chunk size
 #: 7 = v6's orientation in three warpgroups (an fp8 converter, a scorer, an accumulator) for fp8_e4m3 caches with
 #: <= 32 query rows per KV head, 8 = v7 with the tile's raw bytes by TMA and the fp8 conversion in the consumers'
 #: registers (page_size % 64 == 0; other pages run v7),
-#: 9 = v5's schedule for fp8_e4m3 caches, a third warpgroup converting each tile in place (page_size % 64 == 0),
-#: 1 = mma.sync (v1), 3 = wgmma with S of the next tile issued under PV of this one (measured slower),
-#: 4 = wgmma with S split along D_qk (measured slower); $MLA_SM90_VARIANT overrides
+#: 9 = v5's schedule for fp8_e4m3 caches, a third warpgroup converting each tile in place (page_size % 64 == 0);
+#: $MLA_SM90_VARIANT overrides
 KERNEL_VARIANT = int(os.environ.get("MLA_SM90_VARIANT", "0"))
 #: combine of split requests: "1" inside the decode launch (a cooperative launch whose CTAs merge the
 #: split rows after a grid-wide barrier; the kernel falls back to "0" when its grid does not fit the GPU

@@ -65,10 +65,10 @@ bool aligned(const at::Tensor& t, int64_t dims, int64_t bytes) {
 bool aligned16(const at::Tensor& t, int64_t dims) { return aligned(t, dims, 16); }
 
 void check_variant(int64_t variant) {
-  MLA_CHECK(variant >= 1 && variant <= 9,
-            "variant must be 1 (mma.sync), 2 (wgmma), 3 (wgmma, overlapped), 4 (wgmma, S split along D), 5 "
-            "(wgmma, two tiles in flight), 6 (wgmma, tokens on M), 7 (tokens on M, fp8_e4m3 in three warpgroups), "
-            "8 (7 with register A fragments) or 9 (5 for fp8_e4m3, a converting warpgroup), got ",
+  MLA_CHECK(variant == 2 || (variant >= 5 && variant <= 9),
+            "variant must be 2 (wgmma), 5 (wgmma, two tiles in flight), 6 (wgmma, tokens on M), 7 (tokens on M, "
+            "fp8_e4m3 in three warpgroups), 8 (7 with register A fragments) or 9 (5 for fp8_e4m3, a converting "
+            "warpgroup), got ",
             variant);
 }
 

@@ -18,11 +18,9 @@ struct DecodeConfig {
   static constexpr int kBlockN = 64;   // KV tokens per mainloop step (= split-KV chunk_size)
   static constexpr int kWarps = 8;
   static constexpr int kThreads = kWarps * 32;
-  // Warp roles (v1, mma.sync): warp w owns query rows 16*(w%4) .. +16; for
-  // S = Q K^T it owns tokens 32*(w/4) .. +32, for O = P V output dims 256*(w/4) .. +256.
+  // Warp roles (v2, v5): warp w owns query rows 16*(w%4) .. +16 of the tile
   static constexpr int kRowGroups = 4;
   static constexpr int kChunksQK = kHeadDimQK / 8;  // 16-byte chunks of a bf16/fp16 row: 72
-  static constexpr int kChunksP = kBlockN / 8;      // 8
   // Shared memory: Q [64][576], K/V 2 stages of [64][576], P [64][64] (all in the
   // q dtype, 16-byte chunks XOR-swizzled by row), row max / row sum exchange.
   static constexpr int kQElems = kBlockM * kHeadDimQK;
@@ -32,20 +30,6 @@ struct DecodeConfig {
   static constexpr int kSmemBytes =
       2 * (kQElems + kStages * kKElems + kPElems) + 2 * 2 * kBlockM * (int)sizeof(float) + 1024;  // + alignment slack
   static_assert(kSmemBytes <= 227 * 1024, "shared memory over the SM90 per-block limit");
-};
-
-// Element offset of (row, col) in a row-major tile of `chunks_per_row` 16-byte
-// chunks whose chunk index is XOR-swizzled with (row & 7): eight consecutive rows
-// read by one ldmatrix hit eight different bank groups (rows are 1152 or 128
-// bytes, multiples of 128, so unswizzled they would all hit the same banks).
-__device__ __forceinline__ int swizzled(int row, int col, int chunks_per_row) {
-  const int chunk = (col >> 3) ^ (row & 7);
-  return row * chunks_per_row * 8 + chunk * 8 + (col & 7);
-}
-
-// v1 tile layout: rows of 576 elements, chunks swizzled within the row.
-struct RowSwizzled {
-  static __device__ __forceinline__ int offset(int row, int col) { return swizzled(row, col, DecodeConfig::kChunksQK); }
 };
 
 // v2 tile layout (wgmma operands): the canonical 128-byte-swizzled layout of

@@ -12,7 +12,6 @@
 #include <utility>
 
 #include "combine.cuh"
-#include "mainloop.cuh"
 #include "mainloop_etap.cuh"
 #include "mainloop_fp8t.cuh"
 #include "mainloop_seesaw.cuh"
@@ -158,8 +157,8 @@ static cudaError_t opt_in_smem(const void* kernel, int bytes, int* dev_out = nul
 // Launch a decode kernel. With p.fuse_combine the kernel merges the split rows itself after a
 // grid-wide barrier (combine.cuh), which needs every CTA resident at once: that is a cooperative
 // launch, possible when the grid fits the GPU (the persistent grid is sized to it, except when
-// h_kv x row tiles alone exceed the SM count), on a device that supports it. The v2 kernel (with its
-// v3/v4 flags, and wherever v5 or v6 fall back to it) and v6 have the combine tail (`has_tail`); v5 has
+// h_kv x row tiles alone exceed the SM count), on a device that supports it. The v2 kernel (also
+// wherever v5 or v6 fall back to it), v6, v7 and v8 have the combine tail (`has_tail`); v5 has
 // none: it runs where batches are large and the second kernel measured as fast, and its code size is
 // sensitive (NOTES.md). Otherwise, or if the cooperative launch itself is refused (e.g. fewer SMs under
 // MPS than the device reports), the flag is cleared, *combined = false, and the caller launches the
@@ -328,10 +327,7 @@ static cudaError_t launch_v9(const DecodeParams& p, const CUtensorMap& map, int 
 
 template <typename T, int KvFmt>
 static cudaError_t launch_decode_t(const DecodeParams& p, int grid_parts, cudaStream_t stream, bool* combined) {
-  // variant 1: warp-level mma.sync (mainloop.cuh); 2: wgmma (mainloop_wgmma.cuh);
-  // 3: wgmma with S of tile j+1 issued under PV of tile j (mainloop_wgmma.cuh, kOverlap)
-  // 4: wgmma with S split along D_qk between the warpgroups (mainloop_wgmma.cuh, kKSplit;
-  //    bf16/fp16 caches only, fp8 caches run v2)
+  // variant 2: wgmma (mainloop_wgmma.cuh)
   // 5: two tiles in flight, TMA loads (mainloop_seesaw.cuh; bf16/fp16 caches with page_size % 64 == 0
   //    and q_len <= 64, anything else runs v2)
   if constexpr (KvFmt == kKvFp8E4M3) {
@@ -379,14 +375,11 @@ static cudaError_t launch_decode_t(const DecodeParams& p, int grid_parts, cudaSt
       return launch_v5<T>(p, map, grid_parts, stream, combined);
     }
   }
-  auto kernel = p.variant == 1   ? mla_decode_kernel_v1<T, KvFmt>
-                : p.variant == 3 ? mla_decode_kernel_v2<T, KvFmt, true>
-                : p.variant == 4 ? mla_decode_kernel_v2<T, KvFmt, false, KvFmt == kKvSameAsQ>
-                                 : mla_decode_kernel_v2<T, KvFmt, false>;
+  auto kernel = mla_decode_kernel_v2<T, KvFmt>;
   const cudaError_t e = opt_in_smem(reinterpret_cast<const void*>(kernel), DecodeConfig::kSmemBytes);
   if (e != cudaSuccess) return e;
-  return launch_grid(kernel, dim3(grid_parts, p.num_row_tiles, p.heads_kv), DecodeConfig::kSmemBytes, stream,
-                     p.variant != 1, p, combined);
+  return launch_grid(kernel, dim3(grid_parts, p.num_row_tiles, p.heads_kv), DecodeConfig::kSmemBytes, stream, true,
+                     p, combined);
 }
 
 template <typename T>

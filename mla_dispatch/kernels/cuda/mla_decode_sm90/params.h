@@ -65,8 +65,7 @@ struct DecodeParams {
   int causal;
   int kv_format;  // KvFormat
   int q_is_bf16;  // 1: bf16, 0: fp16
-  // 1: mma.sync mainloop (v1), 2: wgmma mainloop (v2), 3: v2 with S(j+1) under PV(j) (v3), 4: v2 with S split
-  // along D_qk (v4), 5: two tiles in flight, TMA loads (v5, mainloop_seesaw.cuh; bf16/fp16 caches with
+  // 2: wgmma mainloop (v2), 5: two tiles in flight, TMA loads (v5, mainloop_seesaw.cuh; bf16/fp16 caches with
   // page_size % 64 == 0, other caches run v2), 6: KV tokens on the wgmma M side (v6, mainloop_etap.cuh; <= 32
   // query rows per KV head, <= 16 with fp8 caches, others run v2), 7: v6's orientation in three warpgroups
   // (converter, scorer, accumulator; mainloop_fp8t.cuh; fp8_e4m3 caches with <= 32 query rows per KV head, others
