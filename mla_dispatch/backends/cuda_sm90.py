@@ -239,7 +239,7 @@ class CudaSM90Backend(MLABackend):
     #: 21.5 / 28.0 / 21.3 against 22.6 / 29.2 / 22.7, fp8_e4m3 8-10% faster at b <= 2. The scripts in ci/ set it.
     MIN_CHUNKS_PER_PART: int = 1
     #: the split-KV schedule's fixed cost per work item, in chunks (mla_dispatch/metadata.py; FlashMLA charges 5), per
-    #: mainloop: what an item costs besides its tiles, read in per-CTA timelines (ci/sm90_timeline.py; sixteenth session
+    #: mainloop: what an item costs besides its tiles, read in per-CTA timelines (the diagnosis build of commit 8b1ee16; sixteenth session
     #: in kernels/cuda/mla_decode_sm90/NOTES.md). A v2 item's metadata, first loads and stores take ~7 us, two tiles at
     #: b=64 L=8192 h_q=64; with 5 the parts holding one item ran 5 tiles longer than those holding two and finished
     #: last. Charging 2 measured 1% faster there and at h_q=32, 3% at b=8 L=8192 h_q=128 (CUDA-graph replay, H100,

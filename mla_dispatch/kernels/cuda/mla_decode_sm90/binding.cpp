@@ -311,16 +311,6 @@ class PlannedDecode {
   mla_sm90::DecodeParams base_;
 };
 
-#ifdef MLA_SM90_TIMELINE
-// The diagnosis timeline (timeline.cuh) as int64 [kTimelineCtas, kTimelineEvents, 2] on the CPU; zeroed on the GPU.
-at::Tensor timeline_take() {
-  at::Tensor t = at::zeros({mla_sm90::kTimelineCtas, mla_sm90::kTimelineEvents, 2}, at::kLong);
-  const int e = mla_sm90::timeline_take(t.data_ptr());
-  TORCH_CHECK(e == 0, "timeline_take: CUDA error ", e);
-  return t;
-}
-#endif
-
 }  // namespace
 
 // FRAGMENT: other extensions of this project may define ops in the same namespace.
@@ -357,7 +347,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "or None (nothing done) when an argument does not match the plan")
       .def_property("variant", &PlannedDecode::variant, &PlannedDecode::set_variant)
       .def_readwrite("fuse_combine", &PlannedDecode::fuse_combine);
-#ifdef MLA_SM90_TIMELINE
-  m.def("timeline_take", &timeline_take, "the per-CTA timeline of the launches since the last take (diagnosis build)");
-#endif
 }

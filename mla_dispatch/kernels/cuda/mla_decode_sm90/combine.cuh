@@ -14,7 +14,6 @@
 #include "config.cuh"
 #include "params.h"
 #include "ptx.cuh"
-#include "timeline.cuh"
 
 namespace mla_sm90 {
 
@@ -156,7 +155,6 @@ __device__ void combine_in_grid(const DecodeParams& d, int* scratch) {
   }
   count = min(count, kFusedMaxSplits);
   cooperative_groups::this_grid().sync();  // every CTA's partials are written (and visible: the barrier fences)
-  stamp(kTimelineGridSync);
 
   const CombineParams c = combine_params(d);
   const int rows = d.q_len * d.heads_q;

@@ -415,14 +415,4 @@ int launch_combine(const CombineParams& p, void* stream) {
   return static_cast<int>(cudaGetLastError());
 }
 
-#ifdef MLA_SM90_TIMELINE
-int timeline_take(void* dst) {
-  cudaError_t e = cudaMemcpyFromSymbol(dst, g_timeline, sizeof(g_timeline));
-  void* addr = nullptr;
-  if (e == cudaSuccess) e = cudaGetSymbolAddress(&addr, g_timeline);
-  if (e == cudaSuccess) e = cudaMemset(addr, 0, sizeof(g_timeline));
-  return static_cast<int>(e);
-}
-#endif
-
 }  // namespace mla_sm90

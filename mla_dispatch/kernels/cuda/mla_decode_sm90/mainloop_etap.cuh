@@ -266,14 +266,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   auto acc_col = [](int i) { return 2 * (i / 4) + (i % 2); };
   auto desc = [](const void* base) { return gmma_desc_sw128_addr(smem_u32(base), 16, 1024); };
 
-  stamp(kTimelineEntry);
   const int item_begin = p.part_offsets[part], item_end = p.part_offsets[part + 1];
   for (int item = item_begin; item < item_end; ++item) {
     const WorkItem w = load_item(p, item);
     const int req = w.req, tok_begin = w.tok_begin, tok_end = w.tok_end, slot = w.slot;
     if (req < 0) continue;
     const int seqlen = p.cache_seqlens[req];
-    stamp(item_event(item - item_begin, 0), seqlen);
     int limit[kCols];
 #pragma unroll
     for (int k = 0; k < kCols; ++k) limit[k] = p.causal ? seqlen - p.q_len + col_of(k) / heads_per_kv : seqlen - 1;
@@ -304,7 +302,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     cp_async_wait_all();
     fence_proxy_async_smem();
     __syncthreads();
-    stamp(item_event(item - item_begin, 1));
 
     float acc_o[8][kAcc];
     etap_zero_acc_o(acc_o);
@@ -437,7 +434,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
     // ---- merge the two warpgroups: column sums and maxima, then O through shared memory
     __syncthreads();  // both mainloops done: the stages are free
-    stamp(item_event(item - item_begin, 2));
     // in the P^T tiles (free now): nothing the mainloop's scratch shares
     float* sL = reinterpret_cast<float*>(sP);  // [warpgroup][warp][column] column sums
     float* sM = sL + 8 * kN;                   // [warpgroup][column] column maxima
@@ -500,12 +496,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // the generic-proxy sO writes above
     fence_proxy_async_smem();
     __syncthreads();
-    stamp(item_event(item - item_begin, 3));
   }
   static_assert(kFusedScratchBytes<Cfg::kThreads> <= Cfg::kQElems * (int)sizeof(T), "the combine's list fits sQ");
-  stamp(kTimelineCombine);
   if (p.fuse_combine) combine_in_grid<T, Cfg::kThreads>(p, reinterpret_cast<int*>(smem_base));
-  stamp(kTimelineEnd);
 }
 
 }  // namespace mla_sm90

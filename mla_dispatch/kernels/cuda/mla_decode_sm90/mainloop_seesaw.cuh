@@ -125,9 +125,6 @@ struct Seesaw {
   // mbarriers: full [stage][column block]; v9 also empty [stage][early, late], raw [stage] (the raw TMA copy of
   // blocks 0..7) and rope [stage] (of block 8)
   static constexpr int kBars = 2 * kBlocks + 8;
-  // the ablation build's bit (-DMLA_SM90_ABLATE, kernels/cuda/build.py) for v9: the converter waits and signals as
-  // usual but converts and stores nothing (wrong results; what the schedule costs without the conversion)
-  static constexpr int kAblateConvert = 32768;
   static constexpr int kSmemBytes = 2 * (Cfg::kQElems + Cfg::kStages * Cfg::kKElems + Cfg::kPElems) +
                                     7 * Cfg::kBlockM * (int)sizeof(float) + kBars * 8 + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory over the SM90 per-block limit");
@@ -201,11 +198,6 @@ __device__ __forceinline__ void seesaw_fp8_converter(const DecodeParams& p, cons
   uint64_t* empty = bars + 2 * Seesaw::kBlocks;  // [stage][early, late]
   uint64_t* raw_bar = empty + 4;                  // [stage]
   uint64_t* rope_bar = raw_bar + 2;               // [stage]
-#ifdef MLA_SM90_ABLATE
-  constexpr bool kConvert = !(MLA_SM90_ABLATE & Seesaw::kAblateConvert);
-#else
-  constexpr bool kConvert = true;
-#endif
   const int r0 = tid_c / 4, q = tid_c % 4;
   const uint4 zero = make_uint4(0, 0, 0, 0);
   uint32_t fills0 = 0, fills1 = 0;  // tiles started in each stage so far (the phases of its barriers)
@@ -257,7 +249,6 @@ __device__ __forceinline__ void seesaw_fp8_converter(const DecodeParams& p, cons
         }
       };
       auto store = [&](int c, const uint4 (&v)[2]) {
-        if constexpr (!kConvert) return;
 #pragma unroll
         for (int h = 0; h < 2; ++h) store_e4m3x16(st, r0 + 32 * h, 64 * c + 16 * q, v[h]);
       };
@@ -368,16 +359,13 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
   bool row_ok[2];
   acc_rows(p, row_tile, kvh, rg, lane, row_local, row_i, row_head, row_ok);
   uint32_t loads_done[2] = {0, 0};  // completed loads per stage before the current item (mbarrier phases)
-  int steps = 0;  // pairs done by this CTA (timeline.cuh; dead code without it)
 
-  stamp(kTimelineEntry);
   const int item_begin = p.part_offsets[part], item_end = p.part_offsets[part + 1];
   for (int item = item_begin; item < item_end; ++item) {
     const WorkItem w = load_item(p, item);
     const int req = w.req, tok_begin = w.tok_begin, tok_end = w.tok_end, slot = w.slot;
     if (req < 0) continue;
     const int seqlen = p.cache_seqlens[req];
-    stamp(item_event(item - item_begin, 0), seqlen);
     int limit[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) limit[h] = p.causal ? seqlen - p.q_len + row_i[h] : seqlen - 1;
@@ -411,7 +399,6 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
     cp_async_wait_all();
     fence_proxy_async_smem();
     consumers_sync();
-    stamp(item_event(item - item_begin, 1));
 
     float acc_o[128], acc_s[32];
 #pragma unroll
@@ -689,7 +676,6 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
         else if (a + 2 < num_tiles) pair(a, T_{}, T_{}, F_{});
         else if (a + 1 < num_tiles) pair(a, T_{}, F_{}, F_{});
         else pair(a, F_{}, F_{}, F_{});
-        stamp(step_event(steps++));
       }
     } else {
       // ================= warpgroup 1: tiles 1, 3, 5, ...; O[:, 256:512)
@@ -789,7 +775,6 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
     loads_done[0] += (uint32_t)(num_tiles + 1) / 2;
     loads_done[1] += (uint32_t)num_tiles / 2;
 
-    stamp(item_event(item - item_begin, 2));
     // -- epilogue: both warpgroups' row sums, final max from sM
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -812,10 +797,7 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
     // sQ, sK, sM, sSum are reused by the next item
     if constexpr (kPaired) cluster_sync();
     else consumers_sync();
-    stamp(item_event(item - item_begin, 3));
   }
-  stamp(kTimelineCombine);
-  stamp(kTimelineEnd);
 }
 
 }  // namespace mla_sm90

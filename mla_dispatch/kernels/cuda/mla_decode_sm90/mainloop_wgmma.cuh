@@ -95,15 +95,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
   bool row_ok[2];
   acc_rows(p, row_tile, kvh, rg, lane, row_local, row_i, row_head, row_ok);
 
-  int steps = 0;  // tiles done by this CTA (timeline.cuh; dead code without it)
-  stamp(kTimelineEntry);
   const int item_begin = p.part_offsets[part], item_end = p.part_offsets[part + 1];
   for (int item = item_begin; item < item_end; ++item) {
     const WorkItem w = load_item(p, item);
     const int req = w.req, tok_begin = w.tok_begin, tok_end = w.tok_end, slot = w.slot;
     if (req < 0) continue;
     const int seqlen = p.cache_seqlens[req];
-    stamp(item_event(item - item_begin, 0), seqlen);
     int limit[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) limit[h] = p.causal ? seqlen - p.q_len + row_i[h] : seqlen - 1;
@@ -126,7 +123,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
     cp_async_wait_all();
     fence_proxy_async_smem();
     __syncthreads();
-    stamp(item_event(item - item_begin, 1));
 
     float acc_o[128];
 #pragma unroll
@@ -259,10 +255,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
       cute::warpgroup_wait<0>();
       fence_regs<128>(acc_o);
       __syncthreads();
-      stamp(step_event(steps++));
     }
 
-    stamp(item_event(item - item_begin, 2));
     // -- epilogue (as v1)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -282,12 +276,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
                        half == 0 && lane % 4 == 0);
     }
     __syncthreads();
-    stamp(item_event(item - item_begin, 3));
   }
-  stamp(kTimelineCombine);
   static_assert(kFusedScratchBytes<Cfg::kThreads> <= Cfg::kQElems * (int)sizeof(T), "the combine's list fits sQ");
   if (p.fuse_combine) combine_in_grid<T, Cfg::kThreads>(p, reinterpret_cast<int*>(smem_base));
-  stamp(kTimelineEnd);
 }
 
 }  // namespace mla_sm90

@@ -128,19 +128,4 @@ int launch_combine(const CombineParams& p, void* stream);
 // Dynamic shared memory the decode kernel needs (bytes).
 int decode_smem_bytes();
 
-// Diagnosis timeline (timeline.cuh), its layout shared with ci/sm90_timeline.py: per CTA, kTimelineEvents x
-// (globaltimer ns, clock64). Events: 0 kernel entry, 1 + 4k + phase for item k < kTimelineItems, then the fused
-// combine's start, its grid barrier passed, the kernel's end, and the end of each of the CTA's first kTimelineSteps
-// mainloop steps (v2: a tile, v5: a pair of tiles, v8: the accumulator's tiles; counted over all its items), then
-// kTimelineCounters totals in SM cycles (first of the pair; v8: where its warpgroups wait, timeline_count).
-constexpr int kTimelineCtas = 1056, kTimelineEntry = 0, kTimelineItems = 7, kTimelineItemBase = 1;
-constexpr int kTimelineCombine = kTimelineItemBase + 4 * kTimelineItems, kTimelineGridSync = kTimelineCombine + 1;
-constexpr int kTimelineEnd = kTimelineGridSync + 1, kTimelineStepBase = kTimelineEnd + 1, kTimelineSteps = 64;
-constexpr int kTimelineCounterBase = kTimelineStepBase + kTimelineSteps, kTimelineCounters = 12;
-constexpr int kTimelineEvents = kTimelineCounterBase + kTimelineCounters;
-#ifdef MLA_SM90_TIMELINE
-// Copy the timeline (kTimelineCtas * kTimelineEvents * 2 uint64) to host memory `dst`, then zero it.
-int timeline_take(void* dst);
-#endif
-
 }  // namespace mla_sm90
