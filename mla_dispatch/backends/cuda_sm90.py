@@ -32,7 +32,7 @@ from mla_dispatch.dispatch.problem import DecodeProblem
 __all__ = ["CudaSM90Backend", "load_ops", "load_module"]
 
 _KV_FORMAT_CODE = {"bf16": 0, "fp16": 0, "fp8_e4m3": 1, "fp8_ds_mla": 2}
-BLOCK_M = 64  # query rows per CTA tile (kernels/cuda/mla_decode_sm90/config.cuh)
+BLOCK_M = 64  # query rows per CTA tile (kernels/cuda/mla_decode_sm90/config.h)
 BLOCK_N = 64  # KV tokens per mainloop step = split-KV chunk size
 #: mainloop of kernels/cuda/mla_decode_sm90: 0 = choose per plan (:func:`choose_variant`, the default),
 #: 2 = wgmma, serial per tile, 5 = two tiles in flight with TMA loads (FlashMLA's seesaw schedule),

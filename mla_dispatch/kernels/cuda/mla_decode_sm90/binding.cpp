@@ -17,7 +17,7 @@
 
 namespace {
 
-constexpr int64_t kDQK = 576, kDV = 512, kDsMlaBytes = 656;
+constexpr int64_t kDQK = mla_sm90::kHeadDimQK, kDV = mla_sm90::kHeadDimV, kDsMlaBytes = mla_sm90::kDsMlaTokenBytes;
 
 std::string shape_str(const at::Tensor& t) {
   std::string s = "[";

@@ -11,17 +11,17 @@
 #include <cmath>
 #include <cstdint>
 
-#include "config.cuh"
+#include "config.h"
+#include "epilogue.cuh"
 #include "params.h"
 #include "ptx.cuh"
+#include "traits.cuh"
 
 namespace mla_sm90 {
 
 constexpr int kCombineThreads = 128;
-// Split requests a fused combine can list in shared memory. A request is split only where a part
-// boundary falls inside it, so there are at most num_parts - 1 of them (the launcher checks
-// num_parts against this).
-constexpr int kFusedMaxSplits = 1024;
+// kFusedMaxSplits (config.h): split requests a fused combine can list in shared memory. A request is split only where
+// a part boundary falls inside it, so there are at most num_parts - 1 of them (the launcher checks num_parts).
 // Shared memory combine_in_grid uses (the list, then a count per warp); the kernels assert it fits sQ.
 template <int kThreads>
 constexpr int kFusedScratchBytes = (4 * kFusedMaxSplits + kThreads / 32) * (int)sizeof(int);

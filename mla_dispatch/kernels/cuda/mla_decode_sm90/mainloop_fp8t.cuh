@@ -1,4 +1,4 @@
-// SM90 MLA decode, version 7: fp8_e4m3 caches with at most 32 query rows per KV head (the memory-bound decode of
+// SM90 MLA decode, mainloops v7 (Mainloop::kFp8Convert) and v8 (kFp8Regs): fp8_e4m3 caches with at most 32 query rows per KV head (the memory-bound decode of
 // 16-32 heads), in three warpgroups.
 //
 // v6 (mainloop_etap.cuh) puts KV tokens on the 64-row side of wgmma (FlashMLA-ETAP's orientation, Dege et al.
@@ -57,14 +57,22 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <cuda.h>
+#include <type_traits>
 
-#include "mainloop_etap.cuh"
+#include "combine.cuh"
+#include "epilogue.cuh"
+#include "fp8.cuh"
+#include "loads.cuh"
+#include "ptx.cuh"
+#include "traits.cuh"
+#include "wgmma.cuh"
 
 namespace mla_sm90 {
 
 struct Fp8t {
   static constexpr int kThreads = 384;
-  static constexpr int kMaxRows = 32;
+  static constexpr int kMaxRows = kFp8tMaxRows;  // config.h
   static constexpr int kOStride = Cfg::kHeadDimV / 2 + 4;  // fp32 row stride of half an output row (spreads banks)
   // v8: a stage holds the tile's raw bytes as five [64 tokens][128 bytes] boxes with the 128-byte swizzle (the last
   // box's upper half is the tensor map's zero fill past column 575)
@@ -117,42 +125,6 @@ struct Fp8tSmem {
   static_assert(kStages <= 4, "the rescale flags hold four stages");
   static_assert(kFusedScratchBytes<Fp8t::kThreads> <= kStages * kStageBytes, "the combine's list fits the stages");
 };
-
-
-// bar.sync's non-aligned form (the three warpgroups reach it from different code), over the whole CTA.
-__device__ __forceinline__ void barrier_cta_unaligned(int id, int threads) {
-  asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-// bar.red.or over `threads` threads of named barrier `id`: whether any of them passed true.
-__device__ __forceinline__ bool named_barrier_any(int id, int threads, bool v) {
-  uint32_t r;
-  asm volatile(
-      "{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbarrier.cta.red.or.pred q, %2, %3, p;\nselp.u32 %0, 1, 0, q;\n}\n"
-      : "=r"(r)
-      : "r"((uint32_t)v), "r"(id), "r"(threads)
-      : "memory");
-  return r != 0;
-}
-// Ask L2 for `bytes` (a multiple of 16) from a 16-byte aligned global address.
-__device__ __forceinline__ void prefetch_l2_bulk(const void* ptr, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(ptr), "r"(bytes) : "memory");
-}
-// 16 bytes of the (read-only) cache, not kept in L1.
-__device__ __forceinline__ uint4 ld_stream_16(const void* ptr) {
-  uint4 r;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(ptr));
-  return r;
-}
-// Four e4m3 values (a word, lowest byte first) -> four fp16 values (two words, in order).
-__device__ __forceinline__ uint2 e4m3x4_to_f16x4(uint32_t w) {
-  uint2 r;
-  asm("{\n.reg .b16 a, b;\nmov.b32 {a, b}, %2;\ncvt.rn.f16x2.e4m3x2 %0, a;\ncvt.rn.f16x2.e4m3x2 %1, b;\n}\n"
-      : "=r"(r.x), "=r"(r.y)
-      : "r"(w));
-  return r;
-}
 
 // A tile's fp8 bytes held by one converter thread: token rows r0 and r0 + 32 (r0 = 8 warp + lane / 4), of each of the
 // nine 64-byte column blocks the 16 bytes at 16 (lane % 4). A warp's loads read 64-byte pieces of 8 rows; its stores
@@ -243,12 +215,6 @@ __device__ __forceinline__ int q_tile_offset(int row, int col) {
 __device__ __forceinline__ int fp8rs_offset(int row, int col) {
   return (col >> 7) * Fp8t::kBoxBytes + row * 128 + ((((col & 127) >> 4) ^ (row & 7)) << 4);
 }
-
-template <int kN> struct GmmaFp8RS {  // A (K or V^T) from registers, B (Q or P^T) K-major from shared memory
-  using Op = std::conditional_t<
-      kN == 16, cute::SM90::GMMA::MMA_64x16x16_F32F16F16_RS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>,
-      cute::SM90::GMMA::MMA_64x32x16_F32F16F16_RS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>>;
-};
 
 // S^T = K Q^T with K from a raw stage: per 64-column block two ldmatrix (x4) per thread, converted to the fp16 A
 // fragments of four k-steps (two blocks' fragments in flight). A thread's 4-byte piece of a row holds stage columns

@@ -1,68 +1,34 @@
-// SM90 MLA decode, version 2: the v1 schedule (mainloop.cuh: persistent CTA per
-// split-KV part x 64-row tile x KV head, two-stage KV ring, online softmax) with
-// both GEMMs moved to Hopper warpgroup MMA (wgmma, HGMMA in SASS) fed from
-// shared memory, through CuTe's SM90 GMMA atoms (cute/arch/mma_sm90_gmma.hpp).
+// SM90 MLA decode, mainloop v2 (Mainloop::kWgmma): a persistent CTA per (split-KV part, 64-row query tile, KV head)
+// walks its items of the split-KV schedule (mla_dispatch/metadata/schedule.py), streams each item's KV tokens in
+// 64-token tiles through a two-stage shared-memory ring (cp.async for bf16/fp16 caches; fp8 caches loaded into
+// registers one tile ahead and dequantised while being stored), and keeps an online softmax in fp32 (base-2
+// exponents, FlashMLA's trick). V is the first 512 channels of K, so one tile feeds both GEMMs (the MQA-mode
+// absorption of FlashMLA and FlashMLA-ETAP).
 //
-// Two consumer warpgroups (FlashMLA's split of the 512-wide output):
+// Two consumer warpgroups (FlashMLA's split of the 512-wide output), both GEMMs on wgmma from shared memory:
 //   S = Q K^T : warpgroup g computes S[:, 32g .. 32g+32) with m64n32k16 (A = Q,
 //               B = K, both K-major, 128-byte swizzle), 36 k-steps over D_qk = 576;
 //   softmax   : the two warpgroups exchange row maxima through shared memory and
 //               write their halves of P (q dtype) to one [64 x 64] tile;
 //   O += P V  : warpgroup g computes O[:, 256g .. 256g+256) with m64n256k16,
 //               A = P (K-major), B = V = the same K tile read MN-major.
-// The wgmma accumulator layout of a warp equals the mma.sync C layout of v1, so
-// the softmax and epilogue arithmetic are v1's.
+// Warp w owns query rows 16 (w % 4) .. + 16 of the tile in both GEMMs.
+//
+// Masking: tokens past the item's end are zero-filled (never read), so NaN poison in unused cache slots cannot reach
+// P V; causal rows mask tokens past L - s_q + i. A row with no visible key gets out = 0 and lse = +inf (final) or
+// lse = -inf (partial, so the combine gives it zero weight).
 #pragma once
 #include <cmath>
 #include <cstdint>
-#include <cute/arch/mma_sm90_desc.hpp>
-#include <cute/arch/mma_sm90_gmma.hpp>
 
-#include "mainloop.cuh"
+#include "combine.cuh"
+#include "epilogue.cuh"
+#include "loads.cuh"
+#include "ptx.cuh"
+#include "traits.cuh"
+#include "wgmma.cuh"
 
 namespace mla_sm90 {
-
-// Shared-memory matrix descriptor, 128-byte swizzle (PTX ISA "matrix descriptor";
-// LBO/SBO in 16-byte units: K-major uses SBO = 1024 B between 8-row groups; MN-major
-// uses LBO = distance between 64-element column blocks, SBO = 1024 B between 8-row
-// groups along K).
-__device__ __forceinline__ uint64_t gmma_desc_sw128_addr(uint32_t addr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
-  uint64_t d = 0;
-  d |= (uint64_t)((addr >> 4) & 0x3FFF);
-  d |= (uint64_t)((lbo_bytes >> 4) & 0x3FFF) << 16;
-  d |= (uint64_t)((sbo_bytes >> 4) & 0x3FFF) << 32;
-  d |= (uint64_t)1 << 62;  // SWIZZLE_128B
-  return d;
-}
-
-// The same descriptor from a shared-memory pointer.
-__device__ __forceinline__ uint64_t gmma_desc_sw128(const void* smem, uint32_t lbo_bytes, uint32_t sbo_bytes) {
-  return gmma_desc_sw128_addr(smem_u32(smem), lbo_bytes, sbo_bytes);
-}
-
-template <typename T> struct Gmma;
-template <> struct Gmma<__nv_bfloat16> {
-  using QK = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
-  using QK64 = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
-  using PV = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>;
-};
-template <> struct Gmma<__half> {
-  using QK = cute::SM90::GMMA::MMA_64x32x16_F32F16F16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
-  using QK64 = cute::SM90::GMMA::MMA_64x64x16_F32F16F16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
-  using PV = cute::SM90::GMMA::MMA_64x256x16_F32F16F16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>;
-};
-
-template <class Op, size_t... I>
-__device__ __forceinline__ void gmma_call(uint64_t da, uint64_t db, float* acc, bool accumulate,
-                                          std::index_sequence<I...>) {
-  Op::fma(da, db, acc[I]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
-}
-
-template <int N>
-__device__ __forceinline__ void fence_regs(float* r) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) cute::warpgroup_fence_operand(r[i]);
-}
 
 template <typename T, int KvFmt>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const __grid_constant__ DecodeParams p) {
@@ -257,7 +223,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
       __syncthreads();
     }
 
-    // -- epilogue (as v1)
+    // -- epilogue
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       row_sum[h] += __shfl_xor_sync(0xffffffff, row_sum[h], 1);

@@ -4,14 +4,9 @@
 #pragma once
 #include <cstdint>
 
-namespace mla_sm90 {
+#include "config.h"
 
-// KV storage formats (mirror mla_dispatch/formats.py).
-enum KvFormat : int {
-  kKvSameAsQ = 0,   // bf16 or fp16, same dtype as q
-  kKvFp8E4M3 = 1,   // float8_e4m3fn, one per-tensor fp32 scale (kv_scale)
-  kKvFp8DsMla = 2,  // 656-byte token: 512 fp8 NoPE, 4 fp32 scales, 64 bf16 RoPE
-};
+namespace mla_sm90 {
 
 // A split request's partial row (one query row's output over part of its keys), as the decode writes it and the
 // combine reads it back. The workspace gives each row kPartialRowBytes (an fp32 [512] row); the row uses 1152 of
@@ -20,7 +15,7 @@ enum KvFormat : int {
 //   2q, 2q + 1, 8 + 2q, 9 + 2q: the four values lane q of an mma/wgmma accumulator quad holds, so the quad's four
 //   8-byte stores fill one 32-byte sector;
 // - bytes 1024 + 32k .. + 31: the signed shift s of quarter row k (channels 128k ..), repeated over the sector:
-//   the stored values are out * 2^s, with s putting the quarter's largest magnitude in [2^14, 2^15) (config.cuh,
+//   the stored values are out * 2^s, with s putting the quarter's largest magnitude in [2^14, 2^15) (epilogue.cuh,
 //   partial_shift), where fp16 keeps all 11 significant bits and cannot overflow.
 // Every store fills whole 32-byte sectors (NOTES.md, twelfth and thirteenth sessions: partly written sectors cost
 // more). fp16 rounds 8x finer than bf16: bf16 partial rows fell outside DESIGN.md section 5's cosine bound.

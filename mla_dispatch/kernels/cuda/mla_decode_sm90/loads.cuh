@@ -1,18 +1,26 @@
-// Device code every SM90 MLA decode mainloop shares: the KV tile loaders (cp.async for
-// bf16/fp16 caches; fp8 caches loaded into registers and dequantised while being stored),
-// the split-KV work items, the query tile load and the epilogue of row-major accumulators.
+// Loads of the SM90 decode mainloops: the split-KV work items, the query tile, and KV tiles into the 128-byte-swizzled
+// stages (cp.async for bf16/fp16 caches; fp8 caches through registers, dequantised while being stored). The TMA loads
+// of whole-tile pages are the mainloops' own (a tensor map per cache, launch.cu).
 #pragma once
-#include <cmath>
 #include <cstdint>
 
-#include "combine.cuh"
-#include "config.cuh"
+#include "fp8.cuh"
 #include "params.h"
 #include "ptx.cuh"
+#include "traits.cuh"
 
 namespace mla_sm90 {
 
-using Cfg = DecodeConfig;
+// One work item of the split-KV schedule (mla_dispatch/metadata.py): request (< 0: padding, skip),
+// its token range [tok_begin, tok_end), and the partial slot it writes (< 0: the request fits one
+// part, write out / lse directly).
+struct WorkItem {
+  int req, tok_begin, tok_end, slot;
+};
+__device__ __forceinline__ WorkItem load_item(const DecodeParams& p, int item) {
+  const int4 it = reinterpret_cast<const int4*>(p.items)[item];
+  return {it.x, it.y, it.z, it.w};
+}
 
 // ---- KV tile loaders --------------------------------------------------------------------
 // Thread mapping for all loaders: 8 threads per token (consecutive 16-byte chunks, so a
@@ -51,43 +59,11 @@ __device__ __forceinline__ void load_kv_async(const DecodeParams& p, T* sK, int 
   }
 }
 
-// Two e4m3 values (the low 16 bits of `pair`) -> two values of T times `scale`, packed. The
-// conversion to fp16 is exact (every finite e4m3 value is a normal fp16 or zero), so an unscaled fp16
-// tile keeps it as is; bf16 goes through fp32 (sm_90 has no e4m3 -> bf16 conversion).
-template <typename T, bool kScaled>
-__device__ __forceinline__ uint32_t fp8x2_to(uint32_t pair, float scale) {
-  const __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(pair & 0xffffu), __NV_E4M3);
-  if constexpr (!TypeTraits<T>::kIsBf16 && !kScaled) {
-    return static_cast<uint32_t>(hr.x) | (static_cast<uint32_t>(hr.y) << 16);
-  } else {
-    float2 f = __half22float2(__half2(hr));
-    if constexpr (kScaled) f.x *= scale, f.y *= scale;
-    typename TypeTraits<T>::T2 v = TypeTraits<T>::from_float2(f.x, f.y);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
-}
-
-// 8 bf16 rope values (fp8_ds_mla stores them as bf16) as T.
-template <typename T>
-__device__ __forceinline__ uint4 rope_as(uint4 rope) {
-  if constexpr (!TypeTraits<T>::kIsBf16) {
-    uint32_t w[4] = {rope.x, rope.y, rope.z, rope.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float2 f = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&w[i]));
-      __half2 h = __floats2half2_rn(f.x, f.y);
-      w[i] = *reinterpret_cast<uint32_t*>(&h);
-    }
-    rope = make_uint4(w[0], w[1], w[2], w[3]);
-  }
-  return rope;
-}
-
 // fp8 tiles for the wgmma kernels (v2: the CTA, v6: one warpgroup; Gmma128Tile64), 8 bytes per load:
 // the 8 threads of token row tid / 8 + kLoaders / 8 * pass load 8 bytes each per step, so step k
 // covers columns 64k .. 64k + 63 (one column block, whose 8-value chunk c is thread c's) and a row's 8
 // stores fill one 128-byte row of the block, free of bank conflicts, at one base pointer plus
-// compile-time offsets. store_kv_fp8's 16 fp8 values per thread put a thread's two chunks in two
+// compile-time offsets. 16-byte loads (16 fp8 values per thread) put a thread's two chunks in two
 // column blocks at the same swizzle positions, so a row's stores conflict two-way (25% of v6's
 // shared-memory wavefronts under ncu). H100 (NOTES.md, "fp8 loads"): v6 b=64 h_q=16 fp8_e4m3 204 ->
 // 185 us against 16-byte loads with the offsets folded, v2 b=128 h_q=128 L=8K 1016 -> 876 us; 16-byte
@@ -158,34 +134,6 @@ __device__ __forceinline__ void store_kv_fp8_8b(T* stage, const Fp8Stage8B<Cfg::
   }
 }
 
-// ---- pieces every mainloop version shares ---------------------------------------------------
-// This thread's two accumulator rows (mma.sync and wgmma C layout: rows lane/4 and lane/4 + 8 of
-// its warp's 16, warp group rg): row in the tile, query position, query head, row exists.
-__device__ __forceinline__ void acc_rows(const DecodeParams& p, int row_tile, int kvh, int rg, int lane,
-                                         int (&local)[2], int (&qi)[2], int (&head)[2], bool (&ok)[2]) {
-  const int heads_per_kv = p.heads_q / p.heads_kv;
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    local[h] = rg * 16 + lane / 4 + 8 * h;
-    const int r = row_tile * Cfg::kBlockM + local[h];
-    ok[h] = r < p.rows_per_kv_head;
-    const int rc = ok[h] ? r : 0;
-    qi[h] = rc / heads_per_kv;
-    head[h] = kvh * heads_per_kv + rc % heads_per_kv;
-  }
-}
-
-// One work item of the split-KV schedule (mla_dispatch/metadata.py): request (< 0: padding, skip),
-// its token range [tok_begin, tok_end), and the partial slot it writes (< 0: the request fits one
-// part, write out / lse directly).
-struct WorkItem {
-  int req, tok_begin, tok_end, slot;
-};
-__device__ __forceinline__ WorkItem load_item(const DecodeParams& p, int item) {
-  const int4 it = reinterpret_cast<const int4*>(p.items)[item];
-  return {it.x, it.y, it.z, it.w};
-}
-
 // The item's Q tile [64 x 576] into sQ by cp.async (committed by the caller); rows past
 // rows_per_kv_head are zero-filled. 8 threads per row, 32 rows per pass, 2 passes.
 template <typename T, class Layout>
@@ -209,46 +157,14 @@ __device__ __forceinline__ void load_q_tile_async(const DecodeParams& p, T* sQ, 
   }
 }
 
-// Accumulator row h of this thread (acc_o[4 n + 2 h + {0, 1}], n < 32: its 64 of the 256 output
-// channels from col0), times inv, into out (unsplit item, slot < 0) or the item's partial row (params.h: fp16,
-// scaled per quarter row; one shift for the quad's 256 channels); the row's LSE from the thread with writes_lse.
-// The four lanes of the thread's quad hold the row and call it together (their shuffles name only the quad).
+// Zero the V rows [valid, 64) of column blocks [4*half, 4*half + 4) of a stage (one warpgroup).
 template <typename T>
-__device__ __forceinline__ void store_acc_row(const DecodeParams& p, const float* acc_o, int h, int col0, float inv,
-                                              float lse_val, int req, int slot, int qi, int head, bool writes_lse) {
-  using TT = TypeTraits<T>;
-  const int lane = threadIdx.x % 32;
-  if (slot < 0) {
-    T* dst = out_row<T>(p, req, qi, head) + col0 + (lane % 4) * 2;
-#pragma unroll
-    for (int n = 0; n < 32; ++n)
-      *reinterpret_cast<typename TT::T2*>(dst + n * 8) =
-          TT::from_float2(acc_o[4 * n + 2 * h] * inv, acc_o[4 * n + 2 * h + 1] * inv);
-    if (writes_lse) lse_at(p, req, qi, head) = lse_val;
-  } else {
-    float m = 0.f;
-#pragma unroll
-    for (int n = 0; n < 32; ++n) m = fmaxf(m, fmaxf(fabsf(acc_o[4 * n + 2 * h]), fabsf(acc_o[4 * n + 2 * h + 1])));
-    const unsigned quad = 0xfu << (lane & 28);
-    m = fmaxf(m, __shfl_xor_sync(quad, m, 1));
-    m = fmaxf(m, __shfl_xor_sync(quad, m, 2));
-    const int shift = partial_shift(m * inv, inv);
-    const float pscale = inv * pow2i(shift);
-    const int64_t prow = partial_index(p, slot, qi, head);
-    char* row = partial_row(p.partial_out, prow);
-    __half* dst = reinterpret_cast<__half*>(row) + col0 + (lane % 4) * 4;
-#pragma unroll
-    for (int k = 0; k < 16; ++k) {  // pairs n = 2k (channels 16k + 2q ..) and 2k + 1 (16k + 8 + 2q ..)
-      const float* a = acc_o + 8 * k + 2 * h;
-      *reinterpret_cast<uint2*>(dst + 16 * k) =
-          make_uint2(half2_bits(__floats2half2_rn(a[0] * pscale, a[1] * pscale)),
-                     half2_bits(__floats2half2_rn(a[4] * pscale, a[5] * pscale)));
-    }
-    // both quarters of the 256 channels take the shift: lanes 0, 1 fill the first one's sector, lanes 2, 3 the next
-    const uint32_t w = shift_word(shift);
-    *reinterpret_cast<uint4*>(row + kPartialShiftByte + kPartialShiftStride * (col0 / 128) + 16 * (lane % 4)) =
-        make_uint4(w, w, w, w);
-    if (writes_lse) p.partial_lse[prow] = lse_val;
+__device__ __forceinline__ void zero_v_rows(T* stage, int valid, int half, int tid_wg) {
+  const int rows = Cfg::kBlockN - valid;
+  const int per_block = rows * 8;  // 16-byte chunks
+  for (int i = tid_wg; i < 4 * per_block; i += 128) {
+    const int blk = 4 * half + i / per_block, rem = i % per_block;
+    *reinterpret_cast<uint4*>(stage + blk * 64 * 64 + (valid + rem / 8) * 64 + (rem % 8) * 8) = make_uint4(0, 0, 0, 0);
   }
 }
 
