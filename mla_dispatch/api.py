@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 import torch
 
 from mla_dispatch.dispatch.backend import BackendState, MLABackend, untraced_eager
 from mla_dispatch.kvcache.cache import PagedMLACache
 from mla_dispatch.dispatch.platform import Platform, platform_for
 from mla_dispatch.dispatch.problem import DecodeProblem, check_values, default_softmax_scale, describe_inputs
+from mla_dispatch.dispatch.registry import get_backend
 from mla_dispatch.dispatch.select import auto_candidates, select_backend
 
 # whether a torch.profiler / autograd profile is on (~60 ns); a private torch function, so absent means "no"
@@ -58,18 +62,23 @@ class DecodePlan:
     problem : DecodeProblem
         What the plan was built for.
     softmax_scale : float
+    backend_options : Mapping
+        The ``backend_options`` the plan was made with (read-only; empty when none were given).
     """
 
-    __slots__ = ("backend", "problem", "platform", "softmax_scale", "block_table", "cache_seqlens", "_cls", "_state",
+    __slots__ = ("backend", "problem", "platform", "softmax_scale", "backend_options", "block_table", "cache_seqlens",
+                 "_cls", "_state",
                  "_q_shape", "_kv_tail", "_kv_dtype", "_q_dtype", "_out_shape", "_lse_shape", "_fp8_scale", "_sparse",
                  "_run", "_fast", "_lse_scratch")
 
     def __init__(self, backend_cls: type[MLABackend], problem: DecodeProblem, platform: Platform,
-                 softmax_scale: float, block_table, cache_seqlens, state: BackendState, q_shape, kv_tail, kv_dtype):
+                 softmax_scale: float, block_table, cache_seqlens, state: BackendState, q_shape, kv_tail, kv_dtype,
+                 backend_options: Mapping[str, object] = MappingProxyType({})):
         self.backend = backend_cls.NAME
         self.problem = problem
         self.platform = platform
         self.softmax_scale = softmax_scale
+        self.backend_options = MappingProxyType(dict(backend_options))
         self.block_table = block_table
         self.cache_seqlens = cache_seqlens
         self._cls = backend_cls
@@ -93,9 +102,10 @@ class DecodePlan:
 
     def __repr__(self) -> str:
         p = self.problem
+        options = f", backend_options={dict(self.backend_options)}" if self.backend_options else ""
         return (f"DecodePlan(backend={self.backend!r}, q=[{p.batch}, {p.q_len}, {p.num_heads_q}, {p.head_dim_qk}], "
                 f"page_size={p.page_size}, h_kv={p.num_heads_kv}, kv_format={p.kv_format!r}, causal={p.causal}, "
-                f"topk={p.topk})")
+                f"topk={p.topk}{options})")
 
     @property
     def state(self) -> BackendState:
@@ -230,6 +240,7 @@ def plan_decode(
     indices: torch.Tensor | None = None,
     return_lse: bool = True,
     backend: str = "auto",
+    backend_options: Mapping[str, object] | None = None,
     cuda_graph: bool = False,
     validate: bool = False,
 ) -> DecodePlan:
@@ -242,6 +253,12 @@ def plan_decode(
 
     Parameters
     ----------
+    backend_options : Mapping, optional
+        Overrides of the named ``backend``'s own choices, for experiments and
+        tests: each backend declares the options it accepts
+        (``MLABackend.OPTIONS``; e.g. ``cuda_sm90``: ``variant``, the mainloop,
+        and ``fuse_combine``, where split rows are merged). Recorded on the plan
+        (:attr:`DecodePlan.backend_options`). Needs a named ``backend``.
     cuda_graph : bool
         Require a backend whose ``run`` can be captured in a CUDA graph. After
         capture, change the *values* of ``block_table``/``cache_seqlens`` and
@@ -254,11 +271,14 @@ def plan_decode(
     Raises
     ------
     ValueError, TypeError
-        Invalid arguments (see :func:`mla_decode`).
+        Invalid arguments (see :func:`mla_decode`); ``backend_options`` with
+        ``backend="auto"``, an option the backend does not declare, or a value
+        it does not accept or that does not suit the problem.
     NoBackendError
         No backend here can run the problem (the message lists every
         candidate's reasons), or the named ``backend`` cannot.
     """
+    options = _checked_options(backend, backend_options)
     kv, kv_format, kv_scale = _unwrap_cache(kv_cache, kv_format, kv_scale)
     problem = describe_inputs(q, kv, block_table, cache_seqlens, head_dim_v=head_dim_v, causal=causal,
                               kv_format=kv_format, kv_scale=kv_scale, indices=indices, return_lse=return_lse,
@@ -273,9 +293,21 @@ def plan_decode(
         raise ValueError(f"softmax_scale must be a positive float, got {softmax_scale!r}")
     platform = platform_for(q.device)
     cls = select_backend(problem, platform, backend)
-    state = cls.plan(problem, platform, block_table, cache_seqlens, softmax_scale=float(softmax_scale))
+    # only a backend that declares options takes them (MLABackend.plan)
+    extra = {"options": options} if cls.OPTIONS else {}
+    state = cls.plan(problem, platform, block_table, cache_seqlens, softmax_scale=float(softmax_scale), **extra)
     return DecodePlan(cls, problem, platform, float(softmax_scale), block_table, cache_seqlens, state,
-                      tuple(q.shape), tuple(kv.shape[1:]), kv.dtype)
+                      tuple(q.shape), tuple(kv.shape[1:]), kv.dtype, options)
+
+
+def _checked_options(backend: str, backend_options: Mapping[str, object] | None) -> dict[str, object]:
+    """``backend_options`` checked against the named backend's declared options (before any other work)."""
+    if not backend_options:
+        return {}
+    if backend == "auto":
+        raise ValueError(f"backend_options={dict(backend_options)} need a named backend (backend='auto' picks one per "
+                         "machine, and each backend declares its own options)")
+    return get_backend(backend).check_options(backend_options)
 
 
 def mla_decode(
@@ -293,6 +325,7 @@ def mla_decode(
     out: torch.Tensor | None = None,
     return_lse: bool = True,
     backend: str = "auto",
+    backend_options: Mapping[str, object] | None = None,
     plan: DecodePlan | None = None,
     validate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -343,6 +376,8 @@ def mla_decode(
     backend : str
         ``"auto"`` or a registered name (``python -m mla_dispatch info`` lists
         them); a named backend that cannot run the problem raises.
+    backend_options : Mapping, optional
+        Overrides of the named backend's own choices (see :func:`plan_decode`).
     plan : DecodePlan, optional
         Reuse a plan from :func:`plan_decode` (then only ``q``, ``kv_cache``,
         ``kv_scale``, ``indices`` and ``out`` are used).
@@ -361,7 +396,8 @@ def mla_decode(
     ------
     ValueError
         An argument has the wrong dtype, rank, shape, device or layout; the
-        message names it and the expected value.
+        message names it and the expected value. Bad ``backend_options``
+        (see :func:`plan_decode`).
     NoBackendError
         No available backend can run the problem; the message lists the
         problem and every candidate's reasons.
@@ -380,5 +416,6 @@ def mla_decode(
     if plan is None:
         plan = plan_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=head_dim_v, softmax_scale=softmax_scale,
                            causal=causal, kv_format=kv_format, kv_scale=kv_scale, indices=indices,
-                           return_lse=return_lse, backend=backend, validate=validate)
+                           return_lse=return_lse, backend=backend, backend_options=backend_options,
+                           validate=validate)
     return plan.run(q, kv_cache, kv_scale=kv_scale, indices=indices, out=out)
