@@ -1,5 +1,5 @@
-// SM90 MLA decode, mainloops v7 (Mainloop::kFp8Convert) and v8 (kFp8Regs): fp8_e4m3 caches with at most 32 query rows per KV head (the memory-bound decode of
-// 16-32 heads), in three warpgroups.
+// SM90 MLA decode, mainloops v7 (Mainloop::kFp8Convert) and v8 (kFp8Regs): fp8_e4m3 caches with at most 32 query
+// rows per KV head (the memory-bound decode of 16-32 heads), in three warpgroups.
 //
 // v6 (mainloop_etap.cuh) puts KV tokens on the 64-row side of wgmma (FlashMLA-ETAP's orientation, Dege et al.
 // 2025), but with an fp8 cache each of its warpgroups runs load wait -> dequantise -> S^T -> softmax -> P V in series
@@ -44,10 +44,10 @@
 // round trip: its register loads and its fp16 stores.
 //
 // Version 8 (kRS; mla_decode_kernel_v8) drops that round trip. One thread issues each tile as five tensor copies of
-// 128-column boxes (128-byte swizzle, the page's raw fp8 bytes; whole-tile pages only, others run v7) into three
-// stages, and the two consumers convert their operands in registers and feed wgmma's register-A form: the scorer K
-// (ldmatrix, fp8rs_gemm_s), the accumulator V^T (transposed ldmatrix and a byte permute, fp8rs_load_v). The query
-// tile holds its columns in the order the scorer's fragments take the stage's bytes (fp8rs_q_col), O^T's rows are the
+// 128-column boxes (128-byte swizzle, the page's raw fp8 bytes; whole-tile pages only, the plan picks v7 on others)
+// into three stages, and the two consumers convert their operands in registers and feed wgmma's register-A form: the
+// scorer K (ldmatrix, fp8rs_gemm_s), the accumulator V^T (transposed ldmatrix and a byte permute, fp8rs_load_v).
+// The query tile holds its columns in the order the scorer's fragments take the stage's bytes (fp8rs_q_col), O^T's rows are the
 // channels in fp8rs_load_v's order (fp8rs_channel), and tokens past an item's end are zeroed in the accumulator's
 // fragments (the scorer masks their scores). Every tile is converted twice (K and V^T), against once in v7, but with
 // no shared-memory stores. H100, b=64 L=8K, graph replay (NOTES.md, twenty-seventh session): 16 heads 140.2 us

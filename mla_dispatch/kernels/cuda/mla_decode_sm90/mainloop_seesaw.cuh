@@ -1,5 +1,5 @@
-// SM90 MLA decode, mainloops v5 (Mainloop::kSeesaw) and v9 (kSeesawFp8): two KV tiles in flight, one per warpgroup, with the
-// softmax of one warpgroup running while the other's GEMMs occupy the tensor cores
+// SM90 MLA decode, mainloops v5 (Mainloop::kSeesaw) and v9 (kSeesawFp8): two KV tiles in flight, one per
+// warpgroup, with the softmax of one warpgroup running while the other's GEMMs occupy the tensor cores
 // (the "seesaw" schedule of FlashMLA's SM90 kernel, described in DeepSeek's
 // "A Deep-Dive into the New Flash MLA Kernel", 2025, and csrc/sm90/kernels/
 // splitkv_mla.cu of deepseek-ai/FlashMLA). Our own code; the schedule is theirs.
@@ -26,13 +26,13 @@
 //            blocks 4..8              by WG1 after sP0 V_aR;
 //   stage 1: blocks 0..3 and 8        by WG0 after sP1 V_bL (sP1 is block 8, below),
 //            blocks 4..7 (V_R)        by WG1 after P_b V_bR.
-// Where a part's row tiles come in pairs (128 or 256 query rows per KV head), launch.cu runs each
-// pair as a cluster of two CTAs (kPaired) that start every item together: 1-6% faster on the
-// FlashMLA grid. Multicasting each KV box to both CTAs of the pair was tried and not kept
+// Where a part's row tiles come in pairs (128 or 256 query rows per KV head), the plan runs each
+// pair as a cluster of two CTAs (kPaired; LaunchConfig::paired) that start every item together: 1-6%
+// faster on the FlashMLA grid. Multicasting each KV box to both CTAs of the pair was tried and not kept
 // (NOTES.md, "Eighteenth session").
 // A 64-token tile must sit in one page, so this variant needs page_size % 64 == 0 and
-// a bf16/fp16 cache (launch.cu runs v2 for other caches, and reports an error if such a
-// cache cannot be described by a tensor map).
+// a bf16/fp16 cache (v9: fp8_e4m3) that a tensor map describes; the binding refuses other
+// caches (binding.cpp, check_config).
 //
 // Shared memory is v2's: Q [64 x 576], two K stages, one P tile (sP0). sP1 lives in
 // stage 1's column block 8 (K_b's RoPE part, dead once S_b is done; P V reads only
@@ -392,7 +392,7 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
     // softmax of the S tile of tile j against the running max in sM; returns this thread's
     // per-row scale for the old accumulators; acc_s becomes P (fp32, base-2 exponent).
     // kMask (template): tokens past the item's end or a causal row's limit become -inf. A tile
-    // followed by at least 65 more tokens of the item needs no mask (q_len <= 64, launch.cu), so
+    // followed by at least 65 more tokens of the item needs no mask (q_len <= kMaxQLen), so
     // the steady-state pair skips it, as FlashMLA's kernel does for all but the last tiles.
     // The maximum is taken over raw scores (score_scale > 0) and the scale folded into the
     // exponent's FFMA: p = 2^(s * scale - m).
