@@ -117,14 +117,13 @@ static bool cached_kv_map(const DecodeParams& p, CUtensorMap* map) {
 
 // Allow `kernel` `bytes` of dynamic shared memory (over the default 48 KB) on the current device.
 // cudaFuncSetAttribute acts on the current device's context only, so the opt-in is remembered per
-// (device, kernel): a process that launches on a second GPU opts in there too. The device goes to *dev_out if given.
-static cudaError_t opt_in_smem(const void* kernel, int bytes, int* dev_out = nullptr) {
+// (device, kernel): a process that launches on a second GPU opts in there too.
+static cudaError_t opt_in_smem(const void* kernel, int bytes) {
   static std::mutex mu;
   static std::set<std::pair<int, const void*>> done;
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
-  if (dev_out) *dev_out = dev;
   const auto key = std::make_pair(dev, kernel);
   std::lock_guard<std::mutex> lock(mu);
   if (done.count(key)) return cudaSuccess;
