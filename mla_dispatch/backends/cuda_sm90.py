@@ -43,7 +43,7 @@ __all__ = ["CudaSM90Backend", "Mainloop", "MAINLOOPS", "Sm90Launch", "choose_var
            "launch_config", "load_ops", "load_module"]
 
 # ---- kernels/cuda/mla_decode_sm90/config.h, mirrored: the plan runs before (and without) a build; the CPU test
-# tests/test_cuda_sm90_build.py::test_plan_constants_match_config_h reads that file and compares ----
+# tests/test_cuda_sm90_plan.py::test_plan_constants_match_config_h reads that file and compares ----
 BLOCK_M = 64  # kBlockM: query rows of a CTA tile of the 64-row mainloops
 BLOCK_N = 64  # kBlockN: KV tokens per mainloop step = split-KV chunk size
 KV_FORMAT_CODE = {"bf16": 0, "fp16": 0, "fp8_e4m3": 1, "fp8_ds_mla": 2}  # KvFormat
@@ -96,7 +96,7 @@ class Mainloop:
 
 
 #: the mainloops a plan can pick, by variant number (kernels/cuda/mla_decode_sm90/config.h, Mainloop)
-MAINLOOPS = {m.variant: m for m in (
+MAINLOOPS = MappingProxyType({m.variant: m for m in (
     Mainloop(WGMMA, "mainloop_wgmma.cuh", _ANY_CACHE),
     Mainloop(SEESAW, "mainloop_seesaw.cuh", _16BIT_CACHE, whole_tile_pages=True, max_q_len=SEESAW_MAX_Q_LEN,
              combine_tail=False),
@@ -105,7 +105,7 @@ MAINLOOPS = {m.variant: m for m in (
     Mainloop(FP8_REGS, "mainloop_fp8t.cuh", frozenset({"fp8_e4m3"}), max_rows=FP8T_MAX_ROWS, whole_tile_pages=True),
     Mainloop(SEESAW_FP8, "mainloop_seesaw.cuh", frozenset({"fp8_e4m3"}), whole_tile_pages=True,
              max_q_len=SEESAW_MAX_Q_LEN, combine_tail=False),
-)}
+)})
 
 
 def v6_min_chunks_per_part(rows: int, kv_format: str) -> float:

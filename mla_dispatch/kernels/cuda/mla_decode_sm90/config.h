@@ -1,7 +1,7 @@
 // Constants of the SM90 MLA decode family that its plan needs before anything is built: the head dimensions, the
 // tile shape, the cache formats, the mainloops and what each takes. Plain C++ (no CUDA, no torch): the kernels, the
 // launcher and the binding include it. mla_dispatch/backends/cuda_sm90.py mirrors these values (it decides a plan on
-// machines with no compiler), and tests/test_cuda_sm90_build.py reads them from this file and compares.
+// machines with no compiler), and tests/test_cuda_sm90_plan.py reads them from this file and compares.
 #pragma once
 
 namespace mla_sm90 {
