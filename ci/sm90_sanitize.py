@@ -43,14 +43,18 @@ def main() -> None:
             case = make_case(b, s_q, h_q, L, page_size=page_size, causal=causal, kv_format=args.kv_format,
                              zero_len_rows=0 if args.shape else 1, varlen=not args.shape, device="cuda",
                              generator=gen)
-            plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
-            if variant:
-                plan.state.variant = variant
+            options = {"variant": variant} if variant else {}
             if args.combine != "auto":
-                plan.state.fuse_combine = args.combine == "fused"
+                options["fuse_combine"] = args.combine == "fused"
+            try:
+                plan = plan_decode(*case.args(), backend="cuda_sm90", backend_options=options, **case.kwargs())
+            except ValueError as exc:  # the mainloop does not take the shape: nothing to check there
+                print(f"variant {variant} b={b} s_q={s_q} h_q={h_q} L={L}: not run ({exc})")
+                continue
             out, lse = plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale)
             torch.cuda.synchronize()
-            print(f"variant {plan.state.variant} fused={plan.state.fuse_combine} b={b} s_q={s_q} h_q={h_q} L={L}: "
+            launch = plan.state.launch
+            print(f"variant {launch.variant} fused={launch.fuse_combine} b={b} s_q={s_q} h_q={h_q} L={L}: "
                   f"finite={bool(torch.isfinite(out).all())}")
 
 

@@ -129,14 +129,13 @@ def bench_one(cfg, peaks, variant=2, combine="auto", *, check=False, seed=0):
     causal = cfg.get("causal", False)
     q, kv, table, lens, kv_scale = make_inputs(b, s_q, h_q, L, page_size=ps, varlen=cfg.get("varlen", True),
                                                kv_format=fmt, seed=seed)
-    plan = plan_decode(q, kv, table, lens, causal=causal, kv_format=fmt, kv_scale=kv_scale, backend="cuda_sm90",
-                       cuda_graph=True)
-    if variant:  # 0: the backend's own choice (choose_variant)
-        plan.state.variant = variant
-    variant = plan.state.variant
+    options = {"variant": variant} if variant else {}  # 0: the backend's own choice (choose_variant)
     if combine != "auto":  # auto: the backend's own choice (choose_fuse_combine)
-        plan.state.fuse_combine = combine == "fused"
-    combine = "fused" if plan.state.fuse_combine else "separate"
+        options["fuse_combine"] = combine == "fused"
+    plan = plan_decode(q, kv, table, lens, causal=causal, kv_format=fmt, kv_scale=kv_scale, backend="cuda_sm90",
+                       backend_options=options, cuda_graph=True)
+    variant = plan.state.launch.variant
+    combine = "fused" if plan.state.launch.fuse_combine else "separate"
     out = torch.empty(b, s_q, h_q, 512, dtype=q.dtype, device="cuda")
     lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device="cuda")
     run = lambda: plan.run(q, kv, kv_scale=kv_scale, out=out, lse=lse)  # noqa: E731
@@ -216,14 +215,15 @@ def host_overhead_us(n=200):
         plan = plan_decode(q, kv, table, lens, backend="cuda_sm90")
         out = torch.empty(b, 1, h_q, 512, dtype=q.dtype, device="cuda")
         lse = torch.empty(b, h_q, 1, dtype=torch.float32, device="cuda")
-        st, s = plan.state, plan.state.schedule
+        st, s, c = plan.state, plan.state.schedule, plan.state.launch
         args = (q, kv, table, lens, s.items, s.part_offsets, None, out, lse, st.partial_out, st.partial_lse,
-                s.num_splits, st.first_slot, plan.softmax_scale, False, 0, st.variant, st.fuse_combine)
+                s.num_splits, st.first_slot, plan.softmax_scale, False, 0, c.variant, c.tile_rows, c.tma_loads,
+                c.paired, c.fuse_combine)
         for _ in range(20):
             plan.run(q, kv, out=out, lse=lse)
             st.op(*args)
         torch.cuda.synchronize()
-        row = dict(config=label, parts=int(s.part_offsets.numel()) - 1, variant=st.variant, fused=st.fuse_combine)
+        row = dict(config=label, parts=int(s.part_offsets.numel()) - 1, variant=c.variant, fused=c.fuse_combine)
         row["run"] = min(per_call(lambda: plan.run(q, kv, out=out, lse=lse)) for _ in range(3))
         row["run_alloc"] = min(per_call(lambda: plan.run(q, kv)) for _ in range(3))
         row["bound"] = min(per_call(lambda: st.bound.run(q, kv, None, out, lse)) for _ in range(3))
@@ -231,7 +231,7 @@ def host_overhead_us(n=200):
         row["direct"] = min(per_call(lambda: st.direct(*args)) for _ in range(3))
         row["launches"] = min(per_call(lambda: (empty.add_(1), empty.add_(1))) for _ in range(3))  # noqa: B023
         rows.append(row)
-        del q, kv, table, plan, st, s, args
+        del q, kv, table, plan, st, s, c, args
         torch.cuda.empty_cache()
     return rows
 
@@ -303,8 +303,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="a few configs only")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--variants", default="2", help="mainloop variants to time, e.g. 0,5,2 (0 = the backend's per-plan choice, 9 = v5 for fp8_e4m3, 5 = two tiles in flight, "
-                         "4 = S split along D, 3 = overlapped wgmma, 2 = wgmma, 1 = mma.sync)")
+    ap.add_argument("--variants", default="2", help="mainloop variants to time, e.g. 0,5,2 (0 = the backend's per-plan "
+                    "choice, else backend_options variant: 2 = wgmma, 5 = two tiles in flight, 6 = tokens on M, 7 / 8 = "
+                    "tokens on M for fp8_e4m3, 9 = v5 for fp8_e4m3; a variant that cannot run a config raises)")
     ap.add_argument("--groups", default=None, help="comma-separated config groups to run (flashmla, membound, small, "
                     "pages, pages16, fp8, fp8grid, fp8t, fp8tsmall; \"none\": only the host overhead); default all")
     ap.add_argument("--combine", default="auto", help="where split requests are merged, e.g. fused,separate (auto = the "

@@ -70,24 +70,24 @@ def main():
             CudaSM90Backend.MIN_CHUNKS_PER_PART = mc
             CudaSM90Backend.SCHEDULE_OVERHEAD = ov
             for v, comb in [(x, c) for x in args.variants.split(",") for c in args.combine.split(",")]:
-                plan = plan_decode(q, kv, table, lens, kv_format=args.kv_format, kv_scale=kv_scale, backend="cuda_sm90",
-                                   cuda_graph=True)
-                ov_used = CudaSM90Backend.schedule_overhead(plan.state.variant)  # the schedule's, before any override
-                if v != "default":
-                    plan.state.variant = int(v)
+                options = {} if v == "default" else {"variant": int(v)}
                 if comb != "default":
-                    plan.state.fuse_combine = comb == "fused"
+                    options["fuse_combine"] = comb == "fused"
+                plan = plan_decode(q, kv, table, lens, kv_format=args.kv_format, kv_scale=kv_scale, backend="cuda_sm90",
+                                   backend_options=options, cuda_graph=True)
+                launch = plan.state.launch
+                ov_used = CudaSM90Backend.schedule_overhead(launch.variant)
                 run = lambda: plan.run(q, kv, kv_scale=kv_scale, out=out, lse=lse)  # noqa: E731
                 graph = capture_graph(run)
                 t_graph = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3
                 kt = kernel_times(run)
                 parts = plan.state.schedule.num_parts
                 splits = int(plan.state.schedule.num_splits.max())
-                comb_used = "fused" if plan.state.fuse_combine else "separate"
+                comb_used = "fused" if launch.fuse_combine else "separate"
                 ks = "  ".join(f"{k}={t:.1f}" for k, t in sorted(kt.items()))
                 print(f"{args.kv_format} h={h_q:3d} b={b:3d} L={L:6d} min_chunks={mc:2d} "
                       f"overhead={ov_used} "
-                      f"parts={parts:3d} splits<={splits:3d} v{plan.state.variant} "
+                      f"parts={parts:3d} splits<={splits:3d} v{launch.variant} "
                       f"{comb_used:8s}: graph {t_graph:7.1f} us | {ks}", flush=True)
         del q, kv, table
         torch.cuda.empty_cache()

@@ -43,7 +43,7 @@ def describe_failure(out: torch.Tensor, ref: torch.Tensor, atol: float, rtol: fl
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variant", type=int, default=6, help="mainloop variant to force (1, 2, 5, 6)")
+    parser.add_argument("--variant", type=int, default=6, help="mainloop variant to force (2, 5, 6, 7, 8, 9)")
     parser.add_argument("--combine", default="fused", choices=["fused", "separate", "auto"],
                         help="the combine in the decode launch, as a second kernel, or the plan's choice")
     parser.add_argument("--shape", default="2,1,16,3000", help="B,S_Q,H_Q,L (page 64, varlen)")
@@ -58,10 +58,10 @@ def main() -> int:
     for it in tqdm(range(args.iters), desc=f"v{args.variant} {args.combine} {args.shape} x{args.scale:g}"):
         case = make_case(b, s_q, h_q, seqlen, page_size=64, device="cuda", generator=gen)
         tol = scale_outputs(case, args.scale, base_tol)
-        plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
-        plan.state.variant = args.variant
+        options = {"variant": args.variant}
         if args.combine != "auto":
-            plan.state.fuse_combine = args.combine == "fused"
+            options["fuse_combine"] = args.combine == "fused"
+        plan = plan_decode(*case.args(), backend="cuda_sm90", backend_options=options, **case.kwargs())
         out, lse = poisoned_outputs(case)
         plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale, out=out, lse=lse)
         torch.cuda.synchronize()

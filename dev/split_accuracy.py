@@ -42,8 +42,7 @@ def one_draw(shape, variant, gen, tol):
     b, s_q, h_q, L, ps, causal, kv_format, _ = shape
     case = make_case(b, s_q, h_q, L, page_size=ps, causal=causal, kv_format=kv_format, device="cuda",
                      generator=gen)
-    plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
-    plan.state.variant = variant
+    plan = plan_decode(*case.args(), backend="cuda_sm90", backend_options={"variant": variant}, **case.kwargs())
     out, lse = poisoned_outputs(case)
     plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale, out=out, lse=lse)
     ref_out, ref_lse = case_reference(case)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 
@@ -10,6 +12,7 @@ from mla_dispatch.dispatch.backend import BackendState, MLABackend, untraced_eag
 from mla_dispatch.kvcache.cache import PagedMLACache
 from mla_dispatch.dispatch.platform import Platform, platform_for
 from mla_dispatch.dispatch.problem import DecodeProblem, check_values, default_softmax_scale, describe_inputs
+from mla_dispatch.dispatch.registry import get_backend
 from mla_dispatch.dispatch.select import auto_candidates, select_backend
 
 # whether a torch.profiler / autograd profile is on (~60 ns); a private torch function, so absent means "no"
@@ -69,18 +72,22 @@ class DecodePlan:
     problem : DecodeProblem
         What the plan was built for.
     softmax_scale : float
+    backend_options : Mapping
+        The ``backend_options`` the plan was made with (read-only; empty when none were given).
     """
 
-    __slots__ = ("backend", "problem", "platform", "softmax_scale", "block_table", "cache_seqlens", "_cls", "_state",
-                 "_q_shape", "_kv_tail", "_kv_dtype", "_q_dtype", "_out_shape", "_lse_shape", "_fp8_scale", "_sparse",
-                 "_run", "_fast", "_lse_scratch", "_scales", "_any_out_strides")
+    __slots__ = ("backend", "problem", "platform", "softmax_scale", "backend_options", "block_table", "cache_seqlens",
+                 "_cls", "_state", "_q_shape", "_kv_tail", "_kv_dtype", "_q_dtype", "_out_shape", "_lse_shape",
+                 "_fp8_scale", "_sparse", "_run", "_fast", "_lse_scratch", "_scales", "_any_out_strides")
 
     def __init__(self, backend_cls: type[MLABackend], problem: DecodeProblem, platform: Platform,
-                 softmax_scale: float, block_table, cache_seqlens, state: BackendState, q_shape, kv_tail, kv_dtype):
+                 softmax_scale: float, block_table, cache_seqlens, state: BackendState, q_shape, kv_tail, kv_dtype,
+                 backend_options: Mapping[str, object] = MappingProxyType({})):
         self.backend = backend_cls.NAME
         self.problem = problem
         self.platform = platform
         self.softmax_scale = softmax_scale
+        self.backend_options = MappingProxyType(dict(backend_options))
         self.block_table = block_table
         self.cache_seqlens = cache_seqlens
         self._cls = backend_cls
@@ -121,9 +128,10 @@ class DecodePlan:
 
     def __repr__(self) -> str:
         p = self.problem
+        options = f", backend_options={dict(self.backend_options)}" if self.backend_options else ""
         return (f"DecodePlan(backend={self.backend!r}, q=[{p.batch}, {p.q_len}, {p.num_heads_q}, {p.head_dim_qk}], "
                 f"page_size={p.page_size}, h_kv={p.num_heads_kv}, kv_format={p.kv_format!r}, causal={p.causal}, "
-                f"topk={p.topk})")
+                f"topk={p.topk}{options})")
 
     @property
     def state(self) -> BackendState:
@@ -267,6 +275,7 @@ def plan_decode(
     indices: torch.Tensor | None = None,
     return_lse: bool = True,
     backend: str = "auto",
+    backend_options: Mapping[str, object] | None = None,
     cuda_graph: bool = False,
     validate: bool = False,
 ) -> DecodePlan:
@@ -279,6 +288,12 @@ def plan_decode(
 
     Parameters
     ----------
+    backend_options : Mapping, optional
+        Overrides of the named ``backend``'s own choices, for experiments and
+        tests: each backend declares the options it accepts
+        (``MLABackend.OPTIONS``; e.g. ``cuda_sm90``: ``variant``, the mainloop,
+        and ``fuse_combine``, where split rows are merged). Recorded on the plan
+        (:attr:`DecodePlan.backend_options`). Needs a named ``backend``.
     cuda_graph : bool
         Require a backend whose ``run`` can be captured in a CUDA graph. After
         capture, change the *values* of ``block_table``/``cache_seqlens`` and
@@ -291,11 +306,14 @@ def plan_decode(
     Raises
     ------
     ValueError, TypeError
-        Invalid arguments (see :func:`mla_decode`).
+        Invalid arguments (see :func:`mla_decode`); ``backend_options`` with
+        ``backend="auto"``, an option the backend does not declare, or a value
+        it does not accept or that does not suit the problem.
     NoBackendError
         No backend here can run the problem (the message lists every
         candidate's reasons), or the named ``backend`` cannot.
     """
+    options = _checked_options(backend, backend_options)
     kv, kv_format, kv_scale = _unwrap_cache(kv_cache, kv_format, kv_scale)
     problem = describe_inputs(q, kv, block_table, cache_seqlens, head_dim_v=head_dim_v, causal=causal,
                               kv_format=kv_format, kv_scale=kv_scale, indices=indices, return_lse=return_lse,
@@ -312,12 +330,24 @@ def plan_decode(
         softmax_scale = _check_positive_finite("softmax_scale", softmax_scale)
     platform = platform_for(q.device)
     cls = select_backend(problem, platform, backend)
-    state = cls.plan(problem, platform, block_table, cache_seqlens, softmax_scale=float(softmax_scale))
+    # only a backend that declares options takes them (MLABackend.plan)
+    extra = {"options": options} if cls.OPTIONS else {}
+    state = cls.plan(problem, platform, block_table, cache_seqlens, softmax_scale=float(softmax_scale), **extra)
     plan = DecodePlan(cls, problem, platform, float(softmax_scale), block_table, cache_seqlens, state,
-                      tuple(q.shape), tuple(kv.shape[1:]), kv.dtype)
+                      tuple(q.shape), tuple(kv.shape[1:]), kv.dtype, options)
     if kv_scale is not None and not isinstance(kv_scale, torch.Tensor):
         plan._scale_tensor(kv_scale, q.device)  # checked and converted now, not in run()
     return plan
+
+
+def _checked_options(backend: str, backend_options: Mapping[str, object] | None) -> dict[str, object]:
+    """``backend_options`` checked against the named backend's declared options (before any other work)."""
+    if not backend_options:
+        return {}
+    if backend == "auto":
+        raise ValueError(f"backend_options={dict(backend_options)} need a named backend (backend='auto' picks one per "
+                         "machine, and each backend declares its own options)")
+    return get_backend(backend).check_options(backend_options)
 
 
 def mla_decode(
@@ -335,6 +365,7 @@ def mla_decode(
     out: torch.Tensor | None = None,
     return_lse: bool = True,
     backend: str = "auto",
+    backend_options: Mapping[str, object] | None = None,
     plan: DecodePlan | None = None,
     validate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -392,6 +423,8 @@ def mla_decode(
     backend : str
         ``"auto"`` or a registered name (``python -m mla_dispatch info`` lists
         them); a named backend that cannot run the problem raises.
+    backend_options : Mapping, optional
+        Overrides of the named backend's own choices (see :func:`plan_decode`).
     plan : DecodePlan, optional
         Reuse a plan from :func:`plan_decode` (then only ``q``, ``kv_cache``,
         ``kv_scale``, ``indices`` and ``out`` are used).
@@ -414,7 +447,8 @@ def mla_decode(
     ValueError
         An argument has the wrong dtype, rank, shape, device or layout, or
         ``softmax_scale`` / a float ``kv_scale`` is not finite and positive; the
-        message names it and the expected value.
+        message names it and the expected value. Bad ``backend_options``
+        (see :func:`plan_decode`).
     NoBackendError
         No available backend can run the problem; the message lists the
         problem and every candidate's reasons.
@@ -433,7 +467,8 @@ def mla_decode(
     if plan is None:
         plan = plan_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=head_dim_v, softmax_scale=softmax_scale,
                            causal=causal, kv_format=kv_format, kv_scale=kv_scale, indices=indices,
-                           return_lse=return_lse, backend=backend, validate=validate)
+                           return_lse=return_lse, backend=backend, backend_options=backend_options,
+                           validate=validate)
     elif validate:  # the plan's own table and lengths (what run() reads), against this cache
         kv = _unwrap_cache(kv_cache, "auto", None)[0]
         check_values(plan.problem, kv.shape[0], plan.block_table, plan.cache_seqlens, indices)

@@ -5,6 +5,7 @@ import torch
 
 import mla_dispatch
 from mla_dispatch.backends.reference import ReferenceBackend, reference_attention
+from mla_dispatch.dispatch.backend import BackendOption, BackendState
 from mla_dispatch.numerics.cases import make_case
 
 BF = torch.bfloat16
@@ -248,3 +249,61 @@ def test_fast_path_shows_in_a_torch_profiler_trace(registered, gen):
     assert len(_BoundReference.calls) == 1 and _BoundReference.slow_runs == 0
     want_out, _ = reference_attention(*case.args(), **case.kwargs())
     assert torch.equal(out, want_out.to(BF))
+
+
+# -- backend_options: a named backend's declared planning options ---------------------------------------------
+
+
+class _OptionsReference(ReferenceBackend):
+    """The reference with two planning options, which its plan records."""
+
+    NAME = "options_reference_test"
+    OPTIONS = {"mode": BackendOption(values=("a", "b"), doc="a test choice"),
+               "fused": BackendOption(values=(False, True), doc="a test switch")}
+
+    @classmethod
+    def plan(cls, problem, platform, block_table, cache_seqlens, *, softmax_scale, options):
+        if options.get("mode") == "b" and problem.num_heads_q > 2:
+            raise ValueError("backend_options['mode']='b' needs h_q <= 2")
+        return BackendState(options=options)
+
+
+def test_backend_options_reach_the_plan_and_are_recorded(registered, gen):
+    name = registered(_OptionsReference)
+    case = make_case(2, 1, 2, 30, page_size=8, generator=gen, head_dim_qk=64, head_dim_v=32)
+    plan = mla_dispatch.plan_decode(*case.args(), **case.kwargs(), backend=name,
+                                    backend_options={"mode": "b", "fused": True})
+    assert plan.state.options == {"mode": "b", "fused": True}
+    assert dict(plan.backend_options) == {"mode": "b", "fused": True}
+    with pytest.raises(TypeError):
+        plan.backend_options["mode"] = "a"  # read-only: the plan was made for these
+    assert "backend_options={'mode': 'b', 'fused': True}" in repr(plan)
+    plain = mla_dispatch.plan_decode(*case.args(), **case.kwargs(), backend=name)
+    assert plain.state.options == {} and dict(plain.backend_options) == {}
+    out, _ = mla_dispatch.mla_decode(*case.args(), **case.kwargs(), backend=name, backend_options={"mode": "a"})
+    want_out, _ = reference_attention(*case.args(), **case.kwargs())
+    assert torch.equal(out, want_out.to(BF))
+
+
+@pytest.mark.parametrize("options,match", [
+    ({"mdoe": "a"}, r"options_reference_test has no option 'mdoe' \(accepted: fused, mode\)"),
+    ({"mode": "c"}, r"backend_options\['mode'\]='c' \(supported: 'a', 'b'\): a test choice"),
+    ({"fused": 1}, r"backend_options\['fused'\]=1 \(supported: False, True\)"),  # 1 is not True
+    ({"mode": "b"}, r"backend_options\['mode'\]='b' needs h_q <= 2"),  # the plan's own check of the problem
+], ids=["unknown", "value", "type", "problem"])
+def test_bad_backend_options_raise(registered, gen, options, match):
+    name = registered(_OptionsReference)
+    case = make_case(2, 1, 4, 30, page_size=8, generator=gen, head_dim_qk=64, head_dim_v=32)
+    with pytest.raises(ValueError, match=match):
+        mla_dispatch.plan_decode(*case.args(), **case.kwargs(), backend=name, backend_options=options)
+
+
+def test_backend_options_need_a_named_backend_that_declares_them(gen):
+    case = make_case(2, 1, 4, 30, page_size=8, generator=gen, head_dim_qk=64, head_dim_v=32)
+    with pytest.raises(ValueError, match="need a named backend"):
+        mla_dispatch.plan_decode(*case.args(), **case.kwargs(), backend_options={"variant": 2})
+    with pytest.raises(ValueError, match=r"reference has no option 'variant' \(accepted: none\)"):
+        mla_dispatch.mla_decode(*case.args(), **case.kwargs(), backend="reference", backend_options={"variant": 2})
+    # the named backend's options are checked before anything else, even where it cannot run
+    with pytest.raises(ValueError, match=r"cuda_sm90 has no option 'varaint'"):
+        mla_dispatch.plan_decode(*case.args(), **case.kwargs(), backend="cuda_sm90", backend_options={"varaint": 2})

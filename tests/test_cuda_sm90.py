@@ -2,17 +2,21 @@
 
 Runs on the device tool's H100 (skipped elsewhere). Fresh random data per test
 (``gen`` fixture), outputs poisoned with NaN before every run, docs/design.md §5
-tolerances (the backend's declared TOLERANCE).
+tolerances (the backend's declared TOLERANCE). Mainloops and the combine's
+place are forced through ``backend_options``; a mainloop that cannot run a shape
+is refused at plan time (ValueError), never replaced.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
 
 from mla_dispatch import plan_decode
+from mla_dispatch.backends import cuda_sm90
 from mla_dispatch.numerics.cases import case_reference, make_case, poisoned_outputs, scale_outputs
 from mla_dispatch.numerics.tolerance import compare_outputs
 
@@ -51,13 +55,29 @@ def _run_case(case):
     return plan
 
 
+def _plan(case, **backend_options):
+    return plan_decode(*case.args(), backend="cuda_sm90", backend_options=backend_options, **case.kwargs())
+
+
+def _refusal(case, variant):
+    """What mainloop ``variant`` needs that ``case`` lacks (cuda_sm90.MAINLOOPS); empty: it runs the case."""
+    return cuda_sm90.MAINLOOPS[variant].reasons(_plan(case).problem)
+
+
 def _run_variant(case, variant, runs=1, fuse_combine=None, tol=None):
-    """Plan with the backend, force mainloop `variant` (and the combine's place when `fuse_combine` is given),
-    and check `runs` launches (fresh poison each) at the backend's tolerance, or `tol`. Returns the plan."""
-    plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
-    plan.state.variant = variant
+    """Plan with the backend forcing mainloop `variant` (and the combine's place when `fuse_combine` is given),
+    and check `runs` launches (fresh poison each) at the backend's tolerance, or `tol`. Returns the plan. Where
+    the mainloop cannot run the case, check instead that the plan refuses it, naming what is missing."""
+    if reasons := _refusal(case, variant):
+        with pytest.raises(ValueError, match=re.escape(reasons[0])):
+            _plan(case, variant=variant)
+        return None
+    options = {"variant": variant} if fuse_combine is None else {"variant": variant, "fuse_combine": fuse_combine}
+    plan = _plan(case, **options)
+    launch = plan.state.launch
+    assert (launch.variant, plan.state.bound.variant) == (variant, variant)
     if fuse_combine is not None:
-        plan.state.fuse_combine = fuse_combine
+        assert (launch.fuse_combine, plan.state.bound.fuse_combine) == (fuse_combine, fuse_combine)
     for _ in range(runs):
         out, lse = poisoned_outputs(case)
         plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale, out=out, lse=lse)
@@ -123,14 +143,14 @@ def test_fp8_matches_reference(cfg, dtype, kv_format, gen):
 
 
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8_e4m3", "fp8_ds_mla"])
-@pytest.mark.parametrize("variant", [1, 2, 3, 4, 5, 6], ids=["v1", "v2", "v3", "v4", "v5", "v6"])
+@pytest.mark.parametrize("variant", sorted(cuda_sm90.MAINLOOPS), ids=[f"v{v}" for v in sorted(cuda_sm90.MAINLOOPS)])
 @pytest.mark.parametrize("cfg", [GRID[0], GRID[8], GRID[12], GRID[15]], ids=_grid_id)
 def test_each_mainloop_variant_matches_reference(cfg, variant, kv_format, gen):
-    """Every selectable mainloop (1 mma.sync, 2 wgmma, 3 wgmma overlapped, 4 wgmma with S split along D, 5 two tiles
-    in flight with TMA loads, 6 tokens on M), whichever is the default."""
+    """Every mainloop a plan can pick, forced, on shapes it takes (matching the reference) and on shapes it does not
+    (refused at plan time with the backend's own reason)."""
     b, s_q, h_q, h_kv, L, ps, causal, zero = cfg
-    if kv_format != "bf16" and (variant == 1 or h_kv != 1):
-        pytest.skip("v1: bf16 caches only here; fp8 caches: h_kv = 1 configs")
+    if kv_format != "bf16" and h_kv != 1:
+        pytest.skip("fp8 caches: h_kv = 1 configs")
     case = make_case(b, s_q, h_q, L, num_heads_kv=h_kv, page_size=ps, causal=causal, zero_len_rows=zero,
                      kv_format=kv_format, device="cuda", generator=gen)
     _run_variant(case, variant)
@@ -142,15 +162,15 @@ V5_GRID = [c for c in GRID if c[5] % 64 == 0] + [
     (3, 2, 128, 1, 191, 128, True, 0),
     (3, 2, 128, 2, 700, 64, True, 1),  # two KV heads of two row tiles each: clusters of two along y, grid z = 2
     (2, 64, 2, 1, 900, 64, True, 0),  # q_len = 64, causal: the edge of v5's unmasked steady state
-    (2, 80, 1, 1, 700, 64, True, 0),  # q_len > 64: v5 leaves steady-state tiles unmasked, so v2 runs
+    (2, 80, 1, 1, 700, 64, True, 0),  # q_len > 64: v5 leaves steady-state tiles unmasked, so the plan refuses it
 ]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("cfg", V5_GRID, ids=[_grid_id(c) for c in V5_GRID])
 def test_variant5_matches_reference(cfg, dtype, gen):
-    """v5 (mainloop_seesaw.cuh) on the page sizes it takes (multiples of 64; others run v2): odd and even tile
-    counts per item, partial last tiles, split requests, causal MTP, zero-length requests, h_kv > 1."""
+    """v5 (mainloop_seesaw.cuh) on the page sizes it takes (multiples of 64): odd and even tile counts per item,
+    partial last tiles, split requests, causal MTP, zero-length requests, h_kv > 1; q_len > 64 is refused."""
     b, s_q, h_q, h_kv, L, ps, causal, zero = cfg
     case = make_case(b, s_q, h_q, L, num_heads_kv=h_kv, page_size=ps, dtype=dtype, causal=causal,
                      zero_len_rows=zero, device="cuda", generator=gen)
@@ -163,7 +183,7 @@ def test_variant9_fp8_matches_reference(cfg, dtype, gen):
     """v9 (v5's schedule for fp8_e4m3 caches, a warpgroup converting each tile in place; mainloop_seesaw.cuh, kFp8)
     on v5's grid: odd and even tile counts, partial last tiles (rows past the end stored as zeros), split requests,
     causal MTP, zero-length requests, h_kv > 1, several items per CTA (the converter running an item ahead), and
-    q_len > 64 (runs v2). Two launches of the configured kernel."""
+    q_len > 64 (refused). Two launches of the configured kernel."""
     b, s_q, h_q, h_kv, L, ps, causal, zero = cfg
     case = make_case(b, s_q, h_q, L, num_heads_kv=h_kv, page_size=ps, dtype=dtype, causal=causal,
                      zero_len_rows=zero, kv_format="fp8_e4m3", device="cuda", generator=gen)
@@ -171,22 +191,23 @@ def test_variant9_fp8_matches_reference(cfg, dtype, gen):
 
 
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8_ds_mla"])
-def test_variant9_other_caches_run_as_variant2(kv_format, gen):
-    """v9 takes fp8_e4m3 caches only; any other cache asked to run it runs v2, and right."""
+def test_variant9_refuses_other_caches(kv_format, gen):
+    """v9 takes fp8_e4m3 caches only: a plan forcing it on another cache raises, naming the formats it takes."""
     case = make_case(3, 1, 128, 900, page_size=64, kv_format=kv_format, device="cuda", generator=gen)
-    _run_variant(case, 9)
+    with pytest.raises(ValueError, match=r"variant'\]=9 .* \(supported: fp8_e4m3\)"):
+        _plan(case, variant=9)
 
 
 @pytest.mark.parametrize("s_q,h_q,paired", [(1, 128, True), (2, 128, True), (1, 64, False), (3, 64, False)],
                          ids=["2-row-tiles", "4-row-tiles", "1-row-tile", "3-row-tiles"])
 def test_variant5_runs_row_tile_pairs_as_clusters(s_q, h_q, paired, gen):
-    """v5 launches the two row-tile CTAs of a part as a cluster (the `kPaired` instance, which starts each item in
-    step) exactly where a part's row tiles pair up (and the grid fits the GPU as such clusters, as it does on an
-    H100 / H200); the name of the kernel the profiler saw says which instance ran, and its results match the
-    reference."""
+    """The plan pairs v5's two row-tile CTAs of a part in a cluster (the `kPaired` instance, which starts each item
+    in step) exactly where a part's row tiles pair up (and the grid fits the GPU at once, as it does on an H100 /
+    H200); the name of the kernel the profiler saw says which instance ran, and its results match the reference."""
     case = make_case(4, s_q, h_q, 2000, page_size=64, device="cuda", generator=gen, varlen=False, causal=s_q > 1)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        _run_variant(case, 5)
+        plan = _run_variant(case, 5)
+    assert (plan.state.launch.paired, plan.state.bound.paired) == (paired, paired)
     names = {e.name for e in prof.events() if "mla_decode_kernel_v5" in e.name}
     assert len(names) == 1, names
     assert (", true, false>" in names.pop()) == paired  # <T, kPaired, kFp8>
@@ -196,7 +217,7 @@ V6_GRID = [c for c in GRID if c[1] * c[2] // c[3] <= 32] + [
     (4, 1, 16, 1, 4096, 64, False, 1),   # long items: many tiles per warpgroup, split requests
     (3, 2, 16, 1, 1031, 32, True, 0),    # 32 rows, causal, odd tile count
     (2, 1, 20, 1, 200, 16, False, 0),    # 20 rows: the 32-row kernel with 12 empty columns
-    (2, 1, 64, 1, 300, 64, False, 0),    # 64 rows: v6 does not take it, v2 runs
+    (2, 1, 64, 1, 300, 64, False, 0),    # 64 rows: v6 does not take it, the plan refuses it
 ]
 
 
@@ -205,7 +226,7 @@ V6_GRID = [c for c in GRID if c[1] * c[2] // c[3] <= 32] + [
 def test_variant6_matches_reference(cfg, dtype, gen):
     """v6 (mainloop_etap.cuh, tokens on M) on the shapes it takes (<= 32 query rows per KV head, any page size):
     one and two warpgroups' worth of tiles, partial tiles, split requests, causal MTP, zero-length requests,
-    h_kv > 1; a 64-row shape checks the fallback to v2."""
+    h_kv > 1; a 64-row shape is refused."""
     b, s_q, h_q, h_kv, L, ps, causal, zero = cfg
     case = make_case(b, s_q, h_q, L, num_heads_kv=h_kv, page_size=ps, dtype=dtype, causal=causal,
                      zero_len_rows=zero, device="cuda", generator=gen)
@@ -218,7 +239,7 @@ V6_FP8_GRID = [
     (3, 2, 8, 1, 1031, 16, True, 0),     # causal MTP, page 16, odd tile count
     (2, 1, 1, 1, 200, 32, False, 0),
     (2, 1, 32, 2, 300, 128, False, 0),   # 16 rows per KV head, h_kv = 2 (fp8_e4m3 only)
-    (2, 1, 32, 1, 300, 64, False, 0),    # 32 rows: v6 takes no fp8 cache there, v2 runs
+    (2, 1, 32, 1, 300, 64, False, 0),    # 32 rows: v6 takes no fp8 cache there, the plan refuses it
 ]
 
 
@@ -246,7 +267,7 @@ V7_GRID = [
     (2, 1, 32, 2, 300, 128, False, 0),   # h_kv = 2: 16 rows per KV head, strided cache rows
     (2, 2, 16, 4, 300, 16, True, 0),     # h_kv = 4, causal
     (1, 1, 16, 1, 20000, 64, False, 0),  # one request over every part
-    (2, 1, 64, 1, 300, 64, False, 0),    # 64 rows: v7 does not take it, v6 / v2 run
+    (2, 1, 64, 1, 300, 64, False, 0),    # 64 rows: v7 does not take it, the plan refuses it
 ]
 
 
@@ -255,8 +276,9 @@ V7_GRID = [
 @pytest.mark.parametrize("cfg", V7_GRID, ids=[_grid_id(c) for c in V7_GRID])
 def test_variant7_fp8_matches_reference(cfg, dtype, variant, gen):
     """v7 (mainloop_fp8t.cuh: a converter, a scorer and an accumulator warpgroup) and v8 (bulk copies of the raw rows,
-    the conversion in the consumers' registers) on fp8_e4m3 caches with <= 32 query rows per KV head: every page size,
-    partial tiles, split requests, causal MTP, zero-length requests, h_kv > 1; a 64-row shape checks the fallback."""
+    the conversion in the consumers' registers) on fp8_e4m3 caches with <= 32 query rows per KV head: every page size
+    (v8: multiples of 64; the plan refuses others), partial tiles, split requests, causal MTP, zero-length requests,
+    h_kv > 1; a 64-row shape is refused."""
     b, s_q, h_q, h_kv, L, ps, causal, zero = cfg
     case = make_case(b, s_q, h_q, L, num_heads_kv=h_kv, page_size=ps, dtype=dtype, causal=causal,
                      zero_len_rows=zero, kv_format="fp8_e4m3", device="cuda", generator=gen)
@@ -265,9 +287,10 @@ def test_variant7_fp8_matches_reference(cfg, dtype, variant, gen):
 
 @pytest.mark.parametrize("variant", [7, 8], ids=["v7", "v8"])
 @pytest.mark.parametrize("kv_format", ["bf16", "fp8_ds_mla"])
-def test_variant7_other_caches_run_as_variant6(kv_format, variant, gen):
+def test_variant7_refuses_other_caches(kv_format, variant, gen):
     case = make_case(2, 1, 16, 700, page_size=64, kv_format=kv_format, device="cuda", generator=gen)
-    _run_variant(case, variant)
+    with pytest.raises(ValueError, match=rf"variant'\]={variant} .* \(supported: fp8_e4m3\)"):
+        _plan(case, variant=variant)
 
 
 @pytest.mark.parametrize("dtype,k", [(torch.bfloat16, -100), (torch.bfloat16, 24), (torch.float16, -20),
@@ -293,7 +316,7 @@ def test_variant7_combine_inside_and_after_the_decode_launch(fuse_combine, varia
 
 # Shapes whose split requests the combine merges: one request over every part (b = 1, 64 slots), a few
 # slots per request with zero-length and causal MTP rows, h_kv = 2, page 16; h_kv = 256, whose grid
-# (256 CTAs of one part, so nothing is split) does not fit the GPU at once: a fused request launches plainly;
+# (256 CTAs of one part, so nothing is split) does not fit the GPU at once: the plan refuses a fused combine;
 # and more requests than part boundaries (66 parts for 128 rows, 132 for 16 on an H100), where the combine
 # kernel runs one block row per boundary and most requests are not split.
 COMBINE_GRID = [
@@ -316,11 +339,16 @@ COMBINE_GRID = [
 @pytest.mark.parametrize("cfg", COMBINE_GRID, ids=[_grid_id(c) for c in COMBINE_GRID])
 def test_combine_inside_and_after_the_decode_launch(cfg, variant, fuse_combine, gen):
     """The split-row merge as the tail of the (cooperative) decode launch and as a second kernel, each mainloop
-    that is chosen by default somewhere (v5 and v6 run v2 where they do not take the shape; v5 has no tail, so a
-    fused request falls back to the second kernel there)."""
+    that is chosen by default somewhere where it takes the shape. v5 has no tail and a grid larger than the GPU
+    cannot launch cooperatively: the plan refuses a fused combine there, naming why."""
     b, s_q, h_q, h_kv, L, ps, causal, zero = cfg
     case = make_case(b, s_q, h_q, L, num_heads_kv=h_kv, page_size=ps, causal=causal, zero_len_rows=zero,
                      device="cuda", generator=gen)
+    if fuse_combine and not _refusal(case, variant) and (variant == 5 or h_kv == 256):
+        with pytest.raises(ValueError, match="fuse_combine'\\]=True cannot run: "
+                                             + ("variant 5 has no combine tail" if variant == 5 else "its grid of")):
+            _plan(case, variant=variant, fuse_combine=True)
+        return
     _run_variant(case, variant, runs=2, fuse_combine=fuse_combine)
 
 
@@ -364,8 +392,9 @@ def test_batch_1024(gen):
 @pytest.mark.parametrize("fuse_combine", [True, False], ids=["fused", "separate"])
 def test_cuda_graph_capture_and_replay_with_update(fuse_combine, gen):
     case = make_case(6, 2, 64, 700, page_size=64, causal=True, device="cuda", generator=gen)
-    plan = plan_decode(*case.args(), backend="cuda_sm90", cuda_graph=True, **case.kwargs())
-    plan.state.fuse_combine = fuse_combine  # the cooperative launch is captured too
+    # the cooperative launch is captured too
+    plan = plan_decode(*case.args(), backend="cuda_sm90", cuda_graph=True,
+                       backend_options={"fuse_combine": fuse_combine}, **case.kwargs())
     out, lse = poisoned_outputs(case)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -421,7 +450,8 @@ def call(**over):
     args = dict(q=case.q, kv_cache=case.kv_cache, block_table=case.block_table, cache_seqlens=case.cache_seqlens,
                 items=s.items, part_offsets=s.part_offsets, kv_scale=None, out=out, lse=lse,
                 partial_out=st.partial_out, partial_lse=st.partial_lse, num_splits=s.num_splits,
-                first_slot=st.first_slot, softmax_scale=0.1, causal=False, kv_format=0, variant=2)
+                first_slot=st.first_slot, softmax_scale=0.1, causal=False, kv_format=0, variant=2, tile_rows=64,
+                tma_loads=False, paired=False, fuse_combine=False)
     args.update(over)
     torch.ops.mla_dispatch.cuda_sm90_decode(*args.values())
 
@@ -436,8 +466,15 @@ for over, pattern in [
     (dict(partial_out=st.partial_out.half()), "partial_out must be contiguous float32"),
     (dict(lse=lse.double()), "lse must be float32"),
     (dict(kv_format=1, kv_cache=case.kv_cache.view(torch.uint8)[..., :576].contiguous()), "kv_scale must be"),
-    (dict(variant=10), "variant must be 1"),
     (dict(q=case.q.cpu()), "must be a CUDA tensor"),
+    # the launch config: refused with the field and what it must be, never replaced by another kernel
+    (dict(variant=10), "variant must be 2 .wgmma., 5"),
+    (dict(variant=7, tile_rows=16), "variant 7 needs an fp8_e4m3 cache .kv_format 1., got kv_format 0"),
+    (dict(tile_rows=32), "tile_rows must be 64 for variant 2, got 32"),
+    (dict(variant=6), "tile_rows must be 16 or 32 and hold the 16 query rows per KV head for variant 6, got 64"),
+    (dict(tma_loads=True), "tma_loads must be false for variant 2"),
+    (dict(variant=5, tma_loads=True, paired=True), "paired=true needs variant 5 and an even number of 64-row tiles"),
+    (dict(variant=5, tma_loads=True, fuse_combine=True), "fuse_combine must be false for variant 5 .it has no combine"),
 ]:
     with pytest.raises(ValueError, match=pattern):
         call(**over)
@@ -466,8 +503,8 @@ def test_opcheck(fuse_combine, gen):
     st, s = plan.state, plan.state.schedule
     out, lse = poisoned_outputs(case)
     args = (case.q, case.kv_cache, case.block_table, case.cache_seqlens, s.items, s.part_offsets, None, out, lse,
-            st.partial_out, st.partial_lse, s.num_splits, st.first_slot, case.softmax_scale, False, 0, 2,
-            fuse_combine)
+            st.partial_out, st.partial_lse, s.num_splits, st.first_slot, case.softmax_scale, False, 0, 2, 64, False,
+            False, fuse_combine)
     torch.library.opcheck(torch.ops.mla_dispatch.cuda_sm90_decode.default, args,
                           test_utils=("test_schema", "test_faketensor"))
 
@@ -536,16 +573,21 @@ def test_bound_call_declines_what_the_plan_was_not_made_for(gen):
     _check(case, new_out, new_lse)
 
 
-def test_forced_mainloop_reaches_the_bound_call(gen):
+def test_the_plans_launch_reaches_the_bound_call(gen):
+    """The bound native call runs the plan's frozen launch (forced here through backend_options); neither can be
+    changed after planning."""
     case = make_case(2, 1, 16, 200, page_size=64, device="cuda", generator=gen)
-    plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
-    plan.state.variant, plan.state.fuse_combine = 2, True
-    assert (plan.state.bound.variant, plan.state.bound.fuse_combine) == (2, True)
-    plan.state.variant, plan.state.fuse_combine = 6, False
-    assert (plan.state.bound.variant, plan.state.bound.fuse_combine) == (6, False)
-    with pytest.raises(ValueError, match="variant must be 1"):  # checked as the op checks it, nothing changed
-        plan.state.variant = 10
-    assert (plan.state.variant, plan.state.bound.variant) == (6, 6)
+    for options, want in [(dict(variant=2, fuse_combine=True), (2, 64, False, False, True)),
+                          (dict(variant=6, fuse_combine=False), (6, 16, True, False, False))]:
+        plan = _plan(case, **options)
+        b = plan.state.bound
+        assert dataclasses.astuple(plan.state.launch) == (b.variant, b.tile_rows, b.tma_loads, b.paired,
+                                                          b.fuse_combine) == want
+        assert dict(plan.backend_options) == options
+    with pytest.raises(AttributeError):
+        plan.state.bound.variant = 2
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.state.launch.variant = 2
 
 
 @pytest.mark.parametrize("variant", [5, 6, 9])
@@ -557,8 +599,7 @@ def test_cached_tensor_maps_follow_the_cache(variant, gen):
     b, h_q = (2, 16) if variant == 6 else (32, 128)
     kv_format = "fp8_e4m3" if variant == 9 else "bf16"
     case = make_case(b, 1, h_q, 300, page_size=64, device="cuda", generator=gen, varlen=False, kv_format=kv_format)
-    plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
-    plan.state.variant = variant
+    plan = _plan(case, variant=variant)
     used = int(case.block_table.max()) + 1
     other = (torch.randn_like(case.kv_cache.float()) / (10 if variant == 9 else 1)).to(case.kv_cache.dtype)
     caches = [case.kv_cache, other, case.kv_cache[:used]]

@@ -7,52 +7,105 @@ the ``nvidia-cutlass`` headers). One registered op,
 shared split-KV schedule (:func:`mla_dispatch.metadata.schedule.split_kv_schedule`) and
 then the combine of split requests.
 
-Plan computes the schedule and allocates the workspace (partial outputs); run
-allocates nothing and does not sync, so it can be captured in a CUDA graph;
-update refreshes the schedule in place before a replay. Eager runs on plain
-tensors skip the dispatcher: ``DecodePlan.run`` calls the plan's bound
-``PlannedDecode.run`` (:meth:`CudaSM90Backend.bind`), and where that declines,
+The plan owns every choice of the launch: it computes the schedule, picks the
+mainloop (:func:`choose_variant`), the CTA tile, the load path and where split
+rows are merged (:func:`choose_fuse_combine`), and freezes them in a
+:class:`Sm90Launch` that the extension checks and runs as given (an infeasible
+configuration is an error there, never a silent change). ``backend_options``
+(:attr:`CudaSM90Backend.OPTIONS`: ``variant``, ``fuse_combine``) override the
+plan's choices for experiments and tests.
+
+Plan also allocates the workspace (partial outputs); run allocates nothing and
+does not sync, so it can be captured in a CUDA graph; update refreshes the
+schedule in place before a replay. Eager runs on plain tensors skip the
+dispatcher: ``DecodePlan.run`` calls the plan's bound ``PlannedDecode.run``
+(:meth:`CudaSM90Backend.bind`), and where that declines,
 :meth:`CudaSM90Backend.run` calls the extension module's function of the op's
 name; traced runs (torch.compile, fake tensors) call the op.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import os
+from types import MappingProxyType
 
 import torch
 
-from mla_dispatch.dispatch.backend import BackendState, CGSupport, MLABackend, Reason, ReasonCode, untraced_eager
+from mla_dispatch.dispatch.backend import (BackendOption, BackendState, CGSupport, MLABackend, Reason, ReasonCode,
+                                           untraced_eager)
 from mla_dispatch.metadata.schedule import split_kv_schedule
 from mla_dispatch.metadata.combine import first_slots
 from mla_dispatch.dispatch.platform import Platform
 from mla_dispatch.dispatch.problem import DecodeProblem
 
-__all__ = ["CudaSM90Backend", "load_ops", "load_module"]
+__all__ = ["CudaSM90Backend", "Mainloop", "MAINLOOPS", "Sm90Launch", "choose_variant", "choose_fuse_combine",
+           "launch_config", "load_ops", "load_module"]
 
-_KV_FORMAT_CODE = {"bf16": 0, "fp16": 0, "fp8_e4m3": 1, "fp8_ds_mla": 2}
-BLOCK_M = 64  # query rows per CTA tile (kernels/cuda/mla_decode_sm90/config.cuh)
-BLOCK_N = 64  # KV tokens per mainloop step = split-KV chunk size
-#: mainloop of kernels/cuda/mla_decode_sm90: 0 = choose per plan (:func:`choose_variant`, the default),
-#: 2 = wgmma, serial per tile, 5 = two tiles in flight with TMA loads (FlashMLA's seesaw schedule),
-#: 6 = KV tokens on the wgmma M side for <= 32 query rows per KV head (FlashMLA-ETAP's orientation),
-#: 7 = v6's orientation in three warpgroups (an fp8 converter, a scorer, an accumulator) for fp8_e4m3 caches with
-#: <= 32 query rows per KV head, 8 = v7 with the tile's raw bytes by TMA and the fp8 conversion in the consumers'
-#: registers (page_size % 64 == 0; other pages run v7),
-#: 9 = v5's schedule for fp8_e4m3 caches, a third warpgroup converting each tile in place (page_size % 64 == 0),
-#: 1 = mma.sync (v1), 3 = wgmma with S of the next tile issued under PV of this one (measured slower),
-#: 4 = wgmma with S split along D_qk (measured slower); $MLA_SM90_VARIANT overrides
-KERNEL_VARIANT = int(os.environ.get("MLA_SM90_VARIANT", "0"))
-#: combine of split requests: "1" inside the decode launch (a cooperative launch whose CTAs merge the
-#: split rows after a grid-wide barrier; the kernel falls back to "0" when its grid does not fit the GPU
-#: at once), "0" as a second kernel, "auto" (default) per plan by :func:`choose_fuse_combine`;
-#: $MLA_SM90_FUSE_COMBINE overrides
-FUSE_COMBINE = os.environ.get("MLA_SM90_FUSE_COMBINE", "auto")
+# ---- kernels/cuda/mla_decode_sm90/config.h, mirrored: the plan runs before (and without) a build; the CPU test
+# tests/test_cuda_sm90_plan.py::test_plan_constants_match_config_h reads that file and compares ----
+BLOCK_M = 64  # kBlockM: query rows of a CTA tile of the 64-row mainloops
+BLOCK_N = 64  # kBlockN: KV tokens per mainloop step = split-KV chunk size
+KV_FORMAT_CODE = {"bf16": 0, "fp16": 0, "fp8_e4m3": 1, "fp8_ds_mla": 2}  # KvFormat
+WGMMA, SEESAW, ETAP, FP8_CONVERT, FP8_REGS, SEESAW_FP8 = 2, 5, 6, 7, 8, 9  # Mainloop
+SEESAW_MAX_Q_LEN = 64  # kSeesawMaxQLen
+ETAP_MAX_ROWS, ETAP_FP8_MAX_ROWS, FP8T_MAX_ROWS = 32, 16, 32  # kEtapMaxRows, kEtapFp8MaxRows, kFp8tMaxRows
+FUSED_MAX_SPLITS = 1024  # kFusedMaxSplits
+
+_ANY_CACHE = frozenset(KV_FORMAT_CODE)
+_16BIT_CACHE = frozenset({"bf16", "fp16"})
 
 
-#: v5 leaves its steady-state tiles unmasked, which holds for query lengths up to 64 (launch.cu runs v2 beyond)
-V5_MAX_Q_LEN = 64
+def rows_per_kv_head(problem: DecodeProblem) -> int:
+    """Query rows one KV head serves: ``s_q * h_q / h_kv``."""
+    return problem.q_len * problem.num_heads_q // problem.num_heads_kv
+
+
+@dataclasses.dataclass(frozen=True)
+class Mainloop:
+    """What one mainloop of the kernel family runs (the binding checks the same rules; binding.cpp, check_config)."""
+
+    variant: int
+    header: str
+    kv_formats: frozenset[str]
+    #: query rows per KV head, None: any (64-row tiles, as many as the rows need); ``max_rows_fp8`` with fp8 caches
+    max_rows: int | None = None
+    max_rows_fp8: int | None = None
+    #: a 64-token tile is one TMA box of one page: page_size % BLOCK_N == 0
+    whole_tile_pages: bool = False
+    max_q_len: int | None = None
+    #: can merge the split rows itself, after a grid-wide barrier (fuse_combine)
+    combine_tail: bool = True
+
+    def rows_limit(self, kv_format: str) -> int | None:
+        return self.max_rows_fp8 if self.max_rows_fp8 is not None and kv_format.startswith("fp8") else self.max_rows
+
+    def reasons(self, problem: DecodeProblem) -> list[str]:
+        """What this mainloop needs that ``problem`` lacks (empty: it can run it)."""
+        p, out = problem, []
+        if p.kv_format not in self.kv_formats:
+            out.append(f"kv_format={p.kv_format!r} (supported: {', '.join(sorted(self.kv_formats))})")
+        limit = self.rows_limit(p.kv_format)
+        if limit is not None and rows_per_kv_head(p) > limit:
+            out.append(f"{rows_per_kv_head(p)} query rows per KV head (s_q * h_q / h_kv; supported: <= {limit})")
+        if self.whole_tile_pages and p.page_size % BLOCK_N:
+            out.append(f"page_size={p.page_size} (supported: multiples of {BLOCK_N})")
+        if self.max_q_len is not None and p.q_len > self.max_q_len:
+            out.append(f"s_q={p.q_len} (supported: <= {self.max_q_len})")
+        return out
+
+
+#: the mainloops a plan can pick, by variant number (kernels/cuda/mla_decode_sm90/config.h, Mainloop)
+MAINLOOPS = MappingProxyType({m.variant: m for m in (
+    Mainloop(WGMMA, "mainloop_wgmma.cuh", _ANY_CACHE),
+    Mainloop(SEESAW, "mainloop_seesaw.cuh", _16BIT_CACHE, whole_tile_pages=True, max_q_len=SEESAW_MAX_Q_LEN,
+             combine_tail=False),
+    Mainloop(ETAP, "mainloop_etap.cuh", _ANY_CACHE, max_rows=ETAP_MAX_ROWS, max_rows_fp8=ETAP_FP8_MAX_ROWS),
+    Mainloop(FP8_CONVERT, "mainloop_fp8t.cuh", frozenset({"fp8_e4m3"}), max_rows=FP8T_MAX_ROWS),
+    Mainloop(FP8_REGS, "mainloop_fp8t.cuh", frozenset({"fp8_e4m3"}), max_rows=FP8T_MAX_ROWS, whole_tile_pages=True),
+    Mainloop(SEESAW_FP8, "mainloop_seesaw.cuh", frozenset({"fp8_e4m3"}), whole_tile_pages=True,
+             max_q_len=SEESAW_MAX_Q_LEN, combine_tail=False),
+)})
 
 
 def v6_min_chunks_per_part(rows: int, kv_format: str) -> float:
@@ -64,10 +117,6 @@ def v6_min_chunks_per_part(rows: int, kv_format: str) -> float:
     if rows <= 32 and not fp8:
         return 96
     return math.inf
-
-
-#: query rows per KV head v7 takes (kernels/cuda/mla_decode_sm90/mainloop_fp8t.cuh, Fp8t::kMaxRows)
-V7_MAX_ROWS = 32
 
 
 def v7_min_chunks_per_part(rows: int) -> int:
@@ -104,7 +153,7 @@ def choose_variant(problem: DecodeProblem, num_parts: int, max_chunks: int) -> i
     77.8, at 62 v2 243.8 / v7 177.8.
 
     v8 (v7 with the raw fp8 tile by TMA and the conversion in the consumers' registers) takes v7's place on pages of
-    whole 64-token tiles (page_size % 64 == 0; the kernel runs v7 on other pages): H100, b=64 L=8K, graph us v7 / v8
+    whole 64-token tiles (page_size % 64 == 0; v7 on other pages): H100, b=64 L=8K, graph us v7 / v8
     (RESULTS.md, twenty-seventh session) 16 rows 148.4 / 140.2, 32 rows 178.1 / 168.9; at v7's small-batch cut and
     below they are within 2 us of each other (b=1..32, same call), so v7's cut stands for v8.
 
@@ -115,18 +164,16 @@ def choose_variant(problem: DecodeProblem, num_parts: int, max_chunks: int) -> i
     ``max_chunks`` comes from the block table's width (no device sync at plan time): an upper bound, so a wide table
     over short sequences can pick v5 or v6 where v2 would be faster.
     """
-    if KERNEL_VARIANT:
-        return KERNEL_VARIANT
     p = problem
-    rows = p.q_len * p.num_heads_q // p.num_heads_kv
-    if p.kv_format == "fp8_e4m3" and rows <= V7_MAX_ROWS and max_chunks >= v7_min_chunks_per_part(rows) * num_parts:
-        return 8 if p.page_size % BLOCK_N == 0 else 7
+    rows = rows_per_kv_head(p)
+    if p.kv_format == "fp8_e4m3" and rows <= FP8T_MAX_ROWS and max_chunks >= v7_min_chunks_per_part(rows) * num_parts:
+        return FP8_REGS if p.page_size % BLOCK_N == 0 else FP8_CONVERT
     if max_chunks >= v6_min_chunks_per_part(rows, p.kv_format) * num_parts:
-        return 6
+        return ETAP
     if (p.kv_format in ("bf16", "fp16", "fp8_e4m3") and p.page_size % BLOCK_N == 0 and rows > BLOCK_M
-            and p.batch >= 32 and max_chunks >= 24 * num_parts and p.q_len <= V5_MAX_Q_LEN):
-        return 9 if p.kv_format == "fp8_e4m3" else 5
-    return 2
+            and p.batch >= 32 and max_chunks >= 24 * num_parts and p.q_len <= SEESAW_MAX_Q_LEN):
+        return SEESAW_FP8 if p.kv_format == "fp8_e4m3" else SEESAW
+    return WGMMA
 
 
 def choose_fuse_combine(problem: DecodeProblem, num_parts: int, ctas: int) -> bool:
@@ -137,12 +184,88 @@ def choose_fuse_combine(problem: DecodeProblem, num_parts: int, ctas: int) -> bo
     q_len * h_q rows of 4 quarters each. Measured on the H100 (benchmarks/RESULTS.md, 2026-11-22, CUDA-graph replay,
     h_q = 128, v2; second kernel -> tail): b=1 L=4096 24.9 -> 23.2 us and L=32768 54.8 -> 50.2 us (512 units,
     512 / 1056 warps); b=8 L=8192 74.3 -> 75.7 us and b=32 L=4096 127.3 -> 138.9 us (4x / 16x more units than warps).
-    v5 has no tail, and the kernel declines when its grid does not fit the GPU at once.
+    Where a fused combine cannot run (:func:`fuse_combine_reasons`) the plan does not ask for it.
     """
-    if FUSE_COMBINE in ("0", "1"):
-        return FUSE_COMBINE == "1"
     split_requests = min(problem.batch, num_parts - 1)  # one part: nothing is split, nothing to merge
     return 0 < split_requests * problem.q_len * problem.num_heads_q * 4 <= ctas * 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm90Launch:
+    """The launch a plan froze: what the extension runs, as given (binding.cpp checks it against each call and
+    raises ValueError naming a field that does not fit; params.h, LaunchConfig)."""
+
+    #: the mainloop (:data:`MAINLOOPS`)
+    variant: int
+    #: query rows of a CTA tile: BLOCK_M for the 64-row mainloops (as many row tiles as the rows need), 16 or 32 for
+    #: the tokens-on-M ones (v6, v7, v8: one tile that holds every row of a KV head)
+    tile_rows: int
+    #: KV tiles by TMA (a tensor map of the cache; v5, v8, v9, and v6 on whole-tile pages of a 16-bit cache)
+    tma_loads: bool
+    #: v5: the two row-tile CTAs of a part run as a cluster that starts each item together
+    paired: bool
+    #: split rows merged inside the decode launch (cooperative: every CTA resident at once), else by a second kernel
+    fuse_combine: bool
+
+
+def split_parts(problem: DecodeProblem, num_sms: int, min_chunks_per_part: int) -> tuple[int, int]:
+    """``(num_parts, max_chunks)``: split-KV parts (one CTA per SM over the 64-row tiles of all KV heads) and the work
+    bound from shapes alone, every request at the table's width in chunks of BLOCK_N (no host sync)."""
+    p = problem
+    tiles = p.num_heads_kv * math.ceil(rows_per_kv_head(p) / BLOCK_M)
+    max_chunks = p.batch * math.ceil(p.max_blocks * p.page_size / BLOCK_N)
+    return max(min(num_sms // tiles, math.ceil(max_chunks / min_chunks_per_part)), 1), max_chunks
+
+
+def fuse_combine_reasons(problem: DecodeProblem, variant: int, grid: tuple[int, int, int], num_sms: int) -> list[str]:
+    """Why the decode launch of ``grid`` cannot merge the split rows itself (empty: it can)."""
+    out = []
+    if not MAINLOOPS[variant].combine_tail:
+        out.append(f"variant {variant} has no combine tail")
+    ctas = grid[0] * grid[1] * grid[2]
+    if ctas > num_sms:  # each kernel's shared memory holds one CTA per SM (launch.cu asserts it)
+        out.append(f"its grid of {ctas} CTAs does not fit the {num_sms} SMs at once (a cooperative launch)")
+    if grid[0] > FUSED_MAX_SPLITS:
+        out.append(f"{grid[0]} split-KV parts (supported: <= {FUSED_MAX_SPLITS})")
+    if grid[0] * problem.q_len * problem.num_heads_q * 4 + ctas * 8 >= 2**31:
+        out.append("more merge units than an int32 counts")
+    return out
+
+
+def launch_config(problem: DecodeProblem, num_parts: int, max_chunks: int, num_sms: int,
+                  options: dict[str, object]) -> Sm90Launch:
+    """The plan's launch for ``problem`` split into ``num_parts`` on a GPU of ``num_sms`` SMs: the measured choices
+    (:func:`choose_variant`, :func:`choose_fuse_combine`) unless ``options`` (checked backend_options) force them.
+
+    Raises
+    ------
+    ValueError
+        A forced ``variant`` cannot run the problem, or a forced ``fuse_combine=True`` cannot run; the message says
+        what is required and what was given.
+    """
+    p, rows = problem, rows_per_kv_head(problem)
+    variant = options["variant"] if "variant" in options else choose_variant(p, num_parts, max_chunks)
+    mainloop = MAINLOOPS[variant]
+    if reasons := mainloop.reasons(p):
+        raise ValueError(f"backend_options['variant']={variant} ({mainloop.header}) cannot run this problem: "
+                         + "; ".join(reasons))
+    if mainloop.max_rows is None:
+        tile_rows, row_tiles = BLOCK_M, math.ceil(rows / BLOCK_M)
+    else:
+        tile_rows, row_tiles = (16 if rows <= 16 else 32), 1
+    tma_loads = mainloop.whole_tile_pages or (
+        variant == ETAP and p.kv_format in _16BIT_CACHE and p.page_size % BLOCK_N == 0)
+    grid = (num_parts, row_tiles, p.num_heads_kv)
+    ctas = num_parts * row_tiles * p.num_heads_kv
+    paired = variant == SEESAW and row_tiles % 2 == 0 and ctas <= num_sms  # the clusters fill the GPU at once
+    cannot_fuse = fuse_combine_reasons(p, variant, grid, num_sms)
+    if "fuse_combine" in options:
+        fuse = bool(options["fuse_combine"])
+        if fuse and cannot_fuse:
+            raise ValueError("backend_options['fuse_combine']=True cannot run: " + "; ".join(cannot_fuse))
+    else:
+        fuse = not cannot_fuse and choose_fuse_combine(p, num_parts, ctas)
+    return Sm90Launch(variant, tile_rows, tma_loads, paired, fuse)
 
 
 _fake_registered = False
@@ -178,45 +301,22 @@ def load_ops():
         @torch.library.register_fake("mla_dispatch::cuda_sm90_decode")
         def _decode_fake(q, kv_cache, block_table, cache_seqlens, items, part_offsets, kv_scale, out, lse,
                          partial_out, partial_lse, num_splits, first_slot, softmax_scale, causal, kv_format,
-                         variant=2, fuse_combine=False):
+                         variant, tile_rows, tma_loads, paired, fuse_combine):
             return None
 
         _fake_registered = True
     return torch.ops.mla_dispatch
 
 
-def _bound_option(name: str, kind: type) -> property:
-    """A field of the state that, when set, also sets the bound native call's field of the same name."""
-    private = "_" + name
-
-    def get(self):
-        return getattr(self, private)
-
-    def set_(self, value) -> None:
-        value = kind(value)
-        if self.bound is not None:  # first: the native setter may refuse the value (then nothing changes)
-            setattr(self.bound, name, value)
-        setattr(self, private, value)
-
-    return property(get, set_)
-
-
 class Sm90State(BackendState):
-    """The backend's per-step state. ``variant`` and ``fuse_combine`` may be changed after planning (tests and
-    benchmarks force a mainloop or the combine's place); they also change the bound native call (``bound``,
-    :meth:`CudaSM90Backend.bind`), which packed them when it was made."""
+    """The backend's per-step state: the schedule, the workspace, the frozen :class:`Sm90Launch` (``launch``) and the
+    extension's call bound to them (``bound``, :meth:`CudaSM90Backend.bind`)."""
 
     bound = None
-    variant = _bound_option("variant", int)
-    fuse_combine = _bound_option("fuse_combine", bool)
-
-    def __init__(self, **fields) -> None:
-        for name, value in fields.items():
-            setattr(self, name, value)
 
 
 class CudaSM90Backend(MLABackend):
-    """Native SM90 MLA decode (wgmma mainloops v2 / v5; see kernels/cuda/mla_decode_sm90/NOTES.md)."""
+    """Native SM90 MLA decode (the mainloops of :data:`MAINLOOPS`; see kernels/cuda/mla_decode_sm90/NOTES.md)."""
 
     NAME = "cuda_sm90"
     DESCRIPTION = "our CUDA MLA decode kernel for Hopper (sm_90a), persistent split-KV grid + combine"
@@ -233,6 +333,13 @@ class CudaSM90Backend(MLABackend):
     SUPPORTS_LSE = True
     SUPPORTS_SPARSE = False
     CUDA_GRAPH = CGSupport.ALWAYS
+    OPTIONS = MappingProxyType({
+        "variant": BackendOption(tuple(MAINLOOPS), "the mainloop, instead of the plan's choice (choose_variant): 2 "
+                                 "wgmma, 5 two tiles in flight, 6 tokens on M, 7 / 8 tokens on M for fp8_e4m3, 9 v5 "
+                                 "for fp8_e4m3; it must suit the problem (Mainloop.reasons)"),
+        "fuse_combine": BackendOption((False, True), "merge split rows inside the decode launch (True) or in a second "
+                                      "kernel (False), instead of the plan's choice (choose_fuse_combine)"),
+    })
     #: fewest KV chunks (of 64 tokens) a split-KV part gets. It matters only where the batch has fewer chunks than
     #: two per CTA. A part costs a Q-tile load and a partial-row write besides its chunks, and with fp16 partial rows
     #: one chunk per part measured faster at every head count (benchmarks/RESULTS.md, thirteenth and fourteenth
@@ -240,10 +347,10 @@ class CudaSM90Backend(MLABackend):
     #: 21.5 / 28.0 / 21.3 against 22.6 / 29.2 / 22.7, fp8_e4m3 8-10% faster at b <= 2. The scripts in ci/ set it.
     MIN_CHUNKS_PER_PART: int = 1
     #: the split-KV schedule's fixed cost per work item, in chunks (mla_dispatch/metadata.py; FlashMLA charges 5), per
-    #: mainloop: what an item costs besides its tiles, read in per-CTA timelines (ci/sm90_timeline.py; sixteenth session
-    #: in kernels/cuda/mla_decode_sm90/NOTES.md). A v2 item's metadata, first loads and stores take ~7 us, two tiles at
-    #: b=64 L=8192 h_q=64; with 5 the parts holding one item ran 5 tiles longer than those holding two and finished
-    #: last. Charging 2 measured 1% faster there and at h_q=32, 3% at b=8 L=8192 h_q=128 (CUDA-graph replay, H100,
+    #: mainloop: what an item costs besides its tiles, read in per-CTA timelines (sixteenth session in
+    #: kernels/cuda/mla_decode_sm90/NOTES.md; the timeline build is commit 8b1ee16's). A v2 item's metadata, first
+    #: loads and stores take ~7 us, two tiles at b=64 L=8192 h_q=64; with 5 the parts holding one item ran 5 tiles
+    #: longer than those holding two and finished last. Charging 2 measured 1% faster there and at h_q=32, 3% at b=8 L=8192 h_q=128 (CUDA-graph replay, H100,
     #: two runs each). v5's and v6's items cost ~4-5 tiles (their first pairs wait for loads); they keep 5.
     SCHEDULE_OVERHEAD_BY_VARIANT: dict[int, int] = {2: 2}
     #: one overhead for every mainloop, set by the scripts in ci/ (--overhead); None: SCHEDULE_OVERHEAD_BY_VARIANT,
@@ -277,18 +384,14 @@ class CudaSM90Backend(MLABackend):
 
     @classmethod
     def plan(cls, problem: DecodeProblem, platform: Platform, block_table, cache_seqlens, *,
-             softmax_scale: float) -> BackendState:
+             softmax_scale: float, options: dict[str, object]) -> BackendState:
         p = problem
         device = cache_seqlens.device
-        rows = p.q_len * p.num_heads_q // p.num_heads_kv
-        tiles = p.num_heads_kv * math.ceil(rows / BLOCK_M)
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        # Upper bound of the work from shapes alone (no host sync): every request at the table's width.
-        max_chunks = p.batch * math.ceil(p.max_blocks * p.page_size / BLOCK_N)
-        num_parts = max(min(sms // tiles, math.ceil(max_chunks / cls.MIN_CHUNKS_PER_PART)), 1)
-        variant = choose_variant(p, num_parts, max_chunks)
+        num_parts, max_chunks = split_parts(p, sms, cls.MIN_CHUNKS_PER_PART)
+        launch = launch_config(p, num_parts, max_chunks, sms, options)
         schedule = split_kv_schedule(cache_seqlens, num_parts=num_parts, chunk_size=BLOCK_N,
-                                     overhead=cls.schedule_overhead(variant))
+                                     overhead=cls.schedule_overhead(launch.variant))
         max_slots = schedule.max_slots
         return Sm90State(
             op=load_ops().cuda_sm90_decode.default,
@@ -300,23 +403,22 @@ class CudaSM90Backend(MLABackend):
             partial_out=torch.empty(max_slots, p.q_len, p.num_heads_q, p.head_dim_v, dtype=torch.float32,
                                     device=device),
             partial_lse=torch.empty(max_slots, p.q_len, p.num_heads_q, dtype=torch.float32, device=device),
-            kv_format_code=_KV_FORMAT_CODE[p.kv_format],
-            variant=variant,
-            fuse_combine=choose_fuse_combine(p, num_parts, num_parts * tiles),
+            kv_format_code=KV_FORMAT_CODE[p.kv_format],
+            launch=launch,
         )
 
     @classmethod
     def bind(cls, state: Sm90State, problem: DecodeProblem, kv_dtype: torch.dtype, block_table, cache_seqlens, *,
              softmax_scale: float):
-        """The extension's ``PlannedDecode``: the schedule, workspace and options checked and packed once, so an
+        """The extension's ``PlannedDecode``: the schedule, workspace and launch checked and packed once, so an
         eager run passes q, the cache, its scale, out and lse to one native call that checks only those."""
-        p, s = problem, state.schedule
+        p, s, c = problem, state.schedule, state.launch
         try:
             state.bound = load_module().PlannedDecode(
                 block_table, cache_seqlens, s.items, s.part_offsets, state.partial_out, state.partial_lse,
                 s.num_splits, state.first_slot, p.q_dtype, kv_dtype, p.q_len, p.num_heads_q, p.num_heads_kv,
                 p.page_size, 656 if p.kv_format == "fp8_ds_mla" else p.head_dim_qk, softmax_scale, p.causal,
-                state.kv_format_code, state.variant, state.fuse_combine)
+                state.kv_format_code, c.variant, c.tile_rows, c.tma_loads, c.paired, c.fuse_combine)
         except ValueError:  # e.g. a block table with strided rows: run raises the binding's message per call
             return None
         return state.bound.run
@@ -329,12 +431,12 @@ class CudaSM90Backend(MLABackend):
     @classmethod
     def run(cls, state: BackendState, q, kv_cache, block_table, cache_seqlens, *, problem: DecodeProblem,
             softmax_scale: float, kv_scale, indices, out, lse) -> None:
-        s = state.schedule
+        s, c = state.schedule, state.launch
         # Eager calls on plain tensors skip the dispatcher (binding.cpp; on the H100 host of 2026-11-22 the op
         # took 15.2-16.1 us of host time per call, the module function 8.2-8.9); under torch.compile, fake
         # tensors, functionalization or any other TorchDispatchMode the op runs, so it is traced.
         (state.direct if untraced_eager(q) else state.op)(
             q, kv_cache, block_table, cache_seqlens, s.items, s.part_offsets,
             kv_scale if state.kv_format_code == 1 else None, out, lse, state.partial_out, state.partial_lse,
-            s.num_splits, state.first_slot, softmax_scale, problem.causal, state.kv_format_code, state.variant,
-            state.fuse_combine)
+            s.num_splits, state.first_slot, softmax_scale, problem.causal, state.kv_format_code, c.variant,
+            c.tile_rows, c.tma_loads, c.paired, c.fuse_combine)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import importlib
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, ClassVar
 
 import torch
@@ -21,7 +23,7 @@ from mla_dispatch.dispatch.platform import Platform
 from mla_dispatch.dispatch.problem import DecodeProblem
 from mla_dispatch.numerics.tolerance import BF16_TOLERANCE, Tolerance
 
-__all__ = ["ReasonCode", "Reason", "CGSupport", "MLABackend", "BackendState", "Unimplemented",
+__all__ = ["ReasonCode", "Reason", "CGSupport", "BackendOption", "MLABackend", "BackendState", "Unimplemented",
            "untraced_eager"]
 
 _is_compiling = torch.compiler.is_compiling
@@ -66,6 +68,19 @@ class CGSupport(enum.Enum):
 
     NEVER = 0
     ALWAYS = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendOption:
+    """One option of a backend's planning (``backend_options`` of :func:`mla_dispatch.plan_decode`): an explicit
+    override, for experiments and tests, of a choice the plan otherwise makes itself (which kernel, where a merge
+    runs). ``values`` are the accepted values (compared by type and value, so ``1`` is not ``True``)."""
+
+    values: tuple
+    doc: str
+
+    def accepts(self, value: object) -> bool:
+        return any(type(value) is type(v) and value == v for v in self.values)
 
 
 
@@ -127,6 +142,9 @@ class MLABackend:
     IMPLEMENTED: ClassVar[bool] = True
     #: modules that must import for the backend to be usable (checked lazily, once)
     REQUIRES: ClassVar[tuple[str, ...]] = ()
+    #: the planning options the backend accepts (name -> :class:`BackendOption`); a backend that declares any takes
+    #: them in :meth:`plan` as ``options``
+    OPTIONS: ClassVar[Mapping[str, BackendOption]] = MappingProxyType({})
 
     # -- availability ----------------------------------------------------------------
 
@@ -213,6 +231,29 @@ class MLABackend:
         """Constraints the class constants cannot express. Default: none."""
         return []
 
+    @classmethod
+    def check_options(cls, options: Mapping[str, object] | None) -> dict[str, object]:
+        """``options`` (``backend_options`` as given, or None) checked against :attr:`OPTIONS`, as a new dict.
+
+        Whether a valid value suits the problem is the plan's to check (:meth:`plan` raises ValueError).
+
+        Raises
+        ------
+        ValueError
+            An option the backend does not declare (the message names it and the accepted ones), or a value
+            outside the option's declared values.
+        """
+        options = dict(options or {})
+        for name, value in options.items():
+            declared = cls.OPTIONS.get(name)
+            if declared is None:
+                accepted = ", ".join(sorted(cls.OPTIONS)) or "none"
+                raise ValueError(f"backend_options: {cls.NAME} has no option {name!r} (accepted: {accepted})")
+            if not declared.accepts(value):
+                values = ", ".join(repr(v) for v in declared.values)
+                raise ValueError(f"backend_options[{name!r}]={value!r} (supported: {values}): {declared.doc}")
+        return options
+
     # -- execution ---------------------------------------------------------------------
 
     @classmethod
@@ -225,7 +266,12 @@ class MLABackend:
         *,
         softmax_scale: float,
     ) -> BackendState:
-        """Per-step work: schedules, workspaces, vendor plans. May allocate; should not sync."""
+        """Per-step work: schedules, workspaces, vendor plans. May allocate; should not sync.
+
+        A backend that declares :attr:`OPTIONS` takes one more keyword, ``options``: the checked
+        ``backend_options`` (:meth:`check_options`; a dict, empty when none were given). It raises ValueError for an
+        option value that does not suit ``problem``.
+        """
         return BackendState()
 
     @classmethod

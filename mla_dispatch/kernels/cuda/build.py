@@ -25,7 +25,7 @@ try:
 except ImportError:  # not POSIX: builds are not serialised and a killed build's lock file is not cleared
     fcntl = None
 
-__all__ = ["KernelBuildError", "SM90_SOURCE_DIR", "nvcc_path", "cutlass_include_dir", "nvcc_flags", "timeline_build", "ablate_bits", "load_sm90", "main"]
+__all__ = ["KernelBuildError", "SM90_SOURCE_DIR", "nvcc_path", "cutlass_include_dir", "nvcc_flags", "load_sm90", "main"]
 
 SM90_SOURCE_DIR = pathlib.Path(__file__).resolve().parent / "mla_decode_sm90"
 _SM90_SOURCES = ("binding.cpp", "launch.cu")
@@ -59,40 +59,11 @@ def cutlass_include_dir() -> str:
     return str(inc)
 
 
-def timeline_build() -> bool:
-    """Whether ``$MLA_SM90_TIMELINE=1`` asks for the diagnosis build: the kernels stamp a per-CTA timeline
-    (``mla_decode_sm90/timeline.cuh``, read by ``ci/sm90_timeline.py``). A separate extension (its own hash)."""
-    return os.environ.get("MLA_SM90_TIMELINE", "") == "1"
-
-
-def ablate_bits() -> int | None:
-    """``$MLA_SM90_ABLATE`` (an integer), which asks for an ablation build: a separate extension (one per value) in
-    which mainloop v7 skips the parts of its work named by the bits (``Fp8t::kAblate*`` in
-    ``mla_decode_sm90/mainloop_fp8t.cuh``; ``ci/sm90_ablate.py`` times them). Its outputs are wrong by design: for
-    timing only. None when unset."""
-    bits = os.environ.get("MLA_SM90_ABLATE")
-    if bits is None:
-        return None
-    try:
-        return int(bits)
-    except ValueError:
-        raise KernelBuildError(f"$MLA_SM90_ABLATE must be an integer (bits of Fp8t::kAblate*), got {bits!r}") from None
-
-
-def _defines() -> list[str]:
-    """Preprocessor flags for both compilers (nvcc and the host C++ compiler of binding.cpp)."""
-    flags = ["-DMLA_SM90_TIMELINE"] if timeline_build() else []
-    if (bits := ablate_bits()) is not None:
-        flags.append(f"-DMLA_SM90_ABLATE={bits}")
-    return flags
-
-
 def nvcc_flags() -> list[str]:
     """nvcc flags of the SM90 family (also used by the CI compile check)."""
-    flags = ["-std=c++17", "-O3", SM90_GENCODE, "-lineinfo", "--expt-relaxed-constexpr",
-             "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
-             "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__"]
-    return flags + _defines()
+    return ["-std=c++17", "-O3", SM90_GENCODE, "-lineinfo", "--expt-relaxed-constexpr",
+            "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__",
+            "-U__CUDA_NO_BFLOAT16_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__"]
 
 
 def _source_hash() -> str:
@@ -169,7 +140,7 @@ def load_sm90(verbose: bool = False):
                 name=name,
                 sources=[str(SM90_SOURCE_DIR / s) for s in _SM90_SOURCES],
                 extra_include_paths=[str(SM90_SOURCE_DIR), include],
-                extra_cflags=["-O3", "-std=c++17", *_defines()],
+                extra_cflags=["-O3", "-std=c++17"],
                 extra_cuda_cflags=nvcc_flags(),
                 build_directory=str(build_dir),
                 is_python_module=True,

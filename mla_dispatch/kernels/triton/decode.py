@@ -274,7 +274,7 @@ def _pow2_scale(amax):
     """``(2^s, 2^-s)`` for a partial row whose largest magnitude is ``amax`` (>= 0): ``s = 141 - E`` for
     ``amax = 1.f * 2^(E - 127)`` puts ``amax * 2^s`` in ``[2^14, 2^15)``, where fp16 keeps all 11 bits and cannot
     overflow. Clamped to ``[-113, 126]`` so both factors are normal floats: zero gets 126, inf / NaN -113 (the values
-    stay inf / NaN). The CUDA kernel's ``partial_shift`` (kernels/cuda/mla_decode_sm90/config.cuh) does the same."""
+    stay inf / NaN). The CUDA kernel's ``partial_shift`` (kernels/cuda/mla_decode_sm90/epilogue.cuh) does the same."""
     e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF
     s = tl.minimum(tl.maximum(141 - e, -113), 126)
     return ((127 + s) << 23).to(tl.float32, bitcast=True), ((127 - s) << 23).to(tl.float32, bitcast=True)

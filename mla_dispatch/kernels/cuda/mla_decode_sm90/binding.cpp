@@ -1,13 +1,16 @@
 // Torch binding of the SM90 MLA decode family: argument checks (messages name
-// the argument, the expected and the given value), parameter packing, the op
-// registration (namespace mla_dispatch; fake implementations live in
-// mla_dispatch/backends/cuda_sm90.py), and the same function as a plain Python
-// function of the extension module for eager calls (see the end of this file).
+// the argument, the expected and the given value), the check of the plan's launch
+// config (check_config: a config no kernel takes is refused, never replaced),
+// parameter packing, the op registration (namespace mla_dispatch; fake
+// implementations live in mla_dispatch/backends/cuda_sm90.py), and the same
+// function as a plain Python function of the extension module for eager calls
+// (see the end of this file).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include <climits>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -17,7 +20,7 @@
 
 namespace {
 
-constexpr int64_t kDQK = 576, kDV = 512, kDsMlaBytes = 656;
+constexpr int64_t kDQK = mla_sm90::kHeadDimQK, kDV = mla_sm90::kHeadDimV, kDsMlaBytes = mla_sm90::kDsMlaTokenBytes;
 
 std::string shape_str(const at::Tensor& t) {
   std::string s = "[";
@@ -64,14 +67,6 @@ bool aligned(const at::Tensor& t, int64_t dims, int64_t bytes) {
 }
 bool aligned16(const at::Tensor& t, int64_t dims) { return aligned(t, dims, 16); }
 
-void check_variant(int64_t variant) {
-  MLA_CHECK(variant >= 1 && variant <= 9,
-            "variant must be 1 (mma.sync), 2 (wgmma), 3 (wgmma, overlapped), 4 (wgmma, S split along D), 5 "
-            "(wgmma, two tiles in flight), 6 (wgmma, tokens on M), 7 (tokens on M, fp8_e4m3 in three warpgroups), "
-            "8 (7 with register A fragments) or 9 (5 for fp8_e4m3, a converting warpgroup), got ",
-            variant);
-}
-
 void check_kv_format(int64_t kv_format) {
   MLA_CHECK(kv_format >= 0 && kv_format <= 2, "kv_format must be 0 (q dtype), 1 (fp8_e4m3) or 2 (fp8_ds_mla), got ",
             kv_format);
@@ -79,7 +74,7 @@ void check_kv_format(int64_t kv_format) {
 
 // The arguments that change per call (per layer): q, the cache and its scale, out, lse.
 void check_call(const at::Tensor& q, const at::Tensor& kv, const c10::optional<at::Tensor>& kv_scale,
-                const at::Tensor& out, const at::Tensor& lse, int64_t kv_format, int64_t variant) {
+                const at::Tensor& out, const at::Tensor& lse, int64_t kv_format, bool tma_loads) {
   MLA_CHECK(q.is_cuda(), "q must be a CUDA tensor, got device ", dev_str(q.device()));
   const at::Device dev = q.device();
   MLA_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
@@ -123,17 +118,74 @@ void check_call(const at::Tensor& q, const at::Tensor& kv, const c10::optional<a
   // poisons the CUDA context, so refuse the row here
   MLA_CHECK(aligned(out, 3, 4), "out rows must start at 4-byte boundaries (even strides)");
   MLA_CHECK(aligned16(kv, 3), "kv_cache tokens must start at 16-byte boundaries");
-  // variant 5 reads the cache with TMA (launch.cu): the same 16-byte rule, but for the tensor map
-  if (((variant == 5 && kv_format == 0) || (variant == 9 && kv_format == 1)) && kv.size(1) % 64 == 0)
+  // a tensor map of the cache (launch.cu, make_kv_map): the same 16-byte rule, and strides below 2^40 bytes
+  if (tma_loads)
     MLA_CHECK(kv.stride(0) * kv.element_size() < (int64_t(1) << 40),
-              "variants 5 and 9 (TMA) need kv_cache block strides below 2^40 bytes");
+              "tma_loads=true needs kv_cache block strides below 2^40 bytes, got ", kv.stride(0) * kv.element_size());
+}
+
+// What the launch config is checked against: the problem's shape and the schedule's parts.
+struct Geometry {
+  int64_t kv_format, q_len, heads_q, heads_kv, page_size, num_parts;
+};
+
+// The plan's launch config (params.h, LaunchConfig; backends/cuda_sm90.py, launch_config and MAINLOOPS apply the same
+// rules) against the problem it launches. A config that no kernel instance takes, or that would run wrong, is refused
+// here with the field and what it must be; the launcher runs the config it is given.
+void check_config(const mla_sm90::LaunchConfig& c, const Geometry& g) {
+  using namespace mla_sm90;
+  const int64_t m = c.mainloop, rows = g.q_len * (g.heads_q / g.heads_kv);
+  MLA_CHECK(m == kWgmma || m == kSeesaw || m == kEtap || m == kFp8Convert || m == kFp8Regs || m == kSeesawFp8,
+            "variant must be 2 (wgmma), 5 (two tiles in flight), 6 (tokens on M), 7 (tokens on M, fp8_e4m3, a "
+            "converting warpgroup), 8 (tokens on M, fp8_e4m3 converted in registers) or 9 (5 for fp8_e4m3), got ", m);
+  const bool seesaw = m == kSeesaw || m == kSeesawFp8, on_m = m == kEtap || m == kFp8Convert || m == kFp8Regs;
+  const bool fp8 = g.kv_format != kKvSameAsQ;
+  if (m == kSeesaw) MLA_CHECK(!fp8, "variant 5 needs a bf16/fp16 cache (kv_format 0), got kv_format ", g.kv_format);
+  if (m == kSeesawFp8 || m == kFp8Convert || m == kFp8Regs)
+    MLA_CHECK(g.kv_format == kKvFp8E4M3, "variant ", m, " needs an fp8_e4m3 cache (kv_format 1), got kv_format ",
+              g.kv_format);
+  if (seesaw) MLA_CHECK(g.q_len <= kSeesawMaxQLen, "variant ", m, " needs s_q <= ", kSeesawMaxQLen, ", got ", g.q_len);
+  // tile_rows: one tile of 16 or 32 rows per KV head (tokens on M), else row tiles of kBlockM
+  if (on_m) {
+    const int64_t max_rows = m != kEtap ? kFp8tMaxRows : fp8 ? kEtapFp8MaxRows : kEtapMaxRows;
+    MLA_CHECK(rows <= max_rows, "variant ", m, " needs <= ", max_rows,
+              " query rows per KV head (s_q * h_q / h_kv), got ", rows);
+    MLA_CHECK((c.tile_rows == 16 || (c.tile_rows == 32 && max_rows >= 32)) && rows <= c.tile_rows, "tile_rows must be ",
+              max_rows >= 32 ? "16 or 32" : "16", " and hold the ", rows, " query rows per KV head for variant ", m,
+              ", got ", c.tile_rows);
+  } else {
+    MLA_CHECK(c.tile_rows == kBlockM, "tile_rows must be ", kBlockM, " for variant ", m, ", got ", c.tile_rows);
+  }
+  // tma_loads: boxes of one page per 64-token tile
+  const bool tma = seesaw || m == kFp8Regs;
+  if (m == kEtap && c.tma_loads)
+    MLA_CHECK(!fp8, "tma_loads must be false for variant 6 with an fp8 cache (kv_format ", g.kv_format, ")");
+  else if (m != kEtap)
+    MLA_CHECK(c.tma_loads == tma, "tma_loads must be ", tma ? "true" : "false", " for variant ", m);
+  if (c.tma_loads)
+    MLA_CHECK(g.page_size % kBlockN == 0, "tma_loads=true (variant ", m, ") needs page_size % ", kBlockN,
+              " == 0, got ", g.page_size);
+  // paired: v5's row tiles in clusters of two
+  const int64_t row_tiles = on_m ? 1 : (rows + kBlockM - 1) / kBlockM;
+  if (c.paired)
+    MLA_CHECK(m == kSeesaw && row_tiles % 2 == 0, "paired=true needs variant 5 and an even number of ", kBlockM,
+              "-row tiles per KV head, got variant ", m, " and ", row_tiles);
+  // fuse_combine: the combine tail of a cooperative launch
+  if (c.fuse_combine) {
+    MLA_CHECK(!seesaw, "fuse_combine must be false for variant ", m, " (it has no combine tail)");
+    MLA_CHECK(g.num_parts <= kFusedMaxSplits, "fuse_combine=true needs num_parts <= ", kFusedMaxSplits, ", got ",
+              g.num_parts);
+    // the tail's units: < num_parts split requests x rows x 4, counted in an int with a stride of CTAs x 8
+    const int64_t units = g.num_parts * g.q_len * g.heads_q * 4 + g.num_parts * row_tiles * g.heads_kv * 8;
+    MLA_CHECK(units < INT32_MAX, "fuse_combine=true: ", units, " merge units overflow an int32 counter");
+  }
 }
 
 // The arguments a plan owns (schedule, workspace, options), against the call's B, s_q, h_q and device.
 void check_plan(int64_t B, int64_t s_q, int64_t h_q, const at::Device& dev, const at::Tensor& block_table,
                 const at::Tensor& cache_seqlens, const at::Tensor& items, const at::Tensor& part_offsets,
                 const at::Tensor& partial_out, const at::Tensor& partial_lse, const at::Tensor& num_splits,
-                const at::Tensor& first_slot, double softmax_scale, int64_t variant) {
+                const at::Tensor& first_slot, double softmax_scale) {
   check_cuda_int32(block_table, "block_table", 2, dev);
   MLA_CHECK(block_table.size(0) == B && block_table.stride(1) == 1, "block_table must be [", B,
             ", max_blocks] with contiguous rows, got ", shape_str(block_table));
@@ -162,16 +214,15 @@ void check_plan(int64_t B, int64_t s_q, int64_t h_q, const at::Device& dev, cons
   MLA_CHECK(max_slots >= items.size(0), "partial buffers need max_slots >= max_items (", items.size(0), "), got ",
             max_slots);
   MLA_CHECK(aligned16(partial_out, 3), "partial_out must be 16-byte aligned");
-  check_variant(variant);
   MLA_CHECK(softmax_scale > 0, "softmax_scale must be > 0, got ", softmax_scale);
 }
 
-// The plan's part of the parameter block (pointers into the schedule and workspace, options).
+// The plan's part of the parameter block (pointers into the schedule and workspace).
 mla_sm90::DecodeParams plan_params(const at::Tensor& block_table, const at::Tensor& cache_seqlens,
                                    const at::Tensor& items, const at::Tensor& part_offsets,
                                    const at::Tensor& partial_out, const at::Tensor& partial_lse,
                                    const at::Tensor& num_splits, const at::Tensor& first_slot, double softmax_scale,
-                                   bool causal, int64_t kv_format, int64_t variant, bool fuse_combine) {
+                                   bool causal, int64_t kv_format) {
   mla_sm90::DecodeParams p{};
   p.block_table = block_table.data_ptr<int32_t>();
   p.bt_stride = block_table.stride(0);
@@ -183,11 +234,9 @@ mla_sm90::DecodeParams plan_params(const at::Tensor& block_table, const at::Tens
   p.partial_lse = partial_lse.data_ptr<float>();
   p.num_splits = num_splits.data_ptr<int32_t>();
   p.first_slot = first_slot.data_ptr<int32_t>();
-  p.fuse_combine = fuse_combine ? 1 : 0;
   p.softmax_scale = static_cast<float>(softmax_scale);
   p.causal = causal ? 1 : 0;
   p.kv_format = static_cast<int>(kv_format);
-  p.variant = static_cast<int>(variant);
   return p;
 }
 
@@ -212,15 +261,30 @@ void set_call_params(mla_sm90::DecodeParams& p, const at::Tensor& q, const at::T
   p.q_is_bf16 = q.scalar_type() == at::kBFloat16;
 }
 
-// The decode launch, then the combine launch unless the decode merged the split rows itself.
-void launch(const mla_sm90::DecodeParams& p, const at::Device& dev) {
+mla_sm90::LaunchConfig launch_config(int64_t variant, int64_t tile_rows, bool tma_loads, bool paired,
+                                     bool fuse_combine) {
+  return {static_cast<int>(variant), static_cast<int>(tile_rows), tma_loads, paired, fuse_combine};
+}
+
+// The decode launch, then the combine launch unless the decode merges the split rows itself.
+void launch(const mla_sm90::DecodeParams& p, const mla_sm90::LaunchConfig& cfg, const at::Device& dev) {
   if (p.batch == 0) return;
   const c10::cuda::CUDAGuard guard(dev);
   void* stream = at::cuda::getCurrentCUDAStream(dev.index()).stream();
-  bool combined = false;
-  int err = mla_sm90::launch_decode(p, p.num_parts, stream, &combined);
-  TORCH_CHECK(err == 0, "cuda_sm90_decode: kernel launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
-  if (combined) return;  // the split rows were merged inside the decode launch
+  int err = mla_sm90::launch_decode(p, cfg, stream);
+  TORCH_CHECK(err != mla_sm90::kLaunchNoTensorMap,
+              "cuda_sm90_decode: tma_loads=true, but no TMA tensor map describes this kv_cache (its address, strides, "
+              "or no cuTensorMapEncodeTiled in the driver)");
+  if (err != 0) {
+    const std::string msg = cat("cuda_sm90_decode: kernel launch failed: ",
+                                cudaGetErrorString(static_cast<cudaError_t>(err)),
+                                cfg.fuse_combine ? " (fuse_combine=true: a cooperative launch, every CTA of the grid "
+                                                   "resident at once; plan with fuse_combine=False)"
+                                                 : "",
+                                cfg.paired ? " (paired=true: clusters of two CTAs)" : "");
+    TORCH_CHECK(false, msg);
+  }
+  if (cfg.fuse_combine) return;  // the split rows were merged inside the decode launch
 
   err = mla_sm90::launch_combine(mla_sm90::combine_params(p), stream);
   TORCH_CHECK(err == 0, "cuda_sm90_decode: combine launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
@@ -231,27 +295,29 @@ void cuda_sm90_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tenso
                       const c10::optional<at::Tensor>& kv_scale, const at::Tensor& out, const at::Tensor& lse,
                       const at::Tensor& partial_out, const at::Tensor& partial_lse, const at::Tensor& num_splits,
                       const at::Tensor& first_slot, double softmax_scale, bool causal, int64_t kv_format,
-                      int64_t variant, bool fuse_combine) {
-  check_call(q, kv, kv_scale, out, lse, kv_format, variant);
+                      int64_t variant, int64_t tile_rows, bool tma_loads, bool paired, bool fuse_combine) {
+  check_call(q, kv, kv_scale, out, lse, kv_format, tma_loads);
   check_plan(q.size(0), q.size(1), q.size(2), q.device(), block_table, cache_seqlens, items, part_offsets, partial_out,
-             partial_lse, num_splits, first_slot, softmax_scale, variant);
+             partial_lse, num_splits, first_slot, softmax_scale);
+  const mla_sm90::LaunchConfig cfg = launch_config(variant, tile_rows, tma_loads, paired, fuse_combine);
+  check_config(cfg, {kv_format, q.size(1), q.size(2), kv.size(2), kv.size(1), part_offsets.size(0) - 1});
   mla_sm90::DecodeParams p = plan_params(block_table, cache_seqlens, items, part_offsets, partial_out, partial_lse,
-                                         num_splits, first_slot, softmax_scale, causal, kv_format, variant,
-                                         fuse_combine);
+                                         num_splits, first_slot, softmax_scale, causal, kv_format);
   set_call_params(p, q, kv, kv_scale, out, lse);
-  launch(p, q.device());
+  launch(p, cfg, q.device());
 }
 
-// One plan's decode bound once: the schedule, workspace and options are checked and packed when the plan is
+// One plan's decode bound once: the schedule, workspace and launch config are checked and packed when the plan is
 // made, so an eager call passes five tensors and checks only those (backends/cuda_sm90.py, CudaSM90Backend.bind).
+// The launch config is the plan's, read-only.
 class PlannedDecode {
  public:
   PlannedDecode(at::Tensor block_table, at::Tensor cache_seqlens, at::Tensor items, at::Tensor part_offsets,
                 at::Tensor partial_out, at::Tensor partial_lse, at::Tensor num_splits, at::Tensor first_slot,
                 at::ScalarType q_dtype, at::ScalarType kv_dtype, int64_t q_len, int64_t heads_q, int64_t heads_kv,
                 int64_t page_size, int64_t kv_dim, double softmax_scale, bool causal, int64_t kv_format,
-                int64_t variant, bool fuse_combine_)
-      : fuse_combine(fuse_combine_), variant_(variant), block_table_(std::move(block_table)),
+                int64_t variant, int64_t tile_rows, bool tma_loads, bool paired, bool fuse_combine)
+      : cfg_(launch_config(variant, tile_rows, tma_loads, paired, fuse_combine)), block_table_(std::move(block_table)),
         cache_seqlens_(std::move(cache_seqlens)), items_(std::move(items)), part_offsets_(std::move(part_offsets)),
         partial_out_(std::move(partial_out)), partial_lse_(std::move(partial_lse)), num_splits_(std::move(num_splits)),
         first_slot_(std::move(first_slot)), dev_(block_table_.device()), q_dtype_(q_dtype), kv_dtype_(kv_dtype),
@@ -260,9 +326,12 @@ class PlannedDecode {
     MLA_CHECK(dev_.is_cuda(), "block_table must be a CUDA tensor, got device ", dev_str(dev_));
     check_kv_format(kv_format);
     check_plan(batch_, q_len, heads_q, dev_, block_table_, cache_seqlens_, items_, part_offsets_, partial_out_,
-               partial_lse_, num_splits_, first_slot_, softmax_scale, variant);
+               partial_lse_, num_splits_, first_slot_, softmax_scale);
+    MLA_CHECK(heads_kv >= 1 && heads_q % heads_kv == 0, "heads_q (", heads_q, ") must be a multiple of heads_kv (",
+              heads_kv, ")");
+    check_config(cfg_, {kv_format, q_len, heads_q, heads_kv, page_size, part_offsets_.size(0) - 1});
     base_ = plan_params(block_table_, cache_seqlens_, items_, part_offsets_, partial_out_, partial_lse_, num_splits_,
-                        first_slot_, softmax_scale, causal, kv_format, variant, fuse_combine);
+                        first_slot_, softmax_scale, causal, kv_format);
   }
 
   // Launch on these tensors if they are what the plan was made for and pass check_call, and return (out, lse);
@@ -281,45 +350,26 @@ class PlannedDecode {
     at::Tensor o = out.has_value() ? *out : at::empty({batch_, q_len_, heads_q_, kDV}, q.options());
     at::Tensor l = lse.has_value() ? *lse : at::empty({batch_, heads_q_, q_len_}, q.options().dtype(at::kFloat));
     try {
-      check_call(q, kv, kv_scale, o, l, kv_format_, variant_);
+      check_call(q, kv, kv_scale, o, l, kv_format_, cfg_.tma_loads);
     } catch (const c10::Error&) {
       return std::nullopt;
     }
     mla_sm90::DecodeParams p = base_;
-    p.variant = static_cast<int>(variant_);
-    p.fuse_combine = fuse_combine ? 1 : 0;
     set_call_params(p, q, kv, kv_scale, o, l);
-    launch(p, dev_);
+    launch(p, cfg_, dev_);
     return std::make_tuple(std::move(o), std::move(l));
   }
 
-  // the mainloop and the combine's place, as CudaSM90Backend chose them; tests and benchmarks force others
-  // (a mainloop through set_variant, which checks it as the op's every call does)
-  int64_t variant() const { return variant_; }
-  void set_variant(int64_t variant) {
-    check_variant(variant);
-    variant_ = variant;
-  }
-  bool fuse_combine;
+  const mla_sm90::LaunchConfig& config() const { return cfg_; }
 
  private:
-  int64_t variant_;
+  mla_sm90::LaunchConfig cfg_;
   at::Tensor block_table_, cache_seqlens_, items_, part_offsets_, partial_out_, partial_lse_, num_splits_, first_slot_;
   at::Device dev_;
   at::ScalarType q_dtype_, kv_dtype_;
   int64_t batch_, q_len_, heads_q_, heads_kv_, page_size_, kv_dim_, kv_format_;
   mla_sm90::DecodeParams base_;
 };
-
-#ifdef MLA_SM90_TIMELINE
-// The diagnosis timeline (timeline.cuh) as int64 [kTimelineCtas, kTimelineEvents, 2] on the CPU; zeroed on the GPU.
-at::Tensor timeline_take() {
-  at::Tensor t = at::zeros({mla_sm90::kTimelineCtas, mla_sm90::kTimelineEvents, 2}, at::kLong);
-  const int e = mla_sm90::timeline_take(t.data_ptr());
-  TORCH_CHECK(e == 0, "timeline_take: CUDA error ", e);
-  return t;
-}
-#endif
 
 }  // namespace
 
@@ -329,35 +379,36 @@ TORCH_LIBRARY_FRAGMENT(mla_dispatch, m) {
       "cuda_sm90_decode(Tensor q, Tensor kv_cache, Tensor block_table, Tensor cache_seqlens, Tensor items, "
       "Tensor part_offsets, Tensor? kv_scale, Tensor(a!) out, Tensor(b!) lse, Tensor(c!) partial_out, "
       "Tensor(d!) partial_lse, Tensor num_splits, Tensor first_slot, float softmax_scale, bool causal, "
-      "int kv_format, int variant=2, bool fuse_combine=False) -> ()");
+      "int kv_format, int variant, int tile_rows, bool tma_loads, bool paired, bool fuse_combine) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(mla_dispatch, CUDA, m) { m.impl("cuda_sm90_decode", &cuda_sm90_decode); }
 
 // For eager calls on plain tensors, without the dispatcher (backends/cuda_sm90.py takes these only outside
 // torch.compile and with no TorchDispatchMode active, so tracing, fake tensors and functionalization still see
-// the op). An op call with 18 arguments costs ~2.8 us of host time (schema parsing, dispatch), a pybind11 call
-// of the same signature ~0.6 us (this project's CPU host, a stand-in with an empty body); PlannedDecode.run takes
-// five arguments and checks only those.
+// the op). An op call with 18 arguments (21 now, with the launch config) costs ~2.8 us of host time (schema parsing,
+// dispatch), a pybind11 call of the same signature ~0.6 us (this project's CPU host, a stand-in with an empty body);
+// PlannedDecode.run takes five arguments and checks only those.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cuda_sm90_decode", &cuda_sm90_decode, "the op cuda_sm90_decode, called without the dispatcher");
-  pybind11::class_<PlannedDecode>(m, "PlannedDecode", "one plan's decode: schedule, workspace and options bound once")
+  pybind11::class_<PlannedDecode>(m, "PlannedDecode",
+                                  "one plan's decode: schedule, workspace and launch config bound once")
       .def(pybind11::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                           at::Tensor, at::ScalarType, at::ScalarType, int64_t, int64_t, int64_t, int64_t, int64_t,
-                          double, bool, int64_t, int64_t, bool>(),
+                          double, bool, int64_t, int64_t, int64_t, bool, bool, bool>(),
            pybind11::arg("block_table"), pybind11::arg("cache_seqlens"), pybind11::arg("items"),
            pybind11::arg("part_offsets"), pybind11::arg("partial_out"), pybind11::arg("partial_lse"),
            pybind11::arg("num_splits"), pybind11::arg("first_slot"), pybind11::arg("q_dtype"),
            pybind11::arg("kv_dtype"), pybind11::arg("q_len"), pybind11::arg("heads_q"), pybind11::arg("heads_kv"),
            pybind11::arg("page_size"), pybind11::arg("kv_dim"), pybind11::arg("softmax_scale"),
-           pybind11::arg("causal"), pybind11::arg("kv_format"), pybind11::arg("variant"),
-           pybind11::arg("fuse_combine"))
+           pybind11::arg("causal"), pybind11::arg("kv_format"), pybind11::arg("variant"), pybind11::arg("tile_rows"),
+           pybind11::arg("tma_loads"), pybind11::arg("paired"), pybind11::arg("fuse_combine"))
       .def("run", &PlannedDecode::run,
            "run(q, kv_cache, kv_scale, out, lse) -> (out, lse) or None: launched (out and lse allocated when None), "
            "or None (nothing done) when an argument does not match the plan")
-      .def_property("variant", &PlannedDecode::variant, &PlannedDecode::set_variant)
-      .def_readwrite("fuse_combine", &PlannedDecode::fuse_combine);
-#ifdef MLA_SM90_TIMELINE
-  m.def("timeline_take", &timeline_take, "the per-CTA timeline of the launches since the last take (diagnosis build)");
-#endif
+      .def_property_readonly("variant", [](const PlannedDecode& d) { return d.config().mainloop; })
+      .def_property_readonly("tile_rows", [](const PlannedDecode& d) { return d.config().tile_rows; })
+      .def_property_readonly("tma_loads", [](const PlannedDecode& d) { return d.config().tma_loads; })
+      .def_property_readonly("paired", [](const PlannedDecode& d) { return d.config().paired; })
+      .def_property_readonly("fuse_combine", [](const PlannedDecode& d) { return d.config().fuse_combine; });
 }

@@ -11,18 +11,17 @@
 #include <cmath>
 #include <cstdint>
 
-#include "config.cuh"
+#include "config.h"
+#include "epilogue.cuh"
 #include "params.h"
 #include "ptx.cuh"
-#include "timeline.cuh"
+#include "traits.cuh"
 
 namespace mla_sm90 {
 
 constexpr int kCombineThreads = 128;
-// Split requests a fused combine can list in shared memory. A request is split only where a part
-// boundary falls inside it, so there are at most num_parts - 1 of them (the launcher checks
-// num_parts against this).
-constexpr int kFusedMaxSplits = 1024;
+// kFusedMaxSplits (config.h): split requests a fused combine can list in shared memory. A request is split only where
+// a part boundary falls inside it, so there are at most num_parts - 1 of them (the binding checks num_parts).
 // Shared memory combine_in_grid uses (the list, then a count per warp); the kernels assert it fits sQ.
 template <int kThreads>
 constexpr int kFusedScratchBytes = (4 * kFusedMaxSplits + kThreads / 32) * (int)sizeof(int);
@@ -156,13 +155,12 @@ __device__ void combine_in_grid(const DecodeParams& d, int* scratch) {
   }
   count = min(count, kFusedMaxSplits);
   cooperative_groups::this_grid().sync();  // every CTA's partials are written (and visible: the barrier fences)
-  stamp(kTimelineGridSync);
 
   const CombineParams c = combine_params(d);
   const int rows = d.q_len * d.heads_q;
   const int cta = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
   const int warps = gridDim.x * gridDim.y * gridDim.z * kWarps;
-  // units: (list entry, row, channel quarter); count * rows * 4 < 2^31 (the launcher checks num_parts * rows * 4)
+  // units: (list entry, row, channel quarter); count * rows * 4 < 2^31 (the binding checks num_parts * rows * 4)
   for (int u = cta * kWarps + warp; u < count * rows * 4; u += warps) {
     const int r = u / 4;
     const int4 e = list[r / rows];

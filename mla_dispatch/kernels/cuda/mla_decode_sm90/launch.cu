@@ -1,18 +1,17 @@
-// Host launchers of the SM90 MLA decode family: pick the template instance for
-// (q dtype, kv format), set the shared-memory limit, launch, return the error.
-// No torch here, so CI can compile this translation unit with nvcc alone.
+// Host launchers of the SM90 MLA decode family: the kernel instance of the plan's launch config (params.h,
+// LaunchConfig) for (q dtype, kv format), its shared-memory opt-in and launch. A config the kernels do not take is
+// the binding's to refuse (binding.cpp, check_config); nothing here chooses another kernel. No torch here, so CI can
+// compile this translation unit with nvcc alone.
 #include <cuda.h>
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
 
-#include <map>
 #include <mutex>
 #include <set>
 #include <unordered_map>
 #include <utility>
 
 #include "combine.cuh"
-#include "mainloop.cuh"
 #include "mainloop_etap.cuh"
 #include "mainloop_fp8t.cuh"
 #include "mainloop_seesaw.cuh"
@@ -21,12 +20,13 @@
 
 namespace mla_sm90 {
 
-int decode_smem_bytes() {
-  int b = Seesaw::kSmemBytes > DecodeConfig::kSmemBytes ? Seesaw::kSmemBytes : DecodeConfig::kSmemBytes;
-  b = Etap::kSmemBytes > b ? Etap::kSmemBytes : b;
-  b = Fp8tSmem<false>::kSmemBytes > b ? Fp8tSmem<false>::kSmemBytes : b;
-  return Fp8tSmem<true>::kSmemBytes > b ? Fp8tSmem<true>::kSmemBytes : b;
-}
+// One CTA per SM: the plan counts a grid's CTAs against the SM count where every CTA must be resident at once
+// (cooperative launches, v5's clusters; backends/cuda_sm90.py, launch_config).
+constexpr int kSmemPerSm = 228 * 1024;
+static_assert(2 * DecodeConfig::kSmemBytes > kSmemPerSm && 2 * Seesaw::kSmemBytes > kSmemPerSm &&
+                  2 * Etap::kSmemBytes > kSmemPerSm && 2 * Fp8tSmem<false>::kSmemBytes > kSmemPerSm &&
+                  2 * Fp8tSmem<true>::kSmemBytes > kSmemPerSm,
+              "every decode kernel holds one CTA per SM");
 
 // The driver's cuTensorMapEncodeTiled through the runtime (no -lcuda at link time).
 static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
@@ -44,10 +44,10 @@ static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
-// Variant 5's view of a bf16/fp16 cache [num_blocks, page_size, h_kv, 576] as a 4-D tensor
+// v5's (and v6's) view of a bf16/fp16 cache [num_blocks, page_size, h_kv, 576] as a 4-D tensor
 // (576, h_kv, page_size, num_blocks), boxes of 64 columns x 64 tokens, 128-byte swizzle; with T = uint8_t
-// variant 8's view of an fp8_e4m3 cache, boxes of 128 columns (the last one's upper half past column 575: zeros);
-// with kRaw64 (T = uint8_t) variant 9's: boxes of 64 columns x 64 tokens, unswizzled (mainloop_seesaw.cuh,
+// v8's view of an fp8_e4m3 cache, boxes of 128 columns (the last one's upper half past column 575: zeros);
+// with kRaw64 (T = uint8_t) v9's: boxes of 64 columns x 64 tokens, unswizzled (mainloop_seesaw.cuh,
 // seesaw_fp8_converter). False when TMA cannot address it (alignment, strides, no driver entry point).
 template <typename T, bool kRaw64 = false>
 static bool make_kv_map(const DecodeParams& p, CUtensorMap* map) {
@@ -115,38 +115,15 @@ static bool cached_kv_map(const DecodeParams& p, CUtensorMap* map) {
   return true;
 }
 
-// Blocks of `kernel` the whole of device `dev` holds at once for a cooperative launch (0: none; cached
-// per device and kernel, the queries are not free).
-static int64_t coresident_blocks(int dev, const void* kernel, int threads, int smem_bytes) {
-  static std::mutex mu;
-  static std::map<std::pair<int, const void*>, int64_t> cache;
-  std::lock_guard<std::mutex> lock(mu);
-  const auto key = std::make_pair(dev, kernel);
-  auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-  int coop = 0, sms = 0, per_sm = 0;
-  if (cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem_bytes) !=
-          cudaSuccess) {
-    cudaGetLastError();
-    coop = 0;
-  }
-  const int64_t n = coop ? (int64_t)sms * per_sm : 0;
-  cache.emplace(key, n);
-  return n;
-}
-
 // Allow `kernel` `bytes` of dynamic shared memory (over the default 48 KB) on the current device.
 // cudaFuncSetAttribute acts on the current device's context only, so the opt-in is remembered per
-// (device, kernel): a process that launches on a second GPU opts in there too. The device goes to *dev_out if given.
-static cudaError_t opt_in_smem(const void* kernel, int bytes, int* dev_out = nullptr) {
+// (device, kernel): a process that launches on a second GPU opts in there too.
+static cudaError_t opt_in_smem(const void* kernel, int bytes) {
   static std::mutex mu;
   static std::set<std::pair<int, const void*>> done;
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return e;
-  if (dev_out) *dev_out = dev;
   const auto key = std::make_pair(dev, kernel);
   std::lock_guard<std::mutex> lock(mu);
   if (done.count(key)) return cudaSuccess;
@@ -155,255 +132,144 @@ static cudaError_t opt_in_smem(const void* kernel, int bytes, int* dev_out = nul
   return e;
 }
 
-// Launch a decode kernel. With p.fuse_combine the kernel merges the split rows itself after a
-// grid-wide barrier (combine.cuh), which needs every CTA resident at once: that is a cooperative
-// launch, possible when the grid fits the GPU (the persistent grid is sized to it, except when
-// h_kv x row tiles alone exceed the SM count), on a device that supports it. The v2 kernel (with its
-// v3/v4 flags, and wherever v5 or v6 fall back to it) and v6 have the combine tail (`has_tail`); v5 has
-// none: it runs where batches are large and the second kernel measured as fast, and its code size is
-// sensitive (NOTES.md). Otherwise, or if the cooperative launch itself is refused (e.g. fewer SMs under
-// MPS than the device reports), the flag is cleared, *combined = false, and the caller launches the
-// combine kernel.
-// `threads` per CTA: DecodeConfig::kThreads (launch_grid), or v7's Fp8t::kThreads.
+// Launch `kernel` over `grid` with the config's attributes: a cooperative launch where it merges the split rows
+// itself (combine_in_grid after a grid-wide barrier: every CTA resident at once), clusters of two along y where v5's
+// row tiles are paired.
 template <typename... Args>
-static cudaError_t launch_grid_threads(void (*kernel)(DecodeParams, Args...), dim3 grid, int threads, int smem_bytes,
-                                       cudaStream_t stream, bool has_tail, DecodeParams p, bool* combined,
-                                       Args... args) {
-  const int64_t ctas = (int64_t)grid.x * grid.y * grid.z;
-  if (!has_tail || p.num_parts <= 1) p.fuse_combine = 0;  // one part: no request is split
-  if (p.fuse_combine) {
-    int dev = 0;
-    cudaGetDevice(&dev);
-    // units of the tail: < num_parts split requests x rows x 4, counted in an int with a stride of ctas x 8
-    const int64_t units = (int64_t)p.num_parts * p.q_len * p.heads_q * 4 + ctas * 8;
-    p.fuse_combine = p.num_parts <= kFusedMaxSplits && units < INT32_MAX &&
-                     ctas <= coresident_blocks(dev, reinterpret_cast<const void*>(kernel), threads, smem_bytes);
-  }
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(threads);
-  cfg.dynamicSmemBytes = smem_bytes;
-  cfg.stream = stream;
+static cudaError_t launch_kernel(void (*kernel)(DecodeParams, Args...), dim3 grid, int threads, int smem_bytes,
+                                 const LaunchConfig& cfg, cudaStream_t stream, const DecodeParams& p, Args... args) {
+  const cudaError_t e = opt_in_smem(reinterpret_cast<const void*>(kernel), smem_bytes);
+  if (e != cudaSuccess) return e;
   cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeCooperative;
-  attr[0].val.cooperative = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = p.fuse_combine ? 1 : 0;
-  cudaError_t e = cudaLaunchKernelEx(&cfg, kernel, p, args...);
-  if (p.fuse_combine && (e == cudaErrorCooperativeLaunchTooLarge || e == cudaErrorNotSupported)) {
-    cudaGetLastError();  // clear it; launch plainly, the combine kernel follows
-    p.fuse_combine = 0;
-    cfg.numAttrs = 0;
-    e = cudaLaunchKernelEx(&cfg, kernel, p, args...);
+  cudaLaunchConfig_t launch{};
+  launch.gridDim = grid;
+  launch.blockDim = dim3(threads);
+  launch.dynamicSmemBytes = smem_bytes;
+  launch.stream = stream;
+  launch.attrs = attr;
+  if (cfg.fuse_combine) {
+    attr[0].id = cudaLaunchAttributeCooperative;
+    attr[0].val.cooperative = 1;
+    launch.numAttrs = 1;
+  } else if (cfg.paired) {
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 1;
+    attr[0].val.clusterDim.y = 2;
+    attr[0].val.clusterDim.z = 1;
+    launch.numAttrs = 1;
   }
-  *combined = e == cudaSuccess && p.fuse_combine != 0;
-  return e;
+  return cudaLaunchKernelEx(&launch, kernel, p, args...);
 }
 
-template <typename... Args>
-static cudaError_t launch_grid(void (*kernel)(DecodeParams, Args...), dim3 grid, int smem_bytes, cudaStream_t stream,
-                               bool has_tail, DecodeParams p, bool* combined, Args... args) {
-  return launch_grid_threads(kernel, grid, DecodeConfig::kThreads, smem_bytes, stream, has_tail, p, combined, args...);
-}
-
-// A launch of v5 CTAs over `grid` in clusters of two along y (the row tiles of a part); `attr` is filled with the
-// cluster shape and must outlive the launch.
-static cudaLaunchConfig_t v5_pair_config(dim3 grid, cudaStream_t stream, cudaLaunchAttribute* attr) {
-  attr->id = cudaLaunchAttributeClusterDimension;
-  attr->val.clusterDim.x = 1;
-  attr->val.clusterDim.y = 2;
-  attr->val.clusterDim.z = 1;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(DecodeConfig::kThreads);
-  cfg.dynamicSmemBytes = Seesaw::kSmemBytes;
-  cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  return cfg;
-}
-
-// How many clusters of two v5 CTAs device `dev` holds at once (0 if the query fails); once per device,
-// after the kernel's shared-memory opt-in there.
-template <typename T>
-static int v5_max_pairs(int dev) {
-  static std::mutex mu;
-  static std::map<int, int> cache;
-  std::lock_guard<std::mutex> lock(mu);
-  const auto it = cache.find(dev);
-  if (it != cache.end()) return it->second;
-  cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t cfg = v5_pair_config(dim3(1, 2, 1), nullptr, &attr);
-  int clusters = 0;
-  if (cudaOccupancyMaxActiveClusters(&clusters, mla_decode_kernel_v5<T, true>, &cfg) != cudaSuccess) {
-    cudaGetLastError();
-    clusters = 0;
-  }
-  cache.emplace(dev, clusters);
-  return clusters;
-}
-
-// v5 runs the two row-tile CTAs of a part as a cluster (mainloop_seesaw.cuh, kPaired) where the row tiles
-// come in pairs and the whole grid fits the GPU as such clusters at once (the H100 holds 66, all 132 SMs):
-// 1-6% faster on the FlashMLA grid (NOTES.md, "Eighteenth session"). Otherwise, or if the device refuses
-// the cluster launch, each CTA runs alone.
-template <typename T>
-static cudaError_t launch_v5(const DecodeParams& p, const CUtensorMap& map, int grid_parts, cudaStream_t stream,
-                             bool* combined) {
-  auto alone = mla_decode_kernel_v5<T, false>;
-  auto paired = mla_decode_kernel_v5<T, true>;
-  int dev = 0;
-  cudaError_t e = opt_in_smem(reinterpret_cast<const void*>(alone), Seesaw::kSmemBytes, &dev);
-  if (e == cudaSuccess) e = opt_in_smem(reinterpret_cast<const void*>(paired), Seesaw::kSmemBytes);
-  if (e != cudaSuccess) return e;
-  const dim3 grid(grid_parts, p.num_row_tiles, p.heads_kv);
-  const int64_t pairs = (int64_t)grid.x * grid.y * grid.z / 2;
-  if (p.num_row_tiles % 2 == 0 && pairs <= v5_max_pairs<T>(dev)) {
-    cudaLaunchAttribute attr;
-    const cudaLaunchConfig_t cfg = v5_pair_config(grid, stream, &attr);
-    e = cudaLaunchKernelEx(&cfg, paired, p, map);  // v5 has no combine tail: fuse_combine unread
-    if (e != cudaErrorInvalidClusterSize && e != cudaErrorLaunchOutOfResources && e != cudaErrorNotSupported) {
-      *combined = false;
-      return e;
-    }
-    cudaGetLastError();  // clear it; launch without clusters
-  }
-  return launch_grid(alone, grid, Seesaw::kSmemBytes, stream, false, p, combined, map);
-}
-
-template <typename T, int kN, bool kTma, int KvFmt = kKvSameAsQ>
-static cudaError_t launch_v6(const DecodeParams& p, const CUtensorMap& map, int grid_parts, cudaStream_t stream,
-                             bool* combined) {
-  auto kernel = mla_decode_kernel_v6<T, kN, kTma, KvFmt>;
-  const cudaError_t e = opt_in_smem(reinterpret_cast<const void*>(kernel), Etap::kSmemBytes);
-  if (e != cudaSuccess) return e;
-  return launch_grid(kernel, dim3(grid_parts, 1, p.heads_kv), Etap::kSmemBytes, stream, true, p, combined, map);
-}
-
-// v6 with TMA loads where the cache allows (page_size % 64 == 0 and a tensor map), else with cp.async.
-template <typename T, int kN>
-static cudaError_t launch_v6_any(const DecodeParams& p, int grid_parts, cudaStream_t stream, bool* combined) {
-  CUtensorMap map{};
-  if (p.page_size % DecodeConfig::kBlockN == 0 && cached_kv_map<T>(p, &map))
-    return launch_v6<T, kN, true>(p, map, grid_parts, stream, combined);
-  return launch_v6<T, kN, false>(p, map, grid_parts, stream, combined);
-}
-
-// v7 (mainloop_fp8t.cuh): fp8_e4m3 caches with <= 32 query rows per KV head, three warpgroups.
-template <typename T, int kN>
-static cudaError_t launch_v7(const DecodeParams& p, int grid_parts, cudaStream_t stream, bool* combined) {
-  auto kernel = mla_decode_kernel_v7<T, kN>;
-  constexpr int smem = Fp8tSmem<false>::kSmemBytes;
-  const cudaError_t e = opt_in_smem(reinterpret_cast<const void*>(kernel), smem);
-  if (e != cudaSuccess) return e;
-  return launch_grid_threads(kernel, dim3(grid_parts, 1, p.heads_kv), Fp8t::kThreads, smem, stream, true, p, combined);
-}
-
-// v8: v7's warpgroups with the tile's raw bytes by tensor copies (whole-tile pages) and the conversion in the
-// consumers' registers; anything TMA cannot address runs v7.
-template <typename T, int kN>
-static cudaError_t launch_v8(const DecodeParams& p, int grid_parts, cudaStream_t stream, bool* combined) {
-  CUtensorMap map{};
-  if (p.page_size % DecodeConfig::kBlockN != 0 || !cached_kv_map<uint8_t>(p, &map))
-    return launch_v7<T, kN>(p, grid_parts, stream, combined);
-  auto kernel = mla_decode_kernel_v8<T, kN>;
-  constexpr int smem = Fp8tSmem<true>::kSmemBytes;
-  const cudaError_t e = opt_in_smem(reinterpret_cast<const void*>(kernel), smem);
-  if (e != cudaSuccess) return e;
-  return launch_grid_threads(kernel, dim3(grid_parts, 1, p.heads_kv), Fp8t::kThreads, smem, stream, true, p, combined,
-                             map);
-}
-
-// v9: v5's schedule for fp8_e4m3 caches, a third warpgroup converting the tiles (mainloop_seesaw.cuh, kFp8); CTAs
-// alone (no pairs), no combine tail.
-template <typename T>
-static cudaError_t launch_v9(const DecodeParams& p, const CUtensorMap& map, int grid_parts, cudaStream_t stream,
-                             bool* combined) {
-  auto kernel = mla_decode_kernel_v5<T, false, true>;
-  const cudaError_t e = opt_in_smem(reinterpret_cast<const void*>(kernel), Seesaw::kSmemBytes);
-  if (e != cudaSuccess) return e;
-  return launch_grid_threads(kernel, dim3(grid_parts, p.num_row_tiles, p.heads_kv), Seesaw::kThreadsFp8,
-                             Seesaw::kSmemBytes, stream, false, p, combined, map);
-}
-
+// v2 (mainloop_wgmma.cuh): 64-row tiles, any cache.
 template <typename T, int KvFmt>
-static cudaError_t launch_decode_t(const DecodeParams& p, int grid_parts, cudaStream_t stream, bool* combined) {
-  // variant 1: warp-level mma.sync (mainloop.cuh); 2: wgmma (mainloop_wgmma.cuh);
-  // 3: wgmma with S of tile j+1 issued under PV of tile j (mainloop_wgmma.cuh, kOverlap)
-  // 4: wgmma with S split along D_qk between the warpgroups (mainloop_wgmma.cuh, kKSplit;
-  //    bf16/fp16 caches only, fp8 caches run v2)
-  // 5: two tiles in flight, TMA loads (mainloop_seesaw.cuh; bf16/fp16 caches with page_size % 64 == 0
-  //    and q_len <= 64, anything else runs v2)
-  if constexpr (KvFmt == kKvFp8E4M3) {
-    // 9: v5's schedule for fp8_e4m3 caches (whole-tile pages, q_len <= 64; anything else runs v2)
-    if (p.variant == 9 && p.page_size % DecodeConfig::kBlockN == 0 && p.q_len <= Seesaw::kMaxQLen) {
-      CUtensorMap map;
-      if (!cached_kv_map<uint8_t, true>(p, &map)) return cudaErrorInvalidValue;
-      return launch_v9<T>(p, map, grid_parts, stream, combined);
-    }
-  }
-  if (p.variant == 7 || p.variant == 8) {
-    // 7: fp8_e4m3 caches with <= 32 query rows per KV head (mainloop_fp8t.cuh); 8: the same with tensor copies and
-    // register A fragments (whole-tile pages that TMA can address; others run 7); anything else runs as variant 6
-    if constexpr (KvFmt == kKvFp8E4M3) {
-      if (p.rows_per_kv_head <= Fp8t::kMaxRows) {
-        if (p.variant == 8)
-          return p.rows_per_kv_head <= 16 ? launch_v8<T, 16>(p, grid_parts, stream, combined)
-                                          : launch_v8<T, 32>(p, grid_parts, stream, combined);
-        return p.rows_per_kv_head <= 16 ? launch_v7<T, 16>(p, grid_parts, stream, combined)
-                                        : launch_v7<T, 32>(p, grid_parts, stream, combined);
-      }
-    }
-    DecodeParams q = p;
-    q.variant = 6;
-    return launch_decode_t<T, KvFmt>(q, grid_parts, stream, combined);
-  }
-  if constexpr (KvFmt != kKvSameAsQ) {
-    // 6 with an fp8 cache: <= 16 query rows per KV head (the register-staged tile does not fit
-    // beside 32 rows' accumulators); anything else runs v2
-    if (p.variant == 6 && p.rows_per_kv_head <= 16) {
-      const CUtensorMap none{};
-      return launch_v6<T, 16, false, KvFmt>(p, none, grid_parts, stream, combined);
-    }
-  }
+static int launch_wgmma(const DecodeParams& p, const LaunchConfig& cfg, cudaStream_t stream) {
+  return launch_kernel(mla_decode_kernel_v2<T, KvFmt>, dim3(p.num_parts, p.num_row_tiles, p.heads_kv),
+                       DecodeConfig::kThreads, DecodeConfig::kSmemBytes, cfg, stream, p);
+}
+
+// v5 (mainloop_seesaw.cuh): bf16/fp16 caches by TMA, the row tiles of a part alone or paired in clusters.
+template <typename T>
+static int launch_seesaw(const DecodeParams& p, const LaunchConfig& cfg, cudaStream_t stream) {
+  CUtensorMap map;
+  if (!cached_kv_map<T>(p, &map)) return kLaunchNoTensorMap;
+  const dim3 grid(p.num_parts, p.num_row_tiles, p.heads_kv);
+  if (cfg.paired)
+    return launch_kernel(mla_decode_kernel_v5<T, true>, grid, DecodeConfig::kThreads, Seesaw::kSmemBytes, cfg, stream,
+                         p, map);
+  return launch_kernel(mla_decode_kernel_v5<T, false>, grid, DecodeConfig::kThreads, Seesaw::kSmemBytes, cfg, stream, p,
+                       map);
+}
+
+// v9 (mainloop_seesaw.cuh, kFp8): v5's schedule for fp8_e4m3 caches, the raw 64-column boxes by TMA.
+template <typename T>
+static int launch_seesaw_fp8(const DecodeParams& p, const LaunchConfig& cfg, cudaStream_t stream) {
+  CUtensorMap map;
+  if (!cached_kv_map<uint8_t, true>(p, &map)) return kLaunchNoTensorMap;
+  return launch_kernel(mla_decode_kernel_v5<T, false, true>, dim3(p.num_parts, p.num_row_tiles, p.heads_kv),
+                       Seesaw::kThreadsFp8, Seesaw::kSmemBytes, cfg, stream, p, map);
+}
+
+// v6 (mainloop_etap.cuh): one tile of kN rows per KV head; KV by TMA (16-bit caches, whole-tile pages) or cp.async,
+// fp8 caches through registers.
+template <typename T, int kN, int KvFmt>
+static int launch_etap(const DecodeParams& p, const LaunchConfig& cfg, cudaStream_t stream) {
+  const dim3 grid(p.num_parts, 1, p.heads_kv);
+  CUtensorMap map{};
   if constexpr (KvFmt == kKvSameAsQ) {
-    // 6: tokens on the wgmma M side (mainloop_etap.cuh; bf16/fp16 caches, <= 32 query rows per
-    //    KV head, any page size; anything else runs v2)
-    if (p.variant == 6 && p.rows_per_kv_head <= Etap::kMaxRows)
-      return p.rows_per_kv_head <= 16 ? launch_v6_any<T, 16>(p, grid_parts, stream, combined)
-                                      : launch_v6_any<T, 32>(p, grid_parts, stream, combined);
-    if (p.variant == 5 && p.page_size % DecodeConfig::kBlockN == 0 && p.q_len <= Seesaw::kMaxQLen) {
-      // a cache v5 should take but TMA cannot address is an error, not a silent v2 run
-      CUtensorMap map;
-      if (!cached_kv_map<T>(p, &map)) return cudaErrorInvalidValue;
-      return launch_v5<T>(p, map, grid_parts, stream, combined);
+    if (cfg.tma_loads) {
+      if (!cached_kv_map<T>(p, &map)) return kLaunchNoTensorMap;
+      return launch_kernel(mla_decode_kernel_v6<T, kN, true>, grid, DecodeConfig::kThreads, Etap::kSmemBytes, cfg,
+                           stream, p, map);
     }
   }
-  auto kernel = p.variant == 1   ? mla_decode_kernel_v1<T, KvFmt>
-                : p.variant == 3 ? mla_decode_kernel_v2<T, KvFmt, true>
-                : p.variant == 4 ? mla_decode_kernel_v2<T, KvFmt, false, KvFmt == kKvSameAsQ>
-                                 : mla_decode_kernel_v2<T, KvFmt, false>;
-  const cudaError_t e = opt_in_smem(reinterpret_cast<const void*>(kernel), DecodeConfig::kSmemBytes);
-  if (e != cudaSuccess) return e;
-  return launch_grid(kernel, dim3(grid_parts, p.num_row_tiles, p.heads_kv), DecodeConfig::kSmemBytes, stream,
-                     p.variant != 1, p, combined);
+  return launch_kernel(mla_decode_kernel_v6<T, kN, false, KvFmt>, grid, DecodeConfig::kThreads, Etap::kSmemBytes, cfg,
+                       stream, p, map);
+}
+
+// v7 (mainloop_fp8t.cuh): fp8_e4m3 caches in three warpgroups, a converting one.
+template <typename T, int kN>
+static int launch_fp8_convert(const DecodeParams& p, const LaunchConfig& cfg, cudaStream_t stream) {
+  return launch_kernel(mla_decode_kernel_v7<T, kN>, dim3(p.num_parts, 1, p.heads_kv), Fp8t::kThreads,
+                       Fp8tSmem<false>::kSmemBytes, cfg, stream, p);
+}
+
+// v8 (mainloop_fp8t.cuh): v7's warpgroups with the raw tile by TMA (128-column boxes), converted in registers.
+template <typename T, int kN>
+static int launch_fp8_regs(const DecodeParams& p, const LaunchConfig& cfg, cudaStream_t stream) {
+  CUtensorMap map;
+  if (!cached_kv_map<uint8_t>(p, &map)) return kLaunchNoTensorMap;
+  return launch_kernel(mla_decode_kernel_v8<T, kN>, dim3(p.num_parts, 1, p.heads_kv), Fp8t::kThreads,
+                       Fp8tSmem<true>::kSmemBytes, cfg, stream, p, map);
+}
+
+// The instance of cfg for q dtype T and cache format KvFmt. Configs no instance takes (the binding refuses them) end
+// in cudaErrorInvalidValue.
+template <typename T, int KvFmt>
+static int launch_mainloop(const DecodeParams& p, const LaunchConfig& cfg, cudaStream_t stream) {
+  const bool rows16 = cfg.tile_rows == 16;
+  switch (cfg.mainloop) {
+    case kWgmma:
+      return launch_wgmma<T, KvFmt>(p, cfg, stream);
+    case kSeesaw:
+      if constexpr (KvFmt == kKvSameAsQ) return launch_seesaw<T>(p, cfg, stream);
+      break;
+    case kSeesawFp8:
+      if constexpr (KvFmt == kKvFp8E4M3) return launch_seesaw_fp8<T>(p, cfg, stream);
+      break;
+    case kEtap:
+      if constexpr (KvFmt == kKvSameAsQ)
+        return rows16 ? launch_etap<T, 16, KvFmt>(p, cfg, stream) : launch_etap<T, 32, KvFmt>(p, cfg, stream);
+      else if (rows16)  // fp8 caches: 16 rows (kEtapFp8MaxRows)
+        return launch_etap<T, 16, KvFmt>(p, cfg, stream);
+      break;
+    case kFp8Convert:
+      if constexpr (KvFmt == kKvFp8E4M3)
+        return rows16 ? launch_fp8_convert<T, 16>(p, cfg, stream) : launch_fp8_convert<T, 32>(p, cfg, stream);
+      break;
+    case kFp8Regs:
+      if constexpr (KvFmt == kKvFp8E4M3)
+        return rows16 ? launch_fp8_regs<T, 16>(p, cfg, stream) : launch_fp8_regs<T, 32>(p, cfg, stream);
+      break;
+  }
+  return cudaErrorInvalidValue;
 }
 
 template <typename T>
-static cudaError_t launch_decode_fmt(const DecodeParams& p, int grid_parts, cudaStream_t stream, bool* combined) {
+static int launch_format(const DecodeParams& p, const LaunchConfig& cfg, cudaStream_t stream) {
   switch (p.kv_format) {
-    case kKvSameAsQ: return launch_decode_t<T, kKvSameAsQ>(p, grid_parts, stream, combined);
-    case kKvFp8E4M3: return launch_decode_t<T, kKvFp8E4M3>(p, grid_parts, stream, combined);
-    case kKvFp8DsMla: return launch_decode_t<T, kKvFp8DsMla>(p, grid_parts, stream, combined);
+    case kKvSameAsQ: return launch_mainloop<T, kKvSameAsQ>(p, cfg, stream);
+    case kKvFp8E4M3: return launch_mainloop<T, kKvFp8E4M3>(p, cfg, stream);
+    case kKvFp8DsMla: return launch_mainloop<T, kKvFp8DsMla>(p, cfg, stream);
     default: return cudaErrorInvalidValue;
   }
 }
 
-int launch_decode(const DecodeParams& p, int grid_parts, void* stream, bool* combined) {
+int launch_decode(const DecodeParams& params, const LaunchConfig& cfg, void* stream) {
+  DecodeParams p = params;
+  p.fuse_combine = cfg.fuse_combine ? 1 : 0;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
-  *combined = false;
-  return p.q_is_bf16 ? launch_decode_fmt<__nv_bfloat16>(p, grid_parts, s, combined)
-                     : launch_decode_fmt<__half>(p, grid_parts, s, combined);
+  return p.q_is_bf16 ? launch_format<__nv_bfloat16>(p, cfg, s) : launch_format<__half>(p, cfg, s);
 }
 
 int launch_combine(const CombineParams& p, void* stream) {
@@ -421,15 +287,5 @@ int launch_combine(const CombineParams& p, void* stream) {
                 : mla_combine_kernel<__half, false><<<grid, kCombineThreads, 0, s>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
-
-#ifdef MLA_SM90_TIMELINE
-int timeline_take(void* dst) {
-  cudaError_t e = cudaMemcpyFromSymbol(dst, g_timeline, sizeof(g_timeline));
-  void* addr = nullptr;
-  if (e == cudaSuccess) e = cudaGetSymbolAddress(&addr, g_timeline);
-  if (e == cudaSuccess) e = cudaMemset(addr, 0, sizeof(g_timeline));
-  return static_cast<int>(e);
-}
-#endif
 
 }  // namespace mla_sm90

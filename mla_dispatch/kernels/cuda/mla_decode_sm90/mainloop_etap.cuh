@@ -1,4 +1,4 @@
-// SM90 MLA decode, version 6: KV tokens on the 64-row side of wgmma, query rows on the
+// SM90 MLA decode, mainloop v6 (Mainloop::kEtap): KV tokens on the 64-row side of wgmma, query rows on the
 // narrow side, for shapes with at most 32 query rows per KV head (s_q * h_q / h_kv <= 32:
 // the memory-bound decode of 16-32 heads). The orientation is FlashMLA-ETAP's (Dege et al.,
 // "FlashMLA-ETAP: Efficient Transpose Attention Pipeline for Accelerating MLA Inference on
@@ -24,135 +24,19 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <cuda.h>
 
-#include "mainloop_seesaw.cuh"
+#include "combine.cuh"
+#include "epilogue.cuh"
+#include "loads.cuh"
+#include "ptx.cuh"
+#include "traits.cuh"
+#include "wgmma.cuh"
 
 namespace mla_sm90 {
 
-// Channels ch .. ch + 3 (ch % 4 == 0) of a finished query row (req, qi, head), times inv, from the row's fp32 sums in
-// shared memory (srow[sch] holds channel ch): into out (unsplit item, slot < 0) or into the item's partial row
-// (params.h: position ch of the fp16 row holds channels 2q, 2q + 1, 8 + 2q, 9 + 2q of its 16-channel block, q =
-// ch % 16 / 4, scaled by one power of two per quarter row). For a split item the calling warp's 32 lanes must hold one
-// quarter row (consecutive ch, the same row), since they agree on its scale by shuffles. v6 and v7 write rows so.
-// store_row_quad's stores: v, the four values of position ch (out's channels ch .. + 3, or a partial row's order),
-// times inv; m, the largest |value| of the quarter row, sets a partial row's scale. fp8t_rows_out (mainloop_fp8t.cuh)
-// calls it after reading and reducing several rows at once.
-template <typename T>
-__device__ __forceinline__ void store_quad(const DecodeParams& p, float4 v, float m, int ch, float inv, int req,
-                                           int qi, int head, int slot) {
-  using TT = TypeTraits<T>;
-  if (slot < 0) {
-    T* dst = out_row<T>(p, req, qi, head) + ch;
-    *reinterpret_cast<typename TT::T2*>(dst) = TT::from_float2(v.x * inv, v.y * inv);
-    *reinterpret_cast<typename TT::T2*>(dst + 2) = TT::from_float2(v.z * inv, v.w * inv);
-    return;
-  }
-  const int shift = partial_shift(m * inv, inv);
-  const float pscale = inv * pow2i(shift);
-  char* row = partial_row(p.partial_out, partial_index(p, slot, qi, head));
-  *reinterpret_cast<uint2*>(reinterpret_cast<__half*>(row) + ch) =
-      make_uint2(half2_bits(__floats2half2_rn(v.x * pscale, v.y * pscale)),
-                 half2_bits(__floats2half2_rn(v.z * pscale, v.w * pscale)));
-  if (ch % 128 < 16) {  // lanes 0 .. 3 fill the quarter's shift sector
-    const uint32_t w = shift_word(shift);
-    *reinterpret_cast<uint2*>(row + kPartialShiftByte + kPartialShiftStride * (ch / 128) + 2 * (ch % 128)) =
-        make_uint2(w, w);
-  }
-}
-template <typename T>
-__device__ __forceinline__ void store_row_quad(const DecodeParams& p, const float* srow, int sch, int ch, float inv,
-                                               int req, int qi, int head, int slot) {
-  if (slot < 0) {
-    store_quad<T>(p, *reinterpret_cast<const float4*>(srow + sch), 0.f, ch, inv, req, qi, head, slot);
-    return;
-  }
-  const float* o = srow + (sch & ~15) + 2 * ((sch & 15) / 4);
-  const float2 lo = *reinterpret_cast<const float2*>(o), hi = *reinterpret_cast<const float2*>(o + 8);
-  float m = fmaxf(fmaxf(fabsf(lo.x), fabsf(lo.y)), fmaxf(fabsf(hi.x), fabsf(hi.y)));
-#pragma unroll
-  for (int d = 1; d < 32; d *= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));
-  store_quad<T>(p, make_float4(lo.x, lo.y, hi.x, hi.y), m, ch, inv, req, qi, head, slot);
-}
-
-template <typename T, int N> struct GmmaEtap;
-template <> struct GmmaEtap<__nv_bfloat16, 16> {
-  using KQ = cute::SM90::GMMA::MMA_64x16x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
-  using VP = cute::SM90::GMMA::MMA_64x16x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::MN, cute::SM90::GMMA::Major::K>;
-};
-template <> struct GmmaEtap<__nv_bfloat16, 32> {
-  using KQ = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
-  using VP = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::MN, cute::SM90::GMMA::Major::K>;
-};
-template <> struct GmmaEtap<__half, 16> {
-  using KQ = cute::SM90::GMMA::MMA_64x16x16_F32F16F16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
-  using VP = cute::SM90::GMMA::MMA_64x16x16_F32F16F16_SS<cute::SM90::GMMA::Major::MN, cute::SM90::GMMA::Major::K>;
-};
-template <> struct GmmaEtap<__half, 32> {
-  using KQ = cute::SM90::GMMA::MMA_64x32x16_F32F16F16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
-  using VP = cute::SM90::GMMA::MMA_64x32x16_F32F16F16_SS<cute::SM90::GMMA::Major::MN, cute::SM90::GMMA::Major::K>;
-};
-
-// The two GEMMs of a 64-token tile with tokens on the wgmma M side (FlashMLA-ETAP's orientation), shared by v6 and
-// v7 (mainloop_fp8t.cuh). Operands are 16-bit, in nine [rows][64] column blocks with the 128-byte swizzle.
-// S^T = K Q^T: 9 column blocks x 4 k-steps of G::KQ (m64 x kN x k16) into `acc`, K at `dk` (blocks of 64 x 64), Q at
-// `dq` (blocks kQBlock elements apart); `block_ready(blk)` runs before the wgmmas of block blk (v6's TMA waits, with
-// the warpgroup_arrive ptxas needs after each: C7520; a no-op elsewhere). Returns with the wgmmas done.
-template <typename G, int kQBlock, int kAcc, typename BlockReady>
-__device__ __forceinline__ void etap_gemm_s(uint64_t dk, uint64_t dq, float (&acc)[kAcc], BlockReady&& block_ready) {
-  fence_regs<kAcc>(acc);
-  cute::warpgroup_arrive();
-#pragma unroll
-  for (int blk = 0; blk < 9; ++blk) {
-    block_ready(blk);
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
-      const uint64_t off_k = (uint64_t)(((blk * 64 * 64 + kk * 16) * 2) >> 4);
-      const uint64_t off_q = (uint64_t)(((blk * kQBlock + kk * 16) * 2) >> 4);
-      gmma_call<typename G::KQ>(dk + off_k, dq + off_q, acc, blk + kk > 0, std::make_index_sequence<kAcc>{});
-    }
-  }
-  cute::warpgroup_commit_batch();
-  cute::warpgroup_wait<0>();
-  fence_regs<kAcc>(acc);
-}
-
-// O^T = 0, the zeroing pinned where it is (a mov that ptxas sinks between wgmmas in flight serialises them all: C7515).
-template <int kAcc>
-__device__ __forceinline__ void etap_zero_acc_o(float (&acc_o)[8][kAcc]) {
-#pragma unroll
-  for (int mb = 0; mb < 8; ++mb)
-#pragma unroll
-    for (int i = 0; i < kAcc; ++i) acc_o[mb][i] = 0.f;
-#pragma unroll
-  for (int mb = 0; mb < 8; ++mb) fence_regs<kAcc>(acc_o[mb]);
-}
-
-// O^T += V^T P^T: 8 blocks of 64 channels x 4 k-steps of 16 tokens of G::VP, V^T read MN-major from the first 512
-// columns of the tile at `stage`, P^T ([kN][64] tokens, K-major) at `dp`. Returns with the wgmmas done.
-template <typename G, int kAcc, typename E>
-__device__ __forceinline__ void etap_gemm_pv(const E* stage, uint64_t dp, float (&acc_o)[8][kAcc]) {
-  static_assert(sizeof(E) == 2, "16-bit operands");
-#pragma unroll
-  for (int mb = 0; mb < 8; ++mb) fence_regs<kAcc>(acc_o[mb]);
-  cute::warpgroup_arrive();
-#pragma unroll
-  for (int mb = 0; mb < 8; ++mb) {
-    const uint64_t dv = gmma_desc_sw128(stage + mb * 64 * 64, 64 * 64 * 2, 1024);
-#pragma unroll
-    for (int kt = 0; kt < 4; ++kt) {
-      const uint64_t off_v = (uint64_t)((kt * 16 * 64 * 2) >> 4);
-      const uint64_t off_p = (uint64_t)((kt * 16 * 2) >> 4);
-      gmma_call<typename G::VP>(dv + off_v, dp + off_p, acc_o[mb], true, std::make_index_sequence<kAcc>{});
-    }
-  }
-  cute::warpgroup_commit_batch();
-  cute::warpgroup_wait<0>();
-#pragma unroll
-  for (int mb = 0; mb < 8; ++mb) fence_regs<kAcc>(acc_o[mb]);
-}
-
 struct Etap {
-  static constexpr int kMaxRows = 32;                  // query rows per KV head this variant takes
+  static constexpr int kMaxRows = kEtapMaxRows;        // query rows per KV head (config.h; kEtapFp8MaxRows for fp8)
   static constexpr int kRedFloats = 2 * 4 * kMaxRows;  // [warpgroup][warp][column]: column maxima of a tile
   static constexpr int kBarWg = 1;                     // named barriers 1, 2: one per warpgroup
   static constexpr int kOStride = Cfg::kHeadDimV + 4;  // fp32 row stride of the merge buffer (spreads banks)
@@ -266,14 +150,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   auto acc_col = [](int i) { return 2 * (i / 4) + (i % 2); };
   auto desc = [](const void* base) { return gmma_desc_sw128_addr(smem_u32(base), 16, 1024); };
 
-  stamp(kTimelineEntry);
   const int item_begin = p.part_offsets[part], item_end = p.part_offsets[part + 1];
   for (int item = item_begin; item < item_end; ++item) {
     const WorkItem w = load_item(p, item);
     const int req = w.req, tok_begin = w.tok_begin, tok_end = w.tok_end, slot = w.slot;
     if (req < 0) continue;
     const int seqlen = p.cache_seqlens[req];
-    stamp(item_event(item - item_begin, 0), seqlen);
     int limit[kCols];
 #pragma unroll
     for (int k = 0; k < kCols; ++k) limit[k] = p.causal ? seqlen - p.q_len + col_of(k) / heads_per_kv : seqlen - 1;
@@ -304,7 +186,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     cp_async_wait_all();
     fence_proxy_async_smem();
     __syncthreads();
-    stamp(item_event(item - item_begin, 1));
 
     float acc_o[8][kAcc];
     etap_zero_acc_o(acc_o);
@@ -437,7 +318,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
     // ---- merge the two warpgroups: column sums and maxima, then O through shared memory
     __syncthreads();  // both mainloops done: the stages are free
-    stamp(item_event(item - item_begin, 2));
     // in the P^T tiles (free now): nothing the mainloop's scratch shares
     float* sL = reinterpret_cast<float*>(sP);  // [warpgroup][warp][column] column sums
     float* sM = sL + 8 * kN;                   // [warpgroup][column] column maxima
@@ -500,12 +380,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // the generic-proxy sO writes above
     fence_proxy_async_smem();
     __syncthreads();
-    stamp(item_event(item - item_begin, 3));
   }
   static_assert(kFusedScratchBytes<Cfg::kThreads> <= Cfg::kQElems * (int)sizeof(T), "the combine's list fits sQ");
-  stamp(kTimelineCombine);
   if (p.fuse_combine) combine_in_grid<T, Cfg::kThreads>(p, reinterpret_cast<int*>(smem_base));
-  stamp(kTimelineEnd);
 }
 
 }  // namespace mla_sm90

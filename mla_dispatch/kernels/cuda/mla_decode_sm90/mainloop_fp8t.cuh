@@ -1,5 +1,5 @@
-// SM90 MLA decode, version 7: fp8_e4m3 caches with at most 32 query rows per KV head (the memory-bound decode of
-// 16-32 heads), in three warpgroups.
+// SM90 MLA decode, mainloops v7 (Mainloop::kFp8Convert) and v8 (kFp8Regs): fp8_e4m3 caches with at most 32 query
+// rows per KV head (the memory-bound decode of 16-32 heads), in three warpgroups.
 //
 // v6 (mainloop_etap.cuh) puts KV tokens on the 64-row side of wgmma (FlashMLA-ETAP's orientation, Dege et al.
 // 2025), but with an fp8 cache each of its warpgroups runs load wait -> dequantise -> S^T -> softmax -> P V in series
@@ -44,10 +44,10 @@
 // round trip: its register loads and its fp16 stores.
 //
 // Version 8 (kRS; mla_decode_kernel_v8) drops that round trip. One thread issues each tile as five tensor copies of
-// 128-column boxes (128-byte swizzle, the page's raw fp8 bytes; whole-tile pages only, others run v7) into three
-// stages, and the two consumers convert their operands in registers and feed wgmma's register-A form: the scorer K
-// (ldmatrix, fp8rs_gemm_s), the accumulator V^T (transposed ldmatrix and a byte permute, fp8rs_load_v). The query
-// tile holds its columns in the order the scorer's fragments take the stage's bytes (fp8rs_q_col), O^T's rows are the
+// 128-column boxes (128-byte swizzle, the page's raw fp8 bytes; whole-tile pages only, the plan picks v7 on others)
+// into three stages, and the two consumers convert their operands in registers and feed wgmma's register-A form: the
+// scorer K (ldmatrix, fp8rs_gemm_s), the accumulator V^T (transposed ldmatrix and a byte permute, fp8rs_load_v).
+// The query tile holds its columns in the order the scorer's fragments take the stage's bytes (fp8rs_q_col), O^T's rows are the
 // channels in fp8rs_load_v's order (fp8rs_channel), and tokens past an item's end are zeroed in the accumulator's
 // fragments (the scorer masks their scores). Every tile is converted twice (K and V^T), against once in v7, but with
 // no shared-memory stores. H100, b=64 L=8K, graph replay (NOTES.md, twenty-seventh session): 16 heads 140.2 us
@@ -57,14 +57,22 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <cuda.h>
+#include <type_traits>
 
-#include "mainloop_etap.cuh"
+#include "combine.cuh"
+#include "epilogue.cuh"
+#include "fp8.cuh"
+#include "loads.cuh"
+#include "ptx.cuh"
+#include "traits.cuh"
+#include "wgmma.cuh"
 
 namespace mla_sm90 {
 
 struct Fp8t {
   static constexpr int kThreads = 384;
-  static constexpr int kMaxRows = 32;
+  static constexpr int kMaxRows = kFp8tMaxRows;  // config.h
   static constexpr int kOStride = Cfg::kHeadDimV / 2 + 4;  // fp32 row stride of half an output row (spreads banks)
   // v8: a stage holds the tile's raw bytes as five [64 tokens][128 bytes] boxes with the 128-byte swizzle (the last
   // box's upper half is the tensor map's zero fill past column 575)
@@ -86,19 +94,6 @@ struct Fp8t {
   static constexpr int kRegsConv = 200, kRegsScorer = 112, kRegsAcc = 192, kRegsLaunch = 168;
   // v8: the producer warpgroup (one issuing thread) gives its registers to the consumers, which hold A fragments
   static constexpr int kRegsProd = 40, kRegsScorerRS = 224, kRegsAccRS = 240;
-  // The ablation build (-DMLA_SM90_ABLATE=bits; kernels/cuda/build.py, ci/sm90_ablate.py) skips the parts of the
-  // work named by these bits, to find which of them bound the time (its results are wrong)
-  static constexpr int kAblateLoad = 1;      // converter: no global loads or L2 prefetches (registers keep stale data);
-                                             // v8's producer: no tensor copies
-  static constexpr int kAblateStore = 2;     // converter: no conversion or stores into the stage
-  static constexpr int kAblateS = 4;         // scorer: no S^T wgmma (scores 0)
-  static constexpr int kAblateSoftmax = 8;   // scorer: no mask, rescale check or exponentials (P = the scores)
-  static constexpr int kAblatePV = 16;       // accumulator: no O^T wgmma
-  static constexpr int kAblatePStore = 32;   // scorer: no P^T stores
-  static constexpr int kAblateOut = 64;      // accumulator: no output stores
-  static constexpr int kAblateFence = 256;   // converter: no proxy fence (MEMBAR) before a stage's full signal
-  static constexpr int kAblateQ = 2048;      // scorer: no global loads of the query tile (zeros)
-  // (bits 128, 512, 1024 and 2048 of the twenty-sixth session, NOTES.md, are in commit bc70a18 only; 2048 is kAblateQ now)
   static_assert(kRegsConv + kRegsScorer + kRegsAcc == 3 * kRegsLaunch, "setmaxnreg moves registers, adds none");
   static_assert(kRegsProd + kRegsScorerRS + kRegsAccRS == 3 * kRegsLaunch, "setmaxnreg moves registers, adds none");
 };
@@ -130,42 +125,6 @@ struct Fp8tSmem {
   static_assert(kStages <= 4, "the rescale flags hold four stages");
   static_assert(kFusedScratchBytes<Fp8t::kThreads> <= kStages * kStageBytes, "the combine's list fits the stages");
 };
-
-
-// bar.sync's non-aligned form (the three warpgroups reach it from different code), over the whole CTA.
-__device__ __forceinline__ void barrier_cta_unaligned(int id, int threads) {
-  asm volatile("barrier.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-// bar.red.or over `threads` threads of named barrier `id`: whether any of them passed true.
-__device__ __forceinline__ bool named_barrier_any(int id, int threads, bool v) {
-  uint32_t r;
-  asm volatile(
-      "{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbarrier.cta.red.or.pred q, %2, %3, p;\nselp.u32 %0, 1, 0, q;\n}\n"
-      : "=r"(r)
-      : "r"((uint32_t)v), "r"(id), "r"(threads)
-      : "memory");
-  return r != 0;
-}
-// Ask L2 for `bytes` (a multiple of 16) from a 16-byte aligned global address.
-__device__ __forceinline__ void prefetch_l2_bulk(const void* ptr, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(ptr), "r"(bytes) : "memory");
-}
-// 16 bytes of the (read-only) cache, not kept in L1.
-__device__ __forceinline__ uint4 ld_stream_16(const void* ptr) {
-  uint4 r;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(ptr));
-  return r;
-}
-// Four e4m3 values (a word, lowest byte first) -> four fp16 values (two words, in order).
-__device__ __forceinline__ uint2 e4m3x4_to_f16x4(uint32_t w) {
-  uint2 r;
-  asm("{\n.reg .b16 a, b;\nmov.b32 {a, b}, %2;\ncvt.rn.f16x2.e4m3x2 %0, a;\ncvt.rn.f16x2.e4m3x2 %1, b;\n}\n"
-      : "=r"(r.x), "=r"(r.y)
-      : "r"(w));
-  return r;
-}
 
 // A tile's fp8 bytes held by one converter thread: token rows r0 and r0 + 32 (r0 = 8 warp + lane / 4), of each of the
 // nine 64-byte column blocks the 16 bytes at 16 (lane % 4). A warp's loads read 64-byte pieces of 8 rows; its stores
@@ -256,12 +215,6 @@ __device__ __forceinline__ int q_tile_offset(int row, int col) {
 __device__ __forceinline__ int fp8rs_offset(int row, int col) {
   return (col >> 7) * Fp8t::kBoxBytes + row * 128 + ((((col & 127) >> 4) ^ (row & 7)) << 4);
 }
-
-template <int kN> struct GmmaFp8RS {  // A (K or V^T) from registers, B (Q or P^T) K-major from shared memory
-  using Op = std::conditional_t<
-      kN == 16, cute::SM90::GMMA::MMA_64x16x16_F32F16F16_RS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>,
-      cute::SM90::GMMA::MMA_64x32x16_F32F16F16_RS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>>;
-};
 
 // S^T = K Q^T with K from a raw stage: per 64-column block two ldmatrix (x4) per thread, converted to the fp16 A
 // fragments of four k-steps (two blocks' fragments in flight). A thread's 4-byte piece of a row holds stage columns
@@ -423,11 +376,6 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
   const int part = blockIdx.x, kvh = blockIdx.z;
   const int tid = threadIdx.x, lane = tid % 32, tid_wg = tid % 128, warp = (tid / 32) % 4;
   const int wg = __shfl_sync(0xffffffff, tid / 128, 0);  // warp-uniform (see v6)
-#ifdef MLA_SM90_ABLATE
-  constexpr int ablate = MLA_SM90_ABLATE;
-#else
-  constexpr int ablate = 0;
-#endif
   if (tid == 0) {
     for (int i = 0; i < kStages; ++i) {
       mbar_init(full + i, kRS ? 1 : 4);  // v8: the producer's arrive with the stage's byte count
@@ -441,7 +389,6 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
     fence_mbar_init();
   }
   __syncthreads();
-  stamp(kTimelineEntry);
   const int item_begin = p.part_offsets[part], item_end = p.part_offsets[part + 1];
   const int heads_per_kv = p.heads_q / p.heads_kv;
   const float kv_scale = *p.kv_scale;
@@ -461,7 +408,6 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
     if (tid == 0) {
       const PageGeometry pg = page_geometry(p.page_size);
       uint32_t it = 0;
-      long long t_empty = 0;  // timeline counter 0
       // The query rows of the CTA's first item into L2 before its first tile, and of the next item four tiles before
       // an item's end, so that the scorer's loads of them hit L2: without, the first item's loads queued behind the
       // tiles' copies (H100, b=64 L=8K, graph us 138.0 -> 134.9 at 16 rows, 166.1 -> 162.9 at 32; without any query
@@ -495,19 +441,14 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
             prefetch_q(item + 1);
             q_next = false;
           }
-          MLA_TIMED(t_empty, mbar_wait(empty + st, phase_of(it) ^ 1u));
-          if (ablate & Fp8t::kAblateLoad) {
-            mbar_arrive(full + st);
-          } else {
-            mbar_arrive_expect_tx(full + st, S::kStageBytes);
+          mbar_wait(empty + st, phase_of(it) ^ 1u);
+          mbar_arrive_expect_tx(full + st, S::kStageBytes);
 #pragma unroll
-            for (int b = 0; b < Fp8t::kBoxes; ++b)
-              tma_load_4d(stage_bytes(st) + b * Fp8t::kBoxBytes, kv_map, full + st, 128 * b, kvh, pg.row(t0), page);
-          }
+          for (int b = 0; b < Fp8t::kBoxes; ++b)
+            tma_load_4d(stage_bytes(st) + b * Fp8t::kBoxBytes, kv_map, full + st, 128 * b, kvh, pg.row(t0), page);
           page = next;
         }
       }
-      timeline_count(0, t_empty, 0);
     }
     regs_inc<Fp8t::kRegsLaunch>();
   } else if (wg == 0) {
@@ -539,7 +480,7 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
       const bool whole = pf_whole && tok_begin % Cfg::kBlockN == 0;
       auto pf_page = [&](int t0) { return page_of(t0 + (whole ? 0 : tid_wg % Cfg::kBlockN)); };
       auto prefetch = [&](int page, int t0) {
-        if (!pf_ok || t0 >= tok_end || (ablate & Fp8t::kAblateLoad)) return;
+        if (!pf_ok || t0 >= tok_end) return;
         if (whole) {
           if (tid_wg == 0)
             prefetch_l2_bulk(kv + fp8t_row_offset(p, pg, page, t0, kvh), min(Cfg::kBlockN, tok_end - t0) * Cfg::kHeadDimQK);
@@ -552,8 +493,8 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
       auto put = [&](Fp8tRows& x, int t0) {
         const uint32_t st = it & 1u;
         mbar_wait(empty + st, ((it >> 1) & 1u) ^ 1u);
-        if (!(ablate & Fp8t::kAblateStore)) fp8t_store(sK + st * (S::kStageBytes / 2), x, t0, tok_end, r0, q4);
-        if (!(ablate & Fp8t::kAblateFence)) fence_proxy_async_smem();
+        fp8t_store(sK + st * (S::kStageBytes / 2), x, t0, tok_end, r0, q4);
+        fence_proxy_async_smem();
         __syncwarp();
         if (lane == 0) mbar_arrive(full + st);
         ++it;
@@ -561,12 +502,7 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
       Fp8tRows x, y;
       int pa[2], pb[2];
       rows_pages(tok_begin, pa);
-      if (ablate & Fp8t::kAblateLoad) {
-#pragma unroll
-        for (int b = 0; b < 9; ++b) x.v[0][b] = x.v[1][b] = y.v[0][b] = y.v[1][b] = make_uint4(0, 0, 0, 0);
-      } else {
-        fp8t_load(p, pg, x, pa, tok_begin, tok_end, kvh, r0, q4);
-      }
+      fp8t_load(p, pg, x, pa, tok_begin, tok_end, kvh, r0, q4);
       // pages of tiles j + 1 / j + 2 for the register loads (pb / pa), of tiles j + A / j + A + 1 for the L2
       // prefetches (fa / fb; A = kPrefetchAhead): each read a whole iteration before its use
       constexpr int A = Fp8t::kPrefetchAhead;
@@ -578,14 +514,14 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
       for (int j = 0; j < n_tiles; j += 2) {
         const int t0 = tok_begin + j * Cfg::kBlockN;
         // tile j + 1 into y while tile j is stored; tile j + A into L2
-        if (j + 1 < n_tiles && !(ablate & Fp8t::kAblateLoad))
+        if (j + 1 < n_tiles)
           fp8t_load(p, pg, y, pb, t0 + Cfg::kBlockN, tok_end, kvh, r0, q4);
         rows_pages(t0 + 3 * Cfg::kBlockN, pb);
         prefetch(fa, t0 + A * Cfg::kBlockN);
         fa = pf_page(t0 + (A + 2) * Cfg::kBlockN);
         put(x, t0);
         // tile j + 2 into x while tile j + 1 is stored; tile j + A + 1 into L2
-        if (j + 2 < n_tiles && !(ablate & Fp8t::kAblateLoad))
+        if (j + 2 < n_tiles)
           fp8t_load(p, pg, x, pa, t0 + 2 * Cfg::kBlockN, tok_end, kvh, r0, q4);
         rows_pages(t0 + 4 * Cfg::kBlockN, pa);
         prefetch(fb, t0 + (A + 1) * Cfg::kBlockN);
@@ -603,7 +539,6 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
     barrier_cta_unaligned(Fp8t::kBarRegs, Fp8t::kThreads);
     const float score_scale = p.softmax_scale * kv_scale * kLog2e;
     uint32_t it = 0, n_items = 0;
-    long long t_full = 0, t_q = 0, t_sums = 0;  // timeline counters 1, 2, 3
     for (int item = item_begin; item < item_end; ++item) {
       const WorkItem w = load_item(p, item);
       const int req = w.req, tok_begin = w.tok_begin, tok_end = w.tok_end, slot = w.slot;
@@ -611,7 +546,6 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
       const int seqlen = p.cache_seqlens[req];
       const int n_tiles = (tok_end - tok_begin + Cfg::kBlockN - 1) / Cfg::kBlockN;
       // ---- the query tile in fp16: warp w takes rows w, w + 4, ...; lane the 16-byte chunks lane, lane + 32, ...
-      const long long t_q0 = MLA_CLOCK();
       named_barrier(Fp8t::kBarScorer, 128);  // every warp's S^T of the previous item is done: sQ is free
       // every row's loads of a batch in flight before any is used (v8 at 32 rows: 167.7 -> 164.9 us at b=64 L=8K,
       // no change at 16; H100, NOTES.md, twenty-eighth session). v8's scorer holds all its rows (kN / 4 x 12
@@ -630,7 +564,7 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
 #pragma unroll
           for (int k = 0; k < 3; ++k) {
             const int chunk = lane + 32 * k;
-            v[r][k] = valid && chunk < Cfg::kChunksQK && !(ablate & Fp8t::kAblateQ)
+            v[r][k] = valid && chunk < Cfg::kChunksQK
                           ? *reinterpret_cast<const uint4*>(src + 8 * chunk)
                           : make_uint4(0, 0, 0, 0);
           }
@@ -679,7 +613,6 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
       }
       fence_proxy_async_smem();
       named_barrier(Fp8t::kBarScorer, 128);
-      t_q += MLA_CLOCK() - t_q0;
       float s_col[kCols], m_run[kCols], m_use[kCols], l_run[kCols];
       int limit[kCols];
 #pragma unroll
@@ -693,13 +626,10 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
       for (int j = 0; j < n_tiles; ++j, ++it) {
         const int t0 = tok_begin + j * Cfg::kBlockN;
         const uint32_t st = it % kStages;
-        MLA_TIMED(t_full, mbar_wait(full + st, phase_of(it)));
+        mbar_wait(full + st, phase_of(it));
         // ---- S^T = K Q^T (etap_gemm_s; v8: fp8rs_gemm_s)
         float acc_s[kAcc];
-        if (ablate & Fp8t::kAblateS) {
-#pragma unroll
-          for (int i = 0; i < kAcc; ++i) acc_s[i] = 0.f;
-        } else if constexpr (kRS) {
+        if constexpr (kRS) {
           fp8rs_gemm_s<typename GmmaFp8RS<kN>::Op, kN * 64>(stage_bytes(st), desc(sQ), acc_s, warp, lane);
         } else {
           etap_gemm_s<G, kN * 64>(desc(sK + st * (S::kStageBytes / 2)), desc(sQ), acc_s, [](int) {});
@@ -709,19 +639,16 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
 
         // ---- scores in base 2; mask only tiles reaching past unmasked_end
         const bool masked = t0 + Cfg::kBlockN > unmasked_end;
-        const bool softmax = !(ablate & Fp8t::kAblateSoftmax);
         bool over = false;
-        if (softmax) {
 #pragma unroll
-          for (int i = 0; i < kAcc; ++i) {
-            const int k = acc_col(i), t = t0 + acc_row(i);
-            acc_s[i] = masked && !(t < tok_end && t <= limit[k]) ? -INFINITY : acc_s[i] * s_col[k];
-            over |= acc_s[i] - m_run[k] > 8.f;  // NaN (both -inf) compares false; a first key gives +inf
-          }
+        for (int i = 0; i < kAcc; ++i) {
+          const int k = acc_col(i), t = t0 + acc_row(i);
+          acc_s[i] = masked && !(t < tok_end && t <= limit[k]) ? -INFINITY : acc_s[i] * s_col[k];
+          over |= acc_s[i] - m_run[k] > 8.f;  // NaN (both -inf) compares false; a first key gives +inf
         }
         // conditional rescaling (FlashAttention-4): the column maxima are taken only when some score passes its
         // row's reference maximum by more than 2^8; P <= 2^8 is exact enough in fp16 and far from its range
-        const bool fire = softmax && named_barrier_any(Fp8t::kBarScorer, 128, over);
+        const bool fire = named_barrier_any(Fp8t::kBarScorer, 128, over);
         float alpha[kCols];
         if (fire) {
           float cmax[kCols];
@@ -758,17 +685,15 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
 #pragma unroll
         for (int i = 0; i < kAcc; ++i) {
           const int k = acc_col(i);
-          if (softmax) acc_s[i] = exp2_ftz(acc_s[i] - m_use[k]);
+          acc_s[i] = exp2_ftz(acc_s[i] - m_use[k]);
           psum[k] += acc_s[i];
         }
 #pragma unroll
         for (int k = 0; k < kCols; ++k) l_run[k] = l_run[k] * alpha[k] + psum[k];
         // the stage's P^T was last read by the accumulator for tile it - kStages, before it released the stage
         __half* pw = sP + st * (S::kPBytes / 2);
-        if (!(ablate & Fp8t::kAblatePStore)) {
 #pragma unroll
-          for (int i = 0; i < kAcc; ++i) pw[L::offset(col_of(acc_col(i)), acc_row(i))] = __float2half_rn(acc_s[i]);
-        }
+        for (int i = 0; i < kAcc; ++i) pw[L::offset(col_of(acc_col(i)), acc_row(i))] = __float2half_rn(acc_s[i]);
         if (warp == 0) {
           if (fire && lane < 4) {
 #pragma unroll
@@ -794,7 +719,7 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
           if (warp == 0) sMax[col_of(k)] = m_run[k];
         }
       }
-      MLA_TIMED(t_sums, mbar_wait(sums_empty + par, ((n_items >> 1) & 1u) ^ 1u));  // the accumulator read the sums of
+      mbar_wait(sums_empty + par, ((n_items >> 1) & 1u) ^ 1u);  // the accumulator read the sums of
                                                                                    // item n - 2
       named_barrier(Fp8t::kBarScorer, 128);
       if (tid_wg < kN) {
@@ -813,9 +738,6 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
       if (tid_wg == 0) mbar_arrive(sums_full + par);
       ++n_items;
     }
-    timeline_count(1, t_full, 128);
-    timeline_count(2, t_q, 128);
-    timeline_count(3, t_sums, 128);
     if constexpr (kRS)
       regs_dec<Fp8t::kRegsLaunch>();
     else
@@ -825,12 +747,9 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
     regs_inc<kRS ? Fp8t::kRegsAccRS : Fp8t::kRegsAcc>();
     barrier_cta_unaligned(Fp8t::kBarRegs, Fp8t::kThreads);
     uint32_t it = 0, n_items = 0;
-    long long t_full = 0, t_p = 0, t_out = 0, t_sums = 0;  // timeline counters 4, 5, 6, 7
-    long long t_epi[4] = {0, 0, 0, 0};  // timeline counters 8..11: the epilogue's parts
     for (int item = item_begin; item < item_end; ++item) {
       const WorkItem w = load_item(p, item);
       const int req = w.req, tok_begin = w.tok_begin, tok_end = w.tok_end, slot = w.slot;
-      stamp(item_event(item - item_begin, 0), req, 256);
       if (req < 0) continue;
       const int n_tiles = (tok_end - tok_begin + Cfg::kBlockN - 1) / Cfg::kBlockN;
       float acc_o[8][kAcc];
@@ -839,8 +758,7 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
         const uint32_t st = it % kStages, ph = phase_of(it);
         // P^T of the tile ready, O^T rescaled where the scorer moved a row's reference maximum
         auto wait_p = [&] {
-          MLA_TIMED(t_p, mbar_wait(p_ready + st, ph));
-          if (j == 0) stamp(item_event(item - item_begin, 1), 0, 256);
+          mbar_wait(p_ready + st, ph);
           if (sFlag[st]) {
             float alpha[kCols];
 #pragma unroll
@@ -863,7 +781,7 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
           };
           const uint64_t dp = desc(sP + st * (S::kPBytes / 2));
           uint32_t va[2][16];
-          MLA_TIMED(t_full, mbar_wait(full + st, ph));
+          mbar_wait(full + st, ph);
           load_v(va[0], 0);
           wait_p();
 #pragma unroll
@@ -874,12 +792,10 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
             if (mb >= 2) cute::warpgroup_wait<1>();  // the wgmmas of block mb - 2 have read these registers
             if (mb >= 1) load_v(f, mb);
             cute::warpgroup_arrive();
-            if (!(ablate & Fp8t::kAblatePV)) {
 #pragma unroll
-              for (int kt = 0; kt < 4; ++kt)
-                gmma_rs_call<typename GmmaFp8RS<kN>::Op>(f + 4 * kt, dp + (uint64_t)((kt * 16 * 2) >> 4), acc_o[mb],
-                                                         true, std::make_index_sequence<kAcc>{});
-            }
+            for (int kt = 0; kt < 4; ++kt)
+              gmma_rs_call<typename GmmaFp8RS<kN>::Op>(f + 4 * kt, dp + (uint64_t)((kt * 16 * 2) >> 4), acc_o[mb], true,
+                                                       std::make_index_sequence<kAcc>{});
             cute::warpgroup_commit_batch();
           }
           cute::warpgroup_wait<0>();
@@ -887,39 +803,29 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
           for (int mb = 0; mb < 8; ++mb) fence_regs<kAcc>(acc_o[mb]);
         } else {
           wait_p();
-          if (!(ablate & Fp8t::kAblatePV))
-            etap_gemm_pv<G>(sK + st * (S::kStageBytes / 2), desc(sP + st * (S::kPBytes / 2)), acc_o);
+          etap_gemm_pv<G>(sK + st * (S::kStageBytes / 2), desc(sP + st * (S::kPBytes / 2)), acc_o);
         }
         __syncwarp();
         if (lane == 0) mbar_arrive(empty + st);
-        stamp(step_event(it), 0, 256);
       }
-      stamp(item_event(item - item_begin, 2), 0, 256);
-      const long long t_out0 = MLA_CLOCK();
 
       // ---- out: half a row block (256 channels) at a time through sO, rows out 4 channels per thread
       const uint32_t par = n_items & 1u;
-      MLA_TIMED(t_sums, mbar_wait(sums_full + par, (n_items >> 1) & 1u));
+      mbar_wait(sums_full + par, (n_items >> 1) & 1u);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const long long c0 = MLA_CLOCK();
         named_barrier(Fp8t::kBarAcc, 128);  // sO's previous readers are done
-        const long long c1 = MLA_CLOCK();
 #pragma unroll
         for (int mb = 0; mb < 4; ++mb)
 #pragma unroll
           for (int i = 0; i < kAcc; ++i)
             sO[col_of(acc_col(i)) * Fp8t::kOStride + mb * 64 + (kRS ? fp8rs_channel(acc_row(i)) : acc_row(i))] =
                 acc_o[4 * half + mb][i];
-        const long long c2 = MLA_CLOCK();
         named_barrier(Fp8t::kBarAcc, 128);
-        const long long c3 = MLA_CLOCK();
-        t_epi[0] += c1 - c0, t_epi[1] += c2 - c1, t_epi[2] += c3 - c2;
         // v8 at 32 rows: passes that overlap (H100, b=64 L=8K: 162.3 -> 157.0 us; at 16 rows 134.7 -> 135.2, so
         // 16 rows and v7, not measured, keep the loop; NOTES.md, twenty-eighth session)
         if constexpr (kRS && kN == 32) {
-          if (!(ablate & Fp8t::kAblateOut))
-            fp8t_rows_out<T, kN>(p, sO, sSum + par * Fp8t::kMaxRows, half, kv_scale, req, slot, kvh, tid_wg);
+          fp8t_rows_out<T, kN>(p, sO, sSum + par * Fp8t::kMaxRows, half, kv_scale, req, slot, kvh, tid_wg);
         } else
         for (int idx = tid_wg; idx < kN * 64; idx += 128) {
           const int c = idx / 64, chl = 4 * (idx % 64), ch = Cfg::kHeadDimV / 2 * half + chl;
@@ -928,27 +834,15 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
           const float inv = total > 0.f ? kv_scale / total : 0.f;
           const int qi = c / heads_per_kv, head = kvh * heads_per_kv + c % heads_per_kv;
           // sO holds this half of the row: channel ch at chl; a warp holds one quarter row (store_row_quad)
-          if (!(ablate & Fp8t::kAblateOut))
-            store_row_quad<T>(p, sO + c * Fp8t::kOStride, chl, ch, inv, req, qi, head, slot);
+          store_row_quad<T>(p, sO + c * Fp8t::kOStride, chl, ch, inv, req, qi, head, slot);
         }
-        t_epi[3] += MLA_CLOCK() - c3;
       }
       mbar_arrive(sums_empty + par);  // this thread's reads of the sums are done
-      t_out += MLA_CLOCK() - t_out0;
-      stamp(item_event(item - item_begin, 3), 0, 256);
       ++n_items;
     }
-    timeline_count(4, t_full, 256);
-    timeline_count(5, t_p, 256);
-    timeline_count(6, t_out, 256);
-    timeline_count(7, t_sums, 256);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) timeline_count(8 + i, t_epi[i], 256);
     regs_dec<Fp8t::kRegsLaunch>();
   }
-  stamp(kTimelineCombine);
   if (p.fuse_combine) combine_in_grid<T, Fp8t::kThreads>(p, reinterpret_cast<int*>(smem_base));
-  stamp(kTimelineEnd);
 }
 
 template <typename T, int kN>

@@ -1,5 +1,5 @@
-// SM90 MLA decode, version 5: two KV tiles in flight, one per warpgroup, with the
-// softmax of one warpgroup running while the other's GEMMs occupy the tensor cores
+// SM90 MLA decode, mainloops v5 (Mainloop::kSeesaw) and v9 (kSeesawFp8): two KV tiles in flight, one per
+// warpgroup, with the softmax of one warpgroup running while the other's GEMMs occupy the tensor cores
 // (the "seesaw" schedule of FlashMLA's SM90 kernel, described in DeepSeek's
 // "A Deep-Dive into the New Flash MLA Kernel", 2025, and csrc/sm90/kernels/
 // splitkv_mla.cu of deepseek-ai/FlashMLA). Our own code; the schedule is theirs.
@@ -19,20 +19,20 @@
 // so each softmax overlaps the other warpgroup's GEMMs.
 //
 // Loads: TMA (cp.async.bulk.tensor, 128-byte swizzle = the Swizzle<3,4,3> layout of
-// config.cuh), one 64x64 box per column block, 9 per tile, each on its own mbarrier (S
+// traits.cuh), one 64x64 box per column block, 9 per tile, each on its own mbarrier (S
 // starts on a block as soon as it lands, as FlashMLA does), refilled by the warpgroup that
 // reads it last:
 //   stage 0: blocks 0..3 (V_L)        by WG0 after P_a V_aL,
 //            blocks 4..8              by WG1 after sP0 V_aR;
 //   stage 1: blocks 0..3 and 8        by WG0 after sP1 V_bL (sP1 is block 8, below),
 //            blocks 4..7 (V_R)        by WG1 after P_b V_bR.
-// Where a part's row tiles come in pairs (128 or 256 query rows per KV head), launch.cu runs each
-// pair as a cluster of two CTAs (kPaired) that start every item together: 1-6% faster on the
-// FlashMLA grid. Multicasting each KV box to both CTAs of the pair was tried and not kept
+// Where a part's row tiles come in pairs (128 or 256 query rows per KV head), the plan runs each
+// pair as a cluster of two CTAs (kPaired; LaunchConfig::paired) that start every item together: 1-6%
+// faster on the FlashMLA grid. Multicasting each KV box to both CTAs of the pair was tried and not kept
 // (NOTES.md, "Eighteenth session").
 // A 64-token tile must sit in one page, so this variant needs page_size % 64 == 0 and
-// a bf16/fp16 cache (launch.cu runs v2 for other caches, and reports an error if such a
-// cache cannot be described by a tensor map).
+// a bf16/fp16 cache (v9: fp8_e4m3) that a tensor map describes; the binding refuses other
+// caches (binding.cpp, check_config).
 //
 // Shared memory is v2's: Q [64 x 576], two K stages, one P tile (sP0). sP1 lives in
 // stage 1's column block 8 (K_b's RoPE part, dead once S_b is done; P V reads only
@@ -48,71 +48,20 @@
 #include <cstdint>
 #include <cuda.h>
 
-#include "mainloop_wgmma.cuh"
+#include "epilogue.cuh"
+#include "fp8.cuh"
+#include "loads.cuh"
+#include "ptx.cuh"
+#include "traits.cuh"
+#include "wgmma.cuh"
 
 namespace mla_sm90 {
 
-// ---- mbarrier / TMA (PTX ISA 8.0, sm_90) -----------------------------------------------
-__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void fence_mbar_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  const uint32_t addr = smem_u32(bar);
-  uint32_t done = 0;
-  do {
-    asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(addr), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-// One box of the 4-D KV tensor map (576 cols, h_kv, page_size, num_blocks) into shared memory.
-__device__ __forceinline__ void tma_load_4d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1, int c2,
-                                            int c3) {
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
-      "[%6];\n" ::"r"(smem_u32(dst)),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_u32(bar))
-      : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
-}
-template <int N> __device__ __forceinline__ void regs_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
-template <int N> __device__ __forceinline__ void regs_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
-// Every thread of both CTAs of the cluster (release / acquire at cluster scope); also a __syncthreads.
-// Not cute::cluster_sync: its asm has no "memory" clobber, so the compiler could move shared-memory
-// accesses across it.
-__device__ __forceinline__ void cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
-}
-
-template <typename T> struct GmmaRS;
-template <> struct GmmaRS<__nv_bfloat16> {
-  using PV = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>;
-};
-template <> struct GmmaRS<__half> {
-  using PV = cute::SM90::GMMA::MMA_64x256x16_F32F16F16_RS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>;
-};
-
-template <class Op, size_t... I>
-__device__ __forceinline__ void gmma_rs_call(const uint32_t* a, uint64_t db, float* acc, bool accumulate,
-                                             std::index_sequence<I...>) {
-  Op::fma(a[0], a[1], a[2], a[3], db, acc[I]...,
-          accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
-}
-
 struct Seesaw {
   static constexpr int kBlocks = Cfg::kHeadDimQK / 64;  // column blocks of a tile, one mbarrier each
+  // the steady-state pair leaves its tiles unmasked: query lengths up to kSeesawMaxQLen (config.h)
+  static constexpr int kMaxQLen = kSeesawMaxQLen;
   // named barriers (0 = __syncthreads)
-  // the steady-state pair leaves its tiles unmasked, which needs every causal limit within the
-  // last 65 tokens of a request (launch.cu runs v2 for longer query lengths)
-  static constexpr int kMaxQLen = 64;
   static constexpr int kBarScale0 = 1, kBarScale1 = 2, kBarP0 = 3, kBarP1 = 4, kBarWg = 5;  // 5, 6: per warpgroup
   // v9 (kFp8, fp8_e4m3 caches): a third warpgroup converts the tiles (seesaw_fp8_converter); barriers 7 (the two
   // consumer warpgroups, in place of __syncthreads) and 8 (the converter). setmaxnreg moves registers between the
@@ -125,9 +74,6 @@ struct Seesaw {
   // mbarriers: full [stage][column block]; v9 also empty [stage][early, late], raw [stage] (the raw TMA copy of
   // blocks 0..7) and rope [stage] (of block 8)
   static constexpr int kBars = 2 * kBlocks + 8;
-  // the ablation build's bit (-DMLA_SM90_ABLATE, kernels/cuda/build.py) for v9: the converter waits and signals as
-  // usual but converts and stores nothing (wrong results; what the schedule costs without the conversion)
-  static constexpr int kAblateConvert = 32768;
   static constexpr int kSmemBytes = 2 * (Cfg::kQElems + Cfg::kStages * Cfg::kKElems + Cfg::kPElems) +
                                     7 * Cfg::kBlockM * (int)sizeof(float) + kBars * 8 + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory over the SM90 per-block limit");
@@ -145,28 +91,6 @@ __device__ __forceinline__ void tma_tile(const DecodeParams& p, const CUtensorMa
     mbar_arrive_expect_tx(bars + b, 64 * 64 * (int)sizeof(T));
     tma_load_4d(stage + b * 64 * 64, map, bars + b, 64 * b, kvh, in_page, page);
   }
-}
-
-// Zero the V rows [valid, 64) of column blocks [4*half, 4*half + 4) of a stage (one warpgroup).
-template <typename T>
-__device__ __forceinline__ void zero_v_rows(T* stage, int valid, int half, int tid_wg) {
-  const int rows = Cfg::kBlockN - valid;
-  const int per_block = rows * 8;  // 16-byte chunks
-  for (int i = tid_wg; i < 4 * per_block; i += 128) {
-    const int blk = 4 * half + i / per_block, rem = i % per_block;
-    *reinterpret_cast<uint4*>(stage + blk * 64 * 64 + (valid + rem / 8) * 64 + (rem % 8) * 8) = make_uint4(0, 0, 0, 0);
-  }
-}
-
-// 16 e4m3 values -> 16 values of T (unscaled), as the two 16-byte chunks of columns [col, col + 16) of row `row`.
-template <typename T>
-__device__ __forceinline__ void store_e4m3x16(T* st, int row, int col, uint4 raw) {
-  const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-  uint32_t o[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) o[i] = fp8x2_to<T, false>(w[i / 2] >> (16 * (i % 2)), 1.f);
-  *reinterpret_cast<uint4*>(st + Gmma128Tile64::offset(row, col)) = make_uint4(o[0], o[1], o[2], o[3]);
-  *reinterpret_cast<uint4*>(st + Gmma128Tile64::offset(row, col + 8)) = make_uint4(o[4], o[5], o[6], o[7]);
 }
 
 // v9's converter (warpgroup 2 of mla_decode_kernel_v5<T, false, true>): fills the two K stages with each tile of
@@ -201,11 +125,6 @@ __device__ __forceinline__ void seesaw_fp8_converter(const DecodeParams& p, cons
   uint64_t* empty = bars + 2 * Seesaw::kBlocks;  // [stage][early, late]
   uint64_t* raw_bar = empty + 4;                  // [stage]
   uint64_t* rope_bar = raw_bar + 2;               // [stage]
-#ifdef MLA_SM90_ABLATE
-  constexpr bool kConvert = !(MLA_SM90_ABLATE & Seesaw::kAblateConvert);
-#else
-  constexpr bool kConvert = true;
-#endif
   const int r0 = tid_c / 4, q = tid_c % 4;
   const uint4 zero = make_uint4(0, 0, 0, 0);
   uint32_t fills0 = 0, fills1 = 0;  // tiles started in each stage so far (the phases of its barriers)
@@ -219,6 +138,7 @@ __device__ __forceinline__ void seesaw_fp8_converter(const DecodeParams& p, cons
       mbar_arrive_expect_tx(raw_bar + s, 8 * 4096);
 #pragma unroll
       for (int c = 0; c < 8; ++c) tma_load_4d(raw + 4096 * c, map, raw_bar + s, 64 * c, kvh, t0 % p.page_size, page);
+      // the RoPE box asked of L2 (inline: a ptx.cuh wrapper of this asm moved one instruction of the kernel)
       asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global [%0, {%1, %2, %3, %4}];\n" ::"l"(
                        reinterpret_cast<uint64_t>(map)),
                    "r"(512), "r"(kvh), "r"(t0 % p.page_size), "r"(page)
@@ -257,7 +177,6 @@ __device__ __forceinline__ void seesaw_fp8_converter(const DecodeParams& p, cons
         }
       };
       auto store = [&](int c, const uint4 (&v)[2]) {
-        if constexpr (!kConvert) return;
 #pragma unroll
         for (int h = 0; h < 2; ++h) store_e4m3x16(st, r0 + 32 * h, 64 * c + 16 * q, v[h]);
       };
@@ -368,16 +287,13 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
   bool row_ok[2];
   acc_rows(p, row_tile, kvh, rg, lane, row_local, row_i, row_head, row_ok);
   uint32_t loads_done[2] = {0, 0};  // completed loads per stage before the current item (mbarrier phases)
-  int steps = 0;  // pairs done by this CTA (timeline.cuh; dead code without it)
 
-  stamp(kTimelineEntry);
   const int item_begin = p.part_offsets[part], item_end = p.part_offsets[part + 1];
   for (int item = item_begin; item < item_end; ++item) {
     const WorkItem w = load_item(p, item);
     const int req = w.req, tok_begin = w.tok_begin, tok_end = w.tok_end, slot = w.slot;
     if (req < 0) continue;
     const int seqlen = p.cache_seqlens[req];
-    stamp(item_event(item - item_begin, 0), seqlen);
     int limit[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) limit[h] = p.causal ? seqlen - p.q_len + row_i[h] : seqlen - 1;
@@ -411,7 +327,6 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
     cp_async_wait_all();
     fence_proxy_async_smem();
     consumers_sync();
-    stamp(item_event(item - item_begin, 1));
 
     float acc_o[128], acc_s[32];
 #pragma unroll
@@ -477,7 +392,7 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
     // softmax of the S tile of tile j against the running max in sM; returns this thread's
     // per-row scale for the old accumulators; acc_s becomes P (fp32, base-2 exponent).
     // kMask (template): tokens past the item's end or a causal row's limit become -inf. A tile
-    // followed by at least 65 more tokens of the item needs no mask (q_len <= 64, launch.cu), so
+    // followed by at least 65 more tokens of the item needs no mask (q_len <= kMaxQLen), so
     // the steady-state pair skips it, as FlashMLA's kernel does for all but the last tiles.
     // The maximum is taken over raw scores (score_scale > 0) and the scale folded into the
     // exponent's FFMA: p = 2^(s * scale - m).
@@ -689,7 +604,6 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
         else if (a + 2 < num_tiles) pair(a, T_{}, T_{}, F_{});
         else if (a + 1 < num_tiles) pair(a, T_{}, F_{}, F_{});
         else pair(a, F_{}, F_{}, F_{});
-        stamp(step_event(steps++));
       }
     } else {
       // ================= warpgroup 1: tiles 1, 3, 5, ...; O[:, 256:512)
@@ -789,7 +703,6 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
     loads_done[0] += (uint32_t)(num_tiles + 1) / 2;
     loads_done[1] += (uint32_t)num_tiles / 2;
 
-    stamp(item_event(item - item_begin, 2));
     // -- epilogue: both warpgroups' row sums, final max from sM
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -812,10 +725,7 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
     // sQ, sK, sM, sSum are reused by the next item
     if constexpr (kPaired) cluster_sync();
     else consumers_sync();
-    stamp(item_event(item - item_begin, 3));
   }
-  stamp(kTimelineCombine);
-  stamp(kTimelineEnd);
 }
 
 }  // namespace mla_sm90

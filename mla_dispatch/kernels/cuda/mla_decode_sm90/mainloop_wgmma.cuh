@@ -1,85 +1,36 @@
-// SM90 MLA decode, version 2: the v1 schedule (mainloop.cuh: persistent CTA per
-// split-KV part x 64-row tile x KV head, two-stage KV ring, online softmax) with
-// both GEMMs moved to Hopper warpgroup MMA (wgmma, HGMMA in SASS) fed from
-// shared memory, through CuTe's SM90 GMMA atoms (cute/arch/mma_sm90_gmma.hpp).
+// SM90 MLA decode, mainloop v2 (Mainloop::kWgmma): a persistent CTA per (split-KV part, 64-row query tile, KV head)
+// walks its items of the split-KV schedule (mla_dispatch/metadata/schedule.py), streams each item's KV tokens in
+// 64-token tiles through a two-stage shared-memory ring (cp.async for bf16/fp16 caches; fp8 caches loaded into
+// registers one tile ahead and dequantised while being stored), and keeps an online softmax in fp32 (base-2
+// exponents, FlashMLA's trick). V is the first 512 channels of K, so one tile feeds both GEMMs (the MQA-mode
+// absorption of FlashMLA and FlashMLA-ETAP).
 //
-// Two consumer warpgroups (FlashMLA's split of the 512-wide output):
+// Two consumer warpgroups (FlashMLA's split of the 512-wide output), both GEMMs on wgmma from shared memory:
 //   S = Q K^T : warpgroup g computes S[:, 32g .. 32g+32) with m64n32k16 (A = Q,
 //               B = K, both K-major, 128-byte swizzle), 36 k-steps over D_qk = 576;
 //   softmax   : the two warpgroups exchange row maxima through shared memory and
 //               write their halves of P (q dtype) to one [64 x 64] tile;
 //   O += P V  : warpgroup g computes O[:, 256g .. 256g+256) with m64n256k16,
 //               A = P (K-major), B = V = the same K tile read MN-major.
-// The wgmma accumulator layout of a warp equals the mma.sync C layout of v1, so
-// the softmax and epilogue arithmetic are v1's.
+// Warp w owns query rows 16 (w % 4) .. + 16 of the tile in both GEMMs.
+//
+// Masking: tokens past the item's end are zero-filled (never read), so NaN poison in unused cache slots cannot reach
+// P V; causal rows mask tokens past L - s_q + i. A row with no visible key gets out = 0 and lse = +inf (final) or
+// lse = -inf (partial, so the combine gives it zero weight).
 #pragma once
 #include <cmath>
 #include <cstdint>
-#include <cute/arch/mma_sm90_desc.hpp>
-#include <cute/arch/mma_sm90_gmma.hpp>
 
-#include "mainloop.cuh"
+#include "combine.cuh"
+#include "epilogue.cuh"
+#include "loads.cuh"
+#include "ptx.cuh"
+#include "traits.cuh"
+#include "wgmma.cuh"
 
 namespace mla_sm90 {
 
-// Shared-memory matrix descriptor, 128-byte swizzle (PTX ISA "matrix descriptor";
-// LBO/SBO in 16-byte units: K-major uses SBO = 1024 B between 8-row groups; MN-major
-// uses LBO = distance between 64-element column blocks, SBO = 1024 B between 8-row
-// groups along K).
-__device__ __forceinline__ uint64_t gmma_desc_sw128_addr(uint32_t addr, uint32_t lbo_bytes, uint32_t sbo_bytes) {
-  uint64_t d = 0;
-  d |= (uint64_t)((addr >> 4) & 0x3FFF);
-  d |= (uint64_t)((lbo_bytes >> 4) & 0x3FFF) << 16;
-  d |= (uint64_t)((sbo_bytes >> 4) & 0x3FFF) << 32;
-  d |= (uint64_t)1 << 62;  // SWIZZLE_128B
-  return d;
-}
-
-// The same descriptor from a shared-memory pointer.
-__device__ __forceinline__ uint64_t gmma_desc_sw128(const void* smem, uint32_t lbo_bytes, uint32_t sbo_bytes) {
-  return gmma_desc_sw128_addr(smem_u32(smem), lbo_bytes, sbo_bytes);
-}
-
-template <typename T> struct Gmma;
-template <> struct Gmma<__nv_bfloat16> {
-  using QK = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
-  using QK64 = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
-  using PV = cute::SM90::GMMA::MMA_64x256x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>;
-};
-template <> struct Gmma<__half> {
-  using QK = cute::SM90::GMMA::MMA_64x32x16_F32F16F16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
-  using QK64 = cute::SM90::GMMA::MMA_64x64x16_F32F16F16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
-  using PV = cute::SM90::GMMA::MMA_64x256x16_F32F16F16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::MN>;
-};
-
-template <class Op, size_t... I>
-__device__ __forceinline__ void gmma_call(uint64_t da, uint64_t db, float* acc, bool accumulate,
-                                          std::index_sequence<I...>) {
-  Op::fma(da, db, acc[I]..., accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
-}
-
-template <int N>
-__device__ __forceinline__ void fence_regs(float* r) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) cute::warpgroup_fence_operand(r[i]);
-}
-
-// kOverlap = false: v2 (each tile: S, softmax, PV, then drain PV before the next S).
-// kOverlap = true: v3: the same arithmetic, but S of tile j+1 is issued as soon as tile j+1
-// has landed, right behind PV of tile j (wgmma groups retire in order), so the tensor pipe
-// does not drain between tiles; the next loads wait (wgmma.wait_group 1 + barrier) only for
-// PV of tile j-1 before overwriting its stage.
-// kKSplit (v4, with kOverlap = false; bf16/fp16 caches only, launch.cu runs fp8 caches of
-// variant 4 on v2): S is split along D_qk instead of tokens: warpgroup g runs k-steps
-// 18g .. 18g+18 as m64n64k16 over all 64 tokens (each warpgroup reads half of Q and half of K
-// from smem instead of all of Q: 144 KB of operand reads per tile, not 216 KB), then the two
-// partial S tiles are summed through shared memory: warp w of warpgroup g sends the 16
-// accumulators of the other warpgroup's 32 tokens (same (w, lane) layout there) and keeps its
-// own 32 tokens, so the softmax below sees v2's acc_s layout. Buffers: sP (free until P is
-// written; the region of warp w = rows 16w.. of P, written only after the partner warp has
-// read it) for warpgroup 0 -> 1, and the RoPE block (columns 512..575) of the current K stage,
-// read only by warpgroup 1's S and never by P V, for warpgroup 1 -> 0.
-template <typename T, int KvFmt, bool kOverlap = false, bool kKSplit = false>
+template <typename T, int KvFmt>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const __grid_constant__ DecodeParams p) {
   using TT = TypeTraits<T>;
   using L = Gmma128Tile64;
@@ -96,10 +47,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
   const int part = blockIdx.x, row_tile = blockIdx.y, kvh = blockIdx.z;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   // half = warpgroup, through a shuffle from lane 0 so the compiler knows it is warp-uniform and keeps the
-  // wgmma descriptors that depend on it in uniform registers (CUTLASS's canonical_warp_group_idx); not in v4,
-  // where it gave ptxas a 128-byte stack frame
+  // wgmma descriptors that depend on it in uniform registers (CUTLASS's canonical_warp_group_idx)
   const int rg = warp % Cfg::kRowGroups;
-  const int half = kKSplit ? warp / Cfg::kRowGroups : __shfl_sync(0xffffffff, warp / Cfg::kRowGroups, 0);
+  const int half = __shfl_sync(0xffffffff, warp / Cfg::kRowGroups, 0);
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr float kLn2 = 0.6931471805599453f;
 
@@ -111,15 +61,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
   bool row_ok[2];
   acc_rows(p, row_tile, kvh, rg, lane, row_local, row_i, row_head, row_ok);
 
-  int steps = 0;  // tiles done by this CTA (timeline.cuh; dead code without it)
-  stamp(kTimelineEntry);
   const int item_begin = p.part_offsets[part], item_end = p.part_offsets[part + 1];
   for (int item = item_begin; item < item_end; ++item) {
     const WorkItem w = load_item(p, item);
     const int req = w.req, tok_begin = w.tok_begin, tok_end = w.tok_end, slot = w.slot;
     if (req < 0) continue;
     const int seqlen = p.cache_seqlens[req];
-    stamp(item_event(item - item_begin, 0), seqlen);
     int limit[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) limit[h] = p.causal ? seqlen - p.q_len + row_i[h] : seqlen - 1;
@@ -142,7 +89,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
     cp_async_wait_all();
     fence_proxy_async_smem();
     __syncthreads();
-    stamp(item_event(item - item_begin, 1));
 
     float acc_o[128];
 #pragma unroll
@@ -152,32 +98,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
 
     // -- S = Q K^T of the tile in stage `st`, this warpgroup's 32 tokens (issued, not waited)
     float acc_s[16];
-    float acc_f[kKSplit ? 32 : 1];
     auto issue_s = [&](int st) {
       const T* sKs = sK + st * Cfg::kKElems;
-      if constexpr (kKSplit) {
-        // fresh values (the first wgmma ignores them): the last tile's partial sums are not
-        // kept live through P V (the asm operands are read-write)
-#pragma unroll
-        for (int i = 0; i < 32; ++i) acc_f[i] = 0.f;
-        fence_regs<32>(acc_f);
-        cute::warpgroup_arrive();
-        // descriptor bases rebuilt per tile (opaque to the compiler), so that ptxas does not
-        // keep 18 loop-invariant 64-bit Q descriptors live in registers
-        uint32_t qa = smem_u32(sQ), ka = smem_u32(sKs);
-        asm volatile("" : "+r"(qa), "+r"(ka));
-        const uint64_t dq = gmma_desc_sw128_addr(qa, 16, 1024), dk = gmma_desc_sw128_addr(ka, 16, 1024);
-#pragma unroll
-        for (int i = 0; i < Cfg::kHeadDimQK / 32; ++i) {
-          const int kk = half * (Cfg::kHeadDimQK / 32) + i;
-          const int blk = kk / 4, kin = (kk % 4) * 16;
-          const uint64_t off = (uint64_t)(((blk * 64 * 64 + kin) * (int)sizeof(T)) >> 4);
-          gmma_call<typename Gmma<T>::QK64>(dq + off, dk + off, acc_f, i > 0, std::make_index_sequence<32>{});
-        }
-        cute::warpgroup_commit_batch();
-        return;
-      }
-      if constexpr (!kOverlap) fence_regs<16>(acc_s);  // v3: no register def inside PV_j's wgmma stage
+      fence_regs<16>(acc_s);
       cute::warpgroup_arrive();
 #pragma unroll
       for (int kk = 0; kk < Cfg::kHeadDimQK / 16; ++kk) {
@@ -188,12 +111,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
       }
       cute::warpgroup_commit_batch();
     };
-    if constexpr (kOverlap) {
-      // Pin the zeroing of acc_o before the first wgmma: a register def of a wgmma
-      // accumulator inside an open wgmma stage makes ptxas serialise all wgmmas (C7515).
-      fence_regs<128>(acc_o);
-      if (num_tiles > 0) issue_s(0);
-    }
 
     for (int j = 0; j < num_tiles; ++j) {
       const int t0 = tok_begin + j * Cfg::kBlockN;
@@ -201,24 +118,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
       T* sKnext = sK + ((j + 1) & 1) * Cfg::kKElems;
       const bool has_next = j + 1 < num_tiles;
 
-      if constexpr (kOverlap) {
-        // S_j is in flight behind PV_{j-1}: retire PV_{j-1} (older group), then make sure
-        // the other warpgroup has too before its stage (= stage of tile j+1) and P are reused.
-        cute::warpgroup_wait<1>();
-        __syncthreads();
-      } else if constexpr (kKSplit) {
-        // v4: loads first, so that their address registers are dead while the 32
-        // accumulators of the split S are live
-        if (has_next) {
-          load_kv_async<T, L>(p, sKnext, req, kvh, t0 + Cfg::kBlockN, tok_end);
-          cp_async_commit();
-        }
-        issue_s(j & 1);
-      } else {
-        issue_s(j & 1);
-      }
+      issue_s(j & 1);
       // Issue the loads of tile j+1 while the tensor cores run S (wgmma is asynchronous).
-      if (has_next && !kKSplit) {
+      if (has_next) {
         if constexpr (KvFmt == kKvSameAsQ) {
           load_kv_async<T, L>(p, sKnext, req, kvh, t0 + Cfg::kBlockN, tok_end);
           cp_async_commit();
@@ -227,31 +129,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
         }
       }
       cute::warpgroup_wait<0>();
-      if constexpr (kKSplit) {
-        fence_regs<32>(acc_f);
-        T* rope = sK + (j & 1) * Cfg::kKElems + 8 * 64 * 64;  // 64 x 64 elements = 8 KB
-        float4* xout = reinterpret_cast<float4*>(half == 0 ? sP : rope) + rg * 128;
-        const float4* xin = reinterpret_cast<const float4*>(half == 0 ? rope : sP) + rg * 128;
-        // warpgroup 1 overwrites the RoPE block its own S just read: all its warps past the wait
-        if (half == 1) named_barrier(5, 128);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int o = half == 0 ? 16 + 4 * i : 4 * i;  // the other warpgroup's tokens
-          xout[i * 32 + lane] = make_float4(acc_f[o], acc_f[o + 1], acc_f[o + 2], acc_f[o + 3]);
-        }
-        named_barrier(1 + rg, 64);  // warp rg of both warpgroups: partial sums in place
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int o = half == 0 ? 4 * i : 16 + 4 * i;  // own tokens
-          const float4 w = xin[i * 32 + lane];
-          acc_s[4 * i + 0] = acc_f[o + 0] + w.x;
-          acc_s[4 * i + 1] = acc_f[o + 1] + w.y;
-          acc_s[4 * i + 2] = acc_f[o + 2] + w.z;
-          acc_s[4 * i + 3] = acc_f[o + 3] + w.w;
-        }
-      }
       fence_regs<16>(acc_s);
-      if constexpr (kOverlap) fence_regs<128>(acc_o);
 
       // Scores stay raw (unscaled) here: the maximum of raw scores times score_scale (> 0) is the
       // scaled maximum, and the scale is folded into the exponent's FFMA below. Only tiles that
@@ -340,25 +218,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
         }
         fence_proxy_async_smem();
       }
-      if constexpr (kOverlap) {
-        if (has_next) {
-          __syncthreads();  // tile j+1 landed for every thread
-          issue_s((j + 1) & 1);  // queued behind PV_j on the tensor pipe
-        }
-      } else {
-        cute::warpgroup_wait<0>();
-        fence_regs<128>(acc_o);
-        __syncthreads();
-      }
-      stamp(step_event(steps++));
-    }
-    if constexpr (kOverlap) {
       cute::warpgroup_wait<0>();
       fence_regs<128>(acc_o);
+      __syncthreads();
     }
 
-    stamp(item_event(item - item_begin, 2));
-    // -- epilogue (as v1)
+    // -- epilogue
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       row_sum[h] += __shfl_xor_sync(0xffffffff, row_sum[h], 1);
@@ -377,12 +242,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
                        half == 0 && lane % 4 == 0);
     }
     __syncthreads();
-    stamp(item_event(item - item_begin, 3));
   }
-  stamp(kTimelineCombine);
   static_assert(kFusedScratchBytes<Cfg::kThreads> <= Cfg::kQElems * (int)sizeof(T), "the combine's list fits sQ");
   if (p.fuse_combine) combine_in_grid<T, Cfg::kThreads>(p, reinterpret_cast<int*>(smem_base));
-  stamp(kTimelineEnd);
 }
 
 }  // namespace mla_sm90

@@ -4,14 +4,9 @@
 #pragma once
 #include <cstdint>
 
-namespace mla_sm90 {
+#include "config.h"
 
-// KV storage formats (mirror mla_dispatch/formats.py).
-enum KvFormat : int {
-  kKvSameAsQ = 0,   // bf16 or fp16, same dtype as q
-  kKvFp8E4M3 = 1,   // float8_e4m3fn, one per-tensor fp32 scale (kv_scale)
-  kKvFp8DsMla = 2,  // 656-byte token: 512 fp8 NoPE, 4 fp32 scales, 64 bf16 RoPE
-};
+namespace mla_sm90 {
 
 // A split request's partial row (one query row's output over part of its keys), as the decode writes it and the
 // combine reads it back. The workspace gives each row kPartialRowBytes (an fp32 [512] row); the row uses 1152 of
@@ -20,7 +15,7 @@ enum KvFormat : int {
 //   2q, 2q + 1, 8 + 2q, 9 + 2q: the four values lane q of an mma/wgmma accumulator quad holds, so the quad's four
 //   8-byte stores fill one 32-byte sector;
 // - bytes 1024 + 32k .. + 31: the signed shift s of quarter row k (channels 128k ..), repeated over the sector:
-//   the stored values are out * 2^s, with s putting the quarter's largest magnitude in [2^14, 2^15) (config.cuh,
+//   the stored values are out * 2^s, with s putting the quarter's largest magnitude in [2^14, 2^15) (epilogue.cuh,
 //   partial_shift), where fp16 keeps all 11 significant bits and cannot overflow.
 // Every store fills whole 32-byte sectors (NOTES.md, twelfth and thirteenth sessions: partly written sectors cost
 // more). fp16 rounds 8x finer than bf16: bf16 partial rows fell outside docs/design.md §5's cosine bound.
@@ -53,25 +48,28 @@ struct DecodeParams {
   float* partial_lse;  // [max_slots, s_q, h_q] fp32, contiguous
   const int32_t* num_splits;  // [B] (schedule), read by the fused combine
   const int32_t* first_slot;  // [B]
-  // 1: the kernel merges the split rows itself after a grid-wide barrier (combine.cuh,
-  // combine_in_grid); only for cooperative launches, set by the launcher (launch.cu)
+  // 1: the kernel merges the split rows itself after a grid-wide barrier (combine.cuh, combine_in_grid); only in
+  // cooperative launches: LaunchConfig::fuse_combine, set by the launcher (launch.cu)
   int fuse_combine;
   // geometry
   int batch, q_len, heads_q, heads_kv, page_size;
-  int64_t num_blocks;    // kv_cache.size(0) (the TMA tensor map of variant 5)
+  int64_t num_blocks;    // kv_cache.size(0) (the TMA tensor maps)
   int rows_per_kv_head;  // s_q * h_q / h_kv
   int num_row_tiles;     // ceil(rows_per_kv_head / 64)
   float softmax_scale;
   int causal;
   int kv_format;  // KvFormat
   int q_is_bf16;  // 1: bf16, 0: fp16
-  // 1: mma.sync mainloop (v1), 2: wgmma mainloop (v2), 3: v2 with S(j+1) under PV(j) (v3), 4: v2 with S split
-  // along D_qk (v4), 5: two tiles in flight, TMA loads (v5, mainloop_seesaw.cuh; bf16/fp16 caches with
-  // page_size % 64 == 0, other caches run v2), 6: KV tokens on the wgmma M side (v6, mainloop_etap.cuh; <= 32
-  // query rows per KV head, <= 16 with fp8 caches, others run v2), 7: v6's orientation in three warpgroups
-  // (converter, scorer, accumulator; mainloop_fp8t.cuh; fp8_e4m3 caches with <= 32 query rows per KV head, others
-  // run as 6)
-  int variant;
+};
+
+// The launch a plan chose (mla_dispatch/backends/cuda_sm90.py, Sm90Launch), run as given: the binding checks it
+// against the call (binding.cpp, check_config) and the launcher builds no other.
+struct LaunchConfig {
+  int mainloop;       // Mainloop (config.h)
+  int tile_rows;      // query rows of a CTA tile: kBlockM (v2, v5, v9: grid y = the row tiles) or 16 / 32 (v6-v8)
+  bool tma_loads;     // KV tiles by TMA: a tensor map of the cache (v5, v8, v9; v6 on whole-tile 16-bit pages)
+  bool paired;        // v5: the two row-tile CTAs of a part in a cluster
+  bool fuse_combine;  // the split rows merged by the decode launch itself (a cooperative launch)
 };
 
 struct CombineParams {
@@ -121,27 +119,11 @@ inline MLA_SM90_HD CombineParams combine_params(const DecodeParams& d) {
   return c;
 }
 
-// Launchers (launch.cu). Return a cudaError_t value as int (0 = success).
-// p.fuse_combine asks for the combine inside the decode launch; *combined says whether it ran there
-// (the grid fits the GPU at once, so a cooperative launch is possible), else launch_combine must follow.
-int launch_decode(const DecodeParams& p, int grid_parts, void* stream, bool* combined);
+// Launchers (launch.cu). Return 0 on success, a cudaError_t value, or kLaunchNoTensorMap.
+// launch_decode runs cfg as given, over the grid (p.num_parts, row tiles, p.heads_kv); without cfg.fuse_combine
+// launch_combine must follow.
+constexpr int kLaunchNoTensorMap = -1;  // cfg.tma_loads, but TMA cannot address the cache (or no driver entry point)
+int launch_decode(const DecodeParams& p, const LaunchConfig& cfg, void* stream);
 int launch_combine(const CombineParams& p, void* stream);
-// Dynamic shared memory the decode kernel needs (bytes).
-int decode_smem_bytes();
-
-// Diagnosis timeline (timeline.cuh), its layout shared with ci/sm90_timeline.py: per CTA, kTimelineEvents x
-// (globaltimer ns, clock64). Events: 0 kernel entry, 1 + 4k + phase for item k < kTimelineItems, then the fused
-// combine's start, its grid barrier passed, the kernel's end, and the end of each of the CTA's first kTimelineSteps
-// mainloop steps (v2: a tile, v5: a pair of tiles, v8: the accumulator's tiles; counted over all its items), then
-// kTimelineCounters totals in SM cycles (first of the pair; v8: where its warpgroups wait, timeline_count).
-constexpr int kTimelineCtas = 1056, kTimelineEntry = 0, kTimelineItems = 7, kTimelineItemBase = 1;
-constexpr int kTimelineCombine = kTimelineItemBase + 4 * kTimelineItems, kTimelineGridSync = kTimelineCombine + 1;
-constexpr int kTimelineEnd = kTimelineGridSync + 1, kTimelineStepBase = kTimelineEnd + 1, kTimelineSteps = 64;
-constexpr int kTimelineCounterBase = kTimelineStepBase + kTimelineSteps, kTimelineCounters = 12;
-constexpr int kTimelineEvents = kTimelineCounterBase + kTimelineCounters;
-#ifdef MLA_SM90_TIMELINE
-// Copy the timeline (kTimelineCtas * kTimelineEvents * 2 uint64) to host memory `dst`, then zero it.
-int timeline_take(void* dst);
-#endif
 
 }  // namespace mla_sm90

@@ -1,0 +1,122 @@
+"""CPU checks of the cuda_sm90 plan: the launch config it freezes (mainloop, tile, load path, clusters, where split
+rows merge), the backend_options that override it and the errors they raise, and the kernel constants the plan
+mirrors from kernels/cuda/mla_decode_sm90/config.h. (The binding checks the same config on the GPU:
+tests/test_cuda_sm90.py.)"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import torch
+
+from mla_dispatch.backends import cuda_sm90
+from mla_dispatch.backends.cuda_sm90 import CudaSM90Backend, Sm90Launch, launch_config, split_parts
+from mla_dispatch.dispatch.problem import DecodeProblem
+from mla_dispatch.kernels.cuda.build import SM90_SOURCE_DIR
+
+H100_SMS = 132
+
+
+def problem(batch=128, q_len=1, h_q=128, h_kv=1, page_size=64, max_blocks=64, kv_format="bf16"):
+    return DecodeProblem(batch=batch, q_len=q_len, num_heads_q=h_q, num_heads_kv=h_kv, head_dim_qk=576,
+                         head_dim_v=512, page_size=page_size, max_blocks=max_blocks, q_dtype=torch.bfloat16,
+                         kv_format=kv_format, causal=q_len > 1, topk=0, return_lse=True, device_type="cuda")
+
+
+def plan_launch(p, sms=H100_SMS, **options) -> Sm90Launch:
+    """The launch CudaSM90Backend.plan freezes for ``p`` on a GPU of ``sms`` SMs, with ``options`` checked first."""
+    num_parts, max_chunks = split_parts(p, sms, CudaSM90Backend.MIN_CHUNKS_PER_PART)
+    return launch_config(p, num_parts, max_chunks, sms, CudaSM90Backend.check_options(options))
+
+
+def test_plan_constants_match_config_h():
+    """The plan decides before (and without) a build, so it mirrors the constants of config.h; they must agree."""
+    text = (SM90_SOURCE_DIR / "config.h").read_text()
+    consts = {name: int(value) for name, value in re.findall(r"constexpr int (k\w+) = (\d+);", text)}
+    enums = {name: int(value) for name, value in re.findall(r"^\s+(k\w+) = (\d+),", text, re.MULTILINE)}
+    assert (consts["kBlockM"], consts["kBlockN"]) == (cuda_sm90.BLOCK_M, cuda_sm90.BLOCK_N)
+    assert consts["kSeesawMaxQLen"] == cuda_sm90.SEESAW_MAX_Q_LEN
+    assert (consts["kEtapMaxRows"], consts["kEtapFp8MaxRows"], consts["kFp8tMaxRows"]) == (
+        cuda_sm90.ETAP_MAX_ROWS, cuda_sm90.ETAP_FP8_MAX_ROWS, cuda_sm90.FP8T_MAX_ROWS)
+    assert consts["kFusedMaxSplits"] == cuda_sm90.FUSED_MAX_SPLITS
+    assert {(consts["kHeadDimQK"], consts["kHeadDimV"])} == CudaSM90Backend.HEAD_DIMS
+    assert (enums["kKvSameAsQ"], enums["kKvFp8E4M3"], enums["kKvFp8DsMla"]) == (
+        cuda_sm90.KV_FORMAT_CODE["bf16"], cuda_sm90.KV_FORMAT_CODE["fp8_e4m3"], cuda_sm90.KV_FORMAT_CODE["fp8_ds_mla"])
+    assert cuda_sm90.KV_FORMAT_CODE["fp16"] == enums["kKvSameAsQ"]
+    mainloops = {name: enums[name] for name in ("kWgmma", "kSeesaw", "kEtap", "kFp8Convert", "kFp8Regs", "kSeesawFp8")}
+    assert tuple(mainloops.values()) == (cuda_sm90.WGMMA, cuda_sm90.SEESAW, cuda_sm90.ETAP, cuda_sm90.FP8_CONVERT,
+                                         cuda_sm90.FP8_REGS, cuda_sm90.SEESAW_FP8)
+    assert set(cuda_sm90.MAINLOOPS) == set(mainloops.values()) == set(CudaSM90Backend.OPTIONS["variant"].values)
+    for m in cuda_sm90.MAINLOOPS.values():  # each mainloop's header is in the family
+        assert (SM90_SOURCE_DIR / m.header).is_file()
+
+
+@pytest.mark.parametrize("p,want", [
+    # the FlashMLA grid: v5 with its two row tiles paired, the second kernel merges (v5 has no tail)
+    (problem(), Sm90Launch(variant=5, tile_rows=64, tma_loads=True, paired=True, fuse_combine=False)),
+    # fp8_e4m3 there: v9, never paired
+    (problem(kv_format="fp8_e4m3"), Sm90Launch(9, 64, True, False, False)),
+    # b=1: v2, the split rows merged in the decode launch
+    (problem(batch=1), Sm90Launch(2, 64, False, False, True)),
+    # 16 heads, long parts: v6 by TMA on whole-tile pages, by cp.async on pages of 16
+    (problem(batch=64, h_q=16), Sm90Launch(6, 16, True, False, False)),
+    (problem(batch=64, h_q=16, page_size=16, max_blocks=256), Sm90Launch(6, 16, False, False, False)),
+    # 32 rows of an fp8_e4m3 cache: v8 (tiles of 32 rows, TMA) on whole-tile pages, v7 on others
+    (problem(batch=64, h_q=32, kv_format="fp8_e4m3"), Sm90Launch(8, 32, True, False, False)),
+    (problem(batch=64, h_q=32, kv_format="fp8_e4m3", page_size=32, max_blocks=128), Sm90Launch(7, 32, False, False,
+                                                                                               False)),
+], ids=["flashmla-grid", "flashmla-grid-fp8", "b1", "h16", "h16-page16", "h32-fp8", "h32-fp8-page32"])
+def test_plan_freezes_the_launch(p, want):
+    launch = plan_launch(p)
+    assert launch == want
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        launch.variant = 2
+
+
+def test_options_override_the_plans_choices():
+    assert plan_launch(problem(), variant=2) == Sm90Launch(2, 64, False, False, False)
+    assert plan_launch(problem(), variant=2, fuse_combine=True).fuse_combine
+    assert not plan_launch(problem(batch=1), fuse_combine=False).fuse_combine
+    # v5 with three row tiles per KV head: its CTAs run alone
+    assert plan_launch(problem(q_len=3, h_q=64), variant=5) == Sm90Launch(5, 64, True, False, False)
+    # v6 takes 20 rows in its 32-row tile; v6 on fp8 caches loads through registers
+    assert plan_launch(problem(batch=8, h_q=20), variant=6) == Sm90Launch(6, 32, True, False, True)
+    assert plan_launch(problem(h_q=16, kv_format="fp8_ds_mla"), variant=6).tma_loads is False
+
+
+@pytest.mark.parametrize("p,options,match", [
+    (problem(kv_format="bf16"), dict(variant=7), r"variant'\]=7 \(mainloop_fp8t.cuh\) cannot run this problem: "
+                                                 r"kv_format='bf16' \(supported: fp8_e4m3\)"),
+    (problem(kv_format="fp8_e4m3"), dict(variant=5), r"variant'\]=5 .*kv_format='fp8_e4m3' \(supported: bf16, fp16\)"),
+    (problem(h_q=64), dict(variant=6), r"64 query rows per KV head \(s_q \* h_q / h_kv; supported: <= 32\)"),
+    (problem(h_q=32, kv_format="fp8_ds_mla"), dict(variant=6), r"32 query rows per KV head .*supported: <= 16\)"),
+    (problem(h_q=16, page_size=32, max_blocks=128, kv_format="fp8_e4m3"), dict(variant=8),
+     r"page_size=32 \(supported: multiples of 64\)"),
+    (problem(q_len=80, h_q=1), dict(variant=5), r"s_q=80 \(supported: <= 64\)"),
+    (problem(batch=1), dict(variant=5, fuse_combine=True), r"fuse_combine'\]=True cannot run: variant 5 has no "
+                                                           r"combine tail"),
+    (problem(batch=2, h_q=256, h_kv=256, max_blocks=2), dict(fuse_combine=True),
+     r"its grid of 256 CTAs does not fit the 132 SMs at once"),
+], ids=["v7-bf16", "v5-fp8", "v6-64rows", "v6-fp8-32rows", "v8-page32", "v5-qlen80", "v5-fused", "fused-too-big"])
+def test_options_that_cannot_run_raise(p, options, match):
+    with pytest.raises(ValueError, match=match):
+        plan_launch(p, **options)
+
+
+@pytest.mark.parametrize("options,match", [
+    (dict(variant=3), r"backend_options\['variant'\]=3 \(supported: 2, 5, 6, 7, 8, 9\)"),  # measured slower: deleted
+    (dict(variant="5"), r"backend_options\['variant'\]='5'"),
+    (dict(fuse_combine=1), r"backend_options\['fuse_combine'\]=1 \(supported: False, True\)"),
+    (dict(tile_rows=32), r"cuda_sm90 has no option 'tile_rows' \(accepted: fuse_combine, variant\)"),
+], ids=["deleted-variant", "str-variant", "int-flag", "unknown"])
+def test_declared_options_are_checked(options, match):
+    with pytest.raises(ValueError, match=match):
+        CudaSM90Backend.check_options(options)
+
+
+def test_no_process_wide_switches():
+    """The variant and the combine's place are the plan's (and backend_options'), not the environment's."""
+    source = (SM90_SOURCE_DIR.parent.parent.parent / "backends" / "cuda_sm90.py").read_text()
+    assert "environ" not in source and "MLA_SM90_" not in source
