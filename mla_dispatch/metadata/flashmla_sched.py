@@ -50,7 +50,11 @@ def flashmla_sched_meta_host(seqlens: list[int], parts: int) -> tuple[list[list[
     splits = [0] * (b + 1)
     meta = []
     for _ in range(parts):
-        begin_req, begin_block, begin_split, first_split = req, block, split, int(block != 0)
+        # A CTA left with no work (every request already placed) gets begin_block = last_block[0]: FlashMLA reads
+        # first_block[b], one past its shared array, which is where last_block[0] lies. Its kernel ignores the
+        # value (begin_req > end_req); it is copied so the two tensors are equal bit for bit.
+        begin_block = block + (last_block[0] if req == b else 0)
+        begin_req, begin_split, first_split = req, split, int(block != 0)
         remain = payload
         while req < b:
             left = num_blocks[req] - block
@@ -91,9 +95,10 @@ def _sched_kernel(Seqlens, Meta, Splits, batch, parts, BLOCK_B: tl.constexpr, BL
     block = 0
     split = 0
     cum = 0
+    last0 = tl.maximum(tl.load(Seqlens) - 1, 0) // BLOCK  # FlashMLA's first_block[b] (see the host function)
     for i in range(parts):
         begin_req = req
-        begin_block = block
+        begin_block = block + tl.where(req == batch, last0, 0)
         begin_split = split
         first_split = (block != 0).to(tl.int32)
         remain = payload
