@@ -36,7 +36,7 @@ def decode_token(raw: torch.Tensor, kv_format: str, kv_scale) -> torch.Tensor:
 
 
 def naive_attention(case, head_dim_v: int | None = None, *, q=None, kv_cache=None, cache_seqlens=None):
-    """float64 (out ``[B, s_q, h_q, D_v]``, lse ``[B, h_q, s_q]``) of a :class:`~mla_dispatch.numerics.cases.DecodeCase`.
+    """float64 (out ``[B, s_q, h_q, D_v]``, lse ``[B, h_q, s_q]``) of a ``DecodeCase`` (``numerics/cases.py``).
 
     ``q``, ``kv_cache`` and ``cache_seqlens`` replace the case's (another layer's data, an updated step). Rows that
     see no key get out 0 and lse +inf.

@@ -20,6 +20,8 @@ import torch
 from mla_dispatch.dispatch.platform import detect_platform
 from mla_dispatch.dispatch.problem import DecodeProblem
 from mla_dispatch.dispatch.tuned import ENV_VAR, TABLE_FORMAT, fingerprint, shape_bucket, table_path
+from mla_dispatch.tools.args import (CommandParser, UsageError, backend_names, parse_device, positive_float,
+                                     usage_error, writable_file)
 
 if TYPE_CHECKING:  # the harness is imported only by `tune` itself, not when a table is loaded
     from mla_dispatch.tools.bench import BenchConfig, BenchRow
@@ -108,7 +110,7 @@ def write_table(path: Path, doc: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mla_dispatch tune", description=__doc__.split("\n\n")[0])
+    p = CommandParser(prog="python -m mla_dispatch tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--grid", default=None,
                    help="bench grid name(s), comma-separated, instead of the built-in tuning grid")
     p.add_argument("--quick", action="store_true", help="a tiny grid (seconds on a CPU)")
@@ -119,23 +121,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None)
     p.add_argument("--out", default=None, help=f"table path (default: ${ENV_VAR} or the per-device cache file)")
     p.add_argument("--dry-run", action="store_true", help="measure and print, write nothing")
-    p.add_argument("--rep-ms", type=float, default=100.0)
+    p.add_argument("--rep-ms", type=positive_float, default=100.0)
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
-    from mla_dispatch.tools.bench import default_backends, environment, grid_configs, run_bench
+    try:
+        return _run(args, argv)
+    except UsageError as exc:
+        return usage_error(p.prog, exc)
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
+    from mla_dispatch.tools.bench import (default_backends, environment, grid_configs, grid_names, nothing_can_run,
+                                          run_bench)
+
+    configs = ([c for g in grid_names(args.grid) for c in grid_configs(g)] if args.grid is not None
+               else tune_configs(args.quick))
+    device = parse_device(args.device)
     platform = detect_platform(device)
     dtype = _DTYPES[args.dtype]
-    try:
-        configs = ([c for g in args.grid.split(",") for c in grid_configs(g.strip())] if args.grid
-                   else tune_configs(args.quick))
-    except ValueError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    backends = [n.strip() for n in args.backends.split(",") if n.strip()] if args.backends else default_backends(device)
-    if device.type != "cpu" and not args.backends:
+    chosen = backend_names(args.backends)
+    backends = chosen or default_backends(device)
+    if device.type != "cpu" and not chosen:
         backends.append("reference")  # a candidate too, so every bucket gets an entry
+    path = Path(args.out) if args.out else table_path(platform)
+    if not args.dry_run:
+        writable_file(str(path), "--out")
+    why = nothing_can_run(backends) if backends else "no registered backend is available here"
+    if why:
+        print(f"nothing to run: {why}; no table written", file=sys.stderr)
+        return 1
     rows, ceilings = run_bench(configs, backends, device=device, dtype=dtype, graphs=args.metric == "graph",
                                rep_ms=args.rep_ms, progress=not args.quiet)
     buckets = {c.label: config_bucket(c, dtype) for c in configs}
@@ -167,9 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     bad = [r for r in rows if r.status in ("wrong", "error")]
     for r in bad:
         print(f"excluded: {r.backend} on {r.config}: {r.status}: {r.note}", file=sys.stderr)
+    if not table:
+        print(f"nothing ran: no backend ({', '.join(backends)}) ran every config of any bucket correctly; "
+              f"no table written", file=sys.stderr)
+        return 1
     if args.dry_run:
         return 0
-    path = Path(args.out) if args.out else table_path(platform)
     write_table(path, doc)
     print(f"\nwrote {path}")
     if args.out and Path(args.out) != table_path(platform):
