@@ -158,3 +158,16 @@ def test_tune_cli_end_to_end(clean, tmp_path, monkeypatch, capsys, gen):
     monkeypatch.setenv(tuned.ENV_VAR, str(out))
     tuned.reload_table()
     assert select.select_backend(problem, CPU).NAME == "reference"
+
+
+def test_tune_where_no_backend_ran_correctly_writes_nothing(clean, tmp_path, monkeypatch, capsys):
+    import mla_dispatch.tools.bench as bench
+    from mla_dispatch.tools.roofline import Ceilings
+
+    monkeypatch.setattr(bench, "measure_ceilings", lambda device: Ceilings("test", 1e10, 1e11, "fixed"))
+    wrong = clean(WrongButInstant)
+    out = tmp_path / "tuned.json"
+    rc = tune.main(["--grid", "quick", "--backends", wrong, "--out", str(out), "--quiet", "--rep-ms", "2"])
+    err = capsys.readouterr().err
+    assert rc == 1 and f"nothing ran: no backend ({wrong}) ran every config of any bucket correctly" in err
+    assert not out.exists()
