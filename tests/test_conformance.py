@@ -1,5 +1,6 @@
-"""The conformance matrix on CPU: the reference passes, deliberately wrong backends are caught
-cell by cell, unsupported cells carry the backend's own reason, and the exit code says so."""
+"""The conformance matrix on CPU: a second backend (amla_emulation, its own code) passes against the
+reference, deliberately wrong backends are caught cell by cell, unsupported cells carry the backend's
+own reason, and the exit code says so (1 also when nothing was checked)."""
 
 import json
 
@@ -79,20 +80,25 @@ def test_case_set_covers_the_design_features():
     assert any(p.get("topk") for p in params) and any(p.get("head_dim_qk", 576) != 576 for p in params)
 
 
-def test_quick_matrix_reference_passes_wrong_backend_fails(registered, tmp_path, capsys, seed):
+def test_quick_matrix_second_backend_passes_wrong_backend_fails(registered, tmp_path, capsys, seed):
+    """The passing column is amla_emulation (the AMLA recurrence, its own code) against the reference: not the
+    reference against itself."""
     wrong = registered(WrongOffset)
     path = tmp_path / "conf.json"
-    rc = conformance.main(["--quick", "--backends", f"reference,{wrong}", "--quiet", "--seed", str(seed),
+    rc = conformance.main(["--quick", "--backends", f"amla_emulation,{wrong}", "--quiet", "--seed", str(seed),
                            "--json", str(path)])
     assert rc == 1
     printed = capsys.readouterr().out
-    assert f"| case | reference | {wrong} |" in printed
+    assert f"| case | amla_emulation | {wrong} |" in printed
     doc = json.loads(path.read_text())
     assert doc["seed"] == seed
     matrix = doc["matrix"]
     assert set(matrix) == {c.name for c in conformance.case_set(quick=True)}
+    amla_runs = {c.name for c in conformance.case_set(quick=True)
+                 if c.params.get("kv_format") is None and not c.params.get("topk")}  # bf16/fp16, dense
+    assert len(amla_runs) >= 15
     for case, cells in matrix.items():
-        assert cells["reference"]["status"] == "pass", (case, cells["reference"])
+        assert cells["amla_emulation"]["status"] == ("pass" if case in amla_runs else "unsupported"), (case, cells)
         assert cells[wrong]["status"] == "fail", (case, cells[wrong])
         assert cells[wrong]["max_abs"] >= 0.005  # the worst error is reported
     assert "| baseline | pass | FAIL (max abs" in printed
@@ -133,6 +139,17 @@ def test_unsupported_cells_carry_the_backends_reason(registered, seed):
 
 
 def test_all_pass_exits_zero(capsys, seed):
+    rc = conformance.main(["--quick", "--backends", "amla_emulation", "--quiet", "--seed", str(seed)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "cell(s) checked against the reference: all pass" in captured.out
+
+
+def test_nothing_checked_exits_nonzero(capsys, seed):
+    """Every cell unsupported (cuda_sm90 on this CPU), or only the reference (the oracle) ran: exit 1, and say so."""
+    rc = conformance.main(["--quick", "--backends", "cuda_sm90", "--quiet", "--seed", str(seed)])
+    captured = capsys.readouterr()
+    assert rc == 1 and "nothing was checked: every backend declined every case" in captured.err
+    assert "pass or are unsupported" not in captured.out + captured.err
     rc = conformance.main(["--quick", "--backends", "reference", "--quiet", "--seed", str(seed)])
-    assert rc == 0
-    assert "cells pass or are unsupported" in capsys.readouterr().out
+    assert rc == 1 and "only the reference ran, and it is the oracle itself" in capsys.readouterr().err

@@ -6,7 +6,7 @@ import torch
 from mla_dispatch.numerics.oracle import reference_attention
 from mla_dispatch.metadata.combine import combine_splits, first_slots
 from mla_dispatch.metadata.conversions import kv_indptr, kv_last_page_lens, repage_block_table, token_indices
-from mla_dispatch.metadata.schedule import ITEM_SLOT, split_kv_schedule
+from mla_dispatch.metadata.schedule import ITEM_BEGIN, ITEM_END, ITEM_REQ, ITEM_SLOT, split_kv_schedule
 from mla_dispatch.numerics.cases import make_case
 from mla_dispatch.numerics.tolerance import check_close
 
@@ -143,20 +143,23 @@ def test_schedule_argument_errors():
         split_kv_schedule(torch.zeros(2, dtype=torch.int32), num_parts=0)
     with pytest.raises(ValueError, match="1-D int32"):
         split_kv_schedule(torch.zeros(2, dtype=torch.int64), num_parts=2)
-    assert ITEM_SLOT == 3
 
 
 def test_first_slots_match_the_schedule(gen):
     # The combine finds a split request's partials at first_slot[b] .. first_slot[b] + num_splits[b] - 1.
-
+    # The item columns are read through their names (ITEM_*) and positionally (the kernels read [req, begin, end,
+    # slot] by offset), so a name that points at the wrong column fails here.
     lens = torch.randint(0, 3000, (37,), generator=gen, dtype=torch.int32)
     lens[::5] = 0
     sched = split_kv_schedule(lens, num_parts=11, chunk_size=64, overhead=5)
     first = first_slots(sched.num_splits)
+    named = sched.items[:, [ITEM_REQ, ITEM_BEGIN, ITEM_END, ITEM_SLOT]]
+    assert torch.equal(named, sched.items), "ITEM_* do not name the columns the kernels read"
     seen = {}
-    for req, begin, end, slot in sched.items.tolist():
+    for req, begin, end, slot in named.tolist():
         if req < 0:
             continue
+        assert 0 <= begin <= end <= int(lens[req]), (req, begin, end)
         if sched.num_splits[req] > 1:
             seen.setdefault(req, []).append(slot)
         else:

@@ -9,7 +9,7 @@ Every output tensor must be bit-identical to ``split_kv_schedule(..., impl="torc
   ``impl="triton"`` build and ``update_`` into buffers (and a workspace) filled
   with junk, so an element the kernel forgot to write shows up.
 - GPU (``gpu`` marker): exact equality up to B=1024, P=132; ``update_`` keeps its
-  buffers and does no host sync; the time per call of both impls is printed.
+  buffers and does no host sync. Speed is not a test's business (``bench``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import json
 import random
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -198,27 +197,6 @@ def test_auto_picks_triton_and_update_keeps_buffers_without_host_sync(gen):
         torch.cuda.set_sync_debug_mode("default")
     assert ptrs == [getattr(sched, n).data_ptr() for n in OUTPUTS + ("workspace",)]
     assert not _mismatches(sched, split_kv_schedule(new, num_parts=132, chunk_size=64, overhead=5, impl="torch"))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("batch", [1, 8, 64, 1024])
-def test_print_time_per_call(batch, gen):
-    """Prints host+device time per update_ for both impls (informational; no assertion on speed)."""
-    pytest.importorskip("triton")
-    lens = torch.randint(0, 8000, (batch,), generator=gen, dtype=torch.int32).cuda()
-    sched = split_kv_schedule(lens, num_parts=132, chunk_size=64, overhead=5, impl="triton")
-    line = []
-    for impl in ("torch", "triton"):
-        for _ in range(5):
-            sched.update_(lens, impl=impl)
-        torch.cuda.synchronize()
-        iters = 200
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            sched.update_(lens, impl=impl)
-        torch.cuda.synchronize()
-        line.append(f"{impl} {(time.perf_counter() - t0) / iters * 1e6:.1f} us")
-    print(f"\nsplit_kv_schedule update_ B={batch} P=132: " + ", ".join(line))
 
 
 if __name__ == "__main__":

@@ -196,3 +196,14 @@ def test_table_from_a_saved_bench_run(clean, tmp_path, capsys):
     want = {tune.config_bucket(c, seed=5 + i) for i, c in enumerate(bench.grid_configs("quick"))}
     assert set(doc["table"]) == want and set(doc["table"].values()) == {"reference"}
     assert doc["fingerprint"] == tuned.fingerprint(CPU)
+def test_tune_where_no_backend_ran_correctly_writes_nothing(clean, tmp_path, monkeypatch, capsys):
+    import mla_dispatch.tools.bench as bench
+    from mla_dispatch.tools.roofline import Ceilings
+
+    monkeypatch.setattr(bench, "measure_ceilings", lambda device: Ceilings("test", 1e10, 1e11, "fixed"))
+    wrong = clean(WrongButInstant)
+    out = tmp_path / "tuned.json"
+    rc = tune.main(["--grid", "quick", "--backends", wrong, "--out", str(out), "--quiet", "--rep-ms", "2"])
+    err = capsys.readouterr().err
+    assert rc == 1 and f"nothing ran: no backend ({wrong}) ran every config of any bucket correctly" in err
+    assert not out.exists()

@@ -89,4 +89,5 @@ def compare_outputs(out: torch.Tensor, lse: torch.Tensor | None, ref_out: torch.
     r2 = check_close("lse", lse, ref_lse, tol.lse_atol, tol.lse_rtol)
     if not r2:
         return r2
-    return CloseReport(True, r.max_abs, r.max_rel, r.cos_diff, f"ok (out max abs {r.max_abs:.3g}, cos {r.cos_diff:.2g})")
+    return CloseReport(True, r.max_abs, r.max_rel, r.cos_diff,
+                       f"ok (out max abs {r.max_abs:.3g}, cosine difference {r.cos_diff:.2g})")

@@ -28,7 +28,8 @@ The backend ``auto`` is what ``backend="auto"`` chooses (the row's note names it
 
 Results are printed as a Markdown table (ready for ``benchmarks/RESULTS.md``)
 and written as JSON and CSV; ``--plot`` adds a PNG of % of roofline per config.
-The exit code is 1 if any backend was wrong or crashed, else 0.
+The exit code is 1 if any backend was wrong or crashed, or if nothing ran (every
+backend unavailable, or declining every config); 2 for a usage mistake; else 0.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import argparse
 import csv
 import dataclasses
 import datetime
+import importlib.util
 import json
 import logging
 import math
@@ -61,6 +63,8 @@ from mla_dispatch.tools.peers import PEER_FLASHMLA, flashmla_peer_available, fla
 from mla_dispatch.tools.roofline import Ceilings, decode_work, measure_ceilings, time_fn, timer_name
 from mla_dispatch.numerics.cases import UNUSED_BLOCK_ID, DecodeCase
 from mla_dispatch.numerics.tolerance import compare_outputs
+from mla_dispatch.tools.args import (CommandParser, UsageError, backend_names, parse_device, positive_float,
+                                     usage_error, writable_dir)
 
 __all__ = ["BenchConfig", "BenchRow", "GRIDS", "grid_configs", "make_bench_case", "run_bench", "default_backends",
            "environment", "main"]
@@ -593,14 +597,10 @@ def write_plot(path: Path, rows: Sequence[BenchRow], title: str) -> None:
 # -- CLI ------------------------------------------------------------------------------------------------
 
 
-def _split_names(text: str | None) -> list[str] | None:
-    return None if not text else [n.strip() for n in text.split(",") if n.strip()]
-
-
 def parser() -> argparse.ArgumentParser:
     grids = "\n".join(f"  {name:<9} {desc}" for name, (desc, _) in GRIDS.items())
-    p = argparse.ArgumentParser(prog="python -m mla_dispatch bench", description=__doc__.split("\n\n")[0],
-                                epilog=f"grids:\n{grids}", formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = CommandParser(prog="python -m mla_dispatch bench", description=__doc__.split("\n\n")[0],
+                      epilog=f"grids:\n{grids}", formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--grid", default="quick", help="grid name(s), comma-separated (default: quick)")
     p.add_argument("--backends", default=None,
                    help="comma-separated names (default: every available backend; 'reference' only on CPU)")
@@ -609,59 +609,87 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench_out", help="directory for bench-<grid>.json/.csv/.png (default: bench_out)")
     p.add_argument("--plot", action="store_true", help="also write a PNG of %% of roofline per config")
     p.add_argument("--no-graph", action="store_true", help="skip CUDA-graph replay timing")
-    p.add_argument("--rep-ms", type=float, default=100.0, help="timing budget per measurement (do_bench rep)")
+    p.add_argument("--rep-ms", type=positive_float, default=100.0,
+                   help="timing budget per measurement (do_bench rep)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--list", action="store_true", help="print the grid's configs and exit")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
 
+def grid_names(text: str, option: str = "--grid") -> list[str]:
+    """Comma-separated grid names, each checked against :data:`GRIDS`. Raises UsageError otherwise."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise UsageError(f"argument {option}: expected comma-separated grid names ({', '.join(GRIDS)}), got {text!r}")
+    for name in names:
+        if name not in GRIDS:
+            raise UsageError(f"argument {option}: unknown grid {name!r} (choose from: {', '.join(GRIDS)})")
+    return names
+
+
+def nothing_can_run(backends: Sequence[str]) -> str | None:
+    """Why none of ``backends`` can run anything in this process (each one's availability reasons), else None."""
+    reasons = {n: get_backend(n).availability_reasons() for n in backends if n != "auto"}
+    if all(reasons.values()):
+        return "; ".join(f"{n} ({'; '.join(map(str, r))})" for n, r in reasons.items())
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    grid_names = _split_names(args.grid) or ["quick"]
+    p = parser()
+    args = p.parse_args(argv)
     try:
-        configs = [c for g in grid_names for c in grid_configs(g)]
-    except ValueError as exc:
-        print(exc, file=sys.stderr)
-        return 2
+        return _run(args, argv)
+    except UsageError as exc:
+        return usage_error(p.prog, exc)
+
+
+def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
+    grids = grid_names(args.grid)
+    configs = [c for g in grids for c in grid_configs(g)]
     if args.list:
         print("\n".join(c.label for c in configs))
         return 0
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    chosen = _split_names(args.backends)
+    device = parse_device(args.device)
+    chosen = backend_names(args.backends, also=("auto",))
     backends = chosen or default_backends(device)
-    known = ("auto",) + registered_names()
-    for name in backends:
-        if name not in known:
-            print(f"unknown backend {name!r} (registered: {', '.join(known)})", file=sys.stderr)
-            return 2
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("argument --plot: needs matplotlib, which is not installed (pip install matplotlib)")
+    out_dir = writable_dir(args.out, "--out")
+    why = nothing_can_run(backends) if backends else "no registered backend is available here"
+    if why:
+        print(f"nothing to run: {why}", file=sys.stderr)
+        return 1
     given = argv if argv is not None else sys.argv[1:]
     command = "python -m mla_dispatch bench " + " ".join(shlex.quote(a) for a in given)
     env = environment(device, backends)
     rows, ceilings = run_bench(configs, backends, device=device, dtype=_DTYPES[args.dtype], graphs=not args.no_graph,
                                rep_ms=args.rep_ms, seed=args.seed, progress=not args.quiet)
-    print(f"## bench {'+'.join(grid_names)} ({args.dtype})\n")
+    print(f"## bench {'+'.join(grids)} ({args.dtype})\n")
     print(format_header(env, ceilings, command.strip()))
     skipped = {} if chosen else {n: r for n, r in unavailable_backends().items() if n not in backends}
     if skipped:
         print("- not available here: " + "; ".join(f"{n} ({r})" for n, r in skipped.items()))
     print()
     print(format_table(rows))
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / f"bench-{'_'.join(grid_names)}"
-    meta = {"grids": grid_names, "dtype": args.dtype, "seed": args.seed, "command": command.strip(),
+    stem = out_dir / f"bench-{'_'.join(grids)}"
+    meta = {"grids": grids, "dtype": args.dtype, "seed": args.seed, "command": command.strip(),
             "configs": {c.label: dataclasses.asdict(c) for c in configs}}
     write_json(stem.with_suffix(".json"), rows, env, ceilings, meta)
     write_csv(stem.with_suffix(".csv"), rows)
     written = [stem.with_suffix(".json"), stem.with_suffix(".csv")]
     if args.plot:
-        write_plot(stem.with_suffix(".png"), rows, f"{'+'.join(grid_names)} on {env['device']} ({env['date']})")
+        write_plot(stem.with_suffix(".png"), rows, f"{'+'.join(grids)} on {env['device']} ({env['date']})")
         written.append(stem.with_suffix(".png"))
     print("\nwrote: " + ", ".join(map(str, written)))
     bad = [r for r in rows if r.status in ("wrong", "error")]
     if bad:
         print(f"{len(bad)} result(s) failed the correctness gate or raised: "
               + ", ".join(f"{r.backend} on {r.config}" for r in bad), file=sys.stderr)
+        return 1
+    if not any(r.status == "ok" for r in rows):
+        print(f"nothing ran: every backend ({', '.join(backends)}) declined every config; their reasons are in the "
+              f"table", file=sys.stderr)
         return 1
     return 0

@@ -1,5 +1,6 @@
 """``python -m mla_dispatch <command>``: each command lives in its own module,
-imported only when run, and parses its own arguments."""
+imported only when run, and parses its own arguments (``tools/args.py``: a user mistake is one line on stderr
+and exit status 2). :func:`main` returns the exit status; it raises no ``SystemExit``."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        print(f"python -m mla_dispatch: error: unknown command {name!r} (commands: {', '.join(COMMANDS)}; "
+              f"see --help)", file=sys.stderr)
         return 2
     module_name = COMMANDS[name][0]
     try:
@@ -38,4 +40,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"'{name}' is not available in this version ({module_name} is not installed)", file=sys.stderr)
         return 2
-    return int(module.main(rest) or 0)
+    try:
+        return int(module.main(rest) or 0)
+    except SystemExit as exc:  # argparse's --help (0) and its one-line usage errors (2)
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)

@@ -12,7 +12,9 @@ compared with the fp32 reference at the backend's declared tolerance
 
 The result is a matrix: rows = case class, columns = backends, cells =
 ``pass``, ``FAIL (worst error)``, ``ERROR (exception)`` or ``unsupported
-(the backend's own reason)``. The exit code is 1 if any cell failed or raised.
+(the backend's own reason)``. The exit code is 1 if any cell failed or raised,
+or if nothing was checked (every cell unsupported, or only the reference, the
+oracle itself, ran); 2 for a usage mistake.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ from mla_dispatch.dispatch.problem import describe_inputs
 from mla_dispatch.dispatch.registry import get_backend, registered_names
 from mla_dispatch.numerics.cases import DecodeCase, make_case
 from mla_dispatch.numerics.tolerance import compare_outputs
+from mla_dispatch.tools.args import (CommandParser, UsageError, backend_names, parse_device, usage_error,
+                                     writable_file)
 
 __all__ = ["ConformanceCase", "Cell", "case_set", "large_case_set", "run_conformance", "format_matrix", "main"]
 
@@ -210,7 +214,7 @@ def _default_backends(device: torch.device) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mla_dispatch conformance", description=__doc__.split("\n\n")[0])
+    p = CommandParser(prog="python -m mla_dispatch conformance", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="CI-sized case set (seconds on a CPU)")
     p.add_argument("--large", action="store_true",
                    help="also the large-cache cases (> 2^32 cache elements, ~4M tokens; a GPU with ~20 GB free)")
@@ -222,21 +226,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="print the case set and exit")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
+    try:
+        return _run(args)
+    except UsageError as exc:
+        return usage_error(p.prog, exc)
+
+
+def _run(args: argparse.Namespace) -> int:
     cases = case_set(quick=args.quick) + (large_case_set() if args.large else [])
     if args.list:
         for c in cases:
             print(f"{c.name:<28} {c.feature}")
         return 0
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if args.backends:
-        backends = [n.strip() for n in args.backends.split(",") if n.strip()]
-    else:
-        backends = _default_backends(device)
+    device = parse_device(args.device)
+    backends = backend_names(args.backends) or _default_backends(device)
     known = registered_names()
-    for name in backends:
-        if name not in known:
-            print(f"unknown backend {name!r} (registered: {', '.join(known)})", file=sys.stderr)
-            return 2
+    if not backends:
+        print("nothing to check: no registered backend is available here (python -m mla_dispatch info says why)",
+              file=sys.stderr)
+        return 1
+    if args.json:
+        writable_file(args.json, "--json")
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
     matrix = run_conformance(cases, backends, device=device, seed=seed, progress=not args.quiet)
     plat = platform_for(device)
@@ -248,15 +258,26 @@ def main(argv: list[str] | None = None) -> int:
     unavailable = {n: r for n, r in unavailable.items() if r}
     if unavailable:
         print("\nnot available here: " + "; ".join(f"{n} ({r})" for n, r in unavailable.items()))
-    failed = [(c, b) for c, cells in matrix.items() for b, cell in cells.items() if cell.status in ("fail", "error")]
     if args.json:
         doc = {"platform": plat.describe(), "torch": torch.__version__, "seed": seed, "quick": args.quick,
                "backends": {b: get_backend(b).version() for b in backends},
                "matrix": {c: {b: dataclasses.asdict(cell) for b, cell in cells.items()} for c, cells in matrix.items()}}
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(doc, indent=1))
+        try:
+            Path(args.json).write_text(json.dumps(doc, indent=1))
+        except OSError as exc:
+            raise UsageError(f"argument --json: cannot write {args.json!r}: {exc.strerror or exc}") from None
+    cells = [(c, b, cell) for c, row in matrix.items() for b, cell in row.items()]
+    failed = [(c, b) for c, b, cell in cells if cell.status in ("fail", "error")]
     if failed:
         print(f"\n{len(failed)} failing cell(s): " + ", ".join(f"{b} on {c}" for c, b in failed), file=sys.stderr)
         return 1
-    print(f"\nall {sum(len(c) for c in matrix.values())} cells pass or are unsupported")
+    # The reference is the oracle: its own column compares it with itself, which checks only the harness.
+    checked = [(c, b) for c, b, cell in cells if cell.status == "pass" and b != "reference"]
+    unsupported = sum(cell.status == "unsupported" for _, _, cell in cells)
+    if not checked:
+        why = ("only the reference ran, and it is the oracle itself" if any(cell.status == "pass" for *_, cell in cells)
+               else f"every backend declined every case ({', '.join(backends)}; their reasons are under the matrix)")
+        print(f"\nnothing was checked: {why}", file=sys.stderr)
+        return 1
+    print(f"\n{len(checked)} cell(s) checked against the reference: all pass; {unsupported} unsupported")
     return 0

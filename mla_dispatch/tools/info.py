@@ -18,6 +18,7 @@ from mla_dispatch.version import __version__
 from mla_dispatch.dispatch.problem import DecodeProblem
 from mla_dispatch.dispatch.registry import get_backend, registered_names
 from mla_dispatch.dispatch.select import explain, priority
+from mla_dispatch.tools.args import CommandParser, positive_int
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -71,12 +72,12 @@ def _tuned_description() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mla_dispatch info", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--q-len", type=int, default=1, help="s_q, query tokens per request")
-    parser.add_argument("--heads", type=int, default=128, help="h_q")
-    parser.add_argument("--page-size", type=int, default=64)
+    parser = CommandParser(prog="python -m mla_dispatch info", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=positive_int, default=8)
+    parser.add_argument("--q-len", type=positive_int, default=1, help="s_q, query tokens per request")
+    parser.add_argument("--heads", type=positive_int, default=128, help="h_q")
+    parser.add_argument("--page-size", type=positive_int, default=64)
     parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
     parser.add_argument("--kv-format", choices=["bf16", "fp16", "fp8_e4m3", "fp8_ds_mla"], default=None)
     args = parser.parse_args(argv)

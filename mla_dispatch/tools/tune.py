@@ -20,6 +20,8 @@ import torch
 from mla_dispatch.dispatch.platform import detect_platform
 from mla_dispatch.dispatch.problem import DecodeProblem
 from mla_dispatch.dispatch.tuned import ENV_VAR, TABLE_FORMAT, fingerprint, shape_bucket, table_path
+from mla_dispatch.tools.args import (CommandParser, UsageError, backend_names, parse_device, positive_float,
+                                     usage_error, writable_file)
 
 if TYPE_CHECKING:  # the harness is imported only by `tune` itself, not when a table is loaded
     from mla_dispatch.tools.bench import BenchConfig, BenchRow
@@ -145,7 +147,7 @@ def _table_from_bench(path: Path, args, argv) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mla_dispatch tune", description=__doc__.split("\n\n")[0])
+    p = CommandParser(prog="python -m mla_dispatch tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--grid", default=None,
                    help="bench grid name(s), comma-separated, instead of the built-in tuning grid")
     p.add_argument("--quick", action="store_true", help="a tiny grid (seconds on a CPU)")
@@ -156,28 +158,39 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default=None)
     p.add_argument("--out", default=None, help=f"table path (default: ${ENV_VAR} or the per-device cache file)")
     p.add_argument("--dry-run", action="store_true", help="measure and print, write nothing")
-    p.add_argument("--rep-ms", type=float, default=100.0)
+    p.add_argument("--rep-ms", type=positive_float, default=100.0)
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--from-json", default=None, metavar="BENCH_JSON",
                    help="make the table from a saved `bench` run (its rows, device and versions) instead of measuring")
     args = p.parse_args(argv)
-    if args.from_json:
-        return _table_from_bench(Path(args.from_json), args, argv)
-    from mla_dispatch.tools.bench import default_backends, environment, grid_configs, run_bench
+    try:
+        if args.from_json:
+            return _table_from_bench(Path(args.from_json), args, argv)
+        return _run(args, argv)
+    except UsageError as exc:
+        return usage_error(p.prog, exc)
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
+    from mla_dispatch.tools.bench import (default_backends, environment, grid_configs, grid_names, nothing_can_run,
+                                          run_bench)
+
+    configs = ([c for g in grid_names(args.grid) for c in grid_configs(g)] if args.grid is not None
+               else tune_configs(args.quick))
+    device = parse_device(args.device)
     platform = detect_platform(device)
     dtype = _DTYPES[args.dtype]
-    try:
-        configs = ([c for g in args.grid.split(",") for c in grid_configs(g.strip())] if args.grid
-                   else tune_configs(args.quick))
-    except ValueError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    backends = [n.strip() for n in args.backends.split(",") if n.strip()] if args.backends else default_backends(device)
-    backends = [n for n in backends if n != "auto"]  # the table decides what auto runs: never a candidate itself
-    if device.type != "cpu" and not args.backends:
+    chosen = backend_names(args.backends)
+    backends = [n for n in chosen or default_backends(device) if n != "auto"]  # auto is what the table decides
+    if device.type != "cpu" and not chosen:
         backends.append("reference")  # a candidate too, so every bucket gets an entry
+    path = Path(args.out) if args.out else table_path(platform)
+    if not args.dry_run:
+        writable_file(str(path), "--out")
+    why = nothing_can_run(backends) if backends else "no registered backend is available here"
+    if why:
+        print(f"nothing to run: {why}; no table written", file=sys.stderr)
+        return 1
     rows, ceilings = run_bench(configs, backends, device=device, dtype=dtype, graphs=args.metric == "graph",
                                rep_ms=args.rep_ms, progress=not args.quiet)
     buckets = {c.label: config_bucket(c, dtype, seed=i) for i, c in enumerate(configs)}
@@ -210,9 +223,12 @@ def main(argv: list[str] | None = None) -> int:
     bad = [r for r in rows if r.status in ("wrong", "error")]
     for r in bad:
         print(f"excluded: {r.backend} on {r.config}: {r.status}: {r.note}", file=sys.stderr)
+    if not table:
+        print(f"nothing ran: no backend ({', '.join(backends)}) ran every config of any bucket correctly; "
+              f"no table written", file=sys.stderr)
+        return 1
     if args.dry_run:
         return 0
-    path = Path(args.out) if args.out else table_path(platform)
     write_table(path, doc)
     print(f"\nwrote {path}")
     if args.out and Path(args.out) != table_path(platform):

@@ -33,7 +33,14 @@ def simulate(monkeypatch, platform: Platform, backend_cls) -> None:
 
 
 def forget(backend_cls) -> None:
-    """Drop the backend's cached availability and feature probes (another fake may be installed next)."""
+    """Drop the backend's cached availability and feature probes (another fake may be installed next), and the
+    cached platform and selections (the simulated platform must not outlive the test: the tests' teardowns call
+    this)."""
+    import mla_dispatch.dispatch.platform as plat
+    import mla_dispatch.dispatch.select as sel
+
+    plat.platform_for.cache_clear()
+    sel.clear_selection_cache()
     if "_availability_cache" in backend_cls.__dict__:
         delattr(backend_cls, "_availability_cache")
     import sys

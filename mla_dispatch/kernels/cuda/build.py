@@ -153,13 +153,17 @@ def load_sm90(verbose: bool = False):
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m mla_dispatch build [--verbose]``: build the native CUDA kernels now."""
-    parser = argparse.ArgumentParser(prog="python -m mla_dispatch build", description=main.__doc__)
+    class OneLineErrors(argparse.ArgumentParser):  # as tools/args.py's CommandParser (kernels import no tools)
+        def error(self, message):
+            self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+    parser = OneLineErrors(prog="python -m mla_dispatch build", description=main.__doc__)
     parser.add_argument("--verbose", action="store_true", help="show the compiler commands")
     args = parser.parse_args(argv)
     try:
         name = load_sm90(verbose=args.verbose).__name__
     except KernelBuildError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         return 1
     print(f"built {name} (sources: {SM90_SOURCE_DIR})")
     return 0

@@ -1,0 +1,73 @@
+"""An independent float64 oracle for CPU tests: MLA decode attention written out naively.
+
+It walks every request, query token and head with Python loops, gathers tokens one by one through the block table
+(or the sparse indices) and decodes them with its own code, so it shares nothing with
+:func:`mla_dispatch.numerics.oracle.reference_attention` (the reference backend) except the format definitions of
+docs/design.md. Tests that check the reference backend, or anything run on it, compare with this instead of with the
+reference itself.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mla_dispatch.kvcache.formats import DS_MLA_TOKEN_BYTES
+
+__all__ = ["decode_token", "naive_attention"]
+
+
+def decode_token(raw: torch.Tensor, kv_format: str, kv_scale) -> torch.Tensor:
+    """float64 [h_kv, D] values of one cached token, decoded independently of kvcache/formats.py."""
+    if kv_format in ("bf16", "fp16"):
+        return raw.double()
+    if kv_format == "fp8_e4m3":
+        return raw.double() * float(kv_scale)
+    assert raw.shape[-1] == DS_MLA_TOKEN_BYTES
+    rows = []
+    for head in raw:
+        b = head.contiguous()
+        nope = b[:512].view(torch.float8_e4m3fn).double()
+        scales = b[512:528].view(torch.float32).double()
+        rope = b[528:656].view(torch.bfloat16).double()
+        rows.append(torch.cat([nope * scales.repeat_interleave(128), rope]))
+    return torch.stack(rows)
+
+
+def naive_attention(case, head_dim_v: int | None = None, *, q=None, kv_cache=None, cache_seqlens=None):
+    """float64 (out ``[B, s_q, h_q, D_v]``, lse ``[B, h_q, s_q]``) of a ``DecodeCase`` (``numerics/cases.py``).
+
+    ``q``, ``kv_cache`` and ``cache_seqlens`` replace the case's (another layer's data, an updated step). Rows that
+    see no key get out 0 and lse +inf.
+    """
+    q = (case.q if q is None else q).double()
+    kv = case.kv_cache if kv_cache is None else kv_cache
+    kv = kv if kv.dim() == 4 else kv.unsqueeze(2)
+    lens = case.cache_seqlens if cache_seqlens is None else cache_seqlens
+    head_dim_v = case.head_dim_v if head_dim_v is None else head_dim_v
+    batch, q_len, h_q, _ = q.shape
+    nb, ps, h_kv, _ = kv.shape
+    scale = case.softmax_scale
+    out = torch.zeros(batch, q_len, h_q, head_dim_v, dtype=torch.float64)
+    lse = torch.zeros(batch, h_q, q_len, dtype=torch.float64)
+    for b in range(batch):
+        for i in range(q_len):
+            if case.indices is not None:
+                slots = [int(s) for s in case.indices[b, i] if int(s) >= 0]
+            else:
+                length = int(lens[b])
+                visible = length - q_len + i + 1 if case.causal else length
+                slots = [int(case.block_table[b, j // ps]) * ps + j % ps for j in range(max(visible, 0))]
+            keys = [decode_token(kv[s // ps, s % ps], case.kv_format, case.kv_scale) for s in slots]
+            for h in range(h_q):
+                if not keys:
+                    lse[b, h, i] = math.inf
+                    continue
+                k = torch.stack([key[h // (h_q // h_kv)] for key in keys])
+                s = (k @ q[b, i, h]) * scale
+                m = s.max()
+                p = torch.exp(s - m)
+                out[b, i, h] = (p[:, None] * k[:, :head_dim_v]).sum(0) / p.sum()
+                lse[b, h, i] = m + torch.log(p.sum())
+    return out, lse
