@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import mla_dispatch
-from mla_dispatch.backends.reference import ReferenceBackend, reference_attention
+from mla_dispatch.backends.reference import ReferenceBackend
+from mla_dispatch.numerics.oracle import reference_attention
 from mla_dispatch.dispatch.backend import BackendOption, BackendState
 from mla_dispatch.numerics.cases import make_case, poisoned_outputs
 from mla_dispatch.numerics.tolerance import compare_outputs

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from mla_dispatch.tools import bench
-from mla_dispatch.backends.reference import ReferenceBackend, reference_attention
+from mla_dispatch.backends.reference import ReferenceBackend
+from mla_dispatch.numerics.oracle import reference_attention
 from mla_dispatch.tools.roofline import Ceilings
 from mla_dispatch.numerics.cases import UNUSED_BLOCK_ID
 
