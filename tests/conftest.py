@@ -133,3 +133,15 @@ def npu(monkeypatch, simulate_platform):
     for name in ("torch_npu", "ascend_amla"):
         monkeypatch.setattr(mla_dispatch.dispatch.registry.get_backend(name), "_availability_cache", None, raising=False)
     return platform
+
+
+@pytest.fixture(autouse=True)
+def no_measured_table():
+    """No measured dispatch table unless a test loads one (tests/test_tune.py's ``clean`` fixture reloads): the
+    table shipped for the H100 would otherwise reorder selection in tests that simulate an H100 and check the
+    default order."""
+    from mla_dispatch.dispatch import tuned
+
+    tuned.set_tuned_table(None, None)
+    yield
+    tuned.reload_table()

@@ -207,3 +207,27 @@ def test_tune_where_no_backend_ran_correctly_writes_nothing(clean, tmp_path, mon
     err = capsys.readouterr().err
     assert rc == 1 and f"nothing ran: no backend ({wrong}) ran every config of any bucket correctly" in err
     assert not out.exists()
+
+
+def test_the_shipped_h100_table_is_used_on_an_h100_unless_the_user_has_one(clean, tmp_path, monkeypatch):
+    """The package ships the table measured on our H100 (bench + tune --from-json); on a simulated H100 with no
+    table of the user's it reorders selection, a user's own table replaces it, and another device ignores it."""
+    from fakes import B200, H100
+
+    h100_problem = mla_dispatch.DecodeProblem(batch=128, q_len=1, num_heads_q=128, num_heads_kv=1, head_dim_qk=576,
+                                              head_dim_v=512, page_size=64, max_blocks=160, q_dtype=torch.bfloat16,
+                                              kv_format="bf16", causal=False, topk=0, return_lse=True,
+                                              device_type="cuda")
+    doc = tuned.read_table(tuned.shipped_table_path(H100))
+    assert doc["fingerprint"] == tuned.fingerprint(H100) and doc["metric"] == "graph"
+    assert "b128" in tuned.shape_bucket(h100_problem) and tuned.lookup(doc["table"], h100_problem)
+    table = tuned.active_table(H100)
+    assert table == doc["table"] and "shipped" in tuned.active_table_description(H100)
+    assert select.priority(h100_problem, H100, table)[0] == tuned.lookup(doc["table"], h100_problem)
+    tuned.reload_table()
+    assert tuned.active_table(B200) is None  # no table shipped for it, and the H100's is not its
+    tuned.reload_table()
+    mine = tmp_path / "mine.json"
+    tune.write_table(mine, _doc(tuned.fingerprint(H100), {tuned.shape_bucket(h100_problem): "triton"}))
+    monkeypatch.setenv(tuned.ENV_VAR, str(mine))
+    assert tuned.active_table(H100) == {tuned.shape_bucket(h100_problem): "triton"}

@@ -12,9 +12,9 @@ For each configuration of a named grid, in one process:
    timed; otherwise time
    - ``run``: ``DecodePlan.run`` (the per-layer call; the plan is made once),
    - ``call``: the whole ``mla_decode`` (planning, metadata and combine included),
-   - ``graph``: replay of a CUDA graph captured over ``DecodePlan.run`` with
-     preallocated ``out``/``lse`` (CUDA only, backends with ``CUDA_GRAPH`` ALWAYS;
-     its output is checked against the reference too);
+   - ``graph``: replay of a CUDA graph captured over ``DecodePlan.run``, its
+     outputs allocated at capture, as FlashMLA's own call is (CUDA only, backends
+     with ``CUDA_GRAPH`` ALWAYS; its output is checked against the reference too);
 3. on a GPU, the host time of ``plan_decode``, ``DecodePlan.run`` and the one-shot
    ``mla_decode`` (wall clock with a device synchronisation after, median of 50);
 4. where FlashMLA is installed, FlashMLA itself called directly on the same inputs
@@ -367,22 +367,24 @@ def bench_backend(name: str, case: DecodeCase, ref: tuple[torch.Tensor, torch.Te
 
 
 def _bench_graph(name: str, case: DecodeCase, ref, row: BenchRow, rep_ms: float) -> None:
-    """Capture ``plan.run`` into a CUDA graph, check one replay, time replays."""
+    """Capture ``plan.run`` into a CUDA graph, check one replay, time replays.
+
+    The captured call allocates its outputs (in the graph's pool, at capture), as FlashMLA's own call is captured
+    and timed (:mod:`mla_dispatch.tools.peers`): a backend that writes into given buffers pays nothing for it, one
+    whose vendor allocates its own outputs pays no copy."""
     run_kw = dict(kv_scale=case.kv_scale, indices=case.indices)
     try:
         plan = plan_decode(*case.args(), **case.kwargs(), backend=name, cuda_graph=True)
         cls = get_backend(plan.backend)
-        out = torch.empty(ref[0].shape, dtype=case.q.dtype, device=case.q.device)
-        lse = torch.empty(ref[1].shape, dtype=torch.float32, device=case.q.device)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                plan.run(case.q, case.kv_cache, **run_kw, out=out, lse=lse)
+                plan.run(case.q, case.kv_cache, **run_kw)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            plan.run(case.q, case.kv_cache, **run_kw, out=out, lse=lse)
+            out, lse = plan.run(case.q, case.kv_cache, **run_kw)
         out.fill_(float("nan"))
         lse.fill_(float("nan"))
         graph.replay()
