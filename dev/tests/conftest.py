@@ -1,9 +1,20 @@
 """Fixtures of the laboratory's own tests (``python -m pytest dev/tests``; not part of the README's test command)."""
 
 import json
+import os
+import random
 import sys
+import zlib
 
 import pytest
+
+SEED = int(os.environ.get("MLA_DISPATCH_SEED", random.SystemRandom().randrange(1 << 31)))
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """A per-test seed from the session seed (``MLA_DISPATCH_SEED`` replays it) and the test id."""
+    return (SEED + zlib.crc32(request.node.nodeid.encode())) % (1 << 31)
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import random
 import pytest
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("bench_cuda_sm90", _ROOT / "ci" / "bench_cuda_sm90.py")
+_spec = importlib.util.spec_from_file_location("bench_cuda_sm90", _ROOT / "bench_cuda_sm90.py")
 bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("triton")  # the script imports it at the top, as it runs on the GPU machine
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("bench_triton", _ROOT / "ci" / "bench_triton.py")
+_spec = importlib.util.spec_from_file_location("bench_triton", _ROOT / "bench_triton.py")
 bench_triton = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench_triton)
 

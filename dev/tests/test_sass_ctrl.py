@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-_PATH = pathlib.Path(__file__).resolve().parents[1] / "ci" / "sass_ctrl.py"
+_PATH = pathlib.Path(__file__).resolve().parents[1] / "sass_ctrl.py"
 _spec = importlib.util.spec_from_file_location("sass_ctrl", _PATH)
 sass_ctrl = importlib.util.module_from_spec(_spec)
 sys.modules.setdefault("sass_ctrl", sass_ctrl)  # dataclasses look their module up there
