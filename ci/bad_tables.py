@@ -22,11 +22,18 @@ run the problem: its reason; a backend that is not available at all fails); the 
     python ci/bad_tables.py --backends triton,cuda_sm90,reference
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python ci/bad_tables.py --backends triton,cuda_sm90
 
-(without the caching allocator every tensor is its own allocation, so memcheck sees a read past one). On an H100 the
-Triton backend takes its Gluon kernels here: the seesaw kernel for bf16 on page 64, ``gluon_sm90`` (every tile gathered)
-on pages 1 and 16 and for fp8_e4m3 with 64 heads, the tokens-on-M fp8 kernel for fp8_e4m3 with 16 heads, the plain
-kernel for fp8_ds_mla; ``MLA_TRITON_SEESAW=0`` sends page 64 to ``gluon_sm90``'s TMA path, ``MLA_TRITON_FP8T=0`` the
-16-head fp8 cases to ``gluon_sm90``. On a CPU: ``--device cpu --small`` (float16, small shapes; Triton under
+(without the caching allocator every tensor is its own allocation, so memcheck sees a read past one). A backend may
+carry ``backend_options`` for its plans, ``name:key=value:...``: ``cuda_sm90:variant=5`` forces that mainloop, and a
+forced choice that cannot run a case is a SKIP with the backend's reason. Every mainloop of ``cuda_sm90`` (its plan
+takes v2 for all of these shapes), in the command above:
+
+    V=cuda_sm90:variant
+    ... --backends cuda_sm90,$V=2:fuse_combine=true,$V=5,$V=6,$V=6:fuse_combine=true,$V=7,$V=8,$V=9
+
+On an H100 the Triton backend takes its Gluon kernels here: the seesaw kernel for bf16 on page 64, ``gluon_sm90``
+(every tile gathered) on pages 1 and 16 and for fp8_e4m3 with 64 heads, the tokens-on-M fp8 kernel for fp8_e4m3 with
+16 heads, the plain kernel for fp8_ds_mla; ``MLA_TRITON_SEESAW=0`` sends page 64 to ``gluon_sm90``'s TMA path,
+``MLA_TRITON_FP8T=0`` the 16-head fp8 cases to ``gluon_sm90``. On a CPU: ``--device cpu --small`` (float16, small shapes; Triton under
 ``TRITON_INTERPRET=1``).
 """
 
@@ -223,14 +230,27 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
+def backend_spec(spec: str) -> tuple[str, dict]:
+    """``"name"`` or ``"name:key=value:..."`` -> ``(name, backend_options)``; a value is an int, ``true`` /
+    ``false``, or a string (``cuda_sm90:variant=6:fuse_combine=true``)."""
+    name, *pairs = spec.split(":")
+    options = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        options[key] = int(value) if re.fullmatch(r"-?\d+", value) else {"true": True, "false": False}.get(value, value)
+    return name, options
+
+
 def _run(backend: str, inp: Inputs, table, lens, tweak_plan=None):
-    """(out, lse, problems with the sentinel rows) of ``backend`` on the case with ``table`` / ``lens``;
-    ``tweak_plan(plan)`` may change the plan before it runs (tests force split schedules and kernel configs)."""
+    """(out, lse, problems with the sentinel rows) of ``backend`` (a :func:`backend_spec`) on the case with ``table``
+    / ``lens``; ``tweak_plan(plan)`` may change the plan before it runs (tests force split schedules and kernel
+    configs)."""
     from mla_dispatch import plan_decode
 
     c = inp.case
     kwargs = dict(c.kwargs(), indices=None)
-    plan = plan_decode(c.q, c.kv_cache, table, lens, backend=backend, **kwargs)
+    name, options = backend_spec(backend)
+    plan = plan_decode(c.q, c.kv_cache, table, lens, backend=name, backend_options=options or None, **kwargs)
     if tweak_plan is not None:
         tweak_plan(plan)
     big_out, big_lse = _guarded_outputs(c)
@@ -246,7 +266,8 @@ def _run(backend: str, inp: Inputs, table, lens, tweak_plan=None):
 
 
 def check_backend(backend: str, inp: Inputs, tweak_plan=None) -> tuple[str, str]:
-    """``("PASS" | "FAIL" | "SKIP", message)`` for one backend on one case (``tweak_plan`` as in :func:`_run`)."""
+    """``("PASS" | "FAIL" | "SKIP", message)`` for one backend (a :func:`backend_spec`) on one case (``tweak_plan``
+    as in :func:`_run`)."""
     from mla_dispatch.dispatch.backend import ReasonCode
     from mla_dispatch.dispatch.select import NoBackendError
     from mla_dispatch.dispatch.registry import get_backend
@@ -263,6 +284,10 @@ def check_backend(backend: str, inp: Inputs, tweak_plan=None) -> tuple[str, str]
         if any(r.code in (ReasonCode.UNAVAILABLE, ReasonCode.NOT_IMPLEMENTED) for r in reasons):
             return "FAIL", f"the backend is not available here: {text}"  # asked for by name: not a skip
         return "SKIP", text
+    except ValueError as exc:
+        if str(exc).startswith("backend_options[") and "cannot run" in str(exc):  # a forced choice that does not fit
+            return "SKIP", str(exc)
+        return "FAIL", f"raised ValueError: {str(exc)[:300]}"
     except Exception as exc:
         return "FAIL", f"raised {type(exc).__name__}: {str(exc)[:300]}"
     problems += [p + " (repaired run)" for p in good_problems]
@@ -272,7 +297,7 @@ def check_backend(backend: str, inp: Inputs, tweak_plan=None) -> tuple[str, str]
     except Exception as exc:
         ref_out = ref_lse = None
         problems.append(f"the reference raised {type(exc).__name__}: {str(exc)[:200]}")
-    tol = get_backend(backend).TOLERANCE
+    tol = get_backend(backend_spec(backend)[0]).TOLERANCE
     out, lse = out.cpu(), lse.cpu()
     for b, bad in enumerate(inp.poisoned):
         if bad:
@@ -339,7 +364,8 @@ def run_catalogue(backends, *, device: str = "cuda", dtype: torch.dtype = torch.
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backends", default="triton,cuda_sm90,reference")
+    parser.add_argument("--backends", default="triton,cuda_sm90,reference",
+                        help="comma-separated, each name[:key=value...] (backend_options, e.g. cuda_sm90:variant=5)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--page-sizes", default="1,16,64")
     parser.add_argument("--small", action="store_true", help="float16, 3 requests of ~40 tokens, 2 heads (CPU)")

@@ -12,12 +12,16 @@ from __future__ import annotations
 import importlib.util
 import json
 import pathlib
+import re
 import sys
+
+from types import MappingProxyType
 
 import pytest
 import torch
 
 from mla_dispatch.backends.reference import ReferenceBackend
+from mla_dispatch.dispatch.backend import BackendOption
 
 _PATH = pathlib.Path(__file__).resolve().parent.parent / "ci" / "bad_tables.py"
 
@@ -72,6 +76,34 @@ def test_the_script_fails_a_backend_that_breaks_the_rule(registered, capsys):
     assert "PASS unchecked_test garbage-ps16" in out and "PASS reference id-nb-ps16" in out
     assert out.strip().endswith("1 failed")
     assert _catalogue().main(argv + ["--backends", "reference"]) == 0
+
+
+class _WithOptions(ReferenceBackend):
+    """The reference with a plan option: ``mode="refuse"`` cannot run anything, as a forced kernel that does not fit."""
+
+    NAME = "options_test"
+    OPTIONS = MappingProxyType({"mode": BackendOption(("plain", "refuse"), "refuse: no problem fits")})
+
+    @classmethod
+    def plan(cls, problem, platform, block_table, cache_seqlens, *, softmax_scale, options):
+        if options.get("mode") == "refuse":
+            raise ValueError("backend_options['mode']='refuse' cannot run this problem: a test")
+        return super().plan(problem, platform, block_table, cache_seqlens, softmax_scale=softmax_scale)
+
+
+def test_backends_carry_plan_options(registered, capsys):
+    """``name:key=value`` runs the backend with those ``backend_options`` (ci/bad_tables.py on cuda_sm90's
+    mainloops: ``cuda_sm90:variant=5``); a forced choice that cannot run a case is a SKIP with its reason."""
+    assert _catalogue().backend_spec("cuda_sm90:variant=6:fuse_combine=true:name=x") == (
+        "cuda_sm90", {"variant": 6, "fuse_combine": True, "name": "x"})
+    assert _catalogue().backend_spec("reference") == ("reference", {})
+    name = registered(_WithOptions)
+    argv = ["--device", "cpu", "--small", "--cases", "id-nb", "--page-sizes", "16",
+            "--backends", f"{name}:mode=plain,{name}:mode=refuse"]
+    assert _catalogue().main(argv) == 0
+    out = capsys.readouterr().out
+    assert "PASS options_test:mode=plain id-nb-ps16" in out
+    assert re.search(r"SKIP options_test:mode=refuse id-nb-ps16 +backend_options\['mode'\]='refuse' cannot run", out)
 
 
 # -- the Triton kernel under the interpreter --------------------------------------------------------------------------

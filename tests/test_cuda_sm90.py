@@ -377,6 +377,82 @@ def test_split_rows_keep_the_output_range(variant, h_q, fuse_combine, scale, gen
     assert int((plan.state.schedule.num_splits > 1).sum()) > 0, "the shape must split a request"
 
 
+# A block id outside [0, num_blocks) in one request's live part (docs/design.md §1): (variant, kv_format, batch, s_q,
+# h_q, seqlen, page_size, causal, zero_len_rows, fuse_combine). Every mainloop on each of its load paths (v6: TMA on
+# whole-tile pages, cp.async on others, fp8 through registers), v5 paired and not, causal MTP, split requests (the
+# combine of a NaN piece, in a second kernel and fused), zero-length requests after the bad one.
+BAD_ID_GRID = [
+    (2, "bf16", 4, 1, 128, 1000, 64, False, 0, None),
+    (2, "fp16", 3, 2, 16, 700, 16, True, 1, True),
+    (2, "fp8_e4m3", 4, 1, 64, 900, 32, False, 0, None),
+    (2, "fp8_ds_mla", 4, 1, 16, 900, 64, False, 0, None),
+    (5, "bf16", 4, 1, 128, 1000, 64, False, 0, None),  # two row tiles: paired in clusters
+    (5, "fp16", 3, 2, 32, 900, 128, True, 1, None),    # one row tile
+    (6, "bf16", 4, 1, 16, 1000, 64, False, 0, None),   # TMA
+    (6, "fp16", 3, 2, 16, 700, 16, True, 1, True),     # cp.async
+    (6, "fp8_e4m3", 4, 1, 16, 900, 16, False, 0, None),
+    (6, "fp8_ds_mla", 4, 1, 16, 900, 64, False, 0, True),
+    (7, "fp8_e4m3", 4, 1, 16, 1000, 16, False, 0, None),
+    (7, "fp8_e4m3", 3, 2, 16, 700, 32, True, 1, True),
+    (8, "fp8_e4m3", 4, 1, 32, 1000, 64, False, 0, None),
+    (8, "fp8_e4m3", 3, 1, 16, 700, 128, False, 1, True),
+    (9, "fp8_e4m3", 4, 1, 128, 1000, 64, False, 0, None),
+    (9, "fp8_e4m3", 3, 2, 32, 900, 128, True, 1, None),
+]
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+# (name, the bad id for a cache of n blocks, where in the request's live pages)
+BAD_IDS = [("m1-middle", lambda n: -1, "middle"), ("nb-last", lambda n: n, "last"),
+           ("int32min-first", lambda n: INT32_MIN, "first"), ("int32max-middle", lambda n: INT32_MAX, "middle")]
+
+
+def _bad_id_run_id(c):
+    v, fmt, b, s, h, L, ps, causal, zero, fused = c
+    return (f"v{v}-{fmt}-b{b}xs{s}xh{h}-L{L}-ps{ps}" + ("-causal" if causal else "") + (f"-zero{zero}" if zero else "")
+            + ({True: "-fused", False: "-separate", None: ""}[fused]))
+
+
+@pytest.mark.parametrize("bad", BAD_IDS, ids=[b[0] for b in BAD_IDS])
+@pytest.mark.parametrize("cfg", BAD_ID_GRID, ids=[_bad_id_run_id(c) for c in BAD_ID_GRID])
+def test_bad_block_id_poisons_its_request_only(cfg, bad, gen):
+    """Each mainloop, forced, on a table with one bad block id in request 1's live part: that request's out rows and
+    lse are all NaN (written: the outputs start as finite sentinels), nothing is read outside the cache (the GPU run
+    of ci/bad_tables.py is under compute-sanitizer), and every other request is bitwise what a run on the repaired
+    table gives."""
+    variant, kv_format, b, s_q, h_q, L, ps, causal, zero, fused = cfg
+    _, bad_id, where = bad
+    dtype = torch.float16 if kv_format == "fp16" else torch.bfloat16
+    case = make_case(b, s_q, h_q, L, page_size=ps, dtype=dtype, causal=causal, zero_len_rows=zero,
+                     kv_format=None if kv_format in ("bf16", "fp16") else kv_format, device="cuda", generator=gen)
+    live = -(-int(case.cache_seqlens[1]) // ps)
+    assert live > 0
+    j = {"first": 0, "middle": live // 2, "last": live - 1}[where]
+    table = case.block_table.clone()
+    table[1, j] = bad_id(case.kv_cache.shape[0])
+    options = {"variant": variant} if fused is None else {"variant": variant, "fuse_combine": fused}
+
+    def run(block_table):
+        c = dataclasses.replace(case, block_table=block_table)
+        plan = _plan(c, **options)
+        assert plan.state.launch.variant == variant
+        out = torch.full((b, s_q, h_q, case.head_dim_v), 1024.0, dtype=case.q.dtype, device="cuda")
+        lse = torch.full((b, h_q, s_q), 1024.0, dtype=torch.float32, device="cuda")
+        plan.run(c.q, c.kv_cache, kv_scale=c.kv_scale, out=out, lse=lse)
+        torch.cuda.synchronize()
+        return plan, out, lse
+
+    plan, out, lse = run(table)
+    _, good_out, good_lse = run(case.block_table)
+    if fused is not None:
+        assert plan.state.launch.fuse_combine == fused
+    assert torch.isnan(out[1]).all() and torch.isnan(lse[1]).all(), (
+        f"{int((~torch.isnan(out[1])).sum())} out and {int((~torch.isnan(lse[1])).sum())} lse values of request 1 "
+        "are not NaN")
+    others = [i for i in range(b) if i != 1]
+    assert torch.equal(out[others].view(torch.int16), good_out[others].view(torch.int16))
+    assert torch.equal(lse[others].view(torch.int32), good_lse[others].view(torch.int32))
+    _check(case, good_out, good_lse)  # the repaired run is right
+
+
 @pytest.mark.parametrize("h_q", [64, 16])
 def test_long_context_128k(h_q, gen):
     # 131072 tokens x 1152 bytes: 64-bit offsets into the cache are exercised (h_q 16: the mainloop of <= 32 rows)
@@ -467,6 +543,7 @@ for over, pattern in [
     (dict(lse=lse.double()), "lse must be float32"),
     (dict(kv_format=1, kv_cache=case.kv_cache.view(torch.uint8)[..., :576].contiguous()), "kv_scale must be"),
     (dict(q=case.q.cpu()), "must be a CUDA tensor"),
+    (dict(kv_cache=case.kv_cache[:0]), "kv_cache needs num_blocks >= 1"),  # a bad block id reads block 0 instead
     # the launch config: refused with the field and what it must be, never replaced by another kernel
     (dict(variant=10), "variant must be 2 .wgmma., 5"),
     (dict(variant=7, tile_rows=16), "variant 7 needs an fp8_e4m3 cache .kv_format 1., got kv_format 0"),

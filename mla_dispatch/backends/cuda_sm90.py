@@ -390,8 +390,10 @@ class CudaSM90Backend(MLABackend):
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         num_parts, max_chunks = split_parts(p, sms, cls.MIN_CHUNKS_PER_PART)
         launch = launch_config(p, num_parts, max_chunks, sms, options)
+        # capacity: no item reaches past a block-table row, whatever cache_seqlens holds (update_ keeps it)
         schedule = split_kv_schedule(cache_seqlens, num_parts=num_parts, chunk_size=BLOCK_N,
-                                     overhead=cls.schedule_overhead(launch.variant))
+                                     overhead=cls.schedule_overhead(launch.variant),
+                                     capacity=p.max_blocks * p.page_size)
         max_slots = schedule.max_slots
         return Sm90State(
             op=load_ops().cuda_sm90_decode.default,

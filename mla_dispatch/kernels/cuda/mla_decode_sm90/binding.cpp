@@ -10,6 +10,7 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <climits>
 #include <optional>
 #include <string>
@@ -86,6 +87,9 @@ void check_call(const at::Tensor& q, const at::Tensor& kv, const c10::optional<a
   MLA_CHECK(kv.device() == dev, "kv_cache must be on ", dev_str(dev), ", got ", dev_str(kv.device()));
   MLA_CHECK(kv.dim() == 4, "kv_cache must be 4-D [num_blocks, page_size, h_kv, D], got ", shape_str(kv));
   MLA_CHECK(kv.stride(3) == 1, "kv_cache must be contiguous in its last dim");
+  // a bad block id is replaced by block 0 (loads.cuh, page_ok), which must exist
+  MLA_CHECK(kv.size(0) >= 1 && kv.size(1) >= 1, "kv_cache needs num_blocks >= 1 and page_size >= 1, got shape ",
+            shape_str(kv));
   if (kv_format == 0) {
     MLA_CHECK(kv.scalar_type() == q.scalar_type(), "kv_cache dtype must equal q's (", dtype_str(q.scalar_type()),
               "), got ", dtype_str(kv.scalar_type()));
@@ -256,6 +260,7 @@ void set_call_params(mla_sm90::DecodeParams& p, const at::Tensor& q, const at::T
   p.batch = static_cast<int>(q.size(0)); p.q_len = static_cast<int>(s_q); p.heads_q = static_cast<int>(h_q);
   p.heads_kv = static_cast<int>(h_kv); p.page_size = static_cast<int>(kv.size(1));
   p.num_blocks = kv.size(0);
+  p.block_ids = static_cast<uint32_t>(std::min<int64_t>(p.num_blocks, int64_t(1) << 31));
   p.rows_per_kv_head = static_cast<int>(s_q * (h_q / h_kv));
   p.num_row_tiles = (p.rows_per_kv_head + 63) / 64;
   p.q_is_bf16 = q.scalar_type() == at::kBFloat16;

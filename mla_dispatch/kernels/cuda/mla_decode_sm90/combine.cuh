@@ -4,7 +4,8 @@
 // - combine_in_grid: the tail of a cooperatively launched decode kernel (DecodeParams::fuse_combine),
 //   after a grid-wide barrier, spread over every warp of the grid (no second launch).
 // Same arithmetic as mla_dispatch.metadata.schedule.combine_splits, with the max taken batch by batch
-// (online rescale, as the Triton combine in kernels/triton/combine.py).
+// (online rescale, as the Triton combine in kernels/triton/combine.py). A row with a NaN piece (the decode met a bad
+// block id in that item: epilogue.cuh, poison_sum) gets NaN for out and lse, never the empty row's 0 / +inf.
 #pragma once
 #include <cooperative_groups.h>
 
@@ -60,7 +61,7 @@ __device__ __forceinline__ void combine_row_part(const CombineParams& p, int b, 
     }
     float mb = m;
 #pragma unroll
-    for (int j = 0; j < kSlots; ++j) mb = fmaxf(mb, l[j]);
+    for (int j = 0; j < kSlots; ++j) mb = fmax_nan(mb, l[j]);  // a NaN slot makes m, and so out and lse, NaN
     if (mb == -INFINITY) continue;  // no slot so far saw a key (a -inf slot wrote out = 0)
     const float r = __expf(m - mb);  // m = -inf: 0, and acc, denom are 0 anyway
     denom *= r;

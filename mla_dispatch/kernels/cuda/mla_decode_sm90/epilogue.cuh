@@ -51,6 +51,10 @@ __device__ __forceinline__ int partial_shift(float m, float inv) {
   const int ei = (int)((__float_as_uint(inv) >> 23) & 0xffu);
   return max(-113, min(min(126, 254 - ei), 141 - em));
 }
+// An item's row sum as its epilogue uses it: NaN where the item met a bad block id (loads.cuh, checked_page), so that
+// its out rows (times 1 / sum) and LSE (log2 of the sum) are NaN, in out / lse or in its partial rows, which the
+// combine keeps NaN. A row has keys where sum != 0 (0: no visible key; NaN: poisoned).
+__device__ __forceinline__ float poison_sum(float sum, bool poisoned) { return poisoned ? NAN : sum; }
 // 2^s for s in [-126, 127], exactly.
 __device__ __forceinline__ float pow2i(int s) { return __uint_as_float((uint32_t)(127 + s) << 23); }
 __device__ __forceinline__ uint32_t half2_bits(__half2 v) { return *reinterpret_cast<uint32_t*>(&v); }

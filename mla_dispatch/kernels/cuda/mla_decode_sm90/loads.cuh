@@ -22,6 +22,20 @@ __device__ __forceinline__ WorkItem load_item(const DecodeParams& p, int item) {
   return {it.x, it.y, it.z, it.w};
 }
 
+// ---- bad block ids (docs/design.md §1) ----------------------------------------------------
+// A block-table entry outside [0, num_blocks) is never used as an address: the loaders take block 0 in its place, and
+// the mainloop makes every row of that work item NaN, out and lse (its row sums NaN at the epilogue: epilogue.cuh,
+// poison_sum; the combine keeps a NaN piece NaN). A loader keeps the largest id it read for the item, as unsigned
+// (negative ids are 2^31 or more), so a page read costs a compare, a select and a max, with no flag to materialise;
+// the item met a bad id iff that maximum is not page_ok.
+__device__ __forceinline__ bool page_ok(const DecodeParams& p, int page) { return (uint32_t)page < p.block_ids; }
+__device__ __forceinline__ bool page_ok(const DecodeParams& p, uint32_t page) { return page < p.block_ids; }
+// `page` where it names a block of the cache, else block 0; max_id: the largest id read so far, as unsigned.
+__device__ __forceinline__ int checked_page(const DecodeParams& p, int page, uint32_t& max_id) {
+  max_id = max(max_id, (uint32_t)page);
+  return page_ok(p, page) ? page : 0;
+}
+
 // ---- KV tile loaders --------------------------------------------------------------------
 // Thread mapping for all loaders: 8 threads per token (consecutive 16-byte chunks, so a
 // warp reads 4 tokens x 128 contiguous bytes per instruction), 32 tokens per pass, 2 passes
@@ -33,24 +47,26 @@ __device__ __forceinline__ int64_t kv_token_elem(const DecodeParams& p, int page
          (int64_t)kvh * p.kv_stride_head;
 }
 
+// Token t of request `req`, KV head kvh, in the cache (a bad block id: block 0's; max_id as in checked_page).
 template <typename T>
-__device__ __forceinline__ const uint8_t* token_ptr(const DecodeParams& p, int req, int t, int kvh) {
-  const int page = p.block_table[(int64_t)req * p.bt_stride + t / p.page_size];
+__device__ __forceinline__ const uint8_t* token_ptr(const DecodeParams& p, int req, int t, int kvh, uint32_t& max_id) {
+  const int page = checked_page(p, p.block_table[(int64_t)req * p.bt_stride + t / p.page_size], max_id);
   return reinterpret_cast<const uint8_t*>(p.kv) + kv_token_elem(p, page, t, kvh) * (int64_t)sizeof(T);
 }
 
 // bf16/fp16 cache: cp.async straight into the swizzled tile, by kLoaders threads (tid < kLoaders:
-// the whole CTA, or one warpgroup of v6).
+// the whole CTA, or one warpgroup of v6). max_id: as in checked_page, over this thread's rows.
 template <typename T, class Layout, int kLoaders = Cfg::kThreads>
 __device__ __forceinline__ void load_kv_async(const DecodeParams& p, T* sK, int req, int kvh, int t0, int t_end,
-                                              int tid = threadIdx.x) {
+                                              uint32_t& max_id, int tid = threadIdx.x) {
   static_assert(Cfg::kBlockN % (kLoaders / 8) == 0, "8 threads per token row");
 #pragma unroll
   for (int pass = 0; pass < Cfg::kBlockN / (kLoaders / 8); ++pass) {
     const int row = tid / 8 + (kLoaders / 8) * pass;
     const int t = t0 + row;
     const bool valid = t < t_end;
-    const T* src = valid ? reinterpret_cast<const T*>(token_ptr<T>(p, req, t, kvh)) : reinterpret_cast<const T*>(p.kv);
+    const T* src =
+        valid ? reinterpret_cast<const T*>(token_ptr<T>(p, req, t, kvh, max_id)) : reinterpret_cast<const T*>(p.kv);
 #pragma unroll
     for (int k = 0; k < Cfg::kChunksQK / 8; ++k) {
       const int chunk = tid % 8 + 8 * k;
@@ -76,9 +92,11 @@ struct Fp8Stage8B {
   bool valid[kPasses];
 };
 
+// max_id: as in checked_page, over this thread's rows (a bad block id: block 0 is read in its place).
 template <int KvFmt, int kLoaders, bool kPaged>
 __device__ __forceinline__ void load_kv_fp8_8b(const DecodeParams& p, Fp8Stage8B<Cfg::kBlockN * 8 / kLoaders>& st,
-                                               const int* spage, int req, int kvh, int t0, int t_end, int tid) {
+                                               const int* spage, int req, int kvh, int t0, int t_end, int tid,
+                                               uint32_t& max_id) {
   const int c = tid % 8;
 #pragma unroll
   for (int pass = 0; pass < Cfg::kBlockN * 8 / kLoaders; ++pass) {
@@ -90,7 +108,8 @@ __device__ __forceinline__ void load_kv_fp8_8b(const DecodeParams& p, Fp8Stage8B
     // zero-filled at the store. fp8_ds_mla keeps the branch: same-call A/B on the H100 (v6 b=64 h16 L=8K), without
     // it 221 us, with it 210; with it fp8_e4m3 went 185 -> 196 us (NOTES.md, fifth session)
     if (KvFmt != kKvFp8E4M3 && !valid) continue;
-    const int page = kPaged ? spage[row] : (valid ? p.block_table[(int64_t)req * p.bt_stride + t / p.page_size] : 0);
+    const int page = checked_page(
+        p, kPaged ? spage[row] : (valid ? p.block_table[(int64_t)req * p.bt_stride + t / p.page_size] : 0), max_id);
     const int64_t elem = kv_token_elem(p, page, t, kvh);
     const uint8_t* src = reinterpret_cast<const uint8_t*>(p.kv) + elem;
 #pragma unroll

@@ -21,6 +21,11 @@
 // Masking as v2: tokens past the item's end are zero-filled by the loader (NaN in unused
 // cache slots never reaches P V) and get S = -inf; causal columns mask tokens past
 // L - s_q + i.
+//
+// Bad block ids as v2: each thread that turns a page into an address checks it (loads.cuh, checked_page; with TMA
+// the issuing thread) and keeps the largest id it read for the item; the merge's barrier ORs "that id is bad" over
+// the CTA, and an item that met a bad id ends with NaN column sums, so NaN out and lse in every row
+// (docs/design.md §1).
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -62,16 +67,16 @@ __device__ __forceinline__ void prefetch_pages(const DecodeParams& p, int* spage
 }
 
 // load_kv_async for one warpgroup (tid < 128: 16 token rows per pass), the pages from spage
-// (prefetch_pages) instead of the block table.
+// (prefetch_pages) instead of the block table; max_id as in checked_page (a bad block id: block 0 read instead).
 template <typename T, class Layout>
 __device__ __forceinline__ void load_kv_async_paged(const DecodeParams& p, T* sK, const int* spage, int kvh, int t0,
-                                                    int t_end, int tid) {
+                                                    int t_end, int tid, uint32_t& max_id) {
 #pragma unroll
   for (int pass = 0; pass < Cfg::kBlockN / 16; ++pass) {
     const int row = tid / 8 + 16 * pass;
     const int t = t0 + row;
     const bool valid = t < t_end;
-    const int64_t elem = kv_token_elem(p, spage[row], t, kvh);
+    const int64_t elem = kv_token_elem(p, checked_page(p, spage[row], max_id), t, kvh);
     const T* src = reinterpret_cast<const T*>(p.kv) + (valid ? elem : 0);
 #pragma unroll
     for (int k = 0; k < Cfg::kChunksQK / 8; ++k) {
@@ -121,6 +126,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   int* const spage = sPage + wg * Cfg::kBlockN;
   uint64_t* const bars = sBar + wg * Etap::kBlocks;
   uint32_t loads_done = 0;  // TMA loads into this warpgroup's stage consumed so far (mbarrier phase)
+  uint32_t max_id = 0;      // the largest block id this thread read for the current item, as unsigned (loads.cuh)
   if constexpr (kTma) {
     if (tid == 0) {
       for (int i = 0; i < 2 * Etap::kBlocks; ++i) mbar_init(sBar + i, 1);
@@ -128,8 +134,9 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     }
     __syncthreads();
   }
-  // one thread: the 9 boxes of the tile at t0 (in `page`) into this warpgroup's stage
+  // one thread: the 9 boxes of the tile at t0 (in `page`; block 0 for a bad id) into this warpgroup's stage
   auto tma_tile_v6 = [&](int page, int t0) {
+    page = checked_page(p, page, max_id);
 #pragma unroll
     for (int b = 0; b < Etap::kBlocks; ++b) {
       mbar_arrive_expect_tx(bars + b, 64 * 64 * (int)sizeof(T));
@@ -165,10 +172,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 
     const int32_t* table_row = table + (int64_t)req * p.bt_stride;
     Fp8Stage8B<4> fp8_next;  // kFp8: the next tile of this warpgroup, in registers
+    max_id = 0;
     if constexpr (kFp8) {
       if (wg < num_tiles) {
         load_kv_fp8_8b<KvFmt, 128, false>(p, fp8_next, nullptr, req, kvh, tok_begin + wg * Cfg::kBlockN, tok_end,
-                                          tid_wg);
+                                          tid_wg, max_id);
         store_kv_fp8_8b<T, KvFmt, 128>(stage, fp8_next, tid_wg);
       }
       // pages of this warpgroup's second tile (landed by the wait below)
@@ -179,7 +187,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         tma_tile_v6(table_row[t0 / p.page_size], t0);
       }
     } else if (wg < num_tiles) {
-      load_kv_async<T, L, 128>(p, stage, req, kvh, tok_begin + wg * Cfg::kBlockN, tok_end, tid_wg);
+      load_kv_async<T, L, 128>(p, stage, req, kvh, tok_begin + wg * Cfg::kBlockN, tok_end, max_id, tid_wg);
     }
     load_q_tile_async<T, L>(p, sQ, req, 0, kvh);
     cp_async_commit();
@@ -201,7 +209,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         // the next tile into registers now, so the loads fly during this tile's GEMMs (issued after
         // the S^T wgmmas instead, as v2 does, measured 6% slower: 241 vs 228 us at b=64 h16 L=8K)
         if (has_next) {
-          load_kv_fp8_8b<KvFmt, 128, true>(p, fp8_next, spage, req, kvh, t0 + 2 * Cfg::kBlockN, tok_end, tid_wg);
+          load_kv_fp8_8b<KvFmt, 128, true>(p, fp8_next, spage, req, kvh, t0 + 2 * Cfg::kBlockN, tok_end, tid_wg,
+                                           max_id);
         }
       } else if constexpr (kTma) {
         if (has_next && tid_wg == 0) next_page = table_row[(t0 + 2 * Cfg::kBlockN) / p.page_size];
@@ -308,7 +317,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       } else if (has_next) {
         cp_async_wait_all();      // this thread's page entries
         named_barrier(bar, 128);  // every warp's wgmmas have read the stage and sPw; spage complete
-        load_kv_async_paged<T, L>(p, stage, spage, kvh, t0 + 2 * Cfg::kBlockN, tok_end, tid_wg);
+        load_kv_async_paged<T, L>(p, stage, spage, kvh, t0 + 2 * Cfg::kBlockN, tok_end, tid_wg, max_id);
         cp_async_commit();
         cp_async_wait_all();
         fence_proxy_async_smem();
@@ -332,7 +341,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         if (warp == 0) sM[wg * kN + col_of(k)] = m_run[k];
       }
     }
-    __syncthreads();
+    const bool poisoned = __syncthreads_or(!page_ok(p, max_id));  // sL and sM in place; whether any id was bad
     float fac[kCols];  // this warpgroup's weight per column: 2^(m_wg - m_final)
 #pragma unroll
     for (int k = 0; k < kCols; ++k) {
@@ -368,7 +377,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       float total = 0.f;
 #pragma unroll
       for (int w = 0; w < 4; ++w) total += f0 * sL[w * kN + c] + f1 * sL[(4 + w) * kN + c];
-      const bool has_keys = total > 0.f;
+      total = poison_sum(total, poisoned);
+      const bool has_keys = total != 0.f;
       const float inv = has_keys ? out_scale / total : 0.f;
       const float lse_val = has_keys ? (mu + log2f(total)) * kLn2 : (slot < 0 ? INFINITY : -INFINITY);
       const int qi = c / heads_per_kv, head = kvh * heads_per_kv + c % heads_per_kv;

@@ -37,6 +37,11 @@
 // of the converter but measured 5% slower at 32 rows and no faster at 16 (NOTES.md, twenty-fifth session).
 // Registers by setmaxnreg: the converter holds two tiles (2 x 72 registers), the accumulator O^T (kN x 4), the scorer
 // little; all three return to the launch's 168 before the fused combine.
+// Bad block ids (docs/design.md §1): the thread that turns a page into an address checks it (loads.cuh, page_ok) and
+// takes block 0 instead. A stage carries a flag word to the scorer with its full barrier (sBad: v7, each converter
+// warp's byte, whether any of its threads read a bad id for the item so far; v8, the producer's, whether the tile's page
+// was one); the scorer ORs the words of an item's tiles and makes its row sums NaN, so the LSE, and through sSum the
+// accumulator's out rows, are NaN (epilogue.cuh, poison_sum).
 //
 // H100, b=64 L=8K, graph replay (NOTES.md, "Twenty-fifth session"): 16 heads 148.3 us (1.55x bf16's 230.7; v6 186.1),
 // 32 heads 177.4 us (1.35x; v2 243.8). What moved it from 162.8 / 184.1 was the distance of the L2 prefetch
@@ -116,13 +121,14 @@ struct Fp8tSmem {
   static constexpr int kOffF = kOffO + Fp8t::kMaxRows * Fp8t::kOStride * 4;
   static constexpr int kFloats = Fp8t::kMaxRows * (1 + kStages + 4 + 4 + 2 + 1);
   static constexpr int kOffFlag = kOffF + kFloats * 4;  // int [stages]: a tile's rescale flag
-  static constexpr int kOffBar = kOffFlag + 16;
+  static constexpr int kOffBad = kOffFlag + 16;          // int [stages]: a tile's bad-block-id flag (see above)
+  static constexpr int kOffBar = kOffBad + 16;
   static constexpr int kBars = 3 * kStages + 4;  // full, empty, p_ready by stage; sums_full, sums_empty by item parity
   static constexpr int kSmemBytes = kOffBar + kBars * 8 + 1024;  // + alignment slack
   static_assert(kStageBytes % 1024 == 0 && kOffQ % 1024 == 0 && kOffP % 1024 == 0, "operand tiles 1024-aligned");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory over the SM90 per-block limit");
   static_assert(kOffBar % 8 == 0, "mbarriers are 8-byte aligned");
-  static_assert(kStages <= 4, "the rescale flags hold four stages");
+  static_assert(kStages <= 4, "the rescale and bad-id flags hold four stages");
   static_assert(kFusedScratchBytes<Fp8t::kThreads> <= kStages * kStageBytes, "the combine's list fits the stages");
 };
 
@@ -313,7 +319,7 @@ __device__ __forceinline__ void fp8t_rows_out(const DecodeParams& p, const float
     for (int u = 0; u < kU; ++u) {
       const int cr = min(2 * (k0 + u) + tid_wg / 64, last);
       const float total = sum[cr];
-      inv[u] = total > 0.f ? kv_scale / total : 0.f;
+      inv[u] = total != 0.f ? kv_scale / total : 0.f;  // 0: no key; NaN (a bad block id): NaN
       const float* o = sO + cr * Fp8t::kOStride + so;
       if (slot < 0) {
         v[u] = *reinterpret_cast<const float4*>(o);
@@ -363,6 +369,7 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
   float* sSum = sLRed + 4 * Fp8t::kMaxRows;                              // [2][32] an item's row sums, by parity
   float* sMax = sSum + 2 * Fp8t::kMaxRows;                               // [32] an item's row maxima
   int* sFlag = reinterpret_cast<int*>(smem_base + S::kOffFlag);          // [stages]
+  int* sBad = reinterpret_cast<int*>(smem_base + S::kOffBad);            // [stages]
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem_base + S::kOffBar);
   uint64_t* full = bars;
   uint64_t* empty = bars + kStages;
@@ -442,6 +449,9 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
             q_next = false;
           }
           mbar_wait(empty + st, phase_of(it) ^ 1u);
+          const bool ok = page_ok(p, page);
+          page = ok ? page : 0;
+          sBad[st] = !ok;  // published by the arrive below (the scorer read the stage's last flag before releasing it)
           mbar_arrive_expect_tx(full + st, S::kStageBytes);
 #pragma unroll
           for (int b = 0; b < Fp8t::kBoxes; ++b)
@@ -471,14 +481,22 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
       if (req < 0) continue;
       const int n_tiles = (tok_end - tok_begin + Cfg::kBlockN - 1) / Cfg::kBlockN;
       const int32_t* table_row = p.block_table + (int64_t)req * p.bt_stride;
-      auto page_of = [&](int t) { return t < tok_end ? table_row[pg.index(t)] : 0; };
+      // the largest block id this thread read for the item, as unsigned (loads.cuh; every page is read before its
+      // tile is put, so the item's last tile carries the flags of all its pages)
+      uint32_t max_id = 0;
+      auto page_of = [&](int t) { return t < tok_end ? checked_page(p, table_row[pg.index(t)], max_id) : 0; };
+      // a page for an L2 prefetch only (block 0 for a bad id; rows_pages flags it when the tile is loaded)
+      auto pf_page_of = [&](int t) {
+        const int page = t < tok_end ? table_row[pg.index(t)] : 0;
+        return page_ok(p, page) ? page : 0;
+      };
       auto rows_pages = [&](int t0, int (&pg)[2]) {
         pg[0] = page_of(t0 + r0);
         pg[1] = page_of(t0 + r0 + 32);
       };
       // the prefetch's page: of the tile (whole tiles: one page each) or of row tid_wg
       const bool whole = pf_whole && tok_begin % Cfg::kBlockN == 0;
-      auto pf_page = [&](int t0) { return page_of(t0 + (whole ? 0 : tid_wg % Cfg::kBlockN)); };
+      auto pf_page = [&](int t0) { return pf_page_of(t0 + (whole ? 0 : tid_wg % Cfg::kBlockN)); };
       auto prefetch = [&](int page, int t0) {
         if (!pf_ok || t0 >= tok_end) return;
         if (whole) {
@@ -494,9 +512,13 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
         const uint32_t st = it & 1u;
         mbar_wait(empty + st, ((it >> 1) & 1u) ^ 1u);
         fp8t_store(sK + st * (S::kStageBytes / 2), x, t0, tok_end, r0, q4);
+        const bool warp_bad = __any_sync(0xffffffffu, !page_ok(p, max_id));
         fence_proxy_async_smem();
         __syncwarp();
-        if (lane == 0) mbar_arrive(full + st);
+        if (lane == 0) {
+          reinterpret_cast<uint8_t*>(sBad + st)[warp] = warp_bad;  // this warp's byte, published by its arrive
+          mbar_arrive(full + st);
+        }
         ++it;
       };
       Fp8tRows x, y;
@@ -622,11 +644,13 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
         limit[k] = p.causal ? seqlen - p.q_len + col_of(k) / heads_per_kv : seqlen - 1;
       }
       const int unmasked_end = min(tok_end, p.causal ? seqlen - p.q_len + 1 : seqlen);
+      int bad_tiles = 0;  // nonzero once a tile of the item came with a bad-block-id flag (sBad)
 
       for (int j = 0; j < n_tiles; ++j, ++it) {
         const int t0 = tok_begin + j * Cfg::kBlockN;
         const uint32_t st = it % kStages;
         mbar_wait(full + st, phase_of(it));
+        bad_tiles |= sBad[st];  // read before this warp releases the stage (empty), after which it is rewritten
         // ---- S^T = K Q^T (etap_gemm_s; v8: fp8rs_gemm_s)
         float acc_s[kAcc];
         if constexpr (kRS) {
@@ -724,11 +748,12 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
       named_barrier(Fp8t::kBarScorer, 128);
       if (tid_wg < kN) {
         const int c = tid_wg;
-        const float total = sLRed[c] + sLRed[Fp8t::kMaxRows + c] + sLRed[2 * Fp8t::kMaxRows + c] +
-                            sLRed[3 * Fp8t::kMaxRows + c];
-        sSum[par * Fp8t::kMaxRows + c] = total;
+        const float total = poison_sum(sLRed[c] + sLRed[Fp8t::kMaxRows + c] + sLRed[2 * Fp8t::kMaxRows + c] +
+                                           sLRed[3 * Fp8t::kMaxRows + c],
+                                       bad_tiles != 0);
+        sSum[par * Fp8t::kMaxRows + c] = total;  // NaN for a poisoned item: the accumulator's rows NaN too
         if (c < p.rows_per_kv_head) {
-          const bool has_keys = total > 0.f;
+          const bool has_keys = total != 0.f;
           const float lse_val = has_keys ? (sMax[c] + log2f(total)) * kLn2 : (slot < 0 ? INFINITY : -INFINITY);
           const int qi = c / heads_per_kv, head = kvh * heads_per_kv + c % heads_per_kv;
           store_item_lse(p, req, slot, qi, head, lse_val);
@@ -831,7 +856,7 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
           const int c = idx / 64, chl = 4 * (idx % 64), ch = Cfg::kHeadDimV / 2 * half + chl;
           if (c >= p.rows_per_kv_head) break;  // idx grows with c; a warp shares c
           const float total = sSum[par * Fp8t::kMaxRows + c];
-          const float inv = total > 0.f ? kv_scale / total : 0.f;
+          const float inv = total != 0.f ? kv_scale / total : 0.f;  // 0: no key; NaN (a bad block id): NaN
           const int qi = c / heads_per_kv, head = kvh * heads_per_kv + c % heads_per_kv;
           // sO holds this half of the row: channel ch at chl; a warp holds one quarter row (store_row_quad)
           store_row_quad<T>(p, sO + c * Fp8t::kOStride, chl, ch, inv, req, qi, head, slot);

@@ -43,6 +43,13 @@
 // rows past the end of a partial tile (unused cache slots, possibly NaN) are zeroed
 // in shared memory before the P V that reads them. Both only in the last pairs of an
 // item: a tile with >= 65 more tokens of the item after it needs neither (q_len <= 64).
+//
+// Bad block ids (docs/design.md §1): the thread that issues a tile's TMA boxes checks its page (loads.cuh, page_ok),
+// loads block 0 in its place and sets the item's flag in shared memory (sBad[0], cleared by thread 0 when the item
+// starts, read by every thread after the epilogue's barrier), so the item ends with NaN row sums, out and lse. In v9
+// the converter, which may run an item ahead, sets a flag per stage (sBad[1 + stage]) before the tile's full
+// barriers, and the warpgroup that owns the tile (warpgroup 0 for stage 0, 1 for stage 1) moves it into sBad[0]
+// when it releases the stage's early part (release), after which the converter may rewrite it.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -74,17 +81,26 @@ struct Seesaw {
   // mbarriers: full [stage][column block]; v9 also empty [stage][early, late], raw [stage] (the raw TMA copy of
   // blocks 0..7) and rope [stage] (of block 8)
   static constexpr int kBars = 2 * kBlocks + 8;
+  // after the mbarriers, int flags of bad block ids: [0] the current item's, [1 + stage] v9's per tile in the stage
+  static constexpr int kBadFlags = 4;
   static constexpr int kSmemBytes = 2 * (Cfg::kQElems + Cfg::kStages * Cfg::kKElems + Cfg::kPElems) +
-                                    7 * Cfg::kBlockM * (int)sizeof(float) + kBars * 8 + 1024;
+                                    7 * Cfg::kBlockM * (int)sizeof(float) + kBars * 8 + kBadFlags * 4 + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory over the SM90 per-block limit");
 };
 
-// The 64 tokens from t0 of request `req`: the TMA boxes of column blocks [B0, B1) into
+// The page of the 64 tokens from t0 of request `req`, for tma_tile: a bad block id is block 0, and *bad_flag = 1.
+__device__ __forceinline__ int tile_page(const DecodeParams& p, int req, int t0, int* bad_flag) {
+  const int page = p.block_table[(int64_t)req * p.bt_stride + t0 / p.page_size];
+  if (page_ok(p, page)) return page;
+  *bad_flag = 1;
+  return 0;
+}
+
+// The 64 tokens from t0 (in block `page`, tile_page) of KV head kvh: the TMA boxes of column blocks [B0, B1) into
 // `stage`, block b signalled on bars[b]. One thread calls this.
 template <int B0, int B1, typename T>
 __device__ __forceinline__ void tma_tile(const DecodeParams& p, const CUtensorMap* map, T* stage, uint64_t* bars,
-                                         int req, int kvh, int t0) {
-  const int page = p.block_table[(int64_t)req * p.bt_stride + t0 / p.page_size];
+                                         int page, int kvh, int t0) {
   const int in_page = t0 % p.page_size;
 #pragma unroll
   for (int b = B0; b < B1; ++b) {
@@ -118,9 +134,11 @@ __device__ __forceinline__ void tma_tile(const DecodeParams& p, const CUtensorMa
 // other way round would wait for the next pair's P V.)
 // A first version (a barrier and a fence per block, the RoPE block first by register loads; commit c6a2525) measured
 // as slow as v2; register loads of the RoPE block held through the conversion spilled 144 bytes here.
+// sBad: the kernel's flags (Seesaw::kBadFlags); the converter writes sBad[1 + s], whether the page of the tile it
+// starts in stage s is a bad block id (the tile then copies block 0), before any full barrier of the tile.
 template <typename T>
 __device__ __forceinline__ void seesaw_fp8_converter(const DecodeParams& p, const CUtensorMap* map, T* sK, uint64_t* bars,
-                                                     int part, int kvh, int tid_c) {
+                                                     int* sBad, int part, int kvh, int tid_c) {
   uint64_t* full = bars;
   uint64_t* empty = bars + 2 * Seesaw::kBlocks;  // [stage][early, late]
   uint64_t* raw_bar = empty + 4;                  // [stage]
@@ -131,9 +149,12 @@ __device__ __forceinline__ void seesaw_fp8_converter(const DecodeParams& p, cons
   // the raw copy of tile t0.. of request `req` into stage s (its early part free), and the RoPE rows asked of L2
   auto start_tile = [&](int s, int req, int t0) {
     const uint32_t k = s == 0 ? fills0++ : fills1++;
-    if (k > 0) mbar_wait(empty + 2 * s, (k - 1) & 1u);
-    const int page = p.block_table[(int64_t)req * p.bt_stride + t0 / p.page_size];
+    if (k > 0) mbar_wait(empty + 2 * s, (k - 1) & 1u);  // (the stage's last flag was read before this release)
+    int page = p.block_table[(int64_t)req * p.bt_stride + t0 / p.page_size];
     if (tid_c == 0) {
+      const bool ok = page_ok(p, page);
+      page = ok ? page : 0;
+      sBad[1 + s] = !ok;
       uint8_t* raw = reinterpret_cast<uint8_t*>(sK + s * Cfg::kKElems) + (s == 0 ? 0 : 32768);
       mbar_arrive_expect_tx(raw_bar + s, 8 * 4096);
 #pragma unroll
@@ -163,7 +184,8 @@ __device__ __forceinline__ void seesaw_fp8_converter(const DecodeParams& p, cons
       const uint8_t* raw = reinterpret_cast<const uint8_t*>(st) + (s == 0 ? 0 : 32768);
       if (k > 0) mbar_wait(empty + 2 * s + 1, (k - 1) & 1u);
       if (tid_c == 0) {  // the RoPE block, asked of L2 when the tile started, to 64 KB (free now)
-        const int page = p.block_table[(int64_t)w.req * p.bt_stride + t0 / p.page_size];
+        int page = p.block_table[(int64_t)w.req * p.bt_stride + t0 / p.page_size];
+        page = page_ok(p, page) ? page : 0;  // (start_tile flagged it)
         mbar_arrive_expect_tx(rope_bar + s, 4096);
         tma_load_4d(reinterpret_cast<uint8_t*>(st) + 65536, map, rope_bar + s, 512, kvh, t0 % p.page_size, page);
       }
@@ -246,6 +268,7 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
   float* sScale1 = sScale0 + 2 * Cfg::kBlockM;                 // [2][64]
   float* sSum = sScale1 + 2 * Cfg::kBlockM;                    // [2][64]
   uint64_t* bars = reinterpret_cast<uint64_t*>(sSum + 2 * Cfg::kBlockM);  // [stage][column block]
+  int* sBad = reinterpret_cast<int*>(bars + Seesaw::kBars);              // [Seesaw::kBadFlags]
 
   const int part = blockIdx.x, row_tile = blockIdx.y, kvh = blockIdx.z;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -268,7 +291,7 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
   if constexpr (kFp8) {
     if (wg == 2) {
       regs_dec<Seesaw::kRegsConv>();
-      seesaw_fp8_converter<T>(p, &kv_map, sK, bars, part, kvh, tid - 256);
+      seesaw_fp8_converter<T>(p, &kv_map, sK, bars, sBad, part, kvh, tid - 256);
       return;
     }
     regs_inc<Seesaw::kRegsConsumer>();
@@ -278,9 +301,18 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
     if constexpr (kFp8) named_barrier(Seesaw::kBarConsumers, 256);
     else __syncthreads();
   };
-  // v9: warpgroup `wg` is done reading part `which` (0 early, 1 late) of the stage of tile j
+  // v9: warpgroup `wg` is done reading part `which` (0 early, 1 late) of the stage of tile j. The early part's release
+  // is the tile's owner's (warpgroup 0 for stage 0, 1 for stage 1), which has waited for the tile's full barriers:
+  // first the converter's bad-id flag of the tile goes into the item's (a load by every thread, a store by one, so no
+  // branch; placed at the head of each pair instead, it made ptxas duplicate a masked softmax)
   auto release = [&](int j, int which) {
-    if constexpr (kFp8) mbar_arrive(bars + 2 * Seesaw::kBlocks + 2 * (j & 1) + which);
+    if constexpr (kFp8) {
+      if (which == 0) {
+        const int bad = sBad[1 + (j & 1)];
+        if (bad != 0 && tid_wg == 0) sBad[0] = 1;
+      }
+      mbar_arrive(bars + 2 * Seesaw::kBlocks + 2 * (j & 1) + which);
+    }
   };
 
   int row_local[2], row_i[2], row_head[2];
@@ -305,22 +337,27 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
     uint64_t* bars0 = bars;
     uint64_t* bars1 = bars + Seesaw::kBlocks;
     // stage 1, blocks 0..3 and 8 (refilled together: WG0 reads them last)
-    auto tma_stage1_lo = [&](int t0) {
-      tma_tile<0, 4>(p, &kv_map, stage_of(1), bars1, req, kvh, t0);
-      tma_tile<8, 9>(p, &kv_map, stage_of(1), bars1, req, kvh, t0);
+    auto tma_stage1_lo = [&](int page, int t0) {
+      tma_tile<0, 4>(p, &kv_map, stage_of(1), bars1, page, kvh, t0);
+      tma_tile<8, 9>(p, &kv_map, stage_of(1), bars1, page, kvh, t0);
     };
+    auto page_of = [&](int j) { return tile_page(p, req, t0_of(j), sBad); };
+    // the item's bad-id flag: its last readers passed the previous item's closing barrier; its writers are thread 0
+    // (program order) and thread 128 (after the barrier below)
+    if (tid == 0) sBad[0] = 0;
     // -- first two tiles (TMA), Q (cp.async), sM, issued in the order S needs them: tile 0 and Q (S of tile 0),
     // then tile 1. Issuing tile 1 ahead of Q measured 0-1% slower where v5 runs (b = 32..96, h_q = 128;
     // NOTES.md, "Seventeenth session"), which also has the per-column-block Q wait that was tried instead.
     if constexpr (!kFp8) {
-      if (tid == 0 && num_tiles > 0) tma_tile<0, 9>(p, &kv_map, stage_of(0), bars0, req, kvh, t0_of(0));
+      if (tid == 0 && num_tiles > 0) tma_tile<0, 9>(p, &kv_map, stage_of(0), bars0, page_of(0), kvh, t0_of(0));
     }
     load_q_tile_async<T, L>(p, sQ, req, row_tile, kvh);
     cp_async_commit();
     if constexpr (!kFp8) {
       if (tid == 0 && num_tiles > 1) {
-        tma_tile<4, 8>(p, &kv_map, stage_of(1), bars1, req, kvh, t0_of(1));
-        tma_stage1_lo(t0_of(1));
+        const int page = page_of(1);
+        tma_tile<4, 8>(p, &kv_map, stage_of(1), bars1, page, kvh, t0_of(1));
+        tma_stage1_lo(page, t0_of(1));
       }
     }
     if (tid < Cfg::kBlockM) sM[tid] = -INFINITY;
@@ -536,7 +573,7 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
         if constexpr (kFp8) {
           release(a, 0);  // stage 0, blocks 0..3 (and 8, dead since S_a)
         } else if constexpr (kNextA) {  // stage 0, blocks 0..3: WG0 was the last reader
-          if (tid_wg == 0) tma_tile<0, 4>(p, &kv_map, stage_of(a), bars0, req, kvh, t0_of(a + 2));
+          if (tid_wg == 0) tma_tile<0, 4>(p, &kv_map, stage_of(a), bars0, page_of(a + 2), kvh, t0_of(a + 2));
         }
         named_barrier(Seesaw::kBarScale1, 256);  // WG1's softmax of tile b: sM, sScale1
         float sc1[2];
@@ -587,7 +624,7 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
           cute::warpgroup_commit_batch();
           if constexpr (kNextB) {
             cute::warpgroup_wait<1>();  // sP1 V_bL done: stage 1, blocks 0..3 and 8 (sP1) are free
-            if (tid_wg == 0) tma_stage1_lo(t0_of(b + 2));
+            if (tid_wg == 0) tma_stage1_lo(page_of(b + 2), t0_of(b + 2));
           }
           issue_s(a + 2, I4{}, I9{}, false);
           cute::warpgroup_commit_batch();
@@ -666,14 +703,14 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
           release(b, 0);              // stage 1, blocks 4..7
         } else if constexpr (kNextB) {
           cute::warpgroup_wait<1>();  // P_b V_bR done: stage 1, blocks 4..7 are free
-          if (tid_wg == 0) tma_tile<4, 8>(p, &kv_map, stage_of(b), bars1, req, kvh, t0_of(b + 2));
+          if (tid_wg == 0) tma_tile<4, 8>(p, &kv_map, stage_of(b), bars1, page_of(b + 2), kvh, t0_of(b + 2));
         }
         cute::warpgroup_wait<0>();
         fence_regs<128>(acc_o);
         if constexpr (kFp8) {
           release(a, 1);  // stage 0, blocks 4..8
         } else if constexpr (kNextA) {  // stage 0, blocks 4..8: WG1 was the last reader
-          if (tid_wg == 0) tma_tile<4, 9>(p, &kv_map, stage_of(a), bars0, req, kvh, t0_of(a + 2));
+          if (tid_wg == 0) tma_tile<4, 9>(p, &kv_map, stage_of(a), bars0, page_of(a + 2), kvh, t0_of(a + 2));
         }
         if constexpr (kNextB && kFp8) {
           fence_regs<32>(acc_s);
@@ -711,11 +748,12 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
       if (lane % 4 == 0) sSum[wg * Cfg::kBlockM + row_local[h]] = row_sum[h];
     }
     consumers_sync();
+    const bool poisoned = sBad[0] != 0;  // the item met a bad block id
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float total = sSum[row_local[h]] + sSum[Cfg::kBlockM + row_local[h]];
+      const float total = poison_sum(sSum[row_local[h]] + sSum[Cfg::kBlockM + row_local[h]], poisoned);
       const float row_max = sM[row_local[h]];
-      const bool has_keys = total > 0.f;
+      const bool has_keys = total != 0.f;
       const float inv = has_keys ? out_scale / total : 0.f;
       const float lse_val = has_keys ? (row_max + log2f(total)) * kLn2 : (slot < 0 ? INFINITY : -INFINITY);
       if (!row_ok[h]) continue;

@@ -17,6 +17,10 @@
 // Masking: tokens past the item's end are zero-filled (never read), so NaN poison in unused cache slots cannot reach
 // P V; causal rows mask tokens past L - s_q + i. A row with no visible key gets out = 0 and lse = +inf (final) or
 // lse = -inf (partial, so the combine gives it zero weight).
+//
+// Bad block ids: every thread checks the pages of the token rows it loads (loads.cuh, checked_page: block 0 is read
+// instead) and keeps the largest id it read for the item; the epilogue's barrier ORs "that id is bad" over the CTA,
+// and an item that met a bad id ends with NaN row sums, so NaN out and lse in every row (docs/design.md §1).
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -77,11 +81,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
     load_q_tile_async<T, L>(p, sQ, req, row_tile, kvh);
     const int num_tiles = (tok_end - tok_begin + Cfg::kBlockN - 1) / Cfg::kBlockN;
     Fp8Stage8B<2> fp8_stage;
+    uint32_t max_id = 0;  // the largest block id this thread read for the item, as unsigned (loads.cuh)
     if (num_tiles > 0) {
       if constexpr (KvFmt == kKvSameAsQ) {
-        load_kv_async<T, L>(p, sK, req, kvh, tok_begin, tok_end);
+        load_kv_async<T, L>(p, sK, req, kvh, tok_begin, tok_end, max_id);
       } else {
-        load_kv_fp8_8b<KvFmt, Cfg::kThreads, false>(p, fp8_stage, nullptr, req, kvh, tok_begin, tok_end, tid);
+        load_kv_fp8_8b<KvFmt, Cfg::kThreads, false>(p, fp8_stage, nullptr, req, kvh, tok_begin, tok_end, tid, max_id);
         store_kv_fp8_8b<T, KvFmt, Cfg::kThreads>(sK, fp8_stage, tid);
       }
     }
@@ -122,10 +127,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
       // Issue the loads of tile j+1 while the tensor cores run S (wgmma is asynchronous).
       if (has_next) {
         if constexpr (KvFmt == kKvSameAsQ) {
-          load_kv_async<T, L>(p, sKnext, req, kvh, t0 + Cfg::kBlockN, tok_end);
+          load_kv_async<T, L>(p, sKnext, req, kvh, t0 + Cfg::kBlockN, tok_end, max_id);
           cp_async_commit();
         } else {
-          load_kv_fp8_8b<KvFmt, Cfg::kThreads, false>(p, fp8_stage, nullptr, req, kvh, t0 + Cfg::kBlockN, tok_end, tid);
+          load_kv_fp8_8b<KvFmt, Cfg::kThreads, false>(p, fp8_stage, nullptr, req, kvh, t0 + Cfg::kBlockN, tok_end, tid,
+                                                      max_id);
         }
       }
       cute::warpgroup_wait<0>();
@@ -230,11 +236,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
       row_sum[h] += __shfl_xor_sync(0xffffffff, row_sum[h], 2);
       if (lane % 4 == 0) sSum[half * Cfg::kBlockM + row_local[h]] = row_sum[h];
     }
-    named_barrier(1 + rg, 64);
+    // both warpgroups' row sums in place, and whether any thread met a bad block id in the item
+    const bool poisoned = __syncthreads_or(!page_ok(p, max_id));
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const float total = row_sum[h] + sSum[(1 - half) * Cfg::kBlockM + row_local[h]];
-      const bool has_keys = total > 0.f;
+      const float total = poison_sum(row_sum[h] + sSum[(1 - half) * Cfg::kBlockM + row_local[h]], poisoned);
+      const bool has_keys = total != 0.f;
       const float inv = has_keys ? out_scale / total : 0.f;
       const float lse_val = has_keys ? (row_max[h] + log2f(total)) * kLn2 : (slot < 0 ? INFINITY : -INFINITY);
       if (!row_ok[h]) continue;

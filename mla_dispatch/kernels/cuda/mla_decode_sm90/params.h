@@ -54,6 +54,9 @@ struct DecodeParams {
   // geometry
   int batch, q_len, heads_q, heads_kv, page_size;
   int64_t num_blocks;    // kv_cache.size(0) (the TMA tensor maps)
+  // min(num_blocks, 2^31), set by the binding: a block-table entry `id` names a block of the cache iff
+  // (uint32_t)id < block_ids (a negative id is 2^31 or more as unsigned); loads.cuh, page_ok
+  uint32_t block_ids;
   int rows_per_kv_head;  // s_q * h_q / h_kv
   int num_row_tiles;     // ceil(rows_per_kv_head / 64)
   float softmax_scale;

@@ -49,6 +49,13 @@ __device__ __forceinline__ float exp2_ftz(float x) {
   return y;
 }
 
+// max(a, b), NaN where either is NaN (max.NaN.f32, one FMNMX.NAN; fmaxf returns the other operand).
+__device__ __forceinline__ float fmax_nan(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;\n" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
 // Barrier over `threads` threads (a multiple of 32) with id `id` (1..15; 0 is __syncthreads).
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
