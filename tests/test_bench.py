@@ -186,3 +186,16 @@ def test_nothing_ran_exits_nonzero(registered, tmp_path, monkeypatch, capsys):
     captured = capsys.readouterr()
     assert rc == 1 and f"nothing ran: every backend ({name}) declined every config" in captured.err
     assert "page_size=16 (supported: {64})" in captured.out
+
+
+def test_host_time_is_the_wall_clock_of_the_call():
+    """peers.host_us: the median wall clock of a call (here one that sleeps 2 ms), reported in µs; the table has
+    the host columns and the '× FlashMLA' column."""
+    import time
+
+    from mla_dispatch.tools.peers import host_us
+
+    us = host_us(lambda: time.sleep(0.002), torch.device("cpu"), reps=5)
+    assert 1900 < us < 20000
+    head = bench.format_table([]).splitlines()[0]
+    assert "host plan / run / call µs" in head and "× FlashMLA" in head
