@@ -19,7 +19,7 @@ import torch
 
 from mla_dispatch.dispatch.platform import detect_platform
 from mla_dispatch.dispatch.problem import DecodeProblem
-from mla_dispatch.dispatch.tuned import ENV_VAR, TABLE_FORMAT, fingerprint, shape_bucket, table_path
+from mla_dispatch.dispatch.tuned import ENV_VAR, TABLE_FORMAT, shape_bucket, table_path
 from mla_dispatch.tools.args import (CommandParser, UsageError, backend_names, parse_device, positive_float,
                                      usage_error, writable_file)
 
@@ -111,6 +111,16 @@ def write_table(path: Path, doc: dict) -> None:
     tmp.replace(path)
 
 
+def _table_doc(env: dict, device: str, command: str, metric: str, ceilings: dict | None, table: dict,
+               measurements: dict) -> dict:
+    """A table document (format: :mod:`mla_dispatch.dispatch.tuned`) for the run described by ``env``
+    (:func:`mla_dispatch.tools.bench.environment`: its device fingerprint, platform, date and versions)."""
+    return {"format": TABLE_FORMAT, "fingerprint": env["fingerprint"], "device": device, "platform": env["platform"],
+            "versions": {k: env.get(k) for k in ("mla_dispatch", "torch", "cuda", "triton")} | {"backends": env["backends"]},
+            "created": env["date"], "command": command, "metric": metric, "ceilings": ceilings, "table": table,
+            "measurements": measurements}
+
+
 def _table_from_bench(path: Path, args, argv) -> int:
     """``--from-json``: the winners of a saved bench run, written as a table for the device it ran on."""
     from mla_dispatch.tools.bench import BenchConfig, BenchRow
@@ -127,12 +137,8 @@ def _table_from_bench(path: Path, args, argv) -> int:
     fields = set(BenchRow.__dataclass_fields__)
     rows = [BenchRow(**{k: v for k, v in r.items() if k in fields}) for r in doc["rows"] if r["backend"] in names]
     table, measurements = pick_winners(rows, buckets, args.metric)
-    out = {"format": TABLE_FORMAT, "fingerprint": env["fingerprint"], "device": env["device"],
-           "platform": env["platform"],
-           "versions": {k: env.get(k) for k in ("mla_dispatch", "torch", "cuda", "triton")} | {"backends": env["backends"]},
-           "created": env["date"], "command": doc.get("command", "") + f" | python -m mla_dispatch tune --from-json "
-           f"{path.name} --metric {args.metric}", "metric": args.metric, "ceilings": doc.get("ceilings"),
-           "table": table, "measurements": measurements}
+    command = doc.get("command", "") + f" | python -m mla_dispatch tune --from-json {path.name} --metric {args.metric}"
+    out = _table_doc(env, env["device"], command, args.metric, doc.get("ceilings"), table, measurements)
     for bucket in sorted(set(buckets.values())):
         print(f"{bucket}: {table.get(bucket, '(none ran every config correctly)')}")
     if args.dry_run:
@@ -199,19 +205,8 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     env = environment(device, backends)
     given = argv if argv is not None else sys.argv[1:]
     command = "python -m mla_dispatch tune " + " ".join(shlex.quote(a) for a in given)
-    doc = {
-        "format": TABLE_FORMAT,
-        "fingerprint": fingerprint(platform),
-        "device": platform.name,
-        "platform": platform.describe(),
-        "versions": {k: env[k] for k in ("mla_dispatch", "torch", "cuda", "triton")} | {"backends": env["backends"]},
-        "created": env["date"],
-        "command": command.strip(),
-        "metric": args.metric,
-        "ceilings": dataclasses.asdict(ceilings),
-        "table": table,
-        "measurements": measurements,
-    }
+    doc = _table_doc(env, platform.name, command.strip(), args.metric, dataclasses.asdict(ceilings), table,
+                     measurements)
     print(f"## tune on {platform.describe()} ({env['date']}, metric: {args.metric})\n")
     print("| bucket | fastest correct backend | µs summed over the bucket's configs |\n|---|---|---|")
     for bucket in sorted(set(buckets.values())):
