@@ -277,6 +277,7 @@ def plan_decode(
     backend: str = "auto",
     backend_options: Mapping[str, object] | None = None,
     cuda_graph: bool = False,
+    batch_invariant: bool = False,
     validate: bool = False,
 ) -> DecodePlan:
     """Plan one decode step: choose the backend and compute its per-step state.
@@ -298,6 +299,16 @@ def plan_decode(
         Require a backend whose ``run`` can be captured in a CUDA graph. After
         capture, change the *values* of ``block_table``/``cache_seqlens`` and
         call :meth:`DecodePlan.update` before replaying.
+    batch_invariant : bool
+        Make each request's ``out`` and ``lse`` bitwise independent of the rest of
+        the batch and of its place in it (reproducible sampling, RL rollouts,
+        debugging). The split-KV schedule then cuts each request at fixed token
+        counts (:func:`mla_dispatch.metadata.schedule.fixed_split_schedule`) and the
+        backend runs one kernel configuration for every batch size. Needs a backend
+        that declares it (``SUPPORTS_BATCH_INVARIANT``: reference, triton, cuda_sm90);
+        others decline with a reason. Results are reproducible on one backend and
+        device, not across them. Its cost against the default schedule is in
+        benchmarks/RESULTS.md.
 
     Returns
     -------
@@ -317,7 +328,7 @@ def plan_decode(
     kv, kv_format, kv_scale = _unwrap_cache(kv_cache, kv_format, kv_scale)
     problem = describe_inputs(q, kv, block_table, cache_seqlens, head_dim_v=head_dim_v, causal=causal,
                               kv_format=kv_format, kv_scale=kv_scale, indices=indices, return_lse=return_lse,
-                              cuda_graph=cuda_graph)
+                              cuda_graph=cuda_graph, batch_invariant=batch_invariant)
     if kv.dim() == 3:
         kv = kv.unsqueeze(2)
     if validate:
@@ -366,6 +377,7 @@ def mla_decode(
     return_lse: bool = True,
     backend: str = "auto",
     backend_options: Mapping[str, object] | None = None,
+    batch_invariant: bool = False,
     plan: DecodePlan | None = None,
     validate: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -425,6 +437,8 @@ def mla_decode(
         them); a named backend that cannot run the problem raises.
     backend_options : Mapping, optional
         Overrides of the named backend's own choices (see :func:`plan_decode`).
+    batch_invariant : bool
+        Each request's result bitwise independent of the rest of the batch (see :func:`plan_decode`).
     plan : DecodePlan, optional
         Reuse a plan from :func:`plan_decode` (then only ``q``, ``kv_cache``,
         ``kv_scale``, ``indices`` and ``out`` are used).
@@ -468,7 +482,7 @@ def mla_decode(
         plan = plan_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=head_dim_v, softmax_scale=softmax_scale,
                            causal=causal, kv_format=kv_format, kv_scale=kv_scale, indices=indices,
                            return_lse=return_lse, backend=backend, backend_options=backend_options,
-                           validate=validate)
+                           batch_invariant=batch_invariant, validate=validate)
     elif validate:  # the plan's own table and lengths (what run() reads), against this cache
         kv = _unwrap_cache(kv_cache, "auto", None)[0]
         check_values(plan.problem, kv.shape[0], plan.block_table, plan.cache_seqlens, indices)

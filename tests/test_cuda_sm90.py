@@ -527,7 +527,7 @@ def call(**over):
                 items=s.items, part_offsets=s.part_offsets, kv_scale=None, out=out, lse=lse,
                 partial_out=st.partial_out, partial_lse=st.partial_lse, num_splits=s.num_splits,
                 first_slot=st.first_slot, softmax_scale=0.1, causal=False, kv_format=0, variant=2, tile_rows=64,
-                tma_loads=False, paired=False, fuse_combine=False)
+                tma_loads=False, paired=False, fuse_combine=False, fixed_splits=False)
     args.update(over)
     torch.ops.mla_dispatch.cuda_sm90_decode(*args.values())
 
@@ -552,6 +552,7 @@ for over, pattern in [
     (dict(tma_loads=True), "tma_loads must be false for variant 2"),
     (dict(variant=5, tma_loads=True, paired=True), "paired=true needs variant 5 and an even number of 64-row tiles"),
     (dict(variant=5, tma_loads=True, fuse_combine=True), "fuse_combine must be false for variant 5 .it has no combine"),
+    (dict(fuse_combine=True, fixed_splits=True), "fuse_combine must be false with fixed_splits=true"),
 ]:
     with pytest.raises(ValueError, match=pattern):
         call(**over)
@@ -581,7 +582,7 @@ def test_opcheck(fuse_combine, gen):
     out, lse = poisoned_outputs(case)
     args = (case.q, case.kv_cache, case.block_table, case.cache_seqlens, s.items, s.part_offsets, None, out, lse,
             st.partial_out, st.partial_lse, s.num_splits, st.first_slot, case.softmax_scale, False, 0, 2, 64, False,
-            False, fuse_combine)
+            False, fuse_combine, False)
     torch.library.opcheck(torch.ops.mla_dispatch.cuda_sm90_decode.default, args,
                           test_utils=("test_schema", "test_faketensor"))
 

@@ -92,7 +92,7 @@ TRITON_DECODE_SCHEMA = (
     "Tensor? kv_scale, Tensor items, Tensor part_offsets, Tensor num_splits, Tensor first_slot, Tensor(a10!) out, "
     "Tensor(a11!) lse, Tensor(a12!) partial_out, Tensor(a13!) partial_lse, float softmax_scale, bool causal, "
     "str kv_format, SymInt block_m, SymInt block_n, SymInt num_warps, SymInt num_stages, bool tokens_on_m, "
-    "SymInt v_split, SymInt qk_chunk, SymInt max_registers, bool tma, bool gluon) -> ()"
+    "SymInt v_split, SymInt qk_chunk, SymInt max_registers, bool tma, bool gluon, bool fixed_splits=False) -> ()"
 )
 
 

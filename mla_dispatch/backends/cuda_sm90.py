@@ -34,13 +34,14 @@ import torch
 
 from mla_dispatch.dispatch.backend import (BackendOption, BackendState, CGSupport, MLABackend, Reason, ReasonCode,
                                            untraced_eager)
-from mla_dispatch.metadata.schedule import split_kv_schedule
+from mla_dispatch.metadata.schedule import (BATCH_INVARIANT_SPLIT_TOKENS, SPLIT_TOKENS_CHOICES, fixed_split_schedule,
+                                           split_kv_schedule)
 from mla_dispatch.metadata.combine import first_slots
 from mla_dispatch.dispatch.platform import Platform
 from mla_dispatch.dispatch.problem import DecodeProblem
 
-__all__ = ["CudaSM90Backend", "Mainloop", "MAINLOOPS", "Sm90Launch", "choose_variant", "choose_fuse_combine",
-           "launch_config", "load_ops", "load_module"]
+__all__ = ["CudaSM90Backend", "Mainloop", "MAINLOOPS", "Sm90Launch", "choose_variant", "invariant_variant",
+           "choose_fuse_combine", "launch_config", "load_ops", "load_module"]
 
 # ---- kernels/cuda/mla_decode_sm90/config.h, mirrored: the plan runs before (and without) a build; the CPU test
 # tests/test_cuda_sm90_plan.py::test_plan_constants_match_config_h reads that file and compares ----
@@ -176,6 +177,24 @@ def choose_variant(problem: DecodeProblem, num_parts: int, max_chunks: int) -> i
     return WGMMA
 
 
+def invariant_variant(problem: DecodeProblem) -> int:
+    """The mainloop of a ``batch_invariant`` plan: chosen from the rows per KV head, the cache format and the page
+    size only (never the batch or the table's width, which :func:`choose_variant` weighs), since two mainloops round
+    differently. Each takes the shapes where :func:`choose_variant` picks it with enough work per part (its
+    measurements): v8/v7 for fp8_e4m3 caches up to 32 rows, v6 up to 16 rows, v5/v9 above 64 rows on pages of whole
+    64-token tiles, else v2."""
+    p, rows = problem, rows_per_kv_head(problem)
+    whole_tiles = p.page_size % BLOCK_N == 0
+    if p.kv_format == "fp8_e4m3" and rows <= FP8T_MAX_ROWS:
+        return FP8_REGS if whole_tiles else FP8_CONVERT
+    if rows <= 16:
+        return ETAP
+    if (p.kv_format in ("bf16", "fp16", "fp8_e4m3") and whole_tiles and rows > BLOCK_M
+            and p.q_len <= SEESAW_MAX_Q_LEN):
+        return SEESAW_FP8 if p.kv_format == "fp8_e4m3" else SEESAW
+    return WGMMA
+
+
 def choose_fuse_combine(problem: DecodeProblem, num_parts: int, ctas: int) -> bool:
     """Whether the decode launch merges the split rows itself (one launch instead of two).
 
@@ -206,6 +225,8 @@ class Sm90Launch:
     paired: bool
     #: split rows merged inside the decode launch (cooperative: every CTA resident at once), else by a second kernel
     fuse_combine: bool
+    #: a batch-invariant schedule (fixed-size pieces, any request split anywhere): the second kernel merges per request
+    fixed_splits: bool = False
 
 
 def split_parts(problem: DecodeProblem, num_sms: int, min_chunks_per_part: int) -> tuple[int, int]:
@@ -244,7 +265,10 @@ def launch_config(problem: DecodeProblem, num_parts: int, max_chunks: int, num_s
         what is required and what was given.
     """
     p, rows = problem, rows_per_kv_head(problem)
-    variant = options["variant"] if "variant" in options else choose_variant(p, num_parts, max_chunks)
+    if "variant" in options:
+        variant = options["variant"]
+    else:
+        variant = invariant_variant(p) if p.batch_invariant else choose_variant(p, num_parts, max_chunks)
     mainloop = MAINLOOPS[variant]
     if reasons := mainloop.reasons(p):
         raise ValueError(f"backend_options['variant']={variant} ({mainloop.header}) cannot run this problem: "
@@ -259,13 +283,15 @@ def launch_config(problem: DecodeProblem, num_parts: int, max_chunks: int, num_s
     ctas = num_parts * row_tiles * p.num_heads_kv
     paired = variant == SEESAW and row_tiles % 2 == 0 and ctas <= num_sms  # the clusters fill the GPU at once
     cannot_fuse = fuse_combine_reasons(p, variant, grid, num_sms)
+    if p.batch_invariant:  # the fused tail merges one split request per part boundary at most
+        cannot_fuse.append("batch_invariant=True (any request may be split, the second kernel merges per request)")
     if "fuse_combine" in options:
         fuse = bool(options["fuse_combine"])
         if fuse and cannot_fuse:
             raise ValueError("backend_options['fuse_combine']=True cannot run: " + "; ".join(cannot_fuse))
     else:
         fuse = not cannot_fuse and choose_fuse_combine(p, num_parts, ctas)
-    return Sm90Launch(variant, tile_rows, tma_loads, paired, fuse)
+    return Sm90Launch(variant, tile_rows, tma_loads, paired, fuse, fixed_splits=p.batch_invariant)
 
 
 _fake_registered = False
@@ -301,7 +327,7 @@ def load_ops():
         @torch.library.register_fake("mla_dispatch::cuda_sm90_decode")
         def _decode_fake(q, kv_cache, block_table, cache_seqlens, items, part_offsets, kv_scale, out, lse,
                          partial_out, partial_lse, num_splits, first_slot, softmax_scale, causal, kv_format,
-                         variant, tile_rows, tma_loads, paired, fuse_combine):
+                         variant, tile_rows, tma_loads, paired, fuse_combine, fixed_splits):
             return None
 
         _fake_registered = True
@@ -332,6 +358,9 @@ class CudaSM90Backend(MLABackend):
     SUPPORTS_CAUSAL = True
     SUPPORTS_LSE = True
     SUPPORTS_SPARSE = False
+    # batch_invariant=True: fixed-size pieces (fixed_split_schedule), one mainloop per shape (invariant_variant), the
+    # per-request combine kernel
+    SUPPORTS_BATCH_INVARIANT = True
     CUDA_GRAPH = CGSupport.ALWAYS
     OPTIONS = MappingProxyType({
         "variant": BackendOption(tuple(MAINLOOPS), "the mainloop, instead of the plan's choice (choose_variant): 2 "
@@ -339,6 +368,8 @@ class CudaSM90Backend(MLABackend):
                                  "for fp8_e4m3; it must suit the problem (Mainloop.reasons)"),
         "fuse_combine": BackendOption((False, True), "merge split rows inside the decode launch (True) or in a second "
                                       "kernel (False), instead of the plan's choice (choose_fuse_combine)"),
+        "split_tokens": BackendOption(SPLIT_TOKENS_CHOICES, "tokens per piece of a batch_invariant=True plan "
+                                      f"(default {BATCH_INVARIANT_SPLIT_TOKENS})"),
     })
     #: fewest KV chunks (of 64 tokens) a split-KV part gets. It matters only where the batch has fewer chunks than
     #: two per CTA. A part costs a Q-tile load and a partial-row write besides its chunks, and with fp16 partial rows
@@ -391,9 +422,18 @@ class CudaSM90Backend(MLABackend):
         num_parts, max_chunks = split_parts(p, sms, cls.MIN_CHUNKS_PER_PART)
         launch = launch_config(p, num_parts, max_chunks, sms, options)
         # capacity: no item reaches past a block-table row, whatever cache_seqlens holds (update_ keeps it)
-        schedule = split_kv_schedule(cache_seqlens, num_parts=num_parts, chunk_size=BLOCK_N,
-                                     overhead=cls.schedule_overhead(launch.variant),
-                                     capacity=p.max_blocks * p.page_size)
+        if "split_tokens" in options and not p.batch_invariant:
+            raise ValueError(f"backend_options['split_tokens']={options['split_tokens']} applies to "
+                             "batch_invariant=True plans only")
+        if p.batch_invariant:
+            schedule = fixed_split_schedule(cache_seqlens, num_parts=num_parts, chunk_size=BLOCK_N,
+                                            split_tokens=options.get("split_tokens", BATCH_INVARIANT_SPLIT_TOKENS),
+                                            overhead=cls.schedule_overhead(launch.variant),
+                                            capacity=p.max_blocks * p.page_size)
+        else:
+            schedule = split_kv_schedule(cache_seqlens, num_parts=num_parts, chunk_size=BLOCK_N,
+                                         overhead=cls.schedule_overhead(launch.variant),
+                                         capacity=p.max_blocks * p.page_size)
         max_slots = schedule.max_slots
         return Sm90State(
             op=load_ops().cuda_sm90_decode.default,
@@ -420,7 +460,7 @@ class CudaSM90Backend(MLABackend):
                 block_table, cache_seqlens, s.items, s.part_offsets, state.partial_out, state.partial_lse,
                 s.num_splits, state.first_slot, p.q_dtype, kv_dtype, p.q_len, p.num_heads_q, p.num_heads_kv,
                 p.page_size, 656 if p.kv_format == "fp8_ds_mla" else p.head_dim_qk, softmax_scale, p.causal,
-                state.kv_format_code, c.variant, c.tile_rows, c.tma_loads, c.paired, c.fuse_combine)
+                state.kv_format_code, c.variant, c.tile_rows, c.tma_loads, c.paired, c.fuse_combine, c.fixed_splits)
         except ValueError:  # e.g. a block table with strided rows: run raises the binding's message per call
             return None
         return state.bound.run
@@ -441,4 +481,4 @@ class CudaSM90Backend(MLABackend):
             q, kv_cache, block_table, cache_seqlens, s.items, s.part_offsets,
             kv_scale if state.kv_format_code == 1 else None, out, lse, state.partial_out, state.partial_lse,
             s.num_splits, state.first_slot, softmax_scale, problem.causal, state.kv_format_code, c.variant,
-            c.tile_rows, c.tma_loads, c.paired, c.fuse_combine)
+            c.tile_rows, c.tma_loads, c.paired, c.fuse_combine, c.fixed_splits)

@@ -26,8 +26,10 @@ def reference_decode(
     softmax_scale: float,
     causal: bool,
     kv_format: str,
+    batch_invariant: bool = False,
 ) -> None:
-    """Registered op: the reference written into ``out`` (q dtype) and ``lse`` (fp32)."""
+    """Registered op: the reference written into ``out`` (q dtype) and ``lse`` (fp32); ``batch_invariant``: one
+    request at a time (:func:`~mla_dispatch.numerics.oracle.reference_attention`)."""
     o, l = reference_attention(
         q,
         kv_cache,
@@ -39,13 +41,15 @@ def reference_decode(
         kv_format=kv_format,
         kv_scale=kv_scale,
         indices=indices,
+        batch_invariant=batch_invariant,
     )
     out.copy_(o)
     lse.copy_(l)
 
 
 @reference_decode.register_fake
-def _(q, kv_cache, block_table, cache_seqlens, indices, kv_scale, out, lse, softmax_scale, causal, kv_format) -> None:
+def _(q, kv_cache, block_table, cache_seqlens, indices, kv_scale, out, lse, softmax_scale, causal, kv_format,
+      batch_invariant=False) -> None:
     return None
 
 
@@ -57,6 +61,7 @@ class ReferenceBackend(MLABackend):
     PLATFORMS = frozenset({"cpu", "cuda", "rocm", "npu"})
     KV_FORMATS = frozenset({"bf16", "fp16", "fp8_e4m3", "fp8_ds_mla"})
     SUPPORTS_SPARSE = True
+    SUPPORTS_BATCH_INVARIANT = True  # one request at a time (reference_attention)
     CUDA_GRAPH = CGSupport.ALWAYS  # no host sync: shapes come from block_table, not from seqlen values
     ANY_OUT_STRIDES = True  # out.copy_(...)
 
@@ -69,5 +74,5 @@ class ReferenceBackend(MLABackend):
             softmax_scale, kv_scale, indices, out, lse) -> None:
         torch.ops.mla_dispatch.reference_decode(
             q, kv_cache, block_table, cache_seqlens, indices, kv_scale, out, lse,
-            softmax_scale, problem.causal, problem.kv_format,
+            softmax_scale, problem.causal, problem.kv_format, problem.batch_invariant,
         )

@@ -26,8 +26,11 @@ import os
 
 import torch
 
-from mla_dispatch.dispatch.backend import BackendState, CGSupport, MLABackend, Reason, ReasonCode
-from mla_dispatch.metadata.schedule import split_kv_schedule
+from types import MappingProxyType
+
+from mla_dispatch.dispatch.backend import BackendOption, BackendState, CGSupport, MLABackend, Reason, ReasonCode
+from mla_dispatch.metadata.schedule import (BATCH_INVARIANT_SPLIT_TOKENS, SPLIT_TOKENS_CHOICES, fixed_split_schedule,
+                                           split_kv_schedule)
 from mla_dispatch.metadata.combine import first_slots
 from mla_dispatch.dispatch.platform import Platform
 from mla_dispatch.dispatch.problem import DecodeProblem
@@ -58,9 +61,16 @@ class TritonBackend(MLABackend):
     SUPPORTS_CAUSAL = True
     SUPPORTS_LSE = True
     SUPPORTS_SPARSE = True
+    # the kernel config depends on the rows per KV head, the cache and the page size, never on the batch; a batch-
+    # invariant plan cuts requests at fixed token counts and merges per request (metadata/schedule.py)
+    SUPPORTS_BATCH_INVARIANT = True
     CUDA_GRAPH = CGSupport.ALWAYS
     ANY_OUT_STRIDES = False  # the kernels store rows of out with stride 1
     REQUIRES = ("triton",)
+    OPTIONS = MappingProxyType({
+        "split_tokens": BackendOption(SPLIT_TOKENS_CHOICES, "tokens per piece of a batch_invariant=True plan (a multiple of the "
+                                      f"kernel's chunk; default {BATCH_INVARIANT_SPLIT_TOKENS})"),
+    })
 
     @classmethod
     def version(cls) -> str:
@@ -86,18 +96,25 @@ class TritonBackend(MLABackend):
 
     @classmethod
     def plan(cls, problem: DecodeProblem, platform: Platform, block_table, cache_seqlens, *,
-             softmax_scale: float) -> BackendState:
-        return cls.make_state(problem, platform, cache_seqlens)
+             softmax_scale: float, options: dict[str, object]) -> BackendState:
+        return cls.make_state(problem, platform, cache_seqlens, split_tokens=options.get("split_tokens"))
 
     @classmethod
     def make_state(cls, problem: DecodeProblem, platform: Platform, cache_seqlens, *, config=None,
-                   num_parts: int | None = None, overhead: int | None = None) -> BackendState:
+                   num_parts: int | None = None, overhead: int | None = None,
+                   split_tokens: int | None = None) -> BackendState:
         """:meth:`plan` with its choices exposed (tests force splits; the benchmark compares configs).
 
         ``config`` a :class:`~mla_dispatch.kernels.triton.decode.KernelConfig` (default: the
         table's); ``num_parts`` persistent programs along the schedule (default: one
         per SM and tile, times the config's ``programs_per_sm``); ``overhead`` the
-        schedule's fixed cost per item, in chunks.
+        schedule's fixed cost per item, in chunks; ``split_tokens`` the piece size of a batch-invariant plan.
+
+        Raises
+        ------
+        ValueError
+            ``split_tokens`` given without ``problem.batch_invariant``, or not a positive multiple of the kernel's
+            chunk.
         """
         import mla_dispatch.kernels.triton.ops  # noqa: F401  (registers torch.ops.mla_dispatch.triton_decode)
         from mla_dispatch.kernels.triton.decode import choose_config, num_m_tiles, programs_per_tile
@@ -126,8 +143,20 @@ class TritonBackend(MLABackend):
             lengths, capacity = cache_seqlens, p.max_blocks * p.page_size
         if overhead is None:
             overhead = max(1, _SCHEDULE_OVERHEAD_TOKENS // cfg.chunk_size)
-        schedule = split_kv_schedule(lengths, num_parts=num_parts, chunk_size=cfg.chunk_size, overhead=overhead,
-                                     capacity=capacity)
+        if split_tokens is not None and not p.batch_invariant:
+            raise ValueError(f"backend_options['split_tokens']={split_tokens} applies to batch_invariant=True plans "
+                             "only")
+        if p.batch_invariant:
+            split_tokens = BATCH_INVARIANT_SPLIT_TOKENS if split_tokens is None else split_tokens
+            if not (isinstance(split_tokens, int) and split_tokens > 0 and split_tokens % cfg.chunk_size == 0):
+                raise ValueError(f"backend_options['split_tokens'] must be a positive multiple of the kernel's chunk "
+                                 f"({cfg.chunk_size} tokens), got {split_tokens!r}")
+            schedule = fixed_split_schedule(lengths, num_parts=num_parts, chunk_size=cfg.chunk_size,
+                                            split_tokens=split_tokens, overhead=overhead,
+                                            capacity=p.topk if p.sparse else capacity)
+        else:
+            schedule = split_kv_schedule(lengths, num_parts=num_parts, chunk_size=cfg.chunk_size, overhead=overhead,
+                                         capacity=capacity)
         first_slot = torch.empty(p.batch, dtype=torch.int32, device=device)
         first_slots(schedule.num_splits, out=first_slot)
         max_slots = schedule.max_slots
@@ -156,4 +185,5 @@ class TritonBackend(MLABackend):
         decode_step(q, kv_cache, None if p.sparse else block_table, state.lengths, indices, kv_scale, s.items,
                     s.part_offsets, s.num_splits, state.first_slot, out, lse, state.partial_out, state.partial_lse,
                     softmax_scale, p.causal, p.kv_format, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
-                    cfg.tokens_on_m, cfg.v_split, cfg.qk_chunk, cfg.max_registers, cfg.tma, cfg.gluon)
+                    cfg.tokens_on_m, cfg.v_split, cfg.qk_chunk, cfg.max_registers, cfg.tma, cfg.gluon,
+                    s.fixed_splits)

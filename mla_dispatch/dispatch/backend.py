@@ -132,6 +132,8 @@ class MLABackend:
     SUPPORTS_LSE: ClassVar[bool] = True
     SUPPORTS_SPARSE: ClassVar[bool] = False
     SUPPORTS_DENSE: ClassVar[bool] = True
+    #: runs ``batch_invariant=True`` plans: a request's out and lse bitwise the same whatever the batch around it
+    SUPPORTS_BATCH_INVARIANT: ClassVar[bool] = False
     CUDA_GRAPH: ClassVar[CGSupport] = CGSupport.NEVER
     #: ``True``: ``out`` may have any strides (the backend writes it through torch ops, ``out.copy_``); ``False``:
     #: its last dim must be contiguous (a kernel stores rows of D_v values with stride 1). The front end checks
@@ -221,6 +223,8 @@ class MLABackend:
             reasons.append(Reason(R.FEATURE, f"sparse indices (topk={p.topk}) (supported: dense block_table only)"))
         if not p.sparse and not cls.SUPPORTS_DENSE:
             reasons.append(Reason(R.FEATURE, "dense block_table decode (supported: sparse indices only)"))
+        if p.batch_invariant and not cls.SUPPORTS_BATCH_INVARIANT:
+            reasons.append(Reason(R.FEATURE, "batch_invariant=True (this backend's splits depend on the batch)"))
         if p.cuda_graph and cls.CUDA_GRAPH is CGSupport.NEVER:
             reasons.append(Reason(R.CUDA_GRAPH, "cuda_graph=True (this backend cannot be captured)"))
         reasons.extend(cls.extra_reasons(problem, platform))

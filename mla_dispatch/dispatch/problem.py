@@ -48,6 +48,8 @@ class DecodeProblem:
     #: elements of the cache tensor, ``num_blocks * page_stride`` (0: unknown). Backends with 32-bit offsets
     #: decline caches too large for them; any page id in the table may be as large as num_blocks - 1.
     cache_numel: int = 0
+    #: a request's out and lse must not depend on the rest of the batch (``plan_decode(batch_invariant=True)``)
+    batch_invariant: bool = False
 
     @property
     def sparse(self) -> bool:
@@ -70,6 +72,8 @@ class DecodeProblem:
             f"device       {self.device_type}",
             f"cuda_graph   {self.cuda_graph}",
         ]
+        if self.batch_invariant:
+            lines.append("batch_invariant True")
         return "\n".join(indent + line for line in lines)
 
 
@@ -94,6 +98,7 @@ def describe_inputs(
     indices: torch.Tensor | None,
     return_lse: bool,
     cuda_graph: bool = False,
+    batch_invariant: bool = False,
 ) -> DecodeProblem:
     """Validate the canonical inputs (metadata only, no data read) and build the problem.
 
@@ -248,6 +253,7 @@ def describe_inputs(
         device_type=device.type,
         cuda_graph=cuda_graph,
         cache_numel=kv_cache.shape[0] * kv_cache.stride(0),
+        batch_invariant=bool(batch_invariant),
     )
 
 

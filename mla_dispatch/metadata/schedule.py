@@ -48,14 +48,19 @@ import os
 
 import torch
 
-__all__ = ["SplitKVSchedule", "split_kv_schedule", "default_num_parts", "ITEM_REQ", "ITEM_BEGIN", "ITEM_END",
-           "ITEM_SLOT"]
+__all__ = ["SplitKVSchedule", "split_kv_schedule", "fixed_split_schedule", "default_num_parts",
+           "BATCH_INVARIANT_SPLIT_TOKENS", "SPLIT_TOKENS_CHOICES", "ITEM_REQ", "ITEM_BEGIN", "ITEM_END", "ITEM_SLOT"]
 
 ITEM_REQ, ITEM_BEGIN, ITEM_END, ITEM_SLOT = range(4)
 
 #: Largest batch the one-launch Triton schedule takes (``metadata/schedule_triton.py``); torch above it.
 TRITON_SCHEDULE_MAX_BATCH = 8192
 SCHEDULE_IMPLS = ("auto", "torch", "triton")
+#: Tokens per piece of a batch-invariant schedule (:func:`fixed_split_schedule`) unless a backend option says
+#: otherwise. benchmarks/RESULTS.md ("Batch-invariant decode") has what it costs against the default schedule.
+BATCH_INVARIANT_SPLIT_TOKENS = 1024
+#: The piece sizes backends accept as ``backend_options={"split_tokens": ...}`` (for experiments).
+SPLIT_TOKENS_CHOICES = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 @dataclasses.dataclass
@@ -78,6 +83,10 @@ class SplitKVSchedule:
     capacity : int or None
         Tokens a request's block-table row can address (``max_blocks * page_size``): longer lengths count as
         this many. None: no bound (sparse schedules, whose "tokens" are top-k positions).
+    split_tokens : int or None
+        Set for a batch-invariant schedule (:func:`fixed_split_schedule`): every request is cut at multiples of
+        this many tokens, whatever the batch around it, and any request may be split anywhere (combines must
+        merge per request, not per part boundary). None: the balanced schedule of :func:`split_kv_schedule`.
     workspace : Tensor or None
         int32 scratch of the Triton implementation, owned by the schedule so
         :meth:`update_` allocates nothing (created on the first Triton build or update).
@@ -91,7 +100,13 @@ class SplitKVSchedule:
     num_parts: int
     overhead: int
     capacity: int | None = None
+    split_tokens: int | None = None
     workspace: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    @property
+    def fixed_splits(self) -> bool:
+        """True for a batch-invariant schedule (:attr:`split_tokens` set)."""
+        return self.split_tokens is not None
 
     @property
     def batch(self) -> int:
@@ -122,6 +137,13 @@ class SplitKVSchedule:
         _check_schedule_args(cache_seqlens, self.num_parts, self.chunk_size, self.overhead, self.capacity)
         if cache_seqlens.shape[0] != self.batch:
             raise ValueError(f"cache_seqlens must keep batch={self.batch}, got {cache_seqlens.shape[0]}")
+        if self.split_tokens is not None:
+            fresh = fixed_split_schedule(cache_seqlens, num_parts=self.num_parts, chunk_size=self.chunk_size,
+                                         split_tokens=self.split_tokens, overhead=self.overhead,
+                                         capacity=self.capacity)
+            for name in ("items", "part_offsets", "num_splits", "slot_req"):
+                getattr(self, name).copy_(getattr(fresh, name))
+            return self
         if _schedule_impl(impl, cache_seqlens) == "triton":
             _triton_schedule_into(self, cache_seqlens)
             return self
@@ -274,6 +296,97 @@ def split_kv_schedule(
         num_parts=num_parts,
         overhead=overhead,
         capacity=capacity,
+    )
+
+
+def fixed_split_schedule(
+    cache_seqlens: torch.Tensor,
+    *,
+    num_parts: int,
+    chunk_size: int,
+    split_tokens: int = BATCH_INVARIANT_SPLIT_TOKENS,
+    overhead: int = 4,
+    capacity: int,
+) -> SplitKVSchedule:
+    """A batch-invariant partition: request ``b`` is cut into ``max(1, ceil(L_b / split_tokens))`` pieces at
+    multiples of ``split_tokens``, a function of its own length only.
+
+    A kernel computes each piece from the piece alone, and the combine merges a request's pieces in their order,
+    so a request's ``out`` and ``lse`` do not depend on the other requests of the batch or on its place in it
+    (the batch-invariance of Thinking Machines' "Defeating Nondeterminism in LLM Inference", 2025, which fixes
+    the split size rather than the split count; SGLang's deterministic mode does the same with FlashInfer's
+    ``fixed_split_size``). Which part runs a piece changes nothing in the result; the pieces are laid on the
+    parts as :func:`split_kv_schedule` lays requests, by cost (chunks plus ``overhead``), in order, never cut.
+
+    Parameters
+    ----------
+    cache_seqlens : Tensor
+        int32 ``[batch]``; negative lengths count as 0, lengths past ``capacity`` as ``capacity``.
+    num_parts, chunk_size, overhead : int
+        As in :func:`split_kv_schedule`.
+    split_tokens : int
+        Tokens per piece, a multiple of ``chunk_size``. Small pieces spread a long request over more parts
+        (latency at small batch); every piece of a split request writes and the combine reads one partial row
+        per query row, so at large batch each piece costs memory traffic.
+    capacity : int
+        ``max_blocks * page_size`` (required: it bounds the pieces a request can have, so the item count,
+        ``batch * max(1, ceil(capacity / split_tokens))``, is static).
+
+    Returns
+    -------
+    SplitKVSchedule
+        With :attr:`~SplitKVSchedule.split_tokens` set (``fixed_splits``). Items of a request are consecutive,
+        in token order; unused rows (``req = -1``) come last and belong to no part.
+
+    Raises
+    ------
+    ValueError
+        Arguments out of range (as :func:`split_kv_schedule`), or ``split_tokens`` not a positive multiple of
+        ``chunk_size``.
+    """
+    _check_schedule_args(cache_seqlens, num_parts, chunk_size, overhead, capacity)
+    if capacity is None:
+        raise ValueError("capacity (max_blocks * page_size) is required for a fixed-split schedule")
+    if split_tokens < chunk_size or split_tokens % chunk_size:
+        raise ValueError(f"split_tokens must be a positive multiple of chunk_size={chunk_size}, got {split_tokens}")
+    device, batch, i64 = cache_seqlens.device, cache_seqlens.shape[0], torch.int64
+    max_items = batch * max(1, -(-capacity // split_tokens))
+    seqlens = cache_seqlens.to(i64).clamp(0, capacity)
+    pieces = ((seqlens + split_tokens - 1) // split_tokens).clamp_min(1)  # a zero-length request keeps one item
+    last = torch.cumsum(pieces, 0)  # one past each request's last item
+    item = torch.arange(max_items, device=device, dtype=i64)
+    valid = item < (last[-1] if batch else 0)
+    req = torch.searchsorted(last, item, right=True).clamp_max(max(batch - 1, 0))
+    rank = item - (last[req] - pieces[req])
+    begin = torch.minimum(rank * split_tokens, seqlens[req])
+    end = torch.minimum(begin + split_tokens, seqlens[req])
+    is_split = pieces > 1
+    first_slot = torch.cumsum(torch.where(is_split, pieces, 0), 0) - torch.where(is_split, pieces, 0)
+    slot = torch.where(valid & is_split[req], first_slot[req] + rank, -1)
+    items = torch.stack([torch.where(valid, req, -1), torch.where(valid, begin, 0), torch.where(valid, end, 0), slot],
+                        dim=1)
+
+    # Parts: piece i starts at cost offset start[i] of the total; part p takes the pieces starting in
+    # [p * total / P, (p + 1) * total / P), so parts are runs of consecutive items.
+    cost = torch.where(valid, (end - begin + chunk_size - 1) // chunk_size + overhead, 0)
+    start = torch.cumsum(cost, 0) - cost
+    total = cost.sum().clamp_min(1)
+    item_part = torch.where(valid, (start * num_parts // total).clamp_max(num_parts - 1), num_parts)
+    part_offsets = torch.searchsorted(item_part, torch.arange(num_parts + 1, device=device, dtype=i64))
+
+    slot_req = torch.full((max_items + 1,), -1, dtype=i64, device=device)
+    slot_req.index_copy_(0, torch.where(slot >= 0, slot, max_items), req)
+    i32 = torch.int32
+    return SplitKVSchedule(
+        items=items.to(i32).contiguous(),
+        part_offsets=part_offsets.to(i32),
+        num_splits=pieces.to(i32),
+        slot_req=slot_req[:max_items].to(i32),
+        chunk_size=chunk_size,
+        num_parts=num_parts,
+        overhead=overhead,
+        capacity=capacity,
+        split_tokens=split_tokens,
     )
 
 

@@ -42,6 +42,7 @@ def reference_attention(
     kv_format: str = "bf16",
     kv_scale: torch.Tensor | float | None = None,
     indices: torch.Tensor | None = None,
+    batch_invariant: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MLA decode attention in fp32.
 
@@ -53,6 +54,10 @@ def reference_attention(
     outside ``[0, num_blocks)`` among the table entries a request's tokens use makes all of that
     request's ``out`` rows and its ``lse`` NaN (a sparse index at or past ``num_blocks * page_size``:
     that query token's rows); other requests are unaffected.
+
+    ``batch_invariant=True`` computes one request at a time (otherwise requests are batched in groups,
+    whose size depends on the batch, and a batched matmul may round a request differently than a
+    single one): each request's result is then the same whatever the batch around it.
 
     Returns
     -------
@@ -75,7 +80,7 @@ def reference_attention(
         # cache make that query token's rows NaN.
         flat = kv_cache.reshape(num_blocks * page_size, h_kv, kv_cache.shape[-1])
         topk = indices.shape[-1]
-        step = max(1, _GROUP_ELEMENTS // max(1, q_len * topk * h_kv * (d_qk + group)))
+        step = 1 if batch_invariant else max(1, _GROUP_ELEMENTS // max(1, q_len * topk * h_kv * (d_qk + group)))
         for b0 in range(0, batch, step):
             idx = indices[b0 : b0 + step].long()
             past = idx >= num_blocks * page_size
@@ -94,7 +99,7 @@ def reference_attention(
         max_blocks = block_table.shape[1]
         cap = max_blocks * page_size
         pos = torch.arange(cap, device=q.device)
-        step = max(1, _GROUP_ELEMENTS // max(1, cap * (h_kv * d_qk + q_len * h_q)))
+        step = 1 if batch_invariant else max(1, _GROUP_ELEMENTS // max(1, cap * (h_kv * d_qk + q_len * h_q)))
         for b0 in range(0, batch, step):
             seqlens = cache_seqlens[b0 : b0 + step].long()
             live = pos[None, :] < seqlens[:, None]  # [g, cap]

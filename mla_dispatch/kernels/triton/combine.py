@@ -152,7 +152,7 @@ _BLOCKS_PER_BOUNDARY = (2, 512, 4)
 
 def launch_combine(partial_out, partial_lse, num_splits, first_slot, out, lse, items, part_offsets, *,
                    v_split: int = 1, block_r: int | None = None, block_d: int | None = None,
-                   block_s: int | None = None, kernel=combine_kernel):
+                   block_s: int | None = None, kernel=combine_kernel, fixed_splits: bool = False):
     """Merge partials into ``out`` ``[B, s_q, h_q, D_v]`` / ``lse`` ``[B, h_q, s_q]`` (no allocation).
 
     One program per (request, or part boundary where :func:`combine_by_boundary` says so,
@@ -164,6 +164,9 @@ def launch_combine(partial_out, partial_lse, num_splits, first_slot, out, lse, i
     the registered op, :mod:`.ops`). ``items`` int32 ``[max_items, 4]`` and ``part_offsets`` int32
     ``[num_parts + 1]`` are the schedule's (read by the per-boundary grid). ``partial_out`` fp16 ``[max_slots, s_q, h_q,
     2 D_v]`` holds rows in :data:`PARTIAL_ROW_FORMAT`, written by a decode launched with ``v_split`` (as it clipped it).
+    ``fixed_splits``: the schedule is batch-invariant (``SplitKVSchedule.fixed_splits``): any request may be split,
+    even with one part, so the grid runs per request (the per-boundary grid assumes the balanced schedule's at most
+    one split request per boundary) with the per-request block sizes, whatever the batch.
     Returns Triton's launch handle, or None when there is nothing to merge (one part, or no requests).
     """
     batch, q_len, h_q, d_v = out.shape
@@ -172,9 +175,9 @@ def launch_combine(partial_out, partial_lse, num_splits, first_slot, out, lse, i
                          f"(expected float16 and 2 * D_v = {2 * d_v}: PARTIAL_ROW_FORMAT)")
     rows = q_len * h_q
     num_parts = part_offsets.shape[0] - 1
-    if batch == 0 or rows == 0 or num_parts <= 1:  # one part: no request is split
+    if batch == 0 or rows == 0 or (num_parts <= 1 and not fixed_splits):  # one part: no request is split
         return None
-    by_boundary = combine_by_boundary(batch, num_parts)
+    by_boundary = not fixed_splits and combine_by_boundary(batch, num_parts)
     defaults = _BLOCKS_PER_BOUNDARY if by_boundary else _BLOCKS_PER_REQUEST
     block_r = block_r or defaults[0]
     block_s = block_s or defaults[2]

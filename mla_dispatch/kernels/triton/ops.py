@@ -72,6 +72,7 @@ def _triton_decode(
     max_registers: int,
     tma: bool,
     gluon: bool,
+    fixed_splits: bool = False,
 ) -> None:
     """Split-KV MLA decode into ``out`` / ``lse`` (see :mod:`.decode` and :mod:`.combine`).
 
@@ -86,19 +87,22 @@ def _triton_decode(
     row that sees no key), and the workspace: partial_out fp16 ``[max_slots, s_q, h_q, 2 D_v]``
     (:data:`.combine.PARTIAL_ROW_FORMAT`) / partial_lse fp32 ``[max_slots, s_q, h_q]``. The remaining scalars are
     the fields of :class:`.decode.KernelConfig` (``chunk_size`` lives in the schedule; ``tma`` and ``gluon`` apply to
-    plain launches only, :func:`.decode.tma_applies`, :func:`.gluon_sm90.gluon_applies`).
+    plain launches only, :func:`.decode.tma_applies`, :func:`.gluon_sm90.gluon_applies`). ``fixed_splits``: the
+    schedule is a batch-invariant one (:func:`mla_dispatch.metadata.schedule.fixed_split_schedule`), whose split
+    requests the combine finds per request, never per part boundary.
 
     Raises ValueError for an unknown ``kv_format``.
     """
     _launch(_launchable(mla_decode_kernel), _launchable(combine_kernel), q, kv_cache, block_table, seqlens,
             indices, kv_scale, items, part_offsets, num_splits, first_slot, out, lse, partial_out, partial_lse,
             softmax_scale, causal, kv_format, block_m, block_n, num_warps, num_stages, tokens_on_m, v_split,
-            qk_chunk, max_registers, tma, gluon)
+            qk_chunk, max_registers, tma, gluon, fixed_splits)
 
 
 def _launch(decode_kernel, combine, q, kv_cache, block_table, seqlens, indices, kv_scale, items, part_offsets,
             num_splits, first_slot, out, lse, partial_out, partial_lse, softmax_scale, causal, kv_format, block_m,
-            block_n, num_warps, num_stages, tokens_on_m, v_split, qk_chunk, max_registers, tma, gluon) -> None:
+            block_n, num_warps, num_stages, tokens_on_m, v_split, qk_chunk, max_registers, tma, gluon,
+            fixed_splits=False) -> None:
     if kv_format not in KV_FORMAT_IDS:
         raise ValueError(f"kv_format={kv_format!r} (supported: {sorted(KV_FORMAT_IDS)})")
     kv = kv_cache.view(torch.uint8) if kv_cache.dtype == torch.int8 else kv_cache
@@ -109,7 +113,8 @@ def _launch(decode_kernel, combine, q, kv_cache, block_table, seqlens, indices, 
         tokens_on_m=tokens_on_m, v_split=v_split, qk_chunk=qk_chunk, max_registers=max_registers, tma=tma,
         gluon=gluon)
     launch_combine(partial_out, partial_lse, num_splits, first_slot, out, lse, items, part_offsets,
-                   v_split=_clip_splits(v_split, qk_chunk, out.shape[-1])[0], kernel=combine)
+                   v_split=_clip_splits(v_split, qk_chunk, out.shape[-1])[0], kernel=combine,
+                   fixed_splits=fixed_splits)
 
 
 def decode_step(*args) -> None:

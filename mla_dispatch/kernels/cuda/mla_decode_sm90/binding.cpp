@@ -176,6 +176,9 @@ void check_config(const mla_sm90::LaunchConfig& c, const Geometry& g) {
               "-row tiles per KV head, got variant ", m, " and ", row_tiles);
   // fuse_combine: the combine tail of a cooperative launch
   if (c.fuse_combine) {
+    // the tail lists at most kFusedMaxSplits split requests, one per part boundary: a balanced schedule's
+    MLA_CHECK(!c.fixed_splits, "fuse_combine must be false with fixed_splits=true (a batch-invariant schedule "
+              "splits any number of requests; the second kernel merges them per request)");
     MLA_CHECK(!seesaw, "fuse_combine must be false for variant ", m, " (it has no combine tail)");
     MLA_CHECK(g.num_parts <= kFusedMaxSplits, "fuse_combine=true needs num_parts <= ", kFusedMaxSplits, ", got ",
               g.num_parts);
@@ -267,8 +270,8 @@ void set_call_params(mla_sm90::DecodeParams& p, const at::Tensor& q, const at::T
 }
 
 mla_sm90::LaunchConfig launch_config(int64_t variant, int64_t tile_rows, bool tma_loads, bool paired,
-                                     bool fuse_combine) {
-  return {static_cast<int>(variant), static_cast<int>(tile_rows), tma_loads, paired, fuse_combine};
+                                     bool fuse_combine, bool fixed_splits) {
+  return {static_cast<int>(variant), static_cast<int>(tile_rows), tma_loads, paired, fuse_combine, fixed_splits};
 }
 
 // The decode launch, then the combine launch unless the decode merges the split rows itself.
@@ -291,7 +294,9 @@ void launch(const mla_sm90::DecodeParams& p, const mla_sm90::LaunchConfig& cfg, 
   }
   if (cfg.fuse_combine) return;  // the split rows were merged inside the decode launch
 
-  err = mla_sm90::launch_combine(mla_sm90::combine_params(p), stream);
+  mla_sm90::CombineParams c = mla_sm90::combine_params(p);
+  c.fixed_splits = cfg.fixed_splits ? 1 : 0;
+  err = mla_sm90::launch_combine(c, stream);
   TORCH_CHECK(err == 0, "cuda_sm90_decode: combine launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
 }
 
@@ -300,11 +305,12 @@ void cuda_sm90_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tenso
                       const c10::optional<at::Tensor>& kv_scale, const at::Tensor& out, const at::Tensor& lse,
                       const at::Tensor& partial_out, const at::Tensor& partial_lse, const at::Tensor& num_splits,
                       const at::Tensor& first_slot, double softmax_scale, bool causal, int64_t kv_format,
-                      int64_t variant, int64_t tile_rows, bool tma_loads, bool paired, bool fuse_combine) {
+                      int64_t variant, int64_t tile_rows, bool tma_loads, bool paired, bool fuse_combine,
+                      bool fixed_splits) {
   check_call(q, kv, kv_scale, out, lse, kv_format, tma_loads);
   check_plan(q.size(0), q.size(1), q.size(2), q.device(), block_table, cache_seqlens, items, part_offsets, partial_out,
              partial_lse, num_splits, first_slot, softmax_scale);
-  const mla_sm90::LaunchConfig cfg = launch_config(variant, tile_rows, tma_loads, paired, fuse_combine);
+  const mla_sm90::LaunchConfig cfg = launch_config(variant, tile_rows, tma_loads, paired, fuse_combine, fixed_splits);
   check_config(cfg, {kv_format, q.size(1), q.size(2), kv.size(2), kv.size(1), part_offsets.size(0) - 1});
   mla_sm90::DecodeParams p = plan_params(block_table, cache_seqlens, items, part_offsets, partial_out, partial_lse,
                                          num_splits, first_slot, softmax_scale, causal, kv_format);
@@ -321,8 +327,10 @@ class PlannedDecode {
                 at::Tensor partial_out, at::Tensor partial_lse, at::Tensor num_splits, at::Tensor first_slot,
                 at::ScalarType q_dtype, at::ScalarType kv_dtype, int64_t q_len, int64_t heads_q, int64_t heads_kv,
                 int64_t page_size, int64_t kv_dim, double softmax_scale, bool causal, int64_t kv_format,
-                int64_t variant, int64_t tile_rows, bool tma_loads, bool paired, bool fuse_combine)
-      : cfg_(launch_config(variant, tile_rows, tma_loads, paired, fuse_combine)), block_table_(std::move(block_table)),
+                int64_t variant, int64_t tile_rows, bool tma_loads, bool paired, bool fuse_combine,
+                bool fixed_splits)
+      : cfg_(launch_config(variant, tile_rows, tma_loads, paired, fuse_combine, fixed_splits)),
+        block_table_(std::move(block_table)),
         cache_seqlens_(std::move(cache_seqlens)), items_(std::move(items)), part_offsets_(std::move(part_offsets)),
         partial_out_(std::move(partial_out)), partial_lse_(std::move(partial_lse)), num_splits_(std::move(num_splits)),
         first_slot_(std::move(first_slot)), dev_(block_table_.device()), q_dtype_(q_dtype), kv_dtype_(kv_dtype),
@@ -384,14 +392,15 @@ TORCH_LIBRARY_FRAGMENT(mla_dispatch, m) {
       "cuda_sm90_decode(Tensor q, Tensor kv_cache, Tensor block_table, Tensor cache_seqlens, Tensor items, "
       "Tensor part_offsets, Tensor? kv_scale, Tensor(a!) out, Tensor(b!) lse, Tensor(c!) partial_out, "
       "Tensor(d!) partial_lse, Tensor num_splits, Tensor first_slot, float softmax_scale, bool causal, "
-      "int kv_format, int variant, int tile_rows, bool tma_loads, bool paired, bool fuse_combine) -> ()");
+      "int kv_format, int variant, int tile_rows, bool tma_loads, bool paired, bool fuse_combine, "
+      "bool fixed_splits) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(mla_dispatch, CUDA, m) { m.impl("cuda_sm90_decode", &cuda_sm90_decode); }
 
 // For eager calls on plain tensors, without the dispatcher (backends/cuda_sm90.py takes these only outside
 // torch.compile and with no TorchDispatchMode active, so tracing, fake tensors and functionalization still see
-// the op). An op call with 18 arguments (21 now, with the launch config) costs ~2.8 us of host time (schema parsing,
+// the op). An op call with 18 arguments (22 now, with the launch config) costs ~2.8 us of host time (schema parsing,
 // dispatch), a pybind11 call of the same signature ~0.6 us (this project's CPU host, a stand-in with an empty body);
 // PlannedDecode.run takes five arguments and checks only those.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -400,14 +409,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                   "one plan's decode: schedule, workspace and launch config bound once")
       .def(pybind11::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                           at::Tensor, at::ScalarType, at::ScalarType, int64_t, int64_t, int64_t, int64_t, int64_t,
-                          double, bool, int64_t, int64_t, int64_t, bool, bool, bool>(),
+                          double, bool, int64_t, int64_t, int64_t, bool, bool, bool, bool>(),
            pybind11::arg("block_table"), pybind11::arg("cache_seqlens"), pybind11::arg("items"),
            pybind11::arg("part_offsets"), pybind11::arg("partial_out"), pybind11::arg("partial_lse"),
            pybind11::arg("num_splits"), pybind11::arg("first_slot"), pybind11::arg("q_dtype"),
            pybind11::arg("kv_dtype"), pybind11::arg("q_len"), pybind11::arg("heads_q"), pybind11::arg("heads_kv"),
            pybind11::arg("page_size"), pybind11::arg("kv_dim"), pybind11::arg("softmax_scale"),
            pybind11::arg("causal"), pybind11::arg("kv_format"), pybind11::arg("variant"), pybind11::arg("tile_rows"),
-           pybind11::arg("tma_loads"), pybind11::arg("paired"), pybind11::arg("fuse_combine"))
+           pybind11::arg("tma_loads"), pybind11::arg("paired"), pybind11::arg("fuse_combine"),
+           pybind11::arg("fixed_splits"))
       .def("run", &PlannedDecode::run,
            "run(q, kv_cache, kv_scale, out, lse) -> (out, lse) or None: launched (out and lse allocated when None), "
            "or None (nothing done) when an argument does not match the plan")
@@ -415,5 +425,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("tile_rows", [](const PlannedDecode& d) { return d.config().tile_rows; })
       .def_property_readonly("tma_loads", [](const PlannedDecode& d) { return d.config().tma_loads; })
       .def_property_readonly("paired", [](const PlannedDecode& d) { return d.config().paired; })
-      .def_property_readonly("fuse_combine", [](const PlannedDecode& d) { return d.config().fuse_combine; });
+      .def_property_readonly("fuse_combine", [](const PlannedDecode& d) { return d.config().fuse_combine; })
+      .def_property_readonly("fixed_splits", [](const PlannedDecode& d) { return d.config().fixed_splits; });
 }

@@ -275,9 +275,11 @@ int launch_decode(const DecodeParams& params, const LaunchConfig& cfg, void* str
 int launch_combine(const CombineParams& p, void* stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const int rows = p.q_len * p.heads_q;
-  if (p.batch == 0 || rows == 0 || p.num_parts <= 1) return 0;  // one part: nothing is split
-  // one block row per request, or per part boundary where there are fewer boundaries (combine.cuh)
-  const bool by_boundary = p.num_parts - 1 < p.batch;
+  // one part: nothing is split (a balanced schedule; a batch-invariant one splits requests inside a part)
+  if (p.batch == 0 || rows == 0 || (p.num_parts <= 1 && !p.fixed_splits)) return 0;
+  // one block row per request, or per part boundary where there are fewer boundaries (combine.cuh; a balanced
+  // schedule only)
+  const bool by_boundary = !p.fixed_splits && p.num_parts - 1 < p.batch;
   dim3 grid(rows, by_boundary ? p.num_parts - 1 : p.batch);
   if (p.q_is_bf16)
     by_boundary ? mla_combine_kernel<__nv_bfloat16, true><<<grid, kCombineThreads, 0, s>>>(p)

@@ -73,6 +73,7 @@ struct LaunchConfig {
   bool tma_loads;     // KV tiles by TMA: a tensor map of the cache (v5, v8, v9; v6 on whole-tile 16-bit pages)
   bool paired;        // v5: the two row-tile CTAs of a part in a cluster
   bool fuse_combine;  // the split rows merged by the decode launch itself (a cooperative launch)
+  bool fixed_splits;  // a batch-invariant schedule: any request may be split anywhere; the combine runs per request
 };
 
 struct CombineParams {
@@ -85,6 +86,7 @@ struct CombineParams {
   const int32_t* items;
   const int32_t* part_offsets;
   int num_parts;
+  int fixed_splits;  // LaunchConfig::fixed_splits: one block row per request, never per part boundary
   void* out;
   int64_t out_stride_b, out_stride_s, out_stride_h;
   float* lse;
