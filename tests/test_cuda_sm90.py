@@ -655,12 +655,14 @@ def test_the_plans_launch_reaches_the_bound_call(gen):
     """The bound native call runs the plan's frozen launch (forced here through backend_options); neither can be
     changed after planning."""
     case = make_case(2, 1, 16, 200, page_size=64, device="cuda", generator=gen)
-    for options, want in [(dict(variant=2, fuse_combine=True), (2, 64, False, False, True)),
-                          (dict(variant=6, fuse_combine=False), (6, 16, True, False, False))]:
-        plan = _plan(case, **options)
+    for options, invariant, want in [(dict(variant=2, fuse_combine=True), False, (2, 64, False, False, True, False)),
+                                     (dict(variant=6, fuse_combine=False), False, (6, 16, True, False, False, False)),
+                                     (dict(variant=2), True, (2, 64, False, False, False, True))]:
+        plan = plan_decode(*case.args(), **case.kwargs(), backend="cuda_sm90", backend_options=options,
+                           batch_invariant=invariant)
         b = plan.state.bound
         assert dataclasses.astuple(plan.state.launch) == (b.variant, b.tile_rows, b.tma_loads, b.paired,
-                                                          b.fuse_combine) == want
+                                                          b.fuse_combine, b.fixed_splits) == want
         assert dict(plan.backend_options) == options
     with pytest.raises(AttributeError):
         plan.state.bound.variant = 2

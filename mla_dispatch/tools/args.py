@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["UsageError", "CommandParser", "positive_int", "nonnegative_int", "positive_float", "int_list",
-           "parse_device", "backend_names", "writable_file", "writable_dir", "usage_error"]
+           "parse_device", "backend_names", "backend_spec", "writable_file", "writable_dir", "usage_error"]
 
 
 class UsageError(Exception):
@@ -115,9 +115,22 @@ def parse_device(text: str | None, option: str = "--device") -> torch.device:
     return device
 
 
-def backend_names(text: str | None, option: str = "--backends", also: tuple[str, ...] = ()) -> list[str] | None:
+def backend_spec(spec: str) -> tuple[str, dict[str, object]]:
+    """``"name"`` or ``"name:key=value:..."`` -> ``(name, options)``; a value is an int, ``true`` / ``false``, or a
+    string (``cuda_sm90:variant=6``, ``triton:batch_invariant=true:split_tokens=2048``)."""
+    name, *pairs = spec.split(":")
+    options: dict[str, object] = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        options[key] = int(value) if value.lstrip("-").isdigit() else {"true": True, "false": False}.get(value, value)
+    return name, options
+
+
+def backend_names(text: str | None, option: str = "--backends", also: tuple[str, ...] = (),
+                  specs: bool = False) -> list[str] | None:
     """Comma-separated backend names, each checked against the registry (and ``also``, names the command takes
-    besides, e.g. bench's ``auto``); None where ``text`` is None.
+    besides, e.g. bench's ``auto``); None where ``text`` is None. With ``specs``, a name may carry options,
+    ``name:key=value:...`` (:func:`backend_spec`; the command checks the options when it plans).
 
     Raises UsageError for an unknown name or a list that names none.
     """
@@ -131,8 +144,9 @@ def backend_names(text: str | None, option: str = "--backends", also: tuple[str,
         raise UsageError(f"argument {option}: expected comma-separated backend names ({', '.join(known)}), "
                          f"got {text!r}")
     for name in names:
-        if name not in known:
-            raise UsageError(f"argument {option}: unknown backend {name!r} (registered: {', '.join(known)})")
+        base = backend_spec(name)[0] if specs else name
+        if base not in known:
+            raise UsageError(f"argument {option}: unknown backend {base!r} (registered: {', '.join(known)})")
     return names
 
 

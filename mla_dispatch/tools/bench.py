@@ -63,7 +63,7 @@ from mla_dispatch.tools.peers import PEER_FLASHMLA, flashmla_peer_available, fla
 from mla_dispatch.tools.roofline import Ceilings, decode_work, measure_ceilings, time_fn, timer_name
 from mla_dispatch.numerics.cases import UNUSED_BLOCK_ID, DecodeCase
 from mla_dispatch.numerics.tolerance import compare_outputs
-from mla_dispatch.tools.args import (CommandParser, UsageError, backend_names, parse_device, positive_float,
+from mla_dispatch.tools.args import (CommandParser, UsageError, backend_names, backend_spec, parse_device, positive_float,
                                      usage_error, writable_dir)
 
 __all__ = ["BenchConfig", "BenchRow", "GRIDS", "grid_configs", "make_bench_case", "run_bench", "default_backends",
@@ -322,9 +322,14 @@ def _check(out, lse, ref, tol):
 
 def bench_backend(name: str, case: DecodeCase, ref: tuple[torch.Tensor, torch.Tensor], row: BenchRow, *,
                   graphs: bool = True, rep_ms: float = 100.0) -> BenchRow:
-    """Check, then time, backend ``name`` (or ``"auto"``) on ``case``; fills and returns ``row``."""
+    """Check, then time, backend ``name`` (or ``"auto"``) on ``case``; fills and returns ``row``. ``name`` may carry
+    options (``name:key=value:...``, :func:`~mla_dispatch.tools.args.backend_spec`): ``batch_invariant=true`` plans
+    with ``batch_invariant=True``, the others go to ``backend_options``."""
     device = case.q.device
-    problem = case_problem(case)
+    name, options = backend_spec(name)
+    invariant = bool(options.pop("batch_invariant", False))
+    plan_kw = dict(case.kwargs(), backend=name, backend_options=options or None, batch_invariant=invariant)
+    problem = dataclasses.replace(case_problem(case), batch_invariant=invariant)
     if name == "auto":
         try:
             cls = select_backend(problem, platform_for(device))
@@ -340,7 +345,7 @@ def bench_backend(name: str, case: DecodeCase, ref: tuple[torch.Tensor, torch.Te
             return row
     run_kw = dict(kv_scale=case.kv_scale, indices=case.indices)
     try:
-        plan = plan_decode(*case.args(), **case.kwargs(), backend=name)
+        plan = plan_decode(*case.args(), **plan_kw)
         out = torch.empty(ref[0].shape, dtype=case.q.dtype, device=device)
         lse = torch.empty(ref[1].shape, dtype=torch.float32, device=device)
         plan.run(case.q, case.kv_cache, **run_kw, out=out, lse=lse)
@@ -354,19 +359,19 @@ def bench_backend(name: str, case: DecodeCase, ref: tuple[torch.Tensor, torch.Te
         return row
     row.us_run = time_fn(lambda: plan.run(case.q, case.kv_cache, **run_kw, out=out, lse=lse), device,
                          rep_ms=rep_ms) * 1e6
-    row.us_call = time_fn(lambda: mla_decode(*case.args(), **case.kwargs(), out=out, backend=name), device,
+    row.us_call = time_fn(lambda: mla_decode(*case.args(), **plan_kw, out=out), device,
                           rep_ms=rep_ms) * 1e6
     row.status = "ok"
     if device.type == "cuda":
-        row.host_plan_us = host_us(lambda: plan_decode(*case.args(), **case.kwargs(), backend=name), device)
+        row.host_plan_us = host_us(lambda: plan_decode(*case.args(), **plan_kw), device)
         row.host_run_us = host_us(lambda: plan.run(case.q, case.kv_cache, **run_kw, out=out, lse=lse), device)
-        row.host_call_us = host_us(lambda: mla_decode(*case.args(), **case.kwargs(), out=out, backend=name), device)
+        row.host_call_us = host_us(lambda: mla_decode(*case.args(), **plan_kw, out=out), device)
     if graphs and device.type == "cuda" and cls.CUDA_GRAPH is CGSupport.ALWAYS:
-        _bench_graph(name, case, ref, row, rep_ms)
+        _bench_graph(plan_kw, case, ref, row, rep_ms)
     return row
 
 
-def _bench_graph(name: str, case: DecodeCase, ref, row: BenchRow, rep_ms: float) -> None:
+def _bench_graph(plan_kw: dict, case: DecodeCase, ref, row: BenchRow, rep_ms: float) -> None:
     """Capture ``plan.run`` into a CUDA graph, check one replay, time replays.
 
     The captured call allocates its outputs (in the graph's pool, at capture), as FlashMLA's own call is captured
@@ -374,7 +379,7 @@ def _bench_graph(name: str, case: DecodeCase, ref, row: BenchRow, rep_ms: float)
     whose vendor allocates its own outputs pays no copy."""
     run_kw = dict(kv_scale=case.kv_scale, indices=case.indices)
     try:
-        plan = plan_decode(*case.args(), **case.kwargs(), backend=name, cuda_graph=True)
+        plan = plan_decode(*case.args(), **plan_kw, cuda_graph=True)
         cls = get_backend(plan.backend)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -453,7 +458,8 @@ def environment(device: torch.device, backends: Sequence[str] | None = None) -> 
         env["triton"] = None
     if backends is None:
         backends = [n for n in registered_names() if not get_backend(n).availability_reasons()]
-    env["backends"] = {n: get_backend(n).version() for n in backends if n != "auto"}
+    names = dict.fromkeys(backend_spec(n)[0] for n in backends)
+    env["backends"] = {n: get_backend(n).version() for n in names if n != "auto"}
     return env
 
 
@@ -488,7 +494,7 @@ def run_bench(configs: Sequence[BenchConfig], backends: Sequence[str], *, device
         roof_us = work.roofline_seconds(ceilings) * 1e6
         config_rows = []
         for name in backends:
-            version = "" if name == "auto" else get_backend(name).version()
+            version = "" if name == "auto" else get_backend(backend_spec(name)[0]).version()
             row = BenchRow(cfg.label, name, version, "?", flops=work.flops, bytes=work.bytes, roofline_us=roof_us)
             config_rows.append(bench_backend(name, case, ref, row, graphs=graphs, rep_ms=rep_ms))
             bar.update(1)
@@ -605,7 +611,9 @@ def parser() -> argparse.ArgumentParser:
                       epilog=f"grids:\n{grids}", formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--grid", default="quick", help="grid name(s), comma-separated (default: quick)")
     p.add_argument("--backends", default=None,
-                   help="comma-separated names (default: every available backend; 'reference' only on CPU)")
+                   help="comma-separated names (default: every available backend; 'reference' only on CPU); a name "
+                        "may carry options, name:key=value:... (batch_invariant=true, or the backend's "
+                        "backend_options, e.g. cuda_sm90:variant=2)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="q (and dense cache) dtype")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--out", default="bench_out", help="directory for bench-<grid>.json/.csv/.png (default: bench_out)")
@@ -632,7 +640,7 @@ def grid_names(text: str, option: str = "--grid") -> list[str]:
 
 def nothing_can_run(backends: Sequence[str]) -> str | None:
     """Why none of ``backends`` can run anything in this process (each one's availability reasons), else None."""
-    reasons = {n: get_backend(n).availability_reasons() for n in backends if n != "auto"}
+    reasons = {n: get_backend(backend_spec(n)[0]).availability_reasons() for n in backends if n != "auto"}
     if all(reasons.values()):
         return "; ".join(f"{n} ({'; '.join(map(str, r))})" for n, r in reasons.items())
     return None
@@ -654,7 +662,7 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
         print("\n".join(c.label for c in configs))
         return 0
     device = parse_device(args.device)
-    chosen = backend_names(args.backends, also=("auto",))
+    chosen = backend_names(args.backends, also=("auto",), specs=True)
     backends = chosen or default_backends(device)
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise UsageError("argument --plot: needs matplotlib, which is not installed (pip install matplotlib)")
