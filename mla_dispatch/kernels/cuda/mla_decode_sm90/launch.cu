@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
 
+#include <algorithm>
 #include <mutex>
 #include <set>
 #include <unordered_map>
@@ -45,7 +46,8 @@ static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 }
 
 // v5's (and v6's) view of a bf16/fp16 cache [num_blocks, page_size, h_kv, 576] as a 4-D tensor
-// (576, h_kv, page_size, num_blocks), boxes of 64 columns x 64 tokens, 128-byte swizzle; with T = uint8_t
+// (576, h_kv, page_size, num_blocks), boxes of 64 columns x 64 tokens (x page_size tokens on smaller pages),
+// 128-byte swizzle; with T = uint8_t
 // v8's view of an fp8_e4m3 cache, boxes of 128 columns (the last one's upper half past column 575: zeros);
 // with kRaw64 (T = uint8_t) v9's: boxes of 64 columns x 64 tokens, unswizzled (mainloop_seesaw.cuh,
 // seesaw_fp8_converter). False when TMA cannot address it (alignment, strides, no driver entry point).
@@ -61,7 +63,10 @@ static bool make_kv_map(const DecodeParams& p, CUtensorMap* map) {
                                  (cuuint64_t)p.kv_stride_block * e};
   for (cuuint64_t s : strides)
     if (s % 16 != 0 || s >= (cuuint64_t(1) << 40)) return false;
-  const cuuint32_t box[4] = {kRaw64 ? 64u : (cuuint32_t)(128 / sizeof(T)), 1, (cuuint32_t)DecodeConfig::kBlockN, 1};
+  // a tile's tokens in one box, or in one box per page where pages are smaller (v5 on pages of 16 or 32 tokens:
+  // tile_pages in mainloop_seesaw.cuh)
+  const cuuint32_t box_tokens = (cuuint32_t)std::min<int>(p.page_size, DecodeConfig::kBlockN);
+  const cuuint32_t box[4] = {kRaw64 ? 64u : (cuuint32_t)(128 / sizeof(T)), 1, box_tokens, 1};
   const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
   CUtensorMapDataType dtype = CU_TENSOR_MAP_DATA_TYPE_UINT8;
   if constexpr (sizeof(T) == 2)
