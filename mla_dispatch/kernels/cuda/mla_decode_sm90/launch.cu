@@ -173,12 +173,18 @@ static int launch_wgmma(const DecodeParams& p, const LaunchConfig& cfg, cudaStre
                        DecodeConfig::kThreads, DecodeConfig::kSmemBytes, cfg, stream, p);
 }
 
-// v5 (mainloop_seesaw.cuh): bf16/fp16 caches by TMA, the row tiles of a part alone or paired in clusters.
+// v5 (mainloop_seesaw.cuh): bf16/fp16 caches by TMA, the row tiles of a part alone or paired in clusters; pages of
+// 16 or 32 tokens in their own instantiation (kSmallPages).
 template <typename T>
 static int launch_seesaw(const DecodeParams& p, const LaunchConfig& cfg, cudaStream_t stream) {
   CUtensorMap map;
   if (!cached_kv_map<T>(p, &map)) return kLaunchNoTensorMap;
   const dim3 grid(p.num_parts, p.num_row_tiles, p.heads_kv);
+  if (p.page_size < DecodeConfig::kBlockN)  // pages of 16 or 32 tokens (binding.cpp, check_config)
+    return cfg.paired ? launch_kernel(mla_decode_kernel_v5<T, true, false, true>, grid, DecodeConfig::kThreads,
+                                      Seesaw::kSmemBytes, cfg, stream, p, map)
+                      : launch_kernel(mla_decode_kernel_v5<T, false, false, true>, grid, DecodeConfig::kThreads,
+                                      Seesaw::kSmemBytes, cfg, stream, p, map);
   if (cfg.paired)
     return launch_kernel(mla_decode_kernel_v5<T, true>, grid, DecodeConfig::kThreads, Seesaw::kSmemBytes, cfg, stream,
                          p, map);

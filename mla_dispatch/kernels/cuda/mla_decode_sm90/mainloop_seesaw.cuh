@@ -88,56 +88,61 @@ struct Seesaw {
   static_assert(kSmemBytes <= 227 * 1024, "shared memory over the SM90 per-block limit");
 };
 
-// Where the 64 tokens from t0 of a request lie, for tma_tile: one TMA box of 64 tokens where a page holds the whole
-// tile (page_size % 64 == 0), else one box per page (page_size 16 or 32: 4 or 2 boxes of page_size tokens, one table
-// entry each). Boxes of whole pages land at 2 / 4 KB steps of the column block, multiples of the 128-byte swizzle's
-// 1 KB atom, so the stage holds the same layout as one 64-token box (the swizzle follows the shared address).
-struct TilePages {
-  int page[4];  // block id of each box (a bad one: block 0)
-  int boxes;    // 1, 2 or 4
-  int in_page;  // the first token's slot in its page (0 unless boxes == 1)
-};
-
-// The pages of the tile from t0 of request `req` whose tokens end at tok_end (tile_pages reads no table entry at or
-// past the page of tok_end: a box past the end copies the first box's page, whose rows the kernel masks). A bad
-// block id reads block 0 instead and sets *bad_flag = 1.
-__device__ __forceinline__ TilePages tile_pages(const DecodeParams& p, int req, int t0, int tok_end, int* bad_flag) {
-  const int32_t* row = p.block_table + (int64_t)req * p.bt_stride;
-  TilePages tp;
-  const bool whole = p.page_size >= Cfg::kBlockN;
-  tp.boxes = whole ? 1 : Cfg::kBlockN / p.page_size;
-  tp.in_page = whole ? t0 % p.page_size : 0;
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const int t = t0 + k * p.page_size;
-    int page = 0;
-    if (k == 0 || (k < tp.boxes && t < tok_end)) {
-      page = row[t / p.page_size];
-      if (!page_ok(p, page)) {
-        *bad_flag = 1;
-        page = 0;
-      }
-    } else {
-      page = tp.page[0];
-    }
-    tp.page[k] = page;
-  }
-  return tp;
+// The page of the 64 tokens from t0 of request `req`, for tma_tile: a bad block id is block 0, and *bad_flag = 1.
+__device__ __forceinline__ int tile_page(const DecodeParams& p, int req, int t0, int* bad_flag) {
+  const int page = p.block_table[(int64_t)req * p.bt_stride + t0 / p.page_size];
+  if (page_ok(p, page)) return page;
+  *bad_flag = 1;
+  return 0;
 }
 
-// The 64 tokens of `tp` (tile_pages) of KV head kvh: the TMA boxes of column blocks [B0, B1) into `stage`, block b
-// signalled on bars[b]. One thread calls this.
+// The 64 tokens from t0 (in block `page`, tile_page) of KV head kvh: the TMA boxes of column blocks [B0, B1) into
+// `stage`, block b signalled on bars[b]. One thread calls this.
 template <int B0, int B1, typename T>
 __device__ __forceinline__ void tma_tile(const DecodeParams& p, const CUtensorMap* map, T* stage, uint64_t* bars,
-                                         const TilePages& tp, int kvh) {
-  const int rows = Cfg::kBlockN / tp.boxes;
+                                         int page, int kvh, int t0) {
+  const int in_page = t0 % p.page_size;
 #pragma unroll
   for (int b = B0; b < B1; ++b) {
     mbar_arrive_expect_tx(bars + b, 64 * 64 * (int)sizeof(T));
+    tma_load_4d(stage + b * 64 * 64, map, bars + b, 64 * b, kvh, in_page, page);
+  }
+}
+
+// Pages of 16 or 32 tokens (v5's kSmallPages): a tile's 64 tokens in one TMA box per page, one table entry each.
+// The boxes of whole pages land at 2 / 4 KB steps of the column block, multiples of the 128-byte swizzle's 1 KB atom,
+// so the stage holds the same layout as one 64-token box (the swizzle follows the shared address). A separate
+// instantiation, and the pages after the first are read where each box is issued: holding a tile's four pages from
+// one table read to its boxes cost spills at the kernel's 255 registers.
+struct SmallPagesTile {
+  int page;      // the first box's block id (tile_page: a bad one is block 0, flagged)
+  int req;       // the item's request and token end: no table entry at or past the page of tok_end is read (a box
+  int tok_end;   // past the end copies the first box's page, whose rows the kernel masks)
+  int* bad_flag; // set to 1 for a bad block id (that box reads block 0)
+};
+
+// tma_tile for pages of 16 or 32 tokens (t0 is a multiple of 64, so every box starts at slot 0 of its page).
+template <int B0, int B1, typename T>
+__device__ __forceinline__ void tma_tile(const DecodeParams& p, const CUtensorMap* map, T* stage, uint64_t* bars,
+                                         const SmallPagesTile& tile, int kvh, int t0) {
+  const int rows = p.page_size, boxes = Cfg::kBlockN / rows;
+  const int32_t* table_row = p.block_table + (int64_t)tile.req * p.bt_stride + t0 / rows;
 #pragma unroll
-    for (int k = 0; k < 4; ++k)
-      if (k < tp.boxes) tma_load_4d(stage + b * 64 * 64 + k * rows * 64, map, bars + b, 64 * b, kvh, tp.in_page,
-                                    tp.page[k]);
+  for (int b = B0; b < B1; ++b) {
+    mbar_arrive_expect_tx(bars + b, 64 * 64 * (int)sizeof(T));
+    tma_load_4d(stage + b * 64 * 64, map, bars + b, 64 * b, kvh, 0, tile.page);
+#pragma unroll 1
+    for (int k = 1; k < boxes; ++k) {
+      int page = tile.page;
+      if (t0 + k * rows < tile.tok_end) {
+        page = table_row[k];
+        if (!page_ok(p, page)) {
+          *tile.bad_flag = 1;
+          page = 0;
+        }
+      }
+      tma_load_4d(stage + b * 64 * 64 + k * rows * 64, map, bars + b, 64 * b, kvh, 0, page);
+    }
   }
 }
 
@@ -278,10 +283,12 @@ __device__ __forceinline__ void seesaw_fp8_converter(const DecodeParams& p, cons
 // ends each item, so the pair starts the next one together.
 // kFp8 (variant 9): an fp8_e4m3 cache, 384 threads, the tiles converted by warpgroup 2 (seesaw_fp8_converter) and
 // `kv_map` the cache's raw bytes in 64-column boxes (launch.cu); never paired.
-template <typename T, bool kPaired, bool kFp8 = false>
+// kSmallPages: pages of 16 or 32 tokens, a TMA box per page (SmallPagesTile); the map's boxes are of page_size tokens.
+template <typename T, bool kPaired, bool kFp8 = false, bool kSmallPages = false>
 __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
     mla_decode_kernel_v5(const __grid_constant__ DecodeParams p, const __grid_constant__ CUtensorMap kv_map) {
   static_assert(!(kPaired && kFp8), "v9 runs its CTAs alone: the converter does not join the cluster barriers");
+  static_assert(!(kSmallPages && kFp8), "v9 takes pages of whole tiles only");
   using TT = TypeTraits<T>;
   using L = Gmma128Tile64;
   using SS = Gmma<T>;
@@ -369,11 +376,14 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
     uint64_t* bars0 = bars;
     uint64_t* bars1 = bars + Seesaw::kBlocks;
     // stage 1, blocks 0..3 and 8 (refilled together: WG0 reads them last)
-    auto tma_stage1_lo = [&](const TilePages& tp) {
-      tma_tile<0, 4>(p, &kv_map, stage_of(1), bars1, tp, kvh);
-      tma_tile<8, 9>(p, &kv_map, stage_of(1), bars1, tp, kvh);
+    auto tma_stage1_lo = [&](const auto& page, int t0) {
+      tma_tile<0, 4>(p, &kv_map, stage_of(1), bars1, page, kvh, t0);
+      tma_tile<8, 9>(p, &kv_map, stage_of(1), bars1, page, kvh, t0);
     };
-    auto page_of = [&](int j) { return tile_pages(p, req, t0_of(j), tok_end, sBad); };
+    auto page_of = [&](int j) {
+      if constexpr (kSmallPages) return SmallPagesTile{tile_page(p, req, t0_of(j), sBad), req, tok_end, sBad};
+      else return tile_page(p, req, t0_of(j), sBad);
+    };
     // the item's bad-id flag: its last readers passed the previous item's closing barrier; its writers are thread 0
     // (program order) and thread 128 (after the barrier below)
     if (tid == 0) sBad[0] = 0;
@@ -381,15 +391,15 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
     // then tile 1. Issuing tile 1 ahead of Q measured 0-1% slower where v5 runs (b = 32..96, h_q = 128;
     // NOTES.md, "Seventeenth session"), which also has the per-column-block Q wait that was tried instead.
     if constexpr (!kFp8) {
-      if (tid == 0 && num_tiles > 0) tma_tile<0, 9>(p, &kv_map, stage_of(0), bars0, page_of(0), kvh);
+      if (tid == 0 && num_tiles > 0) tma_tile<0, 9>(p, &kv_map, stage_of(0), bars0, page_of(0), kvh, t0_of(0));
     }
     load_q_tile_async<T, L>(p, sQ, req, row_tile, kvh);
     cp_async_commit();
     if constexpr (!kFp8) {
       if (tid == 0 && num_tiles > 1) {
-        const TilePages tp = page_of(1);
-        tma_tile<4, 8>(p, &kv_map, stage_of(1), bars1, tp, kvh);
-        tma_stage1_lo(tp);
+        const auto page = page_of(1);
+        tma_tile<4, 8>(p, &kv_map, stage_of(1), bars1, page, kvh, t0_of(1));
+        tma_stage1_lo(page, t0_of(1));
       }
     }
     if (tid < Cfg::kBlockM) sM[tid] = -INFINITY;
@@ -605,7 +615,7 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
         if constexpr (kFp8) {
           release(a, 0);  // stage 0, blocks 0..3 (and 8, dead since S_a)
         } else if constexpr (kNextA) {  // stage 0, blocks 0..3: WG0 was the last reader
-          if (tid_wg == 0) tma_tile<0, 4>(p, &kv_map, stage_of(a), bars0, page_of(a + 2), kvh);
+          if (tid_wg == 0) tma_tile<0, 4>(p, &kv_map, stage_of(a), bars0, page_of(a + 2), kvh, t0_of(a + 2));
         }
         named_barrier(Seesaw::kBarScale1, 256);  // WG1's softmax of tile b: sM, sScale1
         float sc1[2];
@@ -656,7 +666,7 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
           cute::warpgroup_commit_batch();
           if constexpr (kNextB) {
             cute::warpgroup_wait<1>();  // sP1 V_bL done: stage 1, blocks 0..3 and 8 (sP1) are free
-            if (tid_wg == 0) tma_stage1_lo(page_of(b + 2));
+            if (tid_wg == 0) tma_stage1_lo(page_of(b + 2), t0_of(b + 2));
           }
           issue_s(a + 2, I4{}, I9{}, false);
           cute::warpgroup_commit_batch();
@@ -735,14 +745,14 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
           release(b, 0);              // stage 1, blocks 4..7
         } else if constexpr (kNextB) {
           cute::warpgroup_wait<1>();  // P_b V_bR done: stage 1, blocks 4..7 are free
-          if (tid_wg == 0) tma_tile<4, 8>(p, &kv_map, stage_of(b), bars1, page_of(b + 2), kvh);
+          if (tid_wg == 0) tma_tile<4, 8>(p, &kv_map, stage_of(b), bars1, page_of(b + 2), kvh, t0_of(b + 2));
         }
         cute::warpgroup_wait<0>();
         fence_regs<128>(acc_o);
         if constexpr (kFp8) {
           release(a, 1);  // stage 0, blocks 4..8
         } else if constexpr (kNextA) {  // stage 0, blocks 4..8: WG1 was the last reader
-          if (tid_wg == 0) tma_tile<4, 9>(p, &kv_map, stage_of(a), bars0, page_of(a + 2), kvh);
+          if (tid_wg == 0) tma_tile<4, 9>(p, &kv_map, stage_of(a), bars0, page_of(a + 2), kvh, t0_of(a + 2));
         }
         if constexpr (kNextB && kFp8) {
           fence_regs<32>(acc_s);
