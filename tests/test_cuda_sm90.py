@@ -166,23 +166,11 @@ V5_GRID = [c for c in GRID if c[5] % 64 == 0] + [
 ]
 
 
-# v5 on pages of 16 and 32 tokens (a TMA box per page, tile_pages): the last tile's boxes past the request's end,
-# split requests, causal MTP, h_kv > 1 with clusters; a page of 8 is refused
-V5_SMALL_PAGES = [c for c in GRID if c[5] in (16, 32)] + [
-    (3, 2, 128, 1, 700, 16, True, 1),
-    (2, 1, 128, 1, 1000, 32, False, 0),
-    (16, 1, 128, 1, 4096, 16, False, 1),
-    (2, 2, 128, 2, 700, 32, True, 1),
-    (2, 1, 128, 1, 300, 8, False, 0),
-]
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("cfg", V5_GRID + V5_SMALL_PAGES, ids=[_grid_id(c) for c in V5_GRID + V5_SMALL_PAGES])
+@pytest.mark.parametrize("cfg", V5_GRID, ids=[_grid_id(c) for c in V5_GRID])
 def test_variant5_matches_reference(cfg, dtype, gen):
-    """v5 (mainloop_seesaw.cuh) on the page sizes it takes (multiples of 64, 16, 32): odd and even tile counts per
-    item, partial last tiles, split requests, causal MTP, zero-length requests, h_kv > 1; q_len > 64 and a page of 8
-    are refused."""
+    """v5 (mainloop_seesaw.cuh) on the page sizes it takes (multiples of 64): odd and even tile counts per item,
+    partial last tiles, split requests, causal MTP, zero-length requests, h_kv > 1; q_len > 64 is refused."""
     b, s_q, h_q, h_kv, L, ps, causal, zero = cfg
     case = make_case(b, s_q, h_q, L, num_heads_kv=h_kv, page_size=ps, dtype=dtype, causal=causal,
                      zero_len_rows=zero, device="cuda", generator=gen)

@@ -95,14 +95,12 @@ def test_options_override_the_plans_choices():
     (problem(h_q=32, kv_format="fp8_ds_mla"), dict(variant=6), r"32 query rows per KV head .*supported: <= 16\)"),
     (problem(h_q=16, page_size=32, max_blocks=128, kv_format="fp8_e4m3"), dict(variant=8),
      r"page_size=32 \(supported: multiples of 64\)"),
-    (problem(page_size=8, max_blocks=1024), dict(variant=5), r"page_size=8 \(supported: multiples of 64, 16, 32\)"),
     (problem(q_len=80, h_q=1), dict(variant=5), r"s_q=80 \(supported: <= 64\)"),
     (problem(batch=1), dict(variant=5, fuse_combine=True), r"fuse_combine'\]=True cannot run: variant 5 has no "
                                                            r"combine tail"),
     (problem(batch=2, h_q=256, h_kv=256, max_blocks=2), dict(fuse_combine=True),
      r"its grid of 256 CTAs does not fit the 132 SMs at once"),
-], ids=["v7-bf16", "v5-fp8", "v6-64rows", "v6-fp8-32rows", "v8-page32", "v5-page8", "v5-qlen80", "v5-fused",
-        "fused-too-big"])
+], ids=["v7-bf16", "v5-fp8", "v6-64rows", "v6-fp8-32rows", "v8-page32", "v5-qlen80", "v5-fused", "fused-too-big"])
 def test_options_that_cannot_run_raise(p, options, match):
     with pytest.raises(ValueError, match=match):
         plan_launch(p, **options)

@@ -72,17 +72,11 @@ class Mainloop:
     #: query rows per KV head, None: any (64-row tiles, as many as the rows need); ``max_rows_fp8`` with fp8 caches
     max_rows: int | None = None
     max_rows_fp8: int | None = None
-    #: a 64-token tile is one TMA box of one page: page_size % BLOCK_N == 0 (or one of ``small_pages``)
+    #: a 64-token tile is one TMA box of one page: page_size % BLOCK_N == 0
     whole_tile_pages: bool = False
-    #: smaller pages its TMA loads take too, one box per page (v5: 16 and 32; mainloop_seesaw.cuh, tile_pages)
-    small_pages: tuple[int, ...] = ()
     max_q_len: int | None = None
     #: can merge the split rows itself, after a grid-wide barrier (fuse_combine)
     combine_tail: bool = True
-
-    def takes_page(self, page_size: int) -> bool:
-        """Whether its loads take pages of ``page_size`` tokens."""
-        return not self.whole_tile_pages or page_size % BLOCK_N == 0 or page_size in self.small_pages
 
     def rows_limit(self, kv_format: str) -> int | None:
         return self.max_rows_fp8 if self.max_rows_fp8 is not None and kv_format.startswith("fp8") else self.max_rows
@@ -95,9 +89,8 @@ class Mainloop:
         limit = self.rows_limit(p.kv_format)
         if limit is not None and rows_per_kv_head(p) > limit:
             out.append(f"{rows_per_kv_head(p)} query rows per KV head (s_q * h_q / h_kv; supported: <= {limit})")
-        if not self.takes_page(p.page_size):
-            small = "".join(f", {n}" for n in self.small_pages)
-            out.append(f"page_size={p.page_size} (supported: multiples of {BLOCK_N}{small})")
+        if self.whole_tile_pages and p.page_size % BLOCK_N:
+            out.append(f"page_size={p.page_size} (supported: multiples of {BLOCK_N})")
         if self.max_q_len is not None and p.q_len > self.max_q_len:
             out.append(f"s_q={p.q_len} (supported: <= {self.max_q_len})")
         return out
@@ -106,8 +99,7 @@ class Mainloop:
 #: the mainloops a plan can pick, by variant number (kernels/cuda/mla_decode_sm90/config.h, Mainloop)
 MAINLOOPS = MappingProxyType({m.variant: m for m in (
     Mainloop(WGMMA, "mainloop_wgmma.cuh", _ANY_CACHE),
-    Mainloop(SEESAW, "mainloop_seesaw.cuh", _16BIT_CACHE, whole_tile_pages=True, small_pages=(16, 32),
-             max_q_len=SEESAW_MAX_Q_LEN,
+    Mainloop(SEESAW, "mainloop_seesaw.cuh", _16BIT_CACHE, whole_tile_pages=True, max_q_len=SEESAW_MAX_Q_LEN,
              combine_tail=False),
     Mainloop(ETAP, "mainloop_etap.cuh", _ANY_CACHE, max_rows=ETAP_MAX_ROWS, max_rows_fp8=ETAP_FP8_MAX_ROWS),
     Mainloop(FP8_CONVERT, "mainloop_fp8t.cuh", frozenset({"fp8_e4m3"}), max_rows=FP8T_MAX_ROWS),
@@ -179,10 +171,9 @@ def choose_variant(problem: DecodeProblem, num_parts: int, max_chunks: int) -> i
         return FP8_REGS if p.page_size % BLOCK_N == 0 else FP8_CONVERT
     if max_chunks >= v6_min_chunks_per_part(rows, p.kv_format) * num_parts:
         return ETAP
-    seesaw = SEESAW_FP8 if p.kv_format == "fp8_e4m3" else SEESAW
-    if (p.kv_format in ("bf16", "fp16", "fp8_e4m3") and MAINLOOPS[seesaw].takes_page(p.page_size) and rows > BLOCK_M
+    if (p.kv_format in ("bf16", "fp16", "fp8_e4m3") and p.page_size % BLOCK_N == 0 and rows > BLOCK_M
             and p.batch >= 32 and max_chunks >= 24 * num_parts and p.q_len <= SEESAW_MAX_Q_LEN):
-        return seesaw
+        return SEESAW_FP8 if p.kv_format == "fp8_e4m3" else SEESAW
     return WGMMA
 
 
@@ -198,10 +189,9 @@ def invariant_variant(problem: DecodeProblem) -> int:
         return FP8_REGS if whole_tiles else FP8_CONVERT
     if rows <= 16:
         return ETAP
-    seesaw = SEESAW_FP8 if p.kv_format == "fp8_e4m3" else SEESAW
-    if (p.kv_format in ("bf16", "fp16", "fp8_e4m3") and MAINLOOPS[seesaw].takes_page(p.page_size) and rows > BLOCK_M
+    if (p.kv_format in ("bf16", "fp16", "fp8_e4m3") and whole_tiles and rows > BLOCK_M
             and p.q_len <= SEESAW_MAX_Q_LEN):
-        return seesaw
+        return SEESAW_FP8 if p.kv_format == "fp8_e4m3" else SEESAW
     return WGMMA
 
 

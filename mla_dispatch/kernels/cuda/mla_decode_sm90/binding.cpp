@@ -166,11 +166,9 @@ void check_config(const mla_sm90::LaunchConfig& c, const Geometry& g) {
     MLA_CHECK(!fp8, "tma_loads must be false for variant 6 with an fp8 cache (kv_format ", g.kv_format, ")");
   else if (m != kEtap)
     MLA_CHECK(c.tma_loads == tma, "tma_loads must be ", tma ? "true" : "false", " for variant ", m);
-  // v5 also takes pages of 16 or 32 tokens (a box per page, mainloop_seesaw.cuh tile_pages)
-  const bool small_pages = m == kSeesaw && (g.page_size == 16 || g.page_size == 32);
   if (c.tma_loads)
-    MLA_CHECK(g.page_size % kBlockN == 0 || small_pages, "tma_loads=true (variant ", m, ") needs page_size % ", kBlockN,
-              " == 0", m == kSeesaw ? " or page_size 16 or 32" : "", ", got ", g.page_size);
+    MLA_CHECK(g.page_size % kBlockN == 0, "tma_loads=true (variant ", m, ") needs page_size % ", kBlockN,
+              " == 0, got ", g.page_size);
   // paired: v5's row tiles in clusters of two
   const int64_t row_tiles = on_m ? 1 : (rows + kBlockM - 1) / kBlockM;
   if (c.paired)

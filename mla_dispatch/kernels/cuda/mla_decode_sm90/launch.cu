@@ -6,7 +6,6 @@
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
 
-#include <algorithm>
 #include <mutex>
 #include <set>
 #include <unordered_map>
@@ -46,8 +45,7 @@ static PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 }
 
 // v5's (and v6's) view of a bf16/fp16 cache [num_blocks, page_size, h_kv, 576] as a 4-D tensor
-// (576, h_kv, page_size, num_blocks), boxes of 64 columns x 64 tokens (x page_size tokens on smaller pages),
-// 128-byte swizzle; with T = uint8_t
+// (576, h_kv, page_size, num_blocks), boxes of 64 columns x 64 tokens, 128-byte swizzle; with T = uint8_t
 // v8's view of an fp8_e4m3 cache, boxes of 128 columns (the last one's upper half past column 575: zeros);
 // with kRaw64 (T = uint8_t) v9's: boxes of 64 columns x 64 tokens, unswizzled (mainloop_seesaw.cuh,
 // seesaw_fp8_converter). False when TMA cannot address it (alignment, strides, no driver entry point).
@@ -63,10 +61,7 @@ static bool make_kv_map(const DecodeParams& p, CUtensorMap* map) {
                                  (cuuint64_t)p.kv_stride_block * e};
   for (cuuint64_t s : strides)
     if (s % 16 != 0 || s >= (cuuint64_t(1) << 40)) return false;
-  // a tile's tokens in one box, or in one box per page where pages are smaller (v5 on pages of 16 or 32 tokens:
-  // tile_pages in mainloop_seesaw.cuh)
-  const cuuint32_t box_tokens = (cuuint32_t)std::min<int>(p.page_size, DecodeConfig::kBlockN);
-  const cuuint32_t box[4] = {kRaw64 ? 64u : (cuuint32_t)(128 / sizeof(T)), 1, box_tokens, 1};
+  const cuuint32_t box[4] = {kRaw64 ? 64u : (cuuint32_t)(128 / sizeof(T)), 1, (cuuint32_t)DecodeConfig::kBlockN, 1};
   const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
   CUtensorMapDataType dtype = CU_TENSOR_MAP_DATA_TYPE_UINT8;
   if constexpr (sizeof(T) == 2)
@@ -173,18 +168,12 @@ static int launch_wgmma(const DecodeParams& p, const LaunchConfig& cfg, cudaStre
                        DecodeConfig::kThreads, DecodeConfig::kSmemBytes, cfg, stream, p);
 }
 
-// v5 (mainloop_seesaw.cuh): bf16/fp16 caches by TMA, the row tiles of a part alone or paired in clusters; pages of
-// 16 or 32 tokens in their own instantiation (kSmallPages).
+// v5 (mainloop_seesaw.cuh): bf16/fp16 caches by TMA, the row tiles of a part alone or paired in clusters.
 template <typename T>
 static int launch_seesaw(const DecodeParams& p, const LaunchConfig& cfg, cudaStream_t stream) {
   CUtensorMap map;
   if (!cached_kv_map<T>(p, &map)) return kLaunchNoTensorMap;
   const dim3 grid(p.num_parts, p.num_row_tiles, p.heads_kv);
-  if (p.page_size < DecodeConfig::kBlockN)  // pages of 16 or 32 tokens (binding.cpp, check_config)
-    return cfg.paired ? launch_kernel(mla_decode_kernel_v5<T, true, false, true>, grid, DecodeConfig::kThreads,
-                                      Seesaw::kSmemBytes, cfg, stream, p, map)
-                      : launch_kernel(mla_decode_kernel_v5<T, false, false, true>, grid, DecodeConfig::kThreads,
-                                      Seesaw::kSmemBytes, cfg, stream, p, map);
   if (cfg.paired)
     return launch_kernel(mla_decode_kernel_v5<T, true>, grid, DecodeConfig::kThreads, Seesaw::kSmemBytes, cfg, stream,
                          p, map);

@@ -109,43 +109,6 @@ __device__ __forceinline__ void tma_tile(const DecodeParams& p, const CUtensorMa
   }
 }
 
-// Pages of 16 or 32 tokens (v5's kSmallPages): a tile's 64 tokens in one TMA box per page, one table entry each.
-// The boxes of whole pages land at 2 / 4 KB steps of the column block, multiples of the 128-byte swizzle's 1 KB atom,
-// so the stage holds the same layout as one 64-token box (the swizzle follows the shared address). A separate
-// instantiation, and the pages after the first are read where each box is issued: holding a tile's four pages from
-// one table read to its boxes cost spills at the kernel's 255 registers.
-struct SmallPagesTile {
-  int page;      // the first box's block id (tile_page: a bad one is block 0, flagged)
-  int req;       // the item's request and token end: no table entry at or past the page of tok_end is read (a box
-  int tok_end;   // past the end copies the first box's page, whose rows the kernel masks)
-  int* bad_flag; // set to 1 for a bad block id (that box reads block 0)
-};
-
-// tma_tile for pages of 16 or 32 tokens (t0 is a multiple of 64, so every box starts at slot 0 of its page).
-template <int B0, int B1, typename T>
-__device__ __forceinline__ void tma_tile(const DecodeParams& p, const CUtensorMap* map, T* stage, uint64_t* bars,
-                                         const SmallPagesTile& tile, int kvh, int t0) {
-  const int rows = p.page_size, boxes = Cfg::kBlockN / rows;
-  const int32_t* table_row = p.block_table + (int64_t)tile.req * p.bt_stride + t0 / rows;
-#pragma unroll
-  for (int b = B0; b < B1; ++b) {
-    mbar_arrive_expect_tx(bars + b, 64 * 64 * (int)sizeof(T));
-    tma_load_4d(stage + b * 64 * 64, map, bars + b, 64 * b, kvh, 0, tile.page);
-#pragma unroll 1
-    for (int k = 1; k < boxes; ++k) {
-      int page = tile.page;
-      if (t0 + k * rows < tile.tok_end) {
-        page = table_row[k];
-        if (!page_ok(p, page)) {
-          *tile.bad_flag = 1;
-          page = 0;
-        }
-      }
-      tma_load_4d(stage + b * 64 * 64 + k * rows * 64, map, bars + b, 64 * b, kvh, 0, page);
-    }
-  }
-}
-
 // v9's converter (warpgroup 2 of mla_decode_kernel_v5<T, false, true>): fills the two K stages with each tile of
 // the CTA's items in turn, converted from fp8_e4m3 into T, unscaled (the kernel folds the per-tensor scale into the
 // softmax scale and the output, as v2 does). Tile j goes to stage j % 2, as in v5.
@@ -283,12 +246,10 @@ __device__ __forceinline__ void seesaw_fp8_converter(const DecodeParams& p, cons
 // ends each item, so the pair starts the next one together.
 // kFp8 (variant 9): an fp8_e4m3 cache, 384 threads, the tiles converted by warpgroup 2 (seesaw_fp8_converter) and
 // `kv_map` the cache's raw bytes in 64-column boxes (launch.cu); never paired.
-// kSmallPages: pages of 16 or 32 tokens, a TMA box per page (SmallPagesTile); the map's boxes are of page_size tokens.
-template <typename T, bool kPaired, bool kFp8 = false, bool kSmallPages = false>
+template <typename T, bool kPaired, bool kFp8 = false>
 __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
     mla_decode_kernel_v5(const __grid_constant__ DecodeParams p, const __grid_constant__ CUtensorMap kv_map) {
   static_assert(!(kPaired && kFp8), "v9 runs its CTAs alone: the converter does not join the cluster barriers");
-  static_assert(!(kSmallPages && kFp8), "v9 takes pages of whole tiles only");
   using TT = TypeTraits<T>;
   using L = Gmma128Tile64;
   using SS = Gmma<T>;
@@ -376,14 +337,11 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
     uint64_t* bars0 = bars;
     uint64_t* bars1 = bars + Seesaw::kBlocks;
     // stage 1, blocks 0..3 and 8 (refilled together: WG0 reads them last)
-    auto tma_stage1_lo = [&](const auto& page, int t0) {
+    auto tma_stage1_lo = [&](int page, int t0) {
       tma_tile<0, 4>(p, &kv_map, stage_of(1), bars1, page, kvh, t0);
       tma_tile<8, 9>(p, &kv_map, stage_of(1), bars1, page, kvh, t0);
     };
-    auto page_of = [&](int j) {
-      if constexpr (kSmallPages) return SmallPagesTile{tile_page(p, req, t0_of(j), sBad), req, tok_end, sBad};
-      else return tile_page(p, req, t0_of(j), sBad);
-    };
+    auto page_of = [&](int j) { return tile_page(p, req, t0_of(j), sBad); };
     // the item's bad-id flag: its last readers passed the previous item's closing barrier; its writers are thread 0
     // (program order) and thread 128 (after the barrier below)
     if (tid == 0) sBad[0] = 0;
@@ -397,7 +355,7 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
     cp_async_commit();
     if constexpr (!kFp8) {
       if (tid == 0 && num_tiles > 1) {
-        const auto page = page_of(1);
+        const int page = page_of(1);
         tma_tile<4, 8>(p, &kv_map, stage_of(1), bars1, page, kvh, t0_of(1));
         tma_stage1_lo(page, t0_of(1));
       }
