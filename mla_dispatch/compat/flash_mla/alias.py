@@ -8,11 +8,19 @@ import sysconfig
 import types
 from pathlib import Path
 
-from mla_dispatch.compat.flash_mla.decode import (
+from mla_dispatch.compat.flash_mla.decode import flash_mla_with_kvcache
+from mla_dispatch.compat.flash_mla.metadata import (
     FlashMLASchedMeta,
-    flash_mla_with_kvcache,
+    get_mla_decoding_metadata,
     get_mla_metadata,
     get_mla_metadata_legacy,
+    has_legacy,
+)
+from mla_dispatch.compat.flash_mla.prefill import (
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+    flash_mla_sparse_fwd,
 )
 
 __all__ = ["install_flash_mla_alias", "uninstall_flash_mla_alias", "install_pth", "uninstall_pth", "main"]
@@ -30,10 +38,20 @@ def _alias_module(api: str) -> types.ModuleType:
         raise ValueError(f"api must be 'current' or 'legacy', got {api!r}")
     module = types.ModuleType("flash_mla", f"mla_dispatch's FlashMLA-compatible API ({api} convention)")
     module.__version__ = "mla_dispatch"
-    module.FlashMLASchedMeta = FlashMLASchedMeta
-    module.get_mla_metadata = get_mla_metadata if api == "current" else get_mla_metadata_legacy
-    module.flash_mla_with_kvcache = flash_mla_with_kvcache
-    module.__all__ = ["get_mla_metadata", "flash_mla_with_kvcache", "FlashMLASchedMeta"]
+    exported = {
+        "FlashMLASchedMeta": FlashMLASchedMeta,
+        "get_mla_metadata": get_mla_metadata if api == "current" else get_mla_metadata_legacy,
+        "get_mla_decoding_metadata": get_mla_decoding_metadata,
+        "flash_mla_with_kvcache": flash_mla_with_kvcache,
+        "flash_mla_sparse_fwd": flash_mla_sparse_fwd,
+        "flash_attn_varlen_func": flash_attn_varlen_func,
+        "flash_attn_varlen_qkvpacked_func": flash_attn_varlen_qkvpacked_func,
+        "flash_attn_varlen_kvpacked_func": flash_attn_varlen_kvpacked_func,
+        "has_legacy": has_legacy,
+    }
+    for name, value in exported.items():
+        setattr(module, name, value)
+    module.__all__ = list(exported)
     module.__path__ = []  # a package, so `flash_mla.flash_mla_interface` imports
     module.flash_mla_interface = module
     module.MLA_DISPATCH_ALIAS = api
