@@ -688,3 +688,93 @@ def test_alias_exports_every_name(clean_alias, gen):
     c = make_case(2, 1, 16, 140, causal=False, generator=gen)
     md, splits = get_mla_decoding_metadata(c.cache_seqlens, 16, 1, use_legacy=True)
     assert torch.equal(splits, fm.get_mla_metadata_legacy(c.cache_seqlens, 16, 1)[1])
+
+
+# -- the alias never hides an installed flash_mla --------------------------------------------------------------
+
+
+def _fake_installed_flash_mla(root, dist="sgl_flash_mla", version="1.0.0"):
+    """A real package directory ``root/flash_mla`` (REAL = True) with the metadata pip writes for ``dist``."""
+    pkg = root / "flash_mla"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("REAL = True\n")
+    info = root / f"{dist}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist.replace('_', '-')}\nVersion: {version}\n")
+    (info / "top_level.txt").write_text("flash_mla\n")
+    return root
+
+
+@pytest.fixture
+def no_flash_mla_imported(clean_alias):
+    saved = {n: sys.modules.pop(n) for n in ("flash_mla", "flash_mla.flash_mla_interface") if n in sys.modules}
+    yield
+    for n in ("flash_mla", "flash_mla.flash_mla_interface"):
+        sys.modules.pop(n, None)
+    sys.modules.update(saved)
+
+
+def test_alias_never_shadows_an_installed_flash_mla(tmp_path, monkeypatch, no_flash_mla_imported):
+    assert fm.find_installed_flash_mla() is None
+    site = _fake_installed_flash_mla(tmp_path / "site")
+    monkeypatch.syspath_prepend(str(site))
+    found = fm.find_installed_flash_mla()
+    assert str(site / "flash_mla" / "__init__.py") in found and "sgl-flash-mla 1.0.0" in found
+    assert "flash_mla" not in sys.modules  # looked for, not imported
+
+    with pytest.warns(fm.FlashMLAShadowWarning, match="sgl-flash-mla 1.0.0.*was not installed"):
+        assert fm.install_flash_mla_alias() is None
+    import flash_mla
+
+    assert flash_mla.REAL is True
+    with pytest.warns(fm.FlashMLAShadowWarning, match="was not installed"):  # imported now: still found
+        assert fm.install_flash_mla_alias("legacy") is None
+    assert sys.modules["flash_mla"] is flash_mla
+
+    with pytest.warns(fm.FlashMLAShadowWarning, match="is hidden in this process"):
+        alias = fm.install_flash_mla_alias(shadow_installed=True)
+    import flash_mla as now
+
+    assert now is alias and alias.MLA_DISPATCH_ALIAS == "current"
+    with pytest.warns(fm.FlashMLAShadowWarning, match="was not written"):
+        assert fm.install_pth(site_dir=str(tmp_path)) == ()
+    assert not list(tmp_path.glob("mla_dispatch_flash_mla_alias*"))
+
+
+def test_a_namespace_directory_is_not_an_installed_flash_mla(tmp_path, monkeypatch, no_flash_mla_imported):
+    (tmp_path / "flash_mla").mkdir()  # no __init__.py: e.g. a source checkout's folder, not an install
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert fm.find_installed_flash_mla() is None
+    assert fm.install_flash_mla_alias().MLA_DISPATCH_ALIAS == "current"
+
+
+def test_run_and_pth_finder_step_aside_for_an_installed_flash_mla(tmp_path):
+    import os
+    import subprocess
+
+    site = tmp_path / "site"
+    site.mkdir()
+    pth, _ = fm.install_pth("current", str(site))  # written while no real flash_mla is on this process's path
+    real = _fake_installed_flash_mla(tmp_path / "real", dist="flash_mla")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(real), os.environ.get("PYTHONPATH", "")]))
+    show = "import flash_mla; print(getattr(flash_mla, 'REAL', False), getattr(flash_mla, 'MLA_DISPATCH_ALIAS', None))"
+
+    code = f"import site; site.addsitedir({str(site)!r}); {show}"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert res.stdout.split() == ["True", "None"]
+    assert "steps aside" in res.stderr and str(real) in res.stderr
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)  # no real one
+    assert res.stdout.split() == ["False", "current"]
+
+    script = tmp_path / "uses_flash_mla.py"
+    script.write_text(show + "\n")
+    cmd = [sys.executable, "-m", "mla_dispatch.compat.flash_mla", "run", str(script)]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
+    assert res.stdout.split() == ["True", "None"]
+    assert "FlashMLAShadowWarning" in res.stderr and "(flash-mla 1.0.0)" in res.stderr
+    res = subprocess.run(cmd[:-1] + ["--shadow-installed", str(script)], capture_output=True, text=True, check=True,
+                         env=env)
+    assert res.stdout.split() == ["False", "current"] and "is hidden in this process" in res.stderr
+    res = subprocess.run([sys.executable, "-m", "mla_dispatch.compat.flash_mla", "install-pth", "--site-dir",
+                          str(tmp_path / "other")], capture_output=True, text=True, env=env)
+    assert res.returncode == 1 and "was not written" in res.stderr

@@ -56,7 +56,8 @@ the argument: an fp8 q (``descale_q``), the DeepSeek-V3.2-no-RoPE / V4 / V4.1 an
 (correct, not fast); ``flash_attn_varlen_func`` and its packed forms (dense MHA prefill) are not provided and
 raise ``NotImplementedError`` saying what to use.
 
-**Making ``import flash_mla`` resolve here** (opt-in; importing mla_dispatch never does it):
+**Making ``import flash_mla`` resolve here** (opt-in; importing mla_dispatch never does it; a real installed
+``flash_mla`` is never hidden silently, see :mod:`.alias`):
 
 - in-process: :func:`install_flash_mla_alias` (``api="current"`` or ``"legacy"``);
 - one command, unedited: ``python -m mla_dispatch.compat.flash_mla run [--legacy] script.py ARGS``;
@@ -84,6 +85,8 @@ from mla_dispatch.compat.flash_mla.prefill import (
     flash_mla_sparse_fwd,
 )
 from mla_dispatch.compat.flash_mla.alias import (
+    FlashMLAShadowWarning,
+    find_installed_flash_mla,
     install_flash_mla_alias,
     install_pth,
     main,
@@ -94,6 +97,7 @@ from mla_dispatch.compat.flash_mla.alias import (
 __all__ = [
     "FlashMLASchedMeta",
     "FlashMLAArgumentError",
+    "FlashMLAShadowWarning",
     "get_mla_metadata",
     "get_mla_metadata_legacy",
     "get_mla_decoding_metadata",
@@ -103,6 +107,7 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_varlen_kvpacked_func",
+    "find_installed_flash_mla",
     "install_flash_mla_alias",
     "uninstall_flash_mla_alias",
     "install_pth",
