@@ -3,10 +3,13 @@
 Data as FlashMLA's ``tests/test_flash_mla_dense_decoding.py`` makes it
 (mla_dispatch.numerics.cases.make_case: random block-table permutation, NaN in unused
 slots, unused table entries 2147480000, zero-length requests, causal MTP) and
-docs/design.md §5 tolerances. The oracle is written here, per request, in float64,
-independently of the reference backend. The full grid
-(b, s_q, L, h_q, h_kv, varlen, causal) runs on a GPU against every GPU backend;
-CI runs a slice on the CPU.
+docs/design.md §5 tolerances. The oracles are independent of the reference backend: the
+per-request float64 ``oracle`` here, tests/oracle64.py's ``naive_attention``, and float64
+loops for sparse prefill. The full grid (b, s_q, L, h_q, h_kv, varlen, causal) runs on a
+GPU against every GPU backend; CI runs a slice on the CPU. Then the arguments vLLM 0.33.0's
+copy and sgl-flash-mla 1.0.0 add (each with its meaning, each error naming its argument),
+the prefill functions, and the import alias, which never hides an installed flash_mla
+(a real package directory on a temporary sys.path).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 from mla_dispatch import NoBackendError, get_backend, registered_names
 from mla_dispatch.compat import flash_mla as fm
 from mla_dispatch.kvcache.formats import unpack_ds_mla
-from mla_dispatch.numerics.cases import UNUSED_BLOCK_ID, make_case
+from mla_dispatch.numerics.cases import UNUSED_BLOCK_ID, make_case, poisoned_outputs
 from mla_dispatch.numerics.tolerance import check_close, compare_outputs
 from oracle64 import naive_attention
 
@@ -369,6 +372,11 @@ def _fresh_meta():
     return fm.get_mla_metadata()[0]
 
 
+def _nan_out(c):
+    """A NaN-filled ``out`` for case ``c``: an element the call does not write fails the comparison."""
+    return poisoned_outputs(c)[0]
+
+
 def test_out_is_written_in_place(gen):
     c = make_case(3, 2, 16, 140, causal=True, zero_len_rows=1, generator=gen)
     out = torch.full((3, 2, 16, 512), float("nan"), dtype=c.q.dtype)
@@ -412,20 +420,21 @@ def test_descale_k_is_the_scale_of_a_per_tensor_fp8_cache(gen):
     assert c.kv_cache.dtype == torch.float8_e4m3fn and c.kv_cache.shape[-1] == 576
     meta = _fresh_meta()
     out, lse = fm.flash_mla_with_kvcache(c.q, c.kv_cache, c.block_table, c.cache_seqlens, 512, meta, causal=True,
-                                         descale_k=c.kv_scale)  # is_fp8_kvcache=None: inferred from the dtype
+                                         descale_k=c.kv_scale, out=_nan_out(c))  # is_fp8_kvcache inferred
     assert meta.config.is_fp8_kvcache is True and meta.plan.problem.kv_format == "fp8_e4m3"
     check(out, lse, *naive_attention(c))
     # Layer 2 of the step: its own scale (the plan is reused, the scale is per call); the cache's bytes as uint8.
     layer2 = dataclasses.replace(c, kv_scale=c.kv_scale * 3)
     out2, lse2 = fm.flash_mla_with_kvcache(c.q, c.kv_cache.view(torch.uint8), c.block_table, c.cache_seqlens, 512,
-                                           meta, causal=True, is_fp8_kvcache=True, descale_k=layer2.kv_scale)
+                                           meta, causal=True, is_fp8_kvcache=True, descale_k=layer2.kv_scale,
+                                           out=_nan_out(c))
     check(out2, lse2, *naive_attention(layer2))
 
 
 def test_descale_k_sparse_fp8_e4m3(gen):
     c = make_case(2, 1, 16, 200, kv_format="fp8_e4m3", topk=24, generator=gen)
     out, lse = fm.flash_mla_with_kvcache(c.q, c.kv_cache, None, None, 512, _fresh_meta(), indices=c.indices,
-                                         descale_k=c.kv_scale)
+                                         descale_k=c.kv_scale, out=_nan_out(c))
     check(out, lse, *naive_attention(c))
     e = make_case(2, 1, 16, 200, kv_format="fp8_e4m3", topk=8, generator=gen)
     with pytest.raises(NotImplementedError, match="extra_k_cache"):
@@ -463,7 +472,8 @@ def test_descale_q_is_refused_and_its_message_holds(gen):
     # and softmax_scale times descale_q, against the oracle of the dequantised q.
     scale = 192**-0.5
     out, lse = fm.flash_mla_with_kvcache(q8.to(torch.bfloat16), c.kv_cache, c.block_table, c.cache_seqlens, 512,
-                                         _fresh_meta(), softmax_scale=scale * 0.025, descale_k=c.kv_scale)
+                                         _fresh_meta(), softmax_scale=scale * 0.025, descale_k=c.kv_scale,
+                                         out=_nan_out(c))
     real_q = q8.double() * 0.025
     want = naive_attention(dataclasses.replace(c, softmax_scale=scale), q=real_q)
     check(out, lse, *want)
@@ -472,12 +482,14 @@ def test_descale_q_is_refused_and_its_message_holds(gen):
 def test_is_fp8_kvcache_none_infers_the_cache_kind(gen):
     dense = make_case(2, 2, 8, 70, causal=True, generator=gen)
     meta = _fresh_meta()
-    out, lse = fm.flash_mla_with_kvcache(*dense.args(), 512, meta, causal=True, is_fp8_kvcache=None)
+    out, lse = fm.flash_mla_with_kvcache(*dense.args(), 512, meta, causal=True, is_fp8_kvcache=None,
+                                         out=_nan_out(dense))
     assert meta.config.is_fp8_kvcache is False
     check(out, lse, *naive_attention(dense))
     sparse = _sparse_case(gen)
     meta = _fresh_meta()
-    out, lse = fm.flash_mla_with_kvcache(sparse.q, sparse.kv_cache, None, None, 512, meta, indices=sparse.indices)
+    out, lse = fm.flash_mla_with_kvcache(sparse.q, sparse.kv_cache, None, None, 512, meta, indices=sparse.indices,
+                                         out=_nan_out(sparse))
     assert meta.config.is_fp8_kvcache is True
     check(out, lse, *naive_attention(sparse))
 
@@ -487,12 +499,13 @@ def test_use_legacy_selects_the_kernel_familys_contract(gen):
     sparse = _sparse_case(gen)
     with pytest.raises(fm.FlashMLAArgumentError, match="use_legacy=False .* no dense decoding"):
         fm.flash_mla_with_kvcache(*dense.args(), 512, _fresh_meta(), causal=True, use_legacy=False)
-    out, lse = fm.flash_mla_with_kvcache(*dense.args(), 512, _fresh_meta(), causal=True, use_legacy=True)
+    out, lse = fm.flash_mla_with_kvcache(*dense.args(), 512, _fresh_meta(), causal=True, use_legacy=True,
+                                         out=_nan_out(dense))
     check(out, lse, *naive_attention(dense))
     want = naive_attention(sparse)
     for legacy in (True, False, None):
         out, lse = fm.flash_mla_with_kvcache(sparse.q, sparse.kv_cache, None, None, 512, _fresh_meta(),
-                                             indices=sparse.indices, use_legacy=legacy)
+                                             indices=sparse.indices, use_legacy=legacy, out=_nan_out(sparse))
         check(out, lse, *want)
     with pytest.raises(fm.FlashMLAArgumentError, match="enable_batch_invariant=True exists only"):
         fm.flash_mla_with_kvcache(sparse.q, sparse.kv_cache, None, None, 512, _fresh_meta(), indices=sparse.indices,
@@ -507,7 +520,8 @@ def test_use_legacy_selects_the_kernel_familys_contract(gen):
 def test_kv_format_names(gen):
     c = _sparse_case(gen)
     call = lambda kv, fmt: fm.flash_mla_with_kvcache(  # noqa: E731
-        c.q, kv, None, None, 512, _fresh_meta(), indices=c.indices, use_legacy=True, kv_format=fmt)
+        c.q, kv, None, None, 512, _fresh_meta(), indices=c.indices, use_legacy=True, kv_format=fmt,
+        out=_nan_out(c))
     out, lse = call(c.kv_cache, "V32")
     check(out, lse, *naive_attention(c))
     assert torch.equal(out, call(c.kv_cache, None)[0])
@@ -537,7 +551,7 @@ def test_enable_batch_invariant(gen):
     with pytest.raises(NotImplementedError, match="enable_batch_invariant=True"):
         fm.flash_mla_with_kvcache(*c.args(), 512, meta, enable_batch_invariant=True)
     assert not meta.have_initialized
-    out, lse = fm.flash_mla_with_kvcache(*c.args(), 512, meta, enable_batch_invariant=False)
+    out, lse = fm.flash_mla_with_kvcache(*c.args(), 512, meta, enable_batch_invariant=False, out=_nan_out(c))
     assert meta.config.enable_batch_invariant is False
     check(out, lse, *naive_attention(c))
     with pytest.raises(fm.FlashMLAArgumentError, match="enable_batch_invariant=False, this call has "
@@ -553,7 +567,7 @@ def test_get_mla_decoding_metadata(gen):
     # sgl-flash-mla's convention: the tensors are assigned onto a FlashMLASchedMeta before the first call.
     meta = _fresh_meta()
     meta.tile_scheduler_metadata, meta.num_splits = md, splits
-    out, lse = fm.flash_mla_with_kvcache(*c.args(), 512, meta, causal=True, use_legacy=True)
+    out, lse = fm.flash_mla_with_kvcache(*c.args(), 512, meta, causal=True, use_legacy=True, out=_nan_out(c))
     check(out, lse, *naive_attention(c))
     with pytest.raises(fm.FlashMLAArgumentError, match="use_legacy must be True for dense fp8"):
         fm.get_mla_decoding_metadata(c.cache_seqlens, 32, 1, is_fp8_kvcache=True)
