@@ -3,14 +3,18 @@
 Data as FlashMLA's ``tests/test_flash_mla_dense_decoding.py`` makes it
 (mla_dispatch.numerics.cases.make_case: random block-table permutation, NaN in unused
 slots, unused table entries 2147480000, zero-length requests, causal MTP) and
-docs/design.md §5 tolerances. The oracle is written here, per request, in float64,
-independently of the reference backend. The full grid
-(b, s_q, L, h_q, h_kv, varlen, causal) runs on a GPU against every GPU backend;
-CI runs a slice on the CPU.
+docs/design.md §5 tolerances. The oracles are independent of the reference backend: the
+per-request float64 ``oracle`` here, tests/oracle64.py's ``naive_attention``, and float64
+loops for sparse prefill. The full grid (b, s_q, L, h_q, h_kv, varlen, causal) runs on a
+GPU against every GPU backend; CI runs a slice on the CPU. Then the arguments vLLM 0.33.0's
+copy and sgl-flash-mla 1.0.0 add (each with its meaning, each error naming its argument),
+the prefill functions, and the import alias, which never hides an installed flash_mla
+(a real package directory on a temporary sys.path).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import sys
@@ -21,8 +25,9 @@ import torch
 from mla_dispatch import NoBackendError, get_backend, registered_names
 from mla_dispatch.compat import flash_mla as fm
 from mla_dispatch.kvcache.formats import unpack_ds_mla
-from mla_dispatch.numerics.cases import UNUSED_BLOCK_ID, make_case
-from mla_dispatch.numerics.tolerance import compare_outputs
+from mla_dispatch.numerics.cases import UNUSED_BLOCK_ID, make_case, poisoned_outputs
+from mla_dispatch.numerics.tolerance import check_close, compare_outputs
+from oracle64 import naive_attention
 
 
 def oracle(q, kv, block_table, seqlens, *, head_dim_v=512, scale=None, causal=False, indices=None, kv_format="bf16"):
@@ -358,3 +363,432 @@ def test_run_and_pth_commands(tmp_path):
     assert res.stdout.split() == ["False", "current"]
     assert sorted(p.name for p in fm.uninstall_pth(str(site))) == sorted([pth.name, py.name])
     assert not pth.exists() and not py.exists()
+
+
+# -- the arguments vLLM 0.33.0's copy and sgl-flash-mla 1.0.0 add --------------------------------------------
+
+
+def _fresh_meta():
+    return fm.get_mla_metadata()[0]
+
+
+def _nan_out(c):
+    """A NaN-filled ``out`` for case ``c``: an element the call does not write fails the comparison."""
+    return poisoned_outputs(c)[0]
+
+
+def test_out_is_written_in_place(gen):
+    c = make_case(3, 2, 16, 140, causal=True, zero_len_rows=1, generator=gen)
+    out = torch.full((3, 2, 16, 512), float("nan"), dtype=c.q.dtype)
+    got, lse = fm.flash_mla_with_kvcache(c.q, c.kv_cache, c.block_table, c.cache_seqlens, 512, _fresh_meta(),
+                                         causal=True, out=out)
+    assert got is out
+    check(out, lse, *naive_attention(c))
+    # The old convention writes it too.
+    md, splits = fm.get_mla_metadata_legacy(c.cache_seqlens, 2 * 16, 1)
+    out2 = torch.full_like(out, float("nan"))
+    assert fm.flash_mla_with_kvcache(c.q, c.kv_cache, c.block_table, c.cache_seqlens, 512, md, splits,
+                                     causal=True, out=out2)[0] is out2
+    assert torch.equal(out2, out)
+
+
+def test_out_with_sink_and_extra_cache(gen):
+    # The sparse path that merges two caches and applies the sink writes the final result into out.
+    c, e = _sparse_case(gen), _sparse_case(gen, topk=16)
+    sink = (torch.randn(64, generator=gen)).float()
+    kwargs = dict(is_fp8_kvcache=True, indices=c.indices, attn_sink=sink, extra_k_cache=e.kv_cache,
+                  extra_indices_in_kvcache=e.indices)
+    want, want_lse = fm.flash_mla_with_kvcache(c.q, c.kv_cache, None, None, 512, _fresh_meta(), **kwargs)
+    out = torch.full_like(want, float("nan"))
+    got, lse = fm.flash_mla_with_kvcache(c.q, c.kv_cache, None, None, 512, _fresh_meta(), out=out, **kwargs)
+    assert got is out and torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
+@pytest.mark.parametrize("bad", ["shape", "dtype", "strides", "not a tensor"])
+def test_out_is_checked(gen, bad):
+    c = make_case(2, 1, 8, 20, generator=gen)
+    out = {"shape": torch.empty(2, 1, 8, 576, dtype=c.q.dtype),
+           "dtype": torch.empty(2, 1, 8, 512, dtype=torch.float16),
+           "strides": torch.empty(2, 1, 512, 8, dtype=c.q.dtype).transpose(2, 3),
+           "not a tensor": [0.0]}[bad]
+    with pytest.raises(fm.FlashMLAArgumentError, match="^out must be"):
+        fm.flash_mla_with_kvcache(c.q, c.kv_cache, c.block_table, c.cache_seqlens, 512, _fresh_meta(), out=out)
+
+
+def test_descale_k_is_the_scale_of_a_per_tensor_fp8_cache(gen):
+    c = make_case(3, 2, 16, 140, kv_format="fp8_e4m3", causal=True, generator=gen)
+    assert c.kv_cache.dtype == torch.float8_e4m3fn and c.kv_cache.shape[-1] == 576
+    meta = _fresh_meta()
+    out, lse = fm.flash_mla_with_kvcache(c.q, c.kv_cache, c.block_table, c.cache_seqlens, 512, meta, causal=True,
+                                         descale_k=c.kv_scale, out=_nan_out(c))  # is_fp8_kvcache inferred
+    assert meta.config.is_fp8_kvcache is True and meta.plan.problem.kv_format == "fp8_e4m3"
+    check(out, lse, *naive_attention(c))
+    # Layer 2 of the step: its own scale (the plan is reused, the scale is per call); the cache's bytes as uint8.
+    layer2 = dataclasses.replace(c, kv_scale=c.kv_scale * 3)
+    out2, lse2 = fm.flash_mla_with_kvcache(c.q, c.kv_cache.view(torch.uint8), c.block_table, c.cache_seqlens, 512,
+                                           meta, causal=True, is_fp8_kvcache=True, descale_k=layer2.kv_scale,
+                                           out=_nan_out(c))
+    check(out2, lse2, *naive_attention(layer2))
+
+
+def test_descale_k_sparse_fp8_e4m3(gen):
+    c = make_case(2, 1, 16, 200, kv_format="fp8_e4m3", topk=24, generator=gen)
+    out, lse = fm.flash_mla_with_kvcache(c.q, c.kv_cache, None, None, 512, _fresh_meta(), indices=c.indices,
+                                         descale_k=c.kv_scale, out=_nan_out(c))
+    check(out, lse, *naive_attention(c))
+    e = make_case(2, 1, 16, 200, kv_format="fp8_e4m3", topk=8, generator=gen)
+    with pytest.raises(NotImplementedError, match="extra_k_cache"):
+        fm.flash_mla_with_kvcache(c.q, c.kv_cache, None, None, 512, _fresh_meta(), indices=c.indices,
+                                  descale_k=c.kv_scale, extra_k_cache=e.kv_cache, extra_indices_in_kvcache=e.indices)
+
+
+def test_descale_k_errors(gen):
+    fp8 = make_case(2, 1, 8, 70, kv_format="fp8_e4m3", generator=gen)
+    bf16 = make_case(2, 1, 8, 70, generator=gen)
+    ds = _sparse_case(gen)
+    args = lambda c: (c.q, c.kv_cache, c.block_table, c.cache_seqlens, 512, _fresh_meta())  # noqa: E731
+    with pytest.raises(fm.FlashMLAArgumentError, match="descale_k is required"):
+        fm.flash_mla_with_kvcache(*args(fp8))
+    with pytest.raises(fm.FlashMLAArgumentError, match="descale_k must be a float32 tensor of shape"):
+        fm.flash_mla_with_kvcache(*args(fp8), descale_k=torch.ones(2))
+    with pytest.raises(fm.FlashMLAArgumentError, match="descale_k is the scale of a per-tensor fp8 cache"):
+        fm.flash_mla_with_kvcache(*args(bf16), descale_k=torch.ones(1))
+    with pytest.raises(fm.FlashMLAArgumentError, match="descale_k must be None"):
+        fm.flash_mla_with_kvcache(ds.q, ds.kv_cache, None, None, 512, _fresh_meta(), indices=ds.indices,
+                                  descale_k=torch.ones(1))
+    with pytest.raises(fm.FlashMLAArgumentError, match="is_fp8_kvcache"):  # a 1-byte cache called not fp8
+        fm.flash_mla_with_kvcache(*args(fp8), is_fp8_kvcache=False)
+
+
+def test_descale_q_is_refused_and_its_message_holds(gen):
+    c = make_case(2, 1, 16, 140, kv_format="fp8_e4m3", generator=gen)
+    q8 = (c.q.float() * 40).to(torch.float8_e4m3fn)
+    descale_q = torch.tensor([0.025])
+    for q, dq in ((q8, descale_q), (c.q, descale_q), (q8, None)):
+        with pytest.raises(NotImplementedError, match="descale_q"):
+            fm.flash_mla_with_kvcache(q, c.kv_cache, c.block_table, c.cache_seqlens, 512, _fresh_meta(),
+                                      descale_q=dq, descale_k=c.kv_scale)
+    # What the message tells the caller to do instead is the same attention: bf16 q (exact for fp8 values)
+    # and softmax_scale times descale_q, against the oracle of the dequantised q.
+    scale = 192**-0.5
+    out, lse = fm.flash_mla_with_kvcache(q8.to(torch.bfloat16), c.kv_cache, c.block_table, c.cache_seqlens, 512,
+                                         _fresh_meta(), softmax_scale=scale * 0.025, descale_k=c.kv_scale,
+                                         out=_nan_out(c))
+    real_q = q8.double() * 0.025
+    want = naive_attention(dataclasses.replace(c, softmax_scale=scale), q=real_q)
+    check(out, lse, *want)
+
+
+def test_is_fp8_kvcache_none_infers_the_cache_kind(gen):
+    dense = make_case(2, 2, 8, 70, causal=True, generator=gen)
+    meta = _fresh_meta()
+    out, lse = fm.flash_mla_with_kvcache(*dense.args(), 512, meta, causal=True, is_fp8_kvcache=None,
+                                         out=_nan_out(dense))
+    assert meta.config.is_fp8_kvcache is False
+    check(out, lse, *naive_attention(dense))
+    sparse = _sparse_case(gen)
+    meta = _fresh_meta()
+    out, lse = fm.flash_mla_with_kvcache(sparse.q, sparse.kv_cache, None, None, 512, meta, indices=sparse.indices,
+                                         out=_nan_out(sparse))
+    assert meta.config.is_fp8_kvcache is True
+    check(out, lse, *naive_attention(sparse))
+
+
+def test_use_legacy_selects_the_kernel_familys_contract(gen):
+    dense = make_case(2, 2, 8, 140, causal=True, generator=gen)
+    sparse = _sparse_case(gen)
+    with pytest.raises(fm.FlashMLAArgumentError, match="use_legacy=False .* no dense decoding"):
+        fm.flash_mla_with_kvcache(*dense.args(), 512, _fresh_meta(), causal=True, use_legacy=False)
+    out, lse = fm.flash_mla_with_kvcache(*dense.args(), 512, _fresh_meta(), causal=True, use_legacy=True,
+                                         out=_nan_out(dense))
+    check(out, lse, *naive_attention(dense))
+    want = naive_attention(sparse)
+    for legacy in (True, False, None):
+        out, lse = fm.flash_mla_with_kvcache(sparse.q, sparse.kv_cache, None, None, 512, _fresh_meta(),
+                                             indices=sparse.indices, use_legacy=legacy, out=_nan_out(sparse))
+        check(out, lse, *want)
+    with pytest.raises(fm.FlashMLAArgumentError, match="enable_batch_invariant=True exists only"):
+        fm.flash_mla_with_kvcache(sparse.q, sparse.kv_cache, None, None, 512, _fresh_meta(), indices=sparse.indices,
+                                  use_legacy=True, enable_batch_invariant=True)
+    with pytest.raises(fm.FlashMLAArgumentError, match="kv_format only applies to the legacy kernels"):
+        fm.flash_mla_with_kvcache(sparse.q, sparse.kv_cache, None, None, 512, _fresh_meta(), indices=sparse.indices,
+                                  use_legacy=False, kv_format="V32")
+    with pytest.raises(fm.FlashMLAArgumentError, match="kv_format does not apply to dense decoding"):
+        fm.flash_mla_with_kvcache(*dense.args(), 512, _fresh_meta(), causal=True, use_legacy=True, kv_format="V32")
+
+
+def test_kv_format_names(gen):
+    c = _sparse_case(gen)
+    call = lambda kv, fmt: fm.flash_mla_with_kvcache(  # noqa: E731
+        c.q, kv, None, None, 512, _fresh_meta(), indices=c.indices, use_legacy=True, kv_format=fmt,
+        out=_nan_out(c))
+    out, lse = call(c.kv_cache, "V32")
+    check(out, lse, *naive_attention(c))
+    assert torch.equal(out, call(c.kv_cache, None)[0])
+    for name in ("V32_NO_ROPE", "V4", "V41", "V41_FP4"):
+        with pytest.raises(NotImplementedError, match=f"kv_format='{name}'.* not provided"):
+            call(c.kv_cache, name)
+    with pytest.raises(fm.FlashMLAArgumentError, match="Unknown kv_format: 'v32'"):
+        call(c.kv_cache, "v32")
+    with pytest.raises(fm.FlashMLAArgumentError, match="kv_format says V32"):
+        call(c.kv_cache[..., :576].contiguous(), "V32")
+
+
+def test_fp8_caches_told_by_their_bytes_per_token(gen):
+    q = torch.randn(2, 1, 64, 512, generator=gen).to(torch.bfloat16)
+    table, lens = torch.zeros(2, 1, dtype=torch.int32), torch.full((2,), 3, dtype=torch.int32)
+    for token_bytes in (528, 584, 288):  # DeepSeek-V3.2-no-RoPE / V4.1, V4, V4.1 fp4
+        cache = torch.zeros(1, 64, 1, token_bytes, dtype=torch.uint8)
+        with pytest.raises(NotImplementedError, match=f"k_cache: the .*{token_bytes} bytes per token"):
+            fm.flash_mla_with_kvcache(q, cache, table, lens, 512, _fresh_meta())
+    with pytest.raises(fm.FlashMLAArgumentError, match=r"k_cache.shape\[-1\]=600 .* names no fp8 cache format"):
+        fm.flash_mla_with_kvcache(q, torch.zeros(1, 64, 1, 600, dtype=torch.uint8), table, lens, 512, _fresh_meta())
+
+
+def test_enable_batch_invariant(gen):
+    c = make_case(2, 1, 8, 70, generator=gen)
+    meta = _fresh_meta()
+    with pytest.raises(NotImplementedError, match="enable_batch_invariant=True"):
+        fm.flash_mla_with_kvcache(*c.args(), 512, meta, enable_batch_invariant=True)
+    assert not meta.have_initialized
+    out, lse = fm.flash_mla_with_kvcache(*c.args(), 512, meta, enable_batch_invariant=False, out=_nan_out(c))
+    assert meta.config.enable_batch_invariant is False
+    check(out, lse, *naive_attention(c))
+    with pytest.raises(fm.FlashMLAArgumentError, match="enable_batch_invariant=False, this call has "
+                                                       "enable_batch_invariant=True"):
+        fm.flash_mla_with_kvcache(*c.args(), 512, meta, enable_batch_invariant=True)
+
+
+def test_get_mla_decoding_metadata(gen):
+    c = make_case(4, 2, 16, 700, causal=True, generator=gen)
+    md, splits = fm.get_mla_decoding_metadata(c.cache_seqlens, 2 * 16, 1, 16, use_legacy=True)
+    want_md, want_splits = fm.get_mla_metadata_legacy(c.cache_seqlens, 2 * 16, 1)
+    assert torch.equal(md, want_md) and torch.equal(splits, want_splits)
+    # sgl-flash-mla's convention: the tensors are assigned onto a FlashMLASchedMeta before the first call.
+    meta = _fresh_meta()
+    meta.tile_scheduler_metadata, meta.num_splits = md, splits
+    out, lse = fm.flash_mla_with_kvcache(*c.args(), 512, meta, causal=True, use_legacy=True, out=_nan_out(c))
+    check(out, lse, *naive_attention(c))
+    with pytest.raises(fm.FlashMLAArgumentError, match="use_legacy must be True for dense fp8"):
+        fm.get_mla_decoding_metadata(c.cache_seqlens, 32, 1, is_fp8_kvcache=True)
+    assert fm.get_mla_decoding_metadata(c.cache_seqlens, 32, 1, is_fp8_kvcache=True, use_legacy=True)[1].shape == (5,)
+    sparse_md = fm.get_mla_decoding_metadata(c.cache_seqlens, 32, 1, is_fp8_kvcache=True, topk=64)
+    assert torch.equal(sparse_md[0], fm.get_mla_metadata_legacy(c.cache_seqlens, 32, 1, topk=64)[0])
+    assert fm.has_legacy() is True
+
+
+# -- prefill ------------------------------------------------------------------------------------------------
+
+
+def sparse_prefill_oracle(q, kv, indices, scale, d_v, sink=None, topk_length=None):
+    """float64 loops over tokens and heads: (out, max_logits, lse), as FlashMLA's tests/ref.py defines them."""
+    s_q, h_q, _ = q.shape
+    s_kv, h_kv, _ = kv.shape
+    out = torch.zeros(s_q, h_q, d_v, dtype=torch.float64)
+    max_logits = torch.full((s_q, h_q), -math.inf, dtype=torch.float64)
+    lse = torch.full((s_q, h_q), math.inf, dtype=torch.float64)
+    for t in range(s_q):
+        for h in range(h_q):
+            g = h // (h_q // h_kv)
+            n = indices.shape[-1] if topk_length is None else int(topk_length[t])
+            ids = [int(i) for i in indices[t, g, :n] if 0 <= int(i) < s_kv]
+            if not ids:
+                continue
+            k = kv[ids, g].double()
+            s = (k @ q[t, h].double()) * scale
+            max_logits[t, h] = s.max()
+            lse[t, h] = torch.logsumexp(s, 0)
+            norm = lse[t, h] if sink is None else torch.logaddexp(lse[t, h], sink[h].double())
+            if math.isinf(norm):
+                continue
+            out[t, h] = (torch.exp(s - norm)[:, None] * k[:, :d_v]).sum(0)
+    return out, max_logits, lse
+
+
+@pytest.mark.parametrize("h_kv", [1, 2])
+def test_sparse_prefill_reference_path(gen, h_kv):
+    s_q, h_q, s_kv, topk, d, d_v = 7, 16, 50, 12, 576, 512
+    q = (torch.randn(s_q, h_q, d, generator=gen) / 10).to(torch.bfloat16)
+    kv = (torch.randn(s_kv, h_kv, d, generator=gen) / 10).to(torch.bfloat16)
+    indices = torch.randint(0, s_kv, (s_q, h_kv, topk), generator=gen, dtype=torch.int32)
+    indices[0, :, ::3] = -1
+    indices[1, :, 1::4] = s_kv + 5  # >= s_kv: skipped
+    indices[2] = -1  # a token that sees nothing
+    topk_length = torch.randint(1, topk + 1, (s_q,), generator=gen, dtype=torch.int32)
+    topk_length[3], topk_length[4] = 0, topk // 2
+    # Second run: tokens 0 and s_kv - 1 are NaN and no entry that is used points at them; the entries past
+    # topk_length[4] do. Neither is read (a skipped entry must not be gathered as token 0 and multiplied by 0).
+    indices[(indices == 0) | (indices == s_kv - 1)] = 1
+    indices[4, :, topk // 2:] = s_kv - 1
+    poisoned = kv.clone()
+    poisoned[0] = poisoned[s_kv - 1] = float("nan")
+    sink = torch.randn(h_q, generator=gen).float()
+    sink[0], sink[1] = math.inf, -math.inf
+    scale = 192**-0.5
+    tol = get_backend("reference").TOLERANCE
+    for keys, kwargs in ((kv, dict()), (poisoned, dict(attn_sink=sink, topk_length=topk_length))):
+        want_out, want_max, want_lse = sparse_prefill_oracle(q, keys, indices, scale, d_v, kwargs.get("attn_sink"),
+                                                             kwargs.get("topk_length"))
+        out = torch.full((s_q, h_q, d_v), float("nan"), dtype=torch.bfloat16)
+        got, max_logits, lse = fm.flash_mla_sparse_fwd(q, keys, indices, scale, d_v, out=out, **kwargs)
+        assert got is out and max_logits.dtype == lse.dtype == torch.float32
+        report = compare_outputs(out, lse, want_out.float(), want_lse.float(), tol)
+        assert report, report.message
+        assert check_close("max_logits", max_logits, want_max, tol.lse_atol, tol.lse_rtol)
+        assert torch.isinf(lse[2]).all() and (out[2] == 0).all() and torch.isneginf(max_logits[2]).all()
+        assert torch.isfinite(out).all()
+    assert (out[:, 0] == 0).all()  # +inf sink
+
+
+def test_sparse_prefill_return_log2_lse_and_use_legacy(gen):
+    q = (torch.randn(4, 8, 64, generator=gen) / 4).to(torch.bfloat16)
+    kv = (torch.randn(30, 1, 64, generator=gen) / 4).to(torch.bfloat16)
+    indices = torch.randint(-1, 30, (4, 1, 6), generator=gen, dtype=torch.int32)
+    indices[1] = -1
+    out, max_logits, lse = fm.flash_mla_sparse_fwd(q, kv, indices, 0.125, 32)
+    want = sparse_prefill_oracle(q, kv, indices, 0.125, 32)
+    assert compare_outputs(out, lse, want[0].float(), want[2].float(), get_backend("reference").TOLERANCE)
+    assert fm.flash_mla_sparse_fwd(q, kv, indices, 0.125, 32, return_log2_lse=False)[1:] == (None, None)
+    out2, max2, lse2 = fm.flash_mla_sparse_fwd(q, kv, indices, 0.125, 32, use_legacy=True, return_log2_lse=True)
+    assert torch.equal(out2, out)
+    log2e = 1 / math.log(2)
+    assert check_close("lse2", lse2, want[2] * log2e, 1e-6, 8.01 / 65536)
+    assert check_close("max2", max2, want[1] * log2e, 1e-6, 8.01 / 65536)
+    assert torch.isposinf(lse2[1]).all() and torch.isneginf(max2[1]).all()
+    for legacy in (None, False):
+        with pytest.raises(fm.FlashMLAArgumentError, match="return_log2_lse=True .* use_legacy=True"):
+            fm.flash_mla_sparse_fwd(q, kv, indices, 0.125, 32, use_legacy=legacy, return_log2_lse=True)
+    assert torch.equal(fm.flash_mla_sparse_fwd(q, kv, indices, 0.125, 32, use_legacy=False)[0], out)
+
+
+@pytest.mark.parametrize("name, change", [
+    ("q", dict(q=torch.zeros(4, 8, 64))),
+    ("kv", dict(kv=torch.zeros(30, 1, 64, dtype=torch.float16))),
+    ("h_q", dict(kv=torch.zeros(30, 3, 64, dtype=torch.bfloat16))),
+    ("indices", dict(indices=torch.zeros(4, 1, 6, dtype=torch.int64))),
+    ("indices", dict(indices=torch.zeros(4, 1, 0, dtype=torch.int32))),
+    ("d_v", dict(d_v=65)),
+    ("sm_scale", dict(sm_scale=math.nan)),
+    ("attn_sink", dict(attn_sink=torch.zeros(4))),
+    ("topk_length", dict(topk_length=torch.zeros(4, dtype=torch.int64))),
+    ("out", dict(out=torch.zeros(4, 8, 64, dtype=torch.bfloat16))),
+])
+def test_sparse_prefill_argument_errors(name, change):
+    args = dict(q=torch.zeros(4, 8, 64, dtype=torch.bfloat16), kv=torch.zeros(30, 1, 64, dtype=torch.bfloat16),
+                indices=torch.zeros(4, 1, 6, dtype=torch.int32), sm_scale=0.1, d_v=32)
+    args.update(change)
+    with pytest.raises(fm.FlashMLAArgumentError, match=f"^{name}"):
+        fm.flash_mla_sparse_fwd(**args)
+
+
+@pytest.mark.parametrize("name", ["flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func",
+                                  "flash_attn_varlen_kvpacked_func"])
+def test_varlen_prefill_is_not_provided(name):
+    func = getattr(fm, name)
+    args = {"flash_attn_varlen_func": (None,) * 7, "flash_attn_varlen_qkvpacked_func": (None,) * 4,
+            "flash_attn_varlen_kvpacked_func": (None,) * 7}[name]
+    with pytest.raises(NotImplementedError, match=f"^{name} .*not provided.*flash_attn.flash_attn_varlen_func"):
+        func(*args)
+
+
+def test_alias_exports_every_name(clean_alias, gen):
+    fm.install_flash_mla_alias()
+    from flash_mla import (flash_attn_varlen_func, flash_mla_sparse_fwd, get_mla_decoding_metadata,  # noqa: F401
+                           has_legacy)
+
+    assert has_legacy() is True
+    with pytest.raises(NotImplementedError, match="flash_attn_varlen_func"):
+        flash_attn_varlen_func(*(None,) * 7)
+    c = make_case(2, 1, 16, 140, causal=False, generator=gen)
+    md, splits = get_mla_decoding_metadata(c.cache_seqlens, 16, 1, use_legacy=True)
+    assert torch.equal(splits, fm.get_mla_metadata_legacy(c.cache_seqlens, 16, 1)[1])
+
+
+# -- the alias never hides an installed flash_mla --------------------------------------------------------------
+
+
+def _fake_installed_flash_mla(root, dist="sgl_flash_mla", version="1.0.0"):
+    """A real package directory ``root/flash_mla`` (REAL = True) with the metadata pip writes for ``dist``."""
+    pkg = root / "flash_mla"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("REAL = True\n")
+    info = root / f"{dist}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist.replace('_', '-')}\nVersion: {version}\n")
+    (info / "top_level.txt").write_text("flash_mla\n")
+    return root
+
+
+@pytest.fixture
+def no_flash_mla_imported(clean_alias):
+    saved = {n: sys.modules.pop(n) for n in ("flash_mla", "flash_mla.flash_mla_interface") if n in sys.modules}
+    yield
+    for n in ("flash_mla", "flash_mla.flash_mla_interface"):
+        sys.modules.pop(n, None)
+    sys.modules.update(saved)
+
+
+def test_alias_never_shadows_an_installed_flash_mla(tmp_path, monkeypatch, no_flash_mla_imported):
+    assert fm.find_installed_flash_mla() is None
+    site = _fake_installed_flash_mla(tmp_path / "site")
+    monkeypatch.syspath_prepend(str(site))
+    found = fm.find_installed_flash_mla()
+    assert str(site / "flash_mla" / "__init__.py") in found and "sgl-flash-mla 1.0.0" in found
+    assert "flash_mla" not in sys.modules  # looked for, not imported
+
+    with pytest.warns(fm.FlashMLAShadowWarning, match="sgl-flash-mla 1.0.0.*was not installed"):
+        assert fm.install_flash_mla_alias() is None
+    import flash_mla
+
+    assert flash_mla.REAL is True
+    with pytest.warns(fm.FlashMLAShadowWarning, match="was not installed"):  # imported now: still found
+        assert fm.install_flash_mla_alias("legacy") is None
+    assert sys.modules["flash_mla"] is flash_mla
+
+    with pytest.warns(fm.FlashMLAShadowWarning, match="is hidden in this process"):
+        alias = fm.install_flash_mla_alias(shadow_installed=True)
+    import flash_mla as now
+
+    assert now is alias and alias.MLA_DISPATCH_ALIAS == "current"
+    with pytest.warns(fm.FlashMLAShadowWarning, match="was not written"):
+        assert fm.install_pth(site_dir=str(tmp_path)) == ()
+    assert not list(tmp_path.glob("mla_dispatch_flash_mla_alias*"))
+
+
+def test_a_namespace_directory_is_not_an_installed_flash_mla(tmp_path, monkeypatch, no_flash_mla_imported):
+    (tmp_path / "flash_mla").mkdir()  # no __init__.py: e.g. a source checkout's folder, not an install
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert fm.find_installed_flash_mla() is None
+    assert fm.install_flash_mla_alias().MLA_DISPATCH_ALIAS == "current"
+
+
+def test_run_and_pth_finder_step_aside_for_an_installed_flash_mla(tmp_path):
+    import os
+    import subprocess
+
+    site = tmp_path / "site"
+    site.mkdir()
+    pth, _ = fm.install_pth("current", str(site))  # written while no real flash_mla is on this process's path
+    real = _fake_installed_flash_mla(tmp_path / "real", dist="flash_mla")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(real), os.environ.get("PYTHONPATH", "")]))
+    show = "import flash_mla; print(getattr(flash_mla, 'REAL', False), getattr(flash_mla, 'MLA_DISPATCH_ALIAS', None))"
+
+    code = f"import site; site.addsitedir({str(site)!r}); {show}"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert res.stdout.split() == ["True", "None"]
+    assert "steps aside" in res.stderr and str(real) in res.stderr
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)  # no real one
+    assert res.stdout.split() == ["False", "current"]
+
+    script = tmp_path / "uses_flash_mla.py"
+    script.write_text(show + "\n")
+    cmd = [sys.executable, "-m", "mla_dispatch.compat.flash_mla", "run", str(script)]
+    res = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
+    assert res.stdout.split() == ["True", "None"]
+    assert "FlashMLAShadowWarning" in res.stderr and "(flash-mla 1.0.0)" in res.stderr
+    res = subprocess.run(cmd[:-1] + ["--shadow-installed", str(script)], capture_output=True, text=True, check=True,
+                         env=env)
+    assert res.stdout.split() == ["False", "current"] and "is hidden in this process" in res.stderr
+    res = subprocess.run([sys.executable, "-m", "mla_dispatch.compat.flash_mla", "install-pth", "--site-dir",
+                          str(tmp_path / "other")], capture_output=True, text=True, env=env)
+    assert res.returncode == 1 and "was not written" in res.stderr
