@@ -137,6 +137,18 @@ def test_engine_capabilities_fold():
     assert L.engine_capabilities([off_platform], "cuda").backends == ()
 
 
+def test_engine_capabilities_no_graphs_off_gpu():
+    """A capturable backend on a CPU (or NPU) process declares no graph support: nothing is captured there."""
+    anywhere = {"PLATFORMS": frozenset({"cpu", "cuda", "rocm", "npu"}), "CUDA_GRAPH": CGSupport.ALWAYS}
+    a = _backend("a", **anywhere)
+    assert L.engine_capabilities([a], "cuda").cuda_graph and L.engine_capabilities([a], "rocm").cuda_graph
+    for kind in ("cpu", "npu"):
+        caps = L.engine_capabilities([a], kind)
+        assert caps.backends == ("a",) and not caps.cuda_graph
+    here = mla_dispatch.detect_platform("cpu")
+    assert not L.engine_capabilities(L.auto_candidates(here), here.kind).cuda_graph
+
+
 def test_auto_candidates_follow_priority():
     h100 = mla_dispatch.Platform("cuda", "H100", (9, 0), "sm_90", 132)
     names = [c.NAME for c in L.auto_candidates(h100)]

@@ -42,5 +42,6 @@ def test_entry_point_is_visible_to_sglang():
 
     names = {ep.name: ep.value for ep in entry_points(group="sglang.srt.plugins")}
     if "mla_dispatch" not in names:
-        pytest.skip("mla_dispatch's metadata predates the entry point: re-run `pip install -e .`")
+        pytest.skip("no entry point named mla_dispatch: the package is not installed in this environment, or its "
+                    "metadata predates the entry point (pip install -e .)")
     assert names["mla_dispatch"] == "mla_dispatch.integrations.plugins:register_sglang"

@@ -4,22 +4,22 @@ Pure tensor/metadata translation used by :mod:`mla_dispatch.integrations.vllm`
 and :mod:`mla_dispatch.integrations.sglang`. Nothing here imports vLLM or
 SGLang, so it is unit-tested on any machine.
 
-Engine contracts implemented (read from the engines' sources):
+Engine contracts implemented (read from the engines' installed sources):
 
-- vLLM (``vllm/model_executor/layers/attention/mla_attention.py``,
-  ``vllm/v1/attention/backend.py`` at commit 0014ca6b; ``triton_mla.py`` at
-  0155494b): ``MLACommonImpl.forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata,
+- vLLM 0.33.0 (``vllm/model_executor/layers/attention/mla_attention.py``,
+  ``vllm/v1/attention/backend.py``, ``vllm/v1/attention/backends/mla/triton_mla.py``):
+  ``MLACommonImpl.forward_mqa(q, kv_c_and_k_pe_cache, attn_metadata,
   layer) -> (o [T, N, kv_lora_rank], lse [T, N] | None)``; ``q`` is a tuple
   ``(ql_nope [T, N, 512], q_pe [T, N, 64])`` or one tensor ``[T, N, 576]``; decode
   tokens come first, ``num_decodes`` requests of equal query length
   (``QueryLenSupport.UNIFORM``); the cache is ``[num_blocks, block_size, 576]``
   (viewed as fp8 for fp8 caches, per-tensor scale ``layer._k_scale``); the LSE is
-  natural-log (DCP merges with ``is_lse_base_on_e=True``).
-- SGLang (``python/sglang/srt/layers/attention/cutlass_mla_backend.py`` at
-  08cf5ef, ``flashmla_backend.py``): ``forward_decode(q, k, v, layer,
+  natural-log (``lse_base_on_e = True``; DCP merges with ``is_lse_base_on_e``).
+- SGLang 0.5.23 (``python/sglang/srt/layers/attention/flashinfer_mla_backend.py`` and
+  ``flashmla_backend.py``, ``mem_cache/memory_pool.py``): ``forward_decode(q, k, v, layer,
   forward_batch, save_kv_cache, q_rope=None, k_rope=None) -> [T, H * v_head_dim]``;
   ``q`` is ``[T, H * 512]`` with ``q_rope [T, H * 64]``, or ``[T, H * 576]``; the
-  token pool's buffer is ``[size + page_size, 1, 576]`` addressed by the slots in
+  ``MLATokenToKVPool`` buffer is ``[size + page_size, 1, 576]`` addressed by the slots in
   ``req_to_token[req_pool_indices[b], :seq_lens[b]]``; with ``page_size > 1``
   page ``p`` holds slots ``p * page_size ...`` (slots of a page are contiguous).
 """
@@ -70,11 +70,17 @@ class EngineCapabilities:
     backends: tuple[str, ...]
 
 
+#: platform kinds whose engines capture device graphs (vLLM's AttentionCGSupport, SGLang's CUDA-graph runner)
+_GRAPH_PLATFORMS = frozenset({"cuda", "rocm"})
+
+
 def engine_capabilities(backends: Iterable[type[MLABackend]], platform_kind: str) -> EngineCapabilities:
     """Fold backend capability constants into what an engine may be told.
 
     Only backends that are implemented, import cleanly and run on
-    ``platform_kind`` count.
+    ``platform_kind`` count. ``cuda_graph`` is True only on a GPU platform
+    (``"cuda"``, ``"rocm"``), where the engines capture CUDA/HIP graphs, and only
+    when some counted backend can be captured; on a CPU (or an NPU) nothing is.
     """
     page_sizes: set[int] | None = set()
     q_dtypes: set[torch.dtype] = set()
@@ -91,7 +97,7 @@ def engine_capabilities(backends: Iterable[type[MLABackend]], platform_kind: str
             page_sizes |= set(cls.PAGE_SIZES)
         q_dtypes |= set(cls.Q_DTYPES)
         kv_formats |= set(cls.KV_FORMATS)
-        cuda_graph = cuda_graph or cls.CUDA_GRAPH is CGSupport.ALWAYS
+        cuda_graph = cuda_graph or (platform_kind in _GRAPH_PLATFORMS and cls.CUDA_GRAPH is CGSupport.ALWAYS)
     order = {torch.bfloat16: 0, torch.float16: 1}
     return EngineCapabilities(
         page_sizes=None if page_sizes is None else tuple(sorted(page_sizes)),

@@ -15,7 +15,7 @@ Extend / prefill / speculative-verify batches are delegated to SGLang's own
 ``triton`` backend, which is also the handler SGLang's DeepSeek model uses to
 choose its attention path for a backend name it does not know.
 
-Contract implemented: SGLang 0.5.23 (PyPI wheel, 2026-10; read from its
+Contract implemented: SGLang 0.5.23 (PyPI wheel; read from its installed
 sources): ``srt/layers/attention/base_attn_backend.py`` (``AttentionBackend``:
 ``init_forward_metadata``; the CUDA-graph contract ``init_cuda_graph_state``,
 ``init_forward_metadata_out_graph(fb, in_capture)`` — run outside the graph
@@ -24,11 +24,13 @@ before capture and before every replay — and ``init_forward_metadata_in_graph`
 (``register_attention_backend``), ``flashinfer_mla_backend.py`` /
 ``triton_backend.py`` (MLA ``forward_decode(..., q_rope, k_rope)``, writes with
 ``set_mla_kv_buffer`` / ``set_kv_buffer`` through a ``KVWriteLoc``, fp8 writes
-divided by ``layer.k_scale``, ``get_key_buffer``), ``mem_cache/memory_pool.py``
+divided by ``layer.k_scale``, ``get_key_buffer``; the pool is the runner's
+``token_to_kv_pool``, not a ``ForwardBatch`` field), ``mem_cache/memory_pool.py``
 (``MLATokenToKVPool``), ``mem_cache/kv_index_translator.py`` (ids in
 ``req_to_token`` are physical unless the pool translates reads),
 ``plugins/__init__.py`` (``sglang.srt.plugins``, loaded before the CLI is
-parsed), ``arg_groups/choices.py`` (``add_attention_backend_choices``). Older
+parsed), ``arg_groups/choices.py`` (``add_attention_backend_choices``, re-exported by
+``server_args.py``). Older
 releases (``out_cache_loc`` writes, no translator) are handled where the
 difference is a name.
 
@@ -175,7 +177,8 @@ class MLADispatchAttnBackend(AttentionBackend):
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, q_rope=None, k_rope=None,
                        **kwargs):
-        pool = forward_batch.token_to_kv_pool
+        # 0.5.23's ForwardBatch carries no pool: backends keep the runner's (as flashmla_backend.py does).
+        pool = self.token_to_kv_pool
         if k is not None and save_kv_cache:
             if getattr(layer, "k_scale", None) is not None:  # fp8 pools store value / k_scale (as SGLang's triton)
                 k = k / layer.k_scale

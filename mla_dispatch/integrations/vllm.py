@@ -7,35 +7,45 @@ Use::
 
 The plugin (:func:`mla_dispatch.integrations.plugins.register_vllm`) registers
 :class:`MLADispatchBackend` as ``AttentionBackendEnum.CUSTOM``. Prefill keeps
-vLLM's own MLA prefill path (``MLACommonImpl.forward_mha``); decode tokens go
-through :meth:`MLADispatchImpl.forward_mqa` to :func:`mla_dispatch.plan_decode`
-/ :meth:`~mla_dispatch.DecodePlan.run`, which picks the best backend on the
-device (native SM90 kernel, FlashMLA, FlashInfer, Triton, AITER, Ascend, the
-reference).
+vLLM's own MLA prefill path (``MLAAttention.prefill_backend`` through
+``MLACommonBaseImpl.forward_mha``); decode tokens go through
+:meth:`MLADispatchImpl.forward_mqa` to :func:`mla_dispatch.plan_decode` /
+:meth:`~mla_dispatch.DecodePlan.run`, which picks the best backend on the device
+(native SM90 kernel, FlashMLA, FlashInfer, Triton, AITER, Ascend, the reference).
 
-Contract implemented: vLLM 0.33.0 (PyPI, 2026-11), read from its sources —
-``vllm/model_executor/layers/attention/mla_attention.py`` (``MLACommonBackend``,
-``MLACommonMetadataBuilder._build_decode`` called with keywords,
-``MLACommonImpl.forward_mqa``, ``QueryLenSupport``, ``MLACommonMetadata.causal``),
-``vllm/v1/attention/backend.py`` (``AttentionBackend.validate_configuration``,
-``get_supported_kernel_block_sizes(kv_cache_spec)``, ``AttentionCGSupport``,
-``MultipleOf``), ``vllm/v1/attention/backends/mla/triton_mla.py`` (the shape of an
-MLA decode backend), ``vllm/v1/attention/backends/registry.py``
-(``register_backend``, ``AttentionBackendEnum.CUSTOM``), ``vllm/plugins/__init__.py``
-(``vllm.general_plugins``) — and the same files on vLLM main at 0014ca6b /
-0155494b / 0033bf03 (the 0.2x layout: same hooks; older ``_build_decode`` without
-``max_query_len`` and no ``kv_cache_spec`` argument, both accepted here).
-``_forward_decode`` is kept as an alias of ``forward_mqa`` for the releases just
-before that rename.
+Contract implemented: vLLM 0.33.0 (PyPI), read from its installed sources —
+``vllm/model_executor/layers/attention/mla_attention.py`` (``MLAAttention.forward_impl``:
+decode tokens first, ``impl.forward_mqa(q, kv_cache, attn_metadata, layer)``, the LSE
+read only when ``impl.dcp_world_size > 1``; ``MLACommonBackend``,
+``MLACommonMetadataBuilder`` — ``build`` calls ``_build_decode`` with keywords, marks
+a non-causal draft block with ``MLACommonMetadata.causal = False`` only when the builder
+declares ``supports_non_causal_multi_token_decode``; ``QueryLenSupport``),
+``vllm/v1/attention/backend.py`` (``AttentionBackend.validate_configuration``:
+``supports_dcp()`` reads the impl's ``supports_dcp``, ``supports_non_causal()``,
+``supports_non_causal_dcp()`` reads the builder's ``supports_non_causal_multi_token_dcp``;
+``AttentionImplBase.__new__`` sets ``need_to_return_lse_for_decode = dcp_world_size > 1 and
+can_return_lse_for_decode``; ``AttentionCGSupport``, ``MultipleOf``),
+``vllm/v1/attention/backends/mla/triton_mla.py`` and ``flashmla.py`` (the shape of an MLA
+decode backend), ``vllm/v1/attention/backends/registry.py`` (``register_backend``,
+``AttentionBackendEnum.CUSTOM``), ``vllm/plugins/__init__.py`` (``vllm.general_plugins``).
+Releases before 0.33 (no ``max_query_len`` in ``_build_decode``, no ``kv_cache_spec``
+argument, ``_forward_decode`` instead of ``forward_mqa``) are accepted where the
+difference is a name or an argument.
 
-What is declared to vLLM comes from mla_dispatch's registry for the current
-device (:func:`~mla_dispatch.integrations.layouts.engine_capabilities` over
-the backends ``"auto"`` may choose): block sizes (any, when some backend takes
-any page size; else the union), model dtypes, KV-cache dtypes, CUDA-graph
-support. Limits: dense MLA only (no sparse / DeepSeek-V3.2 indexer path), uniform
-decode query lengths (spec decode with a fixed number of draft tokens), ``fp8``
-caches as ``float8_e4m3fn`` with a per-tensor scale (not ROCm's ``e4m3fnuz``).
-This module imports vLLM; nothing else in mla_dispatch does.
+What is declared to vLLM comes from mla_dispatch's registry for the current device
+(:func:`~mla_dispatch.integrations.layouts.engine_capabilities` over the backends
+``"auto"`` may choose): block sizes (any, when some backend takes any page size; else
+the union), model dtypes, KV-cache dtypes, CUDA-graph support (only on a GPU). Decode
+context parallelism (DCP) is supported: each rank attends over its local tokens and
+returns the natural-log LSE that vLLM's merge reads. Limits: dense MLA only (no sparse /
+DeepSeek-V3.2 indexer path), uniform decode query lengths (spec decode with a fixed
+number of draft tokens), causal multi-token decode not under DCP (the causal mask
+needs global positions; vLLM keeps such batches off the decode path unless a builder
+declares ``supports_dcp_with_varlen``, which this one does not), ``fp8`` caches as
+``float8_e4m3fn`` with a per-tensor scale (not ROCm's ``e4m3fnuz``). vLLM's CPU
+platform picks its own MLA backend whatever ``--attention-backend`` says
+(``vllm/platforms/cpu.py``, ``CpuPlatform.get_attn_backend_cls``). This module imports
+vLLM; nothing else in mla_dispatch does.
 """
 
 from __future__ import annotations
@@ -112,6 +122,11 @@ class MLADispatchBackend(MLACommonBackend):
         return True  # the reference runs anywhere; plan_decode picks the fast path
 
     @classmethod
+    def supports_non_causal(cls) -> bool:
+        # Non-causal draft blocks (DSpark): every query row sees the whole prefix, plan_decode(causal=False).
+        return True
+
+    @classmethod
     def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse,
                              *args, **kwargs) -> str | None:
         if use_sparse:
@@ -146,6 +161,12 @@ class MLADispatchMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
     """
 
     query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.UNIFORM
+    # MLACommonMetadataBuilder.build keeps a non-causal block on the decode path (causal=False on the
+    # metadata) only when the builder says so; plan_decode(causal=False) runs it as one block.
+    supports_non_causal_multi_token_decode: ClassVar[bool] = True
+    # Non-causal rows see every local token, so each DCP rank's (out, lse) is exact for its shard and
+    # vLLM's LSE merge recombines them (AttentionBackend.supports_non_causal_dcp).
+    supports_non_causal_multi_token_dcp: ClassVar[bool] = True
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
@@ -162,9 +183,15 @@ class MLADispatchMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
 
 
 class MLADispatchImpl(MLACommonImpl[MLACommonMetadata]):
-    """``forward_mqa`` on :func:`mla_dispatch.plan_decode` / :meth:`DecodePlan.run`."""
+    """``forward_mqa`` on :func:`mla_dispatch.plan_decode` / :meth:`DecodePlan.run`.
+
+    The LSE is computed only when vLLM reads it (``need_to_return_lse_for_decode``,
+    i.e. under DCP); otherwise ``forward_mqa`` returns ``(o, None)``.
+    """
 
     can_return_lse_for_decode: bool = True
+    # AttentionBackend.supports_dcp() reads this; without it vLLM refuses the backend with "DCP not supported".
+    supports_dcp: bool = True
 
     def __init__(self, num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
                  logits_soft_cap, attn_type, kv_sharing_target_layer_name, **mla_args) -> None:
@@ -185,23 +212,31 @@ class MLADispatchImpl(MLACommonImpl[MLACommonMetadata]):
         if decode is None:
             raise ValueError("forward_mqa was called without decode metadata")
         query = vllm_decode_query(q, attn_metadata.num_decodes)
+        # MLACommonMetadata.causal is False only for a non-causal draft block (the builder declares it).
+        causal = bool(getattr(attn_metadata, "causal", True))
+        dcp_world_size = getattr(self, "dcp_world_size", 1)
+        if causal and query.shape[1] > 1 and dcp_world_size > 1:
+            raise ValueError(
+                f"causal multi-token decode (query length {query.shape[1]}) with decode context parallelism "
+                f"(dcp_world_size={dcp_world_size}) is not supported: the causal mask needs each token's "
+                "global position, and seq_lens holds this rank's local count")
         kv = vllm_kv_cache(kv_c_and_k_pe_cache)
         kv_scale = layer._k_scale if self.kv_format == "fp8_e4m3" else None
+        # Set by vLLM (AttentionImplBase.__new__) when dcp_world_size > 1: only then is the LSE read.
+        return_lse = bool(getattr(self, "need_to_return_lse_for_decode", True))
         slot = getattr(decode, "plan_slot", None)
         plan = slot.plan if slot is not None else None
         if plan is None:
             plan = plan_decode(
                 query, kv, decode.block_table, decode.seq_lens,
-                head_dim_v=self.kv_lora_rank, softmax_scale=self.scale,
-                # vLLM 0.33 marks non-causal draft blocks on the metadata; decode is causal otherwise.
-                causal=bool(getattr(attn_metadata, "causal", True)),
-                kv_format=self.kv_format, kv_scale=kv_scale,
+                head_dim_v=self.kv_lora_rank, softmax_scale=self.scale, causal=causal,
+                kv_format=self.kv_format, kv_scale=kv_scale, return_lse=return_lse,
                 cuda_graph=query.is_cuda and torch.cuda.is_current_stream_capturing(),
             )
             if slot is not None:
                 slot.plan = plan
         out, lse = plan.run(query, kv, kv_scale=kv_scale)
-        return vllm_decode_outputs(out, lse)
+        return vllm_decode_outputs(out, lse if return_lse else None)
 
     # The same hook's name in the vLLM releases before forward_mqa.
     _forward_decode = forward_mqa
