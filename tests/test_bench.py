@@ -199,3 +199,16 @@ def test_host_time_is_the_wall_clock_of_the_call():
     assert 1900 < us < 20000
     head = bench.format_table([]).splitlines()[0]
     assert "host plan / run / call µs" in head and "× FlashMLA" in head
+
+
+def test_ordered_tables_hold_each_requests_blocks_in_order(seed):
+    cfg = bench.BenchConfig(4, 1, 16, 300, varlen=True, page_size=16, ordered=True)
+    case = bench.make_bench_case(cfg, seed=seed)
+    table, lens = case.block_table, case.cache_seqlens
+    used = [table[b, : -(-int(lens[b]) // 16)].tolist() for b in range(4)]
+    flat = [i for row in used for i in row]
+    assert flat == list(range(len(flat)))  # request after request, block after block
+    assert cfg.label.endswith("-ordered")
+    shuffled = bench.make_bench_case(bench.BenchConfig(4, 1, 16, 300, varlen=True, page_size=16), seed=seed)
+    flat_r = [i for b in range(4) for i in shuffled.block_table[b, : -(-int(shuffled.cache_seqlens[b]) // 16)].tolist()]
+    assert flat_r != list(range(len(flat_r)))

@@ -546,11 +546,16 @@ def test_fp8_caches_told_by_their_bytes_per_token(gen):
 
 
 def test_enable_batch_invariant(gen):
-    c = make_case(2, 1, 8, 70, generator=gen)
+    c = make_case(5, 1, 8, 300, page_size=16, generator=gen)
+    # enable_batch_invariant=True: a batch-invariant plan, right, and request 2 alone gives the same bits
     meta = _fresh_meta()
-    with pytest.raises(NotImplementedError, match="enable_batch_invariant=True"):
-        fm.flash_mla_with_kvcache(*c.args(), 512, meta, enable_batch_invariant=True)
-    assert not meta.have_initialized
+    out, lse = fm.flash_mla_with_kvcache(*c.args(), 512, meta, enable_batch_invariant=True, out=_nan_out(c))
+    assert meta.plan.problem.batch_invariant
+    check(out, lse, *naive_attention(c))
+    alone = dataclasses.replace(c, q=c.q[2:3], block_table=c.block_table[2:3], cache_seqlens=c.cache_seqlens[2:3])
+    out1, lse1 = fm.flash_mla_with_kvcache(*alone.args(), 512, _fresh_meta(), enable_batch_invariant=True)
+    assert torch.equal(out1[0], out[2]) and torch.equal(lse1[0], lse[2])
+    meta = _fresh_meta()
     out, lse = fm.flash_mla_with_kvcache(*c.args(), 512, meta, enable_batch_invariant=False, out=_nan_out(c))
     assert meta.config.enable_batch_invariant is False
     check(out, lse, *naive_attention(c))

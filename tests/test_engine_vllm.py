@@ -333,6 +333,8 @@ def test_vllm_accepts_the_backend(vllm_world):
     assert cls.validate_configuration(**kwargs, use_dcp=True, use_non_causal=True) == []
     assert cls.validate_configuration(**{**kwargs, "kv_cache_dtype": "fp8"}) == []
     assert cls.validate_configuration(**{**kwargs, "use_sparse": True}) != []
+    assert cls.supports_batch_invariance()
+    assert cls.validate_configuration(**kwargs, use_batch_invariant=True) == []
     # Graph support follows the device: none where only the CPU reference runs.
     builder = cls.get_builder_cls()
     want = AttentionCGSupport.UNIFORM_BATCH if capabilities().cuda_graph else AttentionCGSupport.NEVER
@@ -351,3 +353,32 @@ def test_causal_multi_token_under_dcp_is_refused(vllm_world, model_dir, gen):
     q = torch.zeros(4, HEADS, LORA + ROPE, dtype=torch.bfloat16, device=DEVICE)
     with pytest.raises(ValueError, match="dcp_world_size=2"):
         eng.layer.impl.forward_mqa(q, cache, md, eng.layer)
+
+
+def test_batch_invariant_mode(vllm_world, model_dir, gen, monkeypatch):
+    """vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1, vllm/envs.py): forward_mqa plans with
+    batch_invariant=True, and a request's rows are the same bits alone as inside the batch."""
+    import vllm.envs as envs
+
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    if not envs.VLLM_BATCH_INVARIANT:
+        pytest.skip("this vLLM does not read VLLM_BATCH_INVARIANT again after import")
+    eng = _Layer(vllm_world, model_dir, "batch_invariant", block_size=16, cache_dtype="auto", draft_tokens=0,
+                 non_causal=False, gen=gen)
+    lens = [int(n) for n in torch.randint(30, 300, (6,), generator=gen)]
+    meta, reqs, table, num_blocks = _batch(gen, lens, 1, [], 16)
+    _, cache = _fill_cache(gen, reqs, table, num_blocks, 16, "auto", 1.0)
+    q = ((torch.randn(6, HEADS, LORA + ROPE, generator=gen) / 4).clamp(-1, 1)).to(torch.bfloat16).to(DEVICE)
+    md = eng.build(meta)
+    out, _ = eng.layer.impl.forward_mqa(q, cache, md, eng.layer)
+    assert md.decode.plan_slot.plan.problem.batch_invariant
+    r = int(torch.randint(0, 6, (1,), generator=gen))
+    qsl = torch.tensor([0, 1], dtype=torch.int32)
+    seq = torch.tensor([lens[r]], dtype=torch.int32)
+    one = CommonAttentionMetadata(
+        query_start_loc=qsl.to(DEVICE), query_start_loc_cpu=qsl, seq_lens=seq.to(DEVICE), num_reqs=1,
+        num_actual_tokens=1, max_query_len=1, max_seq_len=lens[r], block_table_tensor=table[r:r + 1].to(DEVICE),
+        slot_mapping=torch.full((1,), -1, dtype=torch.int64, device=DEVICE), seq_lens_cpu_upper_bound=seq,
+        causal=True)
+    alone, _ = eng.layer.impl.forward_mqa(q[r:r + 1], cache, eng.build(one), eng.layer)
+    assert torch.equal(alone.reshape(-1), out.reshape(6, -1)[r])

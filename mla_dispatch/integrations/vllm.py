@@ -127,6 +127,13 @@ class MLADispatchBackend(MLACommonBackend):
         return True
 
     @classmethod
+    def supports_batch_invariance(cls) -> bool:
+        # vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT): the selector passes use_batch_invariant to
+        # validate_configuration, which refuses a backend without this (vllm/v1/attention/selector.py, backend.py);
+        # forward_mqa then plans with batch_invariant=True, which keeps split-KV (fixed-size splits)
+        return True
+
+    @classmethod
     def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse,
                              *args, **kwargs) -> str | None:
         if use_sparse:
@@ -134,6 +141,13 @@ class MLADispatchBackend(MLACommonBackend):
         if has_sink:
             return "attention sinks are not supported by mla_dispatch's vLLM backend"
         return None
+
+
+def _batch_invariant_mode() -> bool:
+    """Whether vLLM runs in its batch-invariant mode (``VLLM_BATCH_INVARIANT``, vllm/envs.py)."""
+    import vllm.envs as envs
+
+    return bool(getattr(envs, "VLLM_BATCH_INVARIANT", False))
 
 
 class _PlanSlot:
@@ -232,6 +246,7 @@ class MLADispatchImpl(MLACommonImpl[MLACommonMetadata]):
                 head_dim_v=self.kv_lora_rank, softmax_scale=self.scale, causal=causal,
                 kv_format=self.kv_format, kv_scale=kv_scale, return_lse=return_lse,
                 cuda_graph=query.is_cuda and torch.cuda.is_current_stream_capturing(),
+                batch_invariant=_batch_invariant_mode(),
             )
             if slot is not None:
                 slot.plan = plan

@@ -95,6 +95,9 @@ class BenchConfig:
     topk: int = 0
     head_dim_qk: int = 576
     head_dim_v: int = 512
+    #: block ids in order, request after request (a freshly filled cache); False: a random permutation, as a
+    #: serving engine's pages are after requests came and went (FlashMLA's test data)
+    ordered: bool = False
 
     @property
     def label(self) -> str:
@@ -112,6 +115,8 @@ class BenchConfig:
             parts.append("causal")
         if (self.head_dim_qk, self.head_dim_v) != (576, 512):
             parts.append(f"d{self.head_dim_qk}x{self.head_dim_v}")
+        if self.ordered:
+            parts.append("ordered")
         return "-".join(parts)
 
 
@@ -131,6 +136,11 @@ def _latency_grid() -> list[BenchConfig]:
 
 def _pages_grid() -> list[BenchConfig]:
     return [BenchConfig(64, 1, 128, 8192, varlen=True, page_size=ps) for ps in (1, 16, 64, 128, 256)]
+
+
+def _fragmentation_grid() -> list[BenchConfig]:
+    return [BenchConfig(64, 1, h_q, 8192, varlen=True, page_size=ps, ordered=ordered)
+            for h_q in (128, 16) for ps in (1, 16, 64) for ordered in (False, True)]
 
 
 def _fp8_grid() -> list[BenchConfig]:
@@ -156,6 +166,8 @@ GRIDS = {
     "heads": ("b=64, L=8192, h_q 16/32/64/128, s_q 1/2", _heads_grid),
     "latency": ("small batches: b 1/8/32, L 4096/32768, h_q=128, s_q=1", _latency_grid),
     "pages": ("page sizes 1/16/64/128/256: b=64, h_q=128, varlen L-bar 8192", _pages_grid),
+    "fragmentation": ("pages 1/16/64 with random and ordered block tables: b=64, h_q 128/16, varlen L-bar 8192",
+                      _fragmentation_grid),
     "fp8": ("fp8 caches: fp8_e4m3 and fp8_ds_mla dense (b=128, L-bar 8192) and sparse topk=2048", _fp8_grid),
     "quick": ("a handful of small configs (seconds on a CPU with the reference backend)", _quick_grid),
 }
@@ -191,7 +203,7 @@ def make_bench_case(cfg: BenchConfig, *, dtype: torch.dtype = torch.bfloat16, de
     total = int(nblk.sum())
     max_blocks = max(1, int(nblk.max()))
     num_blocks = total + extra_blocks
-    perm = torch.randperm(num_blocks, generator=cpu)
+    perm = torch.arange(num_blocks) if cfg.ordered else torch.randperm(num_blocks, generator=cpu)
     cols = torch.arange(max_blocks)
     live = cols[None, :] < nblk[:, None]
     block_table = torch.full((B, max_blocks), UNUSED_BLOCK_ID, dtype=torch.int64)

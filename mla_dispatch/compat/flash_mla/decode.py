@@ -262,9 +262,10 @@ def flash_mla_with_kvcache(
         vLLM's: ``[b, s_q, h_q, head_dim_v]`` in q's dtype on q's device, contiguous; written in place and
         returned.
     enable_batch_invariant : bool
-        vLLM's / sgl-flash-mla's: results that do not depend on how the batch is split. Must stay the same for
-        every reuse of a ``FlashMLASchedMeta``; not with ``use_legacy=True`` (sgl-flash-mla's legacy kernels
-        always split).
+        vLLM's / sgl-flash-mla's: results that do not depend on how the batch is split. Here
+        ``plan_decode(batch_invariant=True)``: each request's out and lse are bitwise the same whatever the batch
+        around it (fixed-size splits). Must stay the same for every reuse of a ``FlashMLASchedMeta``; not with
+        ``use_legacy=True`` (sgl-flash-mla's legacy kernels always split).
     use_legacy : bool or None
         sgl-flash-mla's kernel family (module docstring): ``True`` legacy, ``False`` current (no dense decoding,
         no ``kv_format``), None FlashMLA's own contract.
@@ -294,8 +295,8 @@ def flash_mla_with_kvcache(
         or ``descale_k``; the message names the argument.
     NotImplementedError
         What the originals accept and mla_dispatch does not provide: an fp8 q (``descale_q``), the DeepSeek-V4 /
-        V4.1 / V3.2-no-RoPE / NVFP4 caches (``kv_format`` or the cache's bytes per token),
-        ``enable_batch_invariant=True``, an extra cache next to a per-tensor fp8 one.
+        V4.1 / V3.2-no-RoPE / NVFP4 caches (``kv_format`` or the cache's bytes per token), an extra cache next to
+        a per-tensor fp8 one.
     ValueError, NoBackendError
         From :func:`mla_dispatch.plan_decode` / :meth:`~mla_dispatch.DecodePlan.run`.
     """
@@ -357,12 +358,10 @@ def flash_mla_with_kvcache(
     extra_topk = None if extra_indices_in_kvcache is None else extra_indices_in_kvcache.shape[-1]
 
     def make_plans(backend: str):
-        if enable_batch_invariant:
-            raise NotImplementedError(
-                "enable_batch_invariant=True (results independent of how the batch is split) is not provided by "
-                "this FlashMLA API yet; call with enable_batch_invariant=False")
+        # enable_batch_invariant: each request's result independent of the rest of the batch
+        # (plan_decode(batch_invariant=True): fixed-size splits, one kernel configuration per shape)
         common = dict(head_dim_v=head_dim_v, softmax_scale=softmax_scale, causal=causal and not sparse,
-                      kv_format=fmt, backend=backend)
+                      kv_format=fmt, backend=backend, batch_invariant=bool(enable_batch_invariant))
         main = plan_decode(q, kv, None if sparse else block_table, None if sparse else cache_seqlens,
                            indices=idx, kv_scale=kv_scale, **common)
         extra = None
