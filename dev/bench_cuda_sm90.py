@@ -118,7 +118,7 @@ def check_config(plan, run, graph, q, kv, table, lens, kv_scale, out, lse, cfg) 
     return "ok"
 
 
-def bench_one(cfg, peaks, variant=2, combine="auto", *, check=False, seed=0):
+def bench_one(cfg, peaks, variant=2, combine="auto", *, check=False, seed=0, overhead=None):
     import triton.testing
 
     from mla_dispatch import plan_decode
@@ -132,6 +132,8 @@ def bench_one(cfg, peaks, variant=2, combine="auto", *, check=False, seed=0):
     options = {"variant": variant} if variant else {}  # 0: the backend's own choice (choose_variant)
     if combine != "auto":  # auto: the backend's own choice (choose_fuse_combine)
         options["fuse_combine"] = combine == "fused"
+    if overhead is not None:  # None: the mainloop's (CudaSM90Backend.schedule_overhead)
+        options["schedule_overhead"] = overhead
     plan = plan_decode(q, kv, table, lens, causal=causal, kv_format=fmt, kv_scale=kv_scale, backend="cuda_sm90",
                        backend_options=options, cuda_graph=True)
     variant = plan.state.launch.variant
@@ -311,7 +313,7 @@ def main():
     ap.add_argument("--combine", default="auto", help="where split requests are merged, e.g. fused,separate (auto = the "
                     "backend's per-plan choice, fused = inside the decode launch, separate = a second kernel)")
     ap.add_argument("--overhead", type=int, default=None, help="the schedule's fixed cost per request, in chunks "
-                    "(CudaSM90Backend.SCHEDULE_OVERHEAD; default: the backend's, per mainloop)")
+                    "(backend_options['schedule_overhead']; default: the backend's, per mainloop)")
     ap.add_argument("--check", action="store_true", help="compare each config's eager and graph outputs with the "
                     "reference before timing it")
     ap.add_argument("--seed", type=int, default=None, help="seed of the inputs (default: a fresh one, printed and "
@@ -331,9 +333,6 @@ def main():
     import triton
 
     seed = args.seed if args.seed is not None else random.randrange(2**31)
-    if args.overhead is not None:
-        from mla_dispatch.backends.cuda_sm90 import CudaSM90Backend
-        CudaSM90Backend.SCHEDULE_OVERHEAD = args.overhead
     peaks = measure_peaks()
     print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__} seed {seed}")
     print(f"measured peaks: copy {peaks[0] / 1e12:.2f} TB/s, bf16 matmul {peaks[1] / 1e12:.0f} TFLOP/s")
@@ -345,7 +344,7 @@ def main():
     runs = [(c, int(v), m) for v in args.variants.split(",") for c in configs for m in args.combine.split(",")]
     for cfg, variant, combine in runs:
         try:
-            r = bench_one(cfg, peaks, variant, combine, check=args.check, seed=seed)
+            r = bench_one(cfg, peaks, variant, combine, check=args.check, seed=seed, overhead=args.overhead)
         except Exception as exc:  # keep going; report the failure
             print(f"FAILED {cfg}: {type(exc).__name__}: {exc}")
             continue

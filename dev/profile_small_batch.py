@@ -5,7 +5,7 @@
     python ci/profile_small_batch.py --heads 16,32,64 --variants default --min-chunks 1,2 --configs 1x4096,2x4096
 
 For each small-batch config of issue 4 (h_q=128 unless ``--heads`` says otherwise, s_q=1) and each split size
-(``CudaSM90Backend.MIN_CHUNKS_PER_PART``), mainloop variant and place of the combine (``default``: the plan's own choice of either): the CUDA-graph replay
+(``backend_options['min_chunks_per_part']``), mainloop variant and place of the combine (``default``: the plan's own choice of either): the CUDA-graph replay
 time (triton do_bench median, L2 flushed) and the GPU time of each kernel of one
 eager call (torch.profiler, median of 20 calls), so the decode, the combine and the
 gaps between them can be told apart.
@@ -48,7 +48,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--min-chunks", default="1,2,4,8")
     ap.add_argument("--overhead", default=None, help="comma-separated schedule overheads per request, in chunks "
-                    "(CudaSM90Backend.SCHEDULE_OVERHEAD; default: the backend's, per mainloop)")
+                    "(backend_options['schedule_overhead']; default: the backend's, per mainloop)")
     ap.add_argument("--variants", default="2,5", help="mainloop variants, or 'default': the plan's choice")
     ap.add_argument("--combine", default="separate,fused",
                     help="separate (second kernel), fused (in the decode launch) and/or default (the plan's choice)")
@@ -57,7 +57,6 @@ def main():
     ap.add_argument("--kv-format", default="bf16", choices=("bf16", "fp8_e4m3", "fp8_ds_mla"))
     ap.add_argument("--varlen", action="store_true", help="lengths drawn around SEQLEN as in the benchmark (default: equal)")
     args = ap.parse_args()
-    from mla_dispatch.backends.cuda_sm90 import CudaSM90Backend
 
     print(f"device {torch.cuda.get_device_name()} torch {torch.__version__}")
     configs = [(int(x), int(y)) for x, y in (c.split("x") for c in args.configs.split(","))]
@@ -67,16 +66,17 @@ def main():
         lse = torch.empty(b, h_q, 1, dtype=torch.float32, device="cuda")
         overheads = [int(x) for x in args.overhead.split(",")] if args.overhead else [None]
         for mc, ov in [(m, o) for m in (int(x) for x in args.min_chunks.split(",")) for o in overheads]:
-            CudaSM90Backend.MIN_CHUNKS_PER_PART = mc
-            CudaSM90Backend.SCHEDULE_OVERHEAD = ov
             for v, comb in [(x, c) for x in args.variants.split(",") for c in args.combine.split(",")]:
                 options = {} if v == "default" else {"variant": int(v)}
+                options["min_chunks_per_part"] = mc
+                if ov is not None:
+                    options["schedule_overhead"] = ov
                 if comb != "default":
                     options["fuse_combine"] = comb == "fused"
                 plan = plan_decode(q, kv, table, lens, kv_format=args.kv_format, kv_scale=kv_scale, backend="cuda_sm90",
                                    backend_options=options, cuda_graph=True)
                 launch = plan.state.launch
-                ov_used = CudaSM90Backend.schedule_overhead(launch.variant)
+                ov_used = plan.state.schedule.overhead
                 run = lambda: plan.run(q, kv, kv_scale=kv_scale, out=out, lse=lse)  # noqa: E731
                 graph = capture_graph(run)
                 t_graph = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median") * 1e3

@@ -142,11 +142,9 @@ def test_variant_choice_follows_the_measurements():
 
 
 
-def test_schedule_overhead_per_mainloop(monkeypatch):
-    """v2 items are charged 2 chunks, the other mainloops 5; the ci/ scripts' override applies to all."""
+def test_schedule_overhead_per_mainloop():
+    """v2 items are charged 2 chunks, the other mainloops 5 (experiments override it per plan through
+    backend_options, tests/test_cuda_sm90_plan.py)."""
     from mla_dispatch.backends.cuda_sm90 import CudaSM90Backend
 
-    monkeypatch.setattr(CudaSM90Backend, "SCHEDULE_OVERHEAD", None)
     assert [CudaSM90Backend.schedule_overhead(v) for v in (2, 5, 6, 1)] == [2, 5, 5, 5]
-    monkeypatch.setattr(CudaSM90Backend, "SCHEDULE_OVERHEAD", 3)
-    assert [CudaSM90Backend.schedule_overhead(v) for v in (2, 5, 6)] == [3, 3, 3]

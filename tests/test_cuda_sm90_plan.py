@@ -110,7 +110,8 @@ def test_options_that_cannot_run_raise(p, options, match):
     (dict(variant=3), r"backend_options\['variant'\]=3 \(supported: 2, 5, 6, 7, 8, 9\)"),  # measured slower: deleted
     (dict(variant="5"), r"backend_options\['variant'\]='5'"),
     (dict(fuse_combine=1), r"backend_options\['fuse_combine'\]=1 \(supported: False, True\)"),
-    (dict(tile_rows=32), r"cuda_sm90 has no option .tile_rows. \(accepted: fuse_combine, split_tokens, variant\)"),
+    (dict(tile_rows=32), r"cuda_sm90 has no option .tile_rows. \(accepted: fuse_combine, min_chunks_per_part, "
+     r"schedule_overhead, split_tokens, variant\)"),
 ], ids=["deleted-variant", "str-variant", "int-flag", "unknown"])
 def test_declared_options_are_checked(options, match):
     with pytest.raises(ValueError, match=match):
@@ -146,3 +147,39 @@ def test_plan_schedule_stops_at_the_table_capacity(monkeypatch):
     assert tokens(state.schedule) == [64, 0, 64, 30]
     CudaSM90Backend.update(state, table, torch.tensor([65, 64, -(2**31), 2**31 - 1], dtype=torch.int32))
     assert tokens(state.schedule) == [64, 64, 0, 64]
+
+
+def _cpu_plan(monkeypatch, p, lens, **options):
+    """CudaSM90Backend.plan on the CPU (an H100's SM count; no extension loaded)."""
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(
+        multi_processor_count=H100_SMS))
+    monkeypatch.setattr(cuda_sm90, "load_ops", lambda: types.SimpleNamespace(
+        cuda_sm90_decode=types.SimpleNamespace(default=None)))
+    monkeypatch.setattr(cuda_sm90, "load_module", lambda: types.SimpleNamespace(cuda_sm90_decode=None))
+    table = torch.zeros(p.batch, p.max_blocks, dtype=torch.int32)
+    return CudaSM90Backend.plan(p, None, table, lens, softmax_scale=0.1, options=options)
+
+
+def test_schedule_options_reach_the_plan(monkeypatch):
+    """min_chunks_per_part and schedule_overhead are per-plan options (no class attribute to overwrite)."""
+    p = problem(batch=1, h_q=128, max_blocks=64)  # 64 chunks of one request: a part each by default
+    lens = torch.tensor([4096], dtype=torch.int32)
+    default = _cpu_plan(monkeypatch, p, lens)
+    assert (default.schedule.num_parts, default.schedule.overhead) == (64, CudaSM90Backend.schedule_overhead(2))
+    forced = _cpu_plan(monkeypatch, p, lens, min_chunks_per_part=8, schedule_overhead=7)
+    assert (forced.schedule.num_parts, forced.schedule.overhead) == (8, 7)
+    assert CudaSM90Backend.check_options({"schedule_overhead": 7, "min_chunks_per_part": 8})
+
+
+def test_batch_invariant_plan_pins_its_launch(monkeypatch):
+    """A batch-invariant plan: fixed-size pieces, the shape's mainloop whatever the batch, the second-kernel combine
+    per request."""
+    launches = set()
+    for batch in (1, 8, 128):
+        p = dataclasses.replace(problem(batch=batch), batch_invariant=True)
+        state = _cpu_plan(monkeypatch, p, torch.full((batch,), 3000, dtype=torch.int32), split_tokens=512)
+        assert state.schedule.split_tokens == 512 and state.schedule.num_splits.tolist() == [6] * batch
+        launches.add((state.launch.variant, state.launch.fuse_combine, state.launch.fixed_splits))
+    assert launches == {(cuda_sm90.invariant_variant(p), False, True)}
+    with pytest.raises(ValueError, match=r"split_tokens'\]=512 applies to batch_invariant=True plans only"):
+        _cpu_plan(monkeypatch, problem(), torch.full((128,), 10, dtype=torch.int32), split_tokens=512)

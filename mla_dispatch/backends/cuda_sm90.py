@@ -370,31 +370,32 @@ class CudaSM90Backend(MLABackend):
                                       "kernel (False), instead of the plan's choice (choose_fuse_combine)"),
         "split_tokens": BackendOption(SPLIT_TOKENS_CHOICES, "tokens per piece of a batch_invariant=True plan "
                                       f"(default {BATCH_INVARIANT_SPLIT_TOKENS})"),
+        "min_chunks_per_part": BackendOption(tuple(range(1, 65)), "fewest 64-token chunks a split-KV part gets, "
+                                             "instead of MIN_CHUNKS_PER_PART"),
+        "schedule_overhead": BackendOption(tuple(range(1, 33)), "the schedule's fixed cost per work item, in "
+                                           "chunks, instead of the mainloop's (SCHEDULE_OVERHEAD_BY_VARIANT)"),
     })
     #: fewest KV chunks (of 64 tokens) a split-KV part gets. It matters only where the batch has fewer chunks than
     #: two per CTA. A part costs a Q-tile load and a partial-row write besides its chunks, and with fp16 partial rows
     #: one chunk per part measured faster at every head count (benchmarks/RESULTS.md, thirteenth and fourteenth
     #: sessions, H100, CUDA-graph replay): b=1 L=4096 h_q=128 21.6 against 23.0 us, h_q = 16 / 32 / 64 (bf16)
-    #: 21.5 / 28.0 / 21.3 against 22.6 / 29.2 / 22.7, fp8_e4m3 8-10% faster at b <= 2. The scripts in ci/ set it.
+    #: 21.5 / 28.0 / 21.3 against 22.6 / 29.2 / 22.7, fp8_e4m3 8-10% faster at b <= 2. Experiments pass
+    #: ``backend_options={"min_chunks_per_part": n}``.
     MIN_CHUNKS_PER_PART: int = 1
     #: the split-KV schedule's fixed cost per work item, in chunks (mla_dispatch/metadata.py; FlashMLA charges 5), per
     #: mainloop: what an item costs besides its tiles, read in per-CTA timelines (sixteenth session in
     #: kernels/cuda/mla_decode_sm90/NOTES.md; the timeline build is commit 8b1ee16's). A v2 item's metadata, first
     #: loads and stores take ~7 us, two tiles at b=64 L=8192 h_q=64; with 5 the parts holding one item ran 5 tiles
     #: longer than those holding two and finished last. Charging 2 measured 1% faster there and at h_q=32, 3% at b=8 L=8192 h_q=128 (CUDA-graph replay, H100,
-    #: two runs each). v5's and v6's items cost ~4-5 tiles (their first pairs wait for loads); they keep 5.
-    SCHEDULE_OVERHEAD_BY_VARIANT: dict[int, int] = {2: 2}
-    #: one overhead for every mainloop, set by the scripts in ci/ (--overhead); None: SCHEDULE_OVERHEAD_BY_VARIANT,
-    #: else 5. With 5 at b=1 L=4096 h_q=128 the parts get two chunks (69 units over 64 parts) and half of them none;
-    #: one chunk per part (counting the parts in cost units) doubles the splits and measured no faster (fifteenth
-    #: session).
-    SCHEDULE_OVERHEAD: int | None = None
+    #: two runs each). v5's and v6's items cost ~4-5 tiles (their first pairs wait for loads); they keep 5. With 5
+    #: at b=1 L=4096 h_q=128 the parts get two chunks (69 units over 64 parts) and half of them none; one chunk per
+    #: part (counting the parts in cost units) doubles the splits and measured no faster (fifteenth session).
+    #: Experiments pass ``backend_options={"schedule_overhead": n}``.
+    SCHEDULE_OVERHEAD_BY_VARIANT: MappingProxyType = MappingProxyType({2: 2})
 
     @classmethod
     def schedule_overhead(cls, variant: int) -> int:
         """The schedule's fixed cost per work item, in chunks, for plans running mainloop ``variant``."""
-        if cls.SCHEDULE_OVERHEAD is not None:
-            return cls.SCHEDULE_OVERHEAD
         return cls.SCHEDULE_OVERHEAD_BY_VARIANT.get(variant, 5)
 
     @classmethod
@@ -419,20 +420,21 @@ class CudaSM90Backend(MLABackend):
         p = problem
         device = cache_seqlens.device
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        num_parts, max_chunks = split_parts(p, sms, cls.MIN_CHUNKS_PER_PART)
+        num_parts, max_chunks = split_parts(p, sms, options.get("min_chunks_per_part", cls.MIN_CHUNKS_PER_PART))
+        overhead = options.get("schedule_overhead")
         launch = launch_config(p, num_parts, max_chunks, sms, options)
         # capacity: no item reaches past a block-table row, whatever cache_seqlens holds (update_ keeps it)
         if "split_tokens" in options and not p.batch_invariant:
             raise ValueError(f"backend_options['split_tokens']={options['split_tokens']} applies to "
                              "batch_invariant=True plans only")
+        if overhead is None:
+            overhead = cls.schedule_overhead(launch.variant)
         if p.batch_invariant:
             schedule = fixed_split_schedule(cache_seqlens, num_parts=num_parts, chunk_size=BLOCK_N,
                                             split_tokens=options.get("split_tokens", BATCH_INVARIANT_SPLIT_TOKENS),
-                                            overhead=cls.schedule_overhead(launch.variant),
-                                            capacity=p.max_blocks * p.page_size)
+                                            overhead=overhead, capacity=p.max_blocks * p.page_size)
         else:
-            schedule = split_kv_schedule(cache_seqlens, num_parts=num_parts, chunk_size=BLOCK_N,
-                                         overhead=cls.schedule_overhead(launch.variant),
+            schedule = split_kv_schedule(cache_seqlens, num_parts=num_parts, chunk_size=BLOCK_N, overhead=overhead,
                                          capacity=p.max_blocks * p.page_size)
         max_slots = schedule.max_slots
         return Sm90State(
