@@ -204,3 +204,54 @@ def test_decode_without_decode_metadata_is_refused(gen):
     with pytest.raises(ValueError, match="without decode metadata"):
         backend.forward_decode(torch.zeros(1, HEADS * D, dtype=torch.bfloat16), None, None,
                                RadixAttention(HEADS, D, SCALE, 1, layer_id=0, v_head_dim=LORA), None)
+
+
+_TINY_DSV2 = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 256,
+    "intermediate_size": 512, "moe_intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": HEADS,
+    "num_key_value_heads": HEADS, "kv_lora_rank": LORA, "q_lora_rank": None, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": ROPE, "v_head_dim": 128, "n_routed_experts": 4, "n_shared_experts": 1,
+    "num_experts_per_tok": 2, "first_k_dense_replace": 1, "max_position_embeddings": 4096, "vocab_size": 1024,
+    "torch_dtype": "bfloat16", "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+}
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_deterministic_inference_plans_batch_invariant(deterministic, tmp_path, gen):
+    """``--attention-backend mla_dispatch --enable-deterministic-inference`` passes SGLang's own check of the
+    server arguments (the plugin adds the backend to SGLang's deterministic list), and under that configuration
+    the decode plans batch_invariant=True: a request's rows are the same bits alone as inside the batch."""
+    import json
+
+    from sglang.srt.runtime_context import create_context, use_context
+    from sglang.srt.server_args import ServerArgs
+
+    register_sglang()
+    (tmp_path / "config.json").write_text(json.dumps(_TINY_DSV2))
+    args = ServerArgs(model_path=str(tmp_path), attention_backend=SGLANG_BACKEND_NAME, skip_tokenizer_init=True,
+                      enable_deterministic_inference=deterministic, device=DEVICE)
+    lens = [int(n) for n in torch.randint(20, 200, (5,), generator=gen)]
+    pool, r2t, req_idx = _setup(gen, 16, torch.bfloat16, lens)
+    layer = RadixAttention(HEADS, D, SCALE, 1, layer_id=1, v_head_dim=LORA)
+    q = ((torch.randn(len(lens), HEADS * D, generator=gen) / 2).clamp(-2, 2)).to(torch.bfloat16).to(DEVICE)
+    with use_context(create_context(args, role="scheduler")), \
+            get_parallel().override(dcp_enabled=False, attn_dcp_size=1):
+        backend = _backend(pool, r2t, 16)
+        assert backend.batch_invariant is deterministic
+        for r, n in zip(req_idx, lens):  # every token, the new one too, through SGLang's writer
+            lat = ((torch.randn(n, 1, D, generator=gen) / 4).clamp(-1, 1)).to(torch.bfloat16).to(DEVICE)
+            pool.set_kv_buffer(layer, KVWriteLoc(loc=r2t.req_to_token[r, :n].to(torch.int64)), lat, None)
+
+        def decode(rows):
+            fb = _decode_batch(r2t, [req_idx[i] for i in rows], [lens[i] for i in rows])
+            backend.init_forward_metadata(fb)
+            k = pool.get_key_buffer(1).view(-1, D)[fb.out_cache_loc].unsqueeze(1)  # the new tokens, as written
+            out = backend.forward(q[rows], k, k[..., :LORA], layer, fb, save_kv_cache=False)
+            assert not out.isnan().any()
+            assert backend.forward_metadata.plan.problem.batch_invariant is deterministic
+            return out
+
+        both = decode(list(range(len(lens))))
+        if deterministic:
+            r = int(torch.randint(0, len(lens), (1,), generator=gen))
+            assert torch.equal(decode([r])[0], both[r])

@@ -51,3 +51,18 @@ def register_sglang() -> None:
         return
     if SGLANG_BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
         add_attention_backend_choices([SGLANG_BACKEND_NAME])
+    # --enable-deterministic-inference refuses backends off these lists (sglang/srt/arg_groups/overrides.py; the
+    # radix one for absorbed-MLA models, arg_groups/attention_hook.py). Ours then plans batch_invariant=True
+    # (integrations/sglang.py, deterministic_inference), and its prefill runs SGLang's own triton backend, which is
+    # on both lists.
+    try:
+        from sglang.srt.server_args import (DETERMINISTIC_ATTENTION_BACKEND_CHOICES,
+                                            RADIX_SUPPORTED_DETERMINISTIC_ATTENTION_BACKEND,
+                                            add_deterministic_attention_backend_choices,
+                                            add_radix_supported_deterministic_attention_backend_choices)
+    except ImportError:  # an SGLang without deterministic inference
+        return
+    if SGLANG_BACKEND_NAME not in DETERMINISTIC_ATTENTION_BACKEND_CHOICES:
+        add_deterministic_attention_backend_choices([SGLANG_BACKEND_NAME])
+    if SGLANG_BACKEND_NAME not in RADIX_SUPPORTED_DETERMINISTIC_ATTENTION_BACKEND:
+        add_radix_supported_deterministic_attention_backend_choices([SGLANG_BACKEND_NAME])

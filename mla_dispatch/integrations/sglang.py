@@ -69,6 +69,18 @@ from mla_dispatch.integrations.layouts import (
 __all__ = ["MLADispatchAttnBackend"]
 
 
+def deterministic_inference() -> bool:
+    """Whether SGLang runs with ``--enable-deterministic-inference`` (read as SGLang 0.5.23's own attention backends
+    read it: ``sglang/srt/runtime_context.py`` ``get_exec().deterministic``, e.g. ``flashattention_backend.py``).
+    False where this SGLang has no such setting or has not published its configuration."""
+    try:
+        from sglang.srt.runtime_context import get_exec
+
+        return bool(get_exec().deterministic.enable_deterministic_inference)
+    except (ImportError, AttributeError, ValueError):
+        return False
+
+
 @dataclasses.dataclass
 class _DecodeStep:
     block_table: torch.Tensor  # int32 [B, max_blocks]
@@ -116,6 +128,8 @@ class MLADispatchAttnBackend(AttentionBackend):
         self._graph_seq_lens: torch.Tensor | None = None
         self._graph_steps: dict[int, _DecodeStep] = {}
         self._kv_scales: dict[int, torch.Tensor] = {}
+        # SGLang's --enable-deterministic-inference: each request's result independent of the batch
+        self.batch_invariant = deterministic_inference()
 
     # -- metadata ----------------------------------------------------------------------
 
@@ -199,7 +213,8 @@ class MLADispatchAttnBackend(AttentionBackend):
         if step.plan is None:
             step.plan = plan_decode(query, kv, step.block_table, step.seq_lens, head_dim_v=layer.v_head_dim,
                                     softmax_scale=layer.scaling, causal=True, kv_format=kv_format,
-                                    kv_scale=kv_scale, return_lse=False, cuda_graph=step.graph)
+                                    kv_scale=kv_scale, return_lse=False, cuda_graph=step.graph,
+                                    batch_invariant=self.batch_invariant)
         out, _ = step.plan.run(query, kv, kv_scale=kv_scale)
         return sglang_decode_output(out)
 
