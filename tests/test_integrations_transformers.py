@@ -27,6 +27,7 @@ a bf16-sized difference can flip an expert and move the logits far more than any
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 
 import pytest
@@ -42,6 +43,10 @@ from mla_dispatch.integrations import transformers as mla_tf  # noqa: E402
 
 #: our error against the fp32 run may be this many times stock bf16's (see the module docstring)
 ERROR_RATIO = 1.5
+
+#: the models' cache argument: ``cache`` in the newest 5.2x releases, ``past_key_values`` before (still accepted,
+#: with a deprecation warning)
+CACHE = "cache" if "cache" in inspect.signature(DeepseekV3ForCausalLM.forward).parameters else "past_key_values"
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
         "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
@@ -75,16 +80,18 @@ def build(config, seed: int, *, device="cpu", dtype=torch.bfloat16):
     return cls(config).to(device=device, dtype=dtype).eval()
 
 
-def prompts(gen: torch.Generator, batch: int, length: int, vocab: int, *, left_pad: bool, device="cpu"):
-    """Random token ids ``[batch, length]`` and their mask; with ``left_pad`` rows after the first lose a random
-    number of leading tokens to padding (id 0, mask 0)."""
+def prompts(gen: torch.Generator, batch: int, length: int, vocab: int, *, left_pad: bool, right_pad: bool = False,
+            device="cpu"):
+    """Random token ids ``[batch, length]`` and their mask; with ``left_pad`` (``right_pad``) rows after the first
+    lose a random number of leading (trailing) tokens to padding (id 0, mask 0)."""
     ids = torch.randint(3, vocab, (batch, length), generator=gen)
     mask = torch.ones_like(ids)
-    if left_pad:
-        for row in range(1, batch):
-            pad = int(torch.randint(1, length // 2, (1,), generator=gen))
-            ids[row, :pad] = 0
-            mask[row, :pad] = 0
+    for row in range(1, batch):
+        pad = int(torch.randint(1, length // 2, (1,), generator=gen))
+        if left_pad:
+            ids[row, :pad], mask[row, :pad] = 0, 0
+        elif right_pad:
+            ids[row, -pad:], mask[row, -pad:] = 0, 0
     return ids.to(device), mask.to(device)
 
 
@@ -164,20 +171,20 @@ def check_against_stock(model, ids, mask, new_tokens, *, backend, page_size, **e
 # --------------------------------------------------------------------------------------
 
 CASES = {
-    # id: (config factory, batch, prompt length, left padding, page size)
-    "v3-b1-ps16": (lambda: v3_config(), 1, 24, False, 16),
-    "v3-b2-ps64": (lambda: v3_config(), 2, 24, False, 64),
-    "v3-b3-leftpad-ps8": (lambda: v3_config(), 3, 24, True, 8),
-    "v3-rotate_half-b2-leftpad-ps4": (lambda: v3_config(rope_interleave=False), 2, 20, True, 4),
-    "v2-b2-leftpad-ps16": (lambda: v2_config(), 2, 20, True, 16),
+    # id: (config factory, batch, prompt length, padding, page size)
+    "v3-b1-ps16": (lambda: v3_config(), 1, 24, None, 16),
+    "v3-b2-ps64": (lambda: v3_config(), 2, 24, None, 64),
+    "v3-b3-leftpad-ps8": (lambda: v3_config(), 3, 24, "left", 8),
+    "v3-rotate_half-b2-leftpad-ps4": (lambda: v3_config(rope_interleave=False), 2, 20, "left", 4),
+    "v2-b2-leftpad-ps16": (lambda: v2_config(), 2, 20, "left", 16),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_decode_matches_stock(case, seed, gen):
-    make_config, batch, length, left_pad, page_size = CASES[case]
+    make_config, batch, length, pad, page_size = CASES[case]
     model = build(make_config(), seed)
-    ids, mask = prompts(gen, batch, length, model.config.vocab_size, left_pad=left_pad)
+    ids, mask = prompts(gen, batch, length, model.config.vocab_size, left_pad=pad == "left")
     check_against_stock(model, ids, mask, 12, backend="reference", page_size=page_size)
 
 
@@ -268,7 +275,7 @@ def stepwise_logits(model, ids, mask, tokens, *, between=None):
             if t > 0:
                 mask = torch.cat([mask, torch.ones_like(chunk)], dim=1)
             positions = (mask.cumsum(-1) - 1).clamp_min(0)[:, -chunk.shape[1]:]
-            out = model(chunk, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+            out = model(chunk, attention_mask=mask, position_ids=positions, use_cache=True, **{CACHE: cache})
             logits.append(out.logits[:, -1].float())
     return torch.stack(logits, dim=1)
 
@@ -309,6 +316,21 @@ def test_cache_changed_outside_is_copied_again(seed, gen):
     assert_as_close_as_stock(ours, stock, exact, "stepwise")
 
 
+def test_right_padding(seed, gen):
+    """Right-padded rows (pads between the prompt and the new tokens) keep only their real tokens. Stepwise with
+    position ids from the mask: generate() itself numbers the new tokens of right-padded rows from 1."""
+    model = build(v3_config(), seed)
+    ids, mask = prompts(gen, 3, 20, model.config.vocab_size, left_pad=False, right_pad=True)
+    tokens = torch.randint(3, model.config.vocab_size, (3, 6), generator=gen)
+    stock = stepwise_logits(model, ids, mask, tokens)
+    exact = stepwise_logits(copy.deepcopy(model).float(), ids, mask, tokens)
+    with mla_tf.enable(model, backend="reference", page_size=8) as handle:
+        ours = stepwise_logits(model, ids, mask, tokens)
+        assert handle.stats == {"decode_steps": 6, "other_steps": 1, "cache_copies": 0}, handle.stats
+        assert handle.latent_cache(0)[2].tolist() == (mask.sum(1) + 6).tolist()
+    assert_as_close_as_stock(ours, stock, exact, "right padding")
+
+
 def test_multi_token_decode_is_causal(seed, gen):
     """decode_max_query_len > 1: a 4-token step goes through mla_dispatch, causally, like stock's chunk."""
     model = build(v3_config(), seed)
@@ -319,10 +341,10 @@ def test_multi_token_decode_is_causal(seed, gen):
         cache = DynamicCache(config=model.config)
         with torch.no_grad():
             positions = (mask.cumsum(-1) - 1).clamp_min(0)
-            model(ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True)
+            model(ids, attention_mask=mask, position_ids=positions, use_cache=True, **{CACHE: cache})
             full = torch.cat([mask, torch.ones_like(chunk)], dim=1)
             positions = (full.cumsum(-1) - 1)[:, -4:]
-            out = model(chunk, attention_mask=full, position_ids=positions, past_key_values=cache, use_cache=True)
+            out = model(chunk, attention_mask=full, position_ids=positions, use_cache=True, **{CACHE: cache})
         return out.logits.float()  # [B, 4, vocab]: each chunk token's next-token logits
 
     stock, exact = run(model), run(copy.deepcopy(model).float())
@@ -384,13 +406,14 @@ def test_unsupported_cache_or_mask_raises_naming_it(seed, gen):
     model = build(v3_config(layers=1), seed)
     ids, mask = prompts(gen, 2, 8, model.config.vocab_size, left_pad=False)
     with mla_tf.enable(model, backend="reference"):
-        with pytest.raises(ValueError, match="past_key_values must be a transformers DynamicCache.*StaticCache"):
+        with pytest.raises(ValueError, match=r"past_key_values \(`cache` in newer transformers\) must be a "
+                                             r"transformers DynamicCache .*got StaticCache"):
             model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, cache_implementation="static")
         mask4d = torch.zeros(2, 1, 8, 8, dtype=torch.bfloat16)
         with pytest.raises(ValueError, match=r"attention_mask must be the 2-D padding mask .*\[2, 1, 8, 8\]"):
-            model(ids, attention_mask=mask4d, past_key_values=DynamicCache(config=model.config), use_cache=True)
+            model(ids, attention_mask=mask4d, use_cache=True, **{CACHE: DynamicCache(config=model.config)})
         with pytest.raises(ValueError, match=r"attention_mask must be \[2, 8\]"):
-            model(ids, attention_mask=mask[:, :5], past_key_values=DynamicCache(config=model.config), use_cache=True)
+            model(ids, attention_mask=mask[:, :5], use_cache=True, **{CACHE: DynamicCache(config=model.config)})
         # without a cache there is nothing to mirror: stock attention, no error
         model(ids, attention_mask=mask, use_cache=False)
 

@@ -400,8 +400,8 @@ class TransformersMLAHandle:
     def _check_cache(self, cache) -> None:
         if not isinstance(cache, self._dynamic_cache_cls) or getattr(cache, "offloading", False):
             kind = type(cache).__name__ + (" (offloading)" if getattr(cache, "offloading", False) else "")
-            raise ValueError(f"past_key_values must be a transformers DynamicCache without offloading for "
-                             f"mla_dispatch's decode, got {kind} (use the default cache: no "
+            raise ValueError(f"past_key_values (`cache` in newer transformers) must be a transformers DynamicCache "
+                             f"without offloading for mla_dispatch's decode, got {kind} (use the default cache: no "
                              "cache_implementation=..., or disable() the integration)")
         for layer in getattr(cache, "layers", ()):
             if type(layer) is not self._dynamic_layer_cls:
