@@ -188,7 +188,8 @@ def environment(args, device: torch.device, config) -> dict:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = f"{'backend':>12} {'used':>10} {'batch':>5} {'prefill ms':>10} {'ms/step':>8} {'tok/s':>9} {'x stock':>7} {'differ':>7}"
+    head = (f"{'backend':>12} {'used':>10} {'batch':>5} {'prefill ms':>10} {'ms/step':>8} {'tok/s':>9} "
+            f"{'x stock':>7} {'differ':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         if "error" in r:

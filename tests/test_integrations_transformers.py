@@ -33,8 +33,8 @@ import math
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", minversion="5.17",
-                                   reason="transformers>=5.17 is not installed (pip install 'mla-dispatch[transformers]')")
+transformers = pytest.importorskip(
+    "transformers", minversion="5.17", reason="transformers>=5.17 is not installed (pip install -e '.[transformers]')")
 
 from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config,  # noqa: E402
                           DeepseekV3ForCausalLM, DynamicCache, LogitsProcessor, LogitsProcessorList)
@@ -58,7 +58,7 @@ def v3_config(*, heads=4, hidden=128, nope=32, v_dim=32, layers=2, vocab=256, ro
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden // 2,
         num_hidden_layers=layers, first_k_dense_replace=layers, num_attention_heads=heads, num_key_value_heads=heads,
         n_routed_experts=4, n_group=1, topk_group=1, num_experts_per_tok=2, kv_lora_rank=512, q_lora_rank=64,
-        qk_rope_head_dim=64, qk_nope_head_dim=nope, v_head_dim=v_dim, max_position_embeddings=1024,
+        qk_rope_head_dim=64, qk_nope_head_dim=nope, v_head_dim=v_dim, max_position_embeddings=512,  # 4 x 128 (YaRN)
         rope_interleave=rope_interleave, rope_parameters=dict(rope), initializer_range=0.1,
         pad_token_id=0, bos_token_id=1, eos_token_id=None)
 
@@ -382,7 +382,7 @@ def test_enable_rejects_what_it_cannot_run(seed):
     # a named backend that cannot run here raises in enable(), not during generation
     with pytest.raises(NotImplementedError, match="Backend 'cuda_sm90' was requested but cannot run"):
         mla_tf.enable(model, backend="cuda_sm90")
-    with pytest.raises(ValueError, match="bfloat16 or float16"):
+    with pytest.raises(ValueError, match="model must be in bfloat16 or float16 .*got torch.float32"):
         mla_tf.enable(copy.deepcopy(model).float())
     quantised = copy.deepcopy(model)
 

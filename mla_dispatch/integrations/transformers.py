@@ -700,6 +700,9 @@ def _check_attention(module, first) -> None:
             raise ValueError(f"model is already enabled ({name}): disable() its handle first")
         raise ValueError(f"model's {name} already has a replaced forward; mla_dispatch would hide it")
     weight = getattr(module.kv_b_proj, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dtype in (torch.float32, torch.float64):
+        raise ValueError(f"model must be in bfloat16 or float16 for mla_dispatch's decode kernels, got {weight.dtype} "
+                         f"({name}): model.to(torch.bfloat16) first")
     if (type(module.kv_b_proj) is not torch.nn.Linear or module.kv_b_proj.bias is not None
             or not isinstance(weight, torch.Tensor) or weight.dtype not in _MODEL_DTYPES):
         got = f"{type(module.kv_b_proj).__name__} with weight {getattr(weight, 'dtype', None)}"
