@@ -16,8 +16,8 @@ attention call; end to end, through norms, MLPs and lm_head, a bound relative to
 the one that carries over.
 
 **Greedy tokens.** Free-running generations must give the same tokens, except that a sequence may part from
-stock's where stock's top two logits are closer than the two runs' bf16 errors together (a near-tie, which
-bf16 rounding may decide either way); the token it picks there must be one of those two. Logits themselves are
+stock's at a near-tie: where the token ours picks has a stock logit within twice the largest difference between
+the two runs' logits of stock's best (bf16 rounding may decide such a tie either way). Logits themselves are
 compared teacher-forced (a logits processor feeds stock's tokens), so every step is compared.
 
 Models are all-dense (``first_k_dense_replace`` = number of layers): a routed MoE's top-k is discontinuous, and
@@ -136,17 +136,16 @@ def assert_as_close_as_stock(ours, stock, exact, what=""):
 
 
 def assert_same_greedy_tokens(ours, stock, stock_logits, noise):
-    """Equal tokens, except from a step where stock's top two logits were within ``noise`` (and ours took one)."""
+    """Equal tokens, except from a step where ours picked a token whose stock logit is within ``noise`` of stock's
+    best (a near-tie: no later step of that sequence is compared, their inputs differ)."""
     for row in range(stock.shape[0]):
         differ = (ours[row] != stock[row]).nonzero()
         if differ.numel() == 0:
             continue
         t = int(differ[0])
-        top2 = stock_logits[row, t].topk(2)
-        gap = float(top2.values[0] - top2.values[1])
-        assert gap <= noise and int(ours[row, t]) in top2.indices.tolist(), (
-            f"row {row} parts from stock at step {t}: ours {int(ours[row, t])}, stock {int(stock[row, t])}, "
-            f"stock's top-2 gap {gap:.4g} > the bf16 noise {noise:.4g}")
+        short = float(stock_logits[row, t].max() - stock_logits[row, t, ours[row, t]])
+        assert short <= noise, (f"row {row} parts from stock at step {t}: ours {int(ours[row, t])}, stock "
+                                f"{int(stock[row, t])}, whose logit is {short:.4g} above ours' choice (noise {noise:.4g})")
 
 
 def check_against_stock(model, ids, mask, new_tokens, *, backend, page_size, **enable_kwargs):
@@ -161,8 +160,10 @@ def check_against_stock(model, ids, mask, new_tokens, *, backend, page_size, **e
         assert handle.last_plan.softmax_scale == model.model.layers[0].self_attn.scaling
         ours_tokens, _ = generate(model, ids, mask, new_tokens)
     exact = fp32_logits(model, ids, mask, stock_tokens)
-    err_ours, err_stock = assert_as_close_as_stock(ours_logits, stock_logits, exact, "teacher-forced")
-    assert_same_greedy_tokens(ours_tokens, stock_tokens, stock_logits, noise=err_ours + err_stock)
+    assert_as_close_as_stock(ours_logits, stock_logits, exact, "teacher-forced")
+    # ours may prefer another token where the two runs' logits differ by more than stock's margin for its own
+    noise = 2 * float((ours_logits - stock_logits).abs().max())
+    assert_same_greedy_tokens(ours_tokens, stock_tokens, stock_logits, noise)
     return handle
 
 
