@@ -7,13 +7,15 @@ compares.
 
 **What "agree" means.** The tiny models run in bf16, so stock transformers is itself some way off the exact
 function of its weights. The exact function is approximated by the same weights in fp32 (stock attention,
-teacher-forced on the same tokens). Our logits must be no further from it than stock bf16's are, within
-``ERROR_RATIO`` (1.5x), in the largest and in the mean absolute error. Across 40 seeds the ratio stayed within
-0.86-1.24 (median 1.0); a softmax scale 2% off already pushes it to 1.6-2.3, 10% off to 5-9 (the models are
-initialised with std 0.1 so that attention scores are O(1) and attention decides the logits; with
-transformers' 0.02 the softmax is nearly uniform and no attention bug would show). docs/design.md §5 bounds one
-attention call; end to end, through norms, MLPs and lm_head, a bound relative to stock's own bf16 error is
-the one that carries over.
+teacher-forced on the same tokens). Our logits must be no further from it than stock bf16's are: the RMS of our
+error at most ``RMS_RATIO`` (1.3) times stock's, and, as a guard against a few far-off logits, the largest at
+most ``MAX_RATIO`` (2.5) times stock's largest. Measured over 50 seeds of the generate cases and 40 of each
+stepwise test, the RMS ratio stayed within 0.87-1.17 (median 1.00) and the max ratio within 0.62-1.58 (a
+maximum over a few thousand logits is a noisy statistic, hence its wider bound); a softmax scale 2% off pushes
+the RMS ratio to 1.57-1.88, 5% off to 3.2-4.0 (the models are initialised with std 0.1 so that attention scores
+are O(1) and attention decides the logits; with transformers' 0.02 the softmax is nearly uniform and no
+attention bug would show). docs/design.md §5 bounds one attention call; end to end, through norms, MLPs and
+lm_head, a bound relative to stock's own bf16 error is the one that carries over.
 
 **Greedy tokens.** Free-running generations must give the same tokens, except that a sequence may part from
 stock's at a near-tie: where the token ours picks has a stock logit within twice the largest difference between
@@ -41,8 +43,9 @@ from transformers import (DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Con
 
 from mla_dispatch.integrations import transformers as mla_tf  # noqa: E402
 
-#: our error against the fp32 run may be this many times stock bf16's (see the module docstring)
-ERROR_RATIO = 1.5
+#: our error against the fp32 run may be this many times stock bf16's: RMS, and largest (see the module docstring)
+RMS_RATIO = 1.3
+MAX_RATIO = 2.5
 
 #: the models' cache argument: ``cache`` in the newest 5.2x releases, ``past_key_values`` before (still accepted,
 #: with a deprecation warning)
@@ -126,13 +129,14 @@ def fp32_logits(model, ids, mask, tokens):
 
 
 def assert_as_close_as_stock(ours, stock, exact, what=""):
-    """Our error against ``exact`` within ERROR_RATIO of stock's, in max and mean absolute error."""
+    """Our error against ``exact`` within RMS_RATIO of stock's in RMS, within MAX_RATIO in the largest."""
     assert torch.isfinite(ours).all(), f"{what}: non-finite logits"
     err_ours, err_stock = (ours - exact).abs(), (stock - exact).abs()
-    for name, o, s in (("max", err_ours.max(), err_stock.max()), ("mean", err_ours.mean(), err_stock.mean())):
-        assert o <= ERROR_RATIO * s, (f"{what}: {name} |logit error| vs fp32 {o:.4g} > {ERROR_RATIO} x stock bf16's "
-                                      f"{s:.4g} (max |logit| {exact.abs().max():.3g})")
-    return float(err_ours.max()), float(err_stock.max())
+    rms_ours, rms_stock = err_ours.pow(2).mean().sqrt(), err_stock.pow(2).mean().sqrt()
+    for name, o, s, bound in (("RMS", rms_ours, rms_stock, RMS_RATIO),
+                              ("largest", err_ours.max(), err_stock.max(), MAX_RATIO)):
+        assert o <= bound * s, (f"{what}: {name} logit error vs fp32 {o:.4g} > {bound} x stock bf16's {s:.4g} "
+                                f"(max |logit| {exact.abs().max():.3g})")
 
 
 def assert_same_greedy_tokens(ours, stock, stock_logits, noise):
@@ -212,7 +216,7 @@ def test_softmax_scale_is_the_modules_and_a_wrong_one_is_seen(seed, gen, monkeyp
         forced = LogitsProcessorList([ForceTokens(stock_tokens, ids.shape[1])])
         _, wrong = generate(model, ids, mask, 8, logits_processor=forced)
         assert handle.last_plan.softmax_scale == pytest.approx(attention.scaling * 1.1)
-    with pytest.raises(AssertionError, match="x stock bf16"):
+    with pytest.raises(AssertionError, match="RMS logit error vs fp32 .* x stock bf16's"):
         assert_as_close_as_stock(wrong, stock_logits, fp32_logits(model, ids, mask, stock_tokens))
 
 
@@ -335,8 +339,8 @@ def test_right_padding(seed, gen):
 def test_multi_token_decode_is_causal(seed, gen):
     """decode_max_query_len > 1: a 4-token step goes through mla_dispatch, causally, like stock's chunk."""
     model = build(v3_config(), seed)
-    ids, mask = prompts(gen, 2, 16, model.config.vocab_size, left_pad=True)
-    chunk = torch.randint(3, model.config.vocab_size, (2, 4), generator=gen)
+    ids, mask = prompts(gen, 3, 16, model.config.vocab_size, left_pad=True)
+    chunk = torch.randint(3, model.config.vocab_size, (3, 4), generator=gen)
 
     def run(model):
         cache = DynamicCache(config=model.config)
