@@ -618,6 +618,7 @@ def enable(model, *, backend: str = "auto", page_size: int = 64, decode_max_quer
     ----------
     model : DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, DeepseekV2Model or DeepseekV3Model
         A loaded transformers model in bfloat16 or float16, every attention layer on one device.
+        Move or cast it before enabling: the paged cache takes the device and dtype it has now.
     backend : str
         ``"auto"`` (the best backend here) or a registered name (``python -m mla_dispatch info``).
         A named backend that cannot run the model's decode raises here, never later.
