@@ -188,7 +188,7 @@ class _LatentPages:
                 parts.append(table[pos // self.page_size] * self.page_size + pos % self.page_size)
         if not parts:
             return torch.empty(0, dtype=torch.int64, device=self.device)
-        return torch.cat(parts).to(self.device, non_blocking=True)
+        return torch.cat(parts).to(self.device)
 
     def reserve(self, counts: list[int]) -> torch.Tensor:
         """Append ``counts[b]`` tokens to each row; returns their slots (see :meth:`slots`)."""
@@ -216,7 +216,7 @@ class _LatentPages:
             for row, blocks in enumerate(self.blocks):
                 table[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
             lens = torch.tensor(self.lengths, dtype=torch.int32)
-            self._inputs = (table.to(self.device, non_blocking=True), lens.to(self.device, non_blocking=True))
+            self._inputs = (table.to(self.device), lens.to(self.device))
         return self._inputs
 
 
