@@ -143,6 +143,13 @@ def _fragmentation_grid() -> list[BenchConfig]:
             for h_q in (128, 16) for ps in (1, 16, 64) for ordered in (False, True)]
 
 
+def _fp8_heads_grid() -> list[BenchConfig]:
+    memory_bound = [BenchConfig(64, 1, h_q, 8192, kv_format=fmt)
+                    for h_q in (16, 32) for fmt in (None, "fp8_e4m3", "fp8_ds_mla")]
+    compute_bound = [BenchConfig(128, 1, 128, 8192, varlen=True, kv_format=fmt) for fmt in (None, "fp8_e4m3")]
+    return memory_bound + compute_bound
+
+
 def _fp8_grid() -> list[BenchConfig]:
     dense = [BenchConfig(128, s_q, 128, 8192, varlen=True, kv_format=fmt)
              for fmt in ("fp8_e4m3", "fp8_ds_mla") for s_q in (1, 2)]
@@ -168,6 +175,8 @@ GRIDS = {
     "pages": ("page sizes 1/16/64/128/256: b=64, h_q=128, varlen L-bar 8192", _pages_grid),
     "fragmentation": ("pages 1/16/64 with random and ordered block tables: b=64, h_q 128/16, varlen L-bar 8192",
                       _fragmentation_grid),
+    "fp8-heads": ("fp8 caches beside their 16-bit twin: b=64 L=8192 h_q 16/32 (fp8_e4m3, fp8_ds_mla) and b=128 "
+                  "h_q=128 L-bar 8192 (fp8_e4m3)", _fp8_heads_grid),
     "fp8": ("fp8 caches: fp8_e4m3 and fp8_ds_mla dense (b=128, L-bar 8192) and sparse topk=2048", _fp8_grid),
     "quick": ("a handful of small configs (seconds on a CPU with the reference backend)", _quick_grid),
 }
