@@ -5,6 +5,8 @@ each interface (a FlashMLASchedMeta is one per step; legacy tensors encode s_q*h
 and the lengths), and the sparse-decode rules.
 """
 
+import warnings
+
 import pytest
 import torch
 
@@ -109,10 +111,15 @@ def test_graph_plan_fills_the_schedule_before_the_first_call(monkeypatch, fake, 
 
 
 def test_compat_alias_is_not_mistaken_for_flashmla(monkeypatch):
-    from mla_dispatch.compat.flash_mla import install_flash_mla_alias, uninstall_flash_mla_alias
+    from mla_dispatch.compat.flash_mla import (FlashMLAShadowWarning, install_flash_mla_alias,
+                                               uninstall_flash_mla_alias)
 
     forget(FlashMLABackend)
-    install_flash_mla_alias()
+    # shadow_installed: where a real flash_mla is installed too (the alias then warns that it hides it), the alias
+    # must still be seen for what it is
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FlashMLAShadowWarning)
+        install_flash_mla_alias(shadow_installed=True)
     try:
         reasons = FlashMLABackend.availability_reasons()
         assert reasons and "own alias" in reasons[0].message
