@@ -202,3 +202,21 @@ def test_kernels_are_batch_invariant(backend, cid, kw, split, gen):
 
 if __name__ == "__main__":
     _interpret_child(int(sys.argv[1]))
+
+
+def test_auto_ignores_the_tuned_table_when_batch_invariant(gen):
+    """The measured table's winner changes with the batch; a batch-invariant problem keeps the default order."""
+    import dataclasses
+
+    from mla_dispatch.dispatch.select import priority
+    from mla_dispatch.dispatch.tuned import shape_bucket
+
+    from fakes import H100
+
+    case = make_case(2, 1, 16, 50, generator=gen)
+    problem = plan_decode(*case.args(), **case.kwargs()).problem
+    default = priority(problem, H100)
+    table = {shape_bucket(problem): default[-2]}  # a measured winner that is not first by default
+    assert priority(problem, H100, table)[0] == default[-2]
+    invariant = dataclasses.replace(problem, batch_invariant=True)
+    assert priority(invariant, H100, table) == priority(invariant, H100) == default

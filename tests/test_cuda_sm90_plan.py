@@ -183,3 +183,16 @@ def test_batch_invariant_plan_pins_its_launch(monkeypatch):
     assert launches == {(cuda_sm90.invariant_variant(p), False, True)}
     with pytest.raises(ValueError, match=r"split_tokens'\]=512 applies to batch_invariant=True plans only"):
         _cpu_plan(monkeypatch, problem(), torch.full((128,), 10, dtype=torch.int32), split_tokens=512)
+
+
+def test_batch_invariant_workspace_is_bounded(monkeypatch):
+    """A batch-invariant plan holds a partial row per possible piece: a wide table at a large batch is refused with
+    the split_tokens that would fit, not allocated (10+ GiB here)."""
+    p = dataclasses.replace(problem(batch=256, max_blocks=2560), batch_invariant=True)  # 160K-token table
+    lens = torch.full((256,), 1000, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"would take 10\.\d GiB .*split_tokens': 4096\}"):
+        _cpu_plan(monkeypatch, p, lens)
+    state = _cpu_plan(monkeypatch, p, lens, split_tokens=4096)
+    assert state.schedule.max_items == 256 * 40
+    too_many = dataclasses.replace(problem(batch=70000, max_blocks=1), batch_invariant=True)
+    assert any("batch=70000" in str(r) for r in CudaSM90Backend.extra_reasons(too_many, None))

@@ -34,8 +34,8 @@ import torch
 
 from mla_dispatch.dispatch.backend import (BackendOption, BackendState, CGSupport, MLABackend, Reason, ReasonCode,
                                            untraced_eager)
-from mla_dispatch.metadata.schedule import (BATCH_INVARIANT_SPLIT_TOKENS, SPLIT_TOKENS_CHOICES, fixed_split_schedule,
-                                           split_kv_schedule)
+from mla_dispatch.metadata.schedule import (BATCH_INVARIANT_SPLIT_TOKENS, SPLIT_TOKENS_CHOICES,
+                                           check_invariant_workspace, fixed_split_schedule, split_kv_schedule)
 from mla_dispatch.metadata.combine import first_slots
 from mla_dispatch.dispatch.platform import Platform
 from mla_dispatch.dispatch.problem import DecodeProblem
@@ -399,6 +399,13 @@ class CudaSM90Backend(MLABackend):
         return cls.SCHEDULE_OVERHEAD_BY_VARIANT.get(variant, 5)
 
     @classmethod
+    def extra_reasons(cls, problem: DecodeProblem, platform: Platform) -> list[Reason]:
+        if problem.batch_invariant and problem.batch > 65535:  # the per-request combine's grid y (launch.cu)
+            return [Reason(ReasonCode.FEATURE, f"batch_invariant=True with batch={problem.batch} (supported: "
+                                               "<= 65535 requests)")]
+        return []
+
+    @classmethod
     def _check_availability(cls) -> list[Reason]:
         reasons = super()._check_availability()
         if reasons:
@@ -430,9 +437,13 @@ class CudaSM90Backend(MLABackend):
         if overhead is None:
             overhead = cls.schedule_overhead(launch.variant)
         if p.batch_invariant:
+            split = options.get("split_tokens", BATCH_INVARIANT_SPLIT_TOKENS)
+            capacity = p.max_blocks * p.page_size
+            pieces = p.batch * max(1, -(-capacity // split))
+            check_invariant_workspace(pieces * p.q_len * p.num_heads_q * (p.head_dim_v * 4 + 4), p.batch, capacity,
+                                      split)
             schedule = fixed_split_schedule(cache_seqlens, num_parts=num_parts, chunk_size=BLOCK_N,
-                                            split_tokens=options.get("split_tokens", BATCH_INVARIANT_SPLIT_TOKENS),
-                                            overhead=overhead, capacity=p.max_blocks * p.page_size)
+                                            split_tokens=split, overhead=overhead, capacity=capacity)
         else:
             schedule = split_kv_schedule(cache_seqlens, num_parts=num_parts, chunk_size=BLOCK_N, overhead=overhead,
                                          capacity=p.max_blocks * p.page_size)

@@ -29,8 +29,8 @@ import torch
 from types import MappingProxyType
 
 from mla_dispatch.dispatch.backend import BackendOption, BackendState, CGSupport, MLABackend, Reason, ReasonCode
-from mla_dispatch.metadata.schedule import (BATCH_INVARIANT_SPLIT_TOKENS, SPLIT_TOKENS_CHOICES, fixed_split_schedule,
-                                           split_kv_schedule)
+from mla_dispatch.metadata.schedule import (BATCH_INVARIANT_SPLIT_TOKENS, SPLIT_TOKENS_CHOICES,
+                                           check_invariant_workspace, fixed_split_schedule, split_kv_schedule)
 from mla_dispatch.metadata.combine import first_slots
 from mla_dispatch.dispatch.platform import Platform
 from mla_dispatch.dispatch.problem import DecodeProblem
@@ -151,9 +151,12 @@ class TritonBackend(MLABackend):
             if not (isinstance(split_tokens, int) and split_tokens > 0 and split_tokens % cfg.chunk_size == 0):
                 raise ValueError(f"backend_options['split_tokens'] must be a positive multiple of the kernel's chunk "
                                  f"({cfg.chunk_size} tokens), got {split_tokens!r}")
+            capacity = p.topk if p.sparse else capacity
+            pieces = p.batch * max(1, -(-capacity // split_tokens))
+            check_invariant_workspace(pieces * p.q_len * p.num_heads_q * (p.head_dim_v * 4 + 4), p.batch, capacity,
+                                      split_tokens)
             schedule = fixed_split_schedule(lengths, num_parts=num_parts, chunk_size=cfg.chunk_size,
-                                            split_tokens=split_tokens, overhead=overhead,
-                                            capacity=p.topk if p.sparse else capacity)
+                                            split_tokens=split_tokens, overhead=overhead, capacity=capacity)
         else:
             schedule = split_kv_schedule(lengths, num_parts=num_parts, chunk_size=cfg.chunk_size, overhead=overhead,
                                          capacity=capacity)

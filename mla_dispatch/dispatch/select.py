@@ -51,10 +51,12 @@ def priority(problem: DecodeProblem, platform: Platform, table: dict[str, str] |
     registered with each backend (:func:`mla_dispatch.dispatch.registry.default_order`):
     third-party backends that declare none go just before ``reference``; a
     backend whose priority omits the platform (``amla_emulation``) is never a
-    candidate for "auto".
+    candidate for "auto". A ``batch_invariant`` problem ignores the table (its choice
+    would change with the batch, and two backends round differently).
     """
     order = list(default_order(platform_key(platform)))
-    if table:
+    # a batch-invariant problem keeps one backend whatever the batch: the table's winner depends on the batch
+    if table and not problem.batch_invariant:
         best = lookup(table, problem)
         if best in order:
             order.remove(best)

@@ -138,9 +138,10 @@ class MLADispatchAttnBackend(AttentionBackend):
         if mode.is_decode_or_idle():
             # Eager batches get a table only as wide as their longest request (the host
             # copy of the lengths is there already: no sync); graph batches use the full width.
+            # Batch-invariant plans keep the full width too: the reference's rounding follows the table's width.
             seq_lens_cpu = getattr(forward_batch, "seq_lens_cpu", None)
             width = self.max_blocks
-            if seq_lens_cpu is not None and seq_lens_cpu.numel():
+            if seq_lens_cpu is not None and seq_lens_cpu.numel() and not self.batch_invariant:
                 width = min(self.max_blocks, max_blocks_for(int(seq_lens_cpu.max()), self.page_size))
             self.forward_metadata = _DecodeStep(
                 block_table=sglang_block_table(self.req_to_token, forward_batch.req_pool_indices,

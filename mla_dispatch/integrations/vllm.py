@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import ClassVar
 
 import torch
@@ -144,10 +145,17 @@ class MLADispatchBackend(MLACommonBackend):
 
 
 def _batch_invariant_mode() -> bool:
-    """Whether vLLM runs in its batch-invariant mode (``VLLM_BATCH_INVARIANT``, vllm/envs.py)."""
-    import vllm.envs as envs
+    """Whether vLLM runs in its batch-invariant mode: ``VLLM_BATCH_INVARIANT`` (vllm/envs.py in 0.33), or the
+    helper other releases keep (``vllm.model_executor.layers.batch_invariant.vllm_is_batch_invariant``)."""
+    try:
+        from vllm.model_executor.layers.batch_invariant import vllm_is_batch_invariant
+    except ImportError:
+        import vllm.envs as envs
 
-    return bool(getattr(envs, "VLLM_BATCH_INVARIANT", False))
+        if hasattr(envs, "VLLM_BATCH_INVARIANT"):
+            return bool(envs.VLLM_BATCH_INVARIANT)
+        return os.environ.get("VLLM_BATCH_INVARIANT", "0") not in ("", "0")
+    return bool(vllm_is_batch_invariant())
 
 
 class _PlanSlot:

@@ -30,6 +30,10 @@ increasing request order.  Every request has at least one item: a zero-length
 request has exactly one, with an empty token range, whose kernel writes
 ``out = 0`` and ``lse = +inf``.
 
+A batch-invariant schedule (:func:`fixed_split_schedule`) cuts every request at multiples of a fixed
+token count instead, so a request's pieces depend on its own length only; its shapes depend on
+``(batch, capacity, split_tokens)``.
+
 Everything is computed with tensor operations on the device holding
 ``cache_seqlens``: no host synchronisation, and every shape depends only on
 ``(batch, num_parts)``, so the computation can run inside a CUDA graph (or
@@ -49,7 +53,7 @@ import os
 import torch
 
 __all__ = ["SplitKVSchedule", "split_kv_schedule", "fixed_split_schedule", "default_num_parts",
-           "BATCH_INVARIANT_SPLIT_TOKENS", "SPLIT_TOKENS_CHOICES", "ITEM_REQ", "ITEM_BEGIN", "ITEM_END", "ITEM_SLOT"]
+           "BATCH_INVARIANT_SPLIT_TOKENS", "SPLIT_TOKENS_CHOICES", "check_invariant_workspace", "ITEM_REQ", "ITEM_BEGIN", "ITEM_END", "ITEM_SLOT"]
 
 ITEM_REQ, ITEM_BEGIN, ITEM_END, ITEM_SLOT = range(4)
 
@@ -61,6 +65,31 @@ SCHEDULE_IMPLS = ("auto", "torch", "triton")
 BATCH_INVARIANT_SPLIT_TOKENS = 1024
 #: The piece sizes backends accept as ``backend_options={"split_tokens": ...}`` (for experiments).
 SPLIT_TOKENS_CHOICES = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+#: Largest partial-result workspace a batch-invariant plan may allocate: it holds one row per possible piece,
+#: ``batch * ceil(capacity / split_tokens)`` of them (a long table and a large batch reach many GiB).
+BATCH_INVARIANT_MAX_WORKSPACE_BYTES = 4 << 30
+
+
+def check_invariant_workspace(nbytes: int, batch: int, capacity: int, split_tokens: int) -> None:
+    """Refuse a batch-invariant plan whose partial-result workspace would exceed
+    :data:`BATCH_INVARIANT_MAX_WORKSPACE_BYTES`.
+
+    Raises
+    ------
+    ValueError
+        Naming the workspace, its cause and the ``split_tokens`` that would fit.
+    """
+    if nbytes <= BATCH_INVARIANT_MAX_WORKSPACE_BYTES:
+        return
+    per_piece = nbytes / max(1, batch * max(1, -(-capacity // split_tokens)))
+    fits = next((s for s in SPLIT_TOKENS_CHOICES
+                 if batch * max(1, -(-capacity // s)) * per_piece <= BATCH_INVARIANT_MAX_WORKSPACE_BYTES), None)
+    hint = (f"pass backend_options={{'split_tokens': {fits}}} or more" if fits is not None
+            else "use a smaller batch or a narrower block table")
+    raise ValueError(
+        f"batch_invariant=True: the partial-result workspace for batch={batch} and a block table of {capacity} "
+        f"tokens in pieces of split_tokens={split_tokens} would take {nbytes / 2**30:.1f} GiB (limit "
+        f"{BATCH_INVARIANT_MAX_WORKSPACE_BYTES / 2**30:.0f} GiB); {hint}")
 
 
 @dataclasses.dataclass
@@ -71,7 +100,8 @@ class SplitKVSchedule:
     ----------
     items : Tensor
         int32 ``[max_items, 4]``: ``(req, token_begin, token_end, slot)``;
-        ``max_items = batch + num_parts``; unused rows have ``req = -1``.
+        ``max_items = batch + num_parts`` (a fixed-split schedule: ``batch * max(1, ceil(capacity /
+        split_tokens))``); unused rows have ``req = -1``.
     part_offsets : Tensor
         int32 ``[num_parts + 1]``: part ``p`` owns ``items[part_offsets[p]:part_offsets[p+1]]``.
     num_splits : Tensor
