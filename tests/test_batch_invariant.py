@@ -8,6 +8,7 @@ against batches of 1 to 64 other random requests.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -220,3 +221,27 @@ def test_auto_ignores_the_tuned_table_when_batch_invariant(gen):
     assert priority(problem, H100, table)[0] == default[-2]
     invariant = dataclasses.replace(problem, batch_invariant=True)
     assert priority(invariant, H100, table) == priority(invariant, H100) == default
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_reference_in_fixed_chunks_is_right_and_width_invariant(causal, gen):
+    """The batch-invariant reference (an online softmax over fixed chunks of table positions) against the float64
+    oracle, and a wider block table (more empty chunks) gives the same bits; a bad block id poisons its request."""
+    from oracle64 import naive_attention
+
+    from mla_dispatch.numerics.tolerance import compare_outputs
+    from mla_dispatch.backends.reference import ReferenceBackend
+
+    case = make_case(4, 2, 8, 700, page_size=16, causal=causal, zero_len_rows=1, generator=gen)
+    plan = plan_decode(*case.args(), **case.kwargs(), batch_invariant=True)
+    out, lse = plan.run(case.q, case.kv_cache)
+    want_out, want_lse = naive_attention(case)
+    report = compare_outputs(out, lse, want_out.float(), want_lse.float(), ReferenceBackend.TOLERANCE)
+    assert report, report.message
+    wide = dataclasses.replace(case, block_table=torch.cat([case.block_table, torch.zeros_like(case.block_table)], 1))
+    wide_out, wide_lse = plan_decode(*wide.args(), **wide.kwargs(), batch_invariant=True).run(wide.q, wide.kv_cache)
+    assert torch.equal(wide_out, out) and torch.equal(wide_lse, lse)
+    bad = dataclasses.replace(case, block_table=case.block_table.clone())
+    bad.block_table[0, 0] = -1
+    bad_out, bad_lse = plan_decode(*bad.args(), **bad.kwargs(), batch_invariant=True).run(bad.q, bad.kv_cache)
+    assert bad_out[0].isnan().all() and bad_lse[0].isnan().all() and torch.equal(bad_out[1:], out[1:])

@@ -30,6 +30,58 @@ def _softmax_rows(scores: torch.Tensor, values: torch.Tensor, v_eq: str) -> tupl
     return out, lse
 
 
+#: table positions per step of the batch-invariant dense reference: every step has this shape, whatever the table
+_INVARIANT_CHUNK = 256
+
+
+def _one_request_in_fixed_chunks(qf, kv_cache, table_row, seqlen, *, cap, head_dim_v, scale, causal, kv_format,
+                                 kv_scale):
+    """One dense request (``qf`` fp32 ``[s_q, h_kv, group, D]``) by an online softmax over chunks of
+    :data:`_INVARIANT_CHUNK` table positions; returns fp32 ``out [s_q, h_kv, group, D_v]`` and ``lse [s_q, h_kv,
+    group]`` (0 / +inf without keys, NaN for a bad block id among the request's entries).
+
+    Every chunk has the same shape, and a chunk with no visible key leaves the state as it was (``torch.where``,
+    not an update by zero), so a wider table, whose extra chunks see no key, gives the same bits.
+    """
+    q_len, h_kv, group, _ = qf.shape
+    num_blocks, page_size = kv_cache.shape[:2]
+    dev = qf.device
+    length = seqlen.long().clamp(0, cap)
+    limit = seqlen.long().expand(q_len)
+    if causal:
+        limit = limit - q_len + 1 + torch.arange(q_len, device=dev)
+    m = torch.full((q_len, h_kv, group), float("-inf"), device=dev)
+    l = torch.zeros((q_len, h_kv, group), device=dev)
+    acc = torch.zeros((q_len, h_kv, group, head_dim_v), device=dev)
+    bad_any = torch.zeros((), dtype=torch.bool, device=dev)
+    for c0 in range(0, cap, _INVARIANT_CHUNK):
+        pos = c0 + torch.arange(_INVARIANT_CHUNK, device=dev)
+        live = pos < length
+        ids = table_row.long()[(pos // page_size).clamp_max(table_row.shape[0] - 1)]
+        bad = live & ((ids < 0) | (ids >= num_blocks))
+        bad_any = bad_any | bad.any()
+        blocks = torch.where(live & ~bad, ids, 0)
+        keys = dequantize_tokens(kv_cache[blocks, pos % page_size], kv_format, kv_scale)  # [C, h_kv, D]
+        keys = torch.where(live[:, None, None], keys, torch.zeros((), device=dev))
+        visible = live[None, :] & (pos[None, :] < limit[:, None])  # [s_q, C]
+        scores = torch.einsum("sgrd,tgd->sgrt", qf, keys) * scale
+        scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+        m_new = torch.maximum(m, scores.amax(-1))
+        m_safe = torch.where(torch.isneginf(m_new), torch.zeros_like(m_new), m_new)
+        alpha = torch.exp(m - m_safe)
+        p = torch.exp(scores - m_safe[..., None])
+        seen = visible.any(-1)[:, None, None]  # the chunk has a key for the row: update, else keep the state
+        l = torch.where(seen, l * alpha + p.sum(-1), l)
+        acc = torch.where(seen[..., None], acc * alpha[..., None]
+                          + torch.einsum("sgrt,tgd->sgrd", p, keys[..., :head_dim_v]), acc)
+        m = torch.where(seen, m_new, m)
+    empty = l == 0
+    out = torch.where(empty[..., None], torch.zeros_like(acc), acc / torch.where(empty, 1.0, l)[..., None])
+    lse = torch.where(empty, torch.full_like(m, float("inf")), m + torch.log(l))
+    nan = torch.full((), float("nan"), device=dev)
+    return torch.where(bad_any, nan, out), torch.where(bad_any, nan, lse)
+
+
 def reference_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -57,7 +109,9 @@ def reference_attention(
 
     ``batch_invariant=True`` computes one request at a time (otherwise requests are batched in groups,
     whose size depends on the batch, and a batched matmul may round a request differently than a
-    single one): each request's result is then the same whatever the batch around it.
+    single one), a dense one by an online softmax over chunks of a fixed number of table positions
+    (:func:`_one_request_in_fixed_chunks`): each request's result is then the same, bit for bit, whatever
+    the batch around it and the width of the block table.
 
     Returns
     -------
@@ -98,8 +152,14 @@ def reference_attention(
         # [0, num_blocks) among the entries they use makes all its rows NaN (docs/design.md §1).
         max_blocks = block_table.shape[1]
         cap = max_blocks * page_size
+        if batch_invariant:
+            for b in range(batch):
+                out[b], lse[b] = _one_request_in_fixed_chunks(
+                    qf[b], kv_cache, block_table[b], cache_seqlens[b], cap=cap, head_dim_v=head_dim_v, scale=scale,
+                    causal=causal, kv_format=kv_format, kv_scale=kv_scale)
+            return out.view(batch, q_len, h_q, head_dim_v), lse.view(batch, q_len, h_q).transpose(1, 2).contiguous()
         pos = torch.arange(cap, device=q.device)
-        step = 1 if batch_invariant else max(1, _GROUP_ELEMENTS // max(1, cap * (h_kv * d_qk + q_len * h_q)))
+        step = max(1, _GROUP_ELEMENTS // max(1, cap * (h_kv * d_qk + q_len * h_q)))
         for b0 in range(0, batch, step):
             seqlens = cache_seqlens[b0 : b0 + step].long()
             live = pos[None, :] < seqlens[:, None]  # [g, cap]
