@@ -86,10 +86,14 @@ def test_scale_outputs_scales_the_outputs_not_the_scores(gen):
 
     case = make_case(2, 1, 16, 300, page_size=64, generator=gen)
     out, lse = case_reference(case)
+    # the scaled values are rounded to bf16 again (2^-8 relative each), and an output is a weighted mean of them:
+    # its error is bounded by 2^-8 of the largest value, not of the output, which cancellation can make small
+    # (a bound of 1e-4 alone failed ~1 seed in 150)
+    vmax = case.kv_cache[..., : case.head_dim_v].float().nan_to_num(0.0).abs().max().item()
     tol = scale_outputs(case, 1e9, mla_dispatch.Tolerance())
     big_out, big_lse = case_reference(case)
     assert tol.out_atol == mla_dispatch.Tolerance().out_atol * 1e9
-    assert check_close("out", big_out / 1e9, out, 1e-4, 2.01 / 128)
+    assert check_close("out", big_out / 1e9, out, max(1e-4, 2.01 / 256 * vmax), 2.01 / 128)
     assert check_close("lse", big_lse, lse, 1e-4, 0.0)
     with pytest.raises(ValueError, match="bf16/fp16 cache"):
         scale_outputs(make_case(1, 1, 16, 64, page_size=64, kv_format="fp8_e4m3", generator=gen), 2.0,
