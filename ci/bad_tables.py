@@ -47,6 +47,8 @@ from typing import Callable
 
 import torch
 
+from mla_dispatch.tools.args import backend_spec
+
 INT32_MAX = 2**31 - 1
 INT32_MIN = -(2**31)
 SENTINEL = 1024.0  # written around out and lse; exact in every float type
@@ -228,17 +230,6 @@ def _guarded_outputs(case):
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
-
-
-def backend_spec(spec: str) -> tuple[str, dict]:
-    """``"name"`` or ``"name:key=value:..."`` -> ``(name, backend_options)``; a value is an int, ``true`` /
-    ``false``, or a string (``cuda_sm90:variant=6:fuse_combine=true``)."""
-    name, *pairs = spec.split(":")
-    options = {}
-    for pair in pairs:
-        key, _, value = pair.partition("=")
-        options[key] = int(value) if re.fullmatch(r"-?\d+", value) else {"true": True, "false": False}.get(value, value)
-    return name, options
 
 
 def _run(backend: str, inp: Inputs, table, lens, tweak_plan=None):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -122,7 +123,7 @@ def backend_spec(spec: str) -> tuple[str, dict[str, object]]:
     options: dict[str, object] = {}
     for pair in pairs:
         key, _, value = pair.partition("=")
-        options[key] = int(value) if value.lstrip("-").isdigit() else {"true": True, "false": False}.get(value, value)
+        options[key] = int(value) if re.fullmatch(r"-?\d+", value) else {"true": True, "false": False}.get(value, value)
     return name, options
 
 
