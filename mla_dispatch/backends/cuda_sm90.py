@@ -439,9 +439,8 @@ class CudaSM90Backend(MLABackend):
         if p.batch_invariant:
             split = options.get("split_tokens", BATCH_INVARIANT_SPLIT_TOKENS)
             capacity = p.max_blocks * p.page_size
-            pieces = p.batch * max(1, -(-capacity // split))
-            check_invariant_workspace(pieces * p.q_len * p.num_heads_q * (p.head_dim_v * 4 + 4), p.batch, capacity,
-                                      split)
+            # a partial row per query row of a piece: fp32 values (the kernels' fp16 rows and shifts) and the LSE
+            check_invariant_workspace(p.batch, capacity, split, p.q_len * p.num_heads_q * (p.head_dim_v * 4 + 4))
             schedule = fixed_split_schedule(cache_seqlens, num_parts=num_parts, chunk_size=BLOCK_N,
                                             split_tokens=split, overhead=overhead, capacity=capacity)
         else:

@@ -152,9 +152,9 @@ class TritonBackend(MLABackend):
                 raise ValueError(f"backend_options['split_tokens'] must be a positive multiple of the kernel's chunk "
                                  f"({cfg.chunk_size} tokens), got {split_tokens!r}")
             capacity = p.topk if p.sparse else capacity
-            pieces = p.batch * max(1, -(-capacity // split_tokens))
-            check_invariant_workspace(pieces * p.q_len * p.num_heads_q * (p.head_dim_v * 4 + 4), p.batch, capacity,
-                                      split_tokens)
+            # a partial row per query row of a piece: 2 D_v fp16 (PARTIAL_ROW_FORMAT) and the LSE
+            check_invariant_workspace(p.batch, capacity, split_tokens,
+                                      p.q_len * p.num_heads_q * (p.head_dim_v * 4 + 4))
             schedule = fixed_split_schedule(lengths, num_parts=num_parts, chunk_size=cfg.chunk_size,
                                             split_tokens=split_tokens, overhead=overhead, capacity=capacity)
         else:

@@ -70,8 +70,9 @@ SPLIT_TOKENS_CHOICES = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 BATCH_INVARIANT_MAX_WORKSPACE_BYTES = 4 << 30
 
 
-def check_invariant_workspace(nbytes: int, batch: int, capacity: int, split_tokens: int) -> None:
-    """Refuse a batch-invariant plan whose partial-result workspace would exceed
+def check_invariant_workspace(batch: int, capacity: int, split_tokens: int, bytes_per_piece: int) -> None:
+    """Refuse a batch-invariant plan whose partial-result workspace, ``bytes_per_piece`` for each of the
+    ``batch * max(1, ceil(capacity / split_tokens))`` pieces it can hold, would exceed
     :data:`BATCH_INVARIANT_MAX_WORKSPACE_BYTES`.
 
     Raises
@@ -79,16 +80,17 @@ def check_invariant_workspace(nbytes: int, batch: int, capacity: int, split_toke
     ValueError
         Naming the workspace, its cause and the ``split_tokens`` that would fit.
     """
-    if nbytes <= BATCH_INVARIANT_MAX_WORKSPACE_BYTES:
+    def nbytes(split: int) -> int:
+        return batch * max(1, -(-capacity // split)) * bytes_per_piece
+
+    if nbytes(split_tokens) <= BATCH_INVARIANT_MAX_WORKSPACE_BYTES:
         return
-    per_piece = nbytes / max(1, batch * max(1, -(-capacity // split_tokens)))
-    fits = next((s for s in SPLIT_TOKENS_CHOICES
-                 if batch * max(1, -(-capacity // s)) * per_piece <= BATCH_INVARIANT_MAX_WORKSPACE_BYTES), None)
+    fits = next((s for s in SPLIT_TOKENS_CHOICES if nbytes(s) <= BATCH_INVARIANT_MAX_WORKSPACE_BYTES), None)
     hint = (f"pass backend_options={{'split_tokens': {fits}}} or more" if fits is not None
             else "use a smaller batch or a narrower block table")
     raise ValueError(
         f"batch_invariant=True: the partial-result workspace for batch={batch} and a block table of {capacity} "
-        f"tokens in pieces of split_tokens={split_tokens} would take {nbytes / 2**30:.1f} GiB (limit "
+        f"tokens in pieces of split_tokens={split_tokens} would take {nbytes(split_tokens) / 2**30:.1f} GiB (limit "
         f"{BATCH_INVARIANT_MAX_WORKSPACE_BYTES / 2**30:.0f} GiB); {hint}")
 
 
