@@ -128,11 +128,6 @@ def test_plan_schedule_stops_at_the_table_capacity(monkeypatch):
     """A request's tokens are its first clamp(L, 0, max_blocks * page_size) (docs/design.md §1): the plan's schedule
     (and its update) gives no item a token past a table row's capacity, whatever cache_seqlens holds, so the kernel
     reads no table entry past the row. The causal cut still counts from L: the kernel reads L from cache_seqlens."""
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(
-        multi_processor_count=H100_SMS))
-    monkeypatch.setattr(cuda_sm90, "load_ops", lambda: types.SimpleNamespace(
-        cuda_sm90_decode=types.SimpleNamespace(default=None)))
-    monkeypatch.setattr(cuda_sm90, "load_module", lambda: types.SimpleNamespace(cuda_sm90_decode=None))
     p = problem(batch=4, h_q=16, page_size=16, max_blocks=4)  # capacity 64
     table = torch.zeros(4, 4, dtype=torch.int32)
 
@@ -141,8 +136,7 @@ def test_plan_schedule_stops_at_the_table_capacity(monkeypatch):
         assert bool((items[:, 2] <= 64).all()), items
         return [int((items[items[:, 0] == b, 2] - items[items[:, 0] == b, 1]).sum()) for b in range(4)]
 
-    state = CudaSM90Backend.plan(p, None, table, torch.tensor([2**31 - 1, -7, 100, 30], dtype=torch.int32),
-                                 softmax_scale=0.1, options={})
+    state = _cpu_plan(monkeypatch, p, torch.tensor([2**31 - 1, -7, 100, 30], dtype=torch.int32))
     assert state.schedule.capacity == 64
     assert tokens(state.schedule) == [64, 0, 64, 30]
     CudaSM90Backend.update(state, table, torch.tensor([65, 64, -(2**31), 2**31 - 1], dtype=torch.int32))
