@@ -67,6 +67,8 @@ def test_causal_cut_rows_see_nothing(gen):
 
 
 def test_reference_op_registered_and_opcheck(gen):
+    import mla_dispatch.backends.reference  # noqa: F401  (defines the op; alone, no other test has imported it yet)
+
     case = make_case(2, 1, 4, 20, page_size=8, generator=gen, head_dim_qk=32, head_dim_v=16)
     out = torch.full((2, 1, 4, 16), float("nan"), dtype=torch.bfloat16)
     lse = torch.full((2, 4, 1), float("nan"))
