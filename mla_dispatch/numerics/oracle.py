@@ -30,6 +30,18 @@ def _softmax_rows(scores: torch.Tensor, values: torch.Tensor, v_eq: str) -> tupl
     return out, lse
 
 
+def _gather_keys(kv_cache, ids, pos, live, kv_format, kv_scale):
+    """The tokens at table positions ``pos`` (block ids ``ids``, same shape) of a request, dequantised to fp32
+    ``[..., h_kv, D]``, zero where not ``live``; and where a live position's block id is outside the cache (read as
+    block 0, never as an address). Returns ``(keys, bad)``."""
+    num_blocks, page_size = kv_cache.shape[:2]
+    bad = live & ((ids < 0) | (ids >= num_blocks))
+    blocks = torch.where(live & ~bad, ids, 0)
+    keys = dequantize_tokens(kv_cache[blocks, pos % page_size], kv_format, kv_scale)
+    keys = torch.where(live[..., None, None], keys, torch.zeros((), device=keys.device))  # NaN never leaks
+    return keys, bad
+
+
 #: table positions per step of the batch-invariant dense reference: every step has this shape, whatever the table
 _INVARIANT_CHUNK = 256
 
@@ -44,7 +56,7 @@ def _one_request_in_fixed_chunks(qf, kv_cache, table_row, seqlen, *, cap, head_d
     not an update by zero), so a wider table, whose extra chunks see no key, gives the same bits.
     """
     q_len, h_kv, group, _ = qf.shape
-    num_blocks, page_size = kv_cache.shape[:2]
+    page_size = kv_cache.shape[1]
     dev = qf.device
     length = seqlen.long().clamp(0, cap)
     limit = seqlen.long().expand(q_len)
@@ -58,11 +70,8 @@ def _one_request_in_fixed_chunks(qf, kv_cache, table_row, seqlen, *, cap, head_d
         pos = c0 + torch.arange(_INVARIANT_CHUNK, device=dev)
         live = pos < length
         ids = table_row.long()[(pos // page_size).clamp_max(table_row.shape[0] - 1)]
-        bad = live & ((ids < 0) | (ids >= num_blocks))
+        keys, bad = _gather_keys(kv_cache, ids, pos, live, kv_format, kv_scale)  # [C, h_kv, D]
         bad_any = bad_any | bad.any()
-        blocks = torch.where(live & ~bad, ids, 0)
-        keys = dequantize_tokens(kv_cache[blocks, pos % page_size], kv_format, kv_scale)  # [C, h_kv, D]
-        keys = torch.where(live[:, None, None], keys, torch.zeros((), device=dev))
         visible = live[None, :] & (pos[None, :] < limit[:, None])  # [s_q, C]
         scores = torch.einsum("sgrd,tgd->sgrt", qf, keys) * scale
         scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
@@ -164,10 +173,7 @@ def reference_attention(
             seqlens = cache_seqlens[b0 : b0 + step].long()
             live = pos[None, :] < seqlens[:, None]  # [g, cap]
             ids = block_table[b0 : b0 + step].long()[:, pos // page_size]
-            bad = live & ((ids < 0) | (ids >= num_blocks))
-            blocks = torch.where(live & ~bad, ids, 0)
-            keys = dequantize_tokens(kv_cache[blocks, pos % page_size], kv_format, kv_scale)  # [g, cap, h_kv, D]
-            keys = torch.where(live[..., None, None], keys, torch.zeros((), device=q.device))  # NaN never leaks
+            keys, bad = _gather_keys(kv_cache, ids, pos, live, kv_format, kv_scale)  # [g, cap, h_kv, D]
             scores = torch.einsum("bsgrd,btgd->bsgrt", qf[b0 : b0 + step], keys) * scale
             # Key t is visible to query token i iff t < L and, if causal, t <= L - s_q + i.
             limit = seqlens[:, None].expand(-1, q_len)
