@@ -356,6 +356,18 @@ def test_run_and_pth_commands(tmp_path):
     res = subprocess.run(cmd, capture_output=True, text=True, check=True)
     assert res.stdout.strip() == "legacy ['x', '--y']"
 
+    # --backend: the script's calls plan only with the named backend (an unknown name is an error naming it)
+    script = tmp_path / "decodes.py"
+    script.write_text("import flash_mla\nfrom mla_dispatch.numerics.cases import make_case\n"
+                      "c = make_case(2, 1, 4, 40, page_size=16)\nmeta, _ = flash_mla.get_mla_metadata()\n"
+                      "flash_mla.flash_mla_with_kvcache(c.q, c.kv_cache, c.block_table, c.cache_seqlens, 512, meta, "
+                      "None, softmax_scale=c.softmax_scale)\nprint(meta.plan.backend)\n")
+    run = [sys.executable, "-m", "mla_dispatch.compat.flash_mla", "run"]
+    res = subprocess.run(run + ["--backend", "reference", str(script)], capture_output=True, text=True, check=True)
+    assert res.stdout.strip() == "reference"
+    res = subprocess.run(run + ["--backend", "no_such_backend", str(script)], capture_output=True, text=True)
+    assert res.returncode != 0 and "unknown backend 'no_such_backend'" in res.stderr
+
     site = tmp_path / "site"
     site.mkdir()
     pth, py = fm.install_pth("current", str(site))

@@ -453,6 +453,132 @@ def test_bad_block_id_poisons_its_request_only(cfg, bad, gen):
     _check(case, good_out, good_lse)  # the repaired run is right
 
 
+# Sparse (top-k) decode: (batch, s_q, h_q, h_kv, seqlen, page_size, topk, kv_format, zero_len_rows). make_case draws
+# each query position's top-k slots from its request's tokens (~10% of them -1, and -1 past a short request's end);
+# the cache's unused slots hold NaN, so a kernel that reads a skipped slot fails.
+SPARSE_GRID = [
+    (2, 1, 64, 1, 3000, 64, 2048, "fp8_ds_mla", 0),
+    (3, 2, 128, 1, 2500, 64, 2048, "fp8_ds_mla", 1),
+    (4, 3, 64, 1, 700, 61, 576, "fp8_ds_mla", 0),
+    (4, 1, 128, 1, 1000, 2, 64, "fp8_ds_mla", 0),
+    (2, 2, 16, 1, 900, 1, 128, "fp8_ds_mla", 0),
+    (3, 1, 32, 1, 5000, 16, 2500, "bf16", 0),
+    (2, 4, 8, 1, 400, 64, 100, "fp16", 1),
+    (2, 2, 128, 1, 1200, 32, 256, "fp8_e4m3", 0),
+    (2, 1, 32, 2, 800, 64, 300, "bf16", 0),
+    (1, 1, 128, 1, 40000, 64, 8192, "fp8_ds_mla", 0),
+]
+
+
+def _sparse_id(c):
+    b, s, h, hk, L, ps, topk, fmt, z = c
+    return f"b{b}xs{s}xh{h}-hkv{hk}-L{L}-ps{ps}-topk{topk}-{fmt}" + (f"-zero{z}" if z else "")
+
+
+def _sparse_case(cfg, gen):
+    b, s_q, h_q, h_kv, L, ps, topk, fmt, zero = cfg
+    dtype = torch.float16 if fmt == "fp16" else torch.bfloat16
+    return make_case(b, s_q, h_q, L, num_heads_kv=h_kv, page_size=ps, topk=topk, dtype=dtype, zero_len_rows=zero,
+                     kv_format=None if fmt in ("bf16", "fp16") else fmt, device="cuda", generator=gen)
+
+
+@pytest.mark.parametrize("cfg", SPARSE_GRID, ids=[_sparse_id(c) for c in SPARSE_GRID])
+def test_sparse_matches_reference(cfg, gen):
+    """Top-k decode on the flattened page-1 view (mainloop v2), checked over two runs with fresh poison each; query
+    positions whose slots are all -1 give out 0 and lse +inf as the reference does."""
+    case = _sparse_case(cfg, gen)
+    plan = _plan(case)
+    assert plan.backend == "cuda_sm90" and plan.state.launch.variant == cuda_sm90.WGMMA
+    for _ in range(2):
+        out, lse = poisoned_outputs(case)
+        plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale, indices=case.indices, out=out, lse=lse)
+        torch.cuda.synchronize()
+        _check(case, out, lse)
+
+
+@pytest.mark.parametrize("fuse_combine", [True, False], ids=["fused", "separate"])
+def test_sparse_combine_inside_and_after_the_decode_launch(fuse_combine, gen):
+    case = _sparse_case((2, 2, 64, 1, 3000, 64, 2048, "fp8_ds_mla", 0), gen)
+    plan = _plan(case, fuse_combine=fuse_combine)
+    assert plan.state.launch.fuse_combine == fuse_combine
+    out, lse = poisoned_outputs(case)
+    plan.run(case.q, case.kv_cache, indices=case.indices, out=out, lse=lse)
+    torch.cuda.synchronize()
+    _check(case, out, lse)
+
+
+def test_sparse_refuses_other_mainloops(gen):
+    case = _sparse_case((2, 1, 16, 1, 900, 64, 128, "bf16", 0), gen)
+    with pytest.raises(ValueError, match="sparse indices"):
+        _plan(case, variant=cuda_sm90.ETAP)
+
+
+def test_sparse_bad_index_poisons_its_query_position_only(gen):
+    """An index outside [-1, num_blocks * page_size) is a bad id (NaN out and lse for that query position, nothing
+    read outside the cache); -1 stays a skipped slot; other positions are bitwise unchanged."""
+    case = _sparse_case((3, 2, 64, 1, 900, 16, 256, "fp8_ds_mla", 0), gen)
+    tokens = case.kv_cache.shape[0] * case.kv_cache.shape[1]
+    bad = case.indices.clone()
+    bad[1, 0, 5] = tokens
+    bad[2, 1, 0] = -7
+
+    def run(indices):
+        plan = plan_decode(*dataclasses.replace(case, indices=indices).args(), backend="cuda_sm90",
+                           validate=False, **dataclasses.replace(case, indices=indices).kwargs())
+        out = torch.full((3, 2, 64, 512), 1024.0, dtype=case.q.dtype, device="cuda")
+        lse = torch.full((3, 64, 2), 1024.0, dtype=torch.float32, device="cuda")
+        plan.run(case.q, case.kv_cache, indices=indices, out=out, lse=lse)
+        torch.cuda.synchronize()
+        return out, lse
+
+    out, lse = run(bad)
+    good_out, good_lse = run(case.indices)
+    for b, s in ((1, 0), (2, 1)):
+        assert torch.isnan(out[b, s]).all() and torch.isnan(lse[b, :, s]).all()
+    for b, s in ((0, 0), (0, 1), (1, 1), (2, 0)):
+        assert torch.equal(out[b, s].view(torch.int16), good_out[b, s].view(torch.int16))
+        assert torch.equal(lse[b, :, s].view(torch.int32), good_lse[b, :, s].view(torch.int32))
+    _check(case, good_out, good_lse)
+
+
+def test_sparse_cuda_graph_capture_and_replay(gen):
+    """A sparse plan is captured whole (views, decode, combine, the LSE transpose for s_q > 1) and replays new
+    indices written in place."""
+    case = _sparse_case((4, 2, 128, 1, 3000, 64, 2048, "fp8_ds_mla", 0), gen)
+    plan = plan_decode(*case.args(), backend="cuda_sm90", cuda_graph=True, **case.kwargs())
+    out, lse = poisoned_outputs(case)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        plan.run(case.q, case.kv_cache, indices=case.indices, out=out, lse=lse)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.run(case.q, case.kv_cache, indices=case.indices, out=out, lse=lse)
+    original = case.indices.clone()
+    for _ in range(2):  # other top-k sets of the same cache, written in place: about 30% more slots skipped
+        keep = torch.rand(original.shape, generator=gen, device="cpu").to("cuda") > 0.3
+        case.indices.copy_(torch.where(keep, original, torch.full_like(original, -1)))
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(dataclasses.replace(case, indices=case.indices.clone()), out, lse)
+
+
+def test_sparse_out_with_strided_rows(gen):
+    """out whose (b, s) rows cannot be flattened (a slice of a larger buffer) is written through a copy."""
+    case = _sparse_case((3, 2, 16, 1, 600, 64, 128, "bf16", 0), gen)
+    plan = _plan(case)
+    big = torch.full((3, 3, 16, 512), float("nan"), dtype=case.q.dtype, device="cuda")
+    out = big[:, :2]
+    _, lse = poisoned_outputs(case)
+    plan.run(case.q, case.kv_cache, indices=case.indices, out=out, lse=lse)
+    torch.cuda.synchronize()
+    _check(case, out, lse)
+    assert torch.isnan(big[:, 2]).all()
+
+
 @pytest.mark.parametrize("h_q", [64, 16])
 def test_long_context_128k(h_q, gen):
     # 131072 tokens x 1152 bytes: 64-bit offsets into the cache are exercised (h_q 16: the mainloop of <= 32 rows)

@@ -118,6 +118,48 @@ def test_declared_options_are_checked(options, match):
         CudaSM90Backend.check_options(options)
 
 
+def sparse_problem(batch=128, q_len=2, h_q=128, topk=2048, page_size=64, kv_format="fp8_ds_mla", **kw):
+    return dataclasses.replace(problem(batch, q_len, h_q, page_size=page_size, kv_format=kv_format), topk=topk,
+                               causal=False, max_blocks=0, **kw)
+
+
+def sparse_launch(p, **options) -> Sm90Launch:
+    """What CudaSM90Backend.plan freezes for a sparse ``p``: the parts of its flattened view."""
+    num_parts, max_chunks = split_parts(cuda_sm90.sparse_view(p), H100_SMS, CudaSM90Backend.MIN_CHUNKS_PER_PART)
+    return launch_config(p, num_parts, max_chunks, H100_SMS, CudaSM90Backend.check_options(options))
+
+
+def test_sparse_runs_as_its_flattened_view():
+    """A top-k problem runs as B * s_q requests of one query token over page-1 blocks of topk tokens, on v2 (the
+    mainloop that masks -1 slots) whatever the heads; a dense problem is its own view."""
+    p = sparse_problem()
+    view = cuda_sm90.sparse_view(p)
+    assert (view.batch, view.q_len, view.num_heads_q, view.page_size, view.max_blocks, view.topk, view.causal) == (
+        256, 1, 128, 1, 2048, 0, False)
+    assert cuda_sm90.sparse_view(problem()) == problem()
+    assert sparse_launch(p) == Sm90Launch(cuda_sm90.WGMMA, 64, False, False, False)
+    # 16 heads: dense would take v6 (tokens on M); sparse stays on v2
+    assert plan_launch(problem(batch=64, h_q=16)).variant == cuda_sm90.ETAP
+    assert sparse_launch(sparse_problem(batch=64, q_len=1, h_q=16)).variant == cuda_sm90.WGMMA
+    assert sparse_launch(sparse_problem(batch=1, q_len=1, h_q=64)).fuse_combine  # one request: merged in the launch
+    assert CudaSM90Backend.SUPPORTS_SPARSE and cuda_sm90.MAINLOOPS[cuda_sm90.WGMMA].sparse
+    assert [v for v, m in cuda_sm90.MAINLOOPS.items() if m.sparse] == [cuda_sm90.WGMMA]
+
+
+@pytest.mark.parametrize("variant", [5, 6, 9])
+def test_sparse_refuses_mainloops_that_do_not_mask_slots(variant):
+    with pytest.raises(ValueError, match=r"sparse indices \(topk=2048; supported: dense block_table only\)"):
+        sparse_launch(sparse_problem(kv_format="fp8_e4m3" if variant == 9 else "bf16"), variant=variant)
+
+
+def test_sparse_batch_invariant_counts_query_positions():
+    """The per-request combine's grid holds <= 65535 requests: a sparse problem has B * s_q of them."""
+    plat = types.SimpleNamespace(kind="cuda", capability=(9, 0))
+    assert not CudaSM90Backend.extra_reasons(sparse_problem(batch=30000, batch_invariant=True), plat)
+    reasons = CudaSM90Backend.extra_reasons(sparse_problem(batch=40000, batch_invariant=True), plat)
+    assert "80000 requests" in str(reasons[0])
+
+
 def test_no_process_wide_switches():
     """The variant and the combine's place are the plan's (and backend_options'), not the environment's."""
     source = (SM90_SOURCE_DIR.parent.parent.parent / "backends" / "cuda_sm90.py").read_text()
@@ -189,4 +231,4 @@ def test_batch_invariant_workspace_is_bounded(monkeypatch):
     state = _cpu_plan(monkeypatch, p, lens, split_tokens=4096)
     assert state.schedule.max_items == 256 * 40
     too_many = dataclasses.replace(problem(batch=70000, max_blocks=1), batch_invariant=True)
-    assert any("batch=70000" in str(r) for r in CudaSM90Backend.extra_reasons(too_many, None))
+    assert any("70000 requests" in str(r) for r in CudaSM90Backend.extra_reasons(too_many, None))

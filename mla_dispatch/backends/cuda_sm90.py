@@ -62,6 +62,19 @@ def rows_per_kv_head(problem: DecodeProblem) -> int:
     return problem.q_len * problem.num_heads_q // problem.num_heads_kv
 
 
+def sparse_view(problem: DecodeProblem) -> DecodeProblem:
+    """The dense problem a sparse (top-k) one runs as: each query position ``(b, s)`` a request of ``topk`` tokens
+    (``B * s_q`` requests of one query token), the cache's tokens blocks of one (page size 1, flat token id =
+    block id), and ``indices`` the block table; a -1 entry is a skipped slot (params.h, DecodeParams::sparse).
+    FlashMLA's sparse decode splits the work the same way, per query position (``csrc/api/sparse_decode.h``).
+    A dense problem is returned as it is."""
+    p = problem
+    if not p.sparse:
+        return p
+    return dataclasses.replace(p, batch=p.batch * p.q_len, q_len=1, page_size=1, max_blocks=p.topk, topk=0,
+                               causal=False)
+
+
 @dataclasses.dataclass(frozen=True)
 class Mainloop:
     """What one mainloop of the kernel family runs (the binding checks the same rules; binding.cpp, check_config)."""
@@ -77,13 +90,18 @@ class Mainloop:
     max_q_len: int | None = None
     #: can merge the split rows itself, after a grid-wide barrier (fuse_combine)
     combine_tail: bool = True
+    #: runs sparse (top-k) decode: masks the -1 slots of its flattened page-1 view (params.h, DecodeParams::sparse)
+    sparse: bool = False
 
     def rows_limit(self, kv_format: str) -> int | None:
         return self.max_rows_fp8 if self.max_rows_fp8 is not None and kv_format.startswith("fp8") else self.max_rows
 
     def reasons(self, problem: DecodeProblem) -> list[str]:
-        """What this mainloop needs that ``problem`` lacks (empty: it can run it)."""
-        p, out = problem, []
+        """What this mainloop needs that ``problem`` lacks (empty: it can run it); a sparse problem is judged by its
+        flattened view (:func:`sparse_view`)."""
+        out = [] if self.sparse or not problem.sparse else [
+            f"sparse indices (topk={problem.topk}; supported: dense block_table only)"]
+        p = sparse_view(problem)
         if p.kv_format not in self.kv_formats:
             out.append(f"kv_format={p.kv_format!r} (supported: {', '.join(sorted(self.kv_formats))})")
         limit = self.rows_limit(p.kv_format)
@@ -98,7 +116,7 @@ class Mainloop:
 
 #: the mainloops a plan can pick, by variant number (kernels/cuda/mla_decode_sm90/config.h, Mainloop)
 MAINLOOPS = MappingProxyType({m.variant: m for m in (
-    Mainloop(WGMMA, "mainloop_wgmma.cuh", _ANY_CACHE),
+    Mainloop(WGMMA, "mainloop_wgmma.cuh", _ANY_CACHE, sparse=True),
     Mainloop(SEESAW, "mainloop_seesaw.cuh", _16BIT_CACHE, whole_tile_pages=True, max_q_len=SEESAW_MAX_Q_LEN,
              combine_tail=False),
     Mainloop(ETAP, "mainloop_etap.cuh", _ANY_CACHE, max_rows=ETAP_MAX_ROWS, max_rows_fp8=ETAP_FP8_MAX_ROWS),
@@ -264,13 +282,16 @@ def launch_config(problem: DecodeProblem, num_parts: int, max_chunks: int, num_s
         A forced ``variant`` cannot run the problem, or a forced ``fuse_combine=True`` cannot run; the message says
         what is required and what was given.
     """
-    p, rows = problem, rows_per_kv_head(problem)
+    p = sparse_view(problem)  # a sparse problem runs as its flattened dense view
+    rows = rows_per_kv_head(p)
     if "variant" in options:
         variant = options["variant"]
+    elif problem.sparse:
+        variant = WGMMA  # the one mainloop that masks skipped top-k slots (Mainloop.sparse)
     else:
         variant = invariant_variant(p) if p.batch_invariant else choose_variant(p, num_parts, max_chunks)
     mainloop = MAINLOOPS[variant]
-    if reasons := mainloop.reasons(p):
+    if reasons := mainloop.reasons(problem):
         raise ValueError(f"backend_options['variant']={variant} ({mainloop.header}) cannot run this problem: "
                          + "; ".join(reasons))
     if mainloop.max_rows is None:
@@ -327,7 +348,7 @@ def load_ops():
         @torch.library.register_fake("mla_dispatch::cuda_sm90_decode")
         def _decode_fake(q, kv_cache, block_table, cache_seqlens, items, part_offsets, kv_scale, out, lse,
                          partial_out, partial_lse, num_splits, first_slot, softmax_scale, causal, kv_format,
-                         variant, tile_rows, tma_loads, paired, fuse_combine, fixed_splits):
+                         variant, tile_rows, tma_loads, paired, fuse_combine, fixed_splits, sparse=False):
             return None
 
         _fake_registered = True
@@ -336,9 +357,13 @@ def load_ops():
 
 class Sm90State(BackendState):
     """The backend's per-step state: the schedule, the workspace, the frozen :class:`Sm90Launch` (``launch``) and the
-    extension's call bound to them (``bound``, :meth:`CudaSM90Backend.bind`)."""
+    extension's call bound to them (``bound``, :meth:`CudaSM90Backend.bind`). Sparse plans also hold the lengths of
+    their flattened view (``lengths``: topk for every query position) and, for s_q > 1, the LSE of that view
+    (``sparse_lse``, ``[B * s_q, h_q, 1]``: the kernel writes it per query position, run transposes it into lse)."""
 
     bound = None
+    lengths = None
+    sparse_lse = None
 
 
 class CudaSM90Backend(MLABackend):
@@ -357,7 +382,8 @@ class CudaSM90Backend(MLABackend):
     MAX_Q_LEN = None
     SUPPORTS_CAUSAL = True
     SUPPORTS_LSE = True
-    SUPPORTS_SPARSE = False
+    # sparse (top-k) decode: the flattened view of sparse_view on mainloop v2, which skips -1 slots
+    SUPPORTS_SPARSE = True
     # batch_invariant=True: fixed-size pieces (fixed_split_schedule), one mainloop per shape (invariant_variant), the
     # per-request combine kernel
     SUPPORTS_BATCH_INVARIANT = True
@@ -400,9 +426,10 @@ class CudaSM90Backend(MLABackend):
 
     @classmethod
     def extra_reasons(cls, problem: DecodeProblem, platform: Platform) -> list[Reason]:
-        if problem.batch_invariant and problem.batch > 65535:  # the per-request combine's grid y (launch.cu)
-            return [Reason(ReasonCode.FEATURE, f"batch_invariant=True with batch={problem.batch} (supported: "
-                                               "<= 65535 requests)")]
+        requests = sparse_view(problem).batch  # sparse: one request per query position
+        if problem.batch_invariant and requests > 65535:  # the per-request combine's grid y (launch.cu)
+            return [Reason(ReasonCode.FEATURE, f"batch_invariant=True with {requests} requests (batch * s_q for "
+                                               "sparse; supported: <= 65535)")]
         return []
 
     @classmethod
@@ -424,12 +451,16 @@ class CudaSM90Backend(MLABackend):
     @classmethod
     def plan(cls, problem: DecodeProblem, platform: Platform, block_table, cache_seqlens, *,
              softmax_scale: float, options: dict[str, object]) -> BackendState:
-        p = problem
-        device = cache_seqlens.device
+        view = sparse_view(problem)  # the problem itself unless sparse
+        device = (cache_seqlens.device if cache_seqlens is not None
+                  else torch.device("cuda", torch.cuda.current_device()))
+        if problem.sparse:  # every query position attends to its topk slots (-1 ones are masked in the kernel)
+            cache_seqlens = torch.full((view.batch,), problem.topk, dtype=torch.int32, device=device)
+        p = view
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         num_parts, max_chunks = split_parts(p, sms, options.get("min_chunks_per_part", cls.MIN_CHUNKS_PER_PART))
         overhead = options.get("schedule_overhead")
-        launch = launch_config(p, num_parts, max_chunks, sms, options)
+        launch = launch_config(problem, num_parts, max_chunks, sms, options)
         # capacity: no item reaches past a block-table row, whatever cache_seqlens holds (update_ keeps it)
         if "split_tokens" in options and not p.batch_invariant:
             raise ValueError(f"backend_options['split_tokens']={options['split_tokens']} applies to "
@@ -447,7 +478,12 @@ class CudaSM90Backend(MLABackend):
             schedule = split_kv_schedule(cache_seqlens, num_parts=num_parts, chunk_size=BLOCK_N, overhead=overhead,
                                          capacity=p.max_blocks * p.page_size)
         max_slots = schedule.max_slots
+        sparse_lse = None
+        if problem.sparse and problem.q_len > 1:
+            sparse_lse = torch.empty(view.batch, p.num_heads_q, 1, dtype=torch.float32, device=device)
         return Sm90State(
+            lengths=cache_seqlens if problem.sparse else None,
+            sparse_lse=sparse_lse,
             op=load_ops().cuda_sm90_decode.default,
             direct=load_module().cuda_sm90_decode,
             schedule=schedule,
@@ -479,6 +515,8 @@ class CudaSM90Backend(MLABackend):
 
     @classmethod
     def update(cls, state: BackendState, block_table, cache_seqlens) -> None:
+        if state.lengths is not None:
+            return  # sparse: the schedule depends on topk only
         state.schedule.update_(cache_seqlens)
         first_slots(state.schedule.num_splits, out=state.first_slot)
 
@@ -486,6 +524,10 @@ class CudaSM90Backend(MLABackend):
     def run(cls, state: BackendState, q, kv_cache, block_table, cache_seqlens, *, problem: DecodeProblem,
             softmax_scale: float, kv_scale, indices, out, lse) -> None:
         s, c = state.schedule, state.launch
+        if problem.sparse:
+            cls._run_sparse(state, q, kv_cache, indices, problem=problem, softmax_scale=softmax_scale,
+                            kv_scale=kv_scale, out=out, lse=lse)
+            return
         # Eager calls on plain tensors skip the dispatcher (binding.cpp; on the H100 host of 2026-11-22 the op
         # took 15.2-16.1 us of host time per call, the module function 8.2-8.9); under torch.compile, fake
         # tensors, functionalization or any other TorchDispatchMode the op runs, so it is traced.
@@ -493,4 +535,37 @@ class CudaSM90Backend(MLABackend):
             q, kv_cache, block_table, cache_seqlens, s.items, s.part_offsets,
             kv_scale if state.kv_format_code == 1 else None, out, lse, state.partial_out, state.partial_lse,
             s.num_splits, state.first_slot, softmax_scale, problem.causal, state.kv_format_code, c.variant,
-            c.tile_rows, c.tma_loads, c.paired, c.fuse_combine, c.fixed_splits)
+            c.tile_rows, c.tma_loads, c.paired, c.fuse_combine, c.fixed_splits, False)
+
+    @classmethod
+    def _run_sparse(cls, state: Sm90State, q, kv_cache, indices, *, problem: DecodeProblem, softmax_scale: float,
+                    kv_scale, out, lse) -> None:
+        """A sparse run on the flattened view (:func:`sparse_view`): views of q, out, the cache and indices (no
+        copy where their strides allow one; q, out and indices are copied otherwise), the LSE through
+        ``state.sparse_lse`` when s_q > 1."""
+        p, s, c = problem, state.schedule, state.launch
+        rows = p.batch * p.q_len
+        blocks, page, h_kv, dim = kv_cache.shape
+        if blocks > 1 and kv_cache.stride(0) != page * kv_cache.stride(1):
+            raise ValueError(f"kv_cache must hold each block's {page} tokens at one stride, block after block "
+                             f"(stride(0) == page_size * stride(1)) for sparse decode on cuda_sm90 (token ids are "
+                             f"block * page_size + offset), got strides {list(kv_cache.stride())}")
+        tok = kv_cache.stride(1)
+        kv = kv_cache.as_strided((blocks * page, 1, h_kv, dim), (tok, tok, kv_cache.stride(2), 1))
+        q_flat = q.reshape(rows, 1, p.num_heads_q, q.shape[-1])  # a view for a q of contiguous (b, s) rows
+        table = indices.reshape(rows, p.topk)
+        if table.stride(1) != 1:
+            table = table.contiguous()
+        flat_out = p.q_len == 1 or out.stride(0) == p.q_len * out.stride(1)
+        out_flat = (out.view(rows, 1, p.num_heads_q, p.head_dim_v) if flat_out
+                    else torch.empty(rows, 1, p.num_heads_q, p.head_dim_v, dtype=out.dtype, device=out.device))
+        lse_flat = lse if state.sparse_lse is None else state.sparse_lse
+        (state.direct if untraced_eager(q) else state.op)(
+            q_flat, kv, table, state.lengths, s.items, s.part_offsets,
+            kv_scale if state.kv_format_code == 1 else None, out_flat, lse_flat, state.partial_out,
+            state.partial_lse, s.num_splits, state.first_slot, softmax_scale, False, state.kv_format_code,
+            c.variant, c.tile_rows, c.tma_loads, c.paired, c.fuse_combine, c.fixed_splits, True)
+        if not flat_out:
+            out.copy_(out_flat.view(p.batch, p.q_len, p.num_heads_q, p.head_dim_v))
+        if state.sparse_lse is not None:  # [B * s_q, h_q, 1] -> [B, h_q, s_q]
+            lse.copy_(state.sparse_lse.view(p.batch, p.q_len, p.num_heads_q).transpose(1, 2))

@@ -157,6 +157,18 @@ def _fp8_grid() -> list[BenchConfig]:
     return dense + sparse
 
 
+def _sparse_grid() -> list[BenchConfig]:
+    # DeepSeek-V3.2's decode (topk 2048 over varlen L-bar 32K, fp8_ds_mla): FlashMLA's sparse shapes (h_q 128 / 64),
+    # then what FlashMLA's sparse kernel does not run (h_q 16 / 32, a bf16 cache, other page sizes)
+    flashmla = [BenchConfig(128, 2, 128, 32768, varlen=True, kv_format="fp8_ds_mla", topk=2048),
+                BenchConfig(64, 1, 64, 32768, varlen=True, kv_format="fp8_ds_mla", topk=2048)]
+    others = ([BenchConfig(64, 1, h_q, 32768, varlen=True, kv_format="fp8_ds_mla", topk=2048) for h_q in (16, 32)]
+              + [BenchConfig(64, 1, 64, 32768, varlen=True, topk=2048)]
+              + [BenchConfig(64, 1, 64, 32768, varlen=True, kv_format="fp8_ds_mla", topk=2048, page_size=ps)
+                 for ps in (1, 16)])
+    return flashmla + others
+
+
 def _quick_grid() -> list[BenchConfig]:
     return [
         BenchConfig(2, 1, 16, 256),
@@ -178,6 +190,9 @@ GRIDS = {
     "fp8-heads": ("fp8 caches beside their 16-bit twin: b=64 L=8192 h_q 16/32 (fp8_e4m3, fp8_ds_mla) and b=128 "
                   "h_q=128 L-bar 8192 (fp8_e4m3)", _fp8_heads_grid),
     "fp8": ("fp8 caches: fp8_e4m3 and fp8_ds_mla dense (b=128, L-bar 8192) and sparse topk=2048", _fp8_grid),
+    "sparse": ("sparse (top-k 2048) decode over varlen L-bar 32K: FlashMLA's sparse shapes (b=128 h_q=128 s_q=2, "
+               "b=64 h_q=64, fp8_ds_mla) and what it does not run (h_q 16/32, a bf16 cache, pages 1/16)",
+               _sparse_grid),
     "quick": ("a handful of small configs (seconds on a CPU with the reference backend)", _quick_grid),
 }
 

@@ -41,12 +41,17 @@ def flashmla_peer_available() -> str | None:
 
 
 def flashmla_runs(case: DecodeCase) -> bool:
-    """Whether FlashMLA's dense decode takes ``case`` as it is (no re-viewing): page 64, one KV head, a 16-bit cache
-    of q's dtype, D_qk 576 or 512 with D_v 512, dense, CUDA."""
-    kv = case.kv_cache
-    return (case.q.is_cuda and case.indices is None and kv.dim() == 4 and kv.shape[1] == 64 and kv.shape[2] == 1
-            and kv.dtype == case.q.dtype and case.q.dtype in (torch.bfloat16, torch.float16)
-            and case.head_dim_v == 512 and case.q.shape[-1] in (576, 512))
+    """Whether FlashMLA takes ``case`` as it is (no re-viewing). Dense: page 64, one KV head, a 16-bit cache of q's
+    dtype, D_qk 576 or 512 with D_v 512. Sparse (its SM90 kernel, ``csrc/api/sparse_decode.h``): a DeepSeek-V3.2
+    ``fp8_ds_mla`` cache (656 bytes per token) of one KV head, bf16 q with D_qk 576, h_q 64 or 128, any page size."""
+    kv, q = case.kv_cache, case.q
+    if not q.is_cuda or kv.dim() != 4 or kv.shape[2] != 1 or case.head_dim_v != 512:
+        return False
+    if case.indices is not None:
+        return (case.kv_format == "fp8_ds_mla" and q.dtype == torch.bfloat16 and q.shape[-1] == 576
+                and q.shape[2] in (64, 128))
+    return (kv.shape[1] == 64 and kv.dtype == q.dtype and q.dtype in (torch.bfloat16, torch.float16)
+            and q.shape[-1] in (576, 512))
 
 
 def host_us(fn: Callable[[], object], device: torch.device, *, reps: int = 50) -> float:
@@ -73,8 +78,12 @@ def time_flashmla(case: DecodeCase, ref: tuple[torch.Tensor, torch.Tensor], time
     import flash_mla
 
     q, kv = case.q, case.kv_cache
-    args = (q, kv, case.block_table, case.cache_seqlens, case.head_dim_v)
-    kw = dict(softmax_scale=case.softmax_scale, causal=case.causal)
+    if case.indices is not None:  # sparse: no table, no lengths; the cache as FlashMLA's sparse call takes it
+        args = (q, kv, None, None, case.head_dim_v)
+        kw = dict(softmax_scale=case.softmax_scale, causal=False, is_fp8_kvcache=True, indices=case.indices)
+    else:
+        args = (q, kv, case.block_table, case.cache_seqlens, case.head_dim_v)
+        kw = dict(softmax_scale=case.softmax_scale, causal=case.causal)
 
     def whole_call():
         meta, _ = flash_mla.get_mla_metadata()

@@ -19,6 +19,7 @@ with a warning.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import sys
 import sysconfig
@@ -290,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--legacy", action="store_true", help="expose the old get_mla_metadata (returns tensors)")
     run.add_argument("--shadow-installed", action="store_true",
                      help="hide a real flash_mla installed here (by default it is left in place, with a warning)")
+    run.add_argument("--backend", action="append", metavar="NAME",
+                     help="let backend='auto' choose only this mla_dispatch backend (repeatable: these, in the "
+                          "platform's order); default: every backend")
     run.add_argument("-m", dest="module", help="run a module instead of a script")
     run.add_argument("target", nargs=argparse.REMAINDER, help="script path (or module arguments) and its arguments")
     inst = sub.add_parser("install-pth", help="alias flash_mla in every Python process of this environment")
@@ -314,10 +318,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.module and not args.target:
         parser.error("run needs a script path (or -m module)")
     install_flash_mla_alias("legacy" if args.legacy else "current", shadow_installed=args.shadow_installed)
-    if args.module:
-        sys.argv = [args.module] + args.target
-        runpy.run_module(args.module, run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = list(args.target)
-        runpy.run_path(args.target[0], run_name="__main__")
+    from mla_dispatch.dispatch.select import use_backends
+
+    with use_backends(*args.backend) if args.backend else contextlib.nullcontext():
+        if args.module:
+            sys.argv = [args.module] + args.target
+            runpy.run_module(args.module, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(args.target)
+            runpy.run_path(args.target[0], run_name="__main__")
     return 0

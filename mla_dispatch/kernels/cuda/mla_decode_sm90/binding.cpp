@@ -131,6 +131,7 @@ void check_call(const at::Tensor& q, const at::Tensor& kv, const c10::optional<a
 // What the launch config is checked against: the problem's shape and the schedule's parts.
 struct Geometry {
   int64_t kv_format, q_len, heads_q, heads_kv, page_size, num_parts;
+  bool sparse = false;  // DecodeParams::sparse
 };
 
 // The plan's launch config (params.h, LaunchConfig; backends/cuda_sm90.py, launch_config and MAINLOOPS apply the same
@@ -174,6 +175,13 @@ void check_config(const mla_sm90::LaunchConfig& c, const Geometry& g) {
   if (c.paired)
     MLA_CHECK(m == kSeesaw && row_tiles % 2 == 0, "paired=true needs variant 5 and an even number of ", kBlockM,
               "-row tiles per KV head, got variant ", m, " and ", row_tiles);
+  // sparse: the flattened page-1 view of a top-k decode (params.h, DecodeParams::sparse), which v2 alone masks
+  if (g.sparse) {
+    MLA_CHECK(m == kWgmma, "sparse=true needs variant 2 (the mainloop that skips -1 top-k slots), got variant ", m);
+    MLA_CHECK(g.q_len == 1 && g.page_size == 1, "sparse=true runs the flattened view: s_q 1 and page_size 1 "
+              "(one request per query position, one token per block), got s_q ", g.q_len, " and page_size ",
+              g.page_size);
+  }
   // fuse_combine: the combine tail of a cooperative launch
   if (c.fuse_combine) {
     // the tail lists at most kFusedMaxSplits split requests, one per part boundary: a balanced schedule's
@@ -306,14 +314,16 @@ void cuda_sm90_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tenso
                       const at::Tensor& partial_out, const at::Tensor& partial_lse, const at::Tensor& num_splits,
                       const at::Tensor& first_slot, double softmax_scale, bool causal, int64_t kv_format,
                       int64_t variant, int64_t tile_rows, bool tma_loads, bool paired, bool fuse_combine,
-                      bool fixed_splits) {
+                      bool fixed_splits, bool sparse) {
   check_call(q, kv, kv_scale, out, lse, kv_format, tma_loads);
+  MLA_CHECK(!sparse || !causal, "sparse=true cannot be causal (the top-k indexer chose the keys)");
   check_plan(q.size(0), q.size(1), q.size(2), q.device(), block_table, cache_seqlens, items, part_offsets, partial_out,
              partial_lse, num_splits, first_slot, softmax_scale);
   const mla_sm90::LaunchConfig cfg = launch_config(variant, tile_rows, tma_loads, paired, fuse_combine, fixed_splits);
-  check_config(cfg, {kv_format, q.size(1), q.size(2), kv.size(2), kv.size(1), part_offsets.size(0) - 1});
+  check_config(cfg, {kv_format, q.size(1), q.size(2), kv.size(2), kv.size(1), part_offsets.size(0) - 1, sparse});
   mla_sm90::DecodeParams p = plan_params(block_table, cache_seqlens, items, part_offsets, partial_out, partial_lse,
                                          num_splits, first_slot, softmax_scale, causal, kv_format);
+  p.sparse = sparse ? 1 : 0;
   set_call_params(p, q, kv, kv_scale, out, lse);
   launch(p, cfg, q.device());
 }
@@ -393,7 +403,7 @@ TORCH_LIBRARY_FRAGMENT(mla_dispatch, m) {
       "Tensor part_offsets, Tensor? kv_scale, Tensor(a!) out, Tensor(b!) lse, Tensor(c!) partial_out, "
       "Tensor(d!) partial_lse, Tensor num_splits, Tensor first_slot, float softmax_scale, bool causal, "
       "int kv_format, int variant, int tile_rows, bool tma_loads, bool paired, bool fuse_combine, "
-      "bool fixed_splits) -> ()");
+      "bool fixed_splits, bool sparse=False) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(mla_dispatch, CUDA, m) { m.impl("cuda_sm90_decode", &cuda_sm90_decode); }

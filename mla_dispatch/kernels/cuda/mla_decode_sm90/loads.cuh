@@ -41,16 +41,30 @@ __device__ __forceinline__ int checked_page(const DecodeParams& p, int page, uin
 // warp reads 4 tokens x 128 contiguous bytes per instruction), 32 tokens per pass, 2 passes
 // (load_kv_async with a warpgroup: 16 tokens per pass, 4 passes).
 
+// ---- sparse decode (params.h, DecodeParams::sparse) ------------------------------------------
+// A block-table entry of -1 in a sparse launch is a skipped top-k slot: its token row is zero-filled (never read,
+// so NaN poison in the cache cannot reach P V) and its score is masked (mainloop_wgmma.cuh). Any other entry outside
+// [0, num_blocks) is a bad id as in a dense launch.
+__device__ __forceinline__ bool skipped_slot(const DecodeParams& p, int id) { return p.sparse && id == -1; }
+// Whether token t of request `req` is a skipped slot (sparse launches; page_size is 1 there, t / page_size kept for
+// any view).
+__device__ __forceinline__ bool skipped_token(const DecodeParams& p, int req, int t) {
+  return p.sparse && p.block_table[(int64_t)req * p.bt_stride + t / p.page_size] == -1;  // no read in dense launches
+}
+
 // Element offset of token t (in cache block `page`) of KV head kvh.
 __device__ __forceinline__ int64_t kv_token_elem(const DecodeParams& p, int page, int t, int kvh) {
   return (int64_t)page * p.kv_stride_block + (int64_t)(t % p.page_size) * p.kv_stride_tok +
          (int64_t)kvh * p.kv_stride_head;
 }
 
-// Token t of request `req`, KV head kvh, in the cache (a bad block id: block 0's; max_id as in checked_page).
+// Token t of request `req`, KV head kvh, in the cache (a bad block id: block 0's; max_id as in checked_page), or
+// nullptr for a skipped slot of a sparse launch.
 template <typename T>
 __device__ __forceinline__ const uint8_t* token_ptr(const DecodeParams& p, int req, int t, int kvh, uint32_t& max_id) {
-  const int page = checked_page(p, p.block_table[(int64_t)req * p.bt_stride + t / p.page_size], max_id);
+  const int id = p.block_table[(int64_t)req * p.bt_stride + t / p.page_size];
+  if (skipped_slot(p, id)) return nullptr;
+  const int page = checked_page(p, id, max_id);
   return reinterpret_cast<const uint8_t*>(p.kv) + kv_token_elem(p, page, t, kvh) * (int64_t)sizeof(T);
 }
 
@@ -64,9 +78,9 @@ __device__ __forceinline__ void load_kv_async(const DecodeParams& p, T* sK, int 
   for (int pass = 0; pass < Cfg::kBlockN / (kLoaders / 8); ++pass) {
     const int row = tid / 8 + (kLoaders / 8) * pass;
     const int t = t0 + row;
-    const bool valid = t < t_end;
-    const T* src =
-        valid ? reinterpret_cast<const T*>(token_ptr<T>(p, req, t, kvh, max_id)) : reinterpret_cast<const T*>(p.kv);
+    const T* src = t < t_end ? reinterpret_cast<const T*>(token_ptr<T>(p, req, t, kvh, max_id)) : nullptr;
+    const bool valid = src != nullptr;  // past the end, or a skipped slot: zero-filled
+    if (!valid) src = reinterpret_cast<const T*>(p.kv);
 #pragma unroll
     for (int k = 0; k < Cfg::kChunksQK / 8; ++k) {
       const int chunk = tid % 8 + 8 * k;
@@ -102,14 +116,16 @@ __device__ __forceinline__ void load_kv_fp8_8b(const DecodeParams& p, Fp8Stage8B
   for (int pass = 0; pass < Cfg::kBlockN * 8 / kLoaders; ++pass) {
     const int row = tid / 8 + kLoaders / 8 * pass;
     const int t = t0 + row;
-    const bool valid = t < t_end;
+    // kPaged: the pages come from shared memory (v6, never sparse); else from the table, where a sparse launch's
+    // skipped slot (-1) is a row past the end: zero-filled at the store, never read
+    const int id = kPaged ? spage[row] : (t < t_end ? p.block_table[(int64_t)req * p.bt_stride + t / p.page_size] : 0);
+    const bool valid = t < t_end && (kPaged || !skipped_slot(p, id));
     st.valid[pass] = valid;
     // fp8_e4m3: no branch on the row (see load_fp8_row); a row past the end reads page 0, in bounds, and is
     // zero-filled at the store. fp8_ds_mla keeps the branch: same-call A/B on the H100 (v6 b=64 h16 L=8K), without
     // it 221 us, with it 210; with it fp8_e4m3 went 185 -> 196 us (NOTES.md, fifth session)
     if (KvFmt != kKvFp8E4M3 && !valid) continue;
-    const int page = checked_page(
-        p, kPaged ? spage[row] : (valid ? p.block_table[(int64_t)req * p.bt_stride + t / p.page_size] : 0), max_id);
+    const int page = checked_page(p, valid ? id : 0, max_id);
     const int64_t elem = kv_token_elem(p, page, t, kvh);
     const uint8_t* src = reinterpret_cast<const uint8_t*>(p.kv) + elem;
 #pragma unroll

@@ -18,6 +18,9 @@
 // P V; causal rows mask tokens past L - s_q + i. A row with no visible key gets out = 0 and lse = +inf (final) or
 // lse = -inf (partial, so the combine gives it zero weight).
 //
+// Sparse launches (params.h, DecodeParams::sparse): a -1 entry of the table is a skipped top-k slot, zero-filled
+// like a token past the end and masked in every tile.
+//
 // Bad block ids: every thread checks the pages of the token rows it loads (loads.cuh, checked_page: block 0 is read
 // instead) and keeps the largest id it read for the item; the epilogue's barrier ORs "that id is bad" over the CTA,
 // and an item that met a bad id ends with NaN row sums, so NaN out and lse in every row (docs/design.md §1).
@@ -140,13 +143,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
       // Scores stay raw (unscaled) here: the maximum of raw scores times score_scale (> 0) is the
       // scaled maximum, and the scale is folded into the exponent's FFMA below. Only tiles that
       // reach past unmasked_end (the item's last, or the causal rows' last tokens) are masked.
-      if (t0 + Cfg::kBlockN > unmasked_end) {
+      // A sparse launch masks its skipped top-k slots (-1 entries) in every tile.
+      if (t0 + Cfg::kBlockN > unmasked_end || p.sparse) {
 #pragma unroll
         for (int n = 0; n < 4; ++n) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int t = t0 + half * 32 + n * 8 + (lane % 4) * 2 + (e & 1);
-            const bool visible = t < tok_end && t <= limit[e >> 1];
+            const bool visible = t < tok_end && t <= limit[e >> 1] && !skipped_token(p, req, t);
             if (!visible) acc_s[4 * n + e] = -INFINITY;
           }
         }

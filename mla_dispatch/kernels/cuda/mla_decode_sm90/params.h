@@ -63,6 +63,11 @@ struct DecodeParams {
   int causal;
   int kv_format;  // KvFormat
   int q_is_bf16;  // 1: bf16, 0: fp16
+  // 1: DeepSeek Sparse Attention (DSA) top-k decode, run as a dense decode over a page-1 view (the plan flattens
+  // (b, s) into requests, the cache's tokens into blocks of one, and passes `indices` as the block table;
+  // backends/cuda_sm90.py, sparse_view): an entry of -1 is a skipped top-k slot, masked out of the softmax and
+  // never read, not a bad id (loads.cuh, skipped_slot). v2 only (binding.cpp, check_config).
+  int sparse;
 };
 
 // The launch a plan chose (mla_dispatch/backends/cuda_sm90.py, Sm90Launch), run as given: the binding checks it
