@@ -3,6 +3,7 @@
     compute-sanitizer --tool memcheck python ci/sm90_sanitize.py [--variants 2,5,6]
     compute-sanitizer --tool racecheck python ci/sm90_sanitize.py --variants 5
     compute-sanitizer --tool memcheck python ci/sm90_sanitize.py --variants 2,6 --combine fused
+    compute-sanitizer --tool memcheck python ci/sm90_sanitize.py --variants 0 --kv-format fp8_ds_mla --sparse 256
     ncu --section WarpStateStats -k regex:kernel_v5 -c 1 python ci/sm90_sanitize.py --variants 5 --big
     ncu ... -k regex:kernel_v6 -c 1 python ci/sm90_sanitize.py --variants 6 --big --big-heads 16 --kv-format fp8_e4m3
 
@@ -26,6 +27,8 @@ def main() -> None:
     parser.add_argument("--combine", default="auto", help="auto (the plan's choice), fused (the combine as the "
                         "decode kernel's tail, cooperative launch) or separate (a second kernel)")
     parser.add_argument("--big", action="store_true", help="one b=128, h_q=128, L=4096 call instead (profiling)")
+    parser.add_argument("--sparse", type=int, default=0, help="top-k decode with this many slots per query "
+                        "(-1 slots among them; the shapes' own page sizes, plus page 61)")
     parser.add_argument("--big-heads", type=int, default=128, help="h_q of --big (not 128: b=64, L=8192, the "
                         "memory-bound config)")
     args = parser.parse_args()
@@ -34,13 +37,16 @@ def main() -> None:
               (2, 2, 16, 333, True, 16)]
     if args.big:
         shapes = [(128, 1, 128, 4096, False, 64) if args.big_heads == 128 else (64, 1, args.big_heads, 8192, False, 64)]
+    if args.sparse:
+        shapes.append((3, 2, 64, 500, False, 61))
     if args.shape:
         b, s_q, h_q, L = (int(x) for x in args.shape.split(","))
         shapes = [(b, s_q, h_q, L, False, 64)]
     gen = torch.Generator().manual_seed(0)
     for variant in (int(v) for v in args.variants.split(",")):
         for b, s_q, h_q, L, causal, page_size in shapes:
-            case = make_case(b, s_q, h_q, L, page_size=page_size, causal=causal, kv_format=args.kv_format,
+            case = make_case(b, s_q, h_q, L, page_size=page_size, causal=causal and not args.sparse,
+                             kv_format=args.kv_format, topk=args.sparse,
                              zero_len_rows=0 if args.shape else 1, varlen=not args.shape, device="cuda",
                              generator=gen)
             options = {"variant": variant} if variant else {}
@@ -51,7 +57,7 @@ def main() -> None:
             except ValueError as exc:  # the mainloop does not take the shape: nothing to check there
                 print(f"variant {variant} b={b} s_q={s_q} h_q={h_q} L={L}: not run ({exc})")
                 continue
-            out, lse = plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale)
+            out, lse = plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale, indices=case.indices)
             torch.cuda.synchronize()
             launch = plan.state.launch
             print(f"variant {launch.variant} fused={launch.fuse_combine} b={b} s_q={s_q} h_q={h_q} L={L}: "

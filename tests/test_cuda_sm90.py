@@ -484,7 +484,7 @@ def _sparse_case(cfg, gen):
 
 @pytest.mark.parametrize("cfg", SPARSE_GRID, ids=[_sparse_id(c) for c in SPARSE_GRID])
 def test_sparse_matches_reference(cfg, gen):
-    """Top-k decode on the flattened page-1 view (mainloop v2), checked over two runs with fresh poison each; query
+    """Top-k decode on the flattened view (mainloop v2), checked over two runs with fresh poison each; query
     positions whose slots are all -1 give out 0 and lse +inf as the reference does."""
     case = _sparse_case(cfg, gen)
     plan = _plan(case)
@@ -564,6 +564,24 @@ def test_sparse_cuda_graph_capture_and_replay(gen):
         graph.replay()
         torch.cuda.synchronize()
         _check(dataclasses.replace(case, indices=case.indices.clone()), out, lse)
+
+
+@pytest.mark.parametrize("fmt,ps", [("fp8_ds_mla", 64), ("fp8_ds_mla", 53), ("bf16", 16)])
+def test_sparse_cache_blocks_with_padding(fmt, ps, gen):
+    """Token ids are block * page_size + offset whatever the cache's block stride: blocks padded with NaN bytes (as
+    FlashMLA's sparse test lays its cache out) are read from their own rows, the padding never."""
+    case = _sparse_case((3, 2, 64, 1, 900, ps, 256, fmt, 0), gen)
+    kv = case.kv_cache
+    padded = torch.full((kv.shape[0], ps + 3, *kv.shape[2:]), 0xFF if fmt == "fp8_ds_mla" else float("nan"),
+                        dtype=kv.dtype, device="cuda")
+    padded[:, :ps] = kv
+    case = dataclasses.replace(case, kv_cache=padded[:, :ps])
+    assert case.kv_cache.stride(0) == (ps + 3) * case.kv_cache.stride(1)
+    plan = _plan(case)
+    out, lse = poisoned_outputs(case)
+    plan.run(case.q, case.kv_cache, indices=case.indices, out=out, lse=lse)
+    torch.cuda.synchronize()
+    _check(case, out, lse)
 
 
 def test_sparse_out_with_strided_rows(gen):

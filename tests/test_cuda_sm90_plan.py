@@ -130,7 +130,7 @@ def sparse_launch(p, **options) -> Sm90Launch:
 
 
 def test_sparse_runs_as_its_flattened_view():
-    """A top-k problem runs as B * s_q requests of one query token over page-1 blocks of topk tokens, on v2 (the
+    """A top-k problem runs as B * s_q requests of one query token, each a table of topk token ids, on v2 (the
     mainloop that masks -1 slots) whatever the heads; a dense problem is its own view."""
     p = sparse_problem()
     view = cuda_sm90.sparse_view(p)

@@ -64,10 +64,10 @@ def rows_per_kv_head(problem: DecodeProblem) -> int:
 
 def sparse_view(problem: DecodeProblem) -> DecodeProblem:
     """The dense problem a sparse (top-k) one runs as: each query position ``(b, s)`` a request of ``topk`` tokens
-    (``B * s_q`` requests of one query token), the cache's tokens blocks of one (page size 1, flat token id =
-    block id), and ``indices`` the block table; a -1 entry is a skipped slot (params.h, DecodeParams::sparse).
-    FlashMLA's sparse decode splits the work the same way, per query position (``csrc/api/sparse_decode.h``).
-    A dense problem is returned as it is."""
+    (``B * s_q`` requests of one query token) whose table is ``indices``, one entry per token (page size 1 for the
+    table: each entry is a cache token id, ``block * page_size + offset``, which the kernel reads from the cache's own
+    blocks); a -1 entry is a skipped slot (params.h, DecodeParams::sparse). FlashMLA's sparse decode splits the work
+    the same way, per query position (``csrc/api/sparse_decode.h``). A dense problem is returned as it is."""
     p = problem
     if not p.sparse:
         return p
@@ -90,7 +90,7 @@ class Mainloop:
     max_q_len: int | None = None
     #: can merge the split rows itself, after a grid-wide barrier (fuse_combine)
     combine_tail: bool = True
-    #: runs sparse (top-k) decode: masks the -1 slots of its flattened page-1 view (params.h, DecodeParams::sparse)
+    #: runs sparse (top-k) decode: masks the -1 slots of its flattened view (params.h, DecodeParams::sparse)
     sparse: bool = False
 
     def rows_limit(self, kv_format: str) -> int | None:
@@ -540,18 +540,12 @@ class CudaSM90Backend(MLABackend):
     @classmethod
     def _run_sparse(cls, state: Sm90State, q, kv_cache, indices, *, problem: DecodeProblem, softmax_scale: float,
                     kv_scale, out, lse) -> None:
-        """A sparse run on the flattened view (:func:`sparse_view`): views of q, out, the cache and indices (no
-        copy where their strides allow one; q, out and indices are copied otherwise), the LSE through
-        ``state.sparse_lse`` when s_q > 1."""
+        """A sparse run on the flattened view (:func:`sparse_view`): views of q, out and indices (no copy where
+        their strides allow one; copies otherwise), the cache as it is (the kernel reads token id ``block *
+        page_size + offset`` from its blocks, whatever their stride), the LSE through ``state.sparse_lse`` when
+        s_q > 1."""
         p, s, c = problem, state.schedule, state.launch
         rows = p.batch * p.q_len
-        blocks, page, h_kv, dim = kv_cache.shape
-        if blocks > 1 and kv_cache.stride(0) != page * kv_cache.stride(1):
-            raise ValueError(f"kv_cache must hold each block's {page} tokens at one stride, block after block "
-                             f"(stride(0) == page_size * stride(1)) for sparse decode on cuda_sm90 (token ids are "
-                             f"block * page_size + offset), got strides {list(kv_cache.stride())}")
-        tok = kv_cache.stride(1)
-        kv = kv_cache.as_strided((blocks * page, 1, h_kv, dim), (tok, tok, kv_cache.stride(2), 1))
         q_flat = q.reshape(rows, 1, p.num_heads_q, q.shape[-1])  # a view for a q of contiguous (b, s) rows
         table = indices.reshape(rows, p.topk)
         if table.stride(1) != 1:
@@ -561,7 +555,7 @@ class CudaSM90Backend(MLABackend):
                     else torch.empty(rows, 1, p.num_heads_q, p.head_dim_v, dtype=out.dtype, device=out.device))
         lse_flat = lse if state.sparse_lse is None else state.sparse_lse
         (state.direct if untraced_eager(q) else state.op)(
-            q_flat, kv, table, state.lengths, s.items, s.part_offsets,
+            q_flat, kv_cache, table, state.lengths, s.items, s.part_offsets,
             kv_scale if state.kv_format_code == 1 else None, out_flat, lse_flat, state.partial_out,
             state.partial_lse, s.num_splits, state.first_slot, softmax_scale, False, state.kv_format_code,
             c.variant, c.tile_rows, c.tma_loads, c.paired, c.fuse_combine, c.fixed_splits, True)

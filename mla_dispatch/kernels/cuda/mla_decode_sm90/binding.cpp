@@ -175,12 +175,11 @@ void check_config(const mla_sm90::LaunchConfig& c, const Geometry& g) {
   if (c.paired)
     MLA_CHECK(m == kSeesaw && row_tiles % 2 == 0, "paired=true needs variant 5 and an even number of ", kBlockM,
               "-row tiles per KV head, got variant ", m, " and ", row_tiles);
-  // sparse: the flattened page-1 view of a top-k decode (params.h, DecodeParams::sparse), which v2 alone masks
+  // sparse: the flattened view of a top-k decode (params.h, DecodeParams::sparse), which v2 alone masks
   if (g.sparse) {
     MLA_CHECK(m == kWgmma, "sparse=true needs variant 2 (the mainloop that skips -1 top-k slots), got variant ", m);
-    MLA_CHECK(g.q_len == 1 && g.page_size == 1, "sparse=true runs the flattened view: s_q 1 and page_size 1 "
-              "(one request per query position, one token per block), got s_q ", g.q_len, " and page_size ",
-              g.page_size);
+    MLA_CHECK(g.q_len == 1, "sparse=true runs the flattened view: s_q 1 (one request per query position), got s_q ",
+              g.q_len);
   }
   // fuse_combine: the combine tail of a cooperative launch
   if (c.fuse_combine) {
@@ -323,8 +322,15 @@ void cuda_sm90_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tenso
   check_config(cfg, {kv_format, q.size(1), q.size(2), kv.size(2), kv.size(1), part_offsets.size(0) - 1, sparse});
   mla_sm90::DecodeParams p = plan_params(block_table, cache_seqlens, items, part_offsets, partial_out, partial_lse,
                                          num_splits, first_slot, softmax_scale, causal, kv_format);
-  p.sparse = sparse ? 1 : 0;
   set_call_params(p, q, kv, kv_scale, out, lse);
+  if (sparse) {  // the table holds cache token ids (params.h, DecodeParams::sparse)
+    MLA_CHECK(kv.size(0) * kv.size(1) <= (int64_t(1) << 31), "sparse=true needs num_blocks * page_size <= 2^31 "
+              "(int32 token ids), got ", kv.size(0) * kv.size(1));
+    p.sparse = 1;
+    p.sparse_page = p.page_size;
+    p.page_size = 1;
+    p.block_ids = static_cast<uint32_t>(kv.size(0) * kv.size(1));
+  }
   launch(p, cfg, q.device());
 }
 

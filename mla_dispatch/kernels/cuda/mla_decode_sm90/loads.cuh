@@ -58,14 +58,24 @@ __device__ __forceinline__ int64_t kv_token_elem(const DecodeParams& p, int page
          (int64_t)kvh * p.kv_stride_head;
 }
 
+// Element offset of the token that (checked) table entry `entry` names for token t of a request: dense, token t of
+// block `entry`; sparse, cache token `entry` = block * sparse_page + offset (FlashMLA's sparse indices), in the
+// cache's own blocks, whatever their stride.
+__device__ __forceinline__ int64_t entry_token_elem(const DecodeParams& p, int entry, int t, int kvh) {
+  if (p.sparse)
+    return (int64_t)(entry / p.sparse_page) * p.kv_stride_block + (int64_t)(entry % p.sparse_page) * p.kv_stride_tok +
+           (int64_t)kvh * p.kv_stride_head;
+  return kv_token_elem(p, entry, t, kvh);
+}
+
 // Token t of request `req`, KV head kvh, in the cache (a bad block id: block 0's; max_id as in checked_page), or
 // nullptr for a skipped slot of a sparse launch.
 template <typename T>
 __device__ __forceinline__ const uint8_t* token_ptr(const DecodeParams& p, int req, int t, int kvh, uint32_t& max_id) {
   const int id = p.block_table[(int64_t)req * p.bt_stride + t / p.page_size];
   if (skipped_slot(p, id)) return nullptr;
-  const int page = checked_page(p, id, max_id);
-  return reinterpret_cast<const uint8_t*>(p.kv) + kv_token_elem(p, page, t, kvh) * (int64_t)sizeof(T);
+  const int entry = checked_page(p, id, max_id);
+  return reinterpret_cast<const uint8_t*>(p.kv) + entry_token_elem(p, entry, t, kvh) * (int64_t)sizeof(T);
 }
 
 // bf16/fp16 cache: cp.async straight into the swizzled tile, by kLoaders threads (tid < kLoaders:
@@ -126,7 +136,7 @@ __device__ __forceinline__ void load_kv_fp8_8b(const DecodeParams& p, Fp8Stage8B
     // it 221 us, with it 210; with it fp8_e4m3 went 185 -> 196 us (NOTES.md, fifth session)
     if (KvFmt != kKvFp8E4M3 && !valid) continue;
     const int page = checked_page(p, valid ? id : 0, max_id);
-    const int64_t elem = kv_token_elem(p, page, t, kvh);
+    const int64_t elem = kPaged ? kv_token_elem(p, page, t, kvh) : entry_token_elem(p, page, t, kvh);
     const uint8_t* src = reinterpret_cast<const uint8_t*>(p.kv) + elem;
 #pragma unroll
     for (int k = 0; k < (KvFmt == kKvFp8E4M3 ? 9 : 8); ++k) {

@@ -63,11 +63,14 @@ struct DecodeParams {
   int causal;
   int kv_format;  // KvFormat
   int q_is_bf16;  // 1: bf16, 0: fp16
-  // 1: DeepSeek Sparse Attention (DSA) top-k decode, run as a dense decode over a page-1 view (the plan flattens
-  // (b, s) into requests, the cache's tokens into blocks of one, and passes `indices` as the block table;
-  // backends/cuda_sm90.py, sparse_view): an entry of -1 is a skipped top-k slot, masked out of the softmax and
-  // never read, not a bad id (loads.cuh, skipped_slot). v2 only (binding.cpp, check_config).
+  // 1: DeepSeek Sparse Attention (DSA) top-k decode, run as a dense decode of one query token per request (the plan
+  // flattens (b, s) into requests and passes `indices` as the block table; backends/cuda_sm90.py, sparse_view).
+  // The table then holds token ids, block * sparse_page + offset, one per token (page_size is 1 for the table,
+  // block_ids counts tokens), read from the cache's own blocks (loads.cuh, entry_token_elem); an entry of -1 is a
+  // skipped top-k slot, masked out of the softmax and never read, not a bad id (loads.cuh, skipped_slot). v2 only
+  // (binding.cpp, check_config).
   int sparse;
+  int sparse_page;  // sparse: the cache's page size (kv_cache.size(1))
 };
 
 // The launch a plan chose (mla_dispatch/backends/cuda_sm90.py, Sm90Launch), run as given: the binding checks it
