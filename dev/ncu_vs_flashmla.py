@@ -5,7 +5,8 @@
         -c 4 --csv --page details python dev/ncu_vs_flashmla.py --config 128,1,128,8192
 
 Runs FlashMLA's call twice (the first fills its schedule), then ours twice: with `-c 4` ncu profiles two launches
-of each decode kernel. Needs FlashMLA importable (ci/flashmla_peer.sh).
+of each decode kernel. Needs FlashMLA importable (ci/flashmla_peer.sh). ``--topk N`` profiles sparse decode instead
+(fp8_ds_mla cache, FlashMLA's SM90 sparse kernel: regex "flash_fwd_splitkv_mla_fp8_sparse|mla_decode_kernel").
 """
 
 import argparse
@@ -20,22 +21,30 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--config", default="128,1,128,8192", help="batch,s_q,h_q,mean length (varlen, page 64)")
     p.add_argument("--causal", action="store_true")
+    p.add_argument("--topk", type=int, default=0, help="sparse decode with this many top-k slots (fp8_ds_mla)")
     args = p.parse_args()
     b, s_q, h_q, L = map(int, args.config.split(","))
-    case = make_bench_case(BenchConfig(b, s_q, h_q, L, varlen=True, causal=args.causal), device="cuda")
+    cfg = BenchConfig(b, s_q, h_q, L, varlen=True, causal=args.causal, topk=args.topk,
+                      kv_format="fp8_ds_mla" if args.topk else None)
+    case = make_bench_case(cfg, device="cuda")
     import flash_mla
 
     meta, _ = flash_mla.get_mla_metadata()
-    fm = lambda: flash_mla.flash_mla_with_kvcache(case.q, case.kv_cache, case.block_table,  # noqa: E731
-                                                  case.cache_seqlens, 512, meta, None,
-                                                  softmax_scale=case.softmax_scale, causal=case.causal)
+    if args.topk:
+        fm = lambda: flash_mla.flash_mla_with_kvcache(case.q, case.kv_cache, None, None, 512, meta,  # noqa: E731
+                                                      None, softmax_scale=case.softmax_scale, is_fp8_kvcache=True,
+                                                      indices=case.indices)
+    else:
+        fm = lambda: flash_mla.flash_mla_with_kvcache(case.q, case.kv_cache, case.block_table,  # noqa: E731
+                                                      case.cache_seqlens, 512, meta, None,
+                                                      softmax_scale=case.softmax_scale, causal=case.causal)
     plan = mla_dispatch.plan_decode(*case.args(), **case.kwargs(), backend="cuda_sm90")
-    ours = lambda: plan.run(case.q, case.kv_cache)  # noqa: E731
+    ours = lambda: plan.run(case.q, case.kv_cache, indices=case.indices)  # noqa: E731
     for fn in (fm, ours):
         for _ in range(2):
             fn()
         torch.cuda.synchronize()
-    print("ran", args.config, "causal" if args.causal else "")
+    print("ran", args.config, "causal" if args.causal else "", f"topk={args.topk}" if args.topk else "")
 
 
 if __name__ == "__main__":

@@ -382,3 +382,59 @@ def test_batch_invariant_mode(vllm_world, model_dir, gen, monkeypatch):
         causal=True)
     alone, _ = eng.layer.impl.forward_mqa(q[r:r + 1], cache, eng.build(one), eng.layer)
     assert torch.equal(alone.reshape(-1), out.reshape(6, -1)[r])
+
+
+# -- DeepSeek-V3.2's sparse MLA (MLA_DISPATCH_SPARSE) ------------------------------------------------------------
+
+
+def test_sparse_backend_is_registered_and_accepted(vllm_world):
+    """The plugin registers MLA_DISPATCH_SPARSE: vLLM resolves the name to our class, which is its FlashMLA-sparse
+    backend with our impl, and vLLM's own validate_configuration accepts it for a sparse layer only."""
+    from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend
+
+    from mla_dispatch.integrations.plugins import VLLM_SPARSE_BACKEND_CLASS, VLLM_SPARSE_BACKEND_NAME
+    from mla_dispatch.integrations.vllm_sparse import MLADispatchSparseBackend, MLADispatchSparseImpl
+
+    register_vllm()  # twice: idempotent
+    member = AttentionBackendEnum[VLLM_SPARSE_BACKEND_NAME]
+    assert member.get_path() == VLLM_SPARSE_BACKEND_CLASS and member.get_class() is MLADispatchSparseBackend
+    cls = MLADispatchSparseBackend
+    assert issubclass(cls, FlashMLASparseBackend) and cls.is_sparse() and cls.get_impl_cls() is MLADispatchSparseImpl
+    assert cls.get_name() == VLLM_SPARSE_BACKEND_NAME
+    kwargs = dict(head_size=576, dtype=torch.bfloat16, kv_cache_dtype="fp8_ds_mla", block_size=64, use_mla=True,
+                  has_sink=False, use_sparse=True, use_mm_prefix=False, use_per_head_quant_scales=False,
+                  device_capability=None, attn_type="decoder")
+    from vllm.platforms.interface import DeviceCapability
+
+    hopper = DeviceCapability(9, 0)
+    assert cls.validate_configuration(**{**kwargs, "device_capability": hopper}) == []
+    assert cls.validate_configuration(**{**kwargs, "device_capability": hopper, "use_sparse": False}) != []
+
+
+@pytest.mark.parametrize("h_q,s_q,page", [(16, 1, 64), (64, 2, 64), (20, 3, 128)])
+def test_sparse_fp8_decode_hook_matches_float64(h_q, s_q, page, gen):
+    """vLLM's FlashMLA-sparse impl launches every fp8 decode through ``_fp8_flash_mla_kernel(q, kv_c_and_k_pe_cache,
+    topk_indices, kernel_metadata)``; ours answers it with mla_dispatch: vLLM's argument shapes (the cache as
+    [pages, page, 656] bytes, cache token ids with -1 slots, q of any head count, where FlashMLA's kernel pads to
+    64 / 128), the outputs checked against float64. The impl is made without vLLM's constructor, which needs a
+    running engine (workspaces, the indexer); the method contract is checked against vLLM's own class."""
+    import inspect
+
+    from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseImpl
+
+    from mla_dispatch.integrations.vllm_sparse import MLADispatchSparseImpl
+    from mla_dispatch.numerics.cases import make_case
+
+    theirs = list(inspect.signature(FlashMLASparseImpl._fp8_flash_mla_kernel).parameters)
+    ours = list(inspect.signature(MLADispatchSparseImpl._fp8_flash_mla_kernel).parameters)
+    assert ours == theirs  # a vLLM release that renames or reorders the hook fails here
+    case = make_case(3, s_q, h_q, 300, page_size=page, topk=128, kv_format="fp8_ds_mla", generator=gen)
+    impl = object.__new__(MLADispatchSparseImpl)
+    impl.softmax_scale = case.softmax_scale
+    vllm_cache = case.kv_cache.squeeze(2)  # [pages, page, 656], as vLLM holds it
+    out, lse = impl._fp8_flash_mla_kernel(case.q, vllm_cache, case.indices, kernel_metadata=None)
+    ref_out, ref_lse = naive_attention(case)
+    report = compare_outputs(out, lse, ref_out.float(), ref_lse.float(), TOL)
+    assert report, report.message
+    out2, _ = impl._fp8_flash_mla_kernel(case.q, vllm_cache, case.indices, None)  # the plan is made once per shape
+    assert len(impl._mla_dispatch_plans) == 1 and torch.equal(out2, out)

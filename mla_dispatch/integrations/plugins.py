@@ -10,7 +10,8 @@ process).
 - vLLM: group ``vllm.general_plugins`` (``vllm/plugins/__init__.py``,
   ``DEFAULT_PLUGINS_GROUP``); registers the class path under
   ``AttentionBackendEnum.CUSTOM`` (``vllm/v1/attention/backends/registry.py``).
-  Select it with ``--attention-backend CUSTOM``.
+  Select it with ``--attention-backend CUSTOM``; DeepSeek-V3.2's sparse MLA, registered as a
+  new name, with ``--attention-backend MLA_DISPATCH_SPARSE``.
 - SGLang: group ``sglang.srt.plugins`` (``python/sglang/srt/plugins/__init__.py``,
   ``GENERAL_PLUGINS_GROUP``); adds ``"mla_dispatch"`` to
   ``ATTENTION_BACKENDS`` (``attention_registry.register_attention_backend``) and to
@@ -21,16 +22,23 @@ process).
 from __future__ import annotations
 
 VLLM_BACKEND_CLASS = "mla_dispatch.integrations.vllm.MLADispatchBackend"
+VLLM_SPARSE_BACKEND_NAME = "MLA_DISPATCH_SPARSE"
+VLLM_SPARSE_BACKEND_CLASS = "mla_dispatch.integrations.vllm_sparse.MLADispatchSparseBackend"
 SGLANG_BACKEND_NAME = "mla_dispatch"
 
-__all__ = ["register_vllm", "register_sglang", "VLLM_BACKEND_CLASS", "SGLANG_BACKEND_NAME"]
+__all__ = ["register_vllm", "register_sglang", "VLLM_BACKEND_CLASS", "VLLM_SPARSE_BACKEND_NAME",
+           "VLLM_SPARSE_BACKEND_CLASS", "SGLANG_BACKEND_NAME"]
 
 
 def register_vllm() -> None:
-    """Register mla_dispatch's MLA backend as vLLM's ``CUSTOM`` attention backend."""
+    """Register mla_dispatch's MLA backend as vLLM's ``CUSTOM`` attention backend, and its sparse-MLA backend
+    as ``MLA_DISPATCH_SPARSE``."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     register_backend(AttentionBackendEnum.CUSTOM, VLLM_BACKEND_CLASS)
+    existing = getattr(AttentionBackendEnum, "_member_map_", {}).get(VLLM_SPARSE_BACKEND_NAME)
+    # a new enum member the first time; the same member's class path after that (registering twice raises)
+    register_backend(existing if existing is not None else VLLM_SPARSE_BACKEND_NAME, VLLM_SPARSE_BACKEND_CLASS)
 
 
 def _create_sglang_backend(model_runner):

@@ -37,8 +37,8 @@ What is declared to vLLM comes from mla_dispatch's registry for the current devi
 ``"auto"`` may choose): block sizes (any, when some backend takes any page size; else
 the union), model dtypes, KV-cache dtypes, CUDA-graph support (only on a GPU). Decode
 context parallelism (DCP) is supported: each rank attends over its local tokens and
-returns the natural-log LSE that vLLM's merge reads. Limits: dense MLA only (no sparse /
-DeepSeek-V3.2 indexer path), uniform decode query lengths (spec decode with a fixed
+returns the natural-log LSE that vLLM's merge reads. Limits: dense MLA only (DeepSeek-V3.2's sparse
+path is :mod:`mla_dispatch.integrations.vllm_sparse`, ``MLA_DISPATCH_SPARSE``), uniform decode query lengths (spec decode with a fixed
 number of draft tokens), causal multi-token decode not under DCP (the causal mask
 needs global positions; vLLM keeps such batches off the decode path unless a builder
 declares ``supports_dcp_with_varlen``, which this one does not), ``fp8`` caches as
@@ -138,7 +138,7 @@ class MLADispatchBackend(MLACommonBackend):
     def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse,
                              *args, **kwargs) -> str | None:
         if use_sparse:
-            return "mla_dispatch's vLLM backend runs dense MLA only (sparse: use FLASHMLA_SPARSE)"
+            return "mla_dispatch's CUSTOM backend runs dense MLA (sparse: MLA_DISPATCH_SPARSE)"
         if has_sink:
             return "attention sinks are not supported by mla_dispatch's vLLM backend"
         return None

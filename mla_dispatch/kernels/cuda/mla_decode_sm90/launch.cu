@@ -161,11 +161,15 @@ static cudaError_t launch_kernel(void (*kernel)(DecodeParams, Args...), dim3 gri
   return cudaLaunchKernelEx(&launch, kernel, p, args...);
 }
 
-// v2 (mainloop_wgmma.cuh): 64-row tiles, any cache.
+// v2 (mainloop_wgmma.cuh): 64-row tiles, any cache; its sparse instance for sparse launches (DecodeParams::sparse).
 template <typename T, int KvFmt>
 static int launch_wgmma(const DecodeParams& p, const LaunchConfig& cfg, cudaStream_t stream) {
-  return launch_kernel(mla_decode_kernel_v2<T, KvFmt>, dim3(p.num_parts, p.num_row_tiles, p.heads_kv),
-                       DecodeConfig::kThreads, DecodeConfig::kSmemBytes, cfg, stream, p);
+  const dim3 grid(p.num_parts, p.num_row_tiles, p.heads_kv);
+  if (p.sparse)
+    return launch_kernel(mla_decode_kernel_v2<T, KvFmt, true>, grid, DecodeConfig::kThreads, DecodeConfig::kSmemBytes,
+                         cfg, stream, p);
+  return launch_kernel(mla_decode_kernel_v2<T, KvFmt, false>, grid, DecodeConfig::kThreads, DecodeConfig::kSmemBytes,
+                       cfg, stream, p);
 }
 
 // v5 (mainloop_seesaw.cuh): bf16/fp16 caches by TMA, the row tiles of a part alone or paired in clusters.

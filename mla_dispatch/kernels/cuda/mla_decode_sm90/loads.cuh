@@ -41,41 +41,17 @@ __device__ __forceinline__ int checked_page(const DecodeParams& p, int page, uin
 // warp reads 4 tokens x 128 contiguous bytes per instruction), 32 tokens per pass, 2 passes
 // (load_kv_async with a warpgroup: 16 tokens per pass, 4 passes).
 
-// ---- sparse decode (params.h, DecodeParams::sparse) ------------------------------------------
-// A block-table entry of -1 in a sparse launch is a skipped top-k slot: its token row is zero-filled (never read,
-// so NaN poison in the cache cannot reach P V) and its score is masked (mainloop_wgmma.cuh). Any other entry outside
-// [0, num_blocks) is a bad id as in a dense launch.
-__device__ __forceinline__ bool skipped_slot(const DecodeParams& p, int id) { return p.sparse && id == -1; }
-// Whether token t of request `req` is a skipped slot (sparse launches; page_size is 1 there, t / page_size kept for
-// any view).
-__device__ __forceinline__ bool skipped_token(const DecodeParams& p, int req, int t) {
-  return p.sparse && p.block_table[(int64_t)req * p.bt_stride + t / p.page_size] == -1;  // no read in dense launches
-}
-
 // Element offset of token t (in cache block `page`) of KV head kvh.
 __device__ __forceinline__ int64_t kv_token_elem(const DecodeParams& p, int page, int t, int kvh) {
   return (int64_t)page * p.kv_stride_block + (int64_t)(t % p.page_size) * p.kv_stride_tok +
          (int64_t)kvh * p.kv_stride_head;
 }
 
-// Element offset of the token that (checked) table entry `entry` names for token t of a request: dense, token t of
-// block `entry`; sparse, cache token `entry` = block * sparse_page + offset (FlashMLA's sparse indices), in the
-// cache's own blocks, whatever their stride.
-__device__ __forceinline__ int64_t entry_token_elem(const DecodeParams& p, int entry, int t, int kvh) {
-  if (p.sparse)
-    return (int64_t)(entry / p.sparse_page) * p.kv_stride_block + (int64_t)(entry % p.sparse_page) * p.kv_stride_tok +
-           (int64_t)kvh * p.kv_stride_head;
-  return kv_token_elem(p, entry, t, kvh);
-}
-
-// Token t of request `req`, KV head kvh, in the cache (a bad block id: block 0's; max_id as in checked_page), or
-// nullptr for a skipped slot of a sparse launch.
+// Token t of request `req`, KV head kvh, in the cache (a bad block id: block 0's; max_id as in checked_page).
 template <typename T>
 __device__ __forceinline__ const uint8_t* token_ptr(const DecodeParams& p, int req, int t, int kvh, uint32_t& max_id) {
-  const int id = p.block_table[(int64_t)req * p.bt_stride + t / p.page_size];
-  if (skipped_slot(p, id)) return nullptr;
-  const int entry = checked_page(p, id, max_id);
-  return reinterpret_cast<const uint8_t*>(p.kv) + entry_token_elem(p, entry, t, kvh) * (int64_t)sizeof(T);
+  const int page = checked_page(p, p.block_table[(int64_t)req * p.bt_stride + t / p.page_size], max_id);
+  return reinterpret_cast<const uint8_t*>(p.kv) + kv_token_elem(p, page, t, kvh) * (int64_t)sizeof(T);
 }
 
 // bf16/fp16 cache: cp.async straight into the swizzled tile, by kLoaders threads (tid < kLoaders:
@@ -88,9 +64,9 @@ __device__ __forceinline__ void load_kv_async(const DecodeParams& p, T* sK, int 
   for (int pass = 0; pass < Cfg::kBlockN / (kLoaders / 8); ++pass) {
     const int row = tid / 8 + (kLoaders / 8) * pass;
     const int t = t0 + row;
-    const T* src = t < t_end ? reinterpret_cast<const T*>(token_ptr<T>(p, req, t, kvh, max_id)) : nullptr;
-    const bool valid = src != nullptr;  // past the end, or a skipped slot: zero-filled
-    if (!valid) src = reinterpret_cast<const T*>(p.kv);
+    const bool valid = t < t_end;
+    const T* src =
+        valid ? reinterpret_cast<const T*>(token_ptr<T>(p, req, t, kvh, max_id)) : reinterpret_cast<const T*>(p.kv);
 #pragma unroll
     for (int k = 0; k < Cfg::kChunksQK / 8; ++k) {
       const int chunk = tid % 8 + 8 * k;
@@ -126,17 +102,15 @@ __device__ __forceinline__ void load_kv_fp8_8b(const DecodeParams& p, Fp8Stage8B
   for (int pass = 0; pass < Cfg::kBlockN * 8 / kLoaders; ++pass) {
     const int row = tid / 8 + kLoaders / 8 * pass;
     const int t = t0 + row;
-    // kPaged: the pages come from shared memory (v6, never sparse); else from the table, where a sparse launch's
-    // skipped slot (-1) is a row past the end: zero-filled at the store, never read
-    const int id = kPaged ? spage[row] : (t < t_end ? p.block_table[(int64_t)req * p.bt_stride + t / p.page_size] : 0);
-    const bool valid = t < t_end && (kPaged || !skipped_slot(p, id));
+    const bool valid = t < t_end;
     st.valid[pass] = valid;
     // fp8_e4m3: no branch on the row (see load_fp8_row); a row past the end reads page 0, in bounds, and is
     // zero-filled at the store. fp8_ds_mla keeps the branch: same-call A/B on the H100 (v6 b=64 h16 L=8K), without
     // it 221 us, with it 210; with it fp8_e4m3 went 185 -> 196 us (NOTES.md, fifth session)
     if (KvFmt != kKvFp8E4M3 && !valid) continue;
-    const int page = checked_page(p, valid ? id : 0, max_id);
-    const int64_t elem = kPaged ? kv_token_elem(p, page, t, kvh) : entry_token_elem(p, page, t, kvh);
+    const int page = checked_page(
+        p, kPaged ? spage[row] : (valid ? p.block_table[(int64_t)req * p.bt_stride + t / p.page_size] : 0), max_id);
+    const int64_t elem = kv_token_elem(p, page, t, kvh);
     const uint8_t* src = reinterpret_cast<const uint8_t*>(p.kv) + elem;
 #pragma unroll
     for (int k = 0; k < (KvFmt == kKvFp8E4M3 ? 9 : 8); ++k) {
@@ -175,6 +149,68 @@ __device__ __forceinline__ void store_kv_fp8_8b(T* stage, const Fp8Stage8B<Cfg::
     }
     if constexpr (kScaled) {  // rope: 8 bf16 values -> chunk c of column block 8
       *reinterpret_cast<uint4*>(row + 4096 * 8) = rope_as<T>(st.rope[pass]);
+    }
+  }
+}
+
+// ---- sparse decode (params.h, DecodeParams::sparse): v2's loaders for its sparse instance -------------------
+// The table holds cache token ids (block * sparse_page + offset, FlashMLA's sparse indices), one per token; an id of
+// -1 is a skipped top-k slot: its row is zero-filled like a row past the end (never read, so NaN poison in the cache
+// cannot reach P V) and its score is masked (mainloop_wgmma.cuh). Any other id outside [0, block_ids) is a bad id, as
+// in a dense launch (checked_page; block_ids counts tokens here). Separate from the dense loaders above, whose code
+// (and SASS) the sparse instance leaves as it was.
+__device__ __forceinline__ int sparse_id(const DecodeParams& p, int req, int t) {
+  return p.block_table[(int64_t)req * p.bt_stride + t];
+}
+// Element offset of cache token `id` (checked) of KV head kvh, in the cache's own blocks, whatever their stride.
+__device__ __forceinline__ int64_t sparse_token_elem(const DecodeParams& p, int id, int kvh) {
+  return (int64_t)(id / p.sparse_page) * p.kv_stride_block + (int64_t)(id % p.sparse_page) * p.kv_stride_tok +
+         (int64_t)kvh * p.kv_stride_head;
+}
+
+// load_kv_async of a sparse launch (the whole CTA).
+template <typename T, class Layout>
+__device__ __forceinline__ void load_kv_async_sparse(const DecodeParams& p, T* sK, int req, int kvh, int t0,
+                                                     int t_end, uint32_t& max_id) {
+  constexpr int kLoaders = Cfg::kThreads;
+  const int tid = threadIdx.x;
+#pragma unroll
+  for (int pass = 0; pass < Cfg::kBlockN / (kLoaders / 8); ++pass) {
+    const int row = tid / 8 + (kLoaders / 8) * pass;
+    const int t = t0 + row;
+    const int id = t < t_end ? sparse_id(p, req, t) : -1;
+    const bool valid = id != -1;
+    const T* src = reinterpret_cast<const T*>(p.kv);
+    if (valid) src += sparse_token_elem(p, checked_page(p, id, max_id), kvh);
+#pragma unroll
+    for (int k = 0; k < Cfg::kChunksQK / 8; ++k) {
+      const int chunk = tid % 8 + 8 * k;
+      cp_async_16(sK + Layout::offset(row, chunk * 8), src + (valid ? chunk * 8 : 0), valid);
+    }
+  }
+}
+
+// load_kv_fp8_8b of a sparse launch (the whole CTA; store_kv_fp8_8b stores it).
+template <int KvFmt>
+__device__ __forceinline__ void load_kv_fp8_8b_sparse(const DecodeParams& p, Fp8Stage8B<2>& st, int req, int kvh,
+                                                      int t0, int t_end, int tid, uint32_t& max_id) {
+  constexpr int kLoaders = Cfg::kThreads;
+  const int c = tid % 8;
+#pragma unroll
+  for (int pass = 0; pass < Cfg::kBlockN * 8 / kLoaders; ++pass) {
+    const int row = tid / 8 + kLoaders / 8 * pass;
+    const int t = t0 + row;
+    const int id = t < t_end ? sparse_id(p, req, t) : -1;
+    st.valid[pass] = id != -1;
+    if (id == -1) continue;
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(p.kv) + sparse_token_elem(p, checked_page(p, id, max_id), kvh);
+#pragma unroll
+    for (int k = 0; k < (KvFmt == kKvFp8E4M3 ? 9 : 8); ++k) {
+      st.v[pass][k] = __ldg(reinterpret_cast<const uint2*>(src) + c + 8 * k);
+    }
+    if constexpr (KvFmt != kKvFp8E4M3) {
+      st.scale[pass] = __ldg(reinterpret_cast<const uint4*>(src + 512));
+      st.rope[pass] = __ldg(reinterpret_cast<const uint4*>(src + 528) + c);
     }
   }
 }

@@ -37,7 +37,7 @@
 
 namespace mla_sm90 {
 
-template <typename T, int KvFmt>
+template <typename T, int KvFmt, bool kSparse>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const __grid_constant__ DecodeParams p) {
   using TT = TypeTraits<T>;
   using L = Gmma128Tile64;
@@ -87,9 +87,15 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
     uint32_t max_id = 0;  // the largest block id this thread read for the item, as unsigned (loads.cuh)
     if (num_tiles > 0) {
       if constexpr (KvFmt == kKvSameAsQ) {
-        load_kv_async<T, L>(p, sK, req, kvh, tok_begin, tok_end, max_id);
+        if constexpr (kSparse)
+          load_kv_async_sparse<T, L>(p, sK, req, kvh, tok_begin, tok_end, max_id);
+        else
+          load_kv_async<T, L>(p, sK, req, kvh, tok_begin, tok_end, max_id);
       } else {
-        load_kv_fp8_8b<KvFmt, Cfg::kThreads, false>(p, fp8_stage, nullptr, req, kvh, tok_begin, tok_end, tid, max_id);
+        if constexpr (kSparse)
+          load_kv_fp8_8b_sparse<KvFmt>(p, fp8_stage, req, kvh, tok_begin, tok_end, tid, max_id);
+        else
+          load_kv_fp8_8b<KvFmt, Cfg::kThreads, false>(p, fp8_stage, nullptr, req, kvh, tok_begin, tok_end, tid, max_id);
         store_kv_fp8_8b<T, KvFmt, Cfg::kThreads>(sK, fp8_stage, tid);
       }
     }
@@ -127,14 +133,33 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
       const bool has_next = j + 1 < num_tiles;
 
       issue_s(j & 1);
+      // Sparse launches: which of this thread's 8 token columns are skipped slots (bit 2n + c: column n * 8 +
+      // 2 (lane % 4) + c), read while the tensor cores run S, so the table reads are off the softmax's path.
+      uint32_t skipped = 0;
+      if constexpr (kSparse) {
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int t = t0 + half * 32 + n * 8 + (lane % 4) * 2 + c;
+            if (t < tok_end && sparse_id(p, req, t) == -1) skipped |= 1u << (2 * n + c);
+          }
+        }
+      }
       // Issue the loads of tile j+1 while the tensor cores run S (wgmma is asynchronous).
       if (has_next) {
         if constexpr (KvFmt == kKvSameAsQ) {
-          load_kv_async<T, L>(p, sKnext, req, kvh, t0 + Cfg::kBlockN, tok_end, max_id);
+          if constexpr (kSparse)
+            load_kv_async_sparse<T, L>(p, sKnext, req, kvh, t0 + Cfg::kBlockN, tok_end, max_id);
+          else
+            load_kv_async<T, L>(p, sKnext, req, kvh, t0 + Cfg::kBlockN, tok_end, max_id);
           cp_async_commit();
         } else {
-          load_kv_fp8_8b<KvFmt, Cfg::kThreads, false>(p, fp8_stage, nullptr, req, kvh, t0 + Cfg::kBlockN, tok_end, tid,
-                                                      max_id);
+          if constexpr (kSparse)
+            load_kv_fp8_8b_sparse<KvFmt>(p, fp8_stage, req, kvh, t0 + Cfg::kBlockN, tok_end, tid, max_id);
+          else
+            load_kv_fp8_8b<KvFmt, Cfg::kThreads, false>(p, fp8_stage, nullptr, req, kvh, t0 + Cfg::kBlockN, tok_end,
+                                                        tid, max_id);
         }
       }
       cute::warpgroup_wait<0>();
@@ -144,13 +169,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
       // scaled maximum, and the scale is folded into the exponent's FFMA below. Only tiles that
       // reach past unmasked_end (the item's last, or the causal rows' last tokens) are masked.
       // A sparse launch masks its skipped top-k slots (-1 entries) in every tile.
-      if (t0 + Cfg::kBlockN > unmasked_end || p.sparse) {
+      if (kSparse || t0 + Cfg::kBlockN > unmasked_end) {
 #pragma unroll
         for (int n = 0; n < 4; ++n) {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int t = t0 + half * 32 + n * 8 + (lane % 4) * 2 + (e & 1);
-            const bool visible = t < tok_end && t <= limit[e >> 1] && !skipped_token(p, req, t);
+            const bool visible = t < tok_end && t <= limit[e >> 1] && !((skipped >> (2 * n + (e & 1))) & 1u);
             if (!visible) acc_s[4 * n + e] = -INFINITY;
           }
         }

@@ -65,10 +65,10 @@ struct DecodeParams {
   int q_is_bf16;  // 1: bf16, 0: fp16
   // 1: DeepSeek Sparse Attention (DSA) top-k decode, run as a dense decode of one query token per request (the plan
   // flattens (b, s) into requests and passes `indices` as the block table; backends/cuda_sm90.py, sparse_view).
-  // The table then holds token ids, block * sparse_page + offset, one per token (page_size is 1 for the table,
-  // block_ids counts tokens), read from the cache's own blocks (loads.cuh, entry_token_elem); an entry of -1 is a
-  // skipped top-k slot, masked out of the softmax and never read, not a bad id (loads.cuh, skipped_slot). v2 only
-  // (binding.cpp, check_config).
+  // The table then holds cache token ids, block * sparse_page + offset, one per token (page_size is 1 for the
+  // table, block_ids counts tokens), read from the cache's own blocks (loads.cuh, sparse_token_elem); an id of -1
+  // is a skipped top-k slot, masked out of the softmax and never read, not a bad id (loads.cuh,
+  // load_kv_async_sparse). v2's sparse instance only (binding.cpp, check_config; launch.cu, launch_wgmma).
   int sparse;
   int sparse_page;  // sparse: the cache's page size (kv_cache.size(1))
 };
