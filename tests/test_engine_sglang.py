@@ -15,6 +15,10 @@ with ``set_mla_kv_buffer``, a Triton kernel: on a CPU the new tokens are written
 and the call passes ``save_kv_cache=False``). The result is checked against ``tests/oracle64`` over the
 pool read token by token through ``req_to_token`` (page size 1), docs/design.md §5 tolerances. SGLang
 gives a backend no output buffer, so the pool's unused slots are NaN instead: a stray read shows.
+
+The DeepSeek-V3.2 sparse backend (``mla_dispatch_dsa``, a subclass of SGLang's ``DeepseekSparseAttnBackend``)
+is checked at the end: its registration and factory, and its ``_forward_flashmla_kv`` hook against float64 over
+SGLang's ``DSATokenToKVPool`` (SGLang's constructor, which needs a CUDA device and a model runner, is not run).
 """
 
 from __future__ import annotations
@@ -255,3 +259,159 @@ def test_deterministic_inference_plans_batch_invariant(deterministic, tmp_path, 
         if deterministic:
             r = int(torch.randint(0, len(lens), (1,), generator=gen))
             assert torch.equal(decode([r])[0], both[r])
+
+
+# -- DeepSeek-V3.2's sparse attention (--attention-backend mla_dispatch_dsa) -------------------------------------
+
+
+def _dsa_pool(kv_dtype, pages):
+    """SGLang's DSA pool (64-token pages, two layers): fp8 stores the 656-byte fp8_ds_mla layout, bf16 576 values."""
+    from sglang.srt.mem_cache.memory_pool import DSATokenToKVPool
+
+    with get_parallel().override(dcp_enabled=False, attn_dcp_size=1):
+        return DSATokenToKVPool(size=(pages - 1) * 64, page_size=64, kv_lora_rank=LORA, dtype=kv_dtype,
+                                qk_rope_head_dim=ROPE, layer_num=2, device=DEVICE, index_head_dim=128,
+                                enable_memory_saver=False, kv_cache_dim=656 if kv_dtype != torch.bfloat16 else D)
+
+
+def test_dsa_backend_is_registered_and_built(monkeypatch):
+    """The plugin registers ``mla_dispatch_dsa`` (registry and CLI choices, idempotent) and leaves SGLang's ``dsa``
+    alone; its factory builds our subclass of SGLang's DSA backend, decoding with ``flashmla_kv`` (our hook) on an
+    fp8_ds_mla cache, SGLang's configured kernel on any other, refusing two-batch overlap; the name SGLang's
+    DeepSeek model reads off the backend is ``dsa``, whose handler it then runs. SGLang's DSA constructor needs a
+    CUDA device and a DSA model's runner: it is replaced by a stub that sets what ours reads (the pool's layout and
+    the configured decode kernel); the pools are SGLang's own."""
+    import types
+
+    from sglang.srt.layers.attention.dsa_backend import DeepseekSparseAttnBackend
+    from sglang.srt.models.deepseek_common.attention_backend_handler import (AttentionBackendRegistry,
+                                                                             handle_attention_dsa)
+    from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES
+
+    from mla_dispatch.integrations import sglang_sparse
+    from mla_dispatch.integrations.plugins import (SGLANG_DSA_BACKEND_NAME, SGLANG_REPLACE_DSA_ENV,
+                                                   _create_sglang_dsa_backend)
+    from mla_dispatch.integrations.sglang_sparse import MLADispatchDSABackend
+
+    monkeypatch.delenv(SGLANG_REPLACE_DSA_ENV, raising=False)
+    sglang_dsa = ATTENTION_BACKENDS["dsa"]
+    register_sglang()
+    register_sglang()  # idempotent
+    assert ATTENTION_BACKENDS[SGLANG_DSA_BACKEND_NAME] is _create_sglang_dsa_backend
+    assert ATTENTION_BACKEND_CHOICES.count(SGLANG_DSA_BACKEND_NAME) == 1
+    assert ATTENTION_BACKENDS["dsa"] is sglang_dsa  # SGLang's own name untouched without the opt-in
+    assert issubclass(MLADispatchDSABackend, DeepseekSparseAttnBackend)
+
+    def stub_init(self, model_runner, *args, **kwargs):
+        self.dsa_kv_cache_store_fp8 = model_runner.token_to_kv_pool.dsa_kv_cache_store_fp8
+        self.kv_cache_dim = model_runner.token_to_kv_pool.kv_cache_dim
+        self.dsa_decode_impl = model_runner.configured_decode
+
+    monkeypatch.setattr(DeepseekSparseAttnBackend, "__init__", stub_init)
+    fp8 = types.SimpleNamespace(token_to_kv_pool=_dsa_pool(torch.float8_e4m3fn, 2), configured_decode="fa3")
+    backend = ATTENTION_BACKENDS[SGLANG_DSA_BACKEND_NAME](fp8)
+    assert type(backend) is MLADispatchDSABackend
+    assert backend.serves_fp8_ds_mla and backend.dsa_decode_impl == "flashmla_kv"
+    # SGLang stamps the name that selected the backend (build_attention_backends); the model reads "dsa"
+    backend.prefill_attention_backend_str = backend.decode_attention_backend_str = SGLANG_DSA_BACKEND_NAME
+    assert backend.decode_attention_backend_str == backend.prefill_attention_backend_str == "dsa"
+    assert backend.stamped_decode_attention_backend_str == SGLANG_DSA_BACKEND_NAME
+    assert AttentionBackendRegistry.get_handler(backend.decode_attention_backend_str) is handle_attention_dsa
+    assert AttentionBackendRegistry.get_handler(SGLANG_DSA_BACKEND_NAME) is not handle_attention_dsa  # why
+
+    bf16 = types.SimpleNamespace(token_to_kv_pool=_dsa_pool(torch.bfloat16, 2), configured_decode="fa3")
+    backend = ATTENTION_BACKENDS[SGLANG_DSA_BACKEND_NAME](bf16)
+    assert not backend.serves_fp8_ds_mla and backend.dsa_decode_impl == "fa3"  # SGLang's kernel, unchanged
+
+    monkeypatch.setattr(sglang_sparse, "_two_batch_overlap", lambda: True)
+    with pytest.raises(ValueError, match="enable-two-batch-overlap"):
+        ATTENTION_BACKENDS[SGLANG_DSA_BACKEND_NAME](fp8)
+
+
+def test_dsa_replaces_sglangs_name_only_when_opted_in(monkeypatch):
+    """With ``MLA_DISPATCH_SGLANG_REPLACE_DSA=1`` the plugin serves SGLang's own ``dsa`` name with our backend."""
+    from sglang.srt.layers.attention.dsa_backend import DeepseekSparseAttnBackend
+
+    from mla_dispatch.integrations.plugins import SGLANG_REPLACE_DSA_ENV, _create_sglang_dsa_backend_as_dsa
+    from mla_dispatch.integrations.sglang_sparse import MLADispatchDSABackend
+
+    monkeypatch.setitem(ATTENTION_BACKENDS, "dsa", ATTENTION_BACKENDS["dsa"])  # restored after the test
+    monkeypatch.setenv(SGLANG_REPLACE_DSA_ENV, "1")
+    register_sglang()
+    register_sglang()
+    assert ATTENTION_BACKENDS["dsa"] is _create_sglang_dsa_backend_as_dsa
+
+    def stub_init(self, model_runner, *args, **kwargs):
+        self.dsa_kv_cache_store_fp8, self.kv_cache_dim, self.dsa_decode_impl = True, 656, "flashmla_kv"
+
+    monkeypatch.setattr(DeepseekSparseAttnBackend, "__init__", stub_init)
+    assert type(ATTENTION_BACKENDS["dsa"](None)) is MLADispatchDSABackend
+
+
+def test_dsa_hook_keeps_sglangs_signature():
+    """Our override has the parameters of SGLang's ``_forward_flashmla_kv`` (a release that renames or reorders
+    them fails here), and SGLang's decode still reaches it through ``dsa_decode_impl == "flashmla_kv"``."""
+    import inspect
+
+    from sglang.srt.layers.attention.dsa_backend import DeepseekSparseAttnBackend
+
+    from mla_dispatch.integrations.sglang_sparse import MLADispatchDSABackend
+
+    theirs = list(inspect.signature(DeepseekSparseAttnBackend._forward_flashmla_kv).parameters)
+    ours = list(inspect.signature(MLADispatchDSABackend._forward_flashmla_kv).parameters)
+    assert ours == theirs
+    source = inspect.getsource(DeepseekSparseAttnBackend.forward_decode)
+    assert '"flashmla_kv"' in source and "self._forward_flashmla_kv(" in source
+
+
+@pytest.mark.parametrize("h_q", [16, 64])
+def test_dsa_flashmla_kv_hook_matches_float64(h_q, gen):
+    """SGLang's DSA backend launches FlashMLA's sparse decode through ``_forward_flashmla_kv(q_all, kv_cache,
+    v_head_dim, sm_scale, layer, metadata, page_table_1)``; ours answers it with mla_dispatch: SGLang's argument
+    shapes (``q_all [T, h, 576]``; the cache as its ``DSATokenToKVPool`` hands it out, ``get_key_buffer`` ->
+    ``[rows, 1, 656]`` float8_e4m3fn over the pool's bytes; cache token ids with -1 slots), any head count (16:
+    FlashMLA's kernel pads to 64), a real ``RadixAttention``; the output checked against float64. The backend is
+    made without SGLang's constructor (it needs a CUDA device and a model runner): only the attributes the hook
+    reads are set (the pool's layout and page size). ``metadata`` is FlashMLA's scheduler data, which it does not
+    read (None)."""
+    from mla_dispatch.integrations.sglang_sparse import MLADispatchDSABackend
+    from mla_dispatch.numerics.cases import make_case
+
+    case = make_case(3, 1, h_q, 300, page_size=64, topk=128, kv_format="fp8_ds_mla", generator=gen)
+    pages = case.kv_cache.shape[0]
+    pool = _dsa_pool(torch.float8_e4m3fn, pages)
+    pool.kv_buffer[1].copy_(case.kv_cache.reshape(-1, 1, 656).to(DEVICE))  # layer 1's bytes (uint8 storage)
+    kv_cache = pool.get_key_buffer(1)  # what forward_decode passes
+    assert kv_cache.shape == (pages * 64, 1, 656) and kv_cache.dtype == torch.float8_e4m3fn
+
+    impl = object.__new__(MLADispatchDSABackend)
+    impl.dsa_kv_cache_store_fp8 = pool.dsa_kv_cache_store_fp8
+    impl.kv_cache_dim = pool.kv_cache_dim
+    impl.physical_page_size = pool.page_size
+    layer = RadixAttention(h_q, D, case.softmax_scale, 1, layer_id=1, v_head_dim=LORA)
+    q_all = case.q.reshape(3, h_q, D).to(DEVICE)
+    page_table_1 = case.indices[:, 0, :].to(DEVICE)
+    out = impl._forward_flashmla_kv(q_all, kv_cache, layer.v_head_dim, layer.scaling, layer, None, page_table_1)
+    assert out.shape == (3, 1, h_q, LORA) and out.dtype == torch.bfloat16
+    want, _ = naive_attention(case)
+    report = compare_outputs(out.cpu(), None, want.float(), None, TOL)
+    assert report, report.message
+    again = impl._forward_flashmla_kv(q_all, kv_cache, layer.v_head_dim, layer.scaling, layer, None, page_table_1)
+    assert torch.equal(again, out) and len(impl._mla_dispatch_recent_plans) == 1  # one plan per shape
+
+
+def test_dsa_hook_leaves_other_caches_to_sglang(monkeypatch):
+    """A cache not stored as fp8_ds_mla (here bf16) goes to SGLang's own ``_forward_flashmla_kv``, arguments
+    unchanged."""
+    from sglang.srt.layers.attention.dsa_backend import DeepseekSparseAttnBackend
+
+    from mla_dispatch.integrations.sglang_sparse import MLADispatchDSABackend
+
+    seen = []
+    monkeypatch.setattr(DeepseekSparseAttnBackend, "_forward_flashmla_kv",
+                        lambda self, *args: seen.append(args) or "sglang's")
+    impl = object.__new__(MLADispatchDSABackend)
+    impl.dsa_kv_cache_store_fp8, impl.kv_cache_dim, impl.physical_page_size = False, D, 64
+    args = (torch.zeros(2, HEADS, D), torch.zeros(128, 1, D), LORA, SCALE, object(), object(), torch.zeros(2, 8))
+    assert impl._forward_flashmla_kv(*args) == "sglang's"
+    assert len(seen) == 1 and all(a is b for a, b in zip(seen[0], args))

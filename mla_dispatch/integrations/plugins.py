@@ -16,18 +16,26 @@ process).
   ``GENERAL_PLUGINS_GROUP``); adds ``"mla_dispatch"`` to
   ``ATTENTION_BACKENDS`` (``attention_registry.register_attention_backend``) and to
   the CLI's choices (``server_args.add_attention_backend_choices``). Select it
-  with ``--attention-backend mla_dispatch``.
+  with ``--attention-backend mla_dispatch``; DeepSeek-V3.2's sparse attention (DSA),
+  registered the same way as ``"mla_dispatch_dsa"``, with ``--attention-backend mla_dispatch_dsa``.
+  With ``MLA_DISPATCH_SGLANG_REPLACE_DSA=1`` in the environment (opt-in) the DSA backend also
+  replaces SGLang's own ``"dsa"`` factory (see :mod:`~mla_dispatch.integrations.sglang_sparse`).
 """
 
 from __future__ import annotations
+
+import os
 
 VLLM_BACKEND_CLASS = "mla_dispatch.integrations.vllm.MLADispatchBackend"
 VLLM_SPARSE_BACKEND_NAME = "MLA_DISPATCH_SPARSE"
 VLLM_SPARSE_BACKEND_CLASS = "mla_dispatch.integrations.vllm_sparse.MLADispatchSparseBackend"
 SGLANG_BACKEND_NAME = "mla_dispatch"
+SGLANG_DSA_BACKEND_NAME = "mla_dispatch_dsa"
+#: environment variable: "1" makes register_sglang() replace SGLang's own "dsa" factory with ours (opt-in)
+SGLANG_REPLACE_DSA_ENV = "MLA_DISPATCH_SGLANG_REPLACE_DSA"
 
 __all__ = ["register_vllm", "register_sglang", "VLLM_BACKEND_CLASS", "VLLM_SPARSE_BACKEND_NAME",
-           "VLLM_SPARSE_BACKEND_CLASS", "SGLANG_BACKEND_NAME"]
+           "VLLM_SPARSE_BACKEND_CLASS", "SGLANG_BACKEND_NAME", "SGLANG_DSA_BACKEND_NAME", "SGLANG_REPLACE_DSA_ENV"]
 
 
 def register_vllm() -> None:
@@ -47,22 +55,42 @@ def _create_sglang_backend(model_runner):
     return MLADispatchAttnBackend(model_runner)
 
 
+def _create_sglang_dsa_backend(model_runner):
+    from mla_dispatch.integrations.sglang_sparse import create_dsa_backend
+
+    return create_dsa_backend(model_runner)
+
+
+def _create_sglang_dsa_backend_as_dsa(model_runner):
+    """SGLang's ``"dsa"`` name served by our DSA backend (opt-in: :data:`SGLANG_REPLACE_DSA_ENV`)."""
+    from mla_dispatch.integrations.sglang_sparse import MLADispatchDSABackend
+
+    return MLADispatchDSABackend(model_runner)
+
+
 def register_sglang() -> None:
-    """Register ``--attention-backend mla_dispatch`` with SGLang."""
+    """Register ``--attention-backend mla_dispatch`` and ``mla_dispatch_dsa`` with SGLang; with
+    ``MLA_DISPATCH_SGLANG_REPLACE_DSA=1``, also serve SGLang's ``dsa`` name with the latter."""
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
 
-    if SGLANG_BACKEND_NAME not in ATTENTION_BACKENDS:
-        register_attention_backend(SGLANG_BACKEND_NAME)(_create_sglang_backend)
+    for name, factory in ((SGLANG_BACKEND_NAME, _create_sglang_backend),
+                          (SGLANG_DSA_BACKEND_NAME, _create_sglang_dsa_backend)):
+        if name not in ATTENTION_BACKENDS:
+            register_attention_backend(name)(factory)
+    if os.environ.get(SGLANG_REPLACE_DSA_ENV, "") == "1" and ATTENTION_BACKENDS.get("dsa") is not \
+            _create_sglang_dsa_backend_as_dsa:
+        register_attention_backend("dsa")(_create_sglang_dsa_backend_as_dsa)
     try:
         from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
     except ImportError:  # older SGLang: no CLI whitelist helper; the Python API still works
         return
-    if SGLANG_BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
-        add_attention_backend_choices([SGLANG_BACKEND_NAME])
+    new_choices = [n for n in (SGLANG_BACKEND_NAME, SGLANG_DSA_BACKEND_NAME) if n not in ATTENTION_BACKEND_CHOICES]
+    if new_choices:
+        add_attention_backend_choices(new_choices)
     # --enable-deterministic-inference refuses backends off these lists (sglang/srt/arg_groups/overrides.py; the
     # radix one for absorbed-MLA models, arg_groups/attention_hook.py). Ours then plans batch_invariant=True
     # (integrations/sglang.py, deterministic_inference), and its prefill runs SGLang's own triton backend, which is
-    # on both lists.
+    # on both lists. mla_dispatch_dsa is not added: SGLang's dsa, whose prefill it runs, is on neither.
     try:
         from sglang.srt.server_args import (DETERMINISTIC_ATTENTION_BACKEND_CHOICES,
                                             RADIX_SUPPORTED_DETERMINISTIC_ATTENTION_BACKEND,

@@ -34,8 +34,10 @@ parsed), ``arg_groups/choices.py`` (``add_attention_backend_choices``, re-export
 releases (``out_cache_loc`` writes, no translator) are handled where the
 difference is a name.
 
-Limits: MLA models only; plain KV pools (a unified pool that translates reads
-is refused at start-up, with the reason); KV pool in the model dtype or
+Limits: dense MLA models only (DeepSeek-V3.2's sparse attention is
+:mod:`mla_dispatch.integrations.sglang_sparse`, ``mla_dispatch_dsa``); plain KV
+pools (a unified pool that translates reads is refused at start-up, with the
+reason); KV pool in the model dtype or
 ``float8_e4m3fn`` (per-tensor ``k_scale``). The CUDA-graph hooks follow 0.5.23's
 contract but have not been run inside SGLang here; if they misbehave, add
 ``--disable-cuda-graph``. This module imports SGLang.
