@@ -5,7 +5,9 @@ built just in time by :mod:`mla_dispatch.kernels.cuda.build` (nvcc >= 12.4 and
 the ``nvidia-cutlass`` headers). One registered op,
 ``torch.ops.mla_dispatch.cuda_sm90_decode``, runs a persistent grid over the
 shared split-KV schedule (:func:`mla_dispatch.metadata.schedule.split_kv_schedule`) and
-then the combine of split requests.
+then the combine of split requests. A sparse (top-k) problem runs as its flattened dense view
+(:func:`sparse_view`: one request per query position, ``indices`` as the block table) on mainloop v2's sparse
+instance, which skips -1 slots.
 
 The plan owns every choice of the launch: it computes the schedule, picks the
 mainloop (:func:`choose_variant`), the CTA tile, the load path and where split
