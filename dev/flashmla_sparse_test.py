@@ -15,7 +15,9 @@ that only those cases use) are counted as not run, with the reason. Exit status 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import json
 import sys
 import time
@@ -34,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
 
     from mla_dispatch.compat.flash_mla.alias import install_flash_mla_alias
-    from mla_dispatch.dispatch.select import use_backends
+    from mla_dispatch import use_backends
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the shadow warning: hiding the real FlashMLA is the point here
@@ -56,9 +58,6 @@ def main(argv: list[str] | None = None) -> int:
         taken = taken[: args.limit]
     failures, t0 = [], time.time()
     # test_flash_mla prints a block per case; keep the console to the progress bar and the failures
-    import contextlib
-    import io
-
     with use_backends(args.backend):
         for c in tqdm(taken, desc=f"FlashMLA sparse test on {args.backend}", file=sys.stderr):
             buf = io.StringIO()

@@ -4,6 +4,7 @@ what it supports."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 
@@ -78,7 +79,8 @@ def test_backend_declares_capabilities_and_reasons():
     assert cls.KV_FORMATS == {"bf16", "fp16", "fp8_e4m3", "fp8_ds_mla"}
     problem = DecodeProblem(batch=2, q_len=1, num_heads_q=16, num_heads_kv=1, head_dim_qk=512, head_dim_v=512,
                             page_size=16, max_blocks=4, q_dtype=torch.float32, kv_format="bf16", causal=False,
-                            topk=8, return_lse=True, device_type="cpu")
+                            topk=8, return_lse=True, device_type="cpu", batch_invariant=True)
+    problem = dataclasses.replace(problem, batch=40000, q_len=2)  # sparse, batch-invariant: 80000 requests
     codes = {r.code for r in cls.not_supported_reasons(problem, Platform(kind="cpu", name="cpu", capability=None, arch="cpu", num_compute_units=2))}
     assert {ReasonCode.DEVICE, ReasonCode.DTYPE, ReasonCode.HEAD_DIM, ReasonCode.FEATURE} <= codes
     if not torch.cuda.is_available():

@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.module and not args.target:
         parser.error("run needs a script path (or -m module)")
     install_flash_mla_alias("legacy" if args.legacy else "current", shadow_installed=args.shadow_installed)
-    from mla_dispatch.dispatch.select import use_backends
+    from mla_dispatch import use_backends
 
     with use_backends(*args.backend) if args.backend else contextlib.nullcontext():
         if args.module:
