@@ -1,0 +1,123 @@
+"""FlashMLA's own decoding tests (``tests/test_flash_mla_dense_decoding.py`` and
+``tests/test_flash_mla_sparse_decoding.py``) through our FlashMLA API on one of our backends.
+
+    python dev/flashmla_test.py {dense,sparse} FLASHMLA_SRC/tests [--backend cuda_sm90] [--limit N] [--json FILE]
+
+``import flash_mla`` resolves to :mod:`mla_dispatch.compat.flash_mla` (a real FlashMLA on the path is hidden for
+this process), ``backend="auto"`` may choose only ``--backend``, and FlashMLA's own ``test_flash_mla`` runs each of
+its cases: its data, its call, its reference and its bounds (``kk.check_is_allclose``). Its timing is not run
+(dense: ``test_performance=False``; sparse: ``num_runs=0``): it reads FlashMLA's kernel names from a profiler
+trace, and ``bench`` times ours.
+
+- dense: FlashMLA's ``main`` for ``--dtype`` (its correctness, corner and performance-shape cases, in its order);
+  it stops at the first case that fails, as FlashMLA's does.
+- sparse: every case of its ``gen_testcase`` that our API takes; the MODEL1 cases (``d_qk=512``: another cache
+  format, extra caches, ``topk_length``) are counted as not run, with the reason.
+
+Exit status 1 when a case fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import io
+import json
+import sys
+import time
+import warnings
+
+
+def _dense(fm_test, args, torch, tqdm) -> dict:
+    """FlashMLA's dense ``main`` with each case's timing switched off; counts the cases it ran."""
+    bar = tqdm(desc=f"FlashMLA dense test on {args.backend}", file=sys.stderr, unit="case")
+    run = fm_test.test_flash_mla
+    count = {"n": 0}
+
+    def correctness_only(t):
+        if args.limit and count["n"] >= args.limit:
+            return
+        with contextlib.redirect_stdout(io.StringIO()):
+            run(dataclasses.replace(t, test_performance=False))
+        count["n"] += 1
+        bar.update()
+
+    fm_test.test_flash_mla = correctness_only  # main() looks the name up in its module
+    failures = []
+    try:
+        fm_test.main({"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype])
+    except Exception as exc:  # FlashMLA's own assert on the first wrong case
+        failures.append({"case_index": count["n"], "note": f"{type(exc).__name__}: {exc}"[:600]})
+    bar.close()
+    return {"taken": count["n"] + len(failures), "passed": count["n"], "failed": len(failures), "not_run": {},
+            "failures": failures, "dtype": args.dtype}
+
+
+def _sparse(fm_test, args, torch, tqdm) -> dict:
+    torch.set_default_dtype(torch.bfloat16)
+    torch.set_default_device("cuda:0")
+    taken, not_run = [], {}
+    for c in fm_test.gen_testcase():
+        if c.d_qk != 576:
+            reason = "d_qk=512 (MODEL1 cache format, extra caches, topk_length): not in mla_dispatch's API"
+            not_run[reason] = not_run.get(reason, 0) + 1
+            continue
+        taken.append(dataclasses.replace(c, num_runs=0, check_correctness=True))
+    if args.limit:
+        taken = taken[: args.limit]
+    failures = []
+    for c in tqdm(taken, desc=f"FlashMLA sparse test on {args.backend}", file=sys.stderr):
+        buf = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(buf):  # test_flash_mla prints a block per case
+                result = fm_test.test_flash_mla(c.to_test_param())
+            ok, note = result.is_correct, buf.getvalue()[-600:]
+        except Exception as exc:  # a case that raises is a failure with its message
+            ok, note = False, f"{type(exc).__name__}: {exc}"
+        if not ok:
+            failures.append({"case": repr(c), "note": note})
+            print(f"FAIL {c}\n{note}", file=sys.stderr)
+    return {"taken": len(taken), "passed": len(taken) - len(failures), "failed": len(failures), "not_run": not_run,
+            "failures": failures[:20]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("which", choices=("dense", "sparse"), help="FlashMLA's dense or sparse decoding test")
+    ap.add_argument("tests_dir", help="FlashMLA's tests/ folder (lib.py, ref.py, kernelkit/)")
+    ap.add_argument("--backend", default="cuda_sm90", help="the mla_dispatch backend that runs the cases")
+    ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="dense: q and cache dtype")
+    ap.add_argument("--limit", type=int, default=0, help="run only the first N cases that we take (0: all)")
+    ap.add_argument("--json", help="write the counts and failures here")
+    args = ap.parse_args(argv)
+
+    import torch
+    from tqdm import tqdm
+
+    from mla_dispatch import use_backends
+    from mla_dispatch.compat.flash_mla.alias import install_flash_mla_alias
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the shadow warning: hiding the real FlashMLA is the point here
+        install_flash_mla_alias("current", shadow_installed=True)
+    sys.path.insert(0, args.tests_dir)
+    t0 = time.time()
+    with use_backends(args.backend):
+        if args.which == "dense":
+            import test_flash_mla_dense_decoding as fm_test  # FlashMLA's file, after the alias
+            summary = _dense(fm_test, args, torch, tqdm)
+        else:
+            import test_flash_mla_sparse_decoding as fm_test
+            summary = _sparse(fm_test, args, torch, tqdm)
+    summary = {"test": args.which, "backend": args.backend, **summary, "seconds": round(time.time() - t0, 1),
+               "device": torch.cuda.get_device_name()}
+    print(json.dumps({k: v for k, v in summary.items() if k != "failures"}))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+    return 1 if summary["failed"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
