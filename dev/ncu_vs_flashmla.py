@@ -7,6 +7,8 @@
 Runs FlashMLA's call twice (the first fills its schedule), then ours twice: with `-c 4` ncu profiles two launches
 of each decode kernel. Needs FlashMLA importable (ci/flashmla_peer.sh). ``--topk N`` profiles sparse decode instead
 (fp8_ds_mla cache, FlashMLA's SM90 sparse kernel: regex "flash_fwd_splitkv_mla_fp8_sparse|mla_decode_kernel").
+``--kv-format fp8_e4m3|fp8_ds_mla`` (dense) profiles ours on that cache alone: FlashMLA's dense kernel takes 16-bit
+caches only (profile its bf16 twin with the same --config and no --kv-format).
 """
 
 import argparse
@@ -22,15 +24,19 @@ def main() -> None:
     p.add_argument("--config", default="128,1,128,8192", help="batch,s_q,h_q,mean length (varlen, page 64)")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--topk", type=int, default=0, help="sparse decode with this many top-k slots (fp8_ds_mla)")
+    p.add_argument("--kv-format", default=None, help="dense: our kernel alone on this cache format")
+    p.add_argument("--fixed", action="store_true", help="every request at the mean length (default: varlen)")
     args = p.parse_args()
     b, s_q, h_q, L = map(int, args.config.split(","))
-    cfg = BenchConfig(b, s_q, h_q, L, varlen=True, causal=args.causal, topk=args.topk,
-                      kv_format="fp8_ds_mla" if args.topk else None)
+    cfg = BenchConfig(b, s_q, h_q, L, varlen=not args.fixed, causal=args.causal, topk=args.topk,
+                      kv_format="fp8_ds_mla" if args.topk else args.kv_format)
     case = make_bench_case(cfg, device="cuda")
     import flash_mla
 
     meta, _ = flash_mla.get_mla_metadata()
-    if args.topk:
+    if args.kv_format and not args.topk:
+        fm = None  # FlashMLA's dense kernel takes 16-bit caches only
+    elif args.topk:
         fm = lambda: flash_mla.flash_mla_with_kvcache(case.q, case.kv_cache, None, None, 512, meta,  # noqa: E731
                                                       None, softmax_scale=case.softmax_scale, is_fp8_kvcache=True,
                                                       indices=case.indices)
@@ -39,8 +45,8 @@ def main() -> None:
                                                       case.cache_seqlens, 512, meta, None,
                                                       softmax_scale=case.softmax_scale, causal=case.causal)
     plan = mla_dispatch.plan_decode(*case.args(), **case.kwargs(), backend="cuda_sm90")
-    ours = lambda: plan.run(case.q, case.kv_cache, indices=case.indices)  # noqa: E731
-    for fn in (fm, ours):
+    ours = lambda: plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale, indices=case.indices)  # noqa: E731
+    for fn in (f for f in (fm, ours) if f is not None):
         for _ in range(2):
             fn()
         torch.cuda.synchronize()
