@@ -92,6 +92,20 @@ struct Fp8Stage8B {
   bool valid[kPasses];
 };
 
+// Thread c's bytes of one fp8 token row at `src` into pass `pass` of st: 8 bytes of each column block (fp8_ds_mla:
+// the 8 NoPE blocks, then the row's four tile scales and RoPE values 8c .. 8c + 8).
+template <int KvFmt, int kPasses>
+__device__ __forceinline__ void load_fp8_token(Fp8Stage8B<kPasses>& st, int pass, const uint8_t* src, int c) {
+#pragma unroll
+  for (int k = 0; k < (KvFmt == kKvFp8E4M3 ? 9 : 8); ++k) {
+    st.v[pass][k] = __ldg(reinterpret_cast<const uint2*>(src) + c + 8 * k);
+  }
+  if constexpr (KvFmt != kKvFp8E4M3) {
+    st.scale[pass] = __ldg(reinterpret_cast<const uint4*>(src + 512));
+    st.rope[pass] = __ldg(reinterpret_cast<const uint4*>(src + 528) + c);
+  }
+}
+
 // max_id: as in checked_page, over this thread's rows (a bad block id: block 0 is read in its place).
 template <int KvFmt, int kLoaders, bool kPaged>
 __device__ __forceinline__ void load_kv_fp8_8b(const DecodeParams& p, Fp8Stage8B<Cfg::kBlockN * 8 / kLoaders>& st,
@@ -104,7 +118,7 @@ __device__ __forceinline__ void load_kv_fp8_8b(const DecodeParams& p, Fp8Stage8B
     const int t = t0 + row;
     const bool valid = t < t_end;
     st.valid[pass] = valid;
-    // fp8_e4m3: no branch on the row (see load_fp8_row); a row past the end reads page 0, in bounds, and is
+    // fp8_e4m3: no branch on the row; a row past the end reads page 0, in bounds, and is
     // zero-filled at the store. fp8_ds_mla keeps the branch: same-call A/B on the H100 (v6 b=64 h16 L=8K), without
     // it 221 us, with it 210; with it fp8_e4m3 went 185 -> 196 us (NOTES.md, fifth session)
     if (KvFmt != kKvFp8E4M3 && !valid) continue;
@@ -112,14 +126,7 @@ __device__ __forceinline__ void load_kv_fp8_8b(const DecodeParams& p, Fp8Stage8B
         p, kPaged ? spage[row] : (valid ? p.block_table[(int64_t)req * p.bt_stride + t / p.page_size] : 0), max_id);
     const int64_t elem = kv_token_elem(p, page, t, kvh);
     const uint8_t* src = reinterpret_cast<const uint8_t*>(p.kv) + elem;
-#pragma unroll
-    for (int k = 0; k < (KvFmt == kKvFp8E4M3 ? 9 : 8); ++k) {
-      st.v[pass][k] = __ldg(reinterpret_cast<const uint2*>(src) + c + 8 * k);
-    }
-    if constexpr (KvFmt != kKvFp8E4M3) {
-      st.scale[pass] = __ldg(reinterpret_cast<const uint4*>(src + 512));
-      st.rope[pass] = __ldg(reinterpret_cast<const uint4*>(src + 528) + c);
-    }
+    load_fp8_token<KvFmt>(st, pass, src, c);
   }
 }
 
@@ -204,14 +211,7 @@ __device__ __forceinline__ void load_kv_fp8_8b_sparse(const DecodeParams& p, Fp8
     st.valid[pass] = id != -1;
     if (id == -1) continue;
     const uint8_t* src = reinterpret_cast<const uint8_t*>(p.kv) + sparse_token_elem(p, checked_page(p, id, max_id), kvh);
-#pragma unroll
-    for (int k = 0; k < (KvFmt == kKvFp8E4M3 ? 9 : 8); ++k) {
-      st.v[pass][k] = __ldg(reinterpret_cast<const uint2*>(src) + c + 8 * k);
-    }
-    if constexpr (KvFmt != kKvFp8E4M3) {
-      st.scale[pass] = __ldg(reinterpret_cast<const uint4*>(src + 512));
-      st.rope[pass] = __ldg(reinterpret_cast<const uint4*>(src + 528) + c);
-    }
+    load_fp8_token<KvFmt>(st, pass, src, c);
   }
 }
 
