@@ -45,13 +45,18 @@ def _check(case, out, lse, tol=None):
     assert report, report.message
 
 
+def _run_and_check(plan, case, tol=None):
+    """One launch of ``plan`` on ``case`` (its scale and indices) into fresh NaN-poisoned outputs, checked."""
+    out, lse = poisoned_outputs(case)
+    plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale, indices=case.indices, out=out, lse=lse)
+    torch.cuda.synchronize()
+    _check(case, out, lse, tol)
+
+
 def _run_case(case):
     plan = plan_decode(*case.args(), backend="cuda_sm90", **case.kwargs())
     assert plan.backend == "cuda_sm90"
-    out, lse = poisoned_outputs(case)
-    plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale, out=out, lse=lse)
-    torch.cuda.synchronize()
-    _check(case, out, lse)
+    _run_and_check(plan, case)
     return plan
 
 
@@ -79,10 +84,7 @@ def _run_variant(case, variant, runs=1, fuse_combine=None, tol=None):
     if fuse_combine is not None:
         assert (launch.fuse_combine, plan.state.bound.fuse_combine) == (fuse_combine, fuse_combine)
     for _ in range(runs):
-        out, lse = poisoned_outputs(case)
-        plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale, out=out, lse=lse)
-        torch.cuda.synchronize()
-        _check(case, out, lse, tol)
+        _run_and_check(plan, case, tol)
     return plan
 
 
@@ -490,10 +492,7 @@ def test_sparse_matches_reference(cfg, gen):
     plan = _plan(case)
     assert plan.backend == "cuda_sm90" and plan.state.launch.variant == cuda_sm90.WGMMA
     for _ in range(2):
-        out, lse = poisoned_outputs(case)
-        plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale, indices=case.indices, out=out, lse=lse)
-        torch.cuda.synchronize()
-        _check(case, out, lse)
+        _run_and_check(plan, case)
 
 
 @pytest.mark.parametrize("fuse_combine", [True, False], ids=["fused", "separate"])
@@ -501,10 +500,7 @@ def test_sparse_combine_inside_and_after_the_decode_launch(fuse_combine, gen):
     case = _sparse_case((2, 2, 64, 1, 3000, 64, 2048, "fp8_ds_mla", 0), gen)
     plan = _plan(case, fuse_combine=fuse_combine)
     assert plan.state.launch.fuse_combine == fuse_combine
-    out, lse = poisoned_outputs(case)
-    plan.run(case.q, case.kv_cache, indices=case.indices, out=out, lse=lse)
-    torch.cuda.synchronize()
-    _check(case, out, lse)
+    _run_and_check(plan, case)
 
 
 def test_sparse_refuses_other_mainloops(gen):
@@ -577,11 +573,7 @@ def test_sparse_cache_blocks_with_padding(fmt, ps, gen):
     padded[:, :ps] = kv
     case = dataclasses.replace(case, kv_cache=padded[:, :ps])
     assert case.kv_cache.stride(0) == (ps + 3) * case.kv_cache.stride(1)
-    plan = _plan(case)
-    out, lse = poisoned_outputs(case)
-    plan.run(case.q, case.kv_cache, indices=case.indices, out=out, lse=lse)
-    torch.cuda.synchronize()
-    _check(case, out, lse)
+    _run_and_check(_plan(case), case)
 
 
 def test_sparse_out_with_strided_rows(gen):
