@@ -397,7 +397,7 @@ def test_dsa_flashmla_kv_hook_matches_float64(h_q, gen):
     report = compare_outputs(out.cpu(), None, want.float(), None, TOL)
     assert report, report.message
     again = impl._forward_flashmla_kv(q_all, kv_cache, layer.v_head_dim, layer.scaling, layer, None, page_table_1)
-    assert torch.equal(again, out) and len(impl._mla_dispatch_recent_plans) == 1  # one plan per shape
+    assert torch.equal(again, out) and len(impl._mla_dispatch_plans) == 1  # one plan per shape
 
 
 def test_dsa_hook_leaves_other_caches_to_sglang(monkeypatch):

@@ -253,3 +253,28 @@ def test_loading_the_plugin_module_imports_no_engine():
             "print([m for m in ('vllm', 'sglang') if m in sys.modules])")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert res.stdout.strip() == "[]"
+
+
+def test_plan_cache_keeps_recent_shapes_and_makes_each_once():
+    """The engines' sparse plan cache: a shape's plan is made once while it stays among the recent ones; older
+    shapes are evicted (a shape seen again is planned again); nothing is pinned outside a CUDA-graph capture."""
+    from mla_dispatch.integrations.plan_cache import PlanCache
+
+    made = []
+
+    def maker(key):
+        def make():
+            made.append(key)
+            return object()
+        return make
+
+    cache = PlanCache(max_recent=2)
+    cpu = torch.device("cpu")
+    a = cache.get("a", maker("a"), cpu)
+    assert cache.get("a", maker("a"), cpu) is a and made == ["a"]
+    cache.get("b", maker("b"), cpu)
+    cache.get("a", maker("a"), cpu)  # a is the most recent again
+    cache.get("c", maker("c"), cpu)  # evicts b
+    assert len(cache) == 2 and made == ["a", "b", "c"]
+    cache.get("b", maker("b"), cpu)
+    assert made == ["a", "b", "c", "b"]

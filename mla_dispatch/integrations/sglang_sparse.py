@@ -69,21 +69,18 @@ module imports SGLang; nothing else in mla_dispatch does.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 
 import torch
 from sglang.srt.layers.attention.dsa_backend import DeepseekSparseAttnBackend
 
 from mla_dispatch.api import DecodePlan, plan_decode
+from mla_dispatch.integrations.plan_cache import PlanCache
 from mla_dispatch.integrations.plugins import SGLANG_DSA_BACKEND_NAME, SGLANG_REPLACE_DSA_ENV
 from mla_dispatch.kvcache.formats import DS_MLA_TOKEN_BYTES
 
 __all__ = ["MLADispatchDSABackend", "create_dsa_backend", "SGLANG_DSA_BACKEND_NAME"]
 
 logger = logging.getLogger(__name__)
-
-#: plans of shapes not captured in a CUDA graph kept at once (a step's layers share one; prefill shapes vary)
-MAX_RECENT_PLANS = 4
 
 
 class _ReadsDSA:
@@ -155,29 +152,17 @@ class MLADispatchDSABackend(DeepseekSparseAttnBackend):
 
     def _sparse_plan(self, q: torch.Tensor, kv: torch.Tensor, indices: torch.Tensor, v_head_dim: int,
                      sm_scale: float) -> DecodePlan:
-        """The plan for this shape (a sparse plan depends on shapes only: every row attends to its ``topk`` slots).
-
-        Made on a shape's first call; one used while a CUDA graph is captured is kept for good (the graph replays
-        its buffers), others among the :data:`MAX_RECENT_PLANS` most recent (prefill token counts vary).
-        """
+        """The plan for this shape (:class:`~mla_dispatch.integrations.plan_cache.PlanCache`: made on a shape's first
+        call; kept for good once a CUDA graph captured it, else among the most recent few, as prefill token counts
+        vary)."""
         key = (tuple(q.shape), q.dtype, tuple(kv.shape[1:]), kv.dtype, tuple(indices.shape), q.device,
                int(v_head_dim), float(sm_scale))
-        graph_plans = self.__dict__.setdefault("_mla_dispatch_graph_plans", {})
-        plan = graph_plans.get(key)
-        if plan is not None:
-            return plan
-        recent = self.__dict__.setdefault("_mla_dispatch_recent_plans", OrderedDict())
-        plan = recent.pop(key, None)
-        if plan is None:
-            plan = plan_decode(q, kv, None, None, indices=indices, kv_format="fp8_ds_mla", softmax_scale=sm_scale,
-                               head_dim_v=v_head_dim, return_lse=False)
-        if q.is_cuda and torch.cuda.is_current_stream_capturing():
-            graph_plans[key] = plan
-        else:
-            recent[key] = plan
-            while len(recent) > MAX_RECENT_PLANS:
-                recent.popitem(last=False)
-        return plan
+        plans = self.__dict__.get("_mla_dispatch_plans")
+        if plans is None:
+            plans = self.__dict__["_mla_dispatch_plans"] = PlanCache()
+        return plans.get(key, lambda: plan_decode(q, kv, None, None, indices=indices, kv_format="fp8_ds_mla",
+                                                  softmax_scale=sm_scale, head_dim_v=v_head_dim, return_lse=False),
+                         q.device)
 
     def _forward_flashmla_kv(self, q_all: torch.Tensor, kv_cache: torch.Tensor, v_head_dim: int, sm_scale: float,
                              layer, metadata, page_table_1) -> torch.Tensor:

@@ -31,6 +31,7 @@ import torch
 from vllm.v1.attention.backends.mla.flashmla_sparse import FlashMLASparseBackend, FlashMLASparseImpl
 
 from mla_dispatch.api import DecodePlan, plan_decode
+from mla_dispatch.integrations.plan_cache import PlanCache
 
 __all__ = ["MLADispatchSparseBackend", "MLADispatchSparseImpl", "SPARSE_BACKEND_NAME"]
 
@@ -42,16 +43,15 @@ class MLADispatchSparseImpl(FlashMLASparseImpl):
     """vLLM's FlashMLA-sparse implementation with its fp8 decode kernel replaced by mla_dispatch."""
 
     def _sparse_plan(self, q: torch.Tensor, kv: torch.Tensor, topk_indices: torch.Tensor) -> DecodePlan:
-        """The plan for this shape, made on its first call and reused (a sparse plan depends on shapes only: every
-        query position attends to its ``topk`` slots), so CUDA-graph replays run a plan made before capture."""
-        plans = self.__dict__.setdefault("_mla_dispatch_plans", {})
+        """The plan for this shape (:class:`~mla_dispatch.integrations.plan_cache.PlanCache`: made on a shape's first
+        call, kept for good once a CUDA graph captured it; vLLM warms each captured size up before capture)."""
+        plans = self.__dict__.get("_mla_dispatch_plans")
+        if plans is None:
+            plans = self.__dict__["_mla_dispatch_plans"] = PlanCache()
         key = (tuple(q.shape), q.dtype, tuple(kv.shape[1:]), kv.dtype, tuple(topk_indices.shape), q.device)
-        plan = plans.get(key)
-        if plan is None:
-            plan = plan_decode(q, kv, None, None, indices=topk_indices, head_dim_v=512,
-                               softmax_scale=self.softmax_scale, kv_format="fp8_ds_mla", return_lse=True)
-            plans[key] = plan
-        return plan
+        return plans.get(key, lambda: plan_decode(q, kv, None, None, indices=topk_indices, head_dim_v=512,
+                                                  softmax_scale=self.softmax_scale, kv_format="fp8_ds_mla",
+                                                  return_lse=True), q.device)
 
     def _fp8_flash_mla_kernel(self, q: torch.Tensor, kv_c_and_k_pe_cache: torch.Tensor, topk_indices: torch.Tensor,
                               kernel_metadata=None) -> tuple[torch.Tensor, torch.Tensor]:
