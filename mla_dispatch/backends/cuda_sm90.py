@@ -525,19 +525,26 @@ class CudaSM90Backend(MLABackend):
     @classmethod
     def run(cls, state: BackendState, q, kv_cache, block_table, cache_seqlens, *, problem: DecodeProblem,
             softmax_scale: float, kv_scale, indices, out, lse) -> None:
-        s, c = state.schedule, state.launch
         if problem.sparse:
             cls._run_sparse(state, q, kv_cache, indices, problem=problem, softmax_scale=softmax_scale,
                             kv_scale=kv_scale, out=out, lse=lse)
             return
+        cls._launch(state, q, kv_cache, block_table, cache_seqlens, kv_scale, out, lse, softmax_scale, problem.causal,
+                    False)
+
+    @staticmethod
+    def _launch(state: Sm90State, q, kv_cache, block_table, cache_seqlens, kv_scale, out, lse, softmax_scale: float,
+                causal: bool, sparse: bool) -> None:
+        """The extension's decode (and combine) on these tensors with the plan's schedule, workspace and launch."""
+        s, c = state.schedule, state.launch
         # Eager calls on plain tensors skip the dispatcher (binding.cpp; on the H100 host of 2026-11-22 the op
         # took 15.2-16.1 us of host time per call, the module function 8.2-8.9); under torch.compile, fake
         # tensors, functionalization or any other TorchDispatchMode the op runs, so it is traced.
         (state.direct if untraced_eager(q) else state.op)(
             q, kv_cache, block_table, cache_seqlens, s.items, s.part_offsets,
             kv_scale if state.kv_format_code == 1 else None, out, lse, state.partial_out, state.partial_lse,
-            s.num_splits, state.first_slot, softmax_scale, problem.causal, state.kv_format_code, c.variant,
-            c.tile_rows, c.tma_loads, c.paired, c.fuse_combine, c.fixed_splits, False)
+            s.num_splits, state.first_slot, softmax_scale, causal, state.kv_format_code, c.variant,
+            c.tile_rows, c.tma_loads, c.paired, c.fuse_combine, c.fixed_splits, sparse)
 
     @classmethod
     def _run_sparse(cls, state: Sm90State, q, kv_cache, indices, *, problem: DecodeProblem, softmax_scale: float,
@@ -546,7 +553,7 @@ class CudaSM90Backend(MLABackend):
         their strides allow one; copies otherwise), the cache as it is (the kernel reads token id ``block *
         page_size + offset`` from its blocks, whatever their stride), the LSE through ``state.sparse_lse`` when
         s_q > 1."""
-        p, s, c = problem, state.schedule, state.launch
+        p = problem
         rows = p.batch * p.q_len
         q_flat = q.reshape(rows, 1, p.num_heads_q, q.shape[-1])  # a view for a q of contiguous (b, s) rows
         table = indices.reshape(rows, p.topk)
@@ -556,11 +563,8 @@ class CudaSM90Backend(MLABackend):
         out_flat = (out.view(rows, 1, p.num_heads_q, p.head_dim_v) if flat_out
                     else torch.empty(rows, 1, p.num_heads_q, p.head_dim_v, dtype=out.dtype, device=out.device))
         lse_flat = lse if state.sparse_lse is None else state.sparse_lse
-        (state.direct if untraced_eager(q) else state.op)(
-            q_flat, kv_cache, table, state.lengths, s.items, s.part_offsets,
-            kv_scale if state.kv_format_code == 1 else None, out_flat, lse_flat, state.partial_out,
-            state.partial_lse, s.num_splits, state.first_slot, softmax_scale, False, state.kv_format_code,
-            c.variant, c.tile_rows, c.tma_loads, c.paired, c.fuse_combine, c.fixed_splits, True)
+        cls._launch(state, q_flat, kv_cache, table, state.lengths, kv_scale, out_flat, lse_flat, softmax_scale, False,
+                    True)
         if not flat_out:
             out.copy_(out_flat.view(p.batch, p.q_len, p.num_heads_q, p.head_dim_v))
         if state.sparse_lse is not None:  # [B * s_q, h_q, 1] -> [B, h_q, s_q]
