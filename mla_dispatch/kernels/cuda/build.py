@@ -25,10 +25,15 @@ try:
 except ImportError:  # not POSIX: builds are not serialised and a killed build's lock file is not cleared
     fcntl = None
 
-__all__ = ["KernelBuildError", "SM90_SOURCE_DIR", "nvcc_path", "cutlass_include_dir", "nvcc_flags", "load_sm90", "main"]
+__all__ = ["KernelBuildError", "SM90_SOURCE_DIR", "SM90_KERNEL_SOURCES", "nvcc_path", "cutlass_include_dir", "nvcc_flags",
+           "load_sm90", "main"]
 
 SM90_SOURCE_DIR = pathlib.Path(__file__).resolve().parent / "mla_decode_sm90"
-_SM90_SOURCES = ("binding.cpp", "launch.cu")
+#: The kernel translation units (no torch): the launcher and one file per (q dtype, cache format) of kernel
+#: instances (instantiations/), which the build compiles in parallel.
+SM90_KERNEL_SOURCES = ("launch.cu",
+                       *sorted(f"instantiations/{f.name}" for f in (SM90_SOURCE_DIR / "instantiations").glob("*.cu")))
+_SM90_SOURCES = ("binding.cpp", *SM90_KERNEL_SOURCES)
 SM90_GENCODE = "-gencode=arch=compute_90a,code=sm_90a"
 
 
@@ -68,9 +73,9 @@ def nvcc_flags() -> list[str]:
 
 def _source_hash() -> str:
     h = hashlib.sha256()
-    for path in sorted(SM90_SOURCE_DIR.iterdir()):
+    for path in sorted(SM90_SOURCE_DIR.rglob("*")):
         if path.suffix in (".cu", ".cuh", ".h", ".cpp"):
-            h.update(path.name.encode())
+            h.update(path.relative_to(SM90_SOURCE_DIR).as_posix().encode())
             h.update(path.read_bytes())
     h.update(" ".join(nvcc_flags()).encode())
     return h.hexdigest()[:12]
