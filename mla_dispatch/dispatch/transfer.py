@@ -31,7 +31,7 @@ import dataclasses
 import math
 from typing import Sequence
 
-import torch
+import numpy as np
 
 from mla_dispatch.dispatch.devices import DevicePeaks
 
@@ -47,11 +47,8 @@ MIN_BUCKETS = 3
 
 
 def _pnorm(x, y):
-    """``(x**p + y**p) ** (1/p)`` without overflow; floats or tensors."""
-    if isinstance(x, torch.Tensor):
-        s = torch.maximum(x, y).clamp_min(1e-30)
-        return s * ((x / s) ** P_NORM + (y / s) ** P_NORM) ** (1 / P_NORM)
-    s = max(x, y, 1e-30)
+    """``(x**p + y**p) ** (1/p)`` without overflow; floats or numpy arrays."""
+    s = np.maximum(np.maximum(x, y), 1e-30)
     return s * ((x / s) ** P_NORM + (y / s) ** P_NORM) ** (1 / P_NORM)
 
 
@@ -66,7 +63,7 @@ class Cost:
 
     def us(self, memory_us: float, compute_us: float, configs: int) -> float:
         """Predicted µs of ``configs`` calls whose roofline times sum to ``memory_us`` and ``compute_us``."""
-        return self.overhead_us * configs + _pnorm(self.memory * memory_us, self.compute * compute_us)
+        return self.overhead_us * configs + float(_pnorm(self.memory * memory_us, self.compute * compute_us))
 
 
 #: The cost of a backend measured in fewer than MIN_BUCKETS buckets: its times scale with the roofline.
@@ -79,18 +76,18 @@ def fit_cost(points: Sequence[tuple[float, float, int, float]]) -> Cost:
     best, with the overhead (>= 0) solved for each pair. :data:`ROOFLINE` for fewer than :data:`MIN_BUCKETS`."""
     if len(points) < MIN_BUCKETS:
         return ROOFLINE
-    m, f, n, t = (torch.tensor(col, dtype=torch.float64) for col in zip(*points))
+    m, f, n, t = (np.asarray(col, dtype=np.float64) for col in zip(*points))
     w = 1.0 / t**2
     lo_a = lo_b = math.log(1 / 8)
     span = math.log(64) - lo_a
     best = None
     for _ in range(3):
-        grid_a = torch.linspace(lo_a, lo_a + span, 41, dtype=torch.float64).exp()
-        grid_b = torch.linspace(lo_b, lo_b + span, 41, dtype=torch.float64).exp()
+        grid_a = np.exp(np.linspace(lo_a, lo_a + span, 41))
+        grid_b = np.exp(np.linspace(lo_b, lo_b + span, 41))
         norm = _pnorm(grid_a[:, None, None] * m, grid_b[None, :, None] * f)
-        overhead = ((w * n * (t - norm)).sum(-1) / (w * n * n).sum(-1)).clamp_min(0)
+        overhead = np.maximum((w * n * (t - norm)).sum(-1) / (w * n * n).sum(-1), 0.0)
         err = (((overhead[..., None] * n + norm - t) / t) ** 2).sum(-1)
-        i, j = divmod(int(err.argmin()), err.shape[1])
+        i, j = np.unravel_index(int(err.argmin()), err.shape)
         best = Cost(float(overhead[i, j]), float(grid_a[i]), float(grid_b[j]))
         step = span / 40
         lo_a, lo_b, span = math.log(best.memory) - 2 * step, math.log(best.compute) - 2 * step, 4 * step
