@@ -46,6 +46,7 @@ import os
 import platform as host_platform
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -329,6 +330,7 @@ class BenchRow:
     host_run_us: float | None = None   # DecodePlan.run, wall clock + device sync
     host_call_us: float | None = None  # one-shot mla_decode, wall clock + device sync
     x_flashmla: float | None = None    # us_graph (else us_call) over FlashMLA's own, same config
+    chosen: str | None = None          # the backend "auto" chose (auto's rows only)
 
     @property
     def best_us(self) -> float | None:
@@ -356,11 +358,17 @@ def _check(out, lse, ref, tol):
     return compare_outputs(out, lse, ref[0], ref[1], tol)
 
 
+#: What ``bench`` times per (config, backend): the eager ``DecodePlan.run``, the whole ``mla_decode``, the host
+#: wall clocks of plan / run / call, and the CUDA-graph replay (module docstring).
+TIMINGS = frozenset({"run", "call", "host", "graph"})
+
+
 def bench_backend(name: str, case: DecodeCase, ref: tuple[torch.Tensor, torch.Tensor], row: BenchRow, *,
-                  graphs: bool = True, rep_ms: float = 100.0) -> BenchRow:
+                  graphs: bool = True, rep_ms: float = 100.0, timings: frozenset[str] = TIMINGS) -> BenchRow:
     """Check, then time, backend ``name`` (or ``"auto"``) on ``case``; fills and returns ``row``. ``name`` may carry
     options (``name:key=value:...``, :func:`~mla_dispatch.tools.args.backend_spec`): ``batch_invariant=true`` plans
-    with ``batch_invariant=True``, the others go to ``backend_options``."""
+    with ``batch_invariant=True``, the others go to ``backend_options``. ``timings``: which of :data:`TIMINGS` to
+    measure (``run`` is measured too where ``graph`` is asked for and no graph can be timed)."""
     device = case.q.device
     name, options = backend_spec(name)
     invariant = bool(options.pop("batch_invariant", False))
@@ -372,7 +380,7 @@ def bench_backend(name: str, case: DecodeCase, ref: tuple[torch.Tensor, torch.Te
         except NoBackendError as exc:
             row.status, row.note = "unsupported", str(exc).splitlines()[0]
             return row
-        row.note = f"chose {cls.NAME}"
+        row.note, row.chosen = f"chose {cls.NAME}", cls.NAME
     else:
         cls = get_backend(name)
         reasons = cls.not_supported_reasons(problem, platform_for(device))
@@ -393,16 +401,19 @@ def bench_backend(name: str, case: DecodeCase, ref: tuple[torch.Tensor, torch.Te
     if not report:
         row.status, row.note = "wrong", (row.note + ": " if row.note else "") + report.message
         return row
-    row.us_run = time_fn(lambda: plan.run(case.q, case.kv_cache, **run_kw, out=out, lse=lse), device,
-                         rep_ms=rep_ms) * 1e6
-    row.us_call = time_fn(lambda: mla_decode(*case.args(), **plan_kw, out=out), device,
-                          rep_ms=rep_ms) * 1e6
+    graph = graphs and "graph" in timings and device.type == "cuda" and cls.CUDA_GRAPH is CGSupport.ALWAYS
+    if "run" in timings or not graph:
+        row.us_run = time_fn(lambda: plan.run(case.q, case.kv_cache, **run_kw, out=out, lse=lse), device,
+                             rep_ms=rep_ms) * 1e6
+    if "call" in timings:
+        row.us_call = time_fn(lambda: mla_decode(*case.args(), **plan_kw, out=out), device,
+                              rep_ms=rep_ms) * 1e6
     row.status = "ok"
-    if device.type == "cuda":
+    if device.type == "cuda" and "host" in timings:
         row.host_plan_us = host_us(lambda: plan_decode(*case.args(), **plan_kw), device)
         row.host_run_us = host_us(lambda: plan.run(case.q, case.kv_cache, **run_kw, out=out, lse=lse), device)
         row.host_call_us = host_us(lambda: mla_decode(*case.args(), **plan_kw, out=out), device)
-    if graphs and device.type == "cuda" and cls.CUDA_GRAPH is CGSupport.ALWAYS:
+    if graph:
         _bench_graph(plan_kw, case, ref, row, rep_ms)
     return row
 
@@ -509,19 +520,33 @@ def work_of(case: DecodeCase, cfg: BenchConfig):
 
 def run_bench(configs: Sequence[BenchConfig], backends: Sequence[str], *, device: torch.device,
               dtype: torch.dtype = torch.bfloat16, ceilings: Ceilings | None = None, graphs: bool = True,
-              rep_ms: float = 100.0, seed: int = 0, progress: bool = True) -> tuple[list[BenchRow], Ceilings]:
-    """Benchmark ``backends`` on ``configs``; measures the ceilings first unless given."""
+              rep_ms: float = 100.0, seed: int = 0, progress: bool = True, timings: frozenset[str] = TIMINGS,
+              peer: bool = True, budget_s: float | None = None, desc: str = "bench"
+              ) -> tuple[list[BenchRow], Ceilings]:
+    """Benchmark ``backends`` on ``configs``; measures the ceilings first unless given.
+
+    ``timings``: what to time (:data:`TIMINGS`); ``peer``: time FlashMLA itself beside them where installed.
+    ``budget_s``: seconds from the call after which no further config is started (the ceilings count; a config is
+    measured whole or not at all, so the rows hold only the configs that fit, in order); the progress bar shows the
+    time spent against it.
+    """
     from tqdm import tqdm
 
     from mla_dispatch.numerics.oracle import reference_attention
 
+    start = time.monotonic()
     ceilings = ceilings or measure_ceilings(device)
-    peer_version = flashmla_peer_available() if device.type == "cuda" else None
+    peer_version = flashmla_peer_available() if device.type == "cuda" and peer else None
     rows: list[BenchRow] = []
-    bar = tqdm(total=len(configs) * len(backends), desc="bench", unit="run", disable=not progress, leave=False,
+    bar = tqdm(total=len(configs) * len(backends), desc=desc, unit="run", disable=not progress, leave=False,
                file=sys.stderr)
     for i, cfg in enumerate(configs):
-        bar.set_postfix_str(cfg.label)
+        spent = time.monotonic() - start
+        if budget_s is not None and spent >= budget_s:
+            logger.info("mla_dispatch: %s stopped after %.0f s (budget %.0f s): %d of %d configs measured", desc,
+                        spent, budget_s, i, len(configs))
+            break
+        bar.set_postfix_str(cfg.label + (f", {spent:.0f}/{budget_s:g} s" if budget_s is not None else ""))
         case = make_bench_case(cfg, dtype=dtype, device=device, seed=seed + i)
         ref = reference_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens,
                                   head_dim_v=case.head_dim_v, softmax_scale=case.softmax_scale, causal=case.causal,
@@ -532,7 +557,7 @@ def run_bench(configs: Sequence[BenchConfig], backends: Sequence[str], *, device
         for name in backends:
             version = "" if name == "auto" else get_backend(backend_spec(name)[0]).version()
             row = BenchRow(cfg.label, name, version, "?", flops=work.flops, bytes=work.bytes, roofline_us=roof_us)
-            config_rows.append(bench_backend(name, case, ref, row, graphs=graphs, rep_ms=rep_ms))
+            config_rows.append(bench_backend(name, case, ref, row, graphs=graphs, rep_ms=rep_ms, timings=timings))
             bar.update(1)
         if peer_version and flashmla_runs(case):
             peer = BenchRow(cfg.label, PEER_FLASHMLA, peer_version, "?", flops=work.flops, bytes=work.bytes,
