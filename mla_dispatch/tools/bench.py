@@ -64,8 +64,8 @@ from mla_dispatch.tools.peers import PEER_FLASHMLA, flashmla_peer_available, fla
 from mla_dispatch.tools.roofline import Ceilings, decode_work, measure_ceilings, time_fn, timer_name
 from mla_dispatch.numerics.cases import UNUSED_BLOCK_ID, DecodeCase
 from mla_dispatch.numerics.tolerance import compare_outputs
-from mla_dispatch.tools.args import (CommandParser, UsageError, backend_names, backend_spec, parse_device, positive_float,
-                                     usage_error, writable_dir)
+from mla_dispatch.tools.args import (CommandParser, UsageError, backend_names, backend_spec, nonnegative_float,
+                                     parse_device, positive_float, usage_error, writable_dir)
 
 __all__ = ["BenchConfig", "BenchRow", "GRIDS", "grid_configs", "make_bench_case", "run_bench", "default_backends",
            "environment", "main"]
@@ -683,6 +683,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rep-ms", type=positive_float, default=100.0,
                    help="timing budget per measurement (do_bench rep)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--check-auto", type=nonnegative_float, default=None, metavar="TOL",
+                   help="after the run, set auto's time on each config against the fastest correct backend's and "
+                        "exit 1 if any is over by more than TOL (0.03 = 3%%); adds auto to the backends")
+    p.add_argument("--from-json", default=None, metavar="BENCH_JSON",
+                   help="with --check-auto: check a saved run (bench-<grids>.json) instead of running")
     p.add_argument("--list", action="store_true", help="print the grid's configs and exit")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -716,7 +721,31 @@ def main(argv: list[str] | None = None) -> int:
         return usage_error(p.prog, exc)
 
 
+def _check_auto(rows, tolerance: float) -> int:
+    """Print the auto check of ``rows`` (:mod:`mla_dispatch.tools.autocheck`); 1 if it fails, else 0."""
+    from mla_dispatch.tools.autocheck import check_auto, format_check
+
+    results, metric = check_auto(rows, tolerance)
+    print("\n" + format_check(results, tolerance, metric))
+    failed = [r for r in results if r.failed]
+    if failed or not results:
+        print(f"auto check failed on {len(failed)} of {len(results)} configs" if results else
+              "auto check: no rows to check", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
+    if args.from_json:
+        if args.check_auto is None:
+            raise UsageError("argument --from-json: only with --check-auto (it checks a saved run)")
+        from mla_dispatch.tools.autocheck import load_rows
+
+        try:
+            rows = load_rows(Path(args.from_json))
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"argument --from-json: {exc}") from None
+        return _check_auto(rows, args.check_auto)
     grids = grid_names(args.grid)
     configs = [c for g in grids for c in grid_configs(g)]
     if args.list:
@@ -725,6 +754,8 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     device = parse_device(args.device)
     chosen = backend_names(args.backends, also=("auto",), specs=True)
     backends = chosen or default_backends(device)
+    if args.check_auto is not None and "auto" not in backends:
+        backends = ["auto", *backends]
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise UsageError("argument --plot: needs matplotlib, which is not installed (pip install matplotlib)")
     out_dir = writable_dir(args.out, "--out")
@@ -754,13 +785,16 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
         write_plot(stem.with_suffix(".png"), rows, f"{'+'.join(grids)} on {env['device']} ({env['date']})")
         written.append(stem.with_suffix(".png"))
     print("\nwrote: " + ", ".join(map(str, written)))
+    status = 0
     bad = [r for r in rows if r.status in ("wrong", "error")]
     if bad:
         print(f"{len(bad)} result(s) failed the correctness gate or raised: "
               + ", ".join(f"{r.backend} on {r.config}" for r in bad), file=sys.stderr)
-        return 1
-    if not any(r.status == "ok" for r in rows):
+        status = 1
+    elif not any(r.status == "ok" for r in rows):
         print(f"nothing ran: every backend ({', '.join(backends)}) declined every config; their reasons are in the "
               f"table", file=sys.stderr)
-        return 1
-    return 0
+        status = 1
+    if args.check_auto is not None:
+        status = _check_auto(rows, args.check_auto) or status
+    return status
