@@ -104,17 +104,21 @@ def test_bench_check_auto_end_to_end(registered, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(bench.GRIDS, "tiny", ("two small configs", lambda: [bench.BenchConfig(2, 1, 16, 64),
                                                                            bench.BenchConfig(2, 2, 16, 64, causal=True)]))
     slow = registered(SlowButCorrect)
-    argv = ["--grid", "tiny", "--backends", f"reference,{slow}", "--quiet", "--rep-ms", "1", "--out", str(tmp_path)]
+    argv = ["--grid", "tiny", "--backends", f"reference,{slow}", "--quiet", "--rep-ms", "1", "--out", str(tmp_path),
+            "--times", "run"]
     assert bench.main(argv + ["--check-auto", "0.03"]) == 1
     out = capsys.readouterr().out
     assert out.rstrip().splitlines()[-1].startswith("auto within 3.0% of the fastest correct backend on 0 of 2")
     rows = json.loads((tmp_path / "bench-tiny.json").read_text())["rows"]
     autos = [r for r in rows if r["backend"] == "auto"]
     assert len(autos) == 2 and {r["chosen"] for r in autos} == {slow}
+    assert all(r["us_run"] and r["us_call"] is None for r in rows if r["status"] == "ok"), "--times run: run only"
     assert bench.main(["--check-auto", "1000", "--from-json", str(tmp_path / "bench-tiny.json")]) == 0
 
 
 def test_from_json_needs_check_auto_and_a_bench_file(tmp_path, capsys):
+    assert bench.main(["--times", "graph,walltime"]) == 2
+    assert "argument --times: expected comma-separated names of call, graph, host, run" in capsys.readouterr().err
     assert bench.main(["--from-json", str(H100_AUTO_RUN)]) == 2
     assert "only with --check-auto" in capsys.readouterr().err
     bad = tmp_path / "x.json"

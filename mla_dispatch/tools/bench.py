@@ -24,7 +24,9 @@ For each configuration of a named grid, in one process:
    GB/s and % of the roofline, whose ceilings were measured at the start of
    the run.
 
-The backend ``auto`` is what ``backend="auto"`` chooses (the row's note names it).
+The backend ``auto`` is what ``backend="auto"`` chooses (the row's note names it); ``--check-auto TOL`` sets its
+time on each config against the fastest correct backend's and fails the run where it is over by more than TOL
+(:mod:`mla_dispatch.tools.autocheck`). ``--times`` restricts what is timed (``graph`` alone for such a check).
 
 Results are printed as a Markdown table (ready for ``benchmarks/RESULTS.md``)
 and written as JSON and CSV; ``--plot`` adds a PNG of % of roofline per config.
@@ -680,14 +682,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench_out", help="directory for bench-<grid>.json/.csv/.png (default: bench_out)")
     p.add_argument("--plot", action="store_true", help="also write a PNG of %% of roofline per config")
     p.add_argument("--no-graph", action="store_true", help="skip CUDA-graph replay timing")
+    p.add_argument("--times", default=None, metavar="LIST",
+                   help=f"what to time, comma-separated, of {','.join(sorted(TIMINGS))} (default: all; eager run is "
+                        f"timed too for a backend without a CUDA graph)")
     p.add_argument("--rep-ms", type=positive_float, default=100.0,
                    help="timing budget per measurement (do_bench rep)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check-auto", type=nonnegative_float, default=None, metavar="TOL",
                    help="after the run, set auto's time on each config against the fastest correct backend's and "
                         "exit 1 if any is over by more than TOL (0.03 = 3%%); adds auto to the backends")
-    p.add_argument("--from-json", default=None, metavar="BENCH_JSON",
-                   help="with --check-auto: check a saved run (bench-<grids>.json) instead of running")
+    p.add_argument("--from-json", action="append", default=None, metavar="BENCH_JSON",
+                   help="with --check-auto: check a saved run (bench-<grids>.json) instead of running; repeat it to "
+                        "check several")
     p.add_argument("--list", action="store_true", help="print the grid's configs and exit")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -741,10 +747,12 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
             raise UsageError("argument --from-json: only with --check-auto (it checks a saved run)")
         from mla_dispatch.tools.autocheck import load_rows
 
-        try:
-            rows = load_rows(Path(args.from_json))
-        except (OSError, ValueError) as exc:
-            raise UsageError(f"argument --from-json: {exc}") from None
+        rows = []
+        for path in args.from_json:
+            try:
+                rows += load_rows(Path(path))
+            except (OSError, ValueError) as exc:
+                raise UsageError(f"argument --from-json: {exc}") from None
         return _check_auto(rows, args.check_auto)
     grids = grid_names(args.grid)
     configs = [c for g in grids for c in grid_configs(g)]
@@ -752,6 +760,12 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
         print("\n".join(c.label for c in configs))
         return 0
     device = parse_device(args.device)
+    timings = TIMINGS
+    if args.times is not None:
+        timings = frozenset(t.strip() for t in args.times.split(",") if t.strip())
+        if not timings or not timings <= TIMINGS:
+            raise UsageError(f"argument --times: expected comma-separated names of {', '.join(sorted(TIMINGS))}, "
+                             f"got {args.times!r}")
     chosen = backend_names(args.backends, also=("auto",), specs=True)
     backends = chosen or default_backends(device)
     if args.check_auto is not None and "auto" not in backends:
@@ -767,7 +781,7 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     command = "python -m mla_dispatch bench " + " ".join(shlex.quote(a) for a in given)
     env = environment(device, backends)
     rows, ceilings = run_bench(configs, backends, device=device, dtype=_DTYPES[args.dtype], graphs=not args.no_graph,
-                               rep_ms=args.rep_ms, seed=args.seed, progress=not args.quiet)
+                               rep_ms=args.rep_ms, seed=args.seed, progress=not args.quiet, timings=timings)
     print(f"## bench {'+'.join(grids)} ({args.dtype})\n")
     print(format_header(env, ceilings, command.strip()))
     skipped = {} if chosen else {n: r for n, r in unavailable_backends().items() if n not in backends}
