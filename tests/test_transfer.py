@@ -131,15 +131,19 @@ def test_faster_memory_hands_a_bucket_from_the_streamer_to_the_computer():
 
 def test_a_tie_goes_to_the_backend_thrifty_with_what_the_target_lacks():
     """Predictions within 3% are a tie: on a device whose memory grew more than its compute, the backend with the
-    smaller compute multiplier takes it; with both grown alike, the measured order stands."""
+    smaller compute multiplier takes it, where the bucket runs near a roofline; with both grown alike, or where
+    overhead is most of the time, the measured order stands."""
     a, b = Cost(10.0, 1.00, 1.30), Cost(10.0, 1.02, 1.00)
-    buckets = dict(BUCKETS, mid=(500.0, 50.0))  # memory-bound: A 2% faster, and still on the faster memory
+    # memory-bound: A 2% faster, and still on the faster memory; "tiny": the overhead is most of the time
+    buckets = dict(BUCKETS, mid=(500.0, 50.0), tiny=(5.0, 1.0))
     doc = _doc({"A": a, "B": b}, buckets)
-    assert doc["table"]["mid"] == "A"
+    assert doc["table"]["mid"] == "A" and doc["table"]["tiny"] == "A"
     faster_memory = dataclasses.replace(SRC, bytes_per_s=1.4 * SRC.bytes_per_s)
     moved = transfer_table(doc, SRC, faster_memory)
     assert moved.predicted["mid"]["A"] < moved.predicted["mid"]["B"] < 1.03 * moved.predicted["mid"]["A"]
     assert moved.ranking["mid"][0] == "B"
+    assert moved.predicted["tiny"]["A"] < moved.predicted["tiny"]["B"] < 1.03 * moved.predicted["tiny"]["A"]
+    assert moved.ranking["tiny"][0] == "A", "far from any roofline, neither peak moves it: the measured order stands"
     both = dataclasses.replace(SRC, bytes_per_s=1.4 * SRC.bytes_per_s, flops_per_s=1.4 * SRC.flops_per_s)
     assert transfer_table(doc, SRC, both).ranking["mid"][0] == "A"
 
@@ -202,7 +206,8 @@ def test_the_h100_uses_its_own_table_and_another_architecture_none(files):
     assert tuned.active_decision(H100).kind == "shipped"
     decision = tuned.active_decision(B200)
     assert decision.kind == "default" and not decision.ranking
-    assert "no table measured on a device of this architecture (sm_100)" in decision.describe()
+    assert "no table measured on another device of this architecture (sm_100)" in decision.describe()
+    assert tuned.transferred_decision(H100) is None, "its own table is no transfer"
 
 
 def test_a_users_own_table_wins_over_a_transferred_one(files, monkeypatch):

@@ -23,6 +23,9 @@ Predictions within :data:`TIE` of the best are a tie: timings of one kernel diff
 multiplier on the resource the target has relatively less of (compute when its bandwidth grew more than its
 compute), whose hidden limits the target is likeliest to expose: on the H200, cuda_sm90's time at h_q = 32 / 64 rose
 to 1.24 / 1.31× FlashMLA's from 1.01 / 1.02× on the H100 (docs/design.md §6), a limit no H100 measurement shows.
+Only where the bucket runs near a roofline (its roofline time at least :data:`ROOFLINE_SHARE` of the predicted
+time): where latency and launch costs dominate (one request), neither peak moves the times and the measured order
+stands.
 """
 
 from __future__ import annotations
@@ -42,6 +45,8 @@ __all__ = ["P_NORM", "TIE", "Cost", "fit_cost", "Transferred", "transfer_table",
 P_NORM = 4
 #: Predictions within this fraction of the best are a tie (module docstring).
 TIE = 0.03
+#: A tie is broken only where the bucket's roofline time is at least this share of the best predicted time.
+ROOFLINE_SHARE = 0.5
 #: Buckets a backend needs for its own fit; with fewer, its times scale with the roofline (multipliers 1, no overhead).
 MIN_BUCKETS = 3
 
@@ -160,7 +165,8 @@ def transfer_table(doc: dict, source: DevicePeaks, target: DevicePeaks) -> Trans
         m, f, n = roofline(bucket)
         pred = {b: us * costs[b].us(m / bandwidth, f / compute, n) / costs[b].us(m, f, n) for b, us in times.items()}
         order = sorted(pred, key=pred.get)
-        if scarce and order:
+        near_roofline = max(m / bandwidth, f / compute) >= ROOFLINE_SHARE * pred[order[0]] if order else False
+        if scarce and near_roofline:
             tied = [b for b in order if pred[b] <= pred[order[0]] * (1 + TIE)]
             first = min(tied, key=lambda b: (getattr(costs[b], scarce), pred[b]))
             order.remove(first)

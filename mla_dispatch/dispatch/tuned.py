@@ -42,7 +42,8 @@ from mla_dispatch.version import __version__
 
 __all__ = ["TABLE_FORMAT", "ENV_VAR", "SHIPPED_DIR", "Decision", "fingerprint", "shape_class", "shape_bucket",
            "nearest_bucket", "lookup", "lookup_ranking", "default_table_path", "table_path", "shipped_table_path",
-           "read_table", "active_decision", "active_ranking", "active_table", "explain_order", "set_tuned_table",
+           "read_table", "active_decision", "active_ranking", "active_table", "transferred_decision", "explain_order",
+           "set_tuned_table",
            "tuned_table", "reload_table", "active_table_description", "state_token"]
 
 logger = logging.getLogger("mla_dispatch")
@@ -255,7 +256,7 @@ def _decide(platform: Platform) -> Decision:
                             tuple(notes))
     if platform.kind == "cpu":  # the reference is all there is: nothing to measure or carry over
         return Decision("default", detail="none (default order)", notes=tuple(notes))
-    transferred = _transferred(platform, notes)
+    transferred = transferred_decision(platform, notes)
     if transferred is not None:
         return transferred
     if not user.exists():
@@ -264,20 +265,23 @@ def _decide(platform: Platform) -> Decision:
     return Decision("default", detail="none (default order)", notes=tuple(notes))
 
 
-def _transferred(platform: Platform, notes: list[str]) -> Decision | None:
-    """The nearest shipped table of ``platform``'s architecture, carried to it; None (with a note) where there is
-    none or the device's peaks cannot be known."""
+def transferred_decision(platform: Platform, notes: list[str] | None = None) -> Decision | None:
+    """The nearest shipped table of ``platform``'s architecture measured on another device, carried to it (whether or
+    not the device has a table of its own); None where there is none to carry, with why appended to ``notes``."""
+    notes = [] if notes is None else notes
     sources = []
     for path in sorted(SHIPPED_DIR.glob("*.json")):
         doc = _read_quietly(path, notes)
-        if doc is None or doc["fingerprint"].rpartition("|")[2] != platform.arch or not can_transfer(doc):
+        if (doc is None or doc["fingerprint"] == fingerprint(platform) or not can_transfer(doc)
+                or doc["fingerprint"].rpartition("|")[2] != platform.arch):
             continue
         name = doc["fingerprint"].rpartition("|")[0]
         peaks = device_peaks(Platform("cuda", name, platform.capability, platform.arch, 0))
         if peaks is not None:
             sources.append((path, doc, peaks))
     if not sources:
-        notes.append(f"no table measured on a device of this architecture ({platform.arch}) ships with mla_dispatch")
+        notes.append(f"no table measured on another device of this architecture ({platform.arch}) ships with "
+                     f"mla_dispatch")
         return None
     target = device_peaks(platform)
     if target is None:  # a device we have no sheet for: the source with the same SM count, else the first
