@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Is `auto` right on this GPU? One device command (<= 9 minutes), for issue 56's record in benchmarks/RESULTS.md:
 #   1. FlashMLA (built from .peer/flashmla in the background, or its carried prebuilt .so) and our extension;
-#   2. `tune` measures this device and writes its table to $OUT/tables/<device>.json (commit it to
-#      mla_dispatch/dispatch/tables/ to ship it);
+#   2. `tune --quick`, what the README tells a user of an unlisted GPU to run, measures this device (at most 120 s of
+#      measuring) and writes its table to $OUT/tables/<device>.json (commit it to mla_dispatch/dispatch/tables/ to
+#      ship it); H200_AUTO_TUNE=full measures the full tuning grid instead, within the same budget;
 #   3. `bench` on the flashmla, heads, latency and pages grids, one grid per process, every available backend and
 #      FlashMLA's own call beside `auto`, with that table in use (CUDA-graph replays only);
 #   4. `bench --check-auto 0.03` over the four runs, printed last: auto against the fastest correct backend.
@@ -46,10 +47,11 @@ grep -q "^flashinfer: available" "$OUT/backends.txt" || echo "WARNING: flashinfe
 TABLE="$OUT/tables/$(python -c 'from mla_dispatch.dispatch import tuned; from mla_dispatch.dispatch.platform import detect_platform; print(tuned.shipped_table_path(detect_platform()).name)')"
 BACKENDS=$(python -c 'import mla_dispatch.dispatch.registry as r; print(",".join(n for n in ("cuda_sm90", "flashmla", "flashinfer", "triton") if not r.get_backend(n).availability_reasons()))')
 # the tune budget: what is left after the benches' share (150 s for the four grids: an estimate from counting configs x
-# backends x do_bench budgets, to be replaced by the phase times this run prints), at most 150 s and at least 30 s
-BUDGET=$(( $(left) - 150 )); [ "$BUDGET" -gt 150 ] && BUDGET=150; [ "$BUDGET" -lt 30 ] && BUDGET=30
-stamp "tune on $BACKENDS, budget ${BUDGET}s -> $TABLE"
-timeout "$(left)" python -m mla_dispatch tune --backends "$BACKENDS" --metric graph --rep-ms "$TUNE_REP_MS" \
+# backends x do_bench budgets, to be replaced by the phase times this run prints), at most 120 s and at least 30 s
+BUDGET=$(( $(left) - 150 )); [ "$BUDGET" -gt 120 ] && BUDGET=120; [ "$BUDGET" -lt 30 ] && BUDGET=30
+QUICK=--quick; [ "${H200_AUTO_TUNE:-quick}" = full ] && QUICK=
+stamp "tune ${QUICK:-(full grid)} on $BACKENDS, budget ${BUDGET}s -> $TABLE"
+timeout "$(left)" python -m mla_dispatch tune $QUICK --backends "$BACKENDS" --metric graph --rep-ms "$TUNE_REP_MS" \
   --budget-s "$BUDGET" --quiet --out "$TABLE" 2>&1 | tee "$OUT/tune.log" | tail -n 60
 [ -f "$TABLE" ] || { echo "tune wrote no table: see $OUT/tune.log"; exit 1; }
 

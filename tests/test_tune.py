@@ -286,3 +286,25 @@ def test_quick_covers_every_shape_class_of_the_published_grids():
     for grid in ("flashmla", "heads", "latency", "pages"):
         for i, cfg in enumerate(grid_configs(grid)):
             assert tuned.lookup(table, tune.config_problem(cfg, seed=i)) == "x", f"{grid}: {cfg.label}"
+
+
+@pytest.mark.gpu
+def test_tune_quick_on_a_gpu_keeps_its_budget_and_drives_auto(clean, tmp_path, monkeypatch, capsys):
+    """On a GPU: `tune --quick` with a short budget measures whole configs, most important first, until the budget is
+    spent, writes a table with each bucket's work, and auto then runs that table's winner."""
+    import re
+
+    out = tmp_path / "tuned.json"
+    assert tune.main(["--quick", "--budget-s", "10", "--rep-ms", "5", "--quiet", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    m = re.search(r"measured (\d+) of (\d+) configs in (\d+) s of a 10 s budget", text)
+    assert m and int(m[1]) >= 1, text
+    doc = tuned.read_table(out)
+    assert doc["metric"] == "graph" and doc["table"] and set(doc["work"]) == set(doc["table"])
+    monkeypatch.setenv(tuned.ENV_VAR, str(out))
+    tuned.reload_table()
+    platform = detect_platform("cuda")
+    problem = tune.config_problem(tune.tune_configs(quick=True)[0], seed=0, device_type="cuda")
+    assert tuned.shape_bucket(problem) in doc["table"], "the first config is measured first"
+    assert select.select_backend(problem, platform).NAME == doc["table"][tuned.shape_bucket(problem)]
+    assert "yours" in tuned.active_table_description(platform)
