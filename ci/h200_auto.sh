@@ -13,7 +13,7 @@
 # ends by H200_AUTO_LIMIT_S (default 530) with what it has written; grids that no longer fit are skipped, and said.
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT/tables" "$OUT/bench"
 LIMIT=${H200_AUTO_LIMIT_S:-530}
-REP_MS=${H200_AUTO_REP_MS:-40}   # do_bench budget per measurement in the bench (the H100 auto run used 40)
+REP_MS=${H200_AUTO_REP_MS:-100}  # do_bench budget per measurement in the bench (bench's default; the H100 auto run used 40)
 TUNE_REP_MS=${H200_AUTO_TUNE_REP_MS:-25}
 GRIDS=(flashmla heads latency pages)
 SECONDS=0
