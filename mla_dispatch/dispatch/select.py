@@ -168,7 +168,7 @@ def select_backend(problem: DecodeProblem, platform: Platform, backend: str = "a
     ValueError
         ``backend`` is not a registered name.
     """
-    tuned.active_ranking(platform)  # decides the measured table at the first selection on this platform
+    tuned.active_decision(platform)  # decides the measured table at the first selection on this platform
     name = _select_cached(problem, platform, backend, _OVERRIDE.get(), tuned.state_token())
     return get_backend(name)
 

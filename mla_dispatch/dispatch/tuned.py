@@ -27,6 +27,7 @@ problem, is skipped for the next.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -185,7 +186,11 @@ class Decision:
     notes: tuple[str, ...] = ()
 
     def table(self) -> dict[str, tuple[str, ...]]:
-        """{bucket: backends fastest first}."""
+        """{bucket: backends fastest first} (built once; do not modify it)."""
+        return self._table
+
+    @functools.cached_property
+    def _table(self) -> dict[str, tuple[str, ...]]:
         return dict(self.ranking)
 
     def describe(self) -> str:
@@ -308,7 +313,8 @@ def active_decision(platform: Platform) -> Decision:
 
 
 def active_ranking(platform: Platform) -> dict[str, tuple[str, ...]] | None:
-    """{bucket: backends fastest first} that selection uses on ``platform``; None for the default order."""
+    """{bucket: backends fastest first} that selection uses on ``platform`` (do not modify it); None for the default
+    order."""
     decision = active_decision(platform)
     return decision.table() if decision.ranking else None
 
