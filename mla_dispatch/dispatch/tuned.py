@@ -18,7 +18,8 @@ this module decides (:func:`active_decision`), in order: the user's table (``$ML
 else ``$XDG_CACHE_HOME/mla_dispatch/tuned-<device>.json``, ``~/.cache`` by default); the table shipped in the
 package for that device (``dispatch/tables/``); the shipped table of the nearest device of the same architecture,
 carried to this one by :mod:`mla_dispatch.dispatch.transfer` (its measurements corrected for the two devices'
-bandwidth and compute); else the default order. It never reads a file at import. A user's table measured on another
+bandwidth and compute; the cost model is fitted then, once per process); else the default order. It never reads a
+file at import. A user's table measured on another
 device (fingerprint mismatch) is ignored. A table only orders candidates (per bucket, the backends it measured,
 fastest first, before the others): feasibility still decides, so a backend not installed, or unable to run a
 problem, is skipped for the next.
