@@ -206,6 +206,9 @@ def test_auto_on_a_hopper_without_its_own_table_follows_the_measured_one(fake_ba
     kernel first."""
     monkeypatch.delenv(tuned.ENV_VAR, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    h100_table = tuned.SHIPPED_DIR / "NVIDIA_H100_80GB_HBM3_sm_90.json"
+    (tmp_path / h100_table.name).write_text(h100_table.read_text())
+    monkeypatch.setattr(tuned, "SHIPPED_DIR", tmp_path)  # the H100's table only, whatever ships later
     tuned.reload_table()
     try:
         h200 = Platform("cuda", "NVIDIA H200", (9, 0), "sm_90", 132)
