@@ -200,6 +200,23 @@ def test_tuned_table_moves_measured_best_first():
         tuned.set_tuned_table(None, None)
 
 
+def test_auto_on_a_hopper_without_its_own_table_follows_the_measured_one(fake_backends, monkeypatch, tmp_path):
+    """An H200 has no table of its own: auto used to fall back to the default order (cuda_sm90 first), 1.24-1.37x
+    FlashMLA's time at 128 heads there (docs/design.md §6); the H100's measurements, carried over, rank FlashMLA's
+    kernel first."""
+    monkeypatch.delenv(tuned.ENV_VAR, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    h100_table = tuned.SHIPPED_DIR / "NVIDIA_H100_80GB_HBM3_sm_90.json"
+    (tmp_path / h100_table.name).write_text(h100_table.read_text())
+    monkeypatch.setattr(tuned, "SHIPPED_DIR", tmp_path)  # the H100's table only, whatever ships later
+    tuned.reload_table()
+    try:
+        h200 = Platform("cuda", "NVIDIA H200", (9, 0), "sm_90", 132)
+        assert select.select_backend(problem(batch=128, max_blocks=300), h200).NAME == "flashmla"
+    finally:
+        tuned.reload_table()
+
+
 def test_simulated_platform_through_mla_decode(simulate_platform, fake_backends, gen):
     """The front end asks detect_platform; mocking it steers the whole call."""
     from mla_dispatch.numerics.cases import make_case

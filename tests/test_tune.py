@@ -144,8 +144,14 @@ def test_tune_cli_end_to_end(clean, tmp_path, monkeypatch, capsys, gen):
     rc = tune.main(["--quick", "--backends", f"reference,{wrong}", "--out", str(out), "--quiet", "--rep-ms", "3"])
     assert rc == 0
     doc = tuned.read_table(out)
-    buckets = {tune.config_bucket(c, seed=i) for i, c in enumerate(tune.tune_configs(quick=True))}
+    configs = tune.tune_configs(quick=True, device_type="cpu")
+    buckets = {tune.config_bucket(c, seed=i) for i, c in enumerate(configs)}
     assert set(doc["table"]) == buckets
+    # the work of each bucket's configs, for carrying the table to another device
+    assert set(doc["work"]) == buckets
+    for bucket, work in doc["work"].items():
+        mine = [i for i, c in enumerate(configs) if tune.config_bucket(c, seed=i) == bucket]
+        assert work["configs"] == len(mine) and work["flops"] > 0 and work["bytes"] > 0
     assert set(doc["table"].values()) == {"reference"}  # the instant-but-wrong one never wins
     assert all(wrong not in m for m in doc["measurements"].values())
     assert doc["fingerprint"] == tuned.fingerprint(CPU) and doc["versions"]["torch"] == torch.__version__
@@ -153,7 +159,7 @@ def test_tune_cli_end_to_end(clean, tmp_path, monkeypatch, capsys, gen):
     # the bucket a config lands in is the one selection computes for its problems
     from mla_dispatch.tools.bench import case_problem, make_bench_case
 
-    for i, cfg in enumerate(tune.tune_configs(quick=True)):
+    for i, cfg in enumerate(configs):
         problem = case_problem(make_bench_case(cfg, seed=i))  # the case run_bench made for config i
         assert tune.config_bucket(cfg, seed=i) == tuned.shape_bucket(problem)
     # and the written file, pointed to, drives selection
@@ -231,3 +237,74 @@ def test_the_shipped_h100_table_is_used_on_an_h100_unless_the_user_has_one(clean
     tune.write_table(mine, _doc(tuned.fingerprint(H100), {tuned.shape_bucket(h100_problem): "triton"}))
     monkeypatch.setenv(tuned.ENV_VAR, str(mine))
     assert tuned.active_table(H100) == {tuned.shape_bucket(h100_problem): "triton"}
+
+
+class SlowReference(ReferenceBackend):
+    """Correct, and a quarter of a second per call: enough to spend a small time budget."""
+
+    NAME = "test_tune_slow"
+
+    @classmethod
+    def run(cls, state, q, kv_cache, block_table, cache_seqlens, **kw):
+        import time
+
+        time.sleep(0.25)
+        return super().run(state, q, kv_cache, block_table, cache_seqlens, **kw)
+
+
+def test_tune_stops_at_its_time_budget_and_shows_it(clean, tmp_path, monkeypatch, capsys):
+    """`--budget-s`: no config starts once the budget is spent; the table holds the configs measured (whole), the
+    progress bar and the summary show the time against the budget."""
+    import mla_dispatch.tools.bench as bench
+    from mla_dispatch.tools.roofline import Ceilings
+
+    monkeypatch.setattr(bench, "measure_ceilings", lambda device: Ceilings("test", 1e10, 1e11, "fixed"))
+    slow = clean(SlowReference)
+    out = tmp_path / "tuned.json"
+    assert tune.main(["--quick", "--backends", slow, "--out", str(out), "--rep-ms", "1", "--budget-s", "1.5"]) == 0
+    captured = capsys.readouterr()
+    configs = tune.tune_configs(quick=True, device_type="cpu")
+    doc = tuned.read_table(out)
+    measured = [i for i, c in enumerate(configs) if tune.config_bucket(c, seed=i) in doc["table"]]
+    assert 1 <= len(measured) < len(configs) and measured == list(range(len(measured))), "whole configs, in order"
+    assert f"measured {len(measured)} of {len(configs)} configs in " in captured.out
+    assert "of a 1.5 s budget" in captured.out
+    skipped = next(line for line in captured.out.splitlines() if line.startswith("not measured (budget spent): "))
+    assert skipped.endswith(", ".join(c.label for c in configs[len(measured):]))
+    assert "tune:" in captured.err and "/1.5 s" in captured.err  # the progress bar
+
+
+def test_quick_covers_every_shape_class_of_the_published_grids():
+    """A table from `tune --quick` on a GPU answers for every config of the flashmla, heads, latency and pages grids
+    (each has its shape class measured, at the nearest size); its configs are among the full grid's, most important
+    first."""
+    from mla_dispatch.tools.bench import grid_configs
+
+    quick, full = tune.tune_configs(quick=True), tune.tune_configs()
+    assert quick == full[:len(quick)] and len(quick) < len(full)
+    table = {tune.config_bucket(c, seed=i): "x" for i, c in enumerate(quick)}
+    for grid in ("flashmla", "heads", "latency", "pages"):
+        for i, cfg in enumerate(grid_configs(grid)):
+            assert tuned.lookup(table, tune.config_problem(cfg, seed=i)) == "x", f"{grid}: {cfg.label}"
+
+
+@pytest.mark.gpu
+def test_tune_quick_on_a_gpu_keeps_its_budget_and_drives_auto(clean, tmp_path, monkeypatch, capsys):
+    """On a GPU: `tune --quick` with a short budget measures whole configs, most important first, until the budget is
+    spent, writes a table with each bucket's work, and auto then runs that table's winner."""
+    import re
+
+    out = tmp_path / "tuned.json"
+    assert tune.main(["--quick", "--budget-s", "10", "--rep-ms", "5", "--quiet", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    m = re.search(r"measured (\d+) of (\d+) configs in (\d+) s of a 10 s budget", text)
+    assert m and int(m[1]) >= 1, text
+    doc = tuned.read_table(out)
+    assert doc["metric"] == "graph" and doc["table"] and set(doc["work"]) == set(doc["table"])
+    monkeypatch.setenv(tuned.ENV_VAR, str(out))
+    tuned.reload_table()
+    platform = detect_platform("cuda")
+    problem = tune.config_problem(tune.tune_configs(quick=True)[0], seed=0, device_type="cuda")
+    assert tuned.shape_bucket(problem) in doc["table"], "the first config is measured first"
+    assert select.select_backend(problem, platform).NAME == doc["table"][tuned.shape_bucket(problem)]
+    assert "yours" in tuned.active_table_description(platform)

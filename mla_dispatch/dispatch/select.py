@@ -13,7 +13,7 @@ import contextvars
 import dataclasses
 import functools
 import logging
-from typing import Iterator, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import torch
 
@@ -22,7 +22,7 @@ from mla_dispatch.dispatch.platform import Platform, platform_for, platform_key
 from mla_dispatch.dispatch.problem import DecodeProblem
 from mla_dispatch.dispatch import tuned
 from mla_dispatch.dispatch.registry import default_order, get_backend, registered_names
-from mla_dispatch.dispatch.tuned import lookup, shape_bucket
+from mla_dispatch.dispatch.tuned import lookup_ranking, shape_bucket
 
 __all__ = [
     "priority",
@@ -41,36 +41,37 @@ _OVERRIDE: contextvars.ContextVar[tuple[tuple[str, ...], bool] | None] = context
 )
 
 
-def priority(problem: DecodeProblem, platform: Platform, table: dict[str, str] | None = None) -> tuple[str, ...]:
+def priority(problem: DecodeProblem, platform: Platform,
+             table: Mapping[str, str | tuple[str, ...]] | None = None) -> tuple[str, ...]:
     """Candidate backend names for ``problem`` on ``platform``, best first. Pure.
 
-    ``table`` maps a shape bucket (:func:`mla_dispatch.dispatch.tuned.shape_bucket`) to the measured
-    fastest backend on this device; the entry for the problem's bucket, or the
-    nearest measured size of its shape class (:func:`~mla_dispatch.dispatch.tuned.lookup`),
-    moves to the front. The default order comes from the priorities
+    ``table`` maps a shape bucket (:func:`mla_dispatch.dispatch.tuned.shape_bucket`) to the backends measured
+    fastest on this device, best first (or to the one fastest); the entry for the problem's bucket, or the nearest
+    measured size of its shape class (:func:`~mla_dispatch.dispatch.tuned.lookup_ranking`), goes first, in its
+    order, and the rest follow in the default order. The default order comes from the priorities
     registered with each backend (:func:`mla_dispatch.dispatch.registry.default_order`):
     third-party backends that declare none go just before ``reference``; a
     backend whose priority omits the platform (``amla_emulation``) is never a
     candidate for "auto". A ``batch_invariant`` problem ignores the table (its choice
     would change with the batch, and two backends round differently).
     """
-    order = list(default_order(platform_key(platform)))
+    order = default_order(platform_key(platform))
     # a batch-invariant problem keeps one backend whatever the batch: the table's winner depends on the batch
     if table and not problem.batch_invariant:
-        best = lookup(table, problem)
-        if best in order:
-            order.remove(best)
-            order.insert(0, best)
+        ranked = [name for name in lookup_ranking(table, problem) if name in order]
+        order = tuple(ranked) + tuple(name for name in order if name not in ranked)
     return tuple(order)
 
 
 @dataclasses.dataclass(frozen=True)
 class SelectionReport:
-    """Each candidate considered, in order, with its reasons (empty = can run)."""
+    """Each candidate considered, in order, with its reasons (empty = can run); ``order`` says which table or rule
+    put them in that order (empty where the caller named the candidates)."""
 
     problem: DecodeProblem
     platform: Platform
     candidates: tuple[tuple[str, str, tuple[Reason, ...]], ...]  # (name, version, reasons)
+    order: str = ""
 
     @property
     def chosen(self) -> str | None:
@@ -80,7 +81,10 @@ class SelectionReport:
         return None
 
     def format(self) -> str:
-        lines = ["problem:", self.problem.describe(), f"platform: {self.platform.describe()}", "candidates:"]
+        lines = ["problem:", self.problem.describe(), f"platform: {self.platform.describe()}"]
+        if self.order:
+            lines.append(f"order: {self.order}")
+        lines.append("candidates:")
         for name, version, reasons in self.candidates:
             if not reasons:
                 lines.append(f"  - {name}@{version}: can run")
@@ -98,7 +102,7 @@ class NoBackendError(NotImplementedError):
 
 
 def _active_candidates(problem: DecodeProblem, platform: Platform) -> tuple[str, ...]:
-    order = priority(problem, platform, tuned.active_table(platform))
+    order = priority(problem, platform, tuned.active_ranking(platform))
     override = _OVERRIDE.get()
     if override is not None:
         names, reorder = override
@@ -114,16 +118,27 @@ def explain(problem: DecodeProblem, platform: Platform | None = None,
     """Every candidate (default: the active priority order) with its reasons, for this problem.
 
     ``platform`` defaults to the current device of ``problem.device_type``.
-    ``print(explain(p).format())`` shows the same text a ``NoBackendError`` would.
+    ``print(explain(p).format())`` shows the same text a ``NoBackendError`` would, with the line that says which
+    table or rule ordered the candidates (the user's measured table, the one shipped for this device, one
+    transferred from another device, or the default order).
     """
     if platform is None:
         platform = platform_for(torch.device(problem.device_type))
-    names = tuple(candidates) if candidates is not None else _active_candidates(problem, platform)
+    order = ""
+    if candidates is None:
+        names = _active_candidates(problem, platform)
+        order = tuned.explain_order(problem, platform)
+        override = _OVERRIDE.get()
+        if override is not None:
+            how = "tried first, in this order" if override[1] else "the only candidates"
+            order += f"; then use_backends({', '.join(map(repr, override[0]))}): {how}"
+    else:
+        names = tuple(candidates)
     rows = []
     for name in names:
         cls = get_backend(name)
         rows.append((name, cls.version(), tuple(cls.not_supported_reasons(problem, platform))))
-    return SelectionReport(problem, platform, tuple(rows))
+    return SelectionReport(problem, platform, tuple(rows), order)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -153,7 +168,7 @@ def select_backend(problem: DecodeProblem, platform: Platform, backend: str = "a
     ValueError
         ``backend`` is not a registered name.
     """
-    tuned.active_table(platform)  # loads the measured table at the first selection
+    tuned.active_decision(platform)  # decides the measured table at the first selection on this platform
     name = _select_cached(problem, platform, backend, _OVERRIDE.get(), tuned.state_token())
     return get_backend(name)
 

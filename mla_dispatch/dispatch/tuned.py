@@ -5,32 +5,48 @@ A table is a JSON document written by ``python -m mla_dispatch tune`` (:mod:`mla
     {"format": "mla_dispatch-tuned-table/1",
      "fingerprint": "NVIDIA H100 80GB HBM3|sm_90", "device": ..., "versions": {...},
      "created": "...", "command": "...", "metric": "run",
-     "table": {"rows128-hkv1-d576x512-ps64-bf16-dense": "flashmla", ...},
-     "measurements": {bucket: {backend: µs summed over the bucket's configs}}}
+     "ceilings": {"bytes_per_s": ..., "flops_per_s": ..., ...},
+     "table": {"rows128-hkv1-d576x512-ps64-bf16-dense-b128-L32768": "flashmla", ...},
+     "measurements": {bucket: {backend: µs summed over the bucket's configs}},
+     "work": {bucket: {"flops": ..., "bytes": ..., "configs": n}}}
 
-Selection (:mod:`mla_dispatch.dispatch.select`) asks :func:`active_table` for the table of a platform; the first
-time, this module looks for the user's table (``$MLA_DISPATCH_TUNED_TABLE`` if set, else
-``$XDG_CACHE_HOME/mla_dispatch/tuned-<device>.json``, ``~/.cache`` by default) and, where there is none, for a
-table shipped in the package for that device (``dispatch/tables/``). It never reads a file at import. A table
-measured on another device (fingerprint mismatch) is ignored; a table only reorders candidates, and feasibility
-still decides (a winner that cannot run a problem is skipped).
+``measurements`` hold every backend that ran all of a bucket's configs correctly; ``work`` the FLOPs and bytes of
+those configs (docs/design.md §6) and ``ceilings`` the peaks measured in the same run.
+
+Selection (:mod:`mla_dispatch.dispatch.select`) asks :func:`active_ranking` for a platform's table; the first time,
+this module decides (:func:`active_decision`), in order: the user's table (``$MLA_DISPATCH_TUNED_TABLE`` if set,
+else ``$XDG_CACHE_HOME/mla_dispatch/tuned-<device>.json``, ``~/.cache`` by default); the table shipped in the
+package for that device (``dispatch/tables/``); the shipped table of the nearest device of the same architecture,
+carried to this one by :mod:`mla_dispatch.dispatch.transfer` (its measurements corrected for the two devices'
+bandwidth and compute; the cost model is fitted then, once per process); else the default order. It never reads a
+file at import. A user's table measured on another
+device (fingerprint mismatch) is ignored. A table only orders candidates (per bucket, the backends it measured,
+fastest first, before the others): feasibility still decides, so a backend not installed, or unable to run a
+problem, is skipped for the next.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import logging
 import os
 import re
 from pathlib import Path
+from typing import Mapping, Sequence
 
+from mla_dispatch.dispatch.devices import device_peaks
 from mla_dispatch.dispatch.platform import Platform
 from mla_dispatch.dispatch.problem import DecodeProblem
+from mla_dispatch.dispatch.transfer import assumed_peaks, can_transfer, peak_distance, transfer_table
 from mla_dispatch.version import __version__
 
-__all__ = ["TABLE_FORMAT", "ENV_VAR", "SHIPPED_DIR", "fingerprint", "shape_class", "shape_bucket", "lookup", "default_table_path",
-           "table_path", "shipped_table_path", "read_table", "active_table", "set_tuned_table", "tuned_table",
-           "reload_table", "active_table_description", "state_token"]
+__all__ = ["TABLE_FORMAT", "ENV_VAR", "SHIPPED_DIR", "Decision", "fingerprint", "shape_class", "shape_bucket",
+           "nearest_bucket", "lookup", "lookup_ranking", "default_table_path", "table_path", "shipped_table_path",
+           "read_table", "active_decision", "active_ranking", "active_table", "transferred_decision", "explain_order",
+           "set_tuned_table",
+           "tuned_table", "reload_table", "active_table_description", "state_token"]
 
 logger = logging.getLogger("mla_dispatch")
 
@@ -38,13 +54,6 @@ TABLE_FORMAT = "mla_dispatch-tuned-table/1"
 ENV_VAR = "MLA_DISPATCH_TUNED_TABLE"
 #: Tables measured on our own devices, shipped with the package (one file per device fingerprint).
 SHIPPED_DIR = Path(__file__).resolve().parent / "tables"
-
-# The installed table: (device fingerprint, ((bucket, backend), ...)) or None; hashable, so selection can key
-# its cache on it.
-_TABLE: tuple[str, tuple[tuple[str, str], ...]] | None = None
-# What the lazy load found: (path looked at, document or None, note); None until the first load.
-_SOURCE: tuple[Path | None, dict | None, str] | None = None
-_loaded = False
 
 
 def fingerprint(platform: Platform) -> str:
@@ -77,25 +86,41 @@ def shape_bucket(problem: DecodeProblem) -> str:
 _SIZE = re.compile(r"^(?P<cls>.+)-b(?P<b>\d+)-L(?P<L>\d+)$")
 
 
-def lookup(table: dict[str, str], problem: DecodeProblem) -> str | None:
-    """The measured winner for ``problem``: its own bucket's; else that of the nearest measured size of the same
-    shape class (distance: octaves of batch plus octaves of capacity; ties go to the larger size); else a
-    size-less entry of the class (tables of format 1). None when the table says nothing about the class."""
+def nearest_bucket(table: Mapping[str, object], problem: DecodeProblem) -> str | None:
+    """The key of ``table`` that answers for ``problem``: its own bucket; else the nearest measured size of the same
+    shape class (distance: octaves of batch plus octaves of capacity; ties go to the larger size); else a size-less
+    entry of the class (tables of format 1). None when the table says nothing about the class."""
     key = shape_bucket(problem)
     if key in table:
-        return table[key]
+        return key
     m = _SIZE.match(key)
     cls, b, cap = m["cls"], int(m["b"]), int(m["L"])
     best, best_d = None, None
-    for k, name in table.items():
+    for k in table:
         km = _SIZE.match(k)
         if km is None or km["cls"] != cls:
             continue
         kb, kl = int(km["b"]), int(km["L"])
         d = (abs(kb.bit_length() - b.bit_length()) + abs(kl.bit_length() - cap.bit_length()), -kb, -kl)
         if best_d is None or d < best_d:
-            best, best_d = name, d
-    return best if best is not None else table.get(cls)
+            best, best_d = k, d
+    return best if best is not None else (cls if cls in table else None)
+
+
+def lookup_ranking(table: Mapping[str, str | tuple[str, ...]], problem: DecodeProblem) -> tuple[str, ...]:
+    """The backends measured for ``problem``'s bucket (:func:`nearest_bucket`), fastest first; a table entry that
+    is one name ranks that one only. Empty when the table says nothing about the problem's shape class."""
+    key = nearest_bucket(table, problem)
+    if key is None:
+        return ()
+    value = table[key]
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+def lookup(table: Mapping[str, str | tuple[str, ...]], problem: DecodeProblem) -> str | None:
+    """The measured winner for ``problem`` (the first of :func:`lookup_ranking`), or None."""
+    ranked = lookup_ranking(table, problem)
+    return ranked[0] if ranked else None
 
 
 def _slug(text: str) -> str:
@@ -143,94 +168,231 @@ def read_table(path: Path) -> dict:
     return doc
 
 
-def _install(doc: dict | None) -> None:
-    global _TABLE
-    _TABLE = None if doc is None else (doc["fingerprint"], tuple(sorted(doc["table"].items())))
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What orders the candidates of ``backend="auto"`` on one device.
+
+    ``kind``: ``"yours"`` (the user's table, measured on this device), ``"shipped"`` (measured by us on this device,
+    shipped in the package), ``"set"`` (:func:`set_tuned_table`), ``"transferred"`` (the table of the nearest
+    measured device of the same architecture, corrected for this one: :mod:`mla_dispatch.dispatch.transfer`) or
+    ``"default"`` (the backends' registered order). ``ranking``: (bucket, backends fastest first) pairs;
+    ``measured_on``: the fingerprint of the device the table was measured on; ``detail``: where it came from and
+    how it was corrected, in words; ``notes``: what was looked at and not used.
+    """
+
+    kind: str
+    ranking: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    measured_on: str | None = None
+    detail: str = ""
+    notes: tuple[str, ...] = ()
+
+    def table(self) -> dict[str, tuple[str, ...]]:
+        """{bucket: backends fastest first} (built once; do not modify it)."""
+        return self._table
+
+    @functools.cached_property
+    def _table(self) -> dict[str, tuple[str, ...]]:
+        return dict(self.ranking)
+
+    def describe(self) -> str:
+        """One line: which table or rule orders the candidates, and why."""
+        return self.detail + "".join(f"; {n}" for n in self.notes)
 
 
-def _load(platform: Platform) -> None:
-    """Look for the user's table, then the shipped one, and install the first found. Never raises: a missing file
-    means the default order, an unreadable one is logged and ignored."""
-    global _SOURCE, _loaded
-    _loaded = True
+# What selection uses, per platform, decided at its first selection (never at import); a counter that changes with
+# every load or reset (selection's cache key); and the table installed by set_tuned_table: (fingerprint, ranking),
+# None for none, or _FILES while tables are looked up in files.
+_FILES = object()
+_DECISIONS: dict[Platform, Decision] = {}
+_SET: object = _FILES
+_GENERATION = 0
+_LAST: Decision | None = None
+
+
+def _ranking(doc: dict) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """Per bucket of a table measured on this device: its winner, then the others it measured, fastest first."""
+    measured = doc.get("measurements") or {}
+    rows = []
+    for bucket, winner in sorted(doc["table"].items()):
+        times = measured.get(bucket) or {}
+        rows.append((bucket, (winner,) + tuple(b for b in sorted(times, key=times.get) if b != winner)))
+    return tuple(rows)
+
+
+def _table_line(path: Path, doc: dict, origin: str) -> str:
+    v = doc.get("versions", {})
+    stale = [f"{k} {v[k]} -> {now}" for k, now in _current_versions().items() if v.get(k) not in (None, now)]
+    return (f"{path} ({origin}; in use; {len(doc['table'])} buckets, {doc.get('created', '?')}, "
+            f"metric {doc.get('metric', '?')}" + (f"; versions changed since: {', '.join(stale)}" if stale else "")
+            + ")")
+
+
+def _read_quietly(path: Path, notes: list[str]) -> dict | None:
+    try:
+        return read_table(path)
+    except (OSError, ValueError) as exc:
+        logger.warning("mla_dispatch: ignoring measured dispatch table: %s", exc)
+        notes.append(f"{path} unreadable: {exc}")
+        return None
+
+
+def _decide(platform: Platform) -> Decision:
+    """The user's table for this device, else the shipped one, else a transferred one, else the default order.
+    Never raises: a missing file moves on, an unreadable one is logged and noted."""
+    mine = fingerprint(platform)
+    if _SET is not _FILES:
+        if _SET is not None and _SET[0] == mine:
+            return Decision("set", _SET[1], mine, f"set in-process by set_tuned_table() ({len(_SET[1])} buckets)")
+        what = "for " + _SET[0] if _SET is not None else "to none"
+        return Decision("default", detail=f"none (default order; set_tuned_table() set the measured table {what}, "
+                                          f"files are not read)")
+    notes: list[str] = []
     user = table_path(platform)
-    for path in (user, shipped_table_path(platform)):
-        if not path.exists():
+    if user.exists():
+        doc = _read_quietly(user, notes)
+        if doc is not None and doc["fingerprint"] == mine:
+            return Decision("yours", _ranking(doc), mine, _table_line(user, doc, "yours"))
+        if doc is not None:
+            notes.append(f"{user} NOT used: measured on {doc['fingerprint']}, this is {mine}")
+    shipped = shipped_table_path(platform)
+    if shipped.exists():
+        doc = _read_quietly(shipped, notes)
+        if doc is not None:
+            return Decision("shipped", _ranking(doc), mine, _table_line(shipped, doc, "shipped with mla_dispatch"),
+                            tuple(notes))
+    if platform.kind == "cpu":  # the reference is all there is: nothing to measure or carry over
+        return Decision("default", detail="none (default order)", notes=tuple(notes))
+    transferred = transferred_decision(platform, notes)
+    if transferred is not None:
+        return transferred
+    if not user.exists():
+        notes.insert(0, f"looked for {user} and {shipped.name} shipped")
+    notes.append("write one with `python -m mla_dispatch tune --quick`")
+    return Decision("default", detail="none (default order)", notes=tuple(notes))
+
+
+def transferred_decision(platform: Platform, notes: list[str] | None = None) -> Decision | None:
+    """The nearest shipped table of ``platform``'s architecture measured on another device, carried to it (whether or
+    not the device has a table of its own); None where there is none to carry, with why appended to ``notes``."""
+    notes = [] if notes is None else notes
+    sources = []
+    for path in sorted(SHIPPED_DIR.glob("*.json")):
+        doc = _read_quietly(path, notes)
+        if (doc is None or doc["fingerprint"] == fingerprint(platform) or not can_transfer(doc)
+                or doc["fingerprint"].rpartition("|")[2] != platform.arch):
             continue
-        try:
-            doc = read_table(path)
-        except (OSError, ValueError) as exc:
-            logger.warning("mla_dispatch: ignoring measured dispatch table: %s", exc)
-            _SOURCE = (path, None, f"unreadable: {exc}")
-            return
-        _install(doc)
-        _SOURCE = (path, doc, "loaded" if path == user else "shipped")
-        return
-    _SOURCE = (user, None, "no file")
+        name = doc["fingerprint"].rpartition("|")[0]
+        peaks = device_peaks(Platform("cuda", name, platform.capability, platform.arch, 0))
+        if peaks is not None:
+            sources.append((path, doc, peaks))
+    if not sources:
+        notes.append(f"no table measured on another device of this architecture ({platform.arch}) ships with "
+                     f"mla_dispatch")
+        return None
+    target = device_peaks(platform)
+    if target is None:  # a device we have no sheet for: the source with the same SM count, else the first
+        path, doc, src = min(sources, key=lambda s: (s[2].sms != platform.num_compute_units, s[0].name))
+        target = assumed_peaks(platform.name, platform.num_compute_units, src)
+    else:
+        path, doc, src = min(sources, key=lambda s: (peak_distance(s[2], target), s[0].name))
+    moved = transfer_table(doc, src, target)
+    detail = (f"transferred from {doc['fingerprint']} ({path.name}, shipped; {len(moved.ranking)} buckets), "
+              f"corrected for memory bandwidth x{moved.bandwidth:.2f} and compute x{moved.compute:.2f} "
+              f"({target.describe()} against {src.describe()}, spec sheets) by a cost model fitted to that table's "
+              f"measurements; `python -m mla_dispatch tune --quick` measures this device instead")
+    return Decision("transferred", tuple(sorted(moved.ranking.items())), doc["fingerprint"], detail, tuple(notes))
+
+
+def active_decision(platform: Platform) -> Decision:
+    """What orders ``auto``'s candidates on ``platform`` (:class:`Decision`); decided at the first call for the
+    platform (module docstring), then cached until :func:`reload_table` or :func:`set_tuned_table`."""
+    decision = _DECISIONS.get(platform)
+    if decision is None:
+        global _LAST
+        decision = _DECISIONS[platform] = _LAST = _decide(platform)
+    return decision
+
+
+def active_ranking(platform: Platform) -> dict[str, tuple[str, ...]] | None:
+    """{bucket: backends fastest first} that selection uses on ``platform`` (do not modify it); None for the default
+    order."""
+    decision = active_decision(platform)
+    return decision.table() if decision.ranking else None
 
 
 def active_table(platform: Platform) -> dict[str, str] | None:
-    """The measured table (bucket -> backend) selection uses on ``platform``: None where there is none for this
-    device. The first call loads it (see the module docstring)."""
-    if not _loaded:
-        _load(platform)
-    if _TABLE is None or _TABLE[0] != fingerprint(platform):
+    """The winners (bucket -> backend) selection uses on ``platform``: None where the default order decides."""
+    ranking = active_ranking(platform)
+    return None if ranking is None else {bucket: ranked[0] for bucket, ranked in ranking.items()}
+
+
+def explain_order(problem: DecodeProblem, platform: Platform) -> str:
+    """One line for ``explain``: which table or rule orders the candidates for ``problem`` on ``platform``, and the
+    bucket entry it used."""
+    decision = active_decision(platform)
+    if problem.batch_invariant and decision.ranking:
+        return f"default order (batch_invariant ignores the measured table: {decision.describe()})"
+    if not decision.ranking:
+        return decision.describe()
+    table = decision.table()
+    key = nearest_bucket(table, problem)
+    if key is None:
+        where = f"nothing measured for shape class {shape_class(problem)}: default order"
+    else:
+        own = "" if key == shape_bucket(problem) else f" (nearest measured size to {shape_bucket(problem)})"
+        where = f"bucket {key}{own} ranks {', '.join(table[key])}"
+    return f"{where}; table: {decision.describe()}"
+
+
+def state_token() -> int:
+    """A hashable stand-in for the tables in use (selection's cache key): changes whenever they may have."""
+    return _GENERATION
+
+
+def _reset(set_to: object) -> None:
+    global _SET, _GENERATION, _LAST
+    _SET = set_to
+    _DECISIONS.clear()
+    _LAST = None
+    _GENERATION += 1
+
+
+def set_tuned_table(device_fingerprint: str | None, table: Mapping[str, str | Sequence[str]] | None) -> None:
+    """Install a measured table (bucket -> backend, or backends fastest first) for one device in-process; None
+    clears it. An explicit call wins over the files, which are then not read (and nothing is transferred) until
+    :func:`reload_table`."""
+    if table is None:
+        _reset(None)
+        return
+    ranking = tuple(sorted((k, (v,) if isinstance(v, str) else tuple(v)) for k, v in table.items()))
+    _reset((device_fingerprint, ranking))
+
+
+def tuned_table(platform: Platform | None = None) -> tuple[str, dict[str, str]] | None:
+    """The table in use as (fingerprint of the device it was measured on, {bucket: winner}): on ``platform``, else
+    the one set by :func:`set_tuned_table`, else the one decided last; None where there is none."""
+    if platform is not None:
+        decision = active_decision(platform)
+    elif _SET is not _FILES:
+        return None if _SET is None else (_SET[0], {k: v[0] for k, v in _SET[1]})
+    else:
+        decision = _LAST
+    if decision is None or not decision.ranking:
         return None
-    return dict(_TABLE[1])
-
-
-def state_token() -> tuple | None:
-    """A hashable stand-in for the installed table (selection's cache key)."""
-    return _TABLE
-
-
-def set_tuned_table(device_fingerprint: str | None, table: dict[str, str] | None) -> None:
-    """Install a measured table (bucket -> backend) for one device in-process; None clears it.
-
-    An explicit call wins over the files (which are then not read).
-    """
-    global _loaded, _SOURCE
-    _loaded = True
-    _SOURCE = None
-    _install(None if table is None else {"fingerprint": device_fingerprint, "table": table})
-
-
-def tuned_table() -> tuple[str, dict[str, str]] | None:
-    """The installed table as (device fingerprint, {bucket: backend}), or None."""
-    return None if _TABLE is None else (_TABLE[0], dict(_TABLE[1]))
+    return decision.measured_on, {k: v[0] for k, v in decision.ranking}
 
 
 def reload_table(platform: Platform | None = None) -> None:
-    """Forget what was loaded; the next selection looks for the files again (after ``tune`` wrote one, or in
+    """Forget what was loaded or set; the next selection looks for the files again (after ``tune`` wrote one, or in
     tests). With ``platform``, look now."""
-    global _loaded, _SOURCE
-    _install(None)
-    _SOURCE = None
-    _loaded = False
+    _reset(_FILES)
     if platform is not None:
-        _load(platform)
+        active_decision(platform)
 
 
 def active_table_description(platform: Platform) -> str:
-    """One line for ``info``: which measured table selection uses here, or why none."""
-    active_table(platform)
-    installed = tuned_table()
-    if _SOURCE is None or _SOURCE[1] is None:
-        if installed is not None:
-            return f"set in-process by set_tuned_table() for {installed[0]} ({len(installed[1])} buckets)"
-        where = _SOURCE[0] if _SOURCE is not None else table_path(platform)
-        why = "" if _SOURCE is None or _SOURCE[2] == "no file" else f"; {_SOURCE[2]}"
-        return (f"none (default order; looked for {where} and {shipped_table_path(platform).name} shipped"
-                f"{why}; write one with `python -m mla_dispatch tune`)")
-    path, doc, note = _SOURCE
-    mine = fingerprint(platform)
-    used = "in use" if doc["fingerprint"] == mine else f"NOT used: measured on {doc['fingerprint']}, this is {mine}"
-    origin = "shipped with mla_dispatch" if note == "shipped" else "yours"
-    v = doc.get("versions", {})
-    stale = [f"{k} {v[k]} -> {now}" for k, now in _current_versions().items() if v.get(k) not in (None, now)]
-    return (f"{path} ({origin}; {used}; {len(doc['table'])} buckets, {doc.get('created', '?')}, "
-            f"metric {doc.get('metric', '?')}" + (f"; versions changed since: {', '.join(stale)}" if stale else "")
-            + ")")
+    """One line for ``info``: which measured table (or rule) orders the candidates on ``platform``, or why none."""
+    return active_decision(platform).describe()
 
 
 def _current_versions() -> dict[str, str]:

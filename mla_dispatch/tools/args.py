@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["UsageError", "CommandParser", "positive_int", "nonnegative_int", "positive_float", "int_list",
+__all__ = ["UsageError", "CommandParser", "positive_int", "nonnegative_int", "positive_float", "nonnegative_float",
+           "int_list",
            "parse_device", "backend_names", "backend_spec", "writable_file", "writable_dir", "usage_error"]
 
 
@@ -69,6 +70,17 @@ def positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}")
     return value
 
 

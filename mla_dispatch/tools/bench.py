@@ -24,7 +24,9 @@ For each configuration of a named grid, in one process:
    GB/s and % of the roofline, whose ceilings were measured at the start of
    the run.
 
-The backend ``auto`` is what ``backend="auto"`` chooses (the row's note names it).
+The backend ``auto`` is what ``backend="auto"`` chooses (the row's note names it); ``--check-auto TOL`` sets its
+time on each config against the fastest correct backend's and fails the run where it is over by more than TOL
+(:mod:`mla_dispatch.tools.autocheck`). ``--times`` restricts what is timed (``graph`` alone for such a check).
 
 Results are printed as a Markdown table (ready for ``benchmarks/RESULTS.md``)
 and written as JSON and CSV; ``--plot`` adds a PNG of % of roofline per config.
@@ -46,6 +48,7 @@ import os
 import platform as host_platform
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -63,8 +66,8 @@ from mla_dispatch.tools.peers import PEER_FLASHMLA, flashmla_peer_available, fla
 from mla_dispatch.tools.roofline import Ceilings, decode_work, measure_ceilings, time_fn, timer_name
 from mla_dispatch.numerics.cases import UNUSED_BLOCK_ID, DecodeCase
 from mla_dispatch.numerics.tolerance import compare_outputs
-from mla_dispatch.tools.args import (CommandParser, UsageError, backend_names, backend_spec, parse_device, positive_float,
-                                     usage_error, writable_dir)
+from mla_dispatch.tools.args import (CommandParser, UsageError, backend_names, backend_spec, nonnegative_float,
+                                     parse_device, positive_float, usage_error, writable_dir)
 
 __all__ = ["BenchConfig", "BenchRow", "GRIDS", "grid_configs", "make_bench_case", "run_bench", "default_backends",
            "environment", "main"]
@@ -329,6 +332,7 @@ class BenchRow:
     host_run_us: float | None = None   # DecodePlan.run, wall clock + device sync
     host_call_us: float | None = None  # one-shot mla_decode, wall clock + device sync
     x_flashmla: float | None = None    # us_graph (else us_call) over FlashMLA's own, same config
+    chosen: str | None = None          # the backend "auto" chose (auto's rows only)
 
     @property
     def best_us(self) -> float | None:
@@ -356,11 +360,17 @@ def _check(out, lse, ref, tol):
     return compare_outputs(out, lse, ref[0], ref[1], tol)
 
 
+#: What ``bench`` times per (config, backend): the eager ``DecodePlan.run``, the whole ``mla_decode``, the host
+#: wall clocks of plan / run / call, and the CUDA-graph replay (module docstring).
+TIMINGS = frozenset({"run", "call", "host", "graph"})
+
+
 def bench_backend(name: str, case: DecodeCase, ref: tuple[torch.Tensor, torch.Tensor], row: BenchRow, *,
-                  graphs: bool = True, rep_ms: float = 100.0) -> BenchRow:
+                  graphs: bool = True, rep_ms: float = 100.0, timings: frozenset[str] = TIMINGS) -> BenchRow:
     """Check, then time, backend ``name`` (or ``"auto"``) on ``case``; fills and returns ``row``. ``name`` may carry
     options (``name:key=value:...``, :func:`~mla_dispatch.tools.args.backend_spec`): ``batch_invariant=true`` plans
-    with ``batch_invariant=True``, the others go to ``backend_options``."""
+    with ``batch_invariant=True``, the others go to ``backend_options``. ``timings``: which of :data:`TIMINGS` to
+    measure (``run`` is measured too where ``graph`` is asked for and no graph can be timed)."""
     device = case.q.device
     name, options = backend_spec(name)
     invariant = bool(options.pop("batch_invariant", False))
@@ -372,7 +382,7 @@ def bench_backend(name: str, case: DecodeCase, ref: tuple[torch.Tensor, torch.Te
         except NoBackendError as exc:
             row.status, row.note = "unsupported", str(exc).splitlines()[0]
             return row
-        row.note = f"chose {cls.NAME}"
+        row.note, row.chosen = f"chose {cls.NAME}", cls.NAME
     else:
         cls = get_backend(name)
         reasons = cls.not_supported_reasons(problem, platform_for(device))
@@ -393,16 +403,19 @@ def bench_backend(name: str, case: DecodeCase, ref: tuple[torch.Tensor, torch.Te
     if not report:
         row.status, row.note = "wrong", (row.note + ": " if row.note else "") + report.message
         return row
-    row.us_run = time_fn(lambda: plan.run(case.q, case.kv_cache, **run_kw, out=out, lse=lse), device,
-                         rep_ms=rep_ms) * 1e6
-    row.us_call = time_fn(lambda: mla_decode(*case.args(), **plan_kw, out=out), device,
-                          rep_ms=rep_ms) * 1e6
+    graph = graphs and "graph" in timings and device.type == "cuda" and cls.CUDA_GRAPH is CGSupport.ALWAYS
+    if "run" in timings or not graph:
+        row.us_run = time_fn(lambda: plan.run(case.q, case.kv_cache, **run_kw, out=out, lse=lse), device,
+                             rep_ms=rep_ms) * 1e6
+    if "call" in timings:
+        row.us_call = time_fn(lambda: mla_decode(*case.args(), **plan_kw, out=out), device,
+                              rep_ms=rep_ms) * 1e6
     row.status = "ok"
-    if device.type == "cuda":
+    if device.type == "cuda" and "host" in timings:
         row.host_plan_us = host_us(lambda: plan_decode(*case.args(), **plan_kw), device)
         row.host_run_us = host_us(lambda: plan.run(case.q, case.kv_cache, **run_kw, out=out, lse=lse), device)
         row.host_call_us = host_us(lambda: mla_decode(*case.args(), **plan_kw, out=out), device)
-    if graphs and device.type == "cuda" and cls.CUDA_GRAPH is CGSupport.ALWAYS:
+    if graph:
         _bench_graph(plan_kw, case, ref, row, rep_ms)
     return row
 
@@ -509,19 +522,33 @@ def work_of(case: DecodeCase, cfg: BenchConfig):
 
 def run_bench(configs: Sequence[BenchConfig], backends: Sequence[str], *, device: torch.device,
               dtype: torch.dtype = torch.bfloat16, ceilings: Ceilings | None = None, graphs: bool = True,
-              rep_ms: float = 100.0, seed: int = 0, progress: bool = True) -> tuple[list[BenchRow], Ceilings]:
-    """Benchmark ``backends`` on ``configs``; measures the ceilings first unless given."""
+              rep_ms: float = 100.0, seed: int = 0, progress: bool = True, timings: frozenset[str] = TIMINGS,
+              peer: bool = True, budget_s: float | None = None, desc: str = "bench"
+              ) -> tuple[list[BenchRow], Ceilings]:
+    """Benchmark ``backends`` on ``configs``; measures the ceilings first unless given.
+
+    ``timings``: what to time (:data:`TIMINGS`); ``peer``: time FlashMLA itself beside them where installed.
+    ``budget_s``: seconds from the call after which no further config is started (the ceilings count; a config is
+    measured whole or not at all, so the rows hold only the configs that fit, in order); the progress bar shows the
+    time spent against it.
+    """
     from tqdm import tqdm
 
     from mla_dispatch.numerics.oracle import reference_attention
 
+    start = time.monotonic()
     ceilings = ceilings or measure_ceilings(device)
-    peer_version = flashmla_peer_available() if device.type == "cuda" else None
+    peer_version = flashmla_peer_available() if device.type == "cuda" and peer else None
     rows: list[BenchRow] = []
-    bar = tqdm(total=len(configs) * len(backends), desc="bench", unit="run", disable=not progress, leave=False,
+    bar = tqdm(total=len(configs) * len(backends), desc=desc, unit="run", disable=not progress, leave=False,
                file=sys.stderr)
     for i, cfg in enumerate(configs):
-        bar.set_postfix_str(cfg.label)
+        spent = time.monotonic() - start
+        if budget_s is not None and spent >= budget_s:
+            logger.info("mla_dispatch: %s stopped after %.0f s (budget %.0f s): %d of %d configs measured", desc,
+                        spent, budget_s, i, len(configs))
+            break
+        bar.set_postfix_str(cfg.label + (f", {spent:.0f}/{budget_s:g} s" if budget_s is not None else ""))
         case = make_bench_case(cfg, dtype=dtype, device=device, seed=seed + i)
         ref = reference_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens,
                                   head_dim_v=case.head_dim_v, softmax_scale=case.softmax_scale, causal=case.causal,
@@ -532,7 +559,7 @@ def run_bench(configs: Sequence[BenchConfig], backends: Sequence[str], *, device
         for name in backends:
             version = "" if name == "auto" else get_backend(backend_spec(name)[0]).version()
             row = BenchRow(cfg.label, name, version, "?", flops=work.flops, bytes=work.bytes, roofline_us=roof_us)
-            config_rows.append(bench_backend(name, case, ref, row, graphs=graphs, rep_ms=rep_ms))
+            config_rows.append(bench_backend(name, case, ref, row, graphs=graphs, rep_ms=rep_ms, timings=timings))
             bar.update(1)
         if peer_version and flashmla_runs(case):
             peer = BenchRow(cfg.label, PEER_FLASHMLA, peer_version, "?", flops=work.flops, bytes=work.bytes,
@@ -655,9 +682,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench_out", help="directory for bench-<grid>.json/.csv/.png (default: bench_out)")
     p.add_argument("--plot", action="store_true", help="also write a PNG of %% of roofline per config")
     p.add_argument("--no-graph", action="store_true", help="skip CUDA-graph replay timing")
+    p.add_argument("--times", default=None, metavar="LIST",
+                   help=f"what to time, comma-separated, of {','.join(sorted(TIMINGS))} (default: all; eager run is "
+                        f"timed too for a backend without a CUDA graph)")
     p.add_argument("--rep-ms", type=positive_float, default=100.0,
                    help="timing budget per measurement (do_bench rep)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--check-auto", type=nonnegative_float, default=None, metavar="TOL",
+                   help="after the run, set auto's time on each config against the fastest correct backend's and "
+                        "exit 1 if any is over by more than TOL (0.03 = 3%%); adds auto to the backends")
+    p.add_argument("--from-json", action="append", default=None, metavar="BENCH_JSON",
+                   help="with --check-auto: check a saved run (bench-<grids>.json) instead of running; repeat it to "
+                        "check several")
     p.add_argument("--list", action="store_true", help="print the grid's configs and exit")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -691,15 +727,49 @@ def main(argv: list[str] | None = None) -> int:
         return usage_error(p.prog, exc)
 
 
+def _check_auto(rows, tolerance: float) -> int:
+    """Print the auto check of ``rows`` (:mod:`mla_dispatch.tools.autocheck`); 1 if it fails, else 0."""
+    from mla_dispatch.tools.autocheck import check_auto, format_check
+
+    results, metric = check_auto(rows, tolerance)
+    print("\n" + format_check(results, tolerance, metric))
+    failed = [r for r in results if r.failed]
+    if failed or not results:
+        print(f"auto check failed on {len(failed)} of {len(results)} configs" if results else
+              "auto check: no rows to check", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
+    if args.from_json:
+        if args.check_auto is None:
+            raise UsageError("argument --from-json: only with --check-auto (it checks a saved run)")
+        from mla_dispatch.tools.autocheck import load_rows
+
+        rows = []
+        for path in args.from_json:
+            try:
+                rows += load_rows(Path(path))
+            except (OSError, ValueError) as exc:
+                raise UsageError(f"argument --from-json: {exc}") from None
+        return _check_auto(rows, args.check_auto)
     grids = grid_names(args.grid)
     configs = [c for g in grids for c in grid_configs(g)]
     if args.list:
         print("\n".join(c.label for c in configs))
         return 0
     device = parse_device(args.device)
+    timings = TIMINGS
+    if args.times is not None:
+        timings = frozenset(t.strip() for t in args.times.split(",") if t.strip())
+        if not timings or not timings <= TIMINGS:
+            raise UsageError(f"argument --times: expected comma-separated names of {', '.join(sorted(TIMINGS))}, "
+                             f"got {args.times!r}")
     chosen = backend_names(args.backends, also=("auto",), specs=True)
     backends = chosen or default_backends(device)
+    if args.check_auto is not None and "auto" not in backends:
+        backends = ["auto", *backends]
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise UsageError("argument --plot: needs matplotlib, which is not installed (pip install matplotlib)")
     out_dir = writable_dir(args.out, "--out")
@@ -711,7 +781,7 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     command = "python -m mla_dispatch bench " + " ".join(shlex.quote(a) for a in given)
     env = environment(device, backends)
     rows, ceilings = run_bench(configs, backends, device=device, dtype=_DTYPES[args.dtype], graphs=not args.no_graph,
-                               rep_ms=args.rep_ms, seed=args.seed, progress=not args.quiet)
+                               rep_ms=args.rep_ms, seed=args.seed, progress=not args.quiet, timings=timings)
     print(f"## bench {'+'.join(grids)} ({args.dtype})\n")
     print(format_header(env, ceilings, command.strip()))
     skipped = {} if chosen else {n: r for n, r in unavailable_backends().items() if n not in backends}
@@ -729,13 +799,16 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
         write_plot(stem.with_suffix(".png"), rows, f"{'+'.join(grids)} on {env['device']} ({env['date']})")
         written.append(stem.with_suffix(".png"))
     print("\nwrote: " + ", ".join(map(str, written)))
+    status = 0
     bad = [r for r in rows if r.status in ("wrong", "error")]
     if bad:
         print(f"{len(bad)} result(s) failed the correctness gate or raised: "
               + ", ".join(f"{r.backend} on {r.config}" for r in bad), file=sys.stderr)
-        return 1
-    if not any(r.status == "ok" for r in rows):
+        status = 1
+    elif not any(r.status == "ok" for r in rows):
         print(f"nothing ran: every backend ({', '.join(backends)}) declined every config; their reasons are in the "
               f"table", file=sys.stderr)
-        return 1
-    return 0
+        status = 1
+    if args.check_auto is not None:
+        status = _check_auto(rows, args.check_auto) or status
+    return status

@@ -13,7 +13,7 @@ import platform as host_platform
 import torch
 
 from mla_dispatch.dispatch.platform import detect_platform
-from mla_dispatch.dispatch.tuned import active_table_description
+from mla_dispatch.dispatch.tuned import active_ranking, active_table_description
 from mla_dispatch.version import __version__
 from mla_dispatch.dispatch.problem import DecodeProblem
 from mla_dispatch.dispatch.registry import get_backend, registered_names
@@ -42,7 +42,7 @@ def report(problem: DecodeProblem | None = None) -> str:
     ]
     lines += [f"  note: {n}" for n in plat.notes]
     lines.append(f"dispatch table: {_tuned_description()}")
-    lines.append(f"priority here: {', '.join(priority(problem, plat))}")
+    lines.append(f"priority here: {', '.join(priority(problem, plat, active_ranking(plat)))}")
     lines.append("")
     lines.append("backends (availability in this process):")
     for name in registered_names():
@@ -58,8 +58,10 @@ def report(problem: DecodeProblem | None = None) -> str:
     for name, version, reasons in sel.candidates:
         verdict = "can run" if not reasons else "; ".join(map(str, reasons))
         lines.append(f"  {name}@{version}: {verdict}")
-    chosen = explain(problem, plat).chosen
-    lines.append(f"auto would choose: {chosen or 'nothing (NoBackendError)'}")
+    active = explain(problem, plat)
+    lines.append(f"auto would choose: {active.chosen or 'nothing (NoBackendError)'}")
+    if active.order != _tuned_description():
+        lines.append(f"  (order: {active.order})")
     return "\n".join(lines)
 
 

@@ -1,8 +1,15 @@
 """``python -m mla_dispatch tune``: measure the backends here and write this device's dispatch table.
 
 The table maps a shape bucket (:func:`mla_dispatch.dispatch.tuned.shape_bucket`) to the fastest backend that
-passed the correctness gate on every config of that bucket, on this device, with these software versions. Its
+passed the correctness gate on every config of that bucket, on this device, with these software versions, and keeps
+every such backend's time and the work of the bucket's configs (so it can be carried to other devices). Its
 format, where it is read from and how selection uses it: :mod:`mla_dispatch.dispatch.tuned`.
+
+``--quick`` is what a user of a device we never measured runs: the shape classes that matter at one or two sizes
+each (:func:`tune_configs`), one timing per backend and config, and a time budget (:data:`QUICK_BUDGET_S`) after
+which no further config starts; the progress bar shows the time spent against it. Importing and building the
+backends (the native kernel's first build takes minutes; ``python -m mla_dispatch build`` does it ahead) happens
+before the clock starts.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import dataclasses
 import json
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
@@ -26,44 +34,68 @@ from mla_dispatch.tools.args import (CommandParser, UsageError, backend_names, p
 if TYPE_CHECKING:  # the harness is imported only by `tune` itself, not when a table is loaded
     from mla_dispatch.tools.bench import BenchConfig, BenchRow
 
-__all__ = ["tune_configs", "config_bucket", "pick_winners", "write_table", "main"]
+__all__ = ["tune_configs", "config_problem", "config_bucket", "pick_winners", "bucket_work", "write_table", "main",
+           "QUICK_BUDGET_S"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
+#: The time budget of ``tune --quick`` (seconds of measuring; importing and building the backends come before).
+QUICK_BUDGET_S = 120.0
 
 
 # -- the shape grid -----------------------------------------------------------------------------------
 
 
-def tune_configs(quick: bool = False) -> list[BenchConfig]:
-    """Configs covering the buckets users hit; each bucket gets a small and a large batch where affordable."""
-    from mla_dispatch.tools.bench import BenchConfig
+def tune_configs(quick: bool = False, device_type: str = "cuda") -> list[BenchConfig]:
+    """The configs ``tune`` measures, the ones that matter most first (a time budget cuts the tail).
 
+    On an accelerator: the shape classes DeepSeek serving hits (h_q 128 / 64 / 32 / 16, i.e. tensor parallelism 1 /
+    2 / 4 / 8, s_q 1 and 2 for one MTP token; pages of 64, 1 and 16; the two fp8 caches; V3.2's sparse decode), each
+    at the batches and lengths where the winner changes (one request, a few, a serving batch; short and long
+    contexts). ``quick`` keeps one or two sizes per class; the full grid adds sizes, the fp8 caches at 16 heads and
+    sparse decode at 64. On a CPU, ``quick`` is a handful of tiny configs (seconds with the reference backend).
+    """
+    from mla_dispatch.tools.bench import BenchConfig as C
+
+    if quick and device_type == "cpu":
+        return [C(2, 1, 16, 256), C(3, 1, 16, 400, varlen=True), C(2, 2, 16, 256, causal=True),
+                C(2, 1, 16, 256, page_size=16), C(2, 1, 16, 256, kv_format="fp8_ds_mla")]
+    core = [
+        C(128, 1, 128, 8192, varlen=True), C(128, 2, 128, 8192, varlen=True, causal=True),
+        C(64, 1, 16, 8192), C(64, 1, 32, 8192), C(64, 1, 64, 8192),
+        C(1, 1, 128, 4096), C(8, 1, 128, 4096), C(1, 1, 128, 32768), C(32, 1, 128, 32768),
+        C(32, 1, 128, 8192, varlen=True, page_size=1), C(32, 1, 128, 8192, varlen=True, page_size=16),
+        C(32, 1, 128, 8192, varlen=True, page_size=128), C(32, 1, 128, 8192, varlen=True, page_size=256),
+        C(64, 1, 128, 8192, varlen=True, kv_format="fp8_e4m3"), C(64, 1, 128, 8192, varlen=True, kv_format="fp8_ds_mla"),
+        C(64, 1, 128, 16384, varlen=True, kv_format="fp8_ds_mla", topk=2048),
+    ]
     if quick:
-        return [BenchConfig(2, 1, 16, 256), BenchConfig(3, 1, 16, 400, varlen=True),
-                BenchConfig(2, 2, 16, 256, causal=True), BenchConfig(2, 1, 16, 256, page_size=16),
-                BenchConfig(2, 1, 16, 256, kv_format="fp8_ds_mla")]
-    dense = [BenchConfig(b, s_q, h, L, varlen=True)
-             for h, s_q in ((16, 1), (32, 1), (64, 1), (128, 1), (128, 2)) for b, L in ((4, 4096), (64, 8192))]
-    pages = [BenchConfig(32, 1, 128, 8192, varlen=True, page_size=ps) for ps in (1, 16, 128, 256)]
-    fp8 = [BenchConfig(64, 1, 128, 8192, varlen=True, kv_format=f) for f in ("fp8_e4m3", "fp8_ds_mla")]
-    sparse = [BenchConfig(64, 1, 128, 16384, varlen=True, kv_format="fp8_ds_mla", topk=2048)]
-    return dense + pages + fp8 + sparse
+        return core
+    return core + [
+        C(128, 1, 128, 32768, varlen=True), C(128, 2, 128, 32768, varlen=True, causal=True),
+        C(4, 1, 16, 4096), C(4, 1, 32, 4096), C(4, 1, 64, 4096), C(8, 2, 128, 4096, causal=True),
+        C(64, 1, 16, 8192, kv_format="fp8_e4m3"), C(64, 1, 16, 8192, kv_format="fp8_ds_mla"),
+        C(64, 1, 64, 16384, varlen=True, kv_format="fp8_ds_mla", topk=2048),
+    ]
 
 
-def config_bucket(cfg: BenchConfig, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> str:
-    """The shape bucket of the case :func:`~mla_dispatch.tools.bench.run_bench` makes for ``cfg`` with ``seed``
-    (its lengths are drawn on the CPU; no cache is built)."""
+def config_problem(cfg: BenchConfig, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                   device_type: str = "any") -> DecodeProblem:
+    """The problem of the case :func:`~mla_dispatch.tools.bench.run_bench` makes for ``cfg`` with ``seed`` (its
+    lengths are drawn on the CPU; no cache is built)."""
     from mla_dispatch.tools.bench import case_lengths
 
     fmt = cfg.kv_format or ("bf16" if dtype == torch.bfloat16 else "fp16")
     longest = int(case_lengths(cfg, torch.Generator().manual_seed(seed)).max())
-    problem = DecodeProblem(batch=cfg.batch, q_len=cfg.q_len, num_heads_q=cfg.num_heads_q,
-                            num_heads_kv=cfg.num_heads_kv, head_dim_qk=cfg.head_dim_qk, head_dim_v=cfg.head_dim_v,
-                            page_size=cfg.page_size, max_blocks=max(1, -(-longest // cfg.page_size)), q_dtype=dtype,
-                            kv_format=fmt, causal=cfg.causal and cfg.q_len > 1, topk=cfg.topk, return_lse=True,
-                            device_type="any")
-    return shape_bucket(problem)
+    return DecodeProblem(batch=cfg.batch, q_len=cfg.q_len, num_heads_q=cfg.num_heads_q,
+                         num_heads_kv=cfg.num_heads_kv, head_dim_qk=cfg.head_dim_qk, head_dim_v=cfg.head_dim_v,
+                         page_size=cfg.page_size, max_blocks=max(1, -(-longest // cfg.page_size)), q_dtype=dtype,
+                         kv_format=fmt, causal=cfg.causal and cfg.q_len > 1, topk=cfg.topk, return_lse=True,
+                         device_type=device_type)
+
+
+def config_bucket(cfg: BenchConfig, dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> str:
+    """The shape bucket of the case :func:`~mla_dispatch.tools.bench.run_bench` makes for ``cfg`` with ``seed``."""
+    return shape_bucket(config_problem(cfg, dtype, seed))
 
 
 def _metric_us(row: BenchRow, metric: str) -> float | None:
@@ -100,6 +132,19 @@ def pick_winners(rows: Sequence[BenchRow], buckets: dict[str, str], metric: str 
     return table, measurements
 
 
+def bucket_work(rows: Sequence[BenchRow], buckets: dict[str, str]) -> dict[str, dict[str, float]]:
+    """Per bucket, the FLOPs and bytes of its configs that have rows, summed, and how many there are (what
+    :mod:`mla_dispatch.dispatch.transfer` needs to carry the table to another device)."""
+    per_config = {r.config: (r.flops, r.bytes) for r in rows if r.flops or r.bytes}
+    work: dict[str, dict[str, float]] = {}
+    for label, (flops, nbytes) in per_config.items():
+        entry = work.setdefault(buckets[label], {"flops": 0.0, "bytes": 0.0, "configs": 0})
+        entry["flops"] += flops
+        entry["bytes"] += nbytes
+        entry["configs"] += 1
+    return work
+
+
 # -- the table on disk --------------------------------------------------------------------------------
 
 
@@ -112,13 +157,13 @@ def write_table(path: Path, doc: dict) -> None:
 
 
 def _table_doc(env: dict, device: str, command: str, metric: str, ceilings: dict | None, table: dict,
-               measurements: dict) -> dict:
+               measurements: dict, work: dict) -> dict:
     """A table document (format: :mod:`mla_dispatch.dispatch.tuned`) for the run described by ``env``
     (:func:`mla_dispatch.tools.bench.environment`: its device fingerprint, platform, date and versions)."""
     return {"format": TABLE_FORMAT, "fingerprint": env["fingerprint"], "device": device, "platform": env["platform"],
             "versions": {k: env.get(k) for k in ("mla_dispatch", "torch", "cuda", "triton")} | {"backends": env["backends"]},
             "created": env["date"], "command": command, "metric": metric, "ceilings": ceilings, "table": table,
-            "measurements": measurements}
+            "measurements": measurements, "work": {b: w for b, w in work.items() if b in measurements}}
 
 
 def _table_from_bench(path: Path, args, argv) -> int:
@@ -138,7 +183,8 @@ def _table_from_bench(path: Path, args, argv) -> int:
     rows = [BenchRow(**{k: v for k, v in r.items() if k in fields}) for r in doc["rows"] if r["backend"] in names]
     table, measurements = pick_winners(rows, buckets, args.metric)
     command = doc.get("command", "") + f" | python -m mla_dispatch tune --from-json {path.name} --metric {args.metric}"
-    out = _table_doc(env, env["device"], command, args.metric, doc.get("ceilings"), table, measurements)
+    out = _table_doc(env, env["device"], command, args.metric, doc.get("ceilings"), table, measurements,
+                     bucket_work(rows, buckets))
     for bucket in sorted(set(buckets.values())):
         print(f"{bucket}: {table.get(bucket, '(none ran every config correctly)')}")
     if args.dry_run:
@@ -156,16 +202,23 @@ def main(argv: list[str] | None = None) -> int:
     p = CommandParser(prog="python -m mla_dispatch tune", description=__doc__.split("\n\n")[0])
     p.add_argument("--grid", default=None,
                    help="bench grid name(s), comma-separated, instead of the built-in tuning grid")
-    p.add_argument("--quick", action="store_true", help="a tiny grid (seconds on a CPU)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"the shape classes that matter at one or two sizes each, one short timing each, at most "
+                        f"{QUICK_BUDGET_S:.0f} s of measuring (on a CPU: a few tiny configs)")
+    p.add_argument("--budget-s", type=positive_float, default=None,
+                   help=f"stop starting configs after this many seconds of measuring (default: {QUICK_BUDGET_S:.0f} "
+                        f"with --quick, none otherwise); the table holds the configs measured")
     p.add_argument("--backends", default=None, help="comma-separated names (default: every available backend)")
-    p.add_argument("--metric", choices=("run", "graph"), default="run",
-                   help="eager DecodePlan.run time (default) or CUDA-graph replay where the backend supports it")
+    p.add_argument("--metric", choices=("run", "graph"), default="graph",
+                   help="CUDA-graph replay (default; eager DecodePlan.run for a backend without graphs, and on a CPU) "
+                        "or the eager DecodePlan.run")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16")
     p.add_argument("--device", default=None)
     p.add_argument("--out", default=None, help=f"table path (default: ${ENV_VAR} or the per-device cache file)")
     p.add_argument("--dry-run", action="store_true", help="measure and print, write nothing")
-    p.add_argument("--rep-ms", type=positive_float, default=100.0)
-    p.add_argument("--quiet", action="store_true")
+    p.add_argument("--rep-ms", type=positive_float, default=None,
+                   help="timing budget per measurement (default: 25 with --quick, else 100)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--from-json", default=None, metavar="BENCH_JSON",
                    help="make the table from a saved `bench` run (its rows, device and versions) instead of measuring")
     args = p.parse_args(argv)
@@ -178,17 +231,19 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
-    from mla_dispatch.tools.bench import (default_backends, environment, grid_configs, grid_names, nothing_can_run,
-                                          run_bench)
+    from mla_dispatch.tools.bench import default_backends, environment, grid_configs, grid_names, nothing_can_run, \
+        run_bench
 
-    configs = ([c for g in grid_names(args.grid) for c in grid_configs(g)] if args.grid is not None
-               else tune_configs(args.quick))
     device = parse_device(args.device)
+    configs = ([c for g in grid_names(args.grid) for c in grid_configs(g)] if args.grid is not None
+               else tune_configs(args.quick, device.type))
     platform = detect_platform(device)
     dtype = _DTYPES[args.dtype]
+    budget = args.budget_s if args.budget_s is not None else (QUICK_BUDGET_S if args.quick else None)
+    rep_ms = args.rep_ms if args.rep_ms is not None else (25.0 if args.quick else 100.0)
     chosen = backend_names(args.backends)
     backends = [n for n in chosen or default_backends(device) if n != "auto"]  # auto is what the table decides
-    if device.type != "cpu" and not chosen:
+    if device.type != "cpu" and not chosen and not args.quick:
         backends.append("reference")  # a candidate too, so every bucket gets an entry
     path = Path(args.out) if args.out else table_path(platform)
     if not args.dry_run:
@@ -197,16 +252,22 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     if why:
         print(f"nothing to run: {why}; no table written", file=sys.stderr)
         return 1
+    t0 = time.monotonic()
+    env = environment(device, backends)  # imports every backend (and builds the JIT-built ones) before the clock
+    ready_s = time.monotonic() - t0
+    t0 = time.monotonic()
     rows, ceilings = run_bench(configs, backends, device=device, dtype=dtype, graphs=args.metric == "graph",
-                               rep_ms=args.rep_ms, progress=not args.quiet)
-    buckets = {c.label: config_bucket(c, dtype, seed=i) for i, c in enumerate(configs)}
+                               rep_ms=rep_ms, progress=not args.quiet, timings=frozenset({args.metric}), peer=False,
+                               budget_s=budget, desc="tune")
+    spent = time.monotonic() - t0
+    measured = list(dict.fromkeys(r.config for r in rows))
+    buckets = {c.label: config_bucket(c, dtype, seed=i) for i, c in enumerate(configs) if c.label in measured}
     rows = [r for r in rows if r.backend in backends]  # peers timed beside them (FlashMLA direct) are not backends
     table, measurements = pick_winners(rows, buckets, args.metric)
-    env = environment(device, backends)
     given = argv if argv is not None else sys.argv[1:]
     command = "python -m mla_dispatch tune " + " ".join(shlex.quote(a) for a in given)
     doc = _table_doc(env, platform.name, command.strip(), args.metric, dataclasses.asdict(ceilings), table,
-                     measurements)
+                     measurements, bucket_work(rows, buckets))
     print(f"## tune on {platform.describe()} ({env['date']}, metric: {args.metric})\n")
     print("| bucket | fastest correct backend | µs summed over the bucket's configs |\n|---|---|---|")
     for bucket in sorted(set(buckets.values())):
@@ -215,6 +276,11 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
             print(f"| {bucket} | {table[bucket]} | {others} |")
         else:
             print(f"| {bucket} | (none ran every config correctly) | |")
+    limit = f" of a {budget:g} s budget" if budget is not None else ""
+    print(f"\nmeasured {len(measured)} of {len(configs)} configs in {spent:.0f} s{limit} (backends imported and "
+          f"built in {ready_s:.0f} s before)")
+    if len(measured) < len(configs):
+        print("not measured (budget spent): " + ", ".join(c.label for c in configs if c.label not in measured))
     bad = [r for r in rows if r.status in ("wrong", "error")]
     for r in bad:
         print(f"excluded: {r.backend} on {r.config}: {r.status}: {r.note}", file=sys.stderr)

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Is `auto` right on this GPU? One device command (<= 9 minutes), for issue 56's record in benchmarks/RESULTS.md:
+#   1. FlashMLA (built from .peer/flashmla in the background, or its carried prebuilt .so) and our extension;
+#   2. `tune --quick`, what the README tells a user of an unlisted GPU to run, measures this device (at most 120 s of
+#      measuring) and writes its table to $OUT/tables/<device>.json (commit it to mla_dispatch/dispatch/tables/ to
+#      ship it); H200_AUTO_TUNE=full measures the full tuning grid instead, within the same budget;
+#   3. `bench` on the flashmla, heads, latency and pages grids, one grid per process, every available backend and
+#      FlashMLA's own call beside `auto`, with that table in use (CUDA-graph replays only);
+#   4. `bench --check-auto 0.03` over the four runs, printed last: auto against the fastest correct backend.
+# Carry ".whl" (flashinfer-python 0.6.0) and ".peer" (FlashMLA's source, ci/flashmla_peer.sh), then:
+#   bash ci/h200_auto.sh
+# Every phase prints its start time in seconds since the start; the python steps run under `timeout` so the command
+# ends by H200_AUTO_LIMIT_S (default 530) with what it has written; grids that no longer fit are skipped, and said.
+OUT=${OUT:-gpu_out}; mkdir -p "$OUT/tables" "$OUT/bench"
+LIMIT=${H200_AUTO_LIMIT_S:-530}
+REP_MS=${H200_AUTO_REP_MS:-100}  # do_bench budget per measurement in the bench (bench's default; the H100 auto run used 40)
+TUNE_REP_MS=${H200_AUTO_TUNE_REP_MS:-25}
+GRIDS=(flashmla heads latency pages)
+SECONDS=0
+stamp() { echo "[h200_auto ${SECONDS}s] $*"; }
+left() { echo $((LIMIT - SECONDS)); }
+
+source ci/gpu_setup.sh
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv,noheader | tee "$OUT/device.txt"
+if [ -d .peer/flashmla ] && ! grep -qs sparse_decode_fwd .peer/flashmla/flash_mla/cuda*.so; then
+  stamp "building FlashMLA in the background (log: $OUT/flashmla_build.log)"
+  rm -f .peer/flashmla/flash_mla/cuda*.so
+  bash ci/build_flashmla_peer.sh .peer/flashmla > "$OUT/flashmla_build.log" 2>&1 &
+  FLASHMLA_BUILD=$!
+fi
+stamp "building our extension"
+python -m mla_dispatch build 2>&1 | tail -n 3
+if [ -n "${FLASHMLA_BUILD:-}" ]; then
+  wait "$FLASHMLA_BUILD" || { echo "FlashMLA build failed:"; tail -n 20 "$OUT/flashmla_build.log"; }
+fi
+# with its .so in place flashmla_peer.sh only puts FlashMLA on the path (it would rebuild a missing one)
+if ls .peer/flashmla/flash_mla/cuda*.so >/dev/null 2>&1; then source ci/flashmla_peer.sh; fi
+python - <<'PY' | tee "$OUT/backends.txt"
+import mla_dispatch.dispatch.registry as r
+for n in r.registered_names():
+    reasons = r.get_backend(n).availability_reasons()
+    print(f"{n}: {'available' if not reasons else '; '.join(map(str, reasons))}")
+PY
+grep -q "^flashmla: available" "$OUT/backends.txt" || echo "WARNING: FlashMLA is not available: the check below is not issue 56's"
+grep -q "^flashinfer: available" "$OUT/backends.txt" || echo "WARNING: flashinfer is not available (carry .whl)"
+
+TABLE="$OUT/tables/$(python -c 'from mla_dispatch.dispatch import tuned; from mla_dispatch.dispatch.platform import detect_platform; print(tuned.shipped_table_path(detect_platform()).name)')"
+BACKENDS=$(python -c 'import mla_dispatch.dispatch.registry as r; print(",".join(n for n in ("cuda_sm90", "flashmla", "flashinfer", "triton") if not r.get_backend(n).availability_reasons()))')
+# the tune budget: what is left after the benches' share (150 s for the four grids: an estimate from counting configs x
+# backends x do_bench budgets, to be replaced by the phase times this run prints), at most 120 s and at least 30 s
+BUDGET=$(( $(left) - 150 )); [ "$BUDGET" -gt 120 ] && BUDGET=120; [ "$BUDGET" -lt 30 ] && BUDGET=30
+QUICK=--quick; [ "${H200_AUTO_TUNE:-quick}" = full ] && QUICK=
+stamp "tune ${QUICK:-(full grid)} on $BACKENDS, budget ${BUDGET}s -> $TABLE"
+timeout "$(left)" python -m mla_dispatch tune $QUICK --backends "$BACKENDS" --metric graph --rep-ms "$TUNE_REP_MS" \
+  --budget-s "$BUDGET" --quiet --out "$TABLE" 2>&1 | tee "$OUT/tune.log" | tail -n 60
+[ -f "$TABLE" ] || { echo "tune wrote no table: see $OUT/tune.log"; exit 1; }
+
+export MLA_DISPATCH_TUNED_TABLE=$TABLE
+python -c 'from mla_dispatch.dispatch import tuned; from mla_dispatch.dispatch.platform import detect_platform; print("auto orders by:", tuned.active_table_description(detect_platform()))'
+JSONS=()
+for grid in "${GRIDS[@]}"; do
+  if [ "$(left)" -lt 45 ]; then stamp "SKIPPED grid $grid: $(left)s left"; continue; fi
+  stamp "bench $grid"
+  timeout "$(left)" python -m mla_dispatch bench --grid "$grid" --backends "auto,$BACKENDS" --times graph \
+    --rep-ms "$REP_MS" --quiet --out "$OUT/bench" > "$OUT/bench/$grid.log" 2>&1
+  echo "  exit $?; $(grep -c '' "$OUT/bench/$grid.log") lines in $OUT/bench/$grid.log"
+  [ -f "$OUT/bench/bench-$grid.json" ] && JSONS+=(--from-json "$OUT/bench/bench-$grid.json")
+done
+stamp "done measuring"
+[ ${#JSONS[@]} -gt 0 ] || { echo "no bench output"; exit 1; }
+python -m mla_dispatch bench --check-auto 0.03 "${JSONS[@]}" 2>&1 | tee "$OUT/check_auto.txt"

@@ -1,0 +1,127 @@
+"""`bench --check-auto TOL`: per config, auto's time against the fastest correct backend of the same run, and the
+exit status that proves (or not) that `auto` is right on a device."""
+
+import json
+import pathlib
+import time
+
+import pytest
+
+from mla_dispatch.backends.reference import ReferenceBackend
+from mla_dispatch.tools import bench
+from mla_dispatch.tools.autocheck import check_auto, format_check
+from mla_dispatch.tools.bench import BenchRow
+from mla_dispatch.tools.roofline import Ceilings
+
+H100_AUTO_RUN = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "h100-auto-shipped-table.json"
+
+
+def _rows(config, auto=None, **times):
+    """Rows of one config: ``auto=(chosen, µs)`` or None, then backend=µs (None: declined)."""
+    rows = []
+    if auto is not None:
+        rows.append(BenchRow(config, "auto", "", "ok", note=f"chose {auto[0]}", chosen=auto[0], us_run=auto[1] * 2,
+                             us_graph=auto[1]))
+    for name, us in times.items():
+        rows.append(BenchRow(config, name, "", "ok", us_run=us * 2, us_graph=us) if us is not None
+                    else BenchRow(config, name, "", "unsupported", note="no"))
+    return rows
+
+
+def test_each_verdict(gen):
+    import torch
+
+    base = float(100 + 900 * torch.rand(1, generator=gen))  # fresh times: nothing here depends on a constant
+    rows = (_rows("right", auto=("b", base * 1.02), a=base * 1.5, b=base)
+            + _rows("wrong-pick", auto=("a", base * 1.5), a=base * 1.5, b=base)
+            + _rows("no-auto", a=base)
+            + _rows("declined-everywhere", auto=None, a=None)
+            + [BenchRow("auto-crashed", "auto", "", "error", note="RuntimeError: boom")] + _rows("auto-crashed", a=base)
+            + _rows("alone", auto=("a", base)))
+    results, metric = check_auto(rows, 0.03)
+    assert metric == "graph"
+    verdicts = {r.config: r.verdict for r in results}
+    assert verdicts == {"right": "ok", "wrong-pick": "over", "no-auto": "no auto row",
+                        "declined-everywhere": "nothing ran", "auto-crashed": "auto failed",
+                        "alone": "nothing to compare"}
+    right = results[0]
+    assert right.fastest == "b" and right.ratio == pytest.approx(1.02) and right.chosen_us == pytest.approx(base)
+    text = format_check(results, 0.03, metric)
+    assert "auto within 3.0% of the fastest correct backend on 1 of 5 configs" in text
+    assert "FAILED: wrong-pick (over), no-auto (no auto row), auto-crashed (auto failed), alone (nothing to compare)" \
+        in text
+
+
+def test_the_peer_and_forced_variants_are_not_what_auto_could_choose():
+    rows = _rows("c", auto=("a", 100.0), a=100.0) + [
+        BenchRow("c", "FlashMLA (direct)", "", "ok", us_graph=50.0),  # FlashMLA's own call: auto cannot pick it
+        BenchRow("c", "a:variant=2", "", "ok", us_graph=60.0),  # a forced variant, not a backend
+        BenchRow("c", "b", "", "wrong", us_graph=10.0, note="mismatch"),  # wrong: never the fastest correct
+    ]
+    (result,), _ = check_auto(rows, 0.0)
+    assert result.verdict == "ok" and result.fastest == "a"
+
+
+def test_graph_times_where_the_run_took_them_else_eager():
+    rows = _rows("c", auto=("a", 100.0), a=100.0, b=99.0)
+    (graph,), metric = check_auto(rows, 0.0)
+    assert metric == "graph" and graph.verdict == "over"
+    for r in rows:
+        r.us_graph = None
+    rows[2].us_run = 300.0  # b: slower eagerly
+    (eager,), metric = check_auto(rows, 0.0)
+    assert metric == "run" and eager.verdict == "ok" and eager.fastest == "a"
+
+
+def test_the_h100_run_with_the_shipped_table():
+    """benchmarks/h100-auto-shipped-table.json (RESULTS.md, "auto with the shipped table"): within 3% everywhere,
+    and over 2% on exactly one config, the b=128 s_q=2 L=16K causal one, where auto chose the fastest backend and its
+    own capture timed 2.9% slower than that backend's."""
+    rows = json.loads(H100_AUTO_RUN.read_text())["rows"]
+    results, metric = check_auto(rows, 0.03)
+    assert metric == "graph" and len(results) == 18 and not any(r.failed for r in results)
+    over = [r for r in check_auto(rows, 0.02)[0] if r.failed]
+    assert [r.config for r in over] == ["b128-s2-h128-L16384v-ps64-causal"]
+    assert over[0].chose == over[0].fastest and 1.02 < over[0].ratio < 1.03
+    assert bench.main(["--check-auto", "0.03", "--from-json", str(H100_AUTO_RUN)]) == 0
+    assert bench.main(["--check-auto", "0.02", "--from-json", str(H100_AUTO_RUN)]) == 1
+
+
+class SlowButCorrect(ReferenceBackend):
+    """A correct third-party backend that auto tries before the reference on a CPU, and 20 ms slower per call."""
+
+    NAME = "test_autocheck_slow"
+
+    @classmethod
+    def run(cls, state, q, kv_cache, block_table, cache_seqlens, **kw):
+        time.sleep(0.02)
+        super().run(state, q, kv_cache, block_table, cache_seqlens, **kw)
+
+
+def test_bench_check_auto_end_to_end(registered, tmp_path, monkeypatch, capsys):
+    """A fresh run with --check-auto adds the auto row, prints the check last and fails when auto's pick is slow."""
+    monkeypatch.setattr(bench, "measure_ceilings", lambda device: Ceilings("test", 1e10, 1e11, "fixed"))
+    monkeypatch.setitem(bench.GRIDS, "tiny", ("two small configs", lambda: [bench.BenchConfig(2, 1, 16, 64),
+                                                                           bench.BenchConfig(2, 2, 16, 64, causal=True)]))
+    slow = registered(SlowButCorrect)
+    argv = ["--grid", "tiny", "--backends", f"reference,{slow}", "--quiet", "--rep-ms", "1", "--out", str(tmp_path),
+            "--times", "run"]
+    assert bench.main(argv + ["--check-auto", "0.03"]) == 1
+    out = capsys.readouterr().out
+    assert out.rstrip().splitlines()[-1].startswith("auto within 3.0% of the fastest correct backend on 0 of 2")
+    rows = json.loads((tmp_path / "bench-tiny.json").read_text())["rows"]
+    autos = [r for r in rows if r["backend"] == "auto"]
+    assert len(autos) == 2 and {r["chosen"] for r in autos} == {slow}
+    assert all(r["us_run"] and r["us_call"] is None for r in rows if r["status"] == "ok"), "--times run: run only"
+    assert bench.main(["--check-auto", "1000", "--from-json", str(tmp_path / "bench-tiny.json")]) == 0
+
+
+def test_from_json_needs_check_auto_and_a_bench_file(tmp_path, capsys):
+    assert bench.main(["--times", "graph,walltime"]) == 2
+    assert "argument --times: expected comma-separated names of call, graph, host, run" in capsys.readouterr().err
+    assert bench.main(["--from-json", str(H100_AUTO_RUN)]) == 2
+    assert "only with --check-auto" in capsys.readouterr().err
+    bad = tmp_path / "x.json"
+    bad.write_text('{"rows": 3}')
+    assert bench.main(["--check-auto", "0.03", "--from-json", str(bad)]) == 2
+    assert "no 'rows' list" in capsys.readouterr().err
