@@ -210,6 +210,90 @@ def test_meta_is_reused_across_layers_and_rejects_other_shapes(gen):
         fm.flash_mla_with_kvcache(q2, kv2, c.block_table, c.cache_seqlens, 512, meta, causal=True)
 
 
+def _dense_inputs(gen, device, b=3, s_q=2, h_q=16, length=150, page=64, num_blocks=40, dtype=torch.float16):
+    """q and a cache with every slot valid (so any table of its block ids reads real tokens), two different random
+    block tables of the same shape and the lengths."""
+    width = -(-length // page)
+    q = (torch.randn(b, s_q, h_q, 576, generator=gen) / 10).clamp(-1, 1).to(device, dtype)
+    kv = (torch.randn(num_blocks, page, 1, 576, generator=gen) / 10).clamp(-1, 1).to(device, dtype)
+    tables = [torch.randperm(num_blocks, generator=gen)[: b * width].view(b, width).to(device, torch.int32)
+              for _ in range(2)]
+    lens = torch.randint(s_q, length + 1, (b,), generator=gen, dtype=torch.int32).to(device)
+    return q, kv, tables, lens
+
+
+def _check_reused_meta(gen, backend, device):
+    """FlashMLA reads block_table, softmax_scale, head_dim_v and the cache on every call of a reused sched_meta
+    (flash_mla_interface.py); a plan made by the first call must not answer the later ones."""
+    q, kv, (bt, bt2), lens = _dense_inputs(gen, device)
+    meta, _ = fm.get_mla_metadata()
+    meta.backend = backend
+
+    def call(table, cache=kv, head_dim_v=512, **kw):
+        out = torch.full((*q.shape[:3], head_dim_v), float("nan"), dtype=q.dtype, device=device)
+        res, lse = fm.flash_mla_with_kvcache(q, cache, table, lens, head_dim_v, meta, causal=True, out=out, **kw)
+        assert res is out and meta.plan.backend == backend
+        return res.cpu(), lse.cpu()
+
+    def want(table, cache=kv, scale=None, head_dim_v=512):
+        return oracle(q.cpu(), cache.cpu(), table.cpu(), lens.cpu(), causal=True, scale=scale, head_dim_v=head_dim_v)
+
+    try:
+        first = call(bt)
+    except NoBackendError as exc:
+        pytest.skip(f"{backend} cannot run it here: {exc}"[:300])
+    check(*first, *want(bt), backend)
+    flipped = bt.flip(0).contiguous()  # the issue's example: another table tensor, same shape
+    check(*call(flipped), *want(flipped), backend)
+    check(*call(bt2), *want(bt2), backend)
+    check(*call(bt, softmax_scale=0.5), *want(bt, scale=0.5), backend)
+    try:
+        got = call(bt, softmax_scale=0.5, head_dim_v=256)
+    except NoBackendError:  # a backend that runs D_v=512 only (re-planning for 256 asked it, and it declined)
+        got = None
+    if got is not None:
+        check(*got, *want(bt, scale=0.5, head_dim_v=256), backend)
+    wider = torch.cat([bt2, torch.full_like(bt2, UNUSED_BLOCK_ID)], 1)  # another table width: read per call too
+    check(*call(wider), *want(bt2), backend)
+    # The cache is read per call, whatever its number of blocks.
+    kv2 = (torch.randn(kv.shape[0] + 7, *kv.shape[1:], generator=gen) / 10).to(device, kv.dtype)
+    check(*call(bt, kv2), *want(bt, kv2), backend)
+    check(*call(bt), *want(bt), backend)
+    # A view of the same table made per call (vLLM slices its persistent buffer per layer) does not re-plan.
+    plan = meta.plan
+    call(bt[:, :])
+    assert meta.plan is plan
+    # A shape change is FlashMLA's assert, with its message.
+    with pytest.raises(AssertionError, match=r"sched_meta\.config\.b must be equal to batch_size\. Your input"):
+        fm.flash_mla_with_kvcache(q[:2], kv, bt[:2], lens[:2], 512, meta, causal=True)
+
+
+def test_reused_meta_reads_every_per_call_argument(gen):
+    _check_reused_meta(gen, "reference", "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", [n for n in registered_names() if n not in ("reference", "amla_emulation")])
+def test_reused_meta_reads_every_per_call_argument_gpu(gen, backend):
+    _check_reused_meta(gen, backend, "cuda")
+
+
+def test_reused_sparse_meta_reads_indices_scale_and_cache(gen):
+    c = _sparse_case(gen)
+    other = _sparse_case(gen)
+    meta, _ = fm.get_mla_metadata()
+    swapped = c.indices.flip(0).contiguous()  # each request reads another's tokens
+    for kv, idx, scale in ((c.kv_cache, c.indices, None), (c.kv_cache, swapped, None),
+                           (other.kv_cache, other.indices, None), (other.kv_cache, other.indices, 0.1),
+                           (c.kv_cache, c.indices, 0.1)):
+        out, lse = fm.flash_mla_with_kvcache(c.q, kv, None, None, 512, meta, is_fp8_kvcache=True, indices=idx,
+                                             softmax_scale=scale)
+        check(out, lse, *oracle(c.q, kv, None, None, indices=idx, scale=scale, kv_format="fp8_ds_mla"))
+    with pytest.raises(AssertionError, match=r"sched_meta\.config\.topk must be equal to the last dim of indices"):
+        fm.flash_mla_with_kvcache(c.q, c.kv_cache, None, None, 512, meta, is_fp8_kvcache=True,
+                                  indices=c.indices[..., :40].contiguous())
+
+
 def test_current_convention_rejects_num_splits_and_bad_metadata(gen):
     c = make_case(1, 1, 4, 20, generator=gen)
     meta, _ = fm.get_mla_metadata()

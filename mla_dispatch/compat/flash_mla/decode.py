@@ -18,6 +18,7 @@ FlashMLA's and vLLM's contract, where dense and sparse share one surface.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Optional, Tuple, Union
 
@@ -29,6 +30,8 @@ from mla_dispatch.compat.flash_mla.metadata import FlashMLASchedMeta
 from mla_dispatch.kvcache.formats import DS_MLA_TOKEN_BYTES
 
 __all__ = ["flash_mla_with_kvcache", "SGL_KV_FORMATS"]
+
+logger = logging.getLogger(__name__)
 
 #: sgl-flash-mla's ``kv_format`` names (``parse_kv_cache_format`` of its legacy extension) -> mla_dispatch's
 #: kv_format, or None where mla_dispatch has no such format; with what each one is.
@@ -172,15 +175,48 @@ def _config_of(q, k_cache, causal, is_fp8_kvcache, topk, extra_k_cache, extra_to
     )
 
 
+#: What each ``Config`` field must equal on a reused ``FlashMLASchedMeta``, in the words of FlashMLA's own asserts
+#: (flash_mla/flash_mla_interface.py, ``flash_mla_with_kvcache``), so that a message searched for there is found here.
+_CONFIG_MEANING = {
+    "b": "batch_size",
+    "s_q": "seq_len_q",
+    "h_q": "num_heads_q",
+    "page_block_size": "page_block_size",
+    "h_k": "num_heads_k",
+    "causal": "causal",
+    "is_fp8_kvcache": "is_fp8_kvcache",
+    "topk": "the last dim of indices_in_kvcache",
+    "extra_page_block_size": "the page_block_size of extra_k_cache",
+    "extra_topk": "the last dim of extra_indices_in_kvcache",
+    "enable_batch_invariant": "enable_batch_invariant",
+}
+_INCONSISTENT = (" Your input arguments are inconsistent with sched_meta. Please make sure the input arguments are "
+                 "consistent across different invocations of flash_mla_with_kvcache on the same sched_meta.")
+
+
 def _check_same_config(have: FlashMLASchedMeta.Config, want: FlashMLASchedMeta.Config) -> None:
     for field in dataclasses.fields(have):
         a, b = getattr(have, field.name), getattr(want, field.name)
         if a != b:
             raise FlashMLAArgumentError(
-                f"tile_scheduler_metadata was initialised for {field.name}={a!r}, this call has {field.name}={b!r}: "
-                "a FlashMLASchedMeta may be reused only while shapes and cache_seqlens/topk_length values stay the "
-                "same (make a new one with get_mla_metadata() for each decode step)"
+                f"sched_meta.config.{field.name} must be equal to {_CONFIG_MEANING[field.name]}.{_INCONSISTENT} "
+                f"(sched_meta was filled for {field.name}={a!r}, this call has {field.name}={b!r}; a "
+                "FlashMLASchedMeta may be reused only while shapes and cache_seqlens/topk_length values stay the "
+                "same: make one with get_mla_metadata() per decode step)"
             )
+
+
+def _per_call_key(q: torch.Tensor, kv: torch.Tensor, block_table, head_dim_v: int, softmax_scale, fmt: str,
+                  sparse: bool) -> tuple:
+    """What a plan freezes of the arguments FlashMLA reads on every call (not the ``Config``): the block table
+    (its memory, shape and strides: a plan keeps the tensor and reads it), ``softmax_scale``, ``head_dim_v`` and
+    the dtypes of q and the cache. A reused ``FlashMLASchedMeta`` re-plans when this changes."""
+    table = None
+    if not sparse:
+        table = (block_table.data_ptr(), tuple(block_table.shape), block_table.stride(), block_table.dtype,
+                 block_table.device)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    return table, scale, int(head_dim_v), q.dtype, kv.dtype, fmt
 
 
 def _merge(out1, lse1, out2, lse2):
@@ -372,12 +408,20 @@ def flash_mla_with_kvcache(
     if current:
         meta = tile_scheduler_metadata
         config = _config_of(q, k_cache, causal, fp8, topk, extra_k_cache, extra_topk, enable_batch_invariant)
+        key = _per_call_key(q, kv, block_table, head_dim_v, softmax_scale, fmt, sparse)
         if not meta.have_initialized:
             meta.plan, meta.extra_plan = make_plans(meta.backend)
             meta.config = config
             meta.have_initialized = True
         else:
             _check_same_config(meta.config, config)
+            if key != meta.per_call_key:
+                # FlashMLA reads block_table, softmax_scale, head_dim_v and the cache on every call; a plan freezes
+                # the first three (and keeps the caller's table, which must not be overwritten): plan again.
+                logger.debug("FlashMLASchedMeta reused with another block table, softmax_scale, head_dim_v or "
+                             "dtype: re-planning")
+                meta.plan, meta.extra_plan = make_plans(meta.backend)
+        meta.per_call_key = key
         plan, extra_plan = meta.plan, meta.extra_plan
     else:
         plan, extra_plan = make_plans("auto")

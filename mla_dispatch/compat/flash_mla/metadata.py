@@ -48,6 +48,15 @@ class FlashMLASchedMeta:
     with, ``"auto"`` by default. ``tile_scheduler_metadata`` / ``num_splits`` may be assigned by the caller
     (sgl-flash-mla's :func:`get_mla_decoding_metadata` convention); the decode call plans from ``cache_seqlens``
     whatever they hold.
+
+    Reuse follows FlashMLA's contract: while the shapes (``config``) and the values of ``cache_seqlens`` /
+    ``topk_length`` stay the same, every other argument is read on each call. ``block_table`` (another tensor, or
+    the same one with another shape or strides), ``softmax_scale``, ``head_dim_v`` and the dtypes a plan is made
+    for are compared with the previous call's (``per_call_key``, host-side, no device sync) and the plan is made
+    again when they differ; the cache, ``indices``, ``attn_sink`` and ``out`` go to each run as given. A change of
+    the *values* of the same block-table tensor, made in place, is read as a :class:`~mla_dispatch.DecodePlan`
+    reads its table (docs/design.md §2). A shape change raises :class:`FlashMLAArgumentError` with FlashMLA's
+    message.
     """
 
     @dataclasses.dataclass
@@ -71,6 +80,7 @@ class FlashMLASchedMeta:
     plan: Optional[DecodePlan] = None
     extra_plan: Optional[DecodePlan] = None
     backend: str = "auto"
+    per_call_key: Optional[tuple] = None
 
 
 # --------------------------------------------------------------------------------------
