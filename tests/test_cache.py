@@ -128,6 +128,45 @@ def test_constructor_errors():
         PagedMLACache(2, 4, kv_format="fp8_ds_mla", head_dim=512)
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(kv_format="fp8_e4m3", kv_scale=float("inf")), "kv_format='fp8_e4m3' needs a positive kv_scale, a finite"),
+    (dict(kv_format="fp8_e4m3", kv_scale=float("nan")), "kv_format='fp8_e4m3' needs a positive kv_scale, a finite"),
+    (dict(kv_format="fp8_e4m3", kv_scale=-1.0), "kv_format='fp8_e4m3' needs a positive kv_scale"),
+    (dict(kv_format="bf16", kv_scale=0.5), "kv_scale is only used with kv_format='fp8_e4m3'"),
+    (dict(head_dim=0), "head_dim must be an int >= 1, got 0"),
+    (dict(num_heads_kv=0), "num_heads_kv must be an int >= 1, got 0"),
+    (dict(head_dim=8.0), "head_dim must be an int >= 1, got 8.0"),
+], ids=["scale-inf", "scale-nan", "scale-negative", "scale-for-bf16", "head_dim-0", "heads-0", "head_dim-float"])
+def test_constructor_refuses_values_that_make_a_broken_cache(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        PagedMLACache(2, 4, **kwargs)
+
+
+def test_list_of_values_needs_a_list_of_ids(gen):
+    """append("ab", [t1, t2]) once appended to sequences "a" and "b"."""
+    cache = PagedMLACache(4, 4, head_dim=8)
+    for sid in ("a", "b", "ab"):
+        cache.add_sequence(sid)
+    t1, t2 = torch.randn(2, 8, generator=gen), torch.randn(3, 8, generator=gen)
+    with pytest.raises(ValueError, match="seq_id must be a list of sequence ids when values is a list"):
+        cache.append("ab", [t1, t2])
+    assert [cache.seq_len(s) for s in ("a", "b", "ab")] == [0, 0, 0] and cache.num_free_blocks == 4
+    cache.append(("a", "b"), [t1, t2])  # a tuple of ids is a list of ids
+    cache.append("ab", t1)  # one id, one tensor
+    assert [cache.seq_len(s) for s in ("a", "b", "ab")] == [2, 3, 2]
+
+
+def test_values_that_require_grad_are_stored_as_values(gen):
+    cache = PagedMLACache(4, 4, head_dim=8)
+    cache.add_sequence("a")
+    values = torch.randn(5, 8, generator=gen, requires_grad=True)
+    slots = cache.append("a", values * 2)
+    cache.write_slots(slots[:2], values[:2])
+    assert not cache.kv.requires_grad and cache.kv.grad_fn is None
+    want = torch.cat([values[:2], values[2:] * 2]).detach().bfloat16().float()
+    assert torch.equal(cache.gather("a")[:, 0], want)
+
+
 # -- concurrent calls ---------------------------------------------------------------------------
 
 

@@ -37,15 +37,23 @@ class PagedMLACache:
     Parameters
     ----------
     num_blocks, page_size : int
-        Capacity is ``num_blocks * page_size`` tokens.
+        Capacity is ``num_blocks * page_size`` tokens; each >= 1.
     head_dim : int
-        ``D_qk`` values per token (DeepSeek: 576).
+        ``D_qk`` values per token (DeepSeek: 576); >= 1.
     num_heads_kv : int
-        KV heads (DeepSeek: 1).
+        KV heads (DeepSeek: 1); >= 1.
     kv_format : {"bf16", "fp16", "fp8_e4m3", "fp8_ds_mla"}
     kv_scale : float, optional
-        Per-tensor scale for ``"fp8_e4m3"`` (values saturate at ``±448 * kv_scale``).
+        Per-tensor scale for ``"fp8_e4m3"``, required there, finite and positive (values saturate at
+        ``±448 * kv_scale``); None for the other formats.
     device : str or torch.device
+
+    Raises
+    ------
+    ValueError
+        A size that is not an int >= 1, an unknown ``kv_format``, a ``kv_scale`` missing, not finite or not
+        positive for ``"fp8_e4m3"`` or given for another format, ``"fp8_ds_mla"`` with another head_dim or
+        num_heads_kv than 576 and 1.
 
     Attributes
     ----------
@@ -82,12 +90,20 @@ class PagedMLACache:
 
     def __init__(self, num_blocks: int, page_size: int, *, head_dim: int = 576, num_heads_kv: int = 1,
                  kv_format: str = "bf16", kv_scale: float | None = None, device: str | torch.device = "cpu"):
-        if num_blocks < 1 or page_size < 1:
-            raise ValueError(f"num_blocks and page_size must be >= 1, got {num_blocks}, {page_size}")
+        for name, value in (("num_blocks", num_blocks), ("page_size", page_size), ("head_dim", head_dim),
+                            ("num_heads_kv", num_heads_kv)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if kv_format not in KV_FORMATS:
             raise ValueError(f"kv_format must be one of {KV_FORMATS}, got {kv_format!r}")
-        if kv_format == "fp8_e4m3" and (kv_scale is None or not kv_scale > 0):
-            raise ValueError(f"kv_format='fp8_e4m3' needs a positive kv_scale, got {kv_scale!r}")
+        if kv_format == "fp8_e4m3":
+            # inf or NaN would decode every token to NaN (and 0 or less is no scale): refuse them here
+            if isinstance(kv_scale, bool) or not isinstance(kv_scale, (int, float)) or not (
+                    math.isfinite(kv_scale) and kv_scale > 0):
+                raise ValueError(f"kv_format='fp8_e4m3' needs a positive kv_scale, a finite float, got {kv_scale!r}")
+        elif kv_scale is not None:
+            raise ValueError(f"kv_scale is only used with kv_format='fp8_e4m3' (its per-tensor scale), got "
+                             f"kv_scale={kv_scale!r} with kv_format={kv_format!r}: pass kv_scale=None")
         if kv_format == "fp8_ds_mla" and (head_dim != 576 or num_heads_kv != 1):
             raise ValueError(f"kv_format='fp8_ds_mla' stores 576-value tokens with one KV head, got head_dim={head_dim}, "
                              f"num_heads_kv={num_heads_kv}")
@@ -175,7 +191,8 @@ class PagedMLACache:
                              f"KV head), got {list(values.shape)}")
         if not values.is_floating_point():
             raise ValueError(f"values must be floating point, got {values.dtype}")
-        return values.to(self.device)
+        # the cache stores values, not a graph: values that require grad must not make cache.kv an autograd node
+        return values.detach().to(self.device)
 
     def append(self, seq_id: Hashable | Sequence[Hashable], values: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
         """Append tokens to one sequence, or to several at once (all or nothing).
@@ -183,8 +200,10 @@ class PagedMLACache:
         Parameters
         ----------
         seq_id : hashable or sequence of hashables
+            One id with one tensor; a list (or tuple) of ids with a list of tensors.
         values : Tensor or sequence of Tensors
-            ``[n, h_kv, D]`` (or ``[n, D]``) per sequence, any float dtype.
+            ``[n, h_kv, D]`` (or ``[n, D]``) per sequence, any float dtype. Stored as values: a tensor
+            that requires grad is detached (the cache never joins an autograd graph).
 
         Returns
         -------
@@ -196,8 +215,9 @@ class PagedMLACache:
         KeyError
             An unknown sequence.
         ValueError
-            Values of the wrong shape or not floating point, a sequence named twice, or as many
-            ids as value tensors not given.
+            Values of the wrong shape or not floating point, a sequence named twice, as many
+            ids as value tensors not given, or list values with a ``seq_id`` that is not a list
+            or tuple of ids (a string is one id).
         CacheFullError
             Not enough free blocks for all of it.
 
@@ -210,6 +230,10 @@ class PagedMLACache:
         if isinstance(values, torch.Tensor):
             seq_ids, chunks = [seq_id], [values]
         else:
+            if isinstance(seq_id, (str, bytes)) or not isinstance(seq_id, Sequence):
+                # "ab" would otherwise name the sequences "a" and "b"
+                raise ValueError(f"seq_id must be a list of sequence ids when values is a list of tensors, got "
+                                 f"{seq_id!r} (for one sequence pass one tensor: torch.cat its values)")
             seq_ids, chunks = list(seq_id), list(values)
             if len(seq_ids) != len(chunks):
                 raise ValueError(f"{len(seq_ids)} sequence ids but {len(chunks)} value tensors")
