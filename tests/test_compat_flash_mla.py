@@ -381,6 +381,30 @@ def test_sparse_topk_length_sink_and_extra_cache(gen):
     assert torch.isinf(lse[1]).all() == bool((main_ids[1] < 0).all() and (extra_ids[1] < 0).all())
 
 
+def test_attn_sink_nan_is_not_a_silent_zero_and_its_shape_is_checked(gen):
+    """A NaN sink once gave out = 0 (nan_to_num); a sink of the wrong length raised a broadcasting RuntimeError."""
+    c = _sparse_case(gen)
+    sink = torch.randn(64, generator=gen)
+    sink[5] = float("nan")
+    sink[6] = float("inf")
+    meta, _ = fm.get_mla_metadata()
+    out, lse = fm.flash_mla_with_kvcache(c.q, c.kv_cache, None, None, 512, meta, is_fp8_kvcache=True,
+                                         indices=c.indices, attn_sink=sink)
+    want_out, want_lse = oracle(c.q, c.kv_cache, None, None, indices=c.indices, kv_format="fp8_ds_mla")
+    has_key = torch.isfinite(want_lse)  # [b, h_q, s_q]
+    assert torch.equal(torch.isnan(out[:, :, 5]).all(-1), has_key[:, 5])  # NaN where a key was seen, else 0
+    assert bool((out[:, :, 5][~has_key[:, 5]] == 0).all())
+    assert bool((out[:, :, 6] == 0).all())
+    others = [h for h in range(64) if h not in (5, 6)]
+    factor = torch.sigmoid(want_lse - sink.double()[None, :, None]).transpose(1, 2)[..., None]
+    want = torch.where(has_key.transpose(1, 2)[..., None], want_out * factor, 0.0)
+    check(out[:, :, others], lse[:, others], want[:, :, others], want_lse[:, others])
+    for bad in (sink[:63], sink.double(), sink[None], [0.0] * 64):
+        with pytest.raises(fm.FlashMLAArgumentError, match=r"attn_sink must be float32 \[h_q=64\]"):
+            fm.flash_mla_with_kvcache(c.q, c.kv_cache, None, None, 512, fm.get_mla_metadata()[0],
+                                      is_fp8_kvcache=True, indices=c.indices, attn_sink=bad)
+
+
 # -- the import alias ---------------------------------------------------------------------------
 
 

@@ -232,9 +232,21 @@ def _merge(out1, lse1, out2, lse2):
     return out, torch.where(empty, torch.full_like(lse, math.inf), lse)
 
 
+def _check_sink(attn_sink, q: torch.Tensor) -> None:
+    """FlashMLA's ``attn_sink``: float32 ``[h_q]`` on q's device."""
+    h_q = q.shape[2]
+    if (not isinstance(attn_sink, torch.Tensor) or tuple(attn_sink.shape) != (h_q,)
+            or attn_sink.dtype != torch.float32 or attn_sink.device != q.device):
+        where = f" on {attn_sink.device}" if isinstance(attn_sink, torch.Tensor) else ""
+        raise FlashMLAArgumentError(f"attn_sink must be float32 [h_q={h_q}] on {q.device}, one value per query head, "
+                                    f"got {_describe(attn_sink)}{where}")
+
+
 def _apply_sink(out: torch.Tensor, lse: torch.Tensor, attn_sink: torch.Tensor) -> torch.Tensor:
-    """out * exp(lse) / (exp(lse) + exp(sink)); a +inf sink (or no key at all) gives 0."""
-    factor = torch.sigmoid(lse - attn_sink.float()[None, :, None]).nan_to_num(nan=0.0)  # [b, h_q, s_q]
+    """out * exp(lse) / (exp(lse) + exp(sink)): a +inf sink gives 0, a -inf one changes nothing, a NaN one gives NaN
+    (as any NaN input does: never a silent 0). A row with no key (lse +inf) stays 0 whatever its sink."""
+    factor = torch.sigmoid(lse - attn_sink[None, :, None])  # [b, h_q, s_q]; NaN only for lse = sink = +inf or NaN
+    factor = torch.where(torch.isposinf(lse), torch.zeros_like(factor), factor)
     return (out.float() * factor.transpose(1, 2)[..., None]).to(out.dtype)
 
 
@@ -289,7 +301,8 @@ def flash_mla_with_kvcache(
     indices : Tensor, optional
         int32 ``[b, s_q, topk]`` sparse token ids ``block * page_block_size + offset``, -1 = skip.
     attn_sink : Tensor, optional
-        fp32 ``[h_q]``: the output is scaled by ``exp(lse) / (exp(lse) + exp(sink))``; lse unchanged.
+        fp32 ``[h_q]`` on q's device: the output is scaled by ``exp(lse) / (exp(lse) + exp(sink))``; lse unchanged.
+        ``+inf`` zeroes a head's output, ``-inf`` leaves it, NaN makes it NaN (rows with no key stay 0).
     extra_k_cache, extra_indices_in_kvcache : Tensor, optional
         A second sparse cache (``k_cache``'s format) attended to together with the first.
     topk_length, extra_topk_length : Tensor, optional
@@ -327,8 +340,8 @@ def flash_mla_with_kvcache(
     ------
     FlashMLAArgumentError
         Where FlashMLA or sgl-flash-mla asserts (wrong metadata type, mismatch with a reused
-        ``FlashMLASchedMeta``, sparse with causal, dense with ``use_legacy=False``, ...) and for a wrong ``out``
-        or ``descale_k``; the message names the argument.
+        ``FlashMLASchedMeta``, sparse with causal, dense with ``use_legacy=False``, ...) and for a wrong ``out``,
+        ``attn_sink`` (shape, dtype, device) or ``descale_k``; the message names the argument.
     NotImplementedError
         What the originals accept and mla_dispatch does not provide: an fp8 q (``descale_q``), the DeepSeek-V4 /
         V4.1 / V3.2-no-RoPE / NVFP4 caches (``kv_format`` or the cache's bytes per token), an extra cache next to
@@ -374,6 +387,8 @@ def flash_mla_with_kvcache(
             raise FlashMLAArgumentError("block_table and cache_seqlens must be provided when dense attention is used")
     if (extra_k_cache is None) != (extra_indices_in_kvcache is None):
         raise FlashMLAArgumentError("extra_k_cache and extra_indices_in_kvcache must be given together")
+    if attn_sink is not None:
+        _check_sink(attn_sink, q)
 
     kv, fmt, kv_scale, fp8 = _resolve_cache(k_cache, q, is_fp8_kvcache, kv_format, descale_k, "k_cache")
     if sparse and not fp8:
