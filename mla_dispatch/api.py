@@ -47,6 +47,21 @@ def _as_scale_tensor(kv_scale, device) -> torch.Tensor | None:
     return torch.tensor([_check_positive_finite("kv_scale", kv_scale)], dtype=torch.float32, device=device)
 
 
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two indices of ``t`` may address one element (an ``expand``-ed tensor, a stride of 0): a kernel's
+    stores to it would race and keep one request's value. Sufficient test, no device work: sorted by stride, every
+    dimension must step past all the smaller ones reach (a rare layout that interleaves without sharing is refused
+    too)."""
+    if t.is_contiguous():
+        return False
+    reach = 0
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
+
+
 #: float kv_scales a plan keeps as device tensors (one per layer's scale, typically); past this many it stops adding
 _MAX_CACHED_SCALES = 1024
 
@@ -181,11 +196,11 @@ class DecodePlan:
         out : Tensor, optional
             ``[B, s_q, h_q, D_v]`` in q's dtype, written in place. Its last dim must be contiguous
             (stride 1) unless the backend declares ``ANY_OUT_STRIDES`` (the reference does; the
-            Triton and CUDA kernels do not).
+            Triton and CUDA kernels do not); no two of its elements may share memory (no ``expand``).
         lse : Tensor, optional
-            fp32 ``[B, h_q, s_q]``, written in place. Without it, a plan made with
-            ``return_lse=False`` on a backend with a fast path writes the LSE to a
-            buffer of its own (no allocation per call).
+            fp32 ``[B, h_q, s_q]``, written in place; no two of its elements may share memory.
+            Without it, a plan made with ``return_lse=False`` on a backend with a fast path
+            writes the LSE to a buffer of its own (no allocation per call).
 
         Returns
         -------
@@ -196,7 +211,7 @@ class DecodePlan:
         Raises
         ------
         ValueError
-            An argument does not match the plan.
+            An argument does not match the plan, or ``out`` / ``lse`` overlaps itself.
         """
         p = self.problem
         kv, _, kv_scale = _unwrap_cache(kv_cache, "auto", kv_scale)
@@ -249,6 +264,9 @@ class DecodePlan:
             raise ValueError(f"out must be contiguous in its last dim (stride 1) for backend {self.backend!r}, got "
                              f"strides {list(out.stride())} (pass a tensor whose rows of {out_shape[-1]} values are "
                              f"contiguous, or out=None)")
+        elif _overlaps_itself(out):
+            raise ValueError(f"out must not overlap itself: its strides {list(out.stride())} give two elements one "
+                             "address (an expanded tensor?), so results would overwrite each other")
         lse_shape = self._lse_shape
         give_lse = lse is not None or p.return_lse
         if lse is None:
@@ -256,6 +274,9 @@ class DecodePlan:
                                                                                        device=device)
         elif lse.shape != lse_shape or lse.dtype != torch.float32 or lse.device != device:
             raise ValueError(f"lse must be {list(lse_shape)} float32 on {device}, got {list(lse.shape)} {lse.dtype}")
+        elif _overlaps_itself(lse):
+            raise ValueError(f"lse must not overlap itself: its strides {list(lse.stride())} give two elements one "
+                             "address (an expanded tensor?), so results would overwrite each other")
         self._run(self._state, q, kv, self.block_table, self.cache_seqlens, problem=p,
                   softmax_scale=self.softmax_scale, kv_scale=kv_scale, indices=indices, out=out, lse=lse)
         return out, (lse if give_lse else None)
