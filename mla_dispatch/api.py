@@ -119,8 +119,8 @@ class DecodePlan:
         self._run = backend_cls.run
         self._any_out_strides = backend_cls.ANY_OUT_STRIDES
         # the backend's one-call eager path (MLABackend.bind), and where it writes an LSE nobody asked for
-        self._fast = None if problem.sparse else backend_cls.bind(state, problem, kv_dtype, block_table, cache_seqlens,
-                                                                  softmax_scale=softmax_scale)
+        self._fast = None if problem.sparse or not problem.batch else backend_cls.bind(
+            state, problem, kv_dtype, block_table, cache_seqlens, softmax_scale=softmax_scale)
         self._lse_scratch = None
         if self._fast is not None and not problem.return_lse:
             self._lse_scratch = torch.empty(self._lse_shape, dtype=torch.float32, device=cache_seqlens.device)
@@ -174,7 +174,8 @@ class DecodePlan:
                                  f"{None if old is None else (list(old.shape), old.dtype)}, got {list(new.shape)} {new.dtype}")
             if new.data_ptr() != old.data_ptr():
                 old.copy_(new)
-        self._cls.update(self._state, self.block_table, self.cache_seqlens)
+        if self.problem.batch:  # a plan for no request has no backend state (plan_decode)
+            self._cls.update(self._state, self.block_table, self.cache_seqlens)
 
     def run(self, q: torch.Tensor, kv_cache, *, kv_scale: torch.Tensor | float | None = None,
             indices: torch.Tensor | None = None, out: torch.Tensor | None = None,
@@ -277,8 +278,9 @@ class DecodePlan:
         elif _overlaps_itself(lse):
             raise ValueError(f"lse must not overlap itself: its strides {list(lse.stride())} give two elements one "
                              "address (an expanded tensor?), so results would overwrite each other")
-        self._run(self._state, q, kv, self.block_table, self.cache_seqlens, problem=p,
-                  softmax_scale=self.softmax_scale, kv_scale=kv_scale, indices=indices, out=out, lse=lse)
+        if p.batch:  # no request: the empty out and lse are the result (plan_decode)
+            self._run(self._state, q, kv, self.block_table, self.cache_seqlens, problem=p,
+                      softmax_scale=self.softmax_scale, kv_scale=kv_scale, indices=indices, out=out, lse=lse)
         return out, (lse if give_lse else None)
 
 
@@ -364,7 +366,13 @@ def plan_decode(
     cls = select_backend(problem, platform, backend)
     # only a backend that declares options takes them (MLABackend.plan)
     extra = {"options": options} if cls.OPTIONS else {}
-    state = cls.plan(problem, platform, block_table, cache_seqlens, softmax_scale=float(softmax_scale), **extra)
+    if problem.batch:
+        state = cls.plan(problem, platform, block_table, cache_seqlens, softmax_scale=float(softmax_scale), **extra)
+    else:
+        # Batch size 0 (an engine step with no decode request): the backend is chosen and the arguments checked as
+        # for any batch, but no backend plans or runs (their schedules index request 0); run() returns out and lse
+        # of the documented shapes, [0, s_q, h_q, D_v] and [0, h_q, s_q].
+        state = BackendState()
     plan = DecodePlan(cls, problem, platform, float(softmax_scale), block_table, cache_seqlens, state,
                       tuple(q.shape), tuple(kv.shape[1:]), kv.dtype, options)
     if kv_scale is not None and not isinstance(kv_scale, torch.Tensor):
@@ -414,7 +422,9 @@ def mla_decode(
     ----------
     q : Tensor
         ``[B, s_q, h_q, D_qk]`` bfloat16 or float16, last dim contiguous.
-        DeepSeek-V3: ``D_qk = 576`` (512 latent + 64 RoPE).
+        DeepSeek-V3: ``D_qk = 576`` (512 latent + 64 RoPE). ``B`` may be 0 (a step with no
+        decode request): the arguments are checked and a backend chosen as for any batch,
+        nothing runs, and ``out`` / ``lse`` are empty tensors of the shapes below.
     kv_cache : Tensor or PagedMLACache
         ``[num_blocks, page_size, h_kv, D_qk]`` (or 3-D ``[num_blocks, page_size, D_qk]``
         for ``h_kv = 1``), in q's dtype, ``float8_e4m3fn`` (``"fp8_e4m3"``) or

@@ -164,6 +164,59 @@ def test_gpu_backends_refuse_out_or_lse_that_overlaps_itself(backend, gen):
     assert torch.isnan(out.float()).all() and torch.isnan(lse).all()
 
 
+class _NeverRuns(ReferenceBackend):
+    """A backend whose plan, update and run fail the test: a batch of no request must reach none of them."""
+
+    NAME = "never_runs_test"
+
+    @classmethod
+    def plan(cls, *args, **kwargs):
+        raise AssertionError("plan was called for batch size 0")
+
+    update = run = plan
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_batch_size_zero_returns_empty_outputs_without_a_backend_running(registered, gen, sparse):
+    """Batch size 0 once raised IndexError in triton's split_kv_schedule (the reference returned empty tensors)."""
+    never = registered(_NeverRuns)
+    q = torch.randn(0, 2, 8, 64, generator=gen).to(BF)
+    kv = torch.randn(5, 16, 1, 64, generator=gen).to(BF)
+    table, lens = torch.zeros(0, 3, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
+    idx = torch.zeros(0, 2, 10, dtype=torch.int32) if sparse else None
+    args = (q, kv, None, None) if sparse else (q, kv, table, lens)
+    for backend in ("reference", never):
+        out, lse = mla_dispatch.mla_decode(*args, head_dim_v=32, indices=idx, backend=backend)
+        assert out.shape == (0, 2, 8, 32) and out.dtype == BF and lse.shape == (0, 8, 2) and lse.dtype == torch.float32
+        plan = mla_dispatch.plan_decode(*args, head_dim_v=32, indices=idx, backend=backend, return_lse=False)
+        assert plan.backend == backend
+        if not sparse:
+            plan.update(table.clone(), lens.clone())
+        given = torch.empty(0, 2, 8, 32, dtype=BF)
+        got, no_lse = plan.run(q, kv, indices=idx, out=given)
+        assert got is given and no_lse is None
+        with pytest.raises(ValueError, match=r"out must be \[0, 2, 8, 32\]"):
+            plan.run(q, kv, indices=idx, out=torch.empty(1, 2, 8, 32, dtype=BF))
+    with pytest.raises(ValueError, match="q"):  # the arguments are still checked
+        mla_dispatch.mla_decode(q.float(), kv, table, lens, head_dim_v=32, backend=never)
+
+
+@pytest.mark.gpu
+def test_batch_size_zero_on_every_gpu_backend():
+    q = torch.randn(0, 2, 16, 576, device="cuda").to(BF)
+    kv = torch.randn(4, 64, 1, 576, device="cuda").to(BF)
+    table, lens = torch.zeros(0, 2, dtype=torch.int32, device="cuda"), torch.zeros(0, dtype=torch.int32, device="cuda")
+    ran = []
+    for backend in mla_dispatch.registered_names():
+        try:
+            out, lse = mla_dispatch.mla_decode(q, kv, table, lens, causal=True, backend=backend)
+        except mla_dispatch.NoBackendError:
+            continue
+        assert out.shape == (0, 2, 16, 512) and lse.shape == (0, 16, 2) and out.device.type == "cuda"
+        ran.append(backend)
+    assert "triton" in ran and "cuda_sm90" in ran, ran
+
+
 def test_return_lse_false_gives_none(gen):
     case = make_case(2, 1, 4, 30, page_size=8, generator=gen, head_dim_qk=64, head_dim_v=32)
     out, lse = mla_dispatch.mla_decode(*case.args(), **case.kwargs(), return_lse=False)

@@ -335,6 +335,20 @@ def test_legacy_metadata_covers_every_token_once(gen):
     assert [covered[b] for b in range(len(lens))] == lens.tolist()
 
 
+def test_batch_size_zero_both_conventions(gen):
+    """get_mla_metadata_legacy raised IndexError on an empty batch (split_kv_schedule indexes request 0)."""
+    lens = torch.zeros(0, dtype=torch.int32)
+    tile_md, num_splits = fm.get_mla_metadata_legacy(lens, 2 * 16, 1)
+    assert tile_md.dtype == torch.int32 and tile_md.shape[1] == fm.TILE_SCHEDULER_METADATA_SIZE
+    assert not tile_md.any() and num_splits.tolist() == [0]
+    q = torch.randn(0, 2, 16, 576, generator=gen).to(torch.bfloat16)
+    kv = torch.randn(3, 64, 1, 576, generator=gen).to(torch.bfloat16)
+    table = torch.zeros(0, 4, dtype=torch.int32)
+    for meta, splits in ((tile_md, num_splits), (fm.get_mla_metadata()[0], None)):
+        out, lse = fm.flash_mla_with_kvcache(q, kv, table, lens, 512, meta, splits, causal=True)
+        assert out.shape == (0, 2, 16, 512) and lse.shape == (0, 16, 2) and lse.dtype == torch.float32
+
+
 # -- sparse (DeepSeek-V3.2 style): fp8_ds_mla, topk_length, attn_sink, extra cache ---------
 
 

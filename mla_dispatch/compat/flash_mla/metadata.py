@@ -115,7 +115,7 @@ def get_mla_metadata_legacy(
     Parameters
     ----------
     cache_seqlens : Tensor
-        int32 ``[b]``.
+        int32 ``[b]``; ``b`` may be 0 (then every part is empty and ``num_splits`` is ``[0]``).
     num_q_tokens_per_head_k : int
         ``s_q * h_q // h_k``.
     num_heads_k : int
@@ -149,6 +149,10 @@ def get_mla_metadata_legacy(
     seqlens = cache_seqlens if topk is None else torch.full_like(cache_seqlens, int(topk))
     platform = platform_for(cache_seqlens.device)
     num_parts = default_num_parts(platform.num_compute_units, num_heads_k, num_q_tokens_per_head_k)
+    if cache_seqlens.shape[0] == 0:  # no request: every part is empty (all-zero rows), no split
+        device = cache_seqlens.device
+        return (torch.zeros(num_parts, TILE_SCHEDULER_METADATA_SIZE, dtype=torch.int32, device=device),
+                torch.zeros(1, dtype=torch.int32, device=device))
     sched = split_kv_schedule(seqlens, num_parts=num_parts, chunk_size=_BLOCK_N, overhead=_FIXED_OVERHEAD_BLOCKS)
     return _flashmla_layout(sched)
 
