@@ -935,3 +935,27 @@ def test_run_and_pth_finder_step_aside_for_an_installed_flash_mla(tmp_path):
     res = subprocess.run([sys.executable, "-m", "mla_dispatch.compat.flash_mla", "install-pth", "--site-dir",
                           str(tmp_path / "other")], capture_output=True, text=True, env=env)
     assert res.returncode == 1 and "was not written" in res.stderr
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["run", "{tmp}/missing.py"], "script '{tmp}/missing.py' does not exist"),
+    (["run", "{tmp}"], "script '{tmp}' is a folder without __main__.py"),
+    (["run", "-m", "no_such_module_for_this_test"], "no module named 'no_such_module_for_this_test'"),
+    (["run", "--backend", "nope", "{tmp}/script.py"], "argument --backend: unknown backend 'nope'"),
+], ids=["missing-script", "folder", "missing-module", "unknown-backend"])
+def test_run_command_mistakes_are_one_line_and_exit_2(argv, expected, tmp_path, capsys, clean_alias, monkeypatch):
+    """`run missing.py` (and a folder) once printed runpy's traceback; nothing is installed or run then."""
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # run sets the script's argv
+    (tmp_path / "script.py").write_text("raise SystemExit('the script ran')\n")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    with pytest.raises(SystemExit) as stop:
+        fm.main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert expected.replace("{tmp}", str(tmp_path)) in err and err.startswith(
+        "python -m mla_dispatch.compat.flash_mla: error: ")
+    assert "flash_mla" not in sys.modules or not getattr(sys.modules["flash_mla"], "MLA_DISPATCH_ALIAS", None)
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__main__.py").write_text("import flash_mla\nprint('ran', flash_mla.MLA_DISPATCH_ALIAS)\n")
+    assert fm.main(["run", str(tmp_path / "pkg")]) == 0  # a folder with __main__.py runs, as under python
+    assert "ran current" in capsys.readouterr().out

@@ -64,7 +64,7 @@ from mla_dispatch.tools.roofline import Ceilings, decode_work, measure_ceilings,
 from mla_dispatch.numerics.cases import UNUSED_BLOCK_ID, DecodeCase
 from mla_dispatch.numerics.tolerance import compare_outputs
 from mla_dispatch.tools.args import (CommandParser, UsageError, backend_names, backend_spec, parse_device, positive_float,
-                                     usage_error, writable_dir)
+                                     seed_int, usage_error, writable_dir)
 
 __all__ = ["BenchConfig", "BenchRow", "GRIDS", "grid_configs", "make_bench_case", "run_bench", "default_backends",
            "environment", "main"]
@@ -657,7 +657,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-graph", action="store_true", help="skip CUDA-graph replay timing")
     p.add_argument("--rep-ms", type=positive_float, default=100.0,
                    help="timing budget per measurement (do_bench rep)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--list", action="store_true", help="print the grid's configs and exit")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
