@@ -13,6 +13,11 @@ trace, and ``bench`` times ours.
   it stops at the first case that fails, as FlashMLA's does.
 - sparse: every case of its ``gen_testcase`` that our API takes; the MODEL1 cases (``d_qk=512``: another cache
   format, extra caches, ``topk_length``) are counted as not run, with the reason.
+- ``--reuse-meta`` (dense): FlashMLA's contract lets a ``FlashMLASchedMeta`` be reused while the shapes and the
+  lengths stay the same, and reads ``block_table`` and the cache on every call. So before each of its calls on a
+  fresh meta, the same meta is first filled by a call on another table: the cache's blocks moved to a random
+  permutation of their places and the table rewritten to match (same attention, other block ids). FlashMLA's own
+  check then judges its call, which must read its own table, not the one the meta was filled with.
 
 Exit status 1 when a case fails.
 """
@@ -54,6 +59,28 @@ def _dense(fm_test, args, torch, tqdm) -> dict:
             "failures": failures, "dtype": args.dtype}
 
 
+def _fill_meta_with_another_table(flash_mla, torch) -> None:
+    """Wrap ``flash_mla.flash_mla_with_kvcache`` (the alias FlashMLA's test calls) so that a dense call on a fresh
+    ``FlashMLASchedMeta`` is preceded by one on the same meta with the cache's blocks permuted and the table
+    rewritten to match: the meta is then reused, with another table and cache, by FlashMLA's own call."""
+    real = flash_mla.flash_mla_with_kvcache
+
+    def reused(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, *args, **kwargs):
+        if block_table is not None and isinstance(meta, flash_mla.FlashMLASchedMeta) and not meta.have_initialized:
+            num_blocks = k_cache.shape[0]
+            perm = torch.randperm(num_blocks, device=k_cache.device)
+            moved = torch.empty_like(k_cache)
+            moved[perm] = k_cache  # block j now lives at perm[j]
+            valid = (block_table >= 0) & (block_table < num_blocks)  # unused entries (2147480000) stay as they are
+            table = torch.where(valid, perm[block_table.clamp(0, num_blocks - 1).long()].to(block_table.dtype),
+                                block_table)
+            real(q, moved, table, cache_seqlens, head_dim_v, meta, *args, **kwargs)
+            del moved
+        return real(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, *args, **kwargs)
+
+    flash_mla.flash_mla_with_kvcache = reused
+
+
 def _sparse(fm_test, args, torch, tqdm) -> dict:
     torch.set_default_dtype(torch.bfloat16)
     torch.set_default_device("cuda:0")
@@ -90,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="dense: q and cache dtype")
     ap.add_argument("--limit", type=int, default=0, help="run only the first N cases that we take (0: all)")
     ap.add_argument("--json", help="write the counts and failures here")
+    ap.add_argument("--reuse-meta", action="store_true",
+                    help="dense: fill each FlashMLASchedMeta with a call on another (permuted) table first")
     args = ap.parse_args(argv)
 
     import torch
@@ -106,11 +135,14 @@ def main(argv: list[str] | None = None) -> int:
     with use_backends(args.backend):
         if args.which == "dense":
             import test_flash_mla_dense_decoding as fm_test  # FlashMLA's file, after the alias
+            if args.reuse_meta:
+                _fill_meta_with_another_table(fm_test.flash_mla, torch)
             summary = _dense(fm_test, args, torch, tqdm)
         else:
             import test_flash_mla_sparse_decoding as fm_test
             summary = _sparse(fm_test, args, torch, tqdm)
-    summary = {"test": args.which, "backend": args.backend, **summary, "seconds": round(time.time() - t0, 1),
+    summary = {"test": args.which, "backend": args.backend, "reuse_meta": args.reuse_meta, **summary,
+               "seconds": round(time.time() - t0, 1),
                "device": torch.cuda.get_device_name()}
     print(json.dumps({k: v for k, v in summary.items() if k != "failures"}))
     if args.json:

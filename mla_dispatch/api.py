@@ -47,6 +47,21 @@ def _as_scale_tensor(kv_scale, device) -> torch.Tensor | None:
     return torch.tensor([_check_positive_finite("kv_scale", kv_scale)], dtype=torch.float32, device=device)
 
 
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two indices of ``t`` may address one element (an ``expand``-ed tensor, a stride of 0): a kernel's
+    stores to it would race and keep one request's value. Sufficient test, no device work: sorted by stride, every
+    dimension must step past all the smaller ones reach (a rare layout that interleaves without sharing is refused
+    too)."""
+    if t.is_contiguous():
+        return False
+    reach = 0
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1):
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
+
+
 #: float kv_scales a plan keeps as device tensors (one per layer's scale, typically); past this many it stops adding
 _MAX_CACHED_SCALES = 1024
 
@@ -104,8 +119,8 @@ class DecodePlan:
         self._run = backend_cls.run
         self._any_out_strides = backend_cls.ANY_OUT_STRIDES
         # the backend's one-call eager path (MLABackend.bind), and where it writes an LSE nobody asked for
-        self._fast = None if problem.sparse else backend_cls.bind(state, problem, kv_dtype, block_table, cache_seqlens,
-                                                                  softmax_scale=softmax_scale)
+        self._fast = None if problem.sparse or not problem.batch else backend_cls.bind(
+            state, problem, kv_dtype, block_table, cache_seqlens, softmax_scale=softmax_scale)
         self._lse_scratch = None
         if self._fast is not None and not problem.return_lse:
             self._lse_scratch = torch.empty(self._lse_shape, dtype=torch.float32, device=cache_seqlens.device)
@@ -159,7 +174,8 @@ class DecodePlan:
                                  f"{None if old is None else (list(old.shape), old.dtype)}, got {list(new.shape)} {new.dtype}")
             if new.data_ptr() != old.data_ptr():
                 old.copy_(new)
-        self._cls.update(self._state, self.block_table, self.cache_seqlens)
+        if self.problem.batch:  # a plan for no request has no backend state (plan_decode)
+            self._cls.update(self._state, self.block_table, self.cache_seqlens)
 
     def run(self, q: torch.Tensor, kv_cache, *, kv_scale: torch.Tensor | float | None = None,
             indices: torch.Tensor | None = None, out: torch.Tensor | None = None,
@@ -181,11 +197,11 @@ class DecodePlan:
         out : Tensor, optional
             ``[B, s_q, h_q, D_v]`` in q's dtype, written in place. Its last dim must be contiguous
             (stride 1) unless the backend declares ``ANY_OUT_STRIDES`` (the reference does; the
-            Triton and CUDA kernels do not).
+            Triton and CUDA kernels do not); no two of its elements may share memory (no ``expand``).
         lse : Tensor, optional
-            fp32 ``[B, h_q, s_q]``, written in place. Without it, a plan made with
-            ``return_lse=False`` on a backend with a fast path writes the LSE to a
-            buffer of its own (no allocation per call).
+            fp32 ``[B, h_q, s_q]``, written in place; no two of its elements may share memory.
+            Without it, a plan made with ``return_lse=False`` on a backend with a fast path
+            writes the LSE to a buffer of its own (no allocation per call).
 
         Returns
         -------
@@ -196,7 +212,7 @@ class DecodePlan:
         Raises
         ------
         ValueError
-            An argument does not match the plan.
+            An argument does not match the plan, or ``out`` / ``lse`` overlaps itself.
         """
         p = self.problem
         kv, _, kv_scale = _unwrap_cache(kv_cache, "auto", kv_scale)
@@ -249,6 +265,9 @@ class DecodePlan:
             raise ValueError(f"out must be contiguous in its last dim (stride 1) for backend {self.backend!r}, got "
                              f"strides {list(out.stride())} (pass a tensor whose rows of {out_shape[-1]} values are "
                              f"contiguous, or out=None)")
+        elif _overlaps_itself(out):
+            raise ValueError(f"out must not overlap itself: its strides {list(out.stride())} give two elements one "
+                             "address (an expanded tensor?), so results would overwrite each other")
         lse_shape = self._lse_shape
         give_lse = lse is not None or p.return_lse
         if lse is None:
@@ -256,8 +275,12 @@ class DecodePlan:
                                                                                        device=device)
         elif lse.shape != lse_shape or lse.dtype != torch.float32 or lse.device != device:
             raise ValueError(f"lse must be {list(lse_shape)} float32 on {device}, got {list(lse.shape)} {lse.dtype}")
-        self._run(self._state, q, kv, self.block_table, self.cache_seqlens, problem=p,
-                  softmax_scale=self.softmax_scale, kv_scale=kv_scale, indices=indices, out=out, lse=lse)
+        elif _overlaps_itself(lse):
+            raise ValueError(f"lse must not overlap itself: its strides {list(lse.stride())} give two elements one "
+                             "address (an expanded tensor?), so results would overwrite each other")
+        if p.batch:  # no request: the empty out and lse are the result (plan_decode)
+            self._run(self._state, q, kv, self.block_table, self.cache_seqlens, problem=p,
+                      softmax_scale=self.softmax_scale, kv_scale=kv_scale, indices=indices, out=out, lse=lse)
         return out, (lse if give_lse else None)
 
 
@@ -343,7 +366,13 @@ def plan_decode(
     cls = select_backend(problem, platform, backend)
     # only a backend that declares options takes them (MLABackend.plan)
     extra = {"options": options} if cls.OPTIONS else {}
-    state = cls.plan(problem, platform, block_table, cache_seqlens, softmax_scale=float(softmax_scale), **extra)
+    if problem.batch:
+        state = cls.plan(problem, platform, block_table, cache_seqlens, softmax_scale=float(softmax_scale), **extra)
+    else:
+        # Batch size 0 (an engine step with no decode request): the backend is chosen and the arguments checked as
+        # for any batch, but no backend plans or runs (their schedules index request 0); run() returns out and lse
+        # of the documented shapes, [0, s_q, h_q, D_v] and [0, h_q, s_q].
+        state = BackendState()
     plan = DecodePlan(cls, problem, platform, float(softmax_scale), block_table, cache_seqlens, state,
                       tuple(q.shape), tuple(kv.shape[1:]), kv.dtype, options)
     if kv_scale is not None and not isinstance(kv_scale, torch.Tensor):
@@ -393,7 +422,9 @@ def mla_decode(
     ----------
     q : Tensor
         ``[B, s_q, h_q, D_qk]`` bfloat16 or float16, last dim contiguous.
-        DeepSeek-V3: ``D_qk = 576`` (512 latent + 64 RoPE).
+        DeepSeek-V3: ``D_qk = 576`` (512 latent + 64 RoPE). ``B`` may be 0 (a step with no
+        decode request): the arguments are checked and a backend chosen as for any batch,
+        nothing runs, and ``out`` / ``lse`` are empty tensors of the shapes below.
     kv_cache : Tensor or PagedMLACache
         ``[num_blocks, page_size, h_kv, D_qk]`` (or 3-D ``[num_blocks, page_size, D_qk]``
         for ``h_kv = 1``), in q's dtype, ``float8_e4m3fn`` (``"fp8_e4m3"``) or

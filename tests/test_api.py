@@ -107,6 +107,116 @@ def _assert_matches_float64(out, lse, case, **replace):
     assert report, report.message
 
 
+class _CountingReference(ReferenceBackend):
+    """The reference, counting its runs; like triton and cuda_sm90 it takes only rows of ``out`` with stride 1."""
+
+    NAME = "counting_reference_test"
+    ANY_OUT_STRIDES = False
+    runs = 0
+
+    @classmethod
+    def run(cls, state, *args, **kwargs):
+        cls.runs += 1
+        return super().run(state, *args, **kwargs)
+
+
+def test_out_or_lse_that_overlaps_itself_is_refused_before_a_backend_runs(registered, gen):
+    """An expanded lse once reached triton's kernel, which wrote every request's lse to one place."""
+    name = registered(_CountingReference)
+    case = make_case(3, 2, 4, 30, page_size=8, generator=gen, head_dim_qk=64, head_dim_v=32)
+    plan = mla_dispatch.plan_decode(*case.args(), **case.kwargs(), backend=name)
+    b, s_q, h = 3, 2, 4
+    bad_lse = [torch.empty(1, h, s_q).expand(b, h, s_q), torch.empty(b, 1, s_q).expand(b, h, s_q),
+               torch.empty(b, h * s_q)[:, :h * s_q - 1].as_strided((b, h, s_q), (h * s_q, 1, 1))]
+    for lse in bad_lse:
+        with pytest.raises(ValueError, match=r"lse must not overlap itself: its strides \["):
+            plan.run(case.q, case.kv_cache, lse=lse)
+    out = torch.empty(1, s_q, h, 32, dtype=BF).expand(b, s_q, h, 32)
+    with pytest.raises(ValueError, match=r"out must not overlap itself: its strides \[0, "):
+        plan.run(case.q, case.kv_cache, out=out)
+    assert _CountingReference.runs == 0
+    # Strided but disjoint: FlashMLA's own lse layout (heads outermost) and a slice of a wider out are written.
+    lse = torch.full((h, b, s_q), float("nan")).transpose(0, 1)
+    wide = torch.full((b, s_q, h, 40), float("nan"), dtype=BF)
+    got, got_lse = plan.run(case.q, case.kv_cache, out=wide[..., :32], lse=lse)
+    assert got_lse is lse and _CountingReference.runs == 1
+    want_out, want_lse = reference_attention(*case.args(), **case.kwargs())
+    assert torch.equal(got, want_out.to(BF)) and torch.equal(lse, want_lse)
+    assert torch.isnan(wide[..., 32:].float()).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cuda_sm90"])
+def test_gpu_backends_refuse_out_or_lse_that_overlaps_itself(backend, gen):
+    """On the GPU backends, the bound fast path included (cuda_sm90's binding checks it too): nothing is written."""
+    case = make_case(3, 2, 16, 300, generator=gen, device="cuda")
+    try:
+        plan = mla_dispatch.plan_decode(*case.args(), **case.kwargs(), backend=backend)
+    except mla_dispatch.NoBackendError as exc:
+        pytest.skip(str(exc)[:300])
+    out = torch.full((3, 2, 16, 512), float("nan"), dtype=case.q.dtype, device="cuda")
+    lse = torch.full((1, 16, 2), float("nan"), device="cuda")
+    with pytest.raises(ValueError, match="lse must not overlap itself"):
+        plan.run(case.q, case.kv_cache, out=out, lse=lse.expand(3, 16, 2))
+    with pytest.raises(ValueError, match="out must not overlap itself"):
+        plan.run(case.q, case.kv_cache, out=out[:1].expand(3, 2, 16, 512))
+    torch.cuda.synchronize()
+    assert torch.isnan(out.float()).all() and torch.isnan(lse).all()
+
+
+class _NeverRuns(ReferenceBackend):
+    """A backend whose plan, update and run fail the test: a batch of no request must reach none of them."""
+
+    NAME = "never_runs_test"
+
+    @classmethod
+    def plan(cls, *args, **kwargs):
+        raise AssertionError("plan was called for batch size 0")
+
+    update = run = plan
+
+
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_batch_size_zero_returns_empty_outputs_without_a_backend_running(registered, gen, sparse):
+    """Batch size 0 once raised IndexError in triton's split_kv_schedule (the reference returned empty tensors)."""
+    never = registered(_NeverRuns)
+    q = torch.randn(0, 2, 8, 64, generator=gen).to(BF)
+    kv = torch.randn(5, 16, 1, 64, generator=gen).to(BF)
+    table, lens = torch.zeros(0, 3, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)
+    idx = torch.zeros(0, 2, 10, dtype=torch.int32) if sparse else None
+    args = (q, kv, None, None) if sparse else (q, kv, table, lens)
+    for backend in ("reference", never):
+        out, lse = mla_dispatch.mla_decode(*args, head_dim_v=32, indices=idx, backend=backend)
+        assert out.shape == (0, 2, 8, 32) and out.dtype == BF and lse.shape == (0, 8, 2) and lse.dtype == torch.float32
+        plan = mla_dispatch.plan_decode(*args, head_dim_v=32, indices=idx, backend=backend, return_lse=False)
+        assert plan.backend == backend
+        if not sparse:
+            plan.update(table.clone(), lens.clone())
+        given = torch.empty(0, 2, 8, 32, dtype=BF)
+        got, no_lse = plan.run(q, kv, indices=idx, out=given)
+        assert got is given and no_lse is None
+        with pytest.raises(ValueError, match=r"out must be \[0, 2, 8, 32\]"):
+            plan.run(q, kv, indices=idx, out=torch.empty(1, 2, 8, 32, dtype=BF))
+    with pytest.raises(ValueError, match="q"):  # the arguments are still checked
+        mla_dispatch.mla_decode(q.float(), kv, table, lens, head_dim_v=32, backend=never)
+
+
+@pytest.mark.gpu
+def test_batch_size_zero_on_every_gpu_backend():
+    q = torch.randn(0, 2, 16, 576, device="cuda").to(BF)
+    kv = torch.randn(4, 64, 1, 576, device="cuda").to(BF)
+    table, lens = torch.zeros(0, 2, dtype=torch.int32, device="cuda"), torch.zeros(0, dtype=torch.int32, device="cuda")
+    ran = []
+    for backend in mla_dispatch.registered_names():
+        try:
+            out, lse = mla_dispatch.mla_decode(q, kv, table, lens, causal=True, backend=backend)
+        except mla_dispatch.NoBackendError:
+            continue
+        assert out.shape == (0, 2, 16, 512) and lse.shape == (0, 16, 2) and out.device.type == "cuda"
+        ran.append(backend)
+    assert "triton" in ran and "cuda_sm90" in ran, ran
+
+
 def test_return_lse_false_gives_none(gen):
     case = make_case(2, 1, 4, 30, page_size=8, generator=gen, head_dim_qk=64, head_dim_v=32)
     out, lse = mla_dispatch.mla_decode(*case.args(), **case.kwargs(), return_lse=False)

@@ -126,3 +126,127 @@ def test_constructor_errors():
         PagedMLACache(2, 4, kv_format="int4")
     with pytest.raises(ValueError, match="fp8_ds_mla.*head_dim=512"):
         PagedMLACache(2, 4, kv_format="fp8_ds_mla", head_dim=512)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(kv_format="fp8_e4m3", kv_scale=float("inf")), "kv_format='fp8_e4m3' needs a positive kv_scale, a finite"),
+    (dict(kv_format="fp8_e4m3", kv_scale=float("nan")), "kv_format='fp8_e4m3' needs a positive kv_scale, a finite"),
+    (dict(kv_format="fp8_e4m3", kv_scale=-1.0), "kv_format='fp8_e4m3' needs a positive kv_scale"),
+    (dict(kv_format="bf16", kv_scale=0.5), "kv_scale is only used with kv_format='fp8_e4m3'"),
+    (dict(head_dim=0), "head_dim must be an int >= 1, got 0"),
+    (dict(num_heads_kv=0), "num_heads_kv must be an int >= 1, got 0"),
+    (dict(head_dim=8.0), "head_dim must be an int >= 1, got 8.0"),
+], ids=["scale-inf", "scale-nan", "scale-negative", "scale-for-bf16", "head_dim-0", "heads-0", "head_dim-float"])
+def test_constructor_refuses_values_that_make_a_broken_cache(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        PagedMLACache(2, 4, **kwargs)
+
+
+def test_list_of_values_needs_a_list_of_ids(gen):
+    """append("ab", [t1, t2]) once appended to sequences "a" and "b"."""
+    cache = PagedMLACache(4, 4, head_dim=8)
+    for sid in ("a", "b", "ab"):
+        cache.add_sequence(sid)
+    t1, t2 = torch.randn(2, 8, generator=gen), torch.randn(3, 8, generator=gen)
+    with pytest.raises(ValueError, match="seq_id must be a list of sequence ids when values is a list"):
+        cache.append("ab", [t1, t2])
+    assert [cache.seq_len(s) for s in ("a", "b", "ab")] == [0, 0, 0] and cache.num_free_blocks == 4
+    cache.append(("a", "b"), [t1, t2])  # a tuple of ids is a list of ids
+    cache.append("ab", t1)  # one id, one tensor
+    assert [cache.seq_len(s) for s in ("a", "b", "ab")] == [2, 3, 2]
+
+
+def test_values_that_require_grad_are_stored_as_values(gen):
+    cache = PagedMLACache(4, 4, head_dim=8)
+    cache.add_sequence("a")
+    values = torch.randn(5, 8, generator=gen, requires_grad=True)
+    slots = cache.append("a", values * 2)
+    cache.write_slots(slots[:2], values[:2])
+    assert not cache.kv.requires_grad and cache.kv.grad_fn is None
+    want = torch.cat([values[:2], values[2:] * 2]).detach().bfloat16().float()
+    assert torch.equal(cache.gather("a")[:, 0], want)
+
+
+# -- concurrent calls ---------------------------------------------------------------------------
+
+
+def _hammer(cache, workers, rounds, seed, free_some):
+    """``workers`` threads, each appending ``rounds`` chunks of random sizes to its own sequences (and, with
+    ``free_some``, freeing and re-adding one of them now and then) while the others do the same; returns each
+    live sequence's expected fp32 tokens. Threads start together (a barrier) and the interpreter switches threads
+    every microsecond, so the calls interleave inside each other."""
+    import sys
+    import threading
+
+    expected, errors = {}, []
+    barrier = threading.Barrier(workers)
+
+    def work(w):
+        g = torch.Generator().manual_seed(seed + w)
+        ids = [(w, 0), (w, 1)]
+        try:
+            for sid in ids:
+                cache.add_sequence(sid)
+                expected[sid] = []
+            barrier.wait()
+            for r in range(rounds):
+                sid = ids[r % 2]
+                n = int(torch.randint(1, 6, (1,), generator=g))
+                values = torch.randn(n, 1, cache.head_dim, generator=g).bfloat16()
+                if r % 7 == 3:  # two sequences in one call (all or nothing)
+                    other = ids[1 - r % 2]
+                    more = torch.randn(2, 1, cache.head_dim, generator=g).bfloat16()
+                    cache.append([sid, other], [values, more])
+                    expected[other].append(more.float())
+                else:
+                    cache.append(sid, values)
+                expected[sid].append(values.float())
+                table, lens = cache.decode_inputs(ids)  # reads the bookkeeping while others change it
+                assert int(lens[r % 2]) == sum(v.shape[0] for v in expected[sid])
+                if free_some and r % 11 == 10:
+                    cache.free(sid)
+                    cache.add_sequence(sid)
+                    expected[sid] = []
+        except Exception as exc:  # reported by the main thread
+            errors.append(exc)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=work, args=(w,)) for w in range(workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert not errors, errors[0]
+    return {sid: torch.cat(chunks) if chunks else torch.empty(0, 1, cache.head_dim) for sid, chunks in expected.items()}
+
+
+@pytest.mark.parametrize("free_some", [False, True], ids=["append", "append-free"])
+def test_concurrent_appends_keep_the_bookkeeping_and_the_tokens(seed, free_some):
+    """Engines call from worker threads: 8 threads x 60 appends each, 4 trials. Every block is owned by at most one
+    sequence or free (none lost, none twice), and every sequence reads back exactly what its thread appended."""
+    for trial in range(4):
+        cache = PagedMLACache(num_blocks=700, page_size=4, head_dim=8, kv_format="bf16")  # room for all of it
+        expected = _hammer(cache, workers=8, rounds=60, seed=seed + 1000 * trial, free_some=free_some)
+        owned = [b for sid in expected for b in cache._seqs[sid].blocks]
+        assert len(owned) == len(set(owned)), f"trial {trial}: a block is owned twice"
+        assert sorted(owned + cache._free) == list(range(cache.num_blocks)), f"trial {trial}: blocks leaked"
+        for sid, want in expected.items():
+            assert cache.seq_len(sid) == want.shape[0]
+            assert torch.equal(cache.gather(sid), want), f"trial {trial}: sequence {sid} reads other tokens"
+
+
+def test_a_copied_cache_has_its_own_bookkeeping_and_lock(gen):
+    import copy
+
+    cache = PagedMLACache(num_blocks=6, page_size=4, head_dim=8)
+    cache.add_sequence("a")
+    cache.append("a", torch.randn(5, 8, generator=gen))
+    twin = copy.deepcopy(cache)
+    twin.append("a", torch.randn(4, 8, generator=gen))
+    assert cache.seq_len("a") == 5 and twin.seq_len("a") == 9
+    assert cache.num_free_blocks == 4 and twin.num_free_blocks == 3
+    assert twin._lock is not cache._lock

@@ -18,12 +18,13 @@ NO_CUDA = not torch.cuda.is_available()
 TRITON_RUNS_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _one_line_error(capsys, argv, *expected):
-    """Run ``argv``; it must exit non-zero with exactly one line on stderr containing each of ``expected``."""
+def _one_line_error(capsys, argv, *expected, status=None):
+    """Run ``argv``; it must exit non-zero (``status`` where given) with exactly one line on stderr containing each
+    of ``expected``."""
     rc = main(argv)
     captured = capsys.readouterr()
     lines = [line for line in captured.err.splitlines() if line.strip()]
-    assert rc != 0, (argv, captured.out[-500:])
+    assert rc != 0 and status in (None, rc), (argv, rc, captured.out[-500:])
     assert len(lines) == 1, (argv, captured.err)
     assert "Traceback" not in captured.err + captured.out
     for text in expected:
@@ -127,6 +128,39 @@ BAD_ARGUMENTS = [
 @pytest.mark.parametrize("argv,expected", BAD_ARGUMENTS)
 def test_a_user_mistake_is_one_line_naming_the_argument(argv, expected, capsys):
     _one_line_error(capsys, argv, "error:", *expected)
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["demo", "--seed", "99999999999999999999"], ["--seed", "[-2**63, 2**63 - 1]"]),
+    (["conformance", "--seed", str(1 << 64)], ["--seed", "[-2**63, 2**63 - 1]"]),
+    (["bench", "--seed", str(-(1 << 63) - 1)], ["--seed", "[-2**63, 2**63 - 1]"]),
+    (["demo", "--page-size", "99999999", "--device", "cpu"], ["--page-size", "GiB on cpu", "are free"]),
+    (["demo", "--lengths", "99999999999", "--device", "cpu"], ["--lengths", "99999999999 cached tokens", "are free"]),
+], ids=["demo-seed-overflow", "conformance-seed-overflow", "bench-seed-underflow", "demo-page-size-huge",
+        "demo-lengths-huge"])
+def test_values_too_large_are_one_line_and_exit_2(argv, expected, capsys):
+    """These once ended in tracebacks: torch's seed overflow, an allocator's "can't allocate memory"."""
+    _one_line_error(capsys, argv, "error:", *expected, status=2)
+
+
+def _bench_json_problems(tmp_path):
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "text.json").write_text("not json")
+    (tmp_path / "binary.json").write_bytes(bytes(range(128, 256)))
+    (tmp_path / "list.json").write_text("[1, 2, 3]")
+    (tmp_path / "other.json").write_text('{"rows": 5}')
+    (tmp_path / "bad-config.json").write_text('{"configs": {"a": {"no_such_field": 1}}, "rows": [], "environment": {}}')
+    return [("missing.json", "does not exist"), ("folder", "is a folder, not a file"),
+            ("text.json", "is not JSON (Expecting value at line 1, column 1)"), ("binary.json", "is not text"),
+            ("list.json", "holds a JSON list, expected an object"), ("other.json", "is not a saved bench run (no 'configs')"),
+            ("bad-config.json", "is not a saved bench run")]
+
+
+def test_tune_from_json_that_is_not_a_saved_run_is_one_line_and_exit_2(tmp_path, capsys):
+    for name, expected in _bench_json_problems(tmp_path):
+        path = str(tmp_path / name)
+        argv = ["tune", "--from-json", path, "--dry-run"]
+        _one_line_error(capsys, argv, "argument --from-json", repr(path), expected, status=2)
 
 
 @pytest.mark.parametrize("command,option", [("bench", "--out"), ("conformance", "--json"), ("tune", "--out")])

@@ -210,6 +210,90 @@ def test_meta_is_reused_across_layers_and_rejects_other_shapes(gen):
         fm.flash_mla_with_kvcache(q2, kv2, c.block_table, c.cache_seqlens, 512, meta, causal=True)
 
 
+def _dense_inputs(gen, device, b=3, s_q=2, h_q=16, length=150, page=64, num_blocks=40, dtype=torch.float16):
+    """q and a cache with every slot valid (so any table of its block ids reads real tokens), two different random
+    block tables of the same shape and the lengths."""
+    width = -(-length // page)
+    q = (torch.randn(b, s_q, h_q, 576, generator=gen) / 10).clamp(-1, 1).to(device, dtype)
+    kv = (torch.randn(num_blocks, page, 1, 576, generator=gen) / 10).clamp(-1, 1).to(device, dtype)
+    tables = [torch.randperm(num_blocks, generator=gen)[: b * width].view(b, width).to(device, torch.int32)
+              for _ in range(2)]
+    lens = torch.randint(s_q, length + 1, (b,), generator=gen, dtype=torch.int32).to(device)
+    return q, kv, tables, lens
+
+
+def _check_reused_meta(gen, backend, device):
+    """FlashMLA reads block_table, softmax_scale, head_dim_v and the cache on every call of a reused sched_meta
+    (flash_mla_interface.py); a plan made by the first call must not answer the later ones."""
+    q, kv, (bt, bt2), lens = _dense_inputs(gen, device)
+    meta, _ = fm.get_mla_metadata()
+    meta.backend = backend
+
+    def call(table, cache=kv, head_dim_v=512, **kw):
+        out = torch.full((*q.shape[:3], head_dim_v), float("nan"), dtype=q.dtype, device=device)
+        res, lse = fm.flash_mla_with_kvcache(q, cache, table, lens, head_dim_v, meta, causal=True, out=out, **kw)
+        assert res is out and meta.plan.backend == backend
+        return res.cpu(), lse.cpu()
+
+    def want(table, cache=kv, scale=None, head_dim_v=512):
+        return oracle(q.cpu(), cache.cpu(), table.cpu(), lens.cpu(), causal=True, scale=scale, head_dim_v=head_dim_v)
+
+    try:
+        first = call(bt)
+    except NoBackendError as exc:
+        pytest.skip(f"{backend} cannot run it here: {exc}"[:300])
+    check(*first, *want(bt), backend)
+    flipped = bt.flip(0).contiguous()  # the issue's example: another table tensor, same shape
+    check(*call(flipped), *want(flipped), backend)
+    check(*call(bt2), *want(bt2), backend)
+    check(*call(bt, softmax_scale=0.5), *want(bt, scale=0.5), backend)
+    try:
+        got = call(bt, softmax_scale=0.5, head_dim_v=256)
+    except NoBackendError:  # a backend that runs D_v=512 only (re-planning for 256 asked it, and it declined)
+        got = None
+    if got is not None:
+        check(*got, *want(bt, scale=0.5, head_dim_v=256), backend)
+    wider = torch.cat([bt2, torch.full_like(bt2, UNUSED_BLOCK_ID)], 1)  # another table width: read per call too
+    check(*call(wider), *want(bt2), backend)
+    # The cache is read per call, whatever its number of blocks.
+    kv2 = (torch.randn(kv.shape[0] + 7, *kv.shape[1:], generator=gen) / 10).to(device, kv.dtype)
+    check(*call(bt, kv2), *want(bt, kv2), backend)
+    check(*call(bt), *want(bt), backend)
+    # A view of the same table made per call (vLLM slices its persistent buffer per layer) does not re-plan.
+    plan = meta.plan
+    call(bt[:, :])
+    assert meta.plan is plan
+    # A shape change is FlashMLA's assert, with its message.
+    with pytest.raises(AssertionError, match=r"sched_meta\.config\.b must be equal to batch_size\. Your input"):
+        fm.flash_mla_with_kvcache(q[:2], kv, bt[:2], lens[:2], 512, meta, causal=True)
+
+
+def test_reused_meta_reads_every_per_call_argument(gen):
+    _check_reused_meta(gen, "reference", "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", [n for n in registered_names() if n not in ("reference", "amla_emulation")])
+def test_reused_meta_reads_every_per_call_argument_gpu(gen, backend):
+    _check_reused_meta(gen, backend, "cuda")
+
+
+def test_reused_sparse_meta_reads_indices_scale_and_cache(gen):
+    c = _sparse_case(gen)
+    other = _sparse_case(gen)
+    meta, _ = fm.get_mla_metadata()
+    swapped = c.indices.flip(0).contiguous()  # each request reads another's tokens
+    for kv, idx, scale in ((c.kv_cache, c.indices, None), (c.kv_cache, swapped, None),
+                           (other.kv_cache, other.indices, None), (other.kv_cache, other.indices, 0.1),
+                           (c.kv_cache, c.indices, 0.1)):
+        out, lse = fm.flash_mla_with_kvcache(c.q, kv, None, None, 512, meta, is_fp8_kvcache=True, indices=idx,
+                                             softmax_scale=scale)
+        check(out, lse, *oracle(c.q, kv, None, None, indices=idx, scale=scale, kv_format="fp8_ds_mla"))
+    with pytest.raises(AssertionError, match=r"sched_meta\.config\.topk must be equal to the last dim of indices"):
+        fm.flash_mla_with_kvcache(c.q, c.kv_cache, None, None, 512, meta, is_fp8_kvcache=True,
+                                  indices=c.indices[..., :40].contiguous())
+
+
 def test_current_convention_rejects_num_splits_and_bad_metadata(gen):
     c = make_case(1, 1, 4, 20, generator=gen)
     meta, _ = fm.get_mla_metadata()
@@ -249,6 +333,20 @@ def test_legacy_metadata_covers_every_token_once(gen):
             hi = end_tok if r == end_req else int(lens[r])
             covered[r] += max(hi - lo, 0)
     assert [covered[b] for b in range(len(lens))] == lens.tolist()
+
+
+def test_batch_size_zero_both_conventions(gen):
+    """get_mla_metadata_legacy raised IndexError on an empty batch (split_kv_schedule indexes request 0)."""
+    lens = torch.zeros(0, dtype=torch.int32)
+    tile_md, num_splits = fm.get_mla_metadata_legacy(lens, 2 * 16, 1)
+    assert tile_md.dtype == torch.int32 and tile_md.shape[1] == fm.TILE_SCHEDULER_METADATA_SIZE
+    assert not tile_md.any() and num_splits.tolist() == [0]
+    q = torch.randn(0, 2, 16, 576, generator=gen).to(torch.bfloat16)
+    kv = torch.randn(3, 64, 1, 576, generator=gen).to(torch.bfloat16)
+    table = torch.zeros(0, 4, dtype=torch.int32)
+    for meta, splits in ((tile_md, num_splits), (fm.get_mla_metadata()[0], None)):
+        out, lse = fm.flash_mla_with_kvcache(q, kv, table, lens, 512, meta, splits, causal=True)
+        assert out.shape == (0, 2, 16, 512) and lse.shape == (0, 16, 2) and lse.dtype == torch.float32
 
 
 # -- sparse (DeepSeek-V3.2 style): fp8_ds_mla, topk_length, attn_sink, extra cache ---------
@@ -295,6 +393,30 @@ def test_sparse_topk_length_sink_and_extra_cache(gen):
     check(out, lse, want_out, want_lse)
     assert (out[:, :, 2::4] == 0).all()  # +inf sink zeroes those heads
     assert torch.isinf(lse[1]).all() == bool((main_ids[1] < 0).all() and (extra_ids[1] < 0).all())
+
+
+def test_attn_sink_nan_is_not_a_silent_zero_and_its_shape_is_checked(gen):
+    """A NaN sink once gave out = 0 (nan_to_num); a sink of the wrong length raised a broadcasting RuntimeError."""
+    c = _sparse_case(gen)
+    sink = torch.randn(64, generator=gen)
+    sink[5] = float("nan")
+    sink[6] = float("inf")
+    meta, _ = fm.get_mla_metadata()
+    out, lse = fm.flash_mla_with_kvcache(c.q, c.kv_cache, None, None, 512, meta, is_fp8_kvcache=True,
+                                         indices=c.indices, attn_sink=sink)
+    want_out, want_lse = oracle(c.q, c.kv_cache, None, None, indices=c.indices, kv_format="fp8_ds_mla")
+    has_key = torch.isfinite(want_lse)  # [b, h_q, s_q]
+    assert torch.equal(torch.isnan(out[:, :, 5]).all(-1), has_key[:, 5])  # NaN where a key was seen, else 0
+    assert bool((out[:, :, 5][~has_key[:, 5]] == 0).all())
+    assert bool((out[:, :, 6] == 0).all())
+    others = [h for h in range(64) if h not in (5, 6)]
+    factor = torch.sigmoid(want_lse - sink.double()[None, :, None]).transpose(1, 2)[..., None]
+    want = torch.where(has_key.transpose(1, 2)[..., None], want_out * factor, 0.0)
+    check(out[:, :, others], lse[:, others], want[:, :, others], want_lse[:, others])
+    for bad in (sink[:63], sink.double(), sink[None], [0.0] * 64):
+        with pytest.raises(fm.FlashMLAArgumentError, match=r"attn_sink must be float32 \[h_q=64\]"):
+            fm.flash_mla_with_kvcache(c.q, c.kv_cache, None, None, 512, fm.get_mla_metadata()[0],
+                                      is_fp8_kvcache=True, indices=c.indices, attn_sink=bad)
 
 
 # -- the import alias ---------------------------------------------------------------------------
@@ -813,3 +935,27 @@ def test_run_and_pth_finder_step_aside_for_an_installed_flash_mla(tmp_path):
     res = subprocess.run([sys.executable, "-m", "mla_dispatch.compat.flash_mla", "install-pth", "--site-dir",
                           str(tmp_path / "other")], capture_output=True, text=True, env=env)
     assert res.returncode == 1 and "was not written" in res.stderr
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["run", "{tmp}/missing.py"], "script '{tmp}/missing.py' does not exist"),
+    (["run", "{tmp}"], "script '{tmp}' is a folder without __main__.py"),
+    (["run", "-m", "no_such_module_for_this_test"], "no module named 'no_such_module_for_this_test'"),
+    (["run", "--backend", "nope", "{tmp}/script.py"], "argument --backend: unknown backend 'nope'"),
+], ids=["missing-script", "folder", "missing-module", "unknown-backend"])
+def test_run_command_mistakes_are_one_line_and_exit_2(argv, expected, tmp_path, capsys, clean_alias, monkeypatch):
+    """`run missing.py` (and a folder) once printed runpy's traceback; nothing is installed or run then."""
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # run sets the script's argv
+    (tmp_path / "script.py").write_text("raise SystemExit('the script ran')\n")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    with pytest.raises(SystemExit) as stop:
+        fm.main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert expected.replace("{tmp}", str(tmp_path)) in err and err.startswith(
+        "python -m mla_dispatch.compat.flash_mla: error: ")
+    assert "flash_mla" not in sys.modules or not getattr(sys.modules["flash_mla"], "MLA_DISPATCH_ALIAS", None)
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__main__.py").write_text("import flash_mla\nprint('ran', flash_mla.MLA_DISPATCH_ALIAS)\n")
+    assert fm.main(["run", str(tmp_path / "pkg")]) == 0  # a folder with __main__.py runs, as under python
+    assert "ran current" in capsys.readouterr().out

@@ -1,6 +1,7 @@
 """The reference backend against an independent float64 computation (tests/oracle64.py: Python loops over
 requests, query tokens and heads, tokens gathered one by one and decoded with its own code)."""
 
+import dataclasses
 import random
 
 import pytest
@@ -100,3 +101,30 @@ def test_scale_outputs_scales_the_outputs_not_the_scores(gen):
     with pytest.raises(ValueError, match="bf16/fp16 cache"):
         scale_outputs(make_case(1, 1, 16, 64, page_size=64, kv_format="fp8_e4m3", generator=gen), 2.0,
                       mla_dispatch.Tolerance())
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True], ids=["grouped", "invariant"])
+def test_reference_work_follows_the_tokens_not_the_tables_width(batch_invariant, gen, monkeypatch):
+    """Two requests of 10 and 3 tokens in a 2,000-column table (page 16: 32,000 positions each) once gathered and
+    decoded every position (a 20,000-column table at page 64 took 18-27 s and 9.2 GB). The oracle's one gather
+    (dequantize_tokens) is wrapped to count what it decodes; the result is checked against tests/oracle64."""
+    import mla_dispatch.numerics.oracle as oracle_mod
+
+    decoded = []
+    real = oracle_mod.dequantize_tokens
+
+    def counting(tokens, *args, **kwargs):
+        decoded.append(tokens.shape[:-2].numel())
+        return real(tokens, *args, **kwargs)
+
+    monkeypatch.setattr(oracle_mod, "dequantize_tokens", counting)
+    case = make_case(2, 2, 4, 10, page_size=16, causal=True, generator=gen, varlen=False)
+    case.cache_seqlens[1] = 3
+    wide = torch.full((2, 2000), 7, dtype=torch.int32)  # every entry a valid block: only the lengths bound the work
+    wide[:, : case.block_table.shape[1]] = case.block_table
+    case = dataclasses.replace(case, block_table=wide)
+    out, lse = reference_attention(*case.args(), **case.kwargs(), batch_invariant=batch_invariant)
+    report = compare_outputs(out, lse, *naive_attention(case), mla_dispatch.Tolerance())
+    assert report, report.message
+    bound = 2 * 256 if batch_invariant else 2 * 10  # one fixed chunk per request / the longest request per request
+    assert sum(decoded) <= bound, f"decoded {sum(decoded)} token slots for 13 tokens"

@@ -62,7 +62,7 @@ class ReferenceBackend(MLABackend):
     KV_FORMATS = frozenset({"bf16", "fp16", "fp8_e4m3", "fp8_ds_mla"})
     SUPPORTS_SPARSE = True
     SUPPORTS_BATCH_INVARIANT = True  # one request at a time (reference_attention)
-    CUDA_GRAPH = CGSupport.ALWAYS  # no host sync: shapes come from block_table, not from seqlen values
+    CUDA_GRAPH = CGSupport.ALWAYS  # under capture its shapes come from block_table, not from seqlen values (oracle.py)
     ANY_OUT_STRIDES = True  # out.copy_(...)
 
     @classmethod

@@ -21,7 +21,8 @@ _GROUP_ELEMENTS = 1 << 28
 
 
 def _softmax_rows(scores: torch.Tensor, values: torch.Tensor, v_eq: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact masked softmax: (P @ V, lse); rows with no finite score give (0, +inf)."""
+    """Exact masked softmax: (P @ V, lse); rows with no finite score give (0, +inf). A masked key's p is 0, and
+    ``0 * NaN`` is NaN: ``values`` must hold, for each row, only the keys it sees (zeros elsewhere)."""
     lse = torch.logsumexp(scores, dim=-1)
     empty = torch.isneginf(lse)
     probs = torch.exp(scores - torch.where(empty, torch.zeros_like(lse), lse)[..., None])
@@ -42,6 +43,25 @@ def _gather_keys(kv_cache, ids, pos, live, kv_format, kv_scale):
     return keys, bad
 
 
+def _values_seen(values: torch.Tensor, visible: torch.Tensor, q_dim: int) -> torch.Tensor:
+    """``values`` (keys' V channels, positions on dim ``q_dim``, no query dim) given a query dim at ``q_dim``, each
+    query's copy zero at the positions it does not see (``visible``: ``[..., s_q, positions]``), so that a key the
+    causal mask hides from a query (p = 0) adds exactly 0 to its out, not ``0 * NaN``."""
+    mask = visible.reshape(*visible.shape, *([1] * (values.dim() - q_dim - 1)))
+    return torch.where(mask, values.unsqueeze(q_dim), torch.zeros((), device=values.device))
+
+
+def _tokens_to_read(lengths: torch.Tensor, cap: int) -> int:
+    """How many table positions hold a token of some request: ``max(clamp(L, 0, cap))``, so the work grows with the
+    tokens, not with the table's width. Reading it synchronises with the device; while a CUDA graph is being
+    captured (where that is not allowed) every position is read instead, which gives the same result."""
+    if lengths.numel() == 0:
+        return 0
+    if lengths.is_cuda and torch.cuda.is_current_stream_capturing():
+        return cap
+    return int(lengths.max().clamp(0, cap))
+
+
 #: table positions per step of the batch-invariant dense reference: every step has this shape, whatever the table
 _INVARIANT_CHUNK = 256
 
@@ -53,7 +73,8 @@ def _one_request_in_fixed_chunks(qf, kv_cache, table_row, seqlen, *, cap, head_d
     group]`` (0 / +inf without keys, NaN for a bad block id among the request's entries).
 
     Every chunk has the same shape, and a chunk with no visible key leaves the state as it was (``torch.where``,
-    not an update by zero), so a wider table, whose extra chunks see no key, gives the same bits.
+    not an update by zero), so a wider table, whose extra chunks see no key, gives the same bits: the chunks past
+    the request's tokens are not computed at all.
     """
     q_len, h_kv, group, _ = qf.shape
     page_size = kv_cache.shape[1]
@@ -66,7 +87,7 @@ def _one_request_in_fixed_chunks(qf, kv_cache, table_row, seqlen, *, cap, head_d
     l = torch.zeros((q_len, h_kv, group), device=dev)
     acc = torch.zeros((q_len, h_kv, group, head_dim_v), device=dev)
     bad_any = torch.zeros((), dtype=torch.bool, device=dev)
-    for c0 in range(0, cap, _INVARIANT_CHUNK):
+    for c0 in range(0, _tokens_to_read(length, cap), _INVARIANT_CHUNK):
         pos = c0 + torch.arange(_INVARIANT_CHUNK, device=dev)
         live = pos < length
         ids = table_row.long()[(pos // page_size).clamp_max(table_row.shape[0] - 1)]
@@ -81,8 +102,12 @@ def _one_request_in_fixed_chunks(qf, kv_cache, table_row, seqlen, *, cap, head_d
         p = torch.exp(scores - m_safe[..., None])
         seen = visible.any(-1)[:, None, None]  # the chunk has a key for the row: update, else keep the state
         l = torch.where(seen, l * alpha + p.sum(-1), l)
-        acc = torch.where(seen[..., None], acc * alpha[..., None]
-                          + torch.einsum("sgrt,tgd->sgrd", p, keys[..., :head_dim_v]), acc)
+        values = keys[..., :head_dim_v]
+        if causal and q_len > 1:
+            acc_add = torch.einsum("sgrt,stgd->sgrd", p, _values_seen(values, visible, 0))
+        else:
+            acc_add = torch.einsum("sgrt,tgd->sgrd", p, values)
+        acc = torch.where(seen[..., None], acc * alpha[..., None] + acc_add, acc)
         m = torch.where(seen, m_new, m)
     empty = l == 0
     out = torch.where(empty[..., None], torch.zeros_like(acc), acc / torch.where(empty, 1.0, l)[..., None])
@@ -161,27 +186,37 @@ def reference_attention(
         # [0, num_blocks) among the entries they use makes all its rows NaN (docs/design.md §1).
         max_blocks = block_table.shape[1]
         cap = max_blocks * page_size
+        # Causal with s_q > 1: each query reads its own copy of the values (the keys it sees, zeros elsewhere).
+        per_query_values = causal and q_len > 1
         if batch_invariant:
             for b in range(batch):
                 out[b], lse[b] = _one_request_in_fixed_chunks(
                     qf[b], kv_cache, block_table[b], cache_seqlens[b], cap=cap, head_dim_v=head_dim_v, scale=scale,
                     causal=causal, kv_format=kv_format, kv_scale=kv_scale)
             return out.view(batch, q_len, h_q, head_dim_v), lse.view(batch, q_len, h_q).transpose(1, 2).contiguous()
-        pos = torch.arange(cap, device=q.device)
-        step = max(1, _GROUP_ELEMENTS // max(1, cap * (h_kv * d_qk + q_len * h_q)))
+        # The positions read are the longest request's tokens (of the whole batch for the group size, of each group
+        # for its gather), not the table's width: a wide table of short requests costs what its tokens cost.
+        width = _tokens_to_read(cache_seqlens, cap)
+        per_position = h_kv * d_qk + q_len * h_q + (q_len * h_kv * head_dim_v if per_query_values else 0)
+        step = max(1, _GROUP_ELEMENTS // max(1, width * per_position))
         for b0 in range(0, batch, step):
             seqlens = cache_seqlens[b0 : b0 + step].long()
-            live = pos[None, :] < seqlens[:, None]  # [g, cap]
+            pos = torch.arange(_tokens_to_read(seqlens, width), device=q.device)
+            live = pos[None, :] < seqlens[:, None]  # [g, n]
             ids = block_table[b0 : b0 + step].long()[:, pos // page_size]
-            keys, bad = _gather_keys(kv_cache, ids, pos, live, kv_format, kv_scale)  # [g, cap, h_kv, D]
+            keys, bad = _gather_keys(kv_cache, ids, pos, live, kv_format, kv_scale)  # [g, n, h_kv, D]
             scores = torch.einsum("bsgrd,btgd->bsgrt", qf[b0 : b0 + step], keys) * scale
             # Key t is visible to query token i iff t < L and, if causal, t <= L - s_q + i.
             limit = seqlens[:, None].expand(-1, q_len)
             if causal:
                 limit = limit - q_len + 1 + torch.arange(q_len, device=q.device)[None, :]
-            visible = pos[None, None, :] < limit[:, :, None]  # [g, s_q, cap]
+            visible = pos[None, None, :] < limit[:, :, None]  # [g, s_q, n]
             scores = scores.masked_fill(~visible[:, :, None, None, :], float("-inf"))
-            o, l = _softmax_rows(scores, keys[..., :head_dim_v], "bsgrt,btgd->bsgrd")
+            if per_query_values:
+                o, l = _softmax_rows(scores, _values_seen(keys[..., :head_dim_v], visible, 1),
+                                     "bsgrt,bstgd->bsgrd")
+            else:
+                o, l = _softmax_rows(scores, keys[..., :head_dim_v], "bsgrt,btgd->bsgrd")
             poisoned = bad.any(dim=1)[:, None, None, None]  # [g, 1, 1, 1]
             out[b0 : b0 + step] = torch.where(poisoned[..., None], nan, o)
             lse[b0 : b0 + step] = torch.where(poisoned, nan, l)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["UsageError", "CommandParser", "positive_int", "nonnegative_int", "positive_float", "nonnegative_float",
-           "int_list",
+           "int_list", "seed_int",
            "parse_device", "backend_names", "backend_spec", "writable_file", "writable_dir", "usage_error"]
 
 
@@ -59,6 +59,15 @@ def nonnegative_int(text: str) -> int:
     value = _int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def seed_int(text: str) -> int:
+    """argparse type: a random seed torch takes, an integer in [-2**63, 2**63 - 1] (``manual_seed`` overflows past
+    its 64 bits; the commands add small offsets to it)."""
+    value = _int(text)
+    if not -(1 << 63) <= value < (1 << 63):
+        raise argparse.ArgumentTypeError(f"expected an integer in [-2**63, 2**63 - 1], got {text!r}")
     return value
 
 

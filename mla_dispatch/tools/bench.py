@@ -67,7 +67,7 @@ from mla_dispatch.tools.roofline import Ceilings, decode_work, measure_ceilings,
 from mla_dispatch.numerics.cases import UNUSED_BLOCK_ID, DecodeCase
 from mla_dispatch.numerics.tolerance import compare_outputs
 from mla_dispatch.tools.args import (CommandParser, UsageError, backend_names, backend_spec, nonnegative_float,
-                                     parse_device, positive_float, usage_error, writable_dir)
+                                     parse_device, positive_float, seed_int, usage_error, writable_dir)
 
 __all__ = ["BenchConfig", "BenchRow", "GRIDS", "grid_configs", "make_bench_case", "run_bench", "default_backends",
            "environment", "main"]
@@ -687,7 +687,7 @@ def parser() -> argparse.ArgumentParser:
                         f"timed too for a backend without a CUDA graph)")
     p.add_argument("--rep-ms", type=positive_float, default=100.0,
                    help="timing budget per measurement (do_bench rep)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--check-auto", type=nonnegative_float, default=None, metavar="TOL",
                    help="after the run, set auto's time on each config against the fastest correct backend's and "
                         "exit 1 if any is over by more than TOL (0.03 = 3%%); adds auto to the backends")

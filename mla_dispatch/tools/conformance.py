@@ -36,7 +36,7 @@ from mla_dispatch.dispatch.problem import describe_inputs
 from mla_dispatch.dispatch.registry import get_backend, registered_names
 from mla_dispatch.numerics.cases import DecodeCase, make_case
 from mla_dispatch.numerics.tolerance import compare_outputs
-from mla_dispatch.tools.args import (CommandParser, UsageError, backend_names, parse_device, usage_error,
+from mla_dispatch.tools.args import (CommandParser, UsageError, backend_names, parse_device, seed_int, usage_error,
                                      writable_file)
 
 __all__ = ["ConformanceCase", "Cell", "case_set", "large_case_set", "run_conformance", "format_matrix", "main"]
@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backends", default=None,
                    help="comma-separated names (default: every available backend; 'reference' only on CPU)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    p.add_argument("--seed", type=int, default=None, help="data seed (default: random, printed for replay)")
+    p.add_argument("--seed", type=seed_int, default=None, help="data seed (default: random, printed for replay)")
     p.add_argument("--json", default=None, help="also write the matrix as JSON to this path")
     p.add_argument("--list", action="store_true", help="print the case set and exit")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -13,17 +13,20 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 
 import torch
 
 from mla_dispatch.api import plan_decode
 from mla_dispatch.kvcache.cache import PagedMLACache
+from mla_dispatch.kvcache.formats import DS_MLA_TOKEN_BYTES
 from mla_dispatch.dispatch.platform import detect_platform
 from mla_dispatch.dispatch.registry import get_backend, registered_names
 from mla_dispatch.dispatch.select import NoBackendError
 from mla_dispatch.numerics.tolerance import compare_outputs
-from mla_dispatch.tools.args import CommandParser, UsageError, int_list, parse_device, positive_int, usage_error
+from mla_dispatch.tools.args import (CommandParser, UsageError, int_list, parse_device, positive_int, seed_int,
+                                     usage_error)
 
 # DeepSeek-V3: qk_nope 128 + qk_rope 64 per head before absorption; YaRN mscale for
 # factor 40 with mscale_all_dim 1.0 is 0.1*ln(40)+1.
@@ -45,6 +48,40 @@ def _float64_reference(q: torch.Tensor, cache: PagedMLACache, seq_ids: list[int]
     return torch.stack(outs), torch.stack(lses).transpose(1, 2)
 
 
+def _available_bytes(device: torch.device) -> int | None:
+    """Free memory on ``device`` (a CPU: available physical memory), or None where it cannot be told."""
+    try:
+        if device.type == "cuda":
+            return torch.cuda.mem_get_info(device)[0]
+        if device.type == "cpu":
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError, RuntimeError):
+        pass
+    return None
+
+
+def _check_it_fits(lengths: list[int], page_size: int, heads: int, kv_format: str, blocks: int,
+                   device: torch.device) -> None:
+    """UsageError naming ``--lengths`` or ``--page-size`` (whichever makes it big) where the cache, or the CPU's
+    float64 check of the longest request, would not fit in the memory free now: a huge value ends in one line,
+    not in an allocator's traceback."""
+    token_bytes = DS_MLA_TOKEN_BYTES if kv_format == "fp8_ds_mla" else 576 * (1 if kv_format == "fp8_e4m3" else 2)
+    cache = blocks * page_size * token_bytes
+    longest = max(lengths)
+    check = longest * (576 * 20 + heads * 16)  # fp32 values appended, fp32 + fp64 gather, fp64 scores and weights
+    needs = {device: cache}
+    cpu = torch.device("cpu")
+    needs[cpu] = needs.get(cpu, 0) + check
+    tokens = sum(lengths)
+    option = "--page-size" if blocks * page_size > 2 * tokens + 4 * page_size else "--lengths"
+    for where, need in needs.items():
+        free = _available_bytes(where)
+        if free is not None and need > free:
+            raise UsageError(f"argument {option}: {tokens} cached tokens in pages of {page_size} need "
+                             f"{need / 2**30:.1f} GiB on {where}, {free / 2**30:.1f} GiB are free (choose smaller "
+                             "--lengths / --page-size)")
+
+
 def _cosine_similarity(a: torch.Tensor, b: torch.Tensor) -> float | None:
     """<a, b> / (|a| |b|) over the finite elements, in float64; None where either is all zeros."""
     a, b = a.double().flatten(), b.double().flatten()
@@ -64,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-format", default="bf16", choices=["bf16", "fp8_e4m3", "fp8_ds_mla"])
     parser.add_argument("--backend", default="auto", help="a registered backend name, or auto (default)")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--seed", type=seed_int, default=None)
     args = parser.parse_args(argv)
     try:
         return _run(args)
@@ -86,6 +123,7 @@ def _run(args: argparse.Namespace) -> int:
     # The cache, filled the way an engine would: per-request appends.
     blocks_needed = sum(math.ceil(n / args.page_size) for n in lengths) + 4
     kv_scale = 0.1 / 448 * 1.5 if args.kv_format == "fp8_e4m3" else None
+    _check_it_fits(lengths, args.page_size, args.heads, args.kv_format, blocks_needed, device)
     cache = PagedMLACache(blocks_needed, args.page_size, kv_format=args.kv_format, kv_scale=kv_scale, device=device)
     for i, n in enumerate(lengths):
         cache.add_sequence(i)

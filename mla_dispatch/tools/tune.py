@@ -166,25 +166,54 @@ def _table_doc(env: dict, device: str, command: str, metric: str, ceilings: dict
             "measurements": measurements, "work": {b: w for b, w in work.items() if b in measurements}}
 
 
+def _read_json(path: Path, option: str) -> dict:
+    """The JSON object in file ``path``; UsageError naming ``option`` if it is missing, a folder, unreadable, not
+    UTF-8 text, not JSON or not an object."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"argument {option}: {str(path)!r} does not exist") from None
+    except IsADirectoryError:
+        raise UsageError(f"argument {option}: {str(path)!r} is a folder, not a file") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"argument {option}: {str(path)!r} is not text (expected a JSON file)") from None
+    except OSError as exc:
+        raise UsageError(f"argument {option}: cannot read {str(path)!r}: {exc.strerror or exc}") from None
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"argument {option}: {str(path)!r} is not JSON ({exc.msg} at line {exc.lineno}, column "
+                         f"{exc.colno})") from None
+    if not isinstance(doc, dict):
+        raise UsageError(f"argument {option}: {str(path)!r} holds a JSON {type(doc).__name__}, expected an object")
+    return doc
+
+
 def _table_from_bench(path: Path, args, argv) -> int:
     """``--from-json``: the winners of a saved bench run, written as a table for the device it ran on."""
     from mla_dispatch.tools.bench import BenchConfig, BenchRow
 
-    doc = json.loads(path.read_text())
-    dtype = _DTYPES[doc.get("dtype", "bf16")]
-    seed = int(doc.get("seed", 0))
-    configs = {label: BenchConfig(**cfg) for label, cfg in doc["configs"].items()}
-    buckets = {label: config_bucket(cfg, dtype, seed=seed + i) for i, (label, cfg) in enumerate(configs.items())}
-    env = doc["environment"]
-    names = set(env["backends"])  # the backends the run measured (not `auto`, not the FlashMLA peer)
-    if args.backends:
-        names &= {n.strip() for n in args.backends.split(",")}
-    fields = set(BenchRow.__dataclass_fields__)
-    rows = [BenchRow(**{k: v for k, v in r.items() if k in fields}) for r in doc["rows"] if r["backend"] in names]
-    table, measurements = pick_winners(rows, buckets, args.metric)
-    command = doc.get("command", "") + f" | python -m mla_dispatch tune --from-json {path.name} --metric {args.metric}"
-    out = _table_doc(env, env["device"], command, args.metric, doc.get("ceilings"), table, measurements,
-                     bucket_work(rows, buckets))
+    doc = _read_json(path, "--from-json")
+    try:  # a saved run's fields; anything else is not one (a user mistake: one line, not a traceback)
+        dtype = _DTYPES[doc.get("dtype", "bf16")]
+        seed = int(doc.get("seed", 0))
+        configs = {label: BenchConfig(**cfg) for label, cfg in doc["configs"].items()}
+        buckets = {label: config_bucket(cfg, dtype, seed=seed + i) for i, (label, cfg) in enumerate(configs.items())}
+        env = doc["environment"]
+        names = set(env["backends"])  # the backends the run measured (not `auto`, not the FlashMLA peer)
+        if args.backends:
+            names &= {n.strip() for n in args.backends.split(",")}
+        fields = set(BenchRow.__dataclass_fields__)
+        rows = [BenchRow(**{k: v for k, v in r.items() if k in fields}) for r in doc["rows"] if r["backend"] in names]
+        table, measurements = pick_winners(rows, buckets, args.metric)
+        command = (doc.get("command", "") + f" | python -m mla_dispatch tune --from-json {path.name} "
+                   f"--metric {args.metric}")
+        out = _table_doc(env, env["device"], command, args.metric, doc.get("ceilings"), table, measurements,
+                         bucket_work(rows, buckets))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        what = f"no {exc}" if isinstance(exc, KeyError) else str(exc).splitlines()[0][:200]
+        raise UsageError(f"argument --from-json: {str(path)!r} is not a saved bench run ({what}); expected the JSON "
+                         "`python -m mla_dispatch bench --json FILE` writes (configs, rows, environment)") from None
     for bucket in sorted(set(buckets.values())):
         print(f"{bucket}: {table.get(bucket, '(none ran every config correctly)')}")
     if args.dry_run:

@@ -31,7 +31,8 @@ Code written for ``flash_mla`` runs unchanged on every backend mla_dispatch has
   ``(FlashMLASchedMeta(), None)``; the first ``flash_mla_with_kvcache`` call that receives the object fills it
   (here: with a :class:`~mla_dispatch.DecodePlan`), and later calls reuse it. As in FlashMLA, the object may be
   reused only while the shapes and the *values* of ``cache_seqlens`` / ``topk_length`` stay the same: one per
-  decode step. ``num_splits`` must be None.
+  decode step. Everything else is read on every call, as FlashMLA reads it: another block table, ``softmax_scale``
+  or ``head_dim_v`` makes the plan again, the cache and ``indices`` go to each run. ``num_splits`` must be None.
 - *Old* (FlashMLA up to Sep 2025, still what older SGLang calls): ``get_mla_metadata(cache_seqlens,
   num_q_tokens_per_head_k, num_heads_k, num_heads_q=None, is_fp8_kvcache=False, topk=None)`` returns two int32
   tensors ``(tile_scheduler_metadata [num_sm_parts, 8], num_splits [b + 1])`` passed back to

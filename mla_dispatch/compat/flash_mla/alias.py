@@ -282,10 +282,42 @@ def uninstall_pth(site_dir: str | None = None) -> list[Path]:
     return removed
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """A user mistake is one line, ``<prog>: error: <what> (see --help)``, and exit status 2 (as the tools' parser)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _run_target_problem(module: Optional[str], target: list) -> Optional[str]:
+    """Why ``run``'s script or module cannot be run, or None: checked before the alias is installed, so that a
+    missing file is one line and not runpy's traceback (what the script itself raises stays its own)."""
+    if module:
+        import importlib.util
+
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # a missing parent package, or a relative name
+            found = False
+        return None if found else f"-m {module}: no module named {module!r}"
+    if not target:
+        return "run needs a script path (or -m module)"
+    script = Path(target[0])
+    if not script.exists():
+        return f"script {target[0]!r} does not exist"
+    if script.is_dir() and not (script / "__main__.py").is_file():
+        return f"script {target[0]!r} is a folder without __main__.py (python runs a folder through it)"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m mla_dispatch.compat.flash_mla {run,install-pth,uninstall-pth}``."""
-    parser = argparse.ArgumentParser(prog="python -m mla_dispatch.compat.flash_mla",
-                                     description="Run FlashMLA code on mla_dispatch without editing it.")
+    """``python -m mla_dispatch.compat.flash_mla {run,install-pth,uninstall-pth}``.
+
+    A user mistake (an unknown option, a script or module that is not there, an unknown ``--backend``) ends with
+    one line on stderr and exit status 2; the script's own exceptions propagate as they would under ``python``.
+    """
+    parser = _OneLineParser(prog="python -m mla_dispatch.compat.flash_mla",
+                            description="Run FlashMLA code on mla_dispatch without editing it.")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a script (or -m module) with `import flash_mla` resolved to mla_dispatch")
     run.add_argument("--legacy", action="store_true", help="expose the old get_mla_metadata (returns tensors)")
@@ -315,8 +347,16 @@ def main(argv: list[str] | None = None) -> int:
 
     import runpy
 
-    if not args.module and not args.target:
-        parser.error("run needs a script path (or -m module)")
+    problem = _run_target_problem(args.module, args.target)
+    if problem is None and args.backend:
+        from mla_dispatch import registered_names
+
+        unknown = [n for n in args.backend if n not in registered_names()]
+        if unknown:
+            problem = (f"argument --backend: unknown backend {unknown[0]!r} (registered: "
+                       f"{', '.join(registered_names())})")
+    if problem:
+        parser.error(problem)
     install_flash_mla_alias("legacy" if args.legacy else "current", shadow_installed=args.shadow_installed)
     from mla_dispatch import use_backends
 

@@ -18,6 +18,7 @@ FlashMLA's and vLLM's contract, where dense and sparse share one surface.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Optional, Tuple, Union
 
@@ -29,6 +30,8 @@ from mla_dispatch.compat.flash_mla.metadata import FlashMLASchedMeta
 from mla_dispatch.kvcache.formats import DS_MLA_TOKEN_BYTES
 
 __all__ = ["flash_mla_with_kvcache", "SGL_KV_FORMATS"]
+
+logger = logging.getLogger(__name__)
 
 #: sgl-flash-mla's ``kv_format`` names (``parse_kv_cache_format`` of its legacy extension) -> mla_dispatch's
 #: kv_format, or None where mla_dispatch has no such format; with what each one is.
@@ -172,15 +175,48 @@ def _config_of(q, k_cache, causal, is_fp8_kvcache, topk, extra_k_cache, extra_to
     )
 
 
+#: What each ``Config`` field must equal on a reused ``FlashMLASchedMeta``, in the words of FlashMLA's own asserts
+#: (flash_mla/flash_mla_interface.py, ``flash_mla_with_kvcache``), so that a message searched for there is found here.
+_CONFIG_MEANING = {
+    "b": "batch_size",
+    "s_q": "seq_len_q",
+    "h_q": "num_heads_q",
+    "page_block_size": "page_block_size",
+    "h_k": "num_heads_k",
+    "causal": "causal",
+    "is_fp8_kvcache": "is_fp8_kvcache",
+    "topk": "the last dim of indices_in_kvcache",
+    "extra_page_block_size": "the page_block_size of extra_k_cache",
+    "extra_topk": "the last dim of extra_indices_in_kvcache",
+    "enable_batch_invariant": "enable_batch_invariant",
+}
+_INCONSISTENT = (" Your input arguments are inconsistent with sched_meta. Please make sure the input arguments are "
+                 "consistent across different invocations of flash_mla_with_kvcache on the same sched_meta.")
+
+
 def _check_same_config(have: FlashMLASchedMeta.Config, want: FlashMLASchedMeta.Config) -> None:
     for field in dataclasses.fields(have):
         a, b = getattr(have, field.name), getattr(want, field.name)
         if a != b:
             raise FlashMLAArgumentError(
-                f"tile_scheduler_metadata was initialised for {field.name}={a!r}, this call has {field.name}={b!r}: "
-                "a FlashMLASchedMeta may be reused only while shapes and cache_seqlens/topk_length values stay the "
-                "same (make a new one with get_mla_metadata() for each decode step)"
+                f"sched_meta.config.{field.name} must be equal to {_CONFIG_MEANING[field.name]}.{_INCONSISTENT} "
+                f"(sched_meta was filled for {field.name}={a!r}, this call has {field.name}={b!r}; a "
+                "FlashMLASchedMeta may be reused only while shapes and cache_seqlens/topk_length values stay the "
+                "same: make one with get_mla_metadata() per decode step)"
             )
+
+
+def _per_call_key(q: torch.Tensor, kv: torch.Tensor, block_table, head_dim_v: int, softmax_scale, fmt: str,
+                  sparse: bool) -> tuple:
+    """What a plan freezes of the arguments FlashMLA reads on every call (not the ``Config``): the block table
+    (its memory, shape and strides: a plan keeps the tensor and reads it), ``softmax_scale``, ``head_dim_v`` and
+    the dtypes of q and the cache. A reused ``FlashMLASchedMeta`` re-plans when this changes."""
+    table = None
+    if not sparse:
+        table = (block_table.data_ptr(), tuple(block_table.shape), block_table.stride(), block_table.dtype,
+                 block_table.device)
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+    return table, scale, int(head_dim_v), q.dtype, kv.dtype, fmt
 
 
 def _merge(out1, lse1, out2, lse2):
@@ -196,9 +232,21 @@ def _merge(out1, lse1, out2, lse2):
     return out, torch.where(empty, torch.full_like(lse, math.inf), lse)
 
 
+def _check_sink(attn_sink, q: torch.Tensor) -> None:
+    """FlashMLA's ``attn_sink``: float32 ``[h_q]`` on q's device."""
+    h_q = q.shape[2]
+    if (not isinstance(attn_sink, torch.Tensor) or tuple(attn_sink.shape) != (h_q,)
+            or attn_sink.dtype != torch.float32 or attn_sink.device != q.device):
+        where = f" on {attn_sink.device}" if isinstance(attn_sink, torch.Tensor) else ""
+        raise FlashMLAArgumentError(f"attn_sink must be float32 [h_q={h_q}] on {q.device}, one value per query head, "
+                                    f"got {_describe(attn_sink)}{where}")
+
+
 def _apply_sink(out: torch.Tensor, lse: torch.Tensor, attn_sink: torch.Tensor) -> torch.Tensor:
-    """out * exp(lse) / (exp(lse) + exp(sink)); a +inf sink (or no key at all) gives 0."""
-    factor = torch.sigmoid(lse - attn_sink.float()[None, :, None]).nan_to_num(nan=0.0)  # [b, h_q, s_q]
+    """out * exp(lse) / (exp(lse) + exp(sink)): a +inf sink gives 0, a -inf one changes nothing, a NaN one gives NaN
+    (as any NaN input does: never a silent 0). A row with no key (lse +inf) stays 0 whatever its sink."""
+    factor = torch.sigmoid(lse - attn_sink[None, :, None])  # [b, h_q, s_q]; NaN only for lse = sink = +inf or NaN
+    factor = torch.where(torch.isposinf(lse), torch.zeros_like(factor), factor)
     return (out.float() * factor.transpose(1, 2)[..., None]).to(out.dtype)
 
 
@@ -253,7 +301,8 @@ def flash_mla_with_kvcache(
     indices : Tensor, optional
         int32 ``[b, s_q, topk]`` sparse token ids ``block * page_block_size + offset``, -1 = skip.
     attn_sink : Tensor, optional
-        fp32 ``[h_q]``: the output is scaled by ``exp(lse) / (exp(lse) + exp(sink))``; lse unchanged.
+        fp32 ``[h_q]`` on q's device: the output is scaled by ``exp(lse) / (exp(lse) + exp(sink))``; lse unchanged.
+        ``+inf`` zeroes a head's output, ``-inf`` leaves it, NaN makes it NaN (rows with no key stay 0).
     extra_k_cache, extra_indices_in_kvcache : Tensor, optional
         A second sparse cache (``k_cache``'s format) attended to together with the first.
     topk_length, extra_topk_length : Tensor, optional
@@ -291,8 +340,8 @@ def flash_mla_with_kvcache(
     ------
     FlashMLAArgumentError
         Where FlashMLA or sgl-flash-mla asserts (wrong metadata type, mismatch with a reused
-        ``FlashMLASchedMeta``, sparse with causal, dense with ``use_legacy=False``, ...) and for a wrong ``out``
-        or ``descale_k``; the message names the argument.
+        ``FlashMLASchedMeta``, sparse with causal, dense with ``use_legacy=False``, ...) and for a wrong ``out``,
+        ``attn_sink`` (shape, dtype, device) or ``descale_k``; the message names the argument.
     NotImplementedError
         What the originals accept and mla_dispatch does not provide: an fp8 q (``descale_q``), the DeepSeek-V4 /
         V4.1 / V3.2-no-RoPE / NVFP4 caches (``kv_format`` or the cache's bytes per token), an extra cache next to
@@ -338,6 +387,8 @@ def flash_mla_with_kvcache(
             raise FlashMLAArgumentError("block_table and cache_seqlens must be provided when dense attention is used")
     if (extra_k_cache is None) != (extra_indices_in_kvcache is None):
         raise FlashMLAArgumentError("extra_k_cache and extra_indices_in_kvcache must be given together")
+    if attn_sink is not None:
+        _check_sink(attn_sink, q)
 
     kv, fmt, kv_scale, fp8 = _resolve_cache(k_cache, q, is_fp8_kvcache, kv_format, descale_k, "k_cache")
     if sparse and not fp8:
@@ -372,12 +423,20 @@ def flash_mla_with_kvcache(
     if current:
         meta = tile_scheduler_metadata
         config = _config_of(q, k_cache, causal, fp8, topk, extra_k_cache, extra_topk, enable_batch_invariant)
+        key = _per_call_key(q, kv, block_table, head_dim_v, softmax_scale, fmt, sparse)
         if not meta.have_initialized:
             meta.plan, meta.extra_plan = make_plans(meta.backend)
             meta.config = config
             meta.have_initialized = True
         else:
             _check_same_config(meta.config, config)
+            if key != meta.per_call_key:
+                # FlashMLA reads block_table, softmax_scale, head_dim_v and the cache on every call; a plan freezes
+                # the first three (and keeps the caller's table, which must not be overwritten): plan again.
+                logger.debug("FlashMLASchedMeta reused with another block table, softmax_scale, head_dim_v or "
+                             "dtype: re-planning")
+                meta.plan, meta.extra_plan = make_plans(meta.backend)
+        meta.per_call_key = key
         plan, extra_plan = meta.plan, meta.extra_plan
     else:
         plan, extra_plan = make_plans("auto")

@@ -48,6 +48,15 @@ class FlashMLASchedMeta:
     with, ``"auto"`` by default. ``tile_scheduler_metadata`` / ``num_splits`` may be assigned by the caller
     (sgl-flash-mla's :func:`get_mla_decoding_metadata` convention); the decode call plans from ``cache_seqlens``
     whatever they hold.
+
+    Reuse follows FlashMLA's contract: while the shapes (``config``) and the values of ``cache_seqlens`` /
+    ``topk_length`` stay the same, every other argument is read on each call. ``block_table`` (another tensor, or
+    the same one with another shape or strides), ``softmax_scale``, ``head_dim_v`` and the dtypes a plan is made
+    for are compared with the previous call's (``per_call_key``, host-side, no device sync) and the plan is made
+    again when they differ; the cache, ``indices``, ``attn_sink`` and ``out`` go to each run as given. A change of
+    the *values* of the same block-table tensor, made in place, is read as a :class:`~mla_dispatch.DecodePlan`
+    reads its table (docs/design.md §2). A shape change raises :class:`FlashMLAArgumentError` with FlashMLA's
+    message.
     """
 
     @dataclasses.dataclass
@@ -71,6 +80,7 @@ class FlashMLASchedMeta:
     plan: Optional[DecodePlan] = None
     extra_plan: Optional[DecodePlan] = None
     backend: str = "auto"
+    per_call_key: Optional[tuple] = None
 
 
 # --------------------------------------------------------------------------------------
@@ -105,7 +115,7 @@ def get_mla_metadata_legacy(
     Parameters
     ----------
     cache_seqlens : Tensor
-        int32 ``[b]``.
+        int32 ``[b]``; ``b`` may be 0 (then every part is empty and ``num_splits`` is ``[0]``).
     num_q_tokens_per_head_k : int
         ``s_q * h_q // h_k``.
     num_heads_k : int
@@ -139,6 +149,10 @@ def get_mla_metadata_legacy(
     seqlens = cache_seqlens if topk is None else torch.full_like(cache_seqlens, int(topk))
     platform = platform_for(cache_seqlens.device)
     num_parts = default_num_parts(platform.num_compute_units, num_heads_k, num_q_tokens_per_head_k)
+    if cache_seqlens.shape[0] == 0:  # no request: every part is empty (all-zero rows), no split
+        device = cache_seqlens.device
+        return (torch.zeros(num_parts, TILE_SCHEDULER_METADATA_SIZE, dtype=torch.int32, device=device),
+                torch.zeros(1, dtype=torch.int32, device=device))
     sched = split_kv_schedule(seqlens, num_parts=num_parts, chunk_size=_BLOCK_N, overhead=_FIXED_OVERHEAD_BLOCKS)
     return _flashmla_layout(sched)
 

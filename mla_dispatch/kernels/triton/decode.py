@@ -240,15 +240,31 @@ def _tma_tile(KDesc, RDesc, r0, D_ROPE: tl.constexpr):
 
 
 @triton.jit
+def _hide_from_rows_that_do_not_see(v, vis, valid, ROW_AXIS: tl.constexpr):
+    """``v`` ``[BLOCK_N, DV]`` with the non-finite values of the keys some row of the tile does not see set to 0.
+
+    The causal mask gives such a row p = 0 for the key, but 0 * NaN (or inf) in ``P V`` is NaN: a NaN in a key a
+    query cannot see made that query's out NaN. The rows that do see the key still get NaN from its score (V is the
+    first D_v channels of K), so only the rows that must not see it change."""
+    hidden = valid & (tl.min(vis.to(tl.int32), ROW_AXIS) == 0)  # [BLOCK_N]: valid, not visible to every row
+    return tl.where(hidden[:, None] & ~(tl.abs(v) < float("inf")), tl.zeros_like(v), v)
+
+
+@triton.jit
 def _online_update(s, v, n, valid, bad, limit, m_i, l_i, acc, s_scale, DTYPE: tl.constexpr,
-                   TOKENS_ON_M: tl.constexpr):
+                   TOKENS_ON_M: tl.constexpr, CAUSAL: tl.constexpr):
     """One token tile of the online softmax (base 2): mask, rescale, ``acc += P V``. ``s`` raw scores
     ``[BLOCK_N, BLOCK_M]`` (tokens on M) or ``[BLOCK_M, BLOCK_N]``; returns ``(m_i, l_i, acc)``. A token with a bad
     block id (``bad``, not loaded) scores NaN for every row, visible or not: the row sums and the accumulator become
-    NaN, and so the item's out and LSE (nothing is carried between tiles for it)."""
+    NaN, and so the item's out and LSE (nothing is carried between tiles for it). ``CAUSAL``: a tile that holds a key
+    some row does not see (the last s_q - 1 keys of a request) has that key's non-finite values zeroed in ``v``
+    first, so they reach only the rows that see it (:func:`_hide_from_rows_that_do_not_see`)."""
     if TOKENS_ON_M:
         # S^T = K Q^T : tokens on M, query rows on N
         vis = valid[:, None] & (n[:, None] < limit[None, :])
+        if CAUSAL:
+            if tl.max(n) >= tl.min(limit):  # only the tiles that reach the causal tail pay for it
+                v = _hide_from_rows_that_do_not_see(v, vis, valid, 1)
         s = tl.where(vis, s * s_scale, tl.where(bad, float("nan"), float("-inf"))[:, None])  # (bad: never valid)
         m_new = tl.maximum(m_i, tl.max(s, 0))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -259,6 +275,9 @@ def _online_update(s, v, n, valid, bad, limit, m_i, l_i, acc, s_scale, DTYPE: tl
         acc = tl.dot(tl.trans(v), p.to(DTYPE), acc * alpha[None, :])
     else:
         vis = valid[None, :] & (n[None, :] < limit[:, None])
+        if CAUSAL:
+            if tl.max(n) >= tl.min(limit):
+                v = _hide_from_rows_that_do_not_see(v, vis, valid, 0)
         s = tl.where(vis, s * s_scale, tl.where(bad, float("nan"), float("-inf"))[None, :])
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -410,7 +429,7 @@ def mla_decode_kernel(
                 n = start + tl.arange(0, BLOCK_N)
                 m_i, l_i, acc = _online_update(s, k, n, tl.where(page_ok, n < tok_end, False),
                                                tl.where(page_ok, False, n < tok_end), limit, m_i, l_i, acc, s_scale,
-                                               DTYPE, TOKENS_ON_M)
+                                               DTYPE, TOKENS_ON_M, CAUSAL)
         for start in range(gather_begin, tok_end, BLOCK_N):
             n, valid, rows, bad = _token_rows(BlockTable, Indices, req, i_row0, start, tok_end, num_blocks, PAGE_SIZE,
                                               stride_bt, stride_ib, stride_is, stride_kb, stride_kt, kv_head_off,
@@ -426,7 +445,8 @@ def mla_decode_kernel(
                 s = _scores(Q, q_off, row_ok, q_whole, q_rope, KV, rows, valid, DTYPE, D_V, D_ROPE, QK_CHUNK,
                             KV_FORMAT, BLOCK_M, BLOCK_N, TOKENS_ON_M)
                 v = _load_latent(KV, rows, valid, v_lo, DTYPE, DV_BLOCK, KV_FORMAT)
-            m_i, l_i, acc = _online_update(s, v, n, valid, bad, limit, m_i, l_i, acc, s_scale, DTYPE, TOKENS_ON_M)
+            m_i, l_i, acc = _online_update(s, v, n, valid, bad, limit, m_i, l_i, acc, s_scale, DTYPE, TOKENS_ON_M,
+                                           CAUSAL)
 
         # -- epilogue: normalise; natural-log LSE (l_i = 0: no key; NaN, a bad block id: out and LSE NaN) ------
         has_key = l_i != 0.0

@@ -16,6 +16,8 @@
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "params.h"
 
@@ -68,6 +70,23 @@ bool aligned(const at::Tensor& t, int64_t dims, int64_t bytes) {
 }
 bool aligned16(const at::Tensor& t, int64_t dims) { return aligned(t, dims, 16); }
 
+// Whether two indices of `t` may address one element (an expanded tensor: a stride of 0): the kernel's stores to
+// it would race and keep one request's value. The test api.py's _overlaps_itself makes: sorted by stride, every
+// dimension must step past all that the smaller ones reach.
+bool overlaps_itself(const at::Tensor& t) {
+  if (t.is_contiguous()) return false;
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of the dimensions of size > 1
+  for (int64_t d = 0; d < t.dim(); ++d)
+    if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
+  std::sort(dims.begin(), dims.end());
+  int64_t reach = 0;
+  for (const auto& [stride, size] : dims) {
+    if (stride <= reach) return true;
+    reach += stride * (size - 1);
+  }
+  return false;
+}
+
 void check_kv_format(int64_t kv_format) {
   MLA_CHECK(kv_format >= 0 && kv_format <= 2, "kv_format must be 0 (q dtype), 1 (fp8_e4m3) or 2 (fp8_ds_mla), got ",
             kv_format);
@@ -117,6 +136,10 @@ void check_call(const at::Tensor& q, const at::Tensor& kv, const c10::optional<a
                 lse.size(1) == h_q && lse.size(2) == s_q && lse.stride(2) == 1,
             "lse must be float32 [", B, ", ", h_q, ", ", s_q, "] on ", dev_str(dev), ", got ", shape_str(lse), " ",
             dtype_str(lse.scalar_type()));
+  MLA_CHECK(!overlaps_itself(out), "out must not overlap itself (two of its elements share memory: an expanded "
+            "tensor?)");
+  MLA_CHECK(!overlaps_itself(lse), "lse must not overlap itself (two of its elements share memory: an expanded "
+            "tensor?)");
   MLA_CHECK(aligned16(q, 3), "q rows must start at 16-byte boundaries");
   // the epilogues store two channels (4 bytes) at a time; a misaligned store would be a device fault, which
   // poisons the CUDA context, so refuse the row here
