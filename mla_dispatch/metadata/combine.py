@@ -203,7 +203,8 @@ def merge_shards(outs, lses, *, out: torch.Tensor | None = None,
         raise ValueError(f"lse must be float32 [{batch}, {h_q}, {s_q}] on {o.device}, got {list(lse.shape)} "
                          f"{lse.dtype} on {lse.device}")
 
-    # Slot n * B + b holds shard n's row b; both empty-shard conventions become -inf, which weighs zero.
+    # Slot n * B + b holds shard n's row b; both empty-shard conventions become -inf, which weighs zero. vLLM reads
+    # +inf so too (vllm/attention/ops/common.py correct_attn_out, triton_merge_attn_states.py), and NaN as empty.
     partial_lse = ls.transpose(2, 3).reshape(n * batch, s_q, h_q)
     partial_lse = partial_lse.masked_fill(torch.isinf(partial_lse), float("-inf"))
     owner = torch.arange(n * batch, device=o.device) % batch
