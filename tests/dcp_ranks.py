@@ -258,9 +258,10 @@ def run_rank(rank: int, world: int, init_method: str, comm_backend: str, device_
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+        torch.set_num_threads(1)  # one thread per rank, as torchrun sets OMP_NUM_THREADS=1: the ranks share the CPU
     extra = {"device_id": device} if comm_backend == "nccl" else {}
     dist.init_process_group(comm_backend, init_method=init_method, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=180), **extra)
+                            timeout=datetime.timedelta(seconds=300), **extra)
     try:
         comm = _Comm(comm_backend, world)
         records = []
