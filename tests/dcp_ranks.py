@@ -1,8 +1,8 @@
 """Decode context parallelism across processes: what each rank of tests/test_dcp.py runs, and how it is launched.
 
 Every rank makes the same global decode problem (``numerics/cases.py``, one seed), then plays its part of a
-DCP x TP deployment as vLLM lays one out (``vllm/attention/ops/common.py``, ``cp_lse_ag_out_rs``; token placement
-as its ``get_dcp_local_seq_lens``):
+DCP x TP deployment as vLLM lays one out (its merge: ``vllm/attention/ops/common.py``, ``cp_lse_ag_out_rs``; token
+placement: ``vllm/v1/attention/backends/utils.py``, ``get_dcp_local_seq_lens``):
 
 - TP: rank ``r`` owns query heads ``[r * h_q / W, (r + 1) * h_q / W)``; the ranks all-gather q along the heads, so
   each attends with every head over its own tokens;
