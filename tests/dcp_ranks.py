@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from oracle64 import naive_attention  # noqa: E402
 
 __all__ = ["DcpCase", "CPU_CASES", "INTERPRETER_CASES", "GPU_CASES", "GPU_BACKENDS", "shard_case", "shorten",
-           "default_jobs", "launch", "run_rank"]
+           "default_jobs", "spawn", "launch", "run_rank"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,29 +277,25 @@ def run_rank(rank: int, world: int, init_method: str, comm_backend: str, device_
     return merged
 
 
-def _spawned(rank, *args):  # torch.multiprocessing passes the rank first
-    run_rank(rank, *args)
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def launch(world: int, comm_backend: str, device_kind: str, jobs: list[tuple[str, str]], seed: int,
-           result_path: str, timeout_s: float) -> dict[str, list[dict]]:
-    """Spawn ``world`` ranks, wait for them (killing them after ``timeout_s``) and return rank 0's records by id.
+def spawn(target, world: int, args: tuple, timeout_s: float, seed: int) -> None:
+    """Run ``target(rank, init_method, *args)`` in ``world`` spawned processes (a TCP rendezvous on 127.0.0.1 as
+    ``init_method``), wait for them and kill them after ``timeout_s``.
 
     Raises
     ------
     RuntimeError
-        A rank died or the ranks ran past ``timeout_s`` (with what is known).
+        A rank raised or died, or the ranks ran past ``timeout_s`` (with what is known, and ``seed``).
     """
     import torch.multiprocessing as mp
 
-    args = (world, f"tcp://127.0.0.1:{_free_port()}", comm_backend, device_kind, jobs, seed, result_path)
-    ctx = mp.start_processes(_spawned, args=args, nprocs=world, join=False, start_method="spawn")
+    ctx = mp.start_processes(target, args=(f"tcp://127.0.0.1:{_free_port()}",) + tuple(args), nprocs=world,
+                             join=False, start_method="spawn")
     deadline = time.monotonic() + timeout_s
     try:
         while not ctx.join(timeout=1):
@@ -313,6 +309,16 @@ def launch(world: int, comm_backend: str, device_kind: str, jobs: list[tuple[str
         for p in ctx.processes:
             if p.is_alive():
                 p.kill()
+
+
+def _spawned(rank, init_method, world, *args):
+    run_rank(rank, world, init_method, *args)
+
+
+def launch(world: int, comm_backend: str, device_kind: str, jobs: list[tuple[str, str]], seed: int,
+           result_path: str, timeout_s: float) -> dict[str, list[dict]]:
+    """Spawn ``world`` ranks of :func:`run_rank` (see :func:`spawn`) and return rank 0's records by id."""
+    spawn(_spawned, world, (world, comm_backend, device_kind, jobs, seed, result_path), timeout_s, seed)
     with open(result_path) as f:
         records = json.load(f)
     by_id: dict[str, list[dict]] = {}
