@@ -2,7 +2,7 @@
 
 Skipped, with the reason, where vLLM does not import. Where it does, nothing of vLLM is imitated: the
 ``VllmConfig`` (a small DeepSeek-V2-shaped model config written to a temporary folder), vLLM's process
-groups (one rank, gloo), ``MLAAttention`` (which constructs our impl), ``ColumnParallelLinear`` for
+groups (one rank, gloo; two spawned ranks for decode context parallelism, tests/vllm_dcp_ranks.py), ``MLAAttention`` (which constructs our impl), ``ColumnParallelLinear`` for
 ``kv_b_proj`` with its quant method's weight processing, ``get_kv_cache_spec``, our builder constructed the
 way vLLM's runner constructs it, ``CommonAttentionMetadata`` -> ``builder.build`` and
 ``MLAAttention.forward_impl`` (absorbed decode through ``forward_mqa``, vLLM's own prefill for prefill
