@@ -3,8 +3,9 @@
 >>> out, lse = mla_dispatch.mla_decode(q, kv_cache, block_table, cache_seqlens, softmax_scale=...)
 
 See :func:`mla_decode` for the canonical layout, :func:`plan_decode` for the
-plan-once/run-per-layer form, and ``python -m mla_dispatch info`` for what
-runs here.
+plan-once/run-per-layer form, :func:`merge_shards` for merging results computed
+on shards of the KV cache (decode context parallelism), and
+``python -m mla_dispatch info`` for what runs here.
 """
 
 import logging
@@ -14,6 +15,7 @@ from mla_dispatch.dispatch.backend import CGSupport, MLABackend, Reason, ReasonC
 from mla_dispatch.numerics.tolerance import Tolerance
 from mla_dispatch.version import __version__
 from mla_dispatch.kvcache.cache import PagedMLACache
+from mla_dispatch.metadata.combine import merge_shards
 from mla_dispatch.dispatch.platform import Platform, detect_platform
 from mla_dispatch.dispatch.problem import DecodeProblem
 from mla_dispatch.dispatch.registry import get_backend, register_backend, registered_names
@@ -29,6 +31,7 @@ __all__ = [
     "mla_decode",
     "plan_decode",
     "DecodePlan",
+    "merge_shards",
     "PagedMLACache",
     "DecodeProblem",
     "Platform",

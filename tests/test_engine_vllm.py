@@ -2,7 +2,7 @@
 
 Skipped, with the reason, where vLLM does not import. Where it does, nothing of vLLM is imitated: the
 ``VllmConfig`` (a small DeepSeek-V2-shaped model config written to a temporary folder), vLLM's process
-groups (one rank, gloo), ``MLAAttention`` (which constructs our impl), ``ColumnParallelLinear`` for
+groups (one rank, gloo; two spawned ranks for decode context parallelism, tests/vllm_dcp_ranks.py), ``MLAAttention`` (which constructs our impl), ``ColumnParallelLinear`` for
 ``kv_b_proj`` with its quant method's weight processing, ``get_kv_cache_spec``, our builder constructed the
 way vLLM's runner constructs it, ``CommonAttentionMetadata`` -> ``builder.build`` and
 ``MLAAttention.forward_impl`` (absorbed decode through ``forward_mqa``, vLLM's own prefill for prefill
@@ -318,6 +318,29 @@ def test_dcp_lse_is_what_vllm_merges(vllm_world, model_dir, gen):
                              want_l.float(), TOL)
     assert report, report.message
     assert torch.isneginf(lse[-1]).all()
+
+
+def test_dcp_two_ranks_through_vllm(model_dir, tmp_path):
+    """vLLM's DCP decode with our backend in two spawned ranks (TP 2 x DCP 2 over gloo; tests/vllm_dcp_ranks.py):
+    vLLM's query gather, our builder on the local lengths, our forward_mqa on each rank's tokens against float64
+    (natural-log LSE, -inf for an empty shard), the merged heads against float64 over every token, W_UV. vLLM's own
+    merge is a Triton kernel that cannot run on a CPU: merge_shards over vLLM's DCP group stands in for it."""
+    if DEVICE.type != "cpu":
+        pytest.skip("the two ranks run on the CPU (gloo)")
+    from dcp_ranks import spawn
+    from tests.conftest import SEED
+    import vllm_dcp_ranks
+
+    cases = [dict(block_size=16, interleave=1, lengths=[37, 20, 61, 1]),   # request 3: rank 1 holds no token
+             dict(block_size=16, interleave=4, lengths=[50, 9, 70, 3])]    # vLLM's cp_kv_cache_interleave_size
+    path = str(tmp_path / "records")
+    spawn(vllm_dcp_ranks.run, 2, (model_dir, cases, SEED, path), timeout_s=900, seed=SEED)
+    for rank in range(2):
+        with open(f"{path}.{rank}") as f:
+            records = json.load(f)
+        assert len(records) == len(cases)
+        for r in records:
+            assert r["status"] == "ok", f"rank {rank}, case {r['id']} (seed {r['seed']}): {r['message']}"
 
 
 def test_vllm_accepts_the_backend(vllm_world):

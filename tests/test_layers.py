@@ -33,7 +33,7 @@ LAYER_OF = {
 ALLOWED = {
     "tools": {"front", "dispatch", "kvcache", "metadata", "numerics", "version"},
     "adapters": {"front", "dispatch", "kvcache", "metadata", "version"},
-    "front": {"dispatch", "kvcache", "numerics", "version"},
+    "front": {"dispatch", "kvcache", "metadata", "numerics", "version"},
     "backends": {"dispatch", "kernels", "kvcache", "metadata", "numerics"},
     "dispatch": {"kvcache", "numerics", "version"},
     "kernels": {"kvcache", "metadata"},

@@ -193,3 +193,24 @@ def test_each_split_request_has_one_boundary_owner(batch, num_parts, chunk, over
     assert split, "the draw produced no split request"
     assert set(owners) == split
     assert len(split) <= num_parts - 1
+
+
+def test_combine_does_not_hide_a_nan_piece(gen):
+    """A piece that saw keys but holds a NaN makes its row NaN (the torch combine used to zero it); a piece that saw
+    none (lse -inf) is not read, whatever it holds."""
+    lens = torch.tensor([300, 40, 500], dtype=torch.int32)
+    sched = split_kv_schedule(lens, num_parts=6, chunk_size=16, overhead=1)
+    slot_req = sched.slot_req.tolist()
+    split = [b for b in range(3) if int(sched.num_splits[b]) > 1]
+    assert len(split) >= 1, "the case must exercise splitting"
+    r = split[0]
+    first, second = [s for s, q in enumerate(slot_req) if q == r][:2]
+    p_out = torch.randn(sched.max_slots, 1, 2, 8, generator=gen)
+    p_lse = torch.randn(sched.max_slots, 1, 2, generator=gen)
+    p_out[first, 0, 0, 3] = float("nan")
+    p_lse[second, 0, 1], p_out[second, 0, 1] = float("-inf"), float("nan")
+    out = torch.zeros(3, 1, 2, 8)
+    lse = torch.zeros(3, 2, 1)
+    combine_splits(p_out, p_lse, sched, out, lse)
+    assert torch.isnan(out[r, 0, 0, 3]) and int(torch.isnan(out).sum()) == 1
+    assert not torch.isnan(lse).any()
