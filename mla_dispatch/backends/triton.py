@@ -35,6 +35,8 @@ from mla_dispatch.metadata.combine import first_slots
 from mla_dispatch.dispatch.platform import Platform
 from mla_dispatch.dispatch.problem import DecodeProblem
 
+from ._vendor import dist_version
+
 __all__ = ["TritonBackend"]
 
 _SCHEDULE_OVERHEAD_TOKENS = 320  # fixed cost of a work item, in tokens (FlashMLA: 5 blocks of 64)
@@ -74,9 +76,10 @@ class TritonBackend(MLABackend):
 
     @classmethod
     def version(cls) -> str:
-        import triton
-
-        return f"triton{triton.__version__}"
+        # never imports triton: info and explain list this backend where triton is not installed (its import failure
+        # is the availability reason, from REQUIRES)
+        ver = dist_version("triton", "triton")
+        return ver if ver == "not installed" else f"triton{ver}"
 
     @classmethod
     def extra_reasons(cls, problem: DecodeProblem, platform: Platform) -> list[Reason]:

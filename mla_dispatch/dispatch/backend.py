@@ -24,7 +24,7 @@ from mla_dispatch.dispatch.problem import DecodeProblem
 from mla_dispatch.numerics.tolerance import BF16_TOLERANCE, Tolerance
 
 __all__ = ["ReasonCode", "Reason", "CGSupport", "BackendOption", "MLABackend", "BackendState", "Unimplemented",
-           "untraced_eager"]
+           "untraced_eager", "version_of"]
 
 _is_compiling = torch.compiler.is_compiling
 _dispatch_modes = torch._C._len_torch_dispatch_stack
@@ -319,6 +319,16 @@ class MLABackend:
         allocate or sync when ``problem.cuda_graph`` is set.
         """
         raise NotImplementedError(f"{cls.NAME}.run")
+
+
+def version_of(cls: type[MLABackend]) -> str:
+    """``cls.version()``, or ``"unknown (<the error>)"`` where it raises: a listing of backends (``info``,
+    :func:`~mla_dispatch.dispatch.select.explain`, a ``NoBackendError``) never fails on one backend's version probe
+    (a vendor library that does not import, a third-party backend's bug)."""
+    try:
+        return cls.version()
+    except Exception as exc:
+        return f"unknown ({type(exc).__name__}: {exc})"
 
 
 class Unimplemented(MLABackend):

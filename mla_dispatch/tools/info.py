@@ -12,6 +12,7 @@ import platform as host_platform
 
 import torch
 
+from mla_dispatch.dispatch.backend import version_of
 from mla_dispatch.dispatch.platform import detect_platform
 from mla_dispatch.dispatch.tuned import active_table_description
 from mla_dispatch.version import __version__
@@ -50,7 +51,7 @@ def report(problem: DecodeProblem | None = None) -> str:
         reasons = cls.availability_reasons()
         state = "available" if not reasons else "; ".join(map(str, reasons))
         desc = f" — {cls.DESCRIPTION}" if cls.DESCRIPTION else ""
-        lines.append(f"  {name}@{cls.version()}{desc}: {state}")
+        lines.append(f"  {name}@{version_of(cls)}{desc}: {state}")
     lines.append("")
     lines.append("for this problem:")
     lines.append(problem.describe())
