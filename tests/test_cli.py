@@ -54,6 +54,17 @@ def test_demo_checks_against_float64_and_says_so(capsys):
     assert "cos 0" not in out
 
 
+@pytest.mark.skipif(not NO_CUDA, reason="checks the CPU path of demo")
+def test_demo_dtype_fp16(capsys):
+    """``--dtype fp16`` makes q and the cache fp16 (how the Triton kernel runs on a CPU, under TRITON_INTERPRET=1)."""
+    assert main(["demo", "--dtype", "fp16", "--lengths", "40,0,9", "--heads", "4", "--seed", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "q=fp16 kv=fp16" in out and out.strip().endswith("PASS")
+    assert main(["demo", "--dtype", "fp16", "--kv-format", "fp8_e4m3", "--lengths", "40,9", "--heads", "4"]) == 0
+    assert "q=fp16 kv=fp8_e4m3" in capsys.readouterr().out
+    _one_line_error(capsys, ["demo", "--dtype", "fp16", "--kv-format", "bf16"], "--kv-format", "--dtype fp16")
+
+
 class _WrongDemoBackend(ReferenceBackend):
     """The reference plus 0.01 on every output: the demo's check must catch it."""
 

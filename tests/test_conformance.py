@@ -61,6 +61,20 @@ class Bf16Only(ReferenceBackend):
     SUPPORTS_SPARSE = False
 
 
+class Fp16Only(ReferenceBackend):
+    """Declines bf16 queries, as the Triton kernel does under TRITON_INTERPRET=1."""
+
+    NAME = "test_conf_fp16_only"
+    Q_DTYPES = frozenset({torch.float16})
+    runs = 0
+
+    @classmethod
+    def run(cls, state, q, kv_cache, block_table, cache_seqlens, **kw):
+        assert q.dtype == torch.float16
+        cls.runs += 1
+        super().run(state, q, kv_cache, block_table, cache_seqlens, **kw)
+
+
 def _cases(*names):
     by_name = {c.name: c for c in conformance.case_set(quick=False)}
     return [by_name[n] for n in names]
@@ -153,3 +167,25 @@ def test_nothing_checked_exits_nonzero(capsys, seed):
     assert "pass or are unsupported" not in captured.out + captured.err
     rc = conformance.main(["--quick", "--backends", "reference", "--quiet", "--seed", str(seed)])
     assert rc == 1 and "only the reference ran, and it is the oracle itself" in capsys.readouterr().err
+
+
+def test_dtype_replaces_every_cases_q_dtype(registered, tmp_path, capsys, seed):
+    """``--dtype fp16``: every row runs fp16 q (and cache), so an fp16-only backend (Triton in the interpreter) is
+    checked on every row instead of declining all but the fp16 one."""
+    name = registered(Fp16Only)
+    cases = _cases("baseline", "fp8_e4m3", "fp16")
+    as_given = conformance.run_conformance(cases, [name], device=CPU, seed=seed, progress=False)
+    assert as_given["baseline"][name].status == "unsupported" and "q dtype=bfloat16" in as_given["baseline"][name].detail
+    assert as_given["fp16"][name].status == "pass"
+    fp16 = conformance.run_conformance(cases, [name], device=CPU, seed=seed, progress=False, dtype=torch.float16)
+    assert {c: row[name].status for c, row in fp16.items()} == {"baseline": "pass", "fp8_e4m3": "pass", "fp16": "pass"}
+    Fp16Only.runs = 0
+    path = tmp_path / "conf.json"
+    rc = conformance.main(["--quick", "--dtype", "fp16", "--backends", name, "--quiet", "--seed", str(seed),
+                           "--json", str(path)])
+    assert rc == 0, capsys.readouterr().err
+    assert "fp16 throughout" in capsys.readouterr().out
+    doc = json.loads(path.read_text())
+    assert doc["dtype"] == "fp16"
+    statuses = [cell["status"] for row in doc["matrix"].values() for cell in row.values()]
+    assert statuses.count("pass") == len(statuses) == Fp16Only.runs  # the reference runs everything, fp16 too

@@ -41,6 +41,8 @@ from mla_dispatch.tools.args import (CommandParser, UsageError, backend_names, p
 
 __all__ = ["ConformanceCase", "Cell", "case_set", "large_case_set", "run_conformance", "format_matrix", "main"]
 
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 @dataclasses.dataclass(frozen=True)
 class ConformanceCase:
@@ -50,15 +52,19 @@ class ConformanceCase:
     feature: str  # which docs/design.md §1–2 feature it covers
     params: dict
 
-    def make(self, device: torch.device, generator: torch.Generator) -> DecodeCase:
-        if "bench" in self.params:  # a large case: generated on the device, chunk by chunk, as `bench` does
+    def make(self, device: torch.device, generator: torch.Generator, dtype: torch.dtype | None = None) -> DecodeCase:
+        """The case's data on ``device``; ``dtype`` (q's, and a dense cache's) replaces the case's own (bf16 unless
+        the case is about fp16)."""
+        params = dict(self.params)
+        if dtype is not None:
+            params["dtype"] = dtype
+        if "bench" in params:  # a large case: generated on the device, chunk by chunk, as `bench` does
             from mla_dispatch.tools.bench import BenchConfig, make_bench_case
 
-            params = dict(self.params)
             cfg = BenchConfig(**params.pop("bench"))
             seed = int(torch.randint(1 << 30, (1,), generator=generator))
             return make_bench_case(cfg, device=device, seed=seed, **params)
-        return make_case(**self.params, device=device, generator=generator)
+        return make_case(**params, device=device, generator=generator)
 
 
 #: Pages of 64 bf16 tokens past which a cache holds more than 2^32 elements (576 per token).
@@ -160,8 +166,9 @@ def check_backend(name: str, case: DecodeCase, ref: tuple[torch.Tensor, torch.Te
 
 
 def run_conformance(cases: Sequence[ConformanceCase], backends: Sequence[str], *, device: torch.device,
-                    seed: int = 0, progress: bool = True) -> dict[str, dict[str, Cell]]:
-    """``{case name: {backend: Cell}}`` for every case and backend."""
+                    seed: int = 0, progress: bool = True, dtype: torch.dtype | None = None
+                    ) -> dict[str, dict[str, Cell]]:
+    """``{case name: {backend: Cell}}`` for every case and backend; ``dtype`` replaces every case's q dtype."""
     from tqdm import tqdm
 
     from mla_dispatch.numerics.oracle import reference_attention
@@ -171,7 +178,7 @@ def run_conformance(cases: Sequence[ConformanceCase], backends: Sequence[str], *
                file=sys.stderr)
     for i, spec in enumerate(cases):
         bar.set_postfix_str(spec.name)
-        case = spec.make(device, torch.Generator().manual_seed(seed + i))
+        case = spec.make(device, torch.Generator().manual_seed(seed + i), dtype)
         ref = reference_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens,
                                   head_dim_v=case.head_dim_v, softmax_scale=case.softmax_scale, causal=case.causal,
                                   kv_format=case.kv_format, kv_scale=case.kv_scale, indices=case.indices)
@@ -221,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backends", default=None,
                    help="comma-separated names (default: every available backend; 'reference' only on CPU)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+                   help="q (and dense cache) dtype of every case (default: bf16, fp16 in the fp16 row); fp16 runs the "
+                        "Triton kernel on a CPU (TRITON_INTERPRET=1, whose bf16 tl.dot is wrong)")
     p.add_argument("--seed", type=int, default=None, help="data seed (default: random, printed for replay)")
     p.add_argument("--json", default=None, help="also write the matrix as JSON to this path")
     p.add_argument("--list", action="store_true", help="print the case set and exit")
@@ -248,10 +258,12 @@ def _run(args: argparse.Namespace) -> int:
     if args.json:
         writable_file(args.json, "--json")
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 31)
-    matrix = run_conformance(cases, backends, device=device, seed=seed, progress=not args.quiet)
+    dtype = _DTYPES[args.dtype] if args.dtype else None
+    matrix = run_conformance(cases, backends, device=device, seed=seed, progress=not args.quiet, dtype=dtype)
     plat = platform_for(device)
-    print(f"## conformance ({'quick' if args.quick else 'full'}) on {plat.describe()}, torch {torch.__version__}, "
-          f"seed {seed} (replay: --seed {seed})\n")
+    dtypes = f", {args.dtype} throughout" if args.dtype else ""
+    print(f"## conformance ({'quick' if args.quick else 'full'}{dtypes}) on {plat.describe()}, torch "
+          f"{torch.__version__}, seed {seed} (replay: --seed {seed})\n")
     print(format_matrix(matrix, backends))
     unavailable = {} if args.backends else {
         n: "; ".join(map(str, get_backend(n).availability_reasons())) for n in known if n not in backends}
@@ -260,6 +272,7 @@ def _run(args: argparse.Namespace) -> int:
         print("\nnot available here: " + "; ".join(f"{n} ({r})" for n, r in unavailable.items()))
     if args.json:
         doc = {"platform": plat.describe(), "torch": torch.__version__, "seed": seed, "quick": args.quick,
+               "dtype": args.dtype,
                "backends": {b: get_backend(b).version() for b in backends},
                "matrix": {c: {b: dataclasses.asdict(cell) for b, cell in cells.items()} for c, cells in matrix.items()}}
         try:
