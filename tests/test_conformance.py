@@ -204,3 +204,23 @@ def test_the_reference_column_is_the_oracle_not_passes(seed):
     assert matrix["baseline"]["amla_emulation"].status == "pass"
     text = conformance.format_matrix(matrix, ["reference", "amla_emulation"])
     assert "| baseline | oracle | pass |" in text and "not counted as passes" in text
+
+
+def test_a_vendor_library_that_aborts_fails_its_cell_and_the_run_goes_on(registered, seed):
+    """A vendor backend's cells run in a child process: the cell whose call aborts the process reads ERROR with how
+    the child died and the vendor's own assert text; a fresh child runs that backend's next cells; the other
+    backends' cells run as usual, and this process lives on."""
+    from fakes.fake_abort import ASSERT_TEXT, AbortingVendorBackend
+
+    name = registered(AbortingVendorBackend)
+    assert conformance.isolated(name) and not conformance.isolated("amla_emulation")
+    small = dict(batch=2, q_len=1, num_heads_q=4, seqlen=40, page_size=16, varlen=True)
+    cases = [conformance.ConformanceCase("small", "576/512", small),
+             conformance.ConformanceCase("small d=512/512", "the vendor aborts", {**small, "head_dim_qk": 512}),
+             conformance.ConformanceCase("small fp16", "after the abort", {**small, "dtype": torch.float16})]
+    matrix = conformance.run_conformance(cases, ["amla_emulation", name], device=CPU, seed=seed, progress=False)
+    assert {c: row["amla_emulation"].status for c, row in matrix.items()} == dict.fromkeys(matrix, "pass")
+    assert matrix["small"][name].status == "pass" and matrix["small fp16"][name].status == "pass"
+    died = matrix["small d=512/512"][name]
+    assert died.status == "error", died
+    assert "died of SIGABRT in this cell" in died.detail and ASSERT_TEXT in died.detail, died.detail

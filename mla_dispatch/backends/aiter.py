@@ -105,6 +105,7 @@ class AiterBackend(MLABackend):
     """AMD AITER assembly MLA decode (ROCm gfx942 / gfx950)."""
 
     NAME = "aiter"
+    VENDOR = "AMD AITER"
     DESCRIPTION = "AMD AITER mla_decode_fwd (ROCm MI300X gfx942, MI355X gfx950)"
     PLATFORMS = frozenset({"rocm"})
     ARCHS = frozenset(KERNELS)

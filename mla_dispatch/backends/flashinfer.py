@@ -111,6 +111,7 @@ class FlashInferBackend(MLABackend):
     """FlashInfer: MLA paged wrapper on SM80/SM90, trtllm-gen decode on SM100."""
 
     NAME = "flashinfer"
+    VENDOR = "FlashInfer"
     DESCRIPTION = "FlashInfer BatchMLAPagedAttentionWrapper (SM80/90) / trtllm-gen MLA decode (SM100)"
     PLATFORMS = frozenset({"cuda"})
     MIN_CAPABILITY = (8, 0)

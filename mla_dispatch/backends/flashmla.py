@@ -59,6 +59,7 @@ class FlashMLABackend(MLABackend):
     """DeepSeek FlashMLA: dense bf16/fp16 decode on SM90, sparse fp8_ds_mla decode on SM90/SM100."""
 
     NAME = "flashmla"
+    VENDOR = "DeepSeek FlashMLA"
     DESCRIPTION = "DeepSeek FlashMLA (dense SM90 page 64; sparse fp8_ds_mla SM90/SM100)"
     PLATFORMS = frozenset({"cuda"})
     MIN_CAPABILITY = (9, 0)

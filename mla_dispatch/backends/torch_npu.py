@@ -92,6 +92,7 @@ class TorchNpuBackend(MLABackend):
     """Huawei's FIA (AMLA template) or legacy ATB MLA kernel via torch_npu."""
 
     NAME = "torch_npu"
+    VENDOR = "Huawei torch_npu (CANN)"
     DESCRIPTION = "torch_npu npu_fused_infer_attention_score[_v2] / _npu_paged_attention_mla"
     PLATFORMS = frozenset({"npu"})
     ARCHS = frozenset({"Ascend910B", "Ascend910C"})

@@ -111,6 +111,10 @@ class MLABackend:
 
     NAME: ClassVar[str] = "?"
     DESCRIPTION: ClassVar[str] = ""
+    #: the vendor library whose kernels the adapter calls ("DeepSeek FlashMLA"); None for our own code. A vendor
+    #: library may abort the process or fault the device on what its kernels do not run: ``conformance`` runs a
+    #: vendor backend's cells in a child process (STYLE 20)
+    VENDOR: ClassVar[str | None] = None
     #: platform kinds (``Platform.kind``) the backend runs on
     PLATFORMS: ClassVar[frozenset[str]] = frozenset()
     #: CUDA compute capability range, inclusive, for kind "cuda"

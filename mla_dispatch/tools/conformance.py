@@ -8,7 +8,10 @@ sparse indices — with the test data of :func:`mla_dispatch.numerics.cases.make
 unused block-table entries; the ``nan-poison`` row makes them the majority).
 Each backend runs each case through :func:`mla_dispatch.mla_decode` and is
 compared with the fp32 reference at the backend's declared tolerance
-(docs/design.md §5).
+(docs/design.md §5). A vendor backend (one that declares ``VENDOR``) runs its
+cells in a child process of its own: a vendor library that aborts the process
+or faults the device fails the cell it was running (with how the child died and
+its last stderr lines), a fresh child runs the cells after it, and the run goes on.
 
 The result is a matrix: rows = case class, columns = backends, cells =
 ``pass``, ``FAIL (worst error)``, ``ERROR (exception)`` or ``unsupported
@@ -25,8 +28,13 @@ import argparse
 import dataclasses
 import json
 import math
+import os
+import pickle
 import random
+import signal
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Sequence
 
@@ -36,12 +44,14 @@ from mla_dispatch.api import mla_decode
 from mla_dispatch.dispatch.platform import platform_for
 from mla_dispatch.dispatch.problem import describe_inputs
 from mla_dispatch.dispatch.registry import get_backend, registered_names
+from mla_dispatch.dispatch.select import NoBackendError
 from mla_dispatch.numerics.cases import DecodeCase, make_case
 from mla_dispatch.numerics.tolerance import compare_outputs
 from mla_dispatch.tools.args import (CommandParser, UsageError, backend_names, parse_device, usage_error,
                                      writable_file)
 
-__all__ = ["ConformanceCase", "Cell", "case_set", "large_case_set", "run_conformance", "format_matrix", "main"]
+__all__ = ["ConformanceCase", "Cell", "case_set", "large_case_set", "run_conformance", "run_isolated", "isolated",
+           "format_matrix", "main"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 #: The backend that computes what the cells are compared with (numerics/oracle.py behind a registered op).
@@ -149,18 +159,27 @@ class Cell:
         return f"unsupported ({self.detail})"
 
 
-def check_backend(name: str, case: DecodeCase, ref: tuple[torch.Tensor, torch.Tensor]) -> Cell:
-    """Run backend ``name`` on ``case`` and compare with ``ref`` at its tolerance."""
+def _problem(case: DecodeCase):
+    return describe_inputs(case.q, case.kv_cache, case.block_table, case.cache_seqlens, head_dim_v=case.head_dim_v,
+                           causal=case.causal, kv_format=case.kv_format, kv_scale=case.kv_scale, indices=case.indices,
+                           return_lse=True)
+
+
+def _unsupported(name: str, case: DecodeCase) -> Cell | None:
+    """The ``unsupported`` cell of backend ``name`` on ``case`` (its own reasons), or None where it can run it."""
+    reasons = get_backend(name).not_supported_reasons(_problem(case), platform_for(case.q.device))
+    return Cell("unsupported", "; ".join(map(str, reasons))) if reasons else None
+
+
+def _run_cell(name: str, case: DecodeCase, ref: tuple[torch.Tensor, torch.Tensor]) -> Cell:
+    """Run backend ``name`` on ``case`` (which it declares it can run) and compare with ``ref`` at its tolerance."""
     cls = get_backend(name)
-    problem = describe_inputs(case.q, case.kv_cache, case.block_table, case.cache_seqlens, head_dim_v=case.head_dim_v,
-                              causal=case.causal, kv_format=case.kv_format, kv_scale=case.kv_scale,
-                              indices=case.indices, return_lse=True)
-    reasons = cls.not_supported_reasons(problem, platform_for(case.q.device))
-    if reasons:
-        return Cell("unsupported", "; ".join(map(str, reasons)))
     try:
         out, lse = mla_decode(*case.args(), **case.kwargs(), backend=name)
         report = compare_outputs(out, lse, ref[0], ref[1], cls.TOLERANCE)
+    except NoBackendError as exc:  # it declined here (e.g. its module does not import in a child process)
+        why = "; ".join(str(r) for _, _, reasons in exc.report.candidates for r in reasons)
+        return Cell("error", f"NoBackendError: {why}"[:300])
     except Exception as exc:
         return Cell("error", f"{type(exc).__name__}: {exc}".splitlines()[0][:200])
     if report:
@@ -171,29 +190,152 @@ def check_backend(name: str, case: DecodeCase, ref: tuple[torch.Tensor, torch.Te
     return Cell("fail", worst, report.max_abs, report.cos_diff)
 
 
+def check_backend(name: str, case: DecodeCase, ref: tuple[torch.Tensor, torch.Tensor]) -> Cell:
+    """Run backend ``name`` on ``case`` in this process and compare with ``ref`` at its tolerance."""
+    return _unsupported(name, case) or _run_cell(name, case, ref)
+
+
+def _reference(case: DecodeCase) -> tuple[torch.Tensor, torch.Tensor]:
+    from mla_dispatch.numerics.oracle import reference_attention
+
+    return reference_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens, head_dim_v=case.head_dim_v,
+                               softmax_scale=case.softmax_scale, causal=case.causal, kv_format=case.kv_format,
+                               kv_scale=case.kv_scale, indices=case.indices)
+
+
+def isolated(name: str) -> bool:
+    """Whether conformance runs backend ``name``'s cells in a child process: a vendor library's (``VENDOR``), which
+    may abort the process or fault the device (STYLE 20)."""
+    return get_backend(name).VENDOR is not None
+
+
 def run_conformance(cases: Sequence[ConformanceCase], backends: Sequence[str], *, device: torch.device,
                     seed: int = 0, progress: bool = True, dtype: torch.dtype | None = None
                     ) -> dict[str, dict[str, Cell]]:
-    """``{case name: {backend: Cell}}`` for every case and backend; ``dtype`` replaces every case's q dtype."""
-    from tqdm import tqdm
+    """``{case name: {backend: Cell}}`` for every case and backend; ``dtype`` replaces every case's q dtype.
 
-    from mla_dispatch.numerics.oracle import reference_attention
+    A vendor backend's cells (:func:`isolated`) run in a child process of their own (:func:`run_isolated`): a vendor
+    library that aborts the process or faults the device fails that backend's cell, and the run goes on.
+    """
+    from tqdm import tqdm
 
     matrix: dict[str, dict[str, Cell]] = {}
     bar = tqdm(total=len(cases) * len(backends), desc="conformance", unit="cell", disable=not progress, leave=False,
                file=sys.stderr)
+    apart = {name: [] for name in backends if isolated(name)}  # backend -> [(case index, case)] it declares it runs
     for i, spec in enumerate(cases):
         bar.set_postfix_str(spec.name)
         case = spec.make(device, torch.Generator().manual_seed(seed + i), dtype)
-        ref = reference_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens,
-                                  head_dim_v=case.head_dim_v, softmax_scale=case.softmax_scale, causal=case.causal,
-                                  kv_format=case.kv_format, kv_scale=case.kv_scale, indices=case.indices)
+        ref = _reference(case)
         row = matrix.setdefault(spec.name, {})
         for name in backends:
-            row[name] = check_backend(name, case, ref)
+            if name in apart:
+                row[name] = _unsupported(name, case)
+                if row[name] is None:
+                    apart[name].append((i, spec))
+                    continue
+            else:
+                row[name] = check_backend(name, case, ref)
+            bar.update(1)
+    for name, todo in apart.items():
+        for case_name, cell in run_isolated(name, todo, device=device, seed=seed, dtype=dtype):
+            matrix[case_name][name] = cell
             bar.update(1)
     bar.close()
     return matrix
+
+
+# -- one backend's cells in a child process ---------------------------------------------------------------------
+
+
+def run_isolated(name: str, cases: Sequence[tuple[int, ConformanceCase]], *, device: torch.device, seed: int,
+                 dtype: torch.dtype | None = None):
+    """Yield ``(case name, Cell)`` for backend ``name`` on each ``(index, case)``, run in a child process.
+
+    The child regenerates each case from its seed (``seed + index``, as :func:`run_conformance` does), computes the
+    reference and checks the backend, reporting each cell as it finishes. A child that dies (an abort, a device
+    fault, a crash) fails the cell it was running with how it died and the end of its stderr (where a vendor's
+    assert prints); a fresh child runs the cells after it.
+    """
+    from mla_dispatch.dispatch.registry import backend_qualname
+
+    todo = list(cases)
+    while todo:
+        payload = {"backend": name, "qualname": backend_qualname(name), "device": str(device), "seed": seed,
+                   "dtype": dtype, "cases": todo}
+        with tempfile.TemporaryFile() as err:
+            proc = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=err, env=_child_env())
+            proc.stdin.write(pickle.dumps(payload))
+            proc.stdin.close()
+            running, finished = None, set()
+            for line in proc.stdout:
+                if not line.startswith(b"{"):
+                    continue
+                msg = json.loads(line)
+                if "start" in msg:
+                    running = msg["start"]
+                else:
+                    finished.add(msg["case"])
+                    running = None
+                    yield msg["case"], Cell(**msg["cell"])
+            rc = proc.wait()
+            err.seek(0)
+            stderr = err.read().decode(errors="replace")
+        todo = [(i, spec) for i, spec in todo if spec.name not in finished]
+        if not todo:
+            return
+        how = _death(rc)
+        tail = " / ".join(line.strip() for line in stderr.strip().splitlines()[-3:] if line.strip())[-300:]
+        if running is not None:
+            yield running, Cell("error", f"the process running {name} {how} in this cell" + (f": {tail}" if tail
+                                                                                          else ""))
+            todo = [(i, spec) for i, spec in todo if spec.name != running]
+        elif not finished:  # it ran no cell at all (its imports failed): a fresh child would do the same
+            for _, spec in todo:
+                yield spec.name, Cell("error", f"the child process for {name} {how} before any cell ran: {tail}")
+            return
+        # else it stopped after an error on a GPU (child_main): a fresh child runs the cells left
+
+
+def _death(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"died of {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"died of signal {-rc}"
+    return f"exited with status {rc}"
+
+
+def _child_env() -> dict[str, str]:
+    """The parent's environment, its import path included (so the child imports the same mla_dispatch and the
+    module of a backend registered at run time)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    return env
+
+
+_CHILD = "from mla_dispatch.tools.conformance import child_main; child_main()"
+
+
+def child_main() -> None:
+    """The child of :func:`run_isolated`: reads its pickled payload on stdin, prints one JSON line as each cell starts
+    and one as it ends, and exits after an error on a GPU (a faulted CUDA context fails every later call: the parent
+    starts a fresh child for the cells left)."""
+    from mla_dispatch.dispatch.registry import backend_qualname, register_backend, registered_names
+
+    payload = pickle.loads(sys.stdin.buffer.read())
+    name, qualname = payload["backend"], payload["qualname"]
+    if name not in registered_names() or backend_qualname(name) != qualname:  # registered at run time in the parent
+        register_backend(name, qualname, replace=True)
+    device = torch.device(payload["device"])
+    for i, spec in payload["cases"]:
+        print(json.dumps({"start": spec.name}), flush=True)
+        case = spec.make(device, torch.Generator().manual_seed(payload["seed"] + i), payload["dtype"])
+        cell = _run_cell(name, case, _reference(case))
+        print(json.dumps({"case": spec.name, "cell": dataclasses.asdict(cell)}), flush=True)
+        if cell.status == "error" and device.type != "cpu":
+            return
 
 
 def format_matrix(matrix: dict[str, dict[str, Cell]], backends: Sequence[str]) -> str:
