@@ -34,8 +34,8 @@ from types import MappingProxyType
 
 import torch
 
-from mla_dispatch.dispatch.backend import (BackendOption, BackendState, CGSupport, MLABackend, Reason, ReasonCode,
-                                           untraced_eager)
+from mla_dispatch.dispatch.backend import (ArchSupport, BackendOption, BackendState, CGSupport, MLABackend, Reason,
+                                           ReasonCode, untraced_eager)
 from mla_dispatch.metadata.schedule import (BATCH_INVARIANT_SPLIT_TOKENS, SPLIT_TOKENS_CHOICES,
                                            check_invariant_workspace, fixed_split_schedule, split_kv_schedule)
 from mla_dispatch.metadata.combine import first_slots
@@ -390,6 +390,7 @@ class CudaSM90Backend(MLABackend):
     # per-request combine kernel
     SUPPORTS_BATCH_INVARIANT = True
     CUDA_GRAPH = CGSupport.ALWAYS
+    ARCH_SUPPORT = (ArchSupport("sm90", "Hopper (sm_90a)", notes="our native CUDA kernel", run_here="yes: H100, H200"),)
     OPTIONS = MappingProxyType({
         "variant": BackendOption(tuple(MAINLOOPS), "the mainloop, instead of the plan's choice (choose_variant): 2 "
                                  "wgmma, 5 two tiles in flight, 6 tokens on M, 7 / 8 tokens on M for fp8_e4m3, 9 v5 "
