@@ -436,6 +436,19 @@ class CudaSM90Backend(MLABackend):
         return []
 
     @classmethod
+    def build(cls, *, verbose: bool = False) -> str:
+        """Build (or load the cached build of) the extension: ``kernels/cuda/build.py`` (nvcc >= 12.4, CUTLASS).
+
+        Raises
+        ------
+        mla_dispatch.kernels.cuda.build.KernelBuildError
+            nvcc or CUTLASS missing, or the build failed (with the compiler's text).
+        """
+        from mla_dispatch.kernels.cuda.build import SM90_SOURCE_DIR, load_sm90
+
+        return f"built {load_sm90(verbose=verbose).__name__} (sources: {SM90_SOURCE_DIR})"
+
+    @classmethod
     def _check_availability(cls) -> list[Reason]:
         reasons = super()._check_availability()
         if reasons:

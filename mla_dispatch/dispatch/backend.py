@@ -280,6 +280,18 @@ class MLABackend:
                 reasons.append(Reason(ReasonCode.UNAVAILABLE, f"import {module} failed: {type(exc).__name__}: {exc}"))
         return reasons
 
+    @classmethod
+    def build(cls, *, verbose: bool = False) -> str | None:
+        """Compile now what the backend would otherwise compile on its first call (``python -m mla_dispatch
+        build``); returns what was built, or None where there is nothing to build (the default).
+
+        Raises
+        ------
+        RuntimeError
+            The build failed; the text says why (a missing compiler, a compiler error).
+        """
+        return None
+
     # -- feasibility ---------------------------------------------------------------------
 
     @classmethod

@@ -11,7 +11,7 @@ import sys
 COMMANDS = {
     "info": ("mla_dispatch.tools.info", "platform, backends and why each can or cannot run"),
     "demo": ("mla_dispatch.tools.demo", "a DeepSeek-V3-shaped decode step on the best backend here, checked"),
-    "build": ("mla_dispatch.kernels.cuda.build", "compile the native CUDA (SM90) extension ahead of time"),
+    "build": ("mla_dispatch.tools.build", "compile the native CUDA (SM90) extension ahead of time"),
     "bench": ("mla_dispatch.tools.bench", "time every available backend on a named grid against the roofline"),
     "conformance": ("mla_dispatch.tools.conformance", "check every available backend against the reference"),
     "tune": ("mla_dispatch.tools.tune", "measure backends and write this device's dispatch table"),

@@ -58,7 +58,6 @@ run once before capturing a graph.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import triton
@@ -67,6 +66,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
 from mla_dispatch.kernels.triton.device import kernel_device
+from mla_dispatch.kernels.triton.fp8t_limits import FP8T_MAX_ROWS, fp8t_enabled
 
 __all__ = ["KernelConfig", "choose_config", "launch_decode", "launch_decode_kernel", "KV_FORMAT_IDS"]
 
@@ -569,16 +569,7 @@ GLUON_CONFIG = KernelConfig(64, 64, 8, 2, tma=True, gluon=True)
 #: gluonfp8, 2026-11-22, twenty-first session, call 5): h16 298.1 vs 288.0 (page 64) and 299.2 vs 282.2 (page 16): plain
 #: kept; h32 303.6 vs 474.5, h64 311.5 vs 482.5; FlashMLA grid b=128 h128 L=8K s1 1132.2 vs 2493.4, s2 2187.2 vs 4871.1.
 GLUON_FP8_MIN_ROWS = 32
-#: fp8_e4m3 caches with at most this many query rows take the tokens-on-M Gluon kernel (:mod:`.gluon_fp8`) instead,
-#: under the same config (its launch is chosen in :func:`launch_decode_kernel`); ``MLA_TRITON_FP8T=0`` switches it off.
-#: H100, b=64 L=8K, graph µs (2026-11-23, twenty-third session, calls 7 / 10): h16 140.9 / 144.8 vs 292.8 (the plain
-#: 16-row config), h32 157.7 / 159.5 vs 305.8 (gluon_sm90); kernels/triton/NOTES.md, "fp8_e4m3 with tokens on M".
-FP8T_MAX_ROWS = 32
-
-
-def fp8t_enabled() -> bool:
-    """Whether the tokens-on-M fp8 kernel may run (``MLA_TRITON_FP8T`` is not ``0``)."""
-    return os.environ.get("MLA_TRITON_FP8T", "1") != "0"
+# FP8T_MAX_ROWS, fp8t_enabled: the tokens-on-M fp8 kernel's limit and switch (.fp8t_limits, imported above).
 
 
 #: (rows bucket, kv format) -> config where a 64-token tile spans several pages (page_size < 64, dense caches)
