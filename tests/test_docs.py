@@ -93,3 +93,16 @@ def test_a_new_backend_and_a_new_kv_format_appear_without_editing_the_generator(
         "batch-invariant | yes: H200 |")
     assert rows["| `test_docs_plain`"].startswith("| `test_docs_plain` | cuda sm80+ | q bf16; cache bf16, fp16, ")
     assert rows["| `test_docs_plain`"].endswith(" | not recorded |")
+
+
+def test_adding_a_backend_names_every_part_of_the_contract():
+    """docs/adding-a-backend.md names every class constant and every method a backend may declare or override, so
+    a constant added to MLABackend without a word there fails here."""
+    from mla_dispatch.dispatch.backend import MLABackend
+
+    text = (ROOT / "docs" / "adding-a-backend.md").read_text()
+    constants = [n for n in vars(MLABackend) if n.isupper()]
+    methods = ["plan", "update", "run", "bind", "build", "extra_reasons", "version"]
+    internal = {"IMPLEMENTED"}  # set by the registry's stand-ins, never by an adapter
+    missing = [n for n in constants + methods if n not in internal and not re.search(rf"\b{n}\b", text)]
+    assert not missing, f"docs/adding-a-backend.md does not mention: {missing}"

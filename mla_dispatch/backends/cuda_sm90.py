@@ -411,7 +411,7 @@ class CudaSM90Backend(MLABackend):
     #: 21.5 / 28.0 / 21.3 against 22.6 / 29.2 / 22.7, fp8_e4m3 8-10% faster at b <= 2. Experiments pass
     #: ``backend_options={"min_chunks_per_part": n}``.
     MIN_CHUNKS_PER_PART: int = 1
-    #: the split-KV schedule's fixed cost per work item, in chunks (mla_dispatch/metadata.py; FlashMLA charges 5), per
+    #: the split-KV schedule's fixed cost per work item, in chunks (metadata/schedule.py; FlashMLA charges 5), per
     #: mainloop: what an item costs besides its tiles, read in per-CTA timelines (sixteenth session in
     #: kernels/cuda/mla_decode_sm90/NOTES.md; the timeline build is commit 8b1ee16's). A v2 item's metadata, first
     #: loads and stores take ~7 us, two tiles at b=64 L=8192 h_q=64; with 5 the parts holding one item ran 5 tiles
