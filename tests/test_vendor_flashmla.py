@@ -225,3 +225,41 @@ def test_a_build_without_sparse_kernels_declines_sparse_and_still_runs_dense(mon
         assert compare_outputs(out, lse, *case_reference(case), FlashMLABackend.TOLERANCE)
     finally:
         forget(FlashMLABackend)
+
+
+_FLASHMLA_512 = """
+import torch, flash_mla
+q = torch.randn(1, 1, 16, 512, dtype=torch.bfloat16, device="cuda") / 10
+kv = torch.randn(4, 64, 1, 512, dtype=torch.bfloat16, device="cuda") / 10
+table = torch.arange(4, dtype=torch.int32, device="cuda").view(1, 4)
+lens = torch.tensor([200], dtype=torch.int32, device="cuda")
+meta, splits = flash_mla.get_mla_metadata()
+flash_mla.flash_mla_with_kvcache(q, kv, table, lens, 512, meta, splits, softmax_scale=0.05)
+torch.cuda.synchronize()
+print("FlashMLA ran D_qk=512")
+"""
+
+
+@pytest.mark.gpu
+def test_real_flashmla_ends_the_process_on_512_and_conformance_survives(seed):
+    """With DeepSeek's FlashMLA installed (ci/flashmla_peer.sh): calling it directly with D_qk 512 ends the process
+    (in a child here), which is why the adapter declines it; the adapter declines it on this GPU; and conformance
+    of flashmla over the quick set runs to its end with no errored cell."""
+    import os
+    import subprocess
+    import sys
+
+    from mla_dispatch.tools import conformance
+
+    if FlashMLABackend.availability_reasons():
+        pytest.skip(f"FlashMLA is not installed here: {FlashMLABackend.availability_reasons()[0]}")
+    proc = subprocess.run([sys.executable, "-c", _FLASHMLA_512], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p)))
+    assert proc.returncode != 0 and "FlashMLA ran" not in proc.stdout, (proc.returncode, proc.stdout)
+    assert "HEAD_DIM_K" in proc.stderr or "params.d" in proc.stderr, proc.stderr[-2000:]
+    cases = conformance.case_set(quick=True)
+    matrix = conformance.run_conformance(cases, ["flashmla"], device=torch.device("cuda"), seed=seed, progress=False)
+    cells = {case: row["flashmla"] for case, row in matrix.items()}
+    assert not [c for c, cell in cells.items() if cell.status in ("error", "fail")], cells
+    assert cells["d=512/512"].status == "unsupported" and "params.d == 576" in cells["d=512/512"].detail
+    assert cells["baseline"].status == "pass"
