@@ -75,8 +75,8 @@ class TritonBackend(MLABackend):
         ArchSupport("rocm", "AMD ROCm", kinds=frozenset({"rocm"}), notes="our Triton kernel", run_here="no: not run"),
         ArchSupport("cpu", "CPU (Triton's interpreter)", kinds=frozenset({"cpu"}),
                     limits={"Q_DTYPES": frozenset({torch.float16}), "CUDA_GRAPH": CGSupport.NEVER},
-                    sources={"Q_DTYPES": "Triton's interpreter computes tl.dot on bf16 operands wrongly (triton 3.9, "
-                                         "torch 2.13)"},
+                    sources={"Q_DTYPES": "under TRITON_INTERPRET=1, Triton's interpreter computes tl.dot on bf16 "
+                                         "operands wrongly (triton 3.9, torch 2.13)"},
                     notes="TRITON_INTERPRET=1 set before triton is imported; slow: for trying and testing the kernel",
                     run_here="yes: CPU"),
     )
