@@ -494,6 +494,9 @@ def mla_decode(
         ``softmax_scale`` / a float ``kv_scale`` is not finite and positive; the
         message names it and the expected value. Bad ``backend_options``
         (see :func:`plan_decode`).
+    TypeError
+        ``q``, ``kv_cache``, ``block_table``, ``cache_seqlens`` or ``indices`` is
+        not a tensor (a Python list of lengths, say); the message names it.
     NoBackendError
         No available backend can run the problem; the message lists the
         problem and every candidate's reasons.

@@ -212,3 +212,18 @@ def test_ordered_tables_hold_each_requests_blocks_in_order(seed):
     shuffled = bench.make_bench_case(bench.BenchConfig(4, 1, 16, 300, varlen=True, page_size=16), seed=seed)
     flat_r = [i for b in range(4) for i in shuffled.block_table[b, : -(-int(shuffled.cache_seqlens[b]) // 16)].tolist()]
     assert flat_r != list(range(len(flat_r)))
+
+
+def test_backends_help_says_what_runs_by_default_on_a_cpu():
+    """The help of --backends matches :func:`bench.default_backends`: on a CPU the reference and every backend that
+    imports (amla_emulation aside), no 'auto'; on a GPU no reference, and 'auto' where more than one would run."""
+    text = " ".join(bench.parser().format_help().split())
+    assert "on a GPU, 'auto' beside them where more than one does" in text
+    assert "the reference, the oracle, only on a CPU" in text and "TRITON_INTERPRET=1 with --dtype fp16" in text
+    from mla_dispatch.dispatch.registry import get_backend, registered_names
+
+    importable = [n for n in registered_names() if not get_backend(n).availability_reasons() and n != "amla_emulation"]
+    assert bench.default_backends(torch.device("cpu")) == importable
+    gpu = bench.default_backends(torch.device("cuda"))
+    others = [n for n in importable if n != "reference"]
+    assert gpu == (["auto"] + others if len(others) > 1 else others)

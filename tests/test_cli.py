@@ -55,6 +55,17 @@ def test_demo_checks_against_float64_and_says_so(capsys):
     assert "cos 0" not in out
 
 
+@pytest.mark.skipif(not NO_CUDA, reason="checks the CPU path of demo")
+def test_demo_dtype_fp16(capsys):
+    """``--dtype fp16`` makes q and the cache fp16 (how the Triton kernel runs on a CPU, under TRITON_INTERPRET=1)."""
+    assert main(["demo", "--dtype", "fp16", "--lengths", "40,0,9", "--heads", "4", "--seed", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "q=fp16 kv=fp16" in out and out.strip().endswith("PASS")
+    assert main(["demo", "--dtype", "fp16", "--kv-format", "fp8_e4m3", "--lengths", "40,9", "--heads", "4"]) == 0
+    assert "q=fp16 kv=fp8_e4m3" in capsys.readouterr().out
+    _one_line_error(capsys, ["demo", "--dtype", "fp16", "--kv-format", "bf16"], "--kv-format", "--dtype fp16")
+
+
 class _WrongDemoBackend(ReferenceBackend):
     """The reference plus 0.01 on every output: the demo's check must catch it."""
 
@@ -90,6 +101,9 @@ BAD_ARGUMENTS = [
     pytest.param(["demo", "--device", "xyz"], ["--device", "not a torch device"], id="demo-device-name"),
     pytest.param(["demo", "--lengths", "abc"], ["--lengths", "comma-separated integers >= 0"], id="demo-lengths"),
     pytest.param(["demo", "--lengths", "5,-3"], ["--lengths", "'5,-3'"], id="demo-lengths-negative"),
+    pytest.param(["demo", "--lengths", "-5,10"], ["--lengths", "integers >= 0", "'-5,10'"],
+                 id="demo-lengths-negative-first"),
+    pytest.param(["demo", "--heads", "-2"], ["--heads", "integer >= 1", "'-2'"], id="demo-heads-negative"),
     pytest.param(["demo", "--lengths", ""], ["--lengths"], id="demo-lengths-empty"),
     pytest.param(["demo", "--page-size", "0"], ["--page-size", "integer >= 1"], id="demo-page-size"),
     pytest.param(["demo", "--heads", "0"], ["--heads", "integer >= 1"], id="demo-heads"),
@@ -190,3 +204,14 @@ def test_the_module_entry_point_exits_with_the_status(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip() == ("python -m mla_dispatch demo: error: argument --page-size: expected an integer >= 1, "
                                 "got '0' (see --help)")
+
+
+def test_a_closed_pipe_ends_quietly():
+    """``python -m mla_dispatch --help | head -3``: the reader closes the pipe early; no BrokenPipeError traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "mla_dispatch", "--help"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # closed before the child writes: its first write meets EPIPE
+    err = proc.stderr.read().decode()
+    proc.stderr.close()
+    assert proc.wait(timeout=300) == 1
+    assert "Traceback" not in err and "BrokenPipe" not in err, err

@@ -67,10 +67,15 @@ def test_missing_nvcc_is_a_clear_error(monkeypatch):
 
 
 def test_build_cli_reports_failure(monkeypatch, capsys):
+    """``python -m mla_dispatch build`` reaches the kernel's build through the backend (tools/build.py)."""
+    from mla_dispatch.tools.cli import main
+
     monkeypatch.setattr(build, "nvcc_path", lambda: None)
     build.load_sm90.cache_clear()
-    assert build.main([]) == 1
-    assert "needs nvcc" in capsys.readouterr().err
+    assert main(["build"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("python -m mla_dispatch build: error: cuda_sm90: ") and "needs nvcc" in err
+    assert len(err.splitlines()) == 1
     build.load_sm90.cache_clear()
 
 

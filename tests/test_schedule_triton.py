@@ -1,4 +1,4 @@
-"""The one-launch Triton split-KV schedule (kernels/triton/schedule.py) against the torch reference.
+"""The one-launch Triton split-KV schedule (metadata/schedule_triton.py) against the torch reference.
 
 Every output tensor must be bit-identical to ``split_kv_schedule(..., impl="torch")``.
 

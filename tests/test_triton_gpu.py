@@ -3,7 +3,7 @@
 Fresh random data every run (the session seed in the header replays it), output
 poisoned with NaN before every run, NaN in every unused cache slot and garbage
 block ids past every request's length (``make_case``). Speed is never asserted
-here: see ci/bench_triton.py. The registered op ``torch.ops.mla_dispatch.triton_decode``
+here: see dev/bench_triton.py. The registered op ``torch.ops.mla_dispatch.triton_decode``
 (a ``triton_op`` on the GPU) is checked with ``torch.library.opcheck`` and under
 ``torch.compile(fullgraph=True)``.
 """

@@ -34,8 +34,8 @@ from types import MappingProxyType
 
 import torch
 
-from mla_dispatch.dispatch.backend import (BackendOption, BackendState, CGSupport, MLABackend, Reason, ReasonCode,
-                                           untraced_eager)
+from mla_dispatch.dispatch.backend import (ArchSupport, BackendOption, BackendState, CGSupport, MLABackend, Reason,
+                                           ReasonCode, untraced_eager)
 from mla_dispatch.metadata.schedule import (BATCH_INVARIANT_SPLIT_TOKENS, SPLIT_TOKENS_CHOICES,
                                            check_invariant_workspace, fixed_split_schedule, split_kv_schedule)
 from mla_dispatch.metadata.combine import first_slots
@@ -390,6 +390,7 @@ class CudaSM90Backend(MLABackend):
     # per-request combine kernel
     SUPPORTS_BATCH_INVARIANT = True
     CUDA_GRAPH = CGSupport.ALWAYS
+    ARCH_SUPPORT = (ArchSupport("sm90", "Hopper (sm_90a)", notes="our native CUDA kernel", run_here="yes: H100, H200"),)
     OPTIONS = MappingProxyType({
         "variant": BackendOption(tuple(MAINLOOPS), "the mainloop, instead of the plan's choice (choose_variant): 2 "
                                  "wgmma, 5 two tiles in flight, 6 tokens on M, 7 / 8 tokens on M for fp8_e4m3, 9 v5 "
@@ -410,7 +411,7 @@ class CudaSM90Backend(MLABackend):
     #: 21.5 / 28.0 / 21.3 against 22.6 / 29.2 / 22.7, fp8_e4m3 8-10% faster at b <= 2. Experiments pass
     #: ``backend_options={"min_chunks_per_part": n}``.
     MIN_CHUNKS_PER_PART: int = 1
-    #: the split-KV schedule's fixed cost per work item, in chunks (mla_dispatch/metadata.py; FlashMLA charges 5), per
+    #: the split-KV schedule's fixed cost per work item, in chunks (metadata/schedule.py; FlashMLA charges 5), per
     #: mainloop: what an item costs besides its tiles, read in per-CTA timelines (sixteenth session in
     #: kernels/cuda/mla_decode_sm90/NOTES.md; the timeline build is commit 8b1ee16's). A v2 item's metadata, first
     #: loads and stores take ~7 us, two tiles at b=64 L=8192 h_q=64; with 5 the parts holding one item ran 5 tiles
@@ -433,6 +434,19 @@ class CudaSM90Backend(MLABackend):
             return [Reason(ReasonCode.FEATURE, f"batch_invariant=True with {requests} requests (batch * s_q for "
                                                "sparse; supported: <= 65535)")]
         return []
+
+    @classmethod
+    def build(cls, *, verbose: bool = False) -> str:
+        """Build (or load the cached build of) the extension: ``kernels/cuda/build.py`` (nvcc >= 12.4, CUTLASS).
+
+        Raises
+        ------
+        mla_dispatch.kernels.cuda.build.KernelBuildError
+            nvcc or CUTLASS missing, or the build failed (with the compiler's text).
+        """
+        from mla_dispatch.kernels.cuda.build import SM90_SOURCE_DIR, load_sm90
+
+        return f"built {load_sm90(verbose=verbose).__name__} (sources: {SM90_SOURCE_DIR})"
 
     @classmethod
     def _check_availability(cls) -> list[Reason]:

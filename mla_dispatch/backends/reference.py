@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from mla_dispatch.dispatch.backend import BackendState, CGSupport, MLABackend
+from mla_dispatch.dispatch.backend import ArchSupport, BackendState, CGSupport, MLABackend
 from mla_dispatch.dispatch.problem import DecodeProblem
 from mla_dispatch.numerics.oracle import reference_attention
 
@@ -64,6 +64,9 @@ class ReferenceBackend(MLABackend):
     SUPPORTS_BATCH_INVARIANT = True  # one request at a time (reference_attention)
     CUDA_GRAPH = CGSupport.ALWAYS  # under capture its shapes come from block_table, not from seqlen values (oracle.py)
     ANY_OUT_STRIDES = True  # out.copy_(...)
+    ARCH_SUPPORT = (ArchSupport("any", "any (CPU, every GPU)", notes="fp32 math on the gathered cache, slow; the "
+                                                                      "oracle of every test",
+                                run_here="yes: CPU, H100, H200"),)
 
     @classmethod
     def version(cls) -> str:

@@ -28,12 +28,15 @@ import torch
 
 from types import MappingProxyType
 
-from mla_dispatch.dispatch.backend import BackendOption, BackendState, CGSupport, MLABackend, Reason, ReasonCode
+from mla_dispatch.dispatch.backend import (ArchSupport, BackendOption, BackendState, CGSupport, MLABackend, Reason,
+                                           ReasonCode)
 from mla_dispatch.metadata.schedule import (BATCH_INVARIANT_SPLIT_TOKENS, SPLIT_TOKENS_CHOICES,
                                            check_invariant_workspace, fixed_split_schedule, split_kv_schedule)
 from mla_dispatch.metadata.combine import first_slots
 from mla_dispatch.dispatch.platform import Platform
 from mla_dispatch.dispatch.problem import DecodeProblem
+
+from ._vendor import dist_version
 
 __all__ = ["TritonBackend"]
 
@@ -66,6 +69,17 @@ class TritonBackend(MLABackend):
     SUPPORTS_BATCH_INVARIANT = True
     CUDA_GRAPH = CGSupport.ALWAYS
     ANY_OUT_STRIDES = False  # the kernels store rows of out with stride 1
+    ARCH_SUPPORT = (
+        ArchSupport("cuda", "NVIDIA SM80+", kinds=frozenset({"cuda"}), notes="our Triton kernel (Gluon kernels on SM90)",
+                    run_here="yes: H100, H200 (Ampere and Blackwell not run)"),
+        ArchSupport("rocm", "AMD ROCm", kinds=frozenset({"rocm"}), notes="our Triton kernel", run_here="no: not run"),
+        ArchSupport("cpu", "CPU (Triton's interpreter)", kinds=frozenset({"cpu"}),
+                    limits={"Q_DTYPES": frozenset({torch.float16}), "CUDA_GRAPH": CGSupport.NEVER},
+                    sources={"Q_DTYPES": "under TRITON_INTERPRET=1, Triton's interpreter computes tl.dot on bf16 "
+                                         "operands wrongly (triton 3.9, torch 2.13)"},
+                    notes="TRITON_INTERPRET=1 set before triton is imported; slow: for trying and testing the kernel",
+                    run_here="yes: CPU"),
+    )
     REQUIRES = ("triton",)
     OPTIONS = MappingProxyType({
         "split_tokens": BackendOption(SPLIT_TOKENS_CHOICES, "tokens per piece of a batch_invariant=True plan (a multiple of the "
@@ -74,9 +88,10 @@ class TritonBackend(MLABackend):
 
     @classmethod
     def version(cls) -> str:
-        import triton
-
-        return f"triton{triton.__version__}"
+        # never imports triton: info and explain list this backend where triton is not installed (its import failure
+        # is the availability reason, from REQUIRES)
+        ver = dist_version("triton", "triton")
+        return ver if ver == "not installed" else f"triton{ver}"
 
     @classmethod
     def extra_reasons(cls, problem: DecodeProblem, platform: Platform) -> list[Reason]:
@@ -84,9 +99,7 @@ class TritonBackend(MLABackend):
         if platform.kind == "cpu" and not _interpreting():
             reasons.append(Reason(ReasonCode.DEVICE, "platform=cpu needs TRITON_INTERPRET=1 set before triton is "
                                                      "imported (Triton's interpreter; for tests)"))
-        if platform.kind == "cpu" and problem.cuda_graph:
-            reasons.append(Reason(ReasonCode.CUDA_GRAPH, "cuda_graph=True on platform=cpu"))
-        if _interpreting() and problem.q_dtype == torch.bfloat16:
+        if _interpreting() and problem.q_dtype == torch.bfloat16 and platform.kind != "cpu":  # cpu: ARCH_SUPPORT
             # the interpreter's tl.dot on bf16 operands returns values ~1e8 off (triton 3.9, torch 2.13)
             reasons.append(Reason(ReasonCode.DTYPE, "q dtype=bfloat16 under TRITON_INTERPRET=1 (supported there: "
                                                     "float16; Triton's interpreter computes bf16 tl.dot wrongly)"))

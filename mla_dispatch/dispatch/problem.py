@@ -107,7 +107,8 @@ def describe_inputs(
     Raises
     ------
     TypeError
-        A non-tensor where a tensor is required.
+        A non-tensor where a tensor is required (``q``, ``kv_cache``, ``block_table``, ``cache_seqlens``,
+        ``indices``); the message names the argument and the dtype and shape expected.
     ValueError
         A dtype, rank, shape, device, layout or format mismatch; the message
         names the argument, what was expected and what was given.
@@ -194,6 +195,12 @@ def describe_inputs(
 
     # block_table / cache_seqlens / indices -------------------------------------------
     device = q.device
+    for name, t, dtype_shape in (("block_table", block_table, "int32 [batch, max_blocks]"),
+                                 ("cache_seqlens", cache_seqlens, "int32 [batch]"),
+                                 ("indices", indices, "int32 [batch, s_q, topk]")):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor ({dtype_shape}) on q's device, got {type(t).__name__} "
+                            f"(e.g. torch.tensor({name}, dtype=torch.int32, device={str(device)!r}))")
     if kv_cache.device != device:
         raise ValueError(f"kv_cache is on {kv_cache.device}, q on {device}: they must be on the same device")
     topk = 0

@@ -18,8 +18,8 @@ from importlib import metadata as importlib_metadata
 from mla_dispatch.dispatch.backend import MLABackend, Reason, ReasonCode, Unimplemented
 from mla_dispatch.dispatch.platform import PLATFORM_KEYS
 
-__all__ = ["BackendSpec", "register_backend", "get_backend", "registered_names", "default_order", "load_entry_points",
-           "ENTRY_POINT_GROUP", "LAST"]
+__all__ = ["BackendSpec", "register_backend", "get_backend", "backend_qualname", "registered_names", "default_order",
+           "load_entry_points", "ENTRY_POINT_GROUP", "LAST"]
 
 logger = logging.getLogger("mla_dispatch")
 
@@ -85,6 +85,21 @@ def unregister_backend(name: str) -> None:
     """Remove ``name`` (tests and plugins that replace a backend)."""
     _SPECS.pop(name, None)
     _CLASSES.pop(name, None)
+
+
+def backend_qualname(name: str) -> str:
+    """Where backend ``name``'s class lives (``"module:Class"``), without importing it.
+
+    Raises
+    ------
+    ValueError
+        If no backend of that name is registered.
+    """
+    load_entry_points()
+    spec = _SPECS.get(name)
+    if spec is None:
+        raise ValueError(f"unknown backend {name!r} (registered: {', '.join(_SPECS)})")
+    return spec.qualname
 
 
 def registered_names() -> tuple[str, ...]:

@@ -672,11 +672,14 @@ def parser() -> argparse.ArgumentParser:
     grids = "\n".join(f"  {name:<9} {desc}" for name, (desc, _) in GRIDS.items())
     p = CommandParser(prog="python -m mla_dispatch bench", description=__doc__.split("\n\n")[0],
                       epilog=f"grids:\n{grids}", formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--grid", default="quick", help="grid name(s), comma-separated (default: quick)")
+    p.add_argument("--grid", default="quick", help="grid name(s), comma-separated (default: quick, the one sized for a "
+                                                   "CPU; the others are sized for a GPU)")
     p.add_argument("--backends", default=None,
-                   help="comma-separated names (default: every available backend; 'reference' only on CPU); a name "
-                        "may carry options, name:key=value:... (batch_invariant=true, or the backend's "
-                        "backend_options, e.g. cuda_sm90:variant=2)")
+                   help="comma-separated names (default: every backend whose library imports here, amla_emulation "
+                        "aside; on a GPU, 'auto' beside them where more than one does; the reference, the oracle, "
+                        "only on a CPU, where triton runs only under TRITON_INTERPRET=1 with --dtype fp16 and no CUDA-"
+                        "graph or FlashMLA times are taken); a name may carry options, name:key=value:... "
+                        "(batch_invariant=true, or the backend's backend_options, e.g. cuda_sm90:variant=2)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="q (and dense cache) dtype")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--out", default="bench_out", help="directory for bench-<grid>.json/.csv/.png (default: bench_out)")

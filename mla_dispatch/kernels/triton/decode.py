@@ -58,7 +58,6 @@ run once before capturing a graph.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 import triton
@@ -67,6 +66,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
 from mla_dispatch.kernels.triton.device import kernel_device
+from mla_dispatch.kernels.triton.fp8t_limits import FP8T_MAX_ROWS, fp8t_enabled
 
 __all__ = ["KernelConfig", "choose_config", "launch_decode", "launch_decode_kernel", "KV_FORMAT_IDS"]
 
@@ -526,7 +526,7 @@ def _rows_bucket(rows: int) -> int:
 
 # (rows bucket, kv format) -> config. rows = query rows per KV head (s_q*h_q/h_kv, or
 # h_q/h_kv for sparse). Never keyed on sequence length (CUDA graphs stay valid).
-# Measured with ci/bench_triton.py --grids choice / occupancy; register reports from
+# Measured with dev/bench_triton.py --grids choice / occupancy; register reports from
 # kernels/triton/aot_report.py (see NOTES.md).
 _H64 = KernelConfig(64, 32, 8, 2)  # heads on M, wgmma; spills 168 regs (see NOTES.md); fp8 caches' 128 rows
 # 64 rows: 64-token tiles (H100, b=64 L=8K: 390 us vs 460 for 32-token tiles, page 64; fp8_e4m3 484 vs 662 us,
@@ -559,7 +559,7 @@ CONFIGS.update({(16, "fp8_e4m3"): _H16_P3, (32, "fp8_e4m3"): _H64_N64, (64, "fp8
                 (128, "fp8_ds_mla"): _H64})
 #: (rows bucket, kv format) -> config for bf16/fp16 caches with one KV head whose pages hold whole 64-token tiles
 #: (page_size % 64 == 0): whole tiles by TMA, pipelined a tile ahead (``KernelConfig.tma``). H100, same run
-#: (ci/bench_triton.py --grids tma, page 64): b=64 L=8K h=16 250.9 us vs 268.1 (the 16-row config above), h=32
+#: (dev/bench_triton.py --grids tma, page 64): b=64 L=8K h=16 250.9 us vs 268.1 (the 16-row config above), h=32
 #: 276.7 vs 316.7, h=64 329.7 vs 397.6; b=128 h=128 L̄=8K 1133.6 vs 1376.2. Deeper pipelines with 32-token tiles
 #: (tM16-n32-s4 264.0 us, hM64-n32-w8-s4 359.7 / 369.7 / 1316.5 us) lost to 64-token tiles with two stages.
 TMA_CONFIGS: dict[tuple[int, str], KernelConfig] = {}
@@ -572,7 +572,7 @@ for _fmt in ("bf16", "fp16"):
     })
 #: The config of the Gluon sm_90 kernel (:mod:`.gluon_sm90`), for every rows bucket of a bf16/fp16 cache with one KV head,
 #: D_qk = 576 / D_v = 512 and any page size, where ``choose_config`` is told the kernel can run (an sm_90 GPU, Gluon
-#: importable). 64-row tiles, so 16- and 32-row problems pad. H100, b=64 L=8K, eager µs (ci/bench_triton.py
+#: importable). 64-row tiles, so 16- and 32-row problems pad. H100, b=64 L=8K, eager µs (dev/bench_triton.py
 #: --grids gluon, calls 1-4 of 2026-11-22's twentieth session): h=16 232.8 vs 240.5 (TMA_CONFIGS), h=32 239.0 vs 267.9,
 #: h=64 248.2 vs 313.2; FlashMLA grid b=128 h=128 s_q=1 L=8K 696.1-737.2 vs 1118.0 (kernels/triton/NOTES.md, "The Gluon
 #: kernel"). On pages of 1 / 16 / 33 tokens (every tile gathered), graph µs (--grids gluonpages, 2026-11-22, twenty-first
@@ -589,16 +589,7 @@ GLUON_CONFIG = KernelConfig(64, 64, 8, 2, tma=True, gluon=True)
 #: gluonfp8, 2026-11-22, twenty-first session, call 5): h16 298.1 vs 288.0 (page 64) and 299.2 vs 282.2 (page 16): plain
 #: kept; h32 303.6 vs 474.5, h64 311.5 vs 482.5; FlashMLA grid b=128 h128 L=8K s1 1132.2 vs 2493.4, s2 2187.2 vs 4871.1.
 GLUON_FP8_MIN_ROWS = 32
-#: fp8_e4m3 caches with at most this many query rows take the tokens-on-M Gluon kernel (:mod:`.gluon_fp8`) instead,
-#: under the same config (its launch is chosen in :func:`launch_decode_kernel`); ``MLA_TRITON_FP8T=0`` switches it off.
-#: H100, b=64 L=8K, graph µs (2026-11-23, twenty-third session, calls 7 / 10): h16 140.9 / 144.8 vs 292.8 (the plain
-#: 16-row config), h32 157.7 / 159.5 vs 305.8 (gluon_sm90); kernels/triton/NOTES.md, "fp8_e4m3 with tokens on M".
-FP8T_MAX_ROWS = 32
-
-
-def fp8t_enabled() -> bool:
-    """Whether the tokens-on-M fp8 kernel may run (``MLA_TRITON_FP8T`` is not ``0``)."""
-    return os.environ.get("MLA_TRITON_FP8T", "1") != "0"
+# FP8T_MAX_ROWS, fp8t_enabled: the tokens-on-M fp8 kernel's limit and switch (.fp8t_limits, imported above).
 
 
 #: (rows bucket, kv format) -> config where a 64-token tile spans several pages (page_size < 64, dense caches)
@@ -706,7 +697,7 @@ def launch_decode(q, kv, block_table, cache_seqlens, indices, kv_scale, schedule
     ``[B, s_q, h_q, D_v]``; lse ``[B, h_q, s_q]`` fp32; partial_out fp16
     ``[max_slots, s_q, h_q, 2 D_v]`` (rows in :data:`.combine.PARTIAL_ROW_FORMAT`); partial_lse fp32
     ``[max_slots, s_q, h_q]``.
-    Returns Triton's launch handle (the compiled kernel; ``ci/bench_triton.py`` reads
+    Returns Triton's launch handle (the compiled kernel; ``dev/bench_triton.py`` reads
     its registers). The backend launches through the registered op instead
     (:mod:`.ops`, ``torch.ops.mla_dispatch.triton_decode``). Raises ValueError if
     ``out.shape[-1] != head_dim_v``.

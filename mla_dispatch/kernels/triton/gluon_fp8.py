@@ -53,7 +53,7 @@ import torch
 import triton
 
 from mla_dispatch.kernels.triton import gluon_sm90 as _g
-from mla_dispatch.kernels.triton.decode import FP8T_MAX_ROWS, fp8t_enabled
+from mla_dispatch.kernels.triton.fp8t_limits import FP8T_MAX_ROWS, fp8t_enabled
 from mla_dispatch.kernels.triton.device import kernel_device
 
 if _g.GLUON_API:
@@ -83,7 +83,7 @@ def rows_per_program(rows: int) -> int:
 
 def fp8t_applies(q, kv, *, kv_format: str) -> bool:
     """This kernel's own conditions on top of :func:`.gluon_sm90.gluon_applies`: an fp8_e4m3 cache and at most
-    ``MAX_ROWS`` query rows (``s_q * h_q``), unless ``MLA_TRITON_FP8T=0`` (:func:`.decode.fp8t_enabled`; then
+    ``MAX_ROWS`` query rows (``s_q * h_q``), unless ``MLA_TRITON_FP8T=0`` (:func:`.fp8t_limits.fp8t_enabled`; then
     :mod:`.gluon_sm90`'s kernel or the plain one runs them: for comparisons, and the tests that keep those checked)."""
     return fp8t_enabled() and kv_format == "fp8_e4m3" and q.shape[1] * q.shape[2] <= MAX_ROWS
 

@@ -11,7 +11,7 @@
 
 namespace mla_sm90 {
 
-// One work item of the split-KV schedule (mla_dispatch/metadata.py): request (< 0: padding, skip),
+// One work item of the split-KV schedule (mla_dispatch/metadata/schedule.py): request (< 0: padding, skip),
 // its token range [tok_begin, tok_end), and the partial slot it writes (< 0: the request fits one
 // part, write out / lse directly).
 struct WorkItem {

@@ -35,7 +35,7 @@ struct DecodeParams {
   int64_t bt_stride;
   const int32_t* cache_seqlens;  // [B]
   const float* kv_scale;         // [1] device pointer, fp8_e4m3 only, else nullptr
-  // split-KV schedule (mla_dispatch/metadata.py): items [max_items, 4], part_offsets [P+1]
+  // split-KV schedule (mla_dispatch/metadata/schedule.py): items [max_items, 4], part_offsets [P+1]
   const int32_t* items;
   const int32_t* part_offsets;
   int num_parts;
