@@ -2,7 +2,7 @@
 ``tests/test_flash_mla_sparse_decoding.py``) through our FlashMLA API on one of our backends.
 
     python dev/flashmla_test.py {dense,sparse} FLASHMLA_SRC/tests [--backend cuda_sm90] [--limit N] [--json FILE]
-                                [--model {all,v32,model1}] [--sample N]
+                                [--model {all,v32,model1}] [--sample N] [--shard K/N]
 
 ``import flash_mla`` resolves to :mod:`mla_dispatch.compat.flash_mla` (a real FlashMLA on the path is hidden for
 this process), ``backend="auto"`` may choose only ``--backend``, and FlashMLA's own ``test_flash_mla`` runs each of
@@ -15,7 +15,8 @@ trace, and ``bench`` times ours.
 - sparse: every case of its ``gen_testcase``: DeepSeek-V3.2's (``d_qk=576``, the ``fp8_ds_mla`` cache) and
   MODEL1's (``d_qk=512``: DeepSeek-V4's ``fp8_ds_v4`` cache, extra caches, ``topk_length``; all with
   ``attn_sink``), or only one model's (``--model``), or a random sample of ``--sample`` of them (the same
-  for a given ``--seed``); the counts are reported per model.
+  for a given ``--seed``); the counts are reported per model. ``--shard K/N`` takes every N-th case from the K-th
+  (N processes side by side on one GPU: the cases' data generation and reference are host-bound).
 
 Exit status 1 when a case fails.
 """
@@ -73,6 +74,10 @@ def _sparse(fm_test, args, torch, tqdm) -> dict:
             not_run[reason] = not_run.get(reason, 0) + 1
             continue
         taken.append(dataclasses.replace(c, num_runs=0, check_correctness=True))
+    if args.shard:
+        k, n = (int(x) for x in args.shard.split("/"))
+        not_run[f"other shards of {n}"] = len(taken) - len(taken[k::n])
+        taken = taken[k::n]
     if args.sample and args.sample < len(taken):
         keep = sorted(random.Random(args.seed).sample(range(len(taken)), args.sample))
         not_run["not sampled"] = len(taken) - len(keep)
@@ -110,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="sparse: DeepSeek-V3.2's cases (d_qk 576), MODEL1's (DeepSeek-V4, d_qk 512), or both")
     ap.add_argument("--sample", type=int, default=0, help="sparse: a random sample of N of the cases taken (0: all)")
     ap.add_argument("--seed", type=int, default=0, help="the sample's seed")
+    ap.add_argument("--shard", help="sparse: K/N, every N-th case from the K-th (0 <= K < N)")
     args = ap.parse_args(argv)
 
     import torch
