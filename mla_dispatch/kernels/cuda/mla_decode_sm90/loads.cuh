@@ -251,7 +251,8 @@ __device__ __forceinline__ void load_kv_fp8_8b_sparse(const DecodeParams& p, Fp8
     if (id == -1) continue;
     if constexpr (KvFmt == kKvFp8DsV4) {  // one KV head; the token's bytes and its scales are apart in its block
       const int ok_id = checked_page(p, id, max_id);
-      const uint8_t* block = reinterpret_cast<const uint8_t*>(p.kv) + (int64_t)(ok_id / p.sparse_page) * p.kv_stride_block;
+      const uint8_t* block =
+          reinterpret_cast<const uint8_t*>(p.kv) + (int64_t)(ok_id / p.sparse_page) * p.kv_stride_block;
       const int slot = ok_id % p.sparse_page;
       load_ds_v4_token(st, pass, block + (int64_t)slot * kDsV4DataBytes,
                        block + (int64_t)p.sparse_page * kDsV4DataBytes + 8 * slot, c);
