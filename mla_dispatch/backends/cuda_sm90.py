@@ -454,18 +454,19 @@ class CudaSM90Backend(MLABackend):
 
     @classmethod
     def extra_reasons(cls, problem: DecodeProblem, platform: Platform) -> list[Reason]:
+        reasons = []
         v4 = problem.kv_format == "fp8_ds_v4"
         if problem.head_dim_qk == DS_V4_HEAD_DIM and not (v4 and problem.sparse):
-            return [Reason(ReasonCode.HEAD_DIM, f"D_qk/D_v=512/{problem.head_dim_v} with kv_format={problem.kv_format}"
-                                                f"{'' if problem.sparse else ', dense'} (supported: 576/512; 512/512 "
-                                                "only for sparse fp8_ds_v4)")]
+            reasons.append(Reason(ReasonCode.HEAD_DIM, f"D_qk/D_v=512/{problem.head_dim_v} with kv_format="
+                                                       f"{problem.kv_format}{'' if problem.sparse else ', dense'} "
+                                                       "(supported: 576/512; 512/512 only for sparse fp8_ds_v4)"))
         if problem.batch_invariant and problem.extra_topk:
-            return [Reason(ReasonCode.FEATURE, "batch_invariant=True with extra_kv_cache (supported: without)")]
+            reasons.append(Reason(ReasonCode.FEATURE, "batch_invariant=True with extra_kv_cache (supported: without)"))
         requests = sparse_view(problem).batch  # sparse: one request per query position
         if problem.batch_invariant and requests > 65535:  # the per-request combine's grid y (launch.cu)
-            return [Reason(ReasonCode.FEATURE, f"batch_invariant=True with {requests} requests (batch * s_q for "
-                                               "sparse; supported: <= 65535)")]
-        return []
+            reasons.append(Reason(ReasonCode.FEATURE, f"batch_invariant=True with {requests} requests (batch * s_q "
+                                                      "for sparse; supported: <= 65535)"))
+        return reasons
 
     @classmethod
     def _check_availability(cls) -> list[Reason]:
