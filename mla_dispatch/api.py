@@ -79,7 +79,7 @@ class DecodePlan:
     __slots__ = ("backend", "problem", "platform", "softmax_scale", "backend_options", "block_table", "cache_seqlens",
                  "_cls", "_state", "_q_shape", "_kv_tail", "_kv_dtype", "_q_dtype", "_out_shape", "_lse_shape",
                  "_fp8_scale", "_sparse", "_run", "_fast", "_lse_scratch", "_scales", "_any_out_strides",
-                 "_extra_tail")
+                 "_extra_tail", "_sparse_args")
 
     def __init__(self, backend_cls: type[MLABackend], problem: DecodeProblem, platform: Platform,
                  softmax_scale: float, block_table, cache_seqlens, state: BackendState, q_shape, kv_tail, kv_dtype,
@@ -103,6 +103,7 @@ class DecodePlan:
         self._fp8_scale = problem.kv_format == "fp8_e4m3"
         self._sparse = problem.sparse
         self._extra_tail = extra_tail  # the extra cache's [page_size, h_kv, last] (None: no extra cache)
+        self._sparse_args = problem.sparse_extras  # the optional sparse arguments every run must pass
         self._run = backend_cls.run
         self._any_out_strides = backend_cls.ANY_OUT_STRIDES
         # the backend's one-call eager path (MLABackend.bind), and where it writes an LSE nobody asked for
@@ -281,7 +282,7 @@ class DecodePlan:
         elif indices is not None:
             raise ValueError("indices were given but the plan is dense (plan with indices to run sparse)")
         extras = {}
-        if self._sparse and (p.sparse_extras or topk_length is not None or attn_sink is not None
+        if self._sparse and (self._sparse_args or topk_length is not None or attn_sink is not None
                              or extra_kv_cache is not None or extra_indices is not None
                              or extra_topk_length is not None):
             extras = self._sparse_extras(topk_length, attn_sink, extra_kv_cache, extra_indices, extra_topk_length)
