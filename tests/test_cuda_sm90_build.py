@@ -87,7 +87,7 @@ def test_backend_declares_capabilities_and_reasons():
 
     cls = get_backend("cuda_sm90")
     assert cls.NAME == "cuda_sm90"
-    assert cls.KV_FORMATS == {"bf16", "fp16", "fp8_e4m3", "fp8_ds_mla"}
+    assert cls.KV_FORMATS == {"bf16", "fp16", "fp8_e4m3", "fp8_ds_mla", "fp8_ds_v4"}
     problem = DecodeProblem(batch=2, q_len=1, num_heads_q=16, num_heads_kv=1, head_dim_qk=512, head_dim_v=512,
                             page_size=16, max_blocks=4, q_dtype=torch.float32, kv_format="bf16", causal=False,
                             topk=8, return_lse=True, device_type="cpu", batch_invariant=True)

@@ -55,7 +55,7 @@ class TritonBackend(MLABackend):
     PLATFORMS = frozenset({"cuda", "rocm", "cpu"})
     MIN_CAPABILITY = (8, 0)
     Q_DTYPES = frozenset({torch.bfloat16, torch.float16})
-    KV_FORMATS = frozenset({"bf16", "fp16", "fp8_e4m3", "fp8_ds_mla"})
+    KV_FORMATS = frozenset({"bf16", "fp16", "fp8_e4m3", "fp8_ds_mla", "fp8_ds_v4"})
     # D_v must be a power of two (a tile width); the RoPE part D_qk - D_v is 0 or 64.
     HEAD_DIMS = frozenset({(576, 512), (512, 512), (320, 256), (192, 128)})
     MAX_PAGE_SIZE = 256
@@ -64,6 +64,7 @@ class TritonBackend(MLABackend):
     SUPPORTS_CAUSAL = True
     SUPPORTS_LSE = True
     SUPPORTS_SPARSE = True
+    SPARSE_EXTRAS = frozenset({"topk_length", "attn_sink", "extra_kv_cache", "extra_topk_length"})
     # the kernel config depends on the rows per KV head, the cache and the page size, never on the batch; a batch-
     # invariant plan cuts requests at fixed token counts and merges per request (metadata/schedule.py)
     SUPPORTS_BATCH_INVARIANT = True
@@ -99,6 +100,9 @@ class TritonBackend(MLABackend):
         if platform.kind == "cpu" and not _interpreting():
             reasons.append(Reason(ReasonCode.DEVICE, "platform=cpu needs TRITON_INTERPRET=1 set before triton is "
                                                      "imported (Triton's interpreter; for tests)"))
+        if problem.kv_format == "fp8_ds_v4" and not problem.sparse:
+            reasons.append(Reason(ReasonCode.FEATURE, "kv_format=fp8_ds_v4 with dense decoding (supported: sparse "
+                                                      "indices, as DeepSeek-V4 decodes)"))
         if _interpreting() and problem.q_dtype == torch.bfloat16 and platform.kind != "cpu":  # cpu: ARCH_SUPPORT
             # the interpreter's tl.dot on bf16 operands returns values ~1e8 off (triton 3.9, torch 2.13)
             reasons.append(Reason(ReasonCode.DTYPE, "q dtype=bfloat16 under TRITON_INTERPRET=1 (supported there: "
@@ -149,8 +153,8 @@ class TritonBackend(MLABackend):
         if num_parts is None:
             num_parts = max(1, cfg.programs_per_sm * platform.num_compute_units // tiles)
         if p.sparse:
-            # sparse: the "tokens" of a request are its top-k list positions
-            lengths, capacity = torch.full((p.batch,), p.topk, dtype=torch.int32, device=device), None
+            # sparse: the "tokens" of a request are its top-k list positions, then its extra list's
+            lengths, capacity = torch.full((p.batch,), p.topk + p.extra_topk, dtype=torch.int32, device=device), None
         else:
             # no item reaches past a block-table row, whatever cache_seqlens holds
             lengths, capacity = cache_seqlens, p.max_blocks * p.page_size
@@ -164,7 +168,7 @@ class TritonBackend(MLABackend):
             if not (isinstance(split_tokens, int) and split_tokens > 0 and split_tokens % cfg.chunk_size == 0):
                 raise ValueError(f"backend_options['split_tokens'] must be a positive multiple of the kernel's chunk "
                                  f"({cfg.chunk_size} tokens), got {split_tokens!r}")
-            capacity = p.topk if p.sparse else capacity
+            capacity = p.topk + p.extra_topk if p.sparse else capacity
             # a partial row per query row of a piece: 2 D_v fp16 (PARTIAL_ROW_FORMAT) and the LSE
             check_invariant_workspace(p.batch, capacity, split_tokens,
                                       p.q_len * p.num_heads_q * (p.head_dim_v * 4 + 4))
@@ -194,12 +198,16 @@ class TritonBackend(MLABackend):
 
     @classmethod
     def run(cls, state: BackendState, q, kv_cache, block_table, cache_seqlens, *, problem: DecodeProblem,
-            softmax_scale, kv_scale, indices, out, lse) -> None:
+            softmax_scale, kv_scale, indices, out, lse, topk_length=None, attn_sink=None, extra_kv_cache=None,
+            extra_indices=None, extra_topk_length=None) -> None:
         from mla_dispatch.kernels.triton.ops import decode_step
 
         p, s, cfg = problem, state.schedule, state.cfg
+        extras = ()
+        if p.sparse_extras:
+            extras = (topk_length, attn_sink, extra_kv_cache, extra_indices, extra_topk_length)
         decode_step(q, kv_cache, None if p.sparse else block_table, state.lengths, indices, kv_scale, s.items,
                     s.part_offsets, s.num_splits, state.first_slot, out, lse, state.partial_out, state.partial_lse,
                     softmax_scale, p.causal, p.kv_format, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
                     cfg.tokens_on_m, cfg.v_split, cfg.qk_chunk, cfg.max_registers, cfg.tma, cfg.gluon,
-                    s.fixed_splits)
+                    s.fixed_splits, *extras)

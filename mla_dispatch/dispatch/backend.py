@@ -189,6 +189,11 @@ def _table_reasons(get, p: DecodeProblem) -> list[tuple[str, Reason]]:
         add("SUPPORTS_SPARSE", R.FEATURE, f"sparse indices (topk={p.topk}) (supported: dense block_table only)")
     if not p.sparse and not get("SUPPORTS_DENSE"):
         add("SUPPORTS_DENSE", R.FEATURE, "dense block_table decode (supported: sparse indices only)")
+    sparse_extras = get("SPARSE_EXTRAS")
+    for extra in p.sparse_extras:
+        if extra not in sparse_extras:
+            supported = ", ".join(sorted(sparse_extras)) or "none"
+            add("SPARSE_EXTRAS", R.FEATURE, f"{extra} with sparse indices (supported: {supported})")
     if p.batch_invariant and not get("SUPPORTS_BATCH_INVARIANT"):
         add("SUPPORTS_BATCH_INVARIANT", R.FEATURE, "batch_invariant=True (this backend's splits depend on the batch)")
     if p.cuda_graph and get("CUDA_GRAPH") is CGSupport.NEVER:
@@ -232,6 +237,10 @@ class MLABackend:
     SUPPORTS_LSE: ClassVar[bool] = True
     SUPPORTS_SPARSE: ClassVar[bool] = False
     SUPPORTS_DENSE: ClassVar[bool] = True
+    #: the optional sparse arguments the backend runs (names of :attr:`DecodeProblem.sparse_extras
+    #: <mla_dispatch.dispatch.problem.DecodeProblem.sparse_extras>`: "topk_length", "attn_sink", "extra_kv_cache",
+    #: "extra_topk_length"); :meth:`run` receives those a problem has as keywords of the same names
+    SPARSE_EXTRAS: ClassVar[frozenset[str]] = frozenset()
     #: runs ``batch_invariant=True`` plans: a request's out and lse bitwise the same whatever the batch around it
     SUPPORTS_BATCH_INVARIANT: ClassVar[bool] = False
     CUDA_GRAPH: ClassVar[CGSupport] = CGSupport.NEVER
@@ -440,8 +449,10 @@ class MLABackend:
     ) -> None:
         """Compute into ``out`` ``[B, s_q, h_q, D_v]`` and ``lse`` ``[B, h_q, s_q]`` fp32.
 
-        ``kv_cache`` is 4-D ``[num_blocks, page_size, h_kv, D or 656]``. Must not
-        allocate or sync when ``problem.cuda_graph`` is set.
+        ``kv_cache`` is 4-D ``[num_blocks, page_size, h_kv, D or bytes]``. Must not
+        allocate or sync when ``problem.cuda_graph`` is set. A sparse problem with optional arguments
+        (``problem.sparse_extras``, all in :attr:`SPARSE_EXTRAS`) passes them as keywords: ``topk_length``,
+        ``attn_sink``, ``extra_kv_cache`` (4-D) with ``extra_indices``, ``extra_topk_length``.
         """
         raise NotImplementedError(f"{cls.NAME}.run")
 

@@ -3,7 +3,8 @@
 A generated case set walks the feature grid of docs/design.md §1–2 — page sizes,
 query heads, KV heads, query length, causal, variable lengths, zero-length
 requests, NaN-poisoned unused slots, head dims, the softmax scale, KV formats,
-sparse indices — with the test data of :func:`mla_dispatch.numerics.cases.make_case`
+sparse indices and their optional arguments (DeepSeek-V4's cache, attention
+sinks, topk_length, a second cache) — with the test data of :func:`mla_dispatch.numerics.cases.make_case`
 (every case carries NaN in all unused cache slots and out-of-range ids in
 unused block-table entries; the ``nan-poison`` row makes them the majority).
 Each backend runs each case through :func:`mla_dispatch.mla_decode` and is
@@ -110,6 +111,7 @@ def case_set(quick: bool = False) -> list[ConformanceCase]:
         return None if (quick and full_only) else ConformanceCase(name, feature, {**base, **over})
 
     ds_scale = 192**-0.5 * (0.1 * math.log(40) + 1.0) ** 2  # DeepSeek-V3: YaRN factor 40, mscale_all_dim 1
+    v4 = dict(kv_format="fp8_ds_v4", head_dim_qk=512, head_dim_v=512)
     cases = [
         case("baseline", "bf16, h_q=16, s_q=1, page 64, varlen"),
         *(case(f"page_size={ps}", "page sizes", full_only=ps in (128,), page_size=ps) for ps in (1, 16, 128, 256)),
@@ -135,6 +137,13 @@ def case_set(quick: bool = False) -> list[ConformanceCase]:
         case("sparse topk=64", "token-level sparse (bf16)", topk=64),
         case("sparse fp8_ds_mla topk=128", "DeepSeek Sparse Attention layout", kv_format="fp8_ds_mla", topk=128),
         case("sparse s_q=2 h_q=64", "sparse, two query tokens", full_only=True, q_len=2, num_heads_q=64, topk=96),
+        case("sparse fp8_ds_v4 topk=128 sink", "DeepSeek-V4 (FlashMLA MODEL1) cache, attention sink", topk=128,
+             attn_sink=True, **v4),
+        case("sparse fp8_ds_v4 + extra cache", "V4: a second cache (pages of 2), topk_length, extra_topk_length",
+             q_len=2, page_size=61, topk=64, topk_length=True, attn_sink=True, extra_topk=96, extra_page_size=2,
+             extra_topk_length=True, **v4),
+        case("sparse fp8_ds_mla sink topk_length", "V3.2 cache with FlashMLA's sink and topk_length", full_only=True,
+             kv_format="fp8_ds_mla", topk=128, topk_length=True, attn_sink=True),
     ]
     return [c for c in cases if c is not None]
 
@@ -162,7 +171,7 @@ class Cell:
 def _problem(case: DecodeCase):
     return describe_inputs(case.q, case.kv_cache, case.block_table, case.cache_seqlens, head_dim_v=case.head_dim_v,
                            causal=case.causal, kv_format=case.kv_format, kv_scale=case.kv_scale, indices=case.indices,
-                           return_lse=True)
+                           return_lse=True, **case.sparse_extras())
 
 
 def _unsupported(name: str, case: DecodeCase) -> Cell | None:
@@ -200,7 +209,7 @@ def _reference(case: DecodeCase) -> tuple[torch.Tensor, torch.Tensor]:
 
     return reference_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens, head_dim_v=case.head_dim_v,
                                softmax_scale=case.softmax_scale, causal=case.causal, kv_format=case.kv_format,
-                               kv_scale=case.kv_scale, indices=case.indices)
+                               kv_scale=case.kv_scale, indices=case.indices, **case.sparse_extras())
 
 
 def isolated(name: str) -> bool:

@@ -53,6 +53,10 @@ def compile_config(cfg: KernelConfig, *, kv_format="bf16", causal=False, sparse=
     for desc in ("KDesc", "RDesc", "QDesc", "QRDesc"):
         if desc not in ptrs:
             constexprs[desc] = None
+    # the optional sparse arguments (DeepSeek-V4's): absent, as a launch without them passes them
+    constexprs.update(TopkLength=None, AttnSink=None, ExtraKV=None, ExtraIndices=None, ExtraTopkLength=None,
+                      EXTRA_PAGE_SIZE=1, HAS_TOPK_LENGTH=False, HAS_SINK=False, HAS_EXTRA=False,
+                      HAS_EXTRA_TOPK_LENGTH=False)
     src = ASTSource(mla_decode_kernel, *_signature(names, ptrs, constexprs))
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,
