@@ -275,3 +275,24 @@ def test_real_fa3_splits_when_not_invariant(gen):
     plan.state.meta = None  # FA3 schedules inside the call
     o2, l2 = plan.run(case.q, case.kv_cache)
     assert torch.equal(o2, out) and torch.equal(l2, lse)
+
+
+@pytest.mark.gpu
+def test_fa3_peer_in_bench_checks_then_times_the_direct_call(seed):
+    """bench's "FA3 (direct)" row: FA3 called on the bench case as vLLM calls it, checked, then timed eagerly and as a
+    CUDA graph."""
+    from mla_dispatch.numerics.oracle import reference_attention
+    from mla_dispatch.tools.bench import BenchConfig, make_bench_case
+    from mla_dispatch.tools.peers import fa3_runs, time_fa3
+    from mla_dispatch.tools.roofline import time_fn
+
+    _real_fa3()
+    case = make_bench_case(BenchConfig(4, 2, 16, 2048, varlen=True, causal=True), device="cuda", seed=seed)
+    ref = reference_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens, causal=True,
+                              softmax_scale=case.softmax_scale)
+    assert fa3_runs(case)
+    result = time_fa3(case, ref, time_fn, rep_ms=5)
+    assert result["status"] == "ok", result["note"]
+    assert result["us_graph"] > 0 and result["us_call"] > 0 and result["host_call_us"] > 0
+    fp8 = make_bench_case(BenchConfig(2, 1, 16, 256, kv_format="fp8_e4m3"), device="cuda", seed=seed)
+    assert not fa3_runs(fp8)
