@@ -7,7 +7,7 @@
 #
 # FA_SRC_DIR: a plain source tree of Dao-AILab/flash-attention holding hopper/ (ci/fa3_peer.sh says how to make and
 # carry a trimmed one). Needs nvcc, torch with CUDA, ninja and the nvidia-cutlass wheel (its CUTLASS 4.2 headers stand
-# in for FA3's csrc/cutlass submodule; one kernel file compiled against them with nvcc 13.0, see ci/fa3_peer.sh).
+# in for FA3's csrc/cutlass submodule: FA3's MLA kernel files compile against them with nvcc 13.0).
 #
 # FA3's setup.py builds every head dim, dtype and feature (~450 instantiation files of 8 kernels each: causal x varlen
 # x qv). Here FA3's own flags leave out backward, fp16, fp8, softcap, local, append-KV, cluster, SM8x and every head
