@@ -205,6 +205,8 @@ def test_unavailable_reason_keeps_each_import_error(monkeypatch):
         for module in ("flash_attn_interface", "vllm.vllm_flash_attn", "sgl_kernel.flash_attn"):
             assert f"import {module} failed: ModuleNotFoundError" in reasons[0].message
         assert FA3Backend.version() == "not installed"
+        with pytest.raises(RuntimeError, match="FlashAttention-3 is not available: import flash_attn_interface failed"):
+            FA3Backend.vendor()
     finally:
         forget(FA3Backend)
 

@@ -56,8 +56,7 @@ from mla_dispatch.dispatch.problem import DecodeProblem
 
 from ._vendor import dist_version, visible_rows
 
-__all__ = ["FA3Backend", "Provider", "PROVIDERS", "resolve", "provider", "build_flags", "scheduler_metadata",
-           "fa3_attention"]
+__all__ = ["FA3Backend", "Provider", "PROVIDERS", "resolve", "provider", "build_flags"]
 
 #: ``tile_size_fwd_sm90(64, 512, ...)``'s kBlockN: pages of a multiple of it can be read by TMA.
 TMA_PAGE_MULTIPLE = 64
@@ -133,50 +132,6 @@ def build_flags() -> dict[str, bool]:
         return {}
 
 
-def scheduler_metadata(module, problem: DecodeProblem, cache_seqlens: torch.Tensor, *,
-                       cu_seqlens_q: torch.Tensor | None, num_splits: int) -> torch.Tensor | None:
-    """FA3's ``get_scheduler_metadata`` for ``problem`` and these lengths (int32, FA3's layout), or None where the
-    installed FA3 has none (it then schedules inside each call). ``max_seqlen_k`` is the table's capacity, what the
-    call derives from a paged table, so the metadata and the call make the same split decision."""
-    get = getattr(module, "get_scheduler_metadata", None)
-    if get is None:
-        return None
-    p = problem
-    return get(batch_size=p.batch, max_seqlen_q=p.q_len, max_seqlen_k=p.max_blocks * p.page_size,
-               num_heads_q=p.num_heads_q, num_heads_kv=p.num_heads_kv, headdim=p.head_dim_qk - p.head_dim_v,
-               cache_seqlens=cache_seqlens, qkv_dtype=p.q_dtype, headdim_v=p.head_dim_v, cu_seqlens_q=cu_seqlens_q,
-               page_size=p.page_size, causal=p.causal, num_splits=num_splits)
-
-
-def fa3_attention(prov: Provider, module, problem: DecodeProblem, q: torch.Tensor, kv_cache: torch.Tensor,
-                  block_table: torch.Tensor, cache_seqlens: torch.Tensor, *, softmax_scale: float,
-                  meta: torch.Tensor | None, num_splits: int, cu_seqlens_q: torch.Tensor | None,
-                  out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One FA3 call on the canonical tensors (q ``[B, s_q, h_q, 576]``, kv_cache ``[blocks, page, h_kv, 576]``), the
-    RoPE and latent parts passed as views. Returns ``(out [B, s_q, h_q, 512], lse [B, h_q, s_q])`` as FA3 leaves
-    them: ``out`` FA3's own, or the given one where FA3 can write it (the varlen call, a contiguous ``out``); ``lse``
-    a transposed view for the varlen call, with -inf where a row sees no key. ``cu_seqlens_q`` (the varlen call
-    only): ``[0, s_q, 2 s_q, ..., B s_q]`` int32."""
-    p = problem
-    dv = p.head_dim_v
-    q_rope, q_latent = q[..., dv:], q[..., :dv]
-    k_rope, v_latent = kv_cache[..., dv:], kv_cache[..., :dv]
-    if prov.call == "kvcache":
-        res = module.flash_attn_with_kvcache(
-            q_rope, k_rope, v_latent, qv=q_latent, cache_seqlens=cache_seqlens, page_table=block_table,
-            softmax_scale=softmax_scale, causal=p.causal, scheduler_metadata=meta, num_splits=num_splits,
-            return_softmax_lse=True)
-        return res[0], res[1]
-    n, h = p.batch * p.q_len, p.num_heads_q
-    o = out.view(n, h, dv) if out is not None and out.is_contiguous() else None
-    res, lse = module.flash_attn_varlen_func(
-        q_rope.reshape(n, h, -1), k_rope, v_latent, max_seqlen_q=p.q_len, cu_seqlens_q=cu_seqlens_q,
-        max_seqlen_k=p.max_blocks * p.page_size, seqused_k=cache_seqlens, q_v=q_latent.reshape(n, h, dv),
-        softmax_scale=softmax_scale, causal=p.causal, block_table=block_table, return_softmax_lse=True, out=o,
-        scheduler_metadata=meta, num_splits=num_splits, fa_version=3)
-    return res.view(p.batch, p.q_len, h, dv), lse.view(h, p.batch, p.q_len).transpose(0, 1)
-
-
 class FA3Backend(MLABackend):
     """FlashAttention-3 (SM90): paged decode with the latent as ``qv``, as vLLM's FLASH_ATTN_MLA runs it."""
 
@@ -235,6 +190,67 @@ class FA3Backend(MLABackend):
                                                f"s_q*h_q/h_kv > {TMA_PAGE_MULTIPLE})"))
         return reasons
 
+    # -- FA3's own calls ---------------------------------------------------------------
+
+    @classmethod
+    def vendor(cls) -> tuple[Provider, object]:
+        """``(provider, module)``: the FA3 this process uses (:func:`resolve`), for FA3's own calls below (bench times
+        them directly, as a peer).
+
+        Raises
+        ------
+        RuntimeError
+            Where none is available; the message holds each import's failure.
+        """
+        prov, module, failures = resolve()
+        if prov is None:
+            raise RuntimeError("FlashAttention-3 is not available: " + "; ".join(failures))
+        return prov, module
+
+    @staticmethod
+    def scheduler_metadata(module, problem: DecodeProblem, cache_seqlens: torch.Tensor, *,
+                           cu_seqlens_q: torch.Tensor | None, num_splits: int) -> torch.Tensor | None:
+        """FA3's ``get_scheduler_metadata`` for ``problem`` and these lengths (int32, FA3's layout), or None where the
+        installed FA3 has none (it then schedules inside each call). ``max_seqlen_k`` is the table's capacity, what the
+        call derives from a paged table, so the metadata and the call make the same split decision."""
+        get = getattr(module, "get_scheduler_metadata", None)
+        if get is None:
+            return None
+        p = problem
+        return get(batch_size=p.batch, max_seqlen_q=p.q_len, max_seqlen_k=p.max_blocks * p.page_size,
+                   num_heads_q=p.num_heads_q, num_heads_kv=p.num_heads_kv, headdim=p.head_dim_qk - p.head_dim_v,
+                   cache_seqlens=cache_seqlens, qkv_dtype=p.q_dtype, headdim_v=p.head_dim_v, cu_seqlens_q=cu_seqlens_q,
+                   page_size=p.page_size, causal=p.causal, num_splits=num_splits)
+
+    @staticmethod
+    def attention(prov: Provider, module, problem: DecodeProblem, q: torch.Tensor, kv_cache: torch.Tensor,
+                  block_table: torch.Tensor, cache_seqlens: torch.Tensor, *, softmax_scale: float,
+                  meta: torch.Tensor | None, num_splits: int, cu_seqlens_q: torch.Tensor | None,
+                  out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One FA3 call on the canonical tensors (q ``[B, s_q, h_q, 576]``, kv_cache ``[blocks, page, h_kv, 576]``),
+        the RoPE and latent parts passed as views. Returns ``(out [B, s_q, h_q, 512], lse [B, h_q, s_q])`` as FA3
+        leaves them: ``out`` FA3's own, or the given one where FA3 can write it (the varlen call, a contiguous
+        ``out``); ``lse`` a transposed view for the varlen call, with -inf where a row sees no key. ``cu_seqlens_q``
+        (the varlen call only): ``[0, s_q, 2 s_q, ..., B s_q]`` int32."""
+        p = problem
+        dv = p.head_dim_v
+        q_rope, q_latent = q[..., dv:], q[..., :dv]
+        k_rope, v_latent = kv_cache[..., dv:], kv_cache[..., :dv]
+        if prov.call == "kvcache":
+            res = module.flash_attn_with_kvcache(
+                q_rope, k_rope, v_latent, qv=q_latent, cache_seqlens=cache_seqlens, page_table=block_table,
+                softmax_scale=softmax_scale, causal=p.causal, scheduler_metadata=meta, num_splits=num_splits,
+                return_softmax_lse=True)
+            return res[0], res[1]
+        n, h = p.batch * p.q_len, p.num_heads_q
+        o = out.view(n, h, dv) if out is not None and out.is_contiguous() else None
+        res, lse = module.flash_attn_varlen_func(
+            q_rope.reshape(n, h, -1), k_rope, v_latent, max_seqlen_q=p.q_len, cu_seqlens_q=cu_seqlens_q,
+            max_seqlen_k=p.max_blocks * p.page_size, seqused_k=cache_seqlens, q_v=q_latent.reshape(n, h, dv),
+            softmax_scale=softmax_scale, causal=p.causal, block_table=block_table, return_softmax_lse=True, out=o,
+            scheduler_metadata=meta, num_splits=num_splits, fa_version=3)
+        return res.view(p.batch, p.q_len, h, dv), lse.view(h, p.batch, p.q_len).transpose(0, 1)
+
     # -- plan ------------------------------------------------------------------------
 
     @classmethod
@@ -259,8 +275,8 @@ class FA3Backend(MLABackend):
         and the rows that see no key."""
         p = state.problem
         state.no_key.copy_(~visible_rows(cache_seqlens, p.q_len, p.causal)[:, None, :])
-        meta = scheduler_metadata(state.module, p, cache_seqlens, cu_seqlens_q=state.cu_seqlens_q,
-                                  num_splits=state.num_splits)
+        meta = cls.scheduler_metadata(state.module, p, cache_seqlens, cu_seqlens_q=state.cu_seqlens_q,
+                                      num_splits=state.num_splits)
         if state.meta is None or meta is None:
             state.meta = meta
         else:
@@ -274,7 +290,7 @@ class FA3Backend(MLABackend):
 
     @classmethod
     def _call(cls, state, q, kv_cache, block_table, cache_seqlens, softmax_scale, out):
-        return fa3_attention(state.provider, state.module, state.problem, q, kv_cache, block_table, cache_seqlens,
+        return cls.attention(state.provider, state.module, state.problem, q, kv_cache, block_table, cache_seqlens,
                              softmax_scale=softmax_scale, meta=state.meta, num_splits=state.num_splits,
                              cu_seqlens_q=state.cu_seqlens_q, out=out)
 

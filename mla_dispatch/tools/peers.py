@@ -13,8 +13,8 @@ made. Its direct call is timed as its users call it:
 
 FlashAttention-3 (its MLA path: the RoPE part as q/k, the latent as ``qv``/v; vLLM's FLASH_ATTN_MLA) is optional
 the same way: where none of the modules the ``fa3`` backend imports provides it, no peer row is made. It is called as
-vLLM calls it, through :func:`mla_dispatch.backends.fa3.fa3_attention` (views of the same tensors and FA3's one call,
-nothing else):
+vLLM calls it, through the backend class's ``attention`` (views of the same tensors and FA3's one call, nothing else)
+and ``scheduler_metadata``:
 
 - ``graph``: ``get_scheduler_metadata`` once (vLLM's per-step schedule), one warm-up call, then one call captured in a
   CUDA graph and replayed, each replay after an L2 flush;
@@ -134,9 +134,10 @@ def time_flashmla(case: DecodeCase, ref: tuple[torch.Tensor, torch.Tensor], time
 def fa3_peer_available() -> str | None:
     """FlashAttention-3's version (and the module that provides it) when the ``fa3`` backend finds one here, else
     None."""
-    from mla_dispatch.backends.fa3 import FA3Backend
+    from mla_dispatch.dispatch.registry import get_backend
 
-    return None if FA3Backend.availability_reasons() else FA3Backend.version()
+    fa3 = get_backend("fa3")
+    return None if fa3.availability_reasons() else fa3.version()
 
 
 def _fa3_problem(case: DecodeCase):
@@ -151,31 +152,32 @@ def fa3_runs(case: DecodeCase) -> bool:
     """Whether FA3 takes ``case`` as it is: what the ``fa3`` backend declares for it on this device (the adapter
     passes FA3 views of the same tensors, so FA3 runs exactly the cases it does: dense, a 16-bit cache of q's dtype,
     D 576/512, SM90; any page size and head count)."""
-    from mla_dispatch.backends.fa3 import FA3Backend
     from mla_dispatch.dispatch.platform import platform_for
+    from mla_dispatch.dispatch.registry import get_backend
 
     if not case.q.is_cuda or case.indices is not None or case.kv_cache.dim() != 4:
         return False
-    return not FA3Backend.not_supported_reasons(_fa3_problem(case), platform_for(case.q.device))
+    return not get_backend("fa3").not_supported_reasons(_fa3_problem(case), platform_for(case.q.device))
 
 
 def time_fa3(case: DecodeCase, ref: tuple[torch.Tensor, torch.Tensor], time_fn, *, rep_ms: float) -> dict:
     """FlashAttention-3's direct call on ``case``: checked against ``ref`` (docs/design.md §5 bounds; FA3's -inf LSE of
     a row without keys read as the canonical +inf), then timed. Returns the keys of :func:`time_flashmla`."""
-    from mla_dispatch.backends.fa3 import fa3_attention, resolve, scheduler_metadata
+    from mla_dispatch.dispatch.registry import get_backend
 
-    prov, module, _ = resolve()
+    fa3 = get_backend("fa3")
+    prov, module = fa3.vendor()
     problem = _fa3_problem(case)
     q = case.q
     cu_q = (torch.arange(0, problem.batch * problem.q_len + 1, problem.q_len, dtype=torch.int32, device=q.device)
             if prov.call == "varlen" else None)
 
     def call(meta):
-        return fa3_attention(prov, module, problem, q, case.kv_cache, case.block_table, case.cache_seqlens,
+        return fa3.attention(prov, module, problem, q, case.kv_cache, case.block_table, case.cache_seqlens,
                              softmax_scale=case.softmax_scale, meta=meta, num_splits=0, cu_seqlens_q=cu_q)
 
     def schedule():
-        return scheduler_metadata(module, problem, case.cache_seqlens, cu_seqlens_q=cu_q, num_splits=0)
+        return fa3.scheduler_metadata(module, problem, case.cache_seqlens, cu_seqlens_q=cu_q, num_splits=0)
 
     def whole_call():
         return call(schedule())
