@@ -36,7 +36,8 @@ def test_info_lists_platform_and_every_backend(capsys):
     assert main(["info", "--heads", "16", "--page-size", "16"]) == 0
     out = capsys.readouterr().out
     assert "platform: cpu" in out or not NO_CUDA
-    for name in ("reference", "triton", "cuda_sm90", "flashmla", "flashinfer", "aiter", "ascend_amla", "torch_npu"):
+    for name in ("reference", "triton", "cuda_sm90", "flashmla", "fa3", "flashinfer", "aiter", "ascend_amla",
+                 "torch_npu"):
         assert f"  {name}@" in out, name
     if NO_CUDA:
         assert "auto would choose: reference" in out

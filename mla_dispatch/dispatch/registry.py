@@ -199,6 +199,7 @@ BUILTIN_BACKENDS = {
     "reference": ("mla_dispatch.backends.reference:ReferenceBackend", _EVERYWHERE),
     "cuda_sm90": ("mla_dispatch.backends.cuda_sm90:CudaSM90Backend", {"sm90": 10}),
     "flashmla": ("mla_dispatch.backends.flashmla:FlashMLABackend", {"sm90": 20}),
+    "fa3": ("mla_dispatch.backends.fa3:FA3Backend", {"sm90": 25}),
     "flashinfer": ("mla_dispatch.backends.flashinfer:FlashInferBackend", {"sm90": 30, "sm100": 10, "cuda": 20}),
     "triton": ("mla_dispatch.backends.triton:TritonBackend", {"sm90": 40, "sm100": 20, "cuda": 10, "rocm": 20}),
     "aiter": ("mla_dispatch.backends.aiter:AiterBackend", {"rocm": 10}),

@@ -1,4 +1,4 @@
-"""Fake vendor modules (FlashMLA, FlashInfer, AITER) for CPU contract tests, and the
+"""Fake vendor modules (FlashMLA, FlashAttention-3, FlashInfer, AITER) for CPU contract tests, and the
 helpers that install them and simulate a platform for one test."""
 
 from __future__ import annotations
