@@ -50,7 +50,7 @@ import importlib
 
 import torch
 
-from mla_dispatch.dispatch.backend import BackendState, CGSupport, MLABackend, Reason, ReasonCode
+from mla_dispatch.dispatch.backend import ArchSupport, BackendState, CGSupport, MLABackend, Reason, ReasonCode
 from mla_dispatch.dispatch.platform import Platform
 from mla_dispatch.dispatch.problem import DecodeProblem
 
@@ -149,6 +149,17 @@ class FA3Backend(MLABackend):
     SUPPORTS_BATCH_INVARIANT = True  # num_splits=1
     CUDA_GRAPH = CGSupport.ALWAYS
     ANY_OUT_STRIDES = True  # out.copy_(...) where FA3 cannot write out itself
+    #: FA3 ends the process on a CUDA error (``exit(1)`` in its ``CHECK_CUDA``): conformance runs it in a child
+    VENDOR = "FlashAttention-3"
+    ARCH_SUPPORT = (
+        ArchSupport("sm90", "Hopper (sm_90a)", min_capability=(9, 0), max_capability=(9, 0),
+                    sources={"HEAD_DIMS": "hopper/flash_api.cpp: q_v needs head dim <= 64 and V >= 256; the one "
+                                          "instantiation with V 512 is run_mha_fwd_<90, T, 64, 512>",
+                             "KV_FORMATS": "hopper/flash_api.cpp: q_v rejects fp8"},
+                    notes="FlashAttention-3's paged decode with the latent as qv (vLLM's FLASH_ATTN_MLA; from "
+                          "flash_attn_3, vllm.vllm_flash_attn or sgl_kernel)",
+                    run_here="no: contract-tested"),
+    )
 
     @classmethod
     def version(cls) -> str:
