@@ -250,9 +250,10 @@ def _check(whole: DecodeCase, want, device, backend: str, heads: slice, outs, ls
 
 
 def run_rank(rank: int, world: int, init_method: str, comm_backend: str, device_kind: str,
-             jobs: list[tuple[str, str]], seed: int, result_path: str | None) -> list[dict]:
+             jobs: list[tuple[str, str]], seed: int, result_path: str | None, *, destroy: bool = True) -> list[dict]:
     """One rank: join the group, run every ``(backend, case name)`` of ``jobs``, gather the records on rank 0
-    (written to ``result_path`` as JSON when given) and return them."""
+    (written to ``result_path`` as JSON when given) and return them. ``destroy=False`` leaves the group to the
+    process's end (see :func:`_spawned`)."""
     if device_kind == "cuda":
         device = torch.device("cuda", rank if comm_backend == "nccl" else 0)
         torch.cuda.set_device(device)
@@ -268,12 +269,15 @@ def run_rank(rank: int, world: int, init_method: str, comm_backend: str, device_
         for backend, name in jobs:
             records.append(_one_case(comm, rank, world, device, backend, CASES[name], seed + list(CASES).index(name)))
         everyone = comm.objects(records)
+        merged = [r for rank_records in everyone for r in rank_records]
+        if rank == 0 and result_path:
+            with open(result_path + ".part", "w") as f:
+                json.dump(merged, f)
+            os.replace(result_path + ".part", result_path)
+        dist.barrier()  # nothing is in flight past here
     finally:
-        dist.destroy_process_group()
-    merged = [r for rank_records in everyone for r in rank_records]
-    if rank == 0 and result_path:
-        with open(result_path, "w") as f:
-            json.dump(merged, f)
+        if destroy:
+            dist.destroy_process_group()
     return merged
 
 
@@ -312,7 +316,14 @@ def spawn(target, world: int, args: tuple, timeout_s: float, seed: int) -> None:
 
 
 def _spawned(rank, init_method, world, *args):
-    run_rank(rank, world, init_method, *args)
+    # A spawned rank ends with os._exit once its records are written and every rank has passed the last barrier:
+    # gloo's teardown at interpreter exit (its worker threads, tensors they hold) aborted a rank with
+    # "terminate called without an active exception" on a CI machine after the work was done (torch 2.13; see
+    # pytorch/pytorch#179291 on gloo threads at finalization). An exception still propagates to spawn's error queue.
+    run_rank(rank, world, init_method, *args, destroy=False)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def launch(world: int, comm_backend: str, device_kind: str, jobs: list[tuple[str, str]], seed: int,
