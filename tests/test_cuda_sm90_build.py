@@ -124,7 +124,7 @@ def test_backend_declares_capabilities_and_reasons():
 
 
 def test_variant_choice_follows_the_measurements():
-    """v5 only where it measured faster (128 rows, >= 32 requests with >= 24 KV chunks per part, page % 64 == 0,
+    """v5 only where it measured faster (128 rows, or 17-64 rows with a 16-bit cache (H200), >= 32 requests with >= 24 KV chunks per part, page % 64 == 0,
     bf16/fp16 cache, q_len <= 64), and v9 there for fp8_e4m3 caches; v8 for fp8_e4m3 caches with <= 16 query rows per KV head and >= 4 chunks per part,
     17-32 rows and >= 12, on pages of whole tiles (v7 on others);
     v6 for <= 16 query rows per KV head with >= 16 chunks per part (bf16/fp16) or >= 4 (fp8_ds_mla), and 17-32 rows
@@ -141,7 +141,9 @@ def test_variant_choice_follows_the_measurements():
     choose = cuda_sm90.choose_variant
     assert choose(problem(), num_parts=66, max_chunks=128 * 64) == 5
     assert choose(problem(q_len=2, page_size=256), num_parts=33, max_chunks=128 * 256) == 5
-    assert choose(problem(h_q=64), num_parts=132, max_chunks=128 * 64) == 2  # one 64-row tile
+    assert choose(problem(h_q=64), num_parts=132, max_chunks=128 * 64) == 5  # one 64-row tile, H200
+    assert choose(problem(h_q=64, kv_format="fp8_e4m3"), num_parts=132, max_chunks=128 * 64) == 2  # not measured
+    assert choose(problem(h_q=64, batch=31), num_parts=132, max_chunks=132 * 64) == 2  # the batch cut
     assert choose(problem(batch=32), num_parts=66, max_chunks=32 * 64) == 5  # 31 chunks per part
     assert choose(problem(batch=8), num_parts=66, max_chunks=8 * 128) == 2  # 15.5 chunks per part
     assert choose(problem(batch=16), num_parts=66, max_chunks=16 * 512) == 2  # long, but few requests
@@ -161,9 +163,12 @@ def test_variant_choice_follows_the_measurements():
     assert choose(problem(h_q=16, kv_format="fp8_ds_mla"), num_parts=132, max_chunks=132 * 4) == 6  # fp8 cut
     assert choose(problem(h_q=16, kv_format="fp8_e4m3"), num_parts=132, max_chunks=132 * 4 - 1) == 2
     assert choose(problem(h_q=16, q_len=2, page_size=16), num_parts=132, max_chunks=132 * 96) == 6  # 32 rows
-    assert choose(problem(h_q=32), num_parts=132, max_chunks=132 * 96 - 1) == 2
-    assert choose(problem(h_q=32, batch=64), num_parts=132, max_chunks=64 * 128) == 2  # 62 chunks per part
-    assert choose(problem(h_q=16, q_len=3), num_parts=132, max_chunks=132 * 512) == 2  # 48 rows
+    assert choose(problem(h_q=32), num_parts=132, max_chunks=132 * 96 - 1) == 5
+    assert choose(problem(h_q=32), num_parts=132, max_chunks=132 * 24 - 1) == 2  # v5's chunk cut
+    assert choose(problem(h_q=32, batch=64), num_parts=132, max_chunks=64 * 128) == 5  # 62 chunks per part
+    assert choose(problem(h_q=16, batch=64, page_size=16), num_parts=132, max_chunks=132 * 15) == 2  # 16 rows
+    assert choose(problem(h_q=16, q_len=3), num_parts=132, max_chunks=132 * 512) == 5  # 48 rows
+    assert choose(problem(h_q=16, q_len=3, page_size=32), num_parts=132, max_chunks=132 * 512) == 2
     assert choose(problem(h_q=16, kv_format="fp8_e4m3"), num_parts=132, max_chunks=132 * 4) == 8  # v7's cut, v8
     assert choose(problem(h_q=32, kv_format="fp8_e4m3"), num_parts=132, max_chunks=132 * 12) == 8  # 32 rows
     assert choose(problem(h_q=16, kv_format="fp8_e4m3", page_size=32), num_parts=132, max_chunks=132 * 8) == 7

@@ -183,6 +183,12 @@ def choose_variant(problem: DecodeProblem, num_parts: int, max_chunks: int) -> i
     where v5 would take a bf16 cache: H100, b=128 h_q=128 L=8K (RESULTS.md, thirty-first session), graph us v2 807.4 /
     v9 755.1-761.8 (bf16 v5 626.2).
 
+    On the H200 v5 also beats v2 with 17-64 query rows per KV head and a 16-bit cache (its faster memory leaves
+    v2's one-tile pipeline exposed): b=64 L=8K, graph replay, ratio to FlashMLA (RESULTS.md, 2026-11-29 06:03 UTC)
+    h_q=32 v2 1.194 / v5 1.077, h_q=64 1.211 / 1.103, s_q=2 h_q=16 1.196 / 1.076, s_q=2 h_q=32 1.209 / 1.108, so v5
+    takes those rows under the same batch and chunk cuts (not re-measured on an H100, where v2 was within 2% of
+    FlashMLA there).
+
     ``max_chunks`` comes from the block table's width (no device sync at plan time): an upper bound, so a wide table
     over short sequences can pick v5 or v6 where v2 would be faster.
     """
@@ -192,7 +198,8 @@ def choose_variant(problem: DecodeProblem, num_parts: int, max_chunks: int) -> i
         return FP8_REGS if p.page_size % BLOCK_N == 0 else FP8_CONVERT
     if max_chunks >= v6_min_chunks_per_part(rows, p.kv_format) * num_parts:
         return ETAP
-    if (p.kv_format in ("bf16", "fp16", "fp8_e4m3") and p.page_size % BLOCK_N == 0 and rows > BLOCK_M
+    v5_rows = rows > BLOCK_M or (rows > 16 and p.kv_format in ("bf16", "fp16"))
+    if (p.kv_format in ("bf16", "fp16", "fp8_e4m3") and p.page_size % BLOCK_N == 0 and v5_rows
             and p.batch >= 32 and max_chunks >= 24 * num_parts and p.q_len <= SEESAW_MAX_Q_LEN):
         return SEESAW_FP8 if p.kv_format == "fp8_e4m3" else SEESAW
     return WGMMA
