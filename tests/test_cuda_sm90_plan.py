@@ -16,6 +16,7 @@ from mla_dispatch.backends import cuda_sm90
 from mla_dispatch.backends.cuda_sm90 import CudaSM90Backend, Sm90Launch, launch_config, split_parts
 from mla_dispatch.dispatch.problem import DecodeProblem
 from mla_dispatch.kernels.cuda.build import SM90_SOURCE_DIR
+from mla_dispatch.kvcache.formats import KV_FORMAT_CODES
 
 H100_SMS = 132
 
@@ -44,8 +45,8 @@ def test_plan_constants_match_config_h():
     assert consts["kFusedMaxSplits"] == cuda_sm90.FUSED_MAX_SPLITS
     assert {(consts["kHeadDimQK"], consts["kHeadDimV"])} == CudaSM90Backend.HEAD_DIMS
     assert (enums["kKvSameAsQ"], enums["kKvFp8E4M3"], enums["kKvFp8DsMla"]) == (
-        cuda_sm90.KV_FORMAT_CODE["bf16"], cuda_sm90.KV_FORMAT_CODE["fp8_e4m3"], cuda_sm90.KV_FORMAT_CODE["fp8_ds_mla"])
-    assert cuda_sm90.KV_FORMAT_CODE["fp16"] == enums["kKvSameAsQ"]
+        KV_FORMAT_CODES["bf16"], KV_FORMAT_CODES["fp8_e4m3"], KV_FORMAT_CODES["fp8_ds_mla"])
+    assert KV_FORMAT_CODES["fp16"] == enums["kKvSameAsQ"]
     mainloops = {name: enums[name] for name in ("kWgmma", "kSeesaw", "kEtap", "kFp8Convert", "kFp8Regs", "kSeesawFp8")}
     assert tuple(mainloops.values()) == (cuda_sm90.WGMMA, cuda_sm90.SEESAW, cuda_sm90.ETAP, cuda_sm90.FP8_CONVERT,
                                          cuda_sm90.FP8_REGS, cuda_sm90.SEESAW_FP8)

@@ -41,6 +41,7 @@ from mla_dispatch.metadata.schedule import (BATCH_INVARIANT_SPLIT_TOKENS, SPLIT_
 from mla_dispatch.metadata.combine import first_slots
 from mla_dispatch.dispatch.platform import Platform
 from mla_dispatch.dispatch.problem import DecodeProblem
+from mla_dispatch.kvcache.formats import KV_FORMAT_CODES
 
 __all__ = ["CudaSM90Backend", "Mainloop", "MAINLOOPS", "Sm90Launch", "choose_variant", "invariant_variant",
            "choose_fuse_combine", "launch_config", "load_ops", "load_module"]
@@ -49,13 +50,12 @@ __all__ = ["CudaSM90Backend", "Mainloop", "MAINLOOPS", "Sm90Launch", "choose_var
 # tests/test_cuda_sm90_plan.py::test_plan_constants_match_config_h reads that file and compares ----
 BLOCK_M = 64  # kBlockM: query rows of a CTA tile of the 64-row mainloops
 BLOCK_N = 64  # kBlockN: KV tokens per mainloop step = split-KV chunk size
-KV_FORMAT_CODE = {"bf16": 0, "fp16": 0, "fp8_e4m3": 1, "fp8_ds_mla": 2}  # KvFormat
 WGMMA, SEESAW, ETAP, FP8_CONVERT, FP8_REGS, SEESAW_FP8 = 2, 5, 6, 7, 8, 9  # Mainloop
 SEESAW_MAX_Q_LEN = 64  # kSeesawMaxQLen
 ETAP_MAX_ROWS, ETAP_FP8_MAX_ROWS, FP8T_MAX_ROWS = 32, 16, 32  # kEtapMaxRows, kEtapFp8MaxRows, kFp8tMaxRows
 FUSED_MAX_SPLITS = 1024  # kFusedMaxSplits
 
-_ANY_CACHE = frozenset(KV_FORMAT_CODE)
+_ANY_CACHE = frozenset(KV_FORMAT_CODES)
 _16BIT_CACHE = frozenset({"bf16", "fp16"})
 
 
@@ -495,7 +495,7 @@ class CudaSM90Backend(MLABackend):
             partial_out=torch.empty(max_slots, p.q_len, p.num_heads_q, p.head_dim_v, dtype=torch.float32,
                                     device=device),
             partial_lse=torch.empty(max_slots, p.q_len, p.num_heads_q, dtype=torch.float32, device=device),
-            kv_format_code=KV_FORMAT_CODE[p.kv_format],
+            kv_format_code=KV_FORMAT_CODES[p.kv_format],
             launch=launch,
         )
 

@@ -22,9 +22,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from mla_dispatch.kernels.triton.decode import KernelConfig, effective_splits, mla_decode_kernel, tma_fits
+from mla_dispatch.kvcache.formats import KV_FORMAT_CODES
 
 _PTR = {"bf16": "*bf16", "fp16": "*fp16", "fp8_e4m3": "*fp8e4nv", "fp8_ds_mla": "*u8"}
-_FMT = {"bf16": 0, "fp16": 0, "fp8_e4m3": 1, "fp8_ds_mla": 2}
 
 
 def compile_config(cfg: KernelConfig, *, kv_format="bf16", causal=False, sparse=False, arch=90, d_v=512, d_rope=64,
@@ -42,7 +42,7 @@ def compile_config(cfg: KernelConfig, *, kv_format="bf16", causal=False, sparse=
     tma = cfg.tma and tma_fits(kv_format=kv_format, sparse=sparse, page_size=page_size, heads_kv=1,
                                block_n=cfg.block_n, v_split=v_split, qk_chunk=qk_chunk, head_dim_v=d_v)
     constexprs = dict(PAGE_SIZE=page_size, D_V=d_v, D_ROPE=d_rope, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, V_SPLIT=v_split,
-                      QK_CHUNK=qk_chunk, KV_FORMAT=_FMT[kv_format], CAUSAL=causal, SPARSE=sparse,
+                      QK_CHUNK=qk_chunk, KV_FORMAT=KV_FORMAT_CODES[kv_format], CAUSAL=causal, SPARSE=sparse,
                       TOKENS_ON_M=cfg.tokens_on_m, TMA=tma, ASM_PAGE=tma, Q_TMA=tma)
     if tma:  # host tensor descriptors (decode.tma_descriptors)
         dt = _PTR[kv_format][1:]
@@ -268,7 +268,7 @@ def parse_spec(spec: str) -> KernelConfig:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90)
-    ap.add_argument("--fmt", default="bf16", choices=sorted(_FMT))
+    ap.add_argument("--fmt", default="bf16", choices=sorted(KV_FORMAT_CODES))
     ap.add_argument("--sass", action="store_true", help="also each loop's SASS events in order (sass_loops)")
     ap.add_argument("specs", nargs="*", default=["tM16-n64", "tM32-n64", "hM64-n32-w8", "hM64-n64-w8"])
     args = ap.parse_args()

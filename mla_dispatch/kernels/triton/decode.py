@@ -67,10 +67,10 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
 from mla_dispatch.kernels.triton.device import kernel_device
+from mla_dispatch.kvcache.formats import KV_FORMAT_CODES
 
-__all__ = ["KernelConfig", "choose_config", "launch_decode", "launch_decode_kernel", "KV_FORMAT_IDS"]
+__all__ = ["KernelConfig", "choose_config", "launch_decode", "launch_decode_kernel"]
 
-KV_FORMAT_IDS = {"bf16": 0, "fp16": 0, "fp8_e4m3": 1, "fp8_ds_mla": 2}
 DS_MLA_SCALE_OFFSET = tl.constexpr(512)  # bytes
 DS_MLA_ROPE_OFFSET = tl.constexpr(528)  # bytes
 DS_MLA_TILE = tl.constexpr(128)  # channels per fp32 scale
@@ -791,7 +791,7 @@ def launch_decode_kernel(kernel, q, kv, block_table, cache_seqlens, indices, kv_
             H_KV=h_kv, NUM_M_TILES=tiles_m, num_blocks=kv.shape[0], PAGE_SIZE=page_size,
             D_V=head_dim_v, D_ROPE=d_qk - head_dim_v,
             BLOCK_M=block_m, BLOCK_N=block_n, V_SPLIT=v_split, QK_CHUNK=qk_chunk,
-            KV_FORMAT=KV_FORMAT_IDS[kv_format], CAUSAL=causal, SPARSE=sparse, TOKENS_ON_M=tokens_on_m,
+            KV_FORMAT=KV_FORMAT_CODES[kv_format], CAUSAL=causal, SPARSE=sparse, TOKENS_ON_M=tokens_on_m,
             TMA=use_tma, ASM_PAGE=use_tma and kv.device.type == "cuda", Q_TMA=q_tma,
             num_warps=num_warps, num_stages=num_stages, **launch_options,
         )

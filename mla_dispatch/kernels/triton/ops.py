@@ -23,7 +23,8 @@ import torch
 from triton.runtime.jit import JITFunction
 
 from mla_dispatch.kernels.triton.combine import combine_kernel, launch_combine
-from mla_dispatch.kernels.triton.decode import KV_FORMAT_IDS, _clip_splits, launch_decode_kernel, mla_decode_kernel
+from mla_dispatch.kernels.triton.decode import _clip_splits, launch_decode_kernel, mla_decode_kernel
+from mla_dispatch.kvcache.formats import KV_FORMAT_CODES
 
 __all__ = ["triton_decode", "decode_step"]
 
@@ -103,8 +104,8 @@ def _launch(decode_kernel, combine, q, kv_cache, block_table, seqlens, indices, 
             num_splits, first_slot, out, lse, partial_out, partial_lse, softmax_scale, causal, kv_format, block_m,
             block_n, num_warps, num_stages, tokens_on_m, v_split, qk_chunk, max_registers, tma, gluon,
             fixed_splits=False) -> None:
-    if kv_format not in KV_FORMAT_IDS:
-        raise ValueError(f"kv_format={kv_format!r} (supported: {sorted(KV_FORMAT_IDS)})")
+    if kv_format not in KV_FORMAT_CODES:
+        raise ValueError(f"kv_format={kv_format!r} (supported: {sorted(KV_FORMAT_CODES)})")
     kv = kv_cache.view(torch.uint8) if kv_cache.dtype == torch.int8 else kv_cache
     launch_decode_kernel(
         decode_kernel, q, kv, block_table, seqlens, indices, kv_scale, items,
