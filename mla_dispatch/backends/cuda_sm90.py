@@ -29,6 +29,7 @@ name; traced runs (torch.compile, fake tensors) call the op.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from types import MappingProxyType
 
@@ -36,9 +37,8 @@ import torch
 
 from mla_dispatch.dispatch.backend import (BackendOption, BackendState, CGSupport, MLABackend, Reason, ReasonCode,
                                            untraced_eager)
-from mla_dispatch.metadata.schedule import (BATCH_INVARIANT_SPLIT_TOKENS, SPLIT_TOKENS_CHOICES,
-                                           check_invariant_workspace, fixed_split_schedule, split_kv_schedule)
-from mla_dispatch.metadata.combine import first_slots
+from mla_dispatch.metadata.schedule import BATCH_INVARIANT_SPLIT_TOKENS, SPLIT_TOKENS_CHOICES, check_invariant_workspace
+from mla_dispatch.metadata.split_plan import NativeSchedule, SplitKVLayout, SplitKVPlan
 from mla_dispatch.dispatch.platform import Platform
 from mla_dispatch.dispatch.problem import DecodeProblem
 from mla_dispatch.kvcache.formats import KV_FORMAT_CODES
@@ -317,6 +317,55 @@ def launch_config(problem: DecodeProblem, num_parts: int, max_chunks: int, num_s
     return Sm90Launch(variant, tile_rows, tma_loads, paired, fuse, fixed_splits=p.batch_invariant)
 
 
+@functools.lru_cache(maxsize=256)
+def _shape_plan(problem: DecodeProblem, num_sms: int, options: tuple) -> tuple[SplitKVLayout, Sm90Launch]:
+    """What a plan decides from shapes alone, once per (problem, SM count, backend_options items): the split-KV
+    layout (parts, overhead, capacity, workspace rows) and the frozen launch (:func:`launch_config`).
+
+    Raises
+    ------
+    ValueError
+        As :func:`launch_config`; ``split_tokens`` without ``batch_invariant``; a batch-invariant workspace past its
+        bound (:func:`~mla_dispatch.metadata.schedule.check_invariant_workspace`).
+    """
+    options = dict(options)
+    p = sparse_view(problem)
+    num_parts, max_chunks = split_parts(p, num_sms, options.get("min_chunks_per_part",
+                                                                 CudaSM90Backend.MIN_CHUNKS_PER_PART))
+    launch = launch_config(problem, num_parts, max_chunks, num_sms, options)
+    if "split_tokens" in options and not p.batch_invariant:
+        raise ValueError(f"backend_options['split_tokens']={options['split_tokens']} applies to "
+                         "batch_invariant=True plans only")
+    overhead = options.get("schedule_overhead") or CudaSM90Backend.schedule_overhead(launch.variant)
+    # capacity: no item reaches past a block-table row, whatever cache_seqlens holds (update keeps it)
+    capacity = p.max_blocks * p.page_size
+    split = None
+    if p.batch_invariant:
+        split = options.get("split_tokens", BATCH_INVARIANT_SPLIT_TOKENS)
+        # a partial row per query row of a piece: fp32 values (the kernels' fp16 rows and shifts) and the LSE
+        check_invariant_workspace(p.batch, capacity, split, p.q_len * p.num_heads_q * (p.head_dim_v * 4 + 4))
+    layout = SplitKVLayout(batch=p.batch, num_parts=num_parts, chunk_size=BLOCK_N, overhead=overhead,
+                           capacity=capacity, partial_row=(p.q_len, p.num_heads_q, p.head_dim_v),
+                           partial_dtype=torch.float32, split_tokens=split,
+                           fixed_length=problem.topk if problem.sparse else None)
+    return layout, launch
+
+
+def _native_schedule(module) -> NativeSchedule | None:
+    """The extension's schedule launch (kernels/cuda/mla_decode_sm90/schedule.cu) in :class:`SplitKVPlan`'s terms,
+    or None where the module has none (an older build)."""
+    fn = getattr(module, "split_kv_schedule", None)
+    if fn is None:
+        return None
+
+    def native(cache_seqlens, plan: SplitKVPlan) -> None:
+        s, lay = plan.schedule, plan.layout
+        fn(cache_seqlens, s.items, s.part_offsets, s.num_splits, s.slot_req, plan.first_slot, plan.lengths,
+           plan.workspace, lay.chunk_size, lay.overhead, -1 if lay.capacity is None else lay.capacity)
+
+    return native
+
+
 _fake_registered = False
 
 
@@ -358,9 +407,10 @@ def load_ops():
 
 
 class Sm90State(BackendState):
-    """The backend's per-step state: the schedule, the workspace, the frozen :class:`Sm90Launch` (``launch``) and the
-    extension's call bound to them (``bound``, :meth:`CudaSM90Backend.bind`). Sparse plans also hold the lengths of
-    their flattened view (``lengths``: topk for every query position) and, for s_q > 1, the LSE of that view
+    """The backend's per-step state: the split-KV plan (``split``: schedule, first slots, workspace and ``lengths``,
+    the plan's own copy of the lengths that every run reads; topk for every query position of a sparse plan's
+    flattened view), the frozen :class:`Sm90Launch` (``launch``) and the extension's call bound to them (``bound``,
+    :meth:`CudaSM90Backend.bind`). Sparse plans with s_q > 1 also hold the LSE of their flattened view
     (``sparse_lse``, ``[B * s_q, h_q, 1]``: the kernel writes it per query position, run transposes it into lse)."""
 
     bound = None
@@ -456,46 +506,29 @@ class CudaSM90Backend(MLABackend):
         view = sparse_view(problem)  # the problem itself unless sparse
         device = (cache_seqlens.device if cache_seqlens is not None
                   else torch.device("cuda", torch.cuda.current_device()))
-        if problem.sparse:  # every query position attends to its topk slots (-1 ones are masked in the kernel)
-            cache_seqlens = torch.full((view.batch,), problem.topk, dtype=torch.int32, device=device)
-        p = view
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        num_parts, max_chunks = split_parts(p, sms, options.get("min_chunks_per_part", cls.MIN_CHUNKS_PER_PART))
-        overhead = options.get("schedule_overhead")
-        launch = launch_config(problem, num_parts, max_chunks, sms, options)
-        # capacity: no item reaches past a block-table row, whatever cache_seqlens holds (update_ keeps it)
-        if "split_tokens" in options and not p.batch_invariant:
-            raise ValueError(f"backend_options['split_tokens']={options['split_tokens']} applies to "
-                             "batch_invariant=True plans only")
-        if overhead is None:
-            overhead = cls.schedule_overhead(launch.variant)
-        if p.batch_invariant:
-            split = options.get("split_tokens", BATCH_INVARIANT_SPLIT_TOKENS)
-            capacity = p.max_blocks * p.page_size
-            # a partial row per query row of a piece: fp32 values (the kernels' fp16 rows and shifts) and the LSE
-            check_invariant_workspace(p.batch, capacity, split, p.q_len * p.num_heads_q * (p.head_dim_v * 4 + 4))
-            schedule = fixed_split_schedule(cache_seqlens, num_parts=num_parts, chunk_size=BLOCK_N,
-                                            split_tokens=split, overhead=overhead, capacity=capacity)
-        else:
-            schedule = split_kv_schedule(cache_seqlens, num_parts=num_parts, chunk_size=BLOCK_N, overhead=overhead,
-                                         capacity=p.max_blocks * p.page_size)
-        max_slots = schedule.max_slots
+        sms = (platform.num_compute_units if platform is not None
+               else torch.cuda.get_device_properties(device).multi_processor_count)
+        layout, launch = _shape_plan(problem, sms, tuple(sorted(options.items())))
+        module = load_module()
+        # sparse: every query position attends to its topk slots (-1 ones are masked in the kernel), lengths unread
+        split = SplitKVPlan(layout, None if problem.sparse else cache_seqlens, device,
+                            native=_native_schedule(module))
         sparse_lse = None
         if problem.sparse and problem.q_len > 1:
-            sparse_lse = torch.empty(view.batch, p.num_heads_q, 1, dtype=torch.float32, device=device)
+            sparse_lse = torch.empty(view.batch, view.num_heads_q, 1, dtype=torch.float32, device=device)
         return Sm90State(
-            lengths=cache_seqlens if problem.sparse else None,
+            split=split,
+            lengths=split.lengths,
             sparse_lse=sparse_lse,
             op=load_ops().cuda_sm90_decode.default,
-            direct=load_module().cuda_sm90_decode,
-            schedule=schedule,
-            first_slot=first_slots(schedule.num_splits),
+            direct=module.cuda_sm90_decode,
+            schedule=split.schedule,
+            first_slot=split.first_slot,
             # one 2048-byte row per (slot, query row); the kernels store fp16 rows with per-quarter shifts in them
             # (kernels/cuda/mla_decode_sm90/params.h, kPartialRowBytes)
-            partial_out=torch.empty(max_slots, p.q_len, p.num_heads_q, p.head_dim_v, dtype=torch.float32,
-                                    device=device),
-            partial_lse=torch.empty(max_slots, p.q_len, p.num_heads_q, dtype=torch.float32, device=device),
-            kv_format_code=KV_FORMAT_CODES[p.kv_format],
+            partial_out=split.partial_out,
+            partial_lse=split.partial_lse,
+            kv_format_code=KV_FORMAT_CODES[view.kv_format],
             launch=launch,
         )
 
@@ -507,7 +540,7 @@ class CudaSM90Backend(MLABackend):
         p, s, c = problem, state.schedule, state.launch
         try:
             state.bound = load_module().PlannedDecode(
-                block_table, cache_seqlens, s.items, s.part_offsets, state.partial_out, state.partial_lse,
+                block_table, state.lengths, s.items, s.part_offsets, state.partial_out, state.partial_lse,
                 s.num_splits, state.first_slot, p.q_dtype, kv_dtype, p.q_len, p.num_heads_q, p.num_heads_kv,
                 p.page_size, 656 if p.kv_format == "fp8_ds_mla" else p.head_dim_qk, softmax_scale, p.causal,
                 state.kv_format_code, c.variant, c.tile_rows, c.tma_loads, c.paired, c.fuse_combine, c.fixed_splits)
@@ -517,10 +550,7 @@ class CudaSM90Backend(MLABackend):
 
     @classmethod
     def update(cls, state: BackendState, block_table, cache_seqlens) -> None:
-        if state.lengths is not None:
-            return  # sparse: the schedule depends on topk only
-        state.schedule.update_(cache_seqlens)
-        first_slots(state.schedule.num_splits, out=state.first_slot)
+        state.split.update(cache_seqlens)  # (sparse: nothing, the schedule depends on topk only)
 
     @classmethod
     def run(cls, state: BackendState, q, kv_cache, block_table, cache_seqlens, *, problem: DecodeProblem,
@@ -529,7 +559,7 @@ class CudaSM90Backend(MLABackend):
             cls._run_sparse(state, q, kv_cache, indices, problem=problem, softmax_scale=softmax_scale,
                             kv_scale=kv_scale, out=out, lse=lse)
             return
-        cls._launch(state, q, kv_cache, block_table, cache_seqlens, kv_scale, out, lse, softmax_scale, problem.causal,
+        cls._launch(state, q, kv_cache, block_table, state.lengths, kv_scale, out, lse, softmax_scale, problem.causal,
                     False)
 
     @staticmethod

@@ -22,6 +22,7 @@ After capture, change the values of ``cache_seqlens`` / ``block_table`` and call
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -29,9 +30,8 @@ import torch
 from types import MappingProxyType
 
 from mla_dispatch.dispatch.backend import BackendOption, BackendState, CGSupport, MLABackend, Reason, ReasonCode
-from mla_dispatch.metadata.schedule import (BATCH_INVARIANT_SPLIT_TOKENS, SPLIT_TOKENS_CHOICES,
-                                           check_invariant_workspace, fixed_split_schedule, split_kv_schedule)
-from mla_dispatch.metadata.combine import first_slots
+from mla_dispatch.metadata.schedule import BATCH_INVARIANT_SPLIT_TOKENS, SPLIT_TOKENS_CHOICES, check_invariant_workspace
+from mla_dispatch.metadata.split_plan import SplitKVLayout, SplitKVPlan
 from mla_dispatch.dispatch.platform import Platform
 from mla_dispatch.dispatch.problem import DecodeProblem
 
@@ -42,6 +42,62 @@ _SCHEDULE_OVERHEAD_TOKENS = 320  # fixed cost of a work item, in tokens (FlashML
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _default_config(p: DecodeProblem, platform: Platform):
+    """The config table's choice for ``p`` (:func:`~mla_dispatch.kernels.triton.decode.choose_config`)."""
+    from mla_dispatch.kernels.triton.decode import choose_config
+    from mla_dispatch.kernels.triton.gluon_sm90 import gluon_possible
+
+    group = p.num_heads_q // p.num_heads_kv
+    rows = group if p.sparse else p.q_len * group
+    gluon = platform.kind == "cuda" and gluon_possible(capability=platform.capability, sparse=p.sparse,
+                                                       head_dim_qk=p.head_dim_qk, head_dim_v=p.head_dim_v)
+    return choose_config(rows, p.kv_format, page_size=None if p.sparse else p.page_size, gluon=gluon,
+                         heads_kv=p.num_heads_kv, interpret=platform.kind == "cpu")
+
+
+@functools.lru_cache(maxsize=256)
+def _split_layout(p: DecodeProblem, compute_units: int, cfg, num_parts: int | None, overhead: int | None,
+                  split_tokens: int | None) -> SplitKVLayout:
+    """The split-KV layout of a plan of ``p`` under ``cfg`` (shapes only, once per problem): one persistent program
+    per compute unit and tile (times the config's ``programs_per_sm``) unless ``num_parts`` says otherwise.
+
+    Raises
+    ------
+    ValueError
+        ``split_tokens`` given without ``p.batch_invariant``, or not a positive multiple of the kernel's chunk; a
+        batch-invariant workspace past its bound.
+    """
+    from mla_dispatch.kernels.triton.decode import num_m_tiles, programs_per_tile
+
+    group = p.num_heads_q // p.num_heads_kv
+    rows = group if p.sparse else p.q_len * group
+    tiles = p.num_heads_kv * num_m_tiles(rows, cfg) * programs_per_tile(cfg, p.head_dim_v) * (p.q_len if p.sparse
+                                                                                              else 1)
+    if num_parts is None:
+        num_parts = max(1, cfg.programs_per_sm * compute_units // tiles)
+    # sparse: the "tokens" of a request are its top-k list positions; dense: no item reaches past a block-table
+    # row, whatever cache_seqlens holds
+    capacity = None if p.sparse else p.max_blocks * p.page_size
+    if overhead is None:
+        overhead = max(1, _SCHEDULE_OVERHEAD_TOKENS // cfg.chunk_size)
+    if split_tokens is not None and not p.batch_invariant:
+        raise ValueError(f"backend_options['split_tokens']={split_tokens} applies to batch_invariant=True plans "
+                         "only")
+    if p.batch_invariant:
+        split_tokens = BATCH_INVARIANT_SPLIT_TOKENS if split_tokens is None else split_tokens
+        if not (isinstance(split_tokens, int) and split_tokens > 0 and split_tokens % cfg.chunk_size == 0):
+            raise ValueError(f"backend_options['split_tokens'] must be a positive multiple of the kernel's chunk "
+                             f"({cfg.chunk_size} tokens), got {split_tokens!r}")
+        capacity = p.topk if p.sparse else capacity
+        # a partial row per query row of a piece: 2 D_v fp16 (PARTIAL_ROW_FORMAT) and the LSE
+        check_invariant_workspace(p.batch, capacity, split_tokens, p.q_len * p.num_heads_q * (p.head_dim_v * 4 + 4))
+    # split rows: fp16 values and their scales (kernels/triton/combine.py, PARTIAL_ROW_FORMAT)
+    return SplitKVLayout(batch=p.batch, num_parts=num_parts, chunk_size=cfg.chunk_size, overhead=overhead,
+                         capacity=capacity, partial_row=(p.q_len, p.num_heads_q, 2 * p.head_dim_v),
+                         partial_dtype=torch.float16, split_tokens=split_tokens,
+                         fixed_length=p.topk if p.sparse else None)
 
 
 class TritonBackend(MLABackend):
@@ -117,65 +173,22 @@ class TritonBackend(MLABackend):
             chunk.
         """
         import mla_dispatch.kernels.triton.ops  # noqa: F401  (registers torch.ops.mla_dispatch.triton_decode)
-        from mla_dispatch.kernels.triton.decode import choose_config, num_m_tiles, programs_per_tile
-        from mla_dispatch.kernels.triton.gluon_sm90 import gluon_possible
 
         p = problem
         device = torch.device(p.device_type, torch.cuda.current_device()) if p.device_type == "cuda" else torch.device(
             p.device_type)
         if cache_seqlens is not None:
             device = cache_seqlens.device
-        group = p.num_heads_q // p.num_heads_kv
-        rows = group if p.sparse else p.q_len * group
-        gluon = platform.kind == "cuda" and gluon_possible(capability=platform.capability, sparse=p.sparse,
-                                                           head_dim_qk=p.head_dim_qk, head_dim_v=p.head_dim_v)
-        cfg = config or choose_config(rows, p.kv_format, page_size=None if p.sparse else p.page_size, gluon=gluon,
-                                      heads_kv=p.num_heads_kv, interpret=platform.kind == "cpu")
-        tiles = (p.num_heads_kv * num_m_tiles(rows, cfg) * programs_per_tile(cfg, p.head_dim_v)
-                 * (p.q_len if p.sparse else 1))
-        if num_parts is None:
-            num_parts = max(1, cfg.programs_per_sm * platform.num_compute_units // tiles)
-        if p.sparse:
-            # sparse: the "tokens" of a request are its top-k list positions
-            lengths, capacity = torch.full((p.batch,), p.topk, dtype=torch.int32, device=device), None
-        else:
-            # no item reaches past a block-table row, whatever cache_seqlens holds
-            lengths, capacity = cache_seqlens, p.max_blocks * p.page_size
-        if overhead is None:
-            overhead = max(1, _SCHEDULE_OVERHEAD_TOKENS // cfg.chunk_size)
-        if split_tokens is not None and not p.batch_invariant:
-            raise ValueError(f"backend_options['split_tokens']={split_tokens} applies to batch_invariant=True plans "
-                             "only")
-        if p.batch_invariant:
-            split_tokens = BATCH_INVARIANT_SPLIT_TOKENS if split_tokens is None else split_tokens
-            if not (isinstance(split_tokens, int) and split_tokens > 0 and split_tokens % cfg.chunk_size == 0):
-                raise ValueError(f"backend_options['split_tokens'] must be a positive multiple of the kernel's chunk "
-                                 f"({cfg.chunk_size} tokens), got {split_tokens!r}")
-            capacity = p.topk if p.sparse else capacity
-            # a partial row per query row of a piece: 2 D_v fp16 (PARTIAL_ROW_FORMAT) and the LSE
-            check_invariant_workspace(p.batch, capacity, split_tokens,
-                                      p.q_len * p.num_heads_q * (p.head_dim_v * 4 + 4))
-            schedule = fixed_split_schedule(lengths, num_parts=num_parts, chunk_size=cfg.chunk_size,
-                                            split_tokens=split_tokens, overhead=overhead, capacity=capacity)
-        else:
-            schedule = split_kv_schedule(lengths, num_parts=num_parts, chunk_size=cfg.chunk_size, overhead=overhead,
-                                         capacity=capacity)
-        first_slot = torch.empty(p.batch, dtype=torch.int32, device=device)
-        first_slots(schedule.num_splits, out=first_slot)
-        max_slots = schedule.max_slots
-        # split rows: fp16 values and their scales (kernels/triton/combine.py, PARTIAL_ROW_FORMAT)
-        partial_out = torch.empty(max_slots, p.q_len, p.num_heads_q, 2 * p.head_dim_v, dtype=torch.float16,
-                                  device=device)
-        partial_lse = torch.empty(max_slots, p.q_len, p.num_heads_q, dtype=torch.float32, device=device)
-        return BackendState(op=torch.ops.mla_dispatch.triton_decode.default, cfg=cfg, schedule=schedule,
-                            lengths=lengths, first_slot=first_slot, partial_out=partial_out, partial_lse=partial_lse)
+        cfg = config or _default_config(p, platform)
+        layout = _split_layout(p, platform.num_compute_units, cfg, num_parts, overhead, split_tokens)
+        split = SplitKVPlan(layout, None if p.sparse else cache_seqlens, device)
+        return BackendState(op=torch.ops.mla_dispatch.triton_decode.default, cfg=cfg, split=split,
+                            schedule=split.schedule, lengths=split.lengths, first_slot=split.first_slot,
+                            partial_out=split.partial_out, partial_lse=split.partial_lse)
 
     @classmethod
     def update(cls, state: BackendState, block_table, cache_seqlens) -> None:
-        if cache_seqlens is None or state.lengths is not cache_seqlens:
-            return  # sparse: the schedule depends on topk only
-        state.schedule.update_(cache_seqlens)
-        first_slots(state.schedule.num_splits, out=state.first_slot)
+        state.split.update(cache_seqlens)  # (sparse: nothing, the schedule depends on topk only)
 
     # -- run ---------------------------------------------------------------------------
 

@@ -422,6 +422,15 @@ def fixed_split_schedule(
     )
 
 
+def workspace_numel(batch: int, num_parts: int) -> int:
+    """int32 elements of the scratch a one-launch schedule needs (:func:`.schedule_triton.split_kv_schedule_into`).
+
+    Layout: ``end`` (int64 ``[B]``, as 2B int32), merged-cut flags ``[B + P]``,
+    their exclusive prefix sum ``[B + P]``, per-request slot base ``[B]``.
+    """
+    return 2 * batch + 2 * (batch + num_parts) + batch
+
+
 def _check_schedule_args(cache_seqlens: torch.Tensor, num_parts: int, chunk_size: int, overhead: int,
                          capacity: int | None = None) -> None:
     if cache_seqlens.dim() != 1 or cache_seqlens.dtype != torch.int32:
@@ -469,8 +478,6 @@ def _schedule_impl(impl: str, cache_seqlens: torch.Tensor) -> str:
 
 def _triton_schedule(cache_seqlens: torch.Tensor, num_parts: int, chunk_size: int, overhead: int,
                      capacity: int | None) -> SplitKVSchedule:
-    from mla_dispatch.metadata.schedule_triton import workspace_numel
-
     batch, device, i32 = cache_seqlens.shape[0], cache_seqlens.device, torch.int32
     sched = SplitKVSchedule(
         items=torch.empty(batch + num_parts, 4, dtype=i32, device=device),
@@ -488,7 +495,7 @@ def _triton_schedule(cache_seqlens: torch.Tensor, num_parts: int, chunk_size: in
 
 
 def _triton_schedule_into(sched: SplitKVSchedule, cache_seqlens: torch.Tensor) -> None:
-    from mla_dispatch.metadata.schedule_triton import split_kv_schedule_into, workspace_numel
+    from mla_dispatch.metadata.schedule_triton import split_kv_schedule_into
 
     need = workspace_numel(sched.batch, sched.num_parts)
     ws = sched.workspace
