@@ -93,11 +93,12 @@ class DecodePlan:
 
     __slots__ = ("backend", "problem", "platform", "softmax_scale", "backend_options", "block_table", "cache_seqlens",
                  "_cls", "_state", "_q_shape", "_kv_tail", "_kv_dtype", "_q_dtype", "_out_shape", "_lse_shape",
-                 "_fp8_scale", "_sparse", "_run", "_fast", "_lse_scratch", "_scales", "_any_out_strides")
+                 "_fp8_scale", "_sparse", "_run", "_fast", "_lse_scratch", "_scales", "_any_out_strides", "_snapshot",
+                 "_lens")
 
     def __init__(self, backend_cls: type[MLABackend], problem: DecodeProblem, platform: Platform,
                  softmax_scale: float, block_table, cache_seqlens, state: BackendState, q_shape, kv_tail, kv_dtype,
-                 backend_options: Mapping[str, object] = MappingProxyType({})):
+                 backend_options: Mapping[str, object] = MappingProxyType({}), snapshot=None):
         self.backend = backend_cls.NAME
         self.problem = problem
         self.platform = platform
@@ -105,6 +106,10 @@ class DecodePlan:
         self.backend_options = MappingProxyType(dict(backend_options))
         self.block_table = block_table
         self.cache_seqlens = cache_seqlens
+        # the lengths every run computes with (docs/design.md §2, "Stale plans"): the front end's copy, or the caller's
+        # tensor for a backend that keeps its own copy (KEEPS_LENGTHS)
+        self._snapshot = snapshot
+        self._lens = cache_seqlens if snapshot is None else snapshot
         self._cls = backend_cls
         self._state = state
         self._q_shape = q_shape
@@ -120,7 +125,7 @@ class DecodePlan:
         self._any_out_strides = backend_cls.ANY_OUT_STRIDES
         # the backend's one-call eager path (MLABackend.bind), and where it writes an LSE nobody asked for
         self._fast = None if problem.sparse or not problem.batch else backend_cls.bind(
-            state, problem, kv_dtype, block_table, cache_seqlens, softmax_scale=softmax_scale)
+            state, problem, kv_dtype, block_table, self._lens, softmax_scale=softmax_scale)
         self._lse_scratch = None
         if self._fast is not None and not problem.return_lse:
             self._lse_scratch = torch.empty(self._lse_shape, dtype=torch.float32, device=cache_seqlens.device)
@@ -153,12 +158,25 @@ class DecodePlan:
         """The backend's per-step state (schedule, workspace); for tests and adapters."""
         return self._state
 
+    @property
+    def planned_lengths(self) -> torch.Tensor | None:
+        """The lengths every :meth:`run` computes with: a copy of ``cache_seqlens`` as of :func:`plan_decode` or the
+        last :meth:`update` (docs/design.md §2, "Stale plans"); None for a sparse plan or one made without
+        ``cache_seqlens``."""
+        if self._sparse or self.cache_seqlens is None:
+            return None
+        return self._snapshot if self._snapshot is not None else self._state.lengths
+
     def update(self, block_table: torch.Tensor | None = None, cache_seqlens: torch.Tensor | None = None) -> None:
         """Re-plan for new block-table / sequence-length *values* of the same shapes.
 
         Copies the new values into the tensors the plan was built with (if
-        other tensors are given) and refreshes the backend's schedule in place,
-        so CUDA graphs captured over :meth:`run` stay valid.
+        other tensors are given), takes the values ``cache_seqlens`` holds now
+        as the plan's lengths and refreshes the backend's schedule in place, so
+        CUDA graphs captured over :meth:`run` stay valid. Until the next
+        ``update``, every run computes with these lengths, whatever the tensor
+        holds later (docs/design.md §2, "Stale plans"); the block table's
+        values are read by every run.
 
         Raises
         ------
@@ -174,8 +192,10 @@ class DecodePlan:
                                  f"{None if old is None else (list(old.shape), old.dtype)}, got {list(new.shape)} {new.dtype}")
             if new.data_ptr() != old.data_ptr():
                 old.copy_(new)
+        if self._snapshot is not None:
+            self._snapshot.copy_(self.cache_seqlens)
         if self.problem.batch:  # a plan for no request has no backend state (plan_decode)
-            self._cls.update(self._state, self.block_table, self.cache_seqlens)
+            self._cls.update(self._state, self.block_table, self._lens)
 
     def run(self, q: torch.Tensor, kv_cache, *, kv_scale: torch.Tensor | float | None = None,
             indices: torch.Tensor | None = None, out: torch.Tensor | None = None,
@@ -279,7 +299,7 @@ class DecodePlan:
             raise ValueError(f"lse must not overlap itself: its strides {list(lse.stride())} give two elements one "
                              "address (an expanded tensor?), so results would overwrite each other")
         if p.batch:  # no request: the empty out and lse are the result (plan_decode)
-            self._run(self._state, q, kv, self.block_table, self.cache_seqlens, problem=p,
+            self._run(self._state, q, kv, self.block_table, self._lens, problem=p,
                       softmax_scale=self.softmax_scale, kv_scale=kv_scale, indices=indices, out=out, lse=lse)
         return out, (lse if give_lse else None)
 
@@ -307,8 +327,11 @@ def plan_decode(
 
     ``q``, ``kv_cache`` and ``indices`` are read for their shapes, dtypes and
     device only (pass layer 0's tensors, or any tensors of the same geometry);
-    ``block_table`` and ``cache_seqlens`` are kept and used by every
-    :meth:`DecodePlan.run`. Arguments are those of :func:`mla_decode`, plus:
+    ``block_table`` and ``cache_seqlens`` are kept: every :meth:`DecodePlan.run`
+    reads the block table's values as they are then, and computes with the
+    *values* ``cache_seqlens`` holds now, until :meth:`DecodePlan.update`
+    (docs/design.md §2, "Stale plans"). Arguments are those of
+    :func:`mla_decode`, plus:
 
     Parameters
     ----------
@@ -366,15 +389,18 @@ def plan_decode(
     cls = select_backend(problem, platform, backend)
     # only a backend that declares options takes them (MLABackend.plan)
     extra = {"options": options} if cls.OPTIONS else {}
+    # the plan computes with the lengths as of now (docs/design.md §2, "Stale plans"): the backend's own copy, or ours
+    snapshot = None if cache_seqlens is None or cls.KEEPS_LENGTHS else cache_seqlens.clone()
     if problem.batch:
-        state = cls.plan(problem, platform, block_table, cache_seqlens, softmax_scale=float(softmax_scale), **extra)
+        state = cls.plan(problem, platform, block_table, cache_seqlens if snapshot is None else snapshot,
+                         softmax_scale=float(softmax_scale), **extra)
     else:
         # Batch size 0 (an engine step with no decode request): the backend is chosen and the arguments checked as
         # for any batch, but no backend plans or runs (their schedules index request 0); run() returns out and lse
         # of the documented shapes, [0, s_q, h_q, D_v] and [0, h_q, s_q].
         state = BackendState()
     plan = DecodePlan(cls, problem, platform, float(softmax_scale), block_table, cache_seqlens, state,
-                      tuple(q.shape), tuple(kv.shape[1:]), kv.dtype, options)
+                      tuple(q.shape), tuple(kv.shape[1:]), kv.dtype, options, snapshot)
     if kv_scale is not None and not isinstance(kv_scale, torch.Tensor):
         plan._scale_tensor(kv_scale, q.device)  # checked and converted now, not in run()
     return plan
@@ -472,12 +498,14 @@ def mla_decode(
         Each request's result bitwise independent of the rest of the batch (see :func:`plan_decode`).
     plan : DecodePlan, optional
         Reuse a plan from :func:`plan_decode` (then only ``q``, ``kv_cache``,
-        ``kv_scale``, ``indices`` and ``out`` are used).
+        ``kv_scale``, ``indices`` and ``out`` are used; the plan computes with
+        the lengths it was made or last updated for).
     validate : bool
         Also check values (block ids, sequence lengths, indices): a ValueError
         names ``block_table`` / ``cache_seqlens`` / ``indices`` and the offending
         requests (rows). Syncs with the device. With ``plan``, the plan's table
-        and lengths are checked.
+        and planned lengths are checked, and a ``cache_seqlens`` whose values
+        changed since the plan was made or updated raises (a stale plan).
 
     Returns
     -------
@@ -516,5 +544,13 @@ def mla_decode(
                            batch_invariant=batch_invariant, validate=validate)
     elif validate:  # the plan's own table and lengths (what run() reads), against this cache
         kv = _unwrap_cache(kv_cache, "auto", None)[0]
-        check_values(plan.problem, kv.shape[0], plan.block_table, plan.cache_seqlens, indices)
+        planned = plan.planned_lengths
+        check_values(plan.problem, kv.shape[0], plan.block_table, plan.cache_seqlens if planned is None else planned,
+                     indices)
+        if planned is not None and not torch.equal(planned, plan.cache_seqlens):
+            stale = torch.nonzero(planned != plan.cache_seqlens).flatten().tolist()
+            raise ValueError(f"cache_seqlens changed since the plan was made or last updated (rows {stale[:8]}: "
+                             f"planned {planned[stale[:8]].tolist()}, now {plan.cache_seqlens[stale[:8]].tolist()}); "
+                             "the plan computes with the planned lengths until plan.update() (docs/design.md §2, "
+                             "'Stale plans')")
     return plan.run(q, kv_cache, kv_scale=kv_scale, indices=indices, out=out)

@@ -440,6 +440,7 @@ class CudaSM90Backend(MLABackend):
     # per-request combine kernel
     SUPPORTS_BATCH_INVARIANT = True
     CUDA_GRAPH = CGSupport.ALWAYS
+    KEEPS_LENGTHS = True  # the split-KV plan's own copy (metadata/split_plan.py), written by its schedule launch
     OPTIONS = MappingProxyType({
         "variant": BackendOption(tuple(MAINLOOPS), "the mainloop, instead of the plan's choice (choose_variant): 2 "
                                  "wgmma, 5 two tiles in flight, 6 tokens on M, 7 / 8 tokens on M for fp8_e4m3, 9 v5 "

@@ -121,6 +121,7 @@ class TritonBackend(MLABackend):
     # invariant plan cuts requests at fixed token counts and merges per request (metadata/schedule.py)
     SUPPORTS_BATCH_INVARIANT = True
     CUDA_GRAPH = CGSupport.ALWAYS
+    KEEPS_LENGTHS = True  # the split-KV plan's own copy (metadata/split_plan.py), written by its schedule launch
     ANY_OUT_STRIDES = False  # the kernels store rows of out with stride 1
     REQUIRES = ("triton",)
     OPTIONS = MappingProxyType({
