@@ -10,6 +10,7 @@ import torch
 
 from mla_dispatch.dispatch.backend import BackendState, MLABackend, untraced_eager
 from mla_dispatch.kvcache.cache import PagedMLACache
+from mla_dispatch.kvcache.formats import DS_MLA_TOKEN_BYTES
 from mla_dispatch.dispatch.platform import Platform, platform_for
 from mla_dispatch.dispatch.problem import DecodeProblem, check_values, default_softmax_scale, describe_inputs
 from mla_dispatch.dispatch.registry import get_backend
@@ -62,6 +63,8 @@ def _overlaps_itself(t: torch.Tensor) -> bool:
     return False
 
 
+_NO_OPTIONS = MappingProxyType({})
+
 #: float kv_scales a plan keeps as device tensors (one per layer's scale, typically); past this many it stops adding
 _MAX_CACHED_SCALES = 1024
 
@@ -103,7 +106,7 @@ class DecodePlan:
         self.problem = problem
         self.platform = platform
         self.softmax_scale = softmax_scale
-        self.backend_options = MappingProxyType(dict(backend_options))
+        self.backend_options = MappingProxyType(dict(backend_options)) if backend_options else _NO_OPTIONS
         self.block_table = block_table
         self.cache_seqlens = cache_seqlens
         # the lengths every run computes with (docs/design.md §2, "Stale plans"): the front end's copy, or the caller's
@@ -372,11 +375,8 @@ def plan_decode(
     """
     options = _checked_options(backend, backend_options)
     kv, kv_format, kv_scale = _unwrap_cache(kv_cache, kv_format, kv_scale)
-    problem = describe_inputs(q, kv, block_table, cache_seqlens, head_dim_v=head_dim_v, causal=causal,
-                              kv_format=kv_format, kv_scale=kv_scale, indices=indices, return_lse=return_lse,
-                              cuda_graph=cuda_graph, batch_invariant=batch_invariant)
-    if kv.dim() == 3:
-        kv = kv.unsqueeze(2)
+    problem = _problem(q, kv, block_table, cache_seqlens, indices, kv_scale, head_dim_v, causal, kv_format, return_lse,
+                       cuda_graph, batch_invariant)
     if validate:
         check_values(problem, kv.shape[0], block_table, cache_seqlens, indices)
     if kv_scale is not None and not isinstance(kv_scale, torch.Tensor):
@@ -399,11 +399,50 @@ def plan_decode(
         # for any batch, but no backend plans or runs (their schedules index request 0); run() returns out and lse
         # of the documented shapes, [0, s_q, h_q, D_v] and [0, h_q, s_q].
         state = BackendState()
+    p = problem
+    kv_tail = (p.page_size, p.num_heads_kv, DS_MLA_TOKEN_BYTES if p.kv_format == "fp8_ds_mla" else p.head_dim_qk)
     plan = DecodePlan(cls, problem, platform, float(softmax_scale), block_table, cache_seqlens, state,
-                      tuple(q.shape), tuple(kv.shape[1:]), kv.dtype, options, snapshot)
+                      (p.batch, p.q_len, p.num_heads_q, p.head_dim_qk), kv_tail, kv.dtype, options, snapshot)
     if kv_scale is not None and not isinstance(kv_scale, torch.Tensor):
         plan._scale_tensor(kv_scale, q.device)  # checked and converted now, not in run()
     return plan
+
+
+#: problems of the tensor geometries plan_decode has seen (:func:`_problem`); past this many it stops adding
+_MAX_CACHED_PROBLEMS = 1024
+_problems: dict[tuple, DecodeProblem] = {}
+
+
+def _problem(q, kv, block_table, cache_seqlens, indices, kv_scale, head_dim_v, causal, kv_format, return_lse,
+             cuda_graph, batch_invariant) -> DecodeProblem:
+    """:func:`~mla_dispatch.dispatch.problem.describe_inputs` once per geometry: every check it makes reads only the
+    shapes, strides, dtypes and devices of the tensors and the scalar arguments, so those, as a key, find the problem
+    an earlier call of the same geometry made (a plan per decode step repeats the same key). Tensor subclasses and
+    anything that is not a tensor take ``describe_inputs`` every time (its errors included)."""
+    plain = torch.Tensor
+    if not (type(q) is plain and type(kv) is plain and (block_table is None or type(block_table) is plain)
+            and (cache_seqlens is None or type(cache_seqlens) is plain) and (indices is None or type(indices) is plain)):
+        return describe_inputs(q, kv, block_table, cache_seqlens, head_dim_v=head_dim_v, causal=causal,
+                               kv_format=kv_format, kv_scale=kv_scale, indices=indices, return_lse=return_lse,
+                               cuda_graph=cuda_graph, batch_invariant=batch_invariant)
+    key = (q.shape, q.stride(), q.dtype, q.device, kv.shape, kv.stride(), kv.dtype, kv.device,
+           None if block_table is None else (block_table.shape, block_table.stride(), block_table.dtype,
+                                             block_table.device),
+           None if cache_seqlens is None else (cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.device),
+           None if indices is None else (indices.shape, indices.dtype, indices.device),
+           (kv_scale.shape, kv_scale.dtype) if isinstance(kv_scale, plain) else type(kv_scale),
+           head_dim_v, causal, kv_format, return_lse, cuda_graph, batch_invariant)
+    try:
+        problem = _problems.get(key)
+    except TypeError:  # an unhashable scalar argument: describe_inputs says what is wrong with it
+        problem, key = None, None
+    if problem is None:
+        problem = describe_inputs(q, kv, block_table, cache_seqlens, head_dim_v=head_dim_v, causal=causal,
+                                  kv_format=kv_format, kv_scale=kv_scale, indices=indices, return_lse=return_lse,
+                                  cuda_graph=cuda_graph, batch_invariant=batch_invariant)
+        if key is not None and len(_problems) < _MAX_CACHED_PROBLEMS:
+            _problems[key] = problem
+    return problem
 
 
 def _checked_options(backend: str, backend_options: Mapping[str, object] | None) -> dict[str, object]:
