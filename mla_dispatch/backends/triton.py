@@ -9,15 +9,17 @@ at import), which is how the CPU tests use it. The interpreter is slow and, with
 some triton/torch versions, computes ``tl.dot`` on bf16 operands wrongly, so the
 backend declines bf16 queries there (a ``dtype`` reason): use fp16.
 
-Per decode step :meth:`TritonBackend.plan` builds the shared split-KV schedule
-(:func:`mla_dispatch.metadata.schedule.split_kv_schedule`) and allocates the workspace
-(fp32 partial outputs and LSEs, one row per possible split slot); every
-:meth:`TritonBackend.run` is then one registered op,
-``torch.ops.mla_dispatch.triton_decode`` (``kernels/triton/ops.py``: two launches,
-decode and combine), that allocates nothing and never syncs, so it can be captured
-in a CUDA graph. Kernels compile on the first run: run once before capturing.
-After capture, change the values of ``cache_seqlens`` / ``block_table`` and call
-``DecodePlan.update`` (which recomputes the schedule in place) before replaying.
+Per decode step :meth:`TritonBackend.plan` makes the shared split-KV plan
+(:class:`mla_dispatch.metadata.split_plan.SplitKVPlan`: the schedule, its first slots, the plan's copy of the
+lengths, the workspace of partial rows) and freezes its launch (``kernels/triton/launch.py``, ``TritonLaunch``: the
+kernel family, its config and the fallbacks for calls whose q or cache layout the kernel cannot take, decided once,
+``backend_options={"kernel": ...}`` to override), bound to the plan's buffers. An eager
+:meth:`TritonBackend.run` launches that (decode and combine, each a kept compiled kernel:
+``metadata/triton_launch.py``); a traced one (torch.compile, fake tensors) calls the registered op
+``torch.ops.mla_dispatch.triton_decode`` (``kernels/triton/ops.py``). Neither allocates nor syncs, so a run can be
+captured in a CUDA graph. Kernels compile on the first run: run once before capturing. After capture, change the
+values of ``cache_seqlens`` / ``block_table`` and call ``DecodePlan.update`` (which recomputes the schedule in place)
+before replaying.
 """
 
 from __future__ import annotations
@@ -44,17 +46,15 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _default_config(p: DecodeProblem, platform: Platform):
-    """The config table's choice for ``p`` (:func:`~mla_dispatch.kernels.triton.decode.choose_config`)."""
-    from mla_dispatch.kernels.triton.decode import choose_config
-    from mla_dispatch.kernels.triton.gluon_sm90 import gluon_possible
+@functools.lru_cache(maxsize=256)
+def _shape_plan(p: DecodeProblem, platform: Platform, config, kernel: str | None, num_parts: int | None,
+                overhead: int | None, split_tokens: int | None):
+    """What a plan decides from shapes alone, once per (problem, platform, choices): the frozen launch
+    (:func:`~mla_dispatch.kernels.triton.launch.choose_launch`) and the split-KV layout (:func:`_split_layout`)."""
+    from mla_dispatch.kernels.triton.launch import choose_launch
 
-    group = p.num_heads_q // p.num_heads_kv
-    rows = group if p.sparse else p.q_len * group
-    gluon = platform.kind == "cuda" and gluon_possible(capability=platform.capability, sparse=p.sparse,
-                                                       head_dim_qk=p.head_dim_qk, head_dim_v=p.head_dim_v)
-    return choose_config(rows, p.kv_format, page_size=None if p.sparse else p.page_size, gluon=gluon,
-                         heads_kv=p.num_heads_kv, interpret=platform.kind == "cpu")
+    launch = choose_launch(p, platform, config, kernel)
+    return launch, _split_layout(p, platform.num_compute_units, launch.cfg, num_parts, overhead, split_tokens)
 
 
 @functools.lru_cache(maxsize=256)
@@ -127,6 +127,10 @@ class TritonBackend(MLABackend):
     OPTIONS = MappingProxyType({
         "split_tokens": BackendOption(SPLIT_TOKENS_CHOICES, "tokens per piece of a batch_invariant=True plan (a multiple of the "
                                       f"kernel's chunk; default {BATCH_INVARIANT_SPLIT_TOKENS})"),
+        "kernel": BackendOption(("gather", "tma", "gluon", "seesaw", "fp8t"), "the kernel family, instead of the plan's "
+                                "choice (kernels/triton/launch.py): the plain kernel with gathered tiles or TMA tiles, "
+                                "the Gluon sm_90 kernel, its seesaw schedule (16-bit pages of whole tiles), the "
+                                "tokens-on-M fp8_e4m3 kernel; it must suit the problem"),
     })
 
     @classmethod
@@ -154,38 +158,47 @@ class TritonBackend(MLABackend):
     @classmethod
     def plan(cls, problem: DecodeProblem, platform: Platform, block_table, cache_seqlens, *,
              softmax_scale: float, options: dict[str, object]) -> BackendState:
-        return cls.make_state(problem, platform, cache_seqlens, split_tokens=options.get("split_tokens"))
+        return cls.make_state(problem, platform, cache_seqlens, split_tokens=options.get("split_tokens"),
+                              kernel=options.get("kernel"), block_table=block_table, softmax_scale=softmax_scale)
 
     @classmethod
     def make_state(cls, problem: DecodeProblem, platform: Platform, cache_seqlens, *, config=None,
-                   num_parts: int | None = None, overhead: int | None = None,
-                   split_tokens: int | None = None) -> BackendState:
+                   num_parts: int | None = None, overhead: int | None = None, split_tokens: int | None = None,
+                   kernel: str | None = None, block_table=None, softmax_scale: float | None = None) -> BackendState:
         """:meth:`plan` with its choices exposed (tests force splits; the benchmark compares configs).
 
         ``config`` a :class:`~mla_dispatch.kernels.triton.decode.KernelConfig` (default: the
         table's); ``num_parts`` persistent programs along the schedule (default: one
         per SM and tile, times the config's ``programs_per_sm``); ``overhead`` the
-        schedule's fixed cost per item, in chunks; ``split_tokens`` the piece size of a batch-invariant plan.
+        schedule's fixed cost per item, in chunks; ``split_tokens`` the piece size of a batch-invariant plan;
+        ``kernel`` the kernel family (:data:`~mla_dispatch.kernels.triton.launch.KERNELS`, default: the plan's
+        choice). ``block_table`` and ``softmax_scale`` bind the plan's eager launch (without them, a state for
+        :meth:`run`'s registered op only: tests that call the op themselves).
 
         Raises
         ------
         ValueError
             ``split_tokens`` given without ``problem.batch_invariant``, or not a positive multiple of the kernel's
-            chunk.
+            chunk; a ``kernel`` that cannot run the problem or does not go with ``config``.
         """
         import mla_dispatch.kernels.triton.ops  # noqa: F401  (registers torch.ops.mla_dispatch.triton_decode)
+        from mla_dispatch.kernels.triton.launch import prepare
 
         p = problem
         device = torch.device(p.device_type, torch.cuda.current_device()) if p.device_type == "cuda" else torch.device(
             p.device_type)
         if cache_seqlens is not None:
             device = cache_seqlens.device
-        cfg = config or _default_config(p, platform)
-        layout = _split_layout(p, platform.num_compute_units, cfg, num_parts, overhead, split_tokens)
+        launch, layout = _shape_plan(p, platform, config, kernel, num_parts, overhead, split_tokens)
         split = SplitKVPlan(layout, None if p.sparse else cache_seqlens, device)
-        return BackendState(op=torch.ops.mla_dispatch.triton_decode.default, cfg=cfg, split=split,
-                            schedule=split.schedule, lengths=split.lengths, first_slot=split.first_slot,
-                            partial_out=split.partial_out, partial_lse=split.partial_lse)
+        prepared = None
+        if softmax_scale is not None:
+            prepared = prepare(launch, p, block_table=None if p.sparse else block_table, seqlens=split.lengths,
+                               schedule=split.schedule, first_slot=split.first_slot, partial_out=split.partial_out,
+                               partial_lse=split.partial_lse, softmax_scale=softmax_scale, device=device)
+        return BackendState(op=torch.ops.mla_dispatch.triton_decode.default, cfg=launch.cfg, launch=launch,
+                            prepared=prepared, split=split, schedule=split.schedule, lengths=split.lengths,
+                            first_slot=split.first_slot, partial_out=split.partial_out, partial_lse=split.partial_lse)
 
     @classmethod
     def update(cls, state: BackendState, block_table, cache_seqlens) -> None:
@@ -196,11 +209,16 @@ class TritonBackend(MLABackend):
     @classmethod
     def run(cls, state: BackendState, q, kv_cache, block_table, cache_seqlens, *, problem: DecodeProblem,
             softmax_scale, kv_scale, indices, out, lse) -> None:
-        from mla_dispatch.kernels.triton.ops import decode_step
+        from mla_dispatch.kernels.triton.ops import traced_call
 
+        prepared = state.prepared
+        if prepared is not None and not traced_call(q, kv_cache, out, lse, kv_scale, indices):
+            prepared(q, kv_cache, kv_scale, indices, out, lse)  # the launch the plan froze (kernels/triton/launch.py)
+            return
+        # traced (torch.compile, fake tensors, functionalization, tensor subclasses): the registered op, whose
+        # wrap_triton launch of the plain kernel the trace records
         p, s, cfg = problem, state.schedule, state.cfg
-        decode_step(q, kv_cache, None if p.sparse else block_table, state.lengths, indices, kv_scale, s.items,
-                    s.part_offsets, s.num_splits, state.first_slot, out, lse, state.partial_out, state.partial_lse,
-                    softmax_scale, p.causal, p.kv_format, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
-                    cfg.tokens_on_m, cfg.v_split, cfg.qk_chunk, cfg.max_registers, cfg.tma, cfg.gluon,
-                    s.fixed_splits)
+        state.op(q, kv_cache, None if p.sparse else block_table, state.lengths, indices, kv_scale, s.items,
+                 s.part_offsets, s.num_splits, state.first_slot, out, lse, state.partial_out, state.partial_lse,
+                 softmax_scale, p.causal, p.kv_format, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
+                 cfg.tokens_on_m, cfg.v_split, cfg.qk_chunk, cfg.max_registers, cfg.tma, cfg.gluon, s.fixed_splits)

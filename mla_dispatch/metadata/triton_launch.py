@@ -30,6 +30,20 @@ import torch
 __all__ = ["CachedLaunch", "spec_key"]
 
 
+#: compiled kernels kept across launches (and plans) of the same kernel, options, device and specializations
+_SHARED: dict[tuple, Any] = {}
+_MAX_SHARED = 4096
+_PARAMETERS: dict[int, Any] = {}
+
+
+def _parameters(fn):
+    """``inspect.signature(fn).parameters``, once per function (it takes tens of µs)."""
+    params = _PARAMETERS.get(id(fn))
+    if params is None:
+        params = _PARAMETERS[id(fn)] = inspect.signature(fn).parameters
+    return params
+
+
 def spec_key(value: Any):
     """What Triton's specialization of ``value`` depends on (see the module docstring), as a hashable key."""
     if isinstance(value, torch.Tensor):
@@ -94,8 +108,8 @@ class CachedLaunch:
         default left out of both.
     """
 
-    __slots__ = ("kernel", "grid", "options", "device_index", "_names", "_template", "_slots", "_compiled",
-                 "_grid3")
+    __slots__ = ("kernel", "grid", "options", "device_index", "_names", "_template", "_slots", "_slot_of",
+                 "_compiled", "_grid3", "_fixed_key")
 
     def __init__(self, kernel, grid: Sequence[int], args: dict[str, Any], varying: Sequence[str],
                  options: dict[str, Any] | None = None, device_index: int | None = None) -> None:
@@ -105,7 +119,7 @@ class CachedLaunch:
         self.options = dict(options or {})
         self.device_index = device_index
         fn = getattr(kernel, "fn", kernel)
-        params = inspect.signature(fn).parameters
+        params = _parameters(fn)
         names = list(params)
         unknown = [n for n in (*args, *varying) if n not in params]
         if unknown:
@@ -128,13 +142,23 @@ class CachedLaunch:
         self._names = tuple(names)
         self._template = template
         self._slots = tuple(names.index(n) for n in varying)
+        self._slot_of = dict(zip(varying, self._slots))
         self._compiled: dict[tuple, Any] = {}
+        self._fixed_key = None
 
     def _bound(self, values: Iterable[Any]) -> list:
         bound = self._template.copy()
         for slot, value in zip(self._slots, values):
             bound[slot] = value
         return bound
+
+    def _shared_key(self, key: tuple) -> tuple:
+        """The key of a compiled kernel in the process-wide cache: the kernel, its options, its device and the
+        specialization of every argument (the fixed ones computed once, on the first launch that needs them)."""
+        if self._fixed_key is None:
+            fixed = tuple(spec_key(v) for i, v in enumerate(self._template) if i not in self._slots)
+            self._fixed_key = (id(self.kernel), tuple(sorted(self.options.items())), self.device_index, fixed)
+        return self._fixed_key + (self._slots, key)
 
     def slow(self, *values):
         """``kernel[grid]`` with these varying values (under a device guard), keeping the compiled kernel it
@@ -146,20 +170,35 @@ class CachedLaunch:
         else:
             handle = self.kernel[self.grid](*bound, **self.options)
         if hasattr(handle, "packed_metadata") and hasattr(handle, "function"):  # a CompiledKernel (not the interpreter)
-            self._compiled[tuple(map(spec_key, values))] = handle
+            key = tuple(map(spec_key, values))
+            self._compiled[key] = handle
+            if len(_SHARED) < _MAX_SHARED:
+                _SHARED[self._shared_key(key)] = handle
         return handle
 
     def __call__(self, *values) -> None:
         """Launch with the varying arguments ``values`` (in the order ``varying`` named them), on the current
         stream; no allocation, no host synchronisation."""
-        compiled = self._compiled.get(tuple(map(spec_key, values))) if self._compiled else None
-        if (compiled is None or self.device_index is None or torch.cuda.current_device() != self.device_index
-                or _hooks_installed()):
+        if self.device_index is None:  # the interpreter (a CPU): kernel[grid] every time
+            self.slow(*values)
+            return
+        key = tuple(map(spec_key, values))
+        compiled = self._compiled.get(key)
+        if compiled is None:  # another plan of the same kernel and specialization may have it compiled
+            compiled = _SHARED.get(self._shared_key(key))
+            if compiled is not None:
+                self._compiled[key] = compiled
+        if compiled is None or torch.cuda.current_device() != self.device_index or _hooks_installed():
             self.slow(*values)
             return
         g0, g1, g2 = self._grid3
         compiled.run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(self.device_index), compiled.function,
                      compiled.packed_metadata, None, None, None, *self._bound(values))
+
+    def call(self, values: dict) -> None:
+        """:meth:`__call__` with the varying arguments by name (every name of ``varying``; KeyError for a missing
+        one)."""
+        self(*[values[name] for name in self._slot_of])
 
     @property
     def compiled_variants(self) -> int:

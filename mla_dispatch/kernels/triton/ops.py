@@ -26,7 +26,7 @@ from mla_dispatch.kernels.triton.combine import combine_kernel, launch_combine
 from mla_dispatch.kernels.triton.decode import _clip_splits, launch_decode_kernel, mla_decode_kernel
 from mla_dispatch.kvcache.formats import KV_FORMAT_CODES
 
-__all__ = ["triton_decode", "decode_step"]
+__all__ = ["triton_decode", "decode_step", "traced_call"]
 
 _NAME = "mla_dispatch::triton_decode"
 _MUTATED = ("out", "lse", "partial_out", "partial_lse")
@@ -118,16 +118,24 @@ def _launch(decode_kernel, combine, q, kv_cache, block_table, seqlens, indices, 
                    fixed_splits=fixed_splits)
 
 
-def decode_step(*args) -> None:
-    """What ``TritonBackend.run`` calls, with the op's arguments: the registered op whenever torch
-    traces (torch.compile, functorch transforms, fake / dispatch modes, tensor subclasses), the op's body with plain
-    launches otherwise. torch's Python-side handling of a 25-argument mutating op cost ~55 µs of
-    host time per eager call on the device host (122 vs 68 µs); the kernels and grids are the same."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)  # functionalize, vmap
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_is_compiling = torch.compiler.is_compiling
 
-    functorch = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)()  # functionalize, vmap
-    if (torch.compiler.is_compiling() or functorch or _get_current_dispatch_mode() is not None
-            or any(isinstance(a, torch.Tensor) and type(a) is not torch.Tensor for a in args)):
+
+def traced_call(*tensors) -> bool:
+    """Whether a call on these tensors (None allowed) must reach the registered op: torch traces it (torch.compile,
+    functorch transforms, fake / dispatch modes) or one is a tensor subclass. Plain eager calls launch directly."""
+    return (_is_compiling() or _functorch_active() or _dispatch_modes() > 0
+            or any(t is not None and type(t) is not torch.Tensor for t in tensors))
+
+
+def decode_step(*args) -> None:
+    """The op's arguments, run as the op whenever torch traces (:func:`traced_call`), as the op's body with plain
+    launches otherwise (benchmarks; a plan's eager runs take its frozen launch, :mod:`.launch`). torch's Python-side
+    handling of a 25-argument mutating op cost ~55 µs of host time per eager call on the device host (122 vs 68 µs);
+    the kernels and grids are the same."""
+    if traced_call(*(a for a in args if isinstance(a, torch.Tensor))):
         torch.ops.mla_dispatch.triton_decode.default(*args)
     else:
         _launch(mla_decode_kernel, combine_kernel, *args)
