@@ -81,8 +81,10 @@ def test_plan_argument_errors():
         SplitKVPlan(layout(3), None, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"cache_seqlens must be int32 \[3\]"):
         SplitKVPlan(layout(3), torch.zeros(4, dtype=torch.int32), torch.device("cpu"))
-    with pytest.raises(ValueError, match=r"1-D int32"):
+    with pytest.raises(ValueError, match=r"cache_seqlens must be int32 \[3\] on cpu, got torch.int64"):
         SplitKVPlan(layout(3), torch.zeros(3, dtype=torch.int64), torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"overhead must be >= 1"):
+        layout(3, overhead=0)
 
 
 @pytest.mark.gpu
@@ -97,7 +99,9 @@ def test_gpu_plan_matches_torch_without_host_sync(native, gen):
 
         if cuda_sm90.CudaSM90Backend.availability_reasons():
             pytest.skip(f"cuda_sm90 unavailable: {cuda_sm90.CudaSM90Backend.availability_reasons()[0]}")
-        fn = cuda_sm90._native_schedule(cuda_sm90.load_module())
+        from mla_dispatch.kernels.cuda.schedule import native_schedule
+
+        fn = native_schedule(cuda_sm90.load_module())
         assert fn is not None, "the built extension has no split_kv_schedule"
     for lay in (layout(1, num_parts=132, chunk=64, overhead=5, capacity=2**20),
                 layout(128, num_parts=132, chunk=64, overhead=2, capacity=32768),

@@ -147,3 +147,26 @@ def test_kept_launch_computes_what_kernel_grid_computes():
         launch(got)
         assert torch.equal(got, want)
     assert launch.compiled_variants == 1
+
+
+def test_rebased_descriptor_equals_a_fresh_one():
+    """A query tile's descriptor copied with another base (kernels/triton/descriptors.py) holds what building it anew
+    would: every field but the base is the geometry's, and the base is the new tensor."""
+    pytest.importorskip("triton")
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from mla_dispatch.kernels.triton.descriptors import rebased
+
+    made = []
+
+    def make(t):
+        made.append(t)
+        return TensorDescriptor(t, [64, 576], [576, 1], [16, 512])
+
+    key = ("test", 64, 576, torch.bfloat16)
+    for _ in range(3):
+        base = torch.zeros(64, 576, dtype=torch.bfloat16)
+        got, want = rebased(key, base, make), TensorDescriptor(base, [64, 576], [576, 1], [16, 512])
+        assert got.base is base and {k: v for k, v in vars(got).items() if k != "base"} == {
+            k: v for k, v in vars(want).items() if k != "base"}
+    assert len(made) == 1  # built (and checked) once per geometry

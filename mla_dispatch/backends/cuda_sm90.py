@@ -38,7 +38,8 @@ import torch
 from mla_dispatch.dispatch.backend import (BackendOption, BackendState, CGSupport, MLABackend, Reason, ReasonCode,
                                            untraced_eager)
 from mla_dispatch.metadata.schedule import BATCH_INVARIANT_SPLIT_TOKENS, SPLIT_TOKENS_CHOICES, check_invariant_workspace
-from mla_dispatch.metadata.split_plan import NativeSchedule, SplitKVLayout, SplitKVPlan
+from mla_dispatch.kernels.cuda.schedule import native_schedule
+from mla_dispatch.metadata.split_plan import SplitKVLayout, SplitKVPlan
 from mla_dispatch.dispatch.platform import Platform
 from mla_dispatch.dispatch.problem import DecodeProblem
 from mla_dispatch.kvcache.formats import KV_FORMAT_CODES
@@ -351,21 +352,6 @@ def _shape_plan(problem: DecodeProblem, num_sms: int, options: tuple) -> tuple[S
     return layout, launch
 
 
-def _native_schedule(module) -> NativeSchedule | None:
-    """The extension's schedule launch (kernels/cuda/mla_decode_sm90/schedule.cu) in :class:`SplitKVPlan`'s terms,
-    or None where the module has none (an older build)."""
-    fn = getattr(module, "split_kv_schedule", None)
-    if fn is None:
-        return None
-
-    def native(cache_seqlens, plan: SplitKVPlan) -> None:
-        s, lay = plan.schedule, plan.layout
-        fn(cache_seqlens, s.items, s.part_offsets, s.num_splits, s.slot_req, plan.first_slot, plan.lengths,
-           plan.workspace, lay.chunk_size, lay.overhead, -1 if lay.capacity is None else lay.capacity)
-
-    return native
-
-
 _fake_registered = False
 
 
@@ -513,7 +499,7 @@ class CudaSM90Backend(MLABackend):
         module = load_module()
         # sparse: every query position attends to its topk slots (-1 ones are masked in the kernel), lengths unread
         split = SplitKVPlan(layout, None if problem.sparse else cache_seqlens, device,
-                            native=_native_schedule(module))
+                            native=native_schedule(module))
         sparse_lse = None
         if problem.sparse and problem.q_len > 1:
             sparse_lse = torch.empty(view.batch, view.num_heads_q, 1, dtype=torch.float32, device=device)

@@ -33,6 +33,7 @@ from types import MappingProxyType
 
 from mla_dispatch.dispatch.backend import BackendOption, BackendState, CGSupport, MLABackend, Reason, ReasonCode
 from mla_dispatch.metadata.schedule import BATCH_INVARIANT_SPLIT_TOKENS, SPLIT_TOKENS_CHOICES, check_invariant_workspace
+from mla_dispatch.kernels.cuda.schedule import loaded_native_schedule
 from mla_dispatch.metadata.split_plan import SplitKVLayout, SplitKVPlan
 from mla_dispatch.dispatch.platform import Platform
 from mla_dispatch.dispatch.problem import DecodeProblem
@@ -190,7 +191,9 @@ class TritonBackend(MLABackend):
         if cache_seqlens is not None:
             device = cache_seqlens.device
         launch, layout = _shape_plan(p, platform, config, kernel, num_parts, overhead, split_tokens)
-        split = SplitKVPlan(layout, None if p.sparse else cache_seqlens, device)
+        # the schedule: the SM90 extension's launch where it is loaded already, else one Triton launch
+        native = loaded_native_schedule(platform.capability) if platform.kind == "cuda" else None
+        split = SplitKVPlan(layout, None if p.sparse else cache_seqlens, device, native=native)
         prepared = None
         if softmax_scale is not None:
             prepared = prepare(launch, p, block_table=None if p.sparse else block_table, seqlens=split.lengths,

@@ -68,6 +68,11 @@ class SplitKVLayout:
     split_tokens: int | None = None
     fixed_length: int | None = None
 
+    def __post_init__(self):
+        # the schedule's parameters, checked once per layout (a plan checks only its lengths)
+        _check_schedule_args(torch.zeros(1, dtype=torch.int32), self.num_parts, self.chunk_size, self.overhead,
+                             self.capacity)
+
     @functools.cached_property
     def max_items(self) -> int:
         """Rows of the item list, and of the partial buffers (every item may be a split piece)."""
@@ -86,6 +91,10 @@ class SplitKVLayout:
         them (its first part is viewed as int64)."""
         b, p = self.batch, self.num_parts
         return (4 * self.max_items, workspace_numel(b, p), p + 1, b, self.max_slots, b, b)
+
+    @functools.cached_property
+    def _int32_total(self) -> int:
+        return sum(self._int32_sizes)
 
 
 class SplitKVPlan:
@@ -129,9 +138,9 @@ class SplitKVPlan:
     def __init__(self, layout: SplitKVLayout, cache_seqlens: torch.Tensor | None, device: torch.device, *,
                  native: NativeSchedule | None = None) -> None:
         lay = self.layout = layout
-        ints = torch.empty(sum(lay._int32_sizes), dtype=torch.int32, device=device)
-        items, self.workspace, part_offsets, num_splits, slot_req, self.first_slot, self.lengths = ints.split(
-            lay._int32_sizes)
+        ints = torch.empty(lay._int32_total, dtype=torch.int32, device=device)
+        items, self.workspace, part_offsets, num_splits, slot_req, self.first_slot, self.lengths = (
+            ints.split_with_sizes(lay._int32_sizes))
         self.schedule = SplitKVSchedule(items=items.view(lay.max_items, 4), part_offsets=part_offsets,
                                         num_splits=num_splits, slot_req=slot_req, chunk_size=lay.chunk_size,
                                         num_parts=lay.num_parts, overhead=lay.overhead, capacity=lay.capacity,
@@ -145,10 +154,10 @@ class SplitKVPlan:
             return
         if cache_seqlens is None:
             raise ValueError("cache_seqlens is required for a dense split-KV plan (int32 [batch])")
-        _check_schedule_args(cache_seqlens, lay.num_parts, lay.chunk_size, lay.overhead, lay.capacity)
-        if cache_seqlens.shape[0] != lay.batch or cache_seqlens.device != self.lengths.device:
+        if (cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (lay.batch,)
+                or cache_seqlens.device != self.lengths.device):
             raise ValueError(f"cache_seqlens must be int32 [{lay.batch}] on {self.lengths.device}, got "
-                             f"{list(cache_seqlens.shape)} on {cache_seqlens.device}")
+                             f"{cache_seqlens.dtype} {list(cache_seqlens.shape)} on {cache_seqlens.device}")
         self._refresh = self._refresh_with(self._torch_or_triton(cache_seqlens, native))
         self._refresh(cache_seqlens)
 

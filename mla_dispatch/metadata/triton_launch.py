@@ -33,30 +33,34 @@ __all__ = ["CachedLaunch", "spec_key"]
 #: compiled kernels kept across launches (and plans) of the same kernel, options, device and specializations
 _SHARED: dict[tuple, Any] = {}
 _MAX_SHARED = 4096
-_PARAMETERS: dict[int, Any] = {}
+_MISSING = object()
+_KERNEL_PARAMS: dict[int, tuple] = {}
 
 
-def _parameters(fn):
-    """``inspect.signature(fn).parameters``, once per function (it takes tens of µs)."""
-    params = _PARAMETERS.get(id(fn))
-    if params is None:
-        params = _PARAMETERS[id(fn)] = inspect.signature(fn).parameters
-    return params
+def _kernel_params(fn) -> tuple[tuple[str, ...], dict[str, int], list]:
+    """``(names, index of each name, default of each parameter or _MISSING)`` of a kernel's signature, once per
+    function (``inspect.signature`` takes tens of µs)."""
+    info = _KERNEL_PARAMS.get(id(fn))
+    if info is None:
+        params = inspect.signature(fn).parameters
+        names = tuple(params)
+        defaults = [_MISSING if p.default is inspect.Parameter.empty else p.default for p in params.values()]
+        info = _KERNEL_PARAMS[id(fn)] = (names, {n: i for i, n in enumerate(names)}, defaults)
+    return info
 
 
 def spec_key(value: Any):
     """What Triton's specialization of ``value`` depends on (see the module docstring), as a hashable key."""
-    if isinstance(value, torch.Tensor):
+    kind = type(value)
+    if kind is int or kind is bool or value is None:
+        return value
+    if kind is torch.Tensor or isinstance(value, torch.Tensor):
         return value.dtype, value.data_ptr() & 15 == 0
-    if isinstance(value, bool) or value is None:
-        return value
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float):
+    if kind is float:
         return float
     block = getattr(value, "block_shape", None)
     if block is not None:  # a host tensor descriptor (triton.tools.tensor_descriptor or Gluon's)
-        return type(value), value.base.dtype, tuple(block), id(getattr(value, "layout", None))
+        return kind, value.base.dtype, tuple(block), id(getattr(value, "layout", None))
     return value
 
 
@@ -119,29 +123,26 @@ class CachedLaunch:
         self.options = dict(options or {})
         self.device_index = device_index
         fn = getattr(kernel, "fn", kernel)
-        params = _parameters(fn)
-        names = list(params)
-        unknown = [n for n in (*args, *varying) if n not in params]
+        names, index, defaults = _kernel_params(fn)
+        unknown = [n for n in (*args, *varying) if n not in index]
         if unknown:
             raise ValueError(f"{getattr(fn, '__name__', kernel)!r} has no parameter(s) {unknown} "
                              f"(parameters: {', '.join(names)})")
         both = sorted(set(args) & set(varying))
         if both:
             raise ValueError(f"parameters {both} are both fixed (args) and varying")
-        template = []
-        for name, param in params.items():
-            if name in args:
-                template.append(args[name])
-            elif name in varying:
-                template.append(None)
-            elif param.default is not inspect.Parameter.empty:
-                template.append(param.default)
-            else:
-                raise ValueError(f"parameter {name!r} of {getattr(fn, '__name__', kernel)!r} is neither fixed nor "
-                                 "varying and has no default")
-        self._names = tuple(names)
+        template = defaults.copy()
+        for name, value in args.items():
+            template[index[name]] = value
+        self._slots = tuple(index[n] for n in varying)
+        for slot in self._slots:
+            template[slot] = None
+        missing = [names[i] for i, v in enumerate(template) if v is _MISSING]
+        if missing:
+            raise ValueError(f"parameter {missing[0]!r} of {getattr(fn, '__name__', kernel)!r} is neither fixed nor "
+                             "varying and has no default")
+        self._names = names
         self._template = template
-        self._slots = tuple(names.index(n) for n in varying)
         self._slot_of = dict(zip(varying, self._slots))
         self._compiled: dict[tuple, Any] = {}
         self._fixed_key = None

@@ -201,7 +201,7 @@ def combine_fixed(partial_out, partial_lse, num_splits, first_slot, items, part_
     block_r = block_r or defaults[0]
     block_s = block_s or defaults[2]
     block_d = min(block_d or defaults[1], d_v)
-    grid = (num_parts - 1 if by_boundary else batch, triton.cdiv(rows, block_r), triton.cdiv(d_v, block_d))
+    grid = (num_parts - 1 if by_boundary else batch, -(-rows // block_r), -(-d_v // block_d))  # (cdiv; triton.cdiv is a constexpr function, slow on the host)
     words = partial_out.view(torch.int32)  # [max_slots, s_q, h_q, D_v]: two fp16 channels per word
     fixed = dict(
         PartialOut=words, PartialLse=partial_lse, NumSplits=num_splits, FirstSlot=first_slot, Items=items,

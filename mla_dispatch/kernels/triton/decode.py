@@ -65,6 +65,7 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
+from mla_dispatch.kernels.triton.descriptors import rebased
 from mla_dispatch.kernels.triton.device import kernel_device
 from mla_dispatch.kvcache.formats import KV_FORMAT_CODES
 
@@ -682,8 +683,13 @@ def tma_descriptors(t, head_dim_v: int, block_rows: int):
 
     rows, width = t.shape[0] * t.shape[1], t.shape[-1]
     flat = t.view(rows, width)
-    kd = TensorDescriptor(flat, [rows, width], [width, 1], [block_rows, head_dim_v])
-    rd = TensorDescriptor(flat, [rows, width], [width, 1], [block_rows, width - head_dim_v]) if width > head_dim_v else None
+    # the same geometry every call of a plan: built and checked once, copied with the new base after (.descriptors)
+    key = ("plain", rows, width, block_rows, head_dim_v, t.dtype)
+    kd = rebased(key + ("latent",), flat, lambda f: TensorDescriptor(f, [rows, width], [width, 1],
+                                                                     [block_rows, head_dim_v]))
+    rd = rebased(key + ("rope",), flat, lambda f: TensorDescriptor(f, [rows, width], [width, 1],
+                                                                   [block_rows, width - head_dim_v])) \
+        if width > head_dim_v else None
     return kd, rd
 
 
@@ -781,7 +787,7 @@ def decode_kernel_fixed(*, batch: int, q_len: int, h_q: int, d_qk: int, page_siz
     launch takes no register cap (the interpreter; torch's wrap_triton forwards no ``maxnreg``)."""
     group = h_q // h_kv
     rows = group if sparse else q_len * group
-    tiles_m = triton.cdiv(rows, block_m)
+    tiles_m = -(-rows // block_m)  # (cdiv; triton.cdiv is a constexpr function, slow on the host)
     grid = (part_offsets.shape[0] - 1, h_kv * v_split * tiles_m * (q_len if sparse else 1))
     fixed = dict(
         BlockTable=block_table if block_table is not None else seqlens,  # a dummy pointer when sparse

@@ -498,7 +498,7 @@ def fp8t_fixed(*, batch: int, q_len: int, h_q: int, page_size: int, block_table,
     rows = q_len * h_q
     r = rows_per_program(rows)
     scorer_regs, acc_regs = CONSUMER_REGS[r]
-    grid = (part_offsets.shape[0] - 1, triton.cdiv(rows, r))
+    grid = (part_offsets.shape[0] - 1, -(-rows // r))
     fixed = dict(
         q_rows=batch * rows, BlockTable=block_table, Seqlens=seqlens, Items=items, PartOffsets=part_offsets,
         PartialOut=partial_out, PartialLse=partial_lse, qk_scale=softmax_scale * 1.4426950408889634, q_len=q_len,

@@ -38,8 +38,6 @@ D_v = 512, 64-row head tiles. :func:`.gluon_sm90.gluon_applies` plus :func:`sees
 
 from __future__ import annotations
 
-import triton
-
 from mla_dispatch.kernels.triton import gluon_sm90 as _g
 from mla_dispatch.kernels.triton.device import kernel_device
 
@@ -452,7 +450,7 @@ def seesaw_fixed(*, q_len: int, h_q: int, page_size: int, block_table, seqlens, 
                  partial_lse, softmax_scale: float, causal: bool):
     """``(grid, arguments, launch options)`` of :func:`mla_decode_seesaw_kernel` that a plan fixes (everything but
     :func:`seesaw_call`'s)."""
-    grid = (part_offsets.shape[0] - 1, triton.cdiv(q_len * h_q, BLOCK_M))
+    grid = (part_offsets.shape[0] - 1, -(-(q_len * h_q) // BLOCK_M))
     fixed = dict(
         BlockTable=block_table, Seqlens=seqlens, Items=items, PartOffsets=part_offsets, PartialOut=partial_out,
         PartialLse=partial_lse, qk_scale=softmax_scale * 1.4426950408889634, q_len=q_len, group=h_q,

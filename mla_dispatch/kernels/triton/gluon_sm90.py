@@ -67,6 +67,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from mla_dispatch.kernels.triton.descriptors import rebased
 from mla_dispatch.kernels.triton.device import kernel_device
 
 try:  # Gluon is experimental: its API moves between Triton releases (written for 3.6, compiled with 3.6 and 3.9)
@@ -499,9 +500,13 @@ def _descriptors(t, rows: int, block_rows: int, head_dim_v: int, cols: int | Non
     width = t.shape[-1]
     cols = cols or head_dim_v
     flat = t.view(rows, width)
-    return (TensorDescriptor(flat, [rows, width], [width, 1], [block_rows, cols], _layout(block_rows, cols, t.dtype)),
-            TensorDescriptor(flat, [rows, width], [width, 1], [block_rows, width - head_dim_v],
-                             _layout(block_rows, width - head_dim_v, t.dtype)))
+    # the same geometry every call of a plan: built and checked once, copied with the new base after (.descriptors)
+    key = ("gluon", rows, width, block_rows, cols, head_dim_v, t.dtype)
+    return (rebased(key + ("latent",), flat, lambda f: TensorDescriptor(
+                f, [rows, width], [width, 1], [block_rows, cols], _layout(block_rows, cols, t.dtype))),
+            rebased(key + ("rope",), flat, lambda f: TensorDescriptor(
+                f, [rows, width], [width, 1], [block_rows, width - head_dim_v],
+                _layout(block_rows, width - head_dim_v, t.dtype))))
 
 
 def launch_decode_gluon(q, kv, block_table, cache_seqlens, kv_scale, items, part_offsets, out, lse, partial_out,
@@ -524,7 +529,7 @@ def gluon_fixed(*, q_len: int, h_q: int, d_qk: int, page_size: int, head_dim_v: 
                 items, part_offsets, partial_out, partial_lse, softmax_scale: float, causal: bool):
     """``(grid, arguments, launch options)`` of :func:`mla_decode_sm90_kernel` that a plan fixes (everything but
     :func:`gluon_call`'s)."""
-    grid = (part_offsets.shape[0] - 1, triton.cdiv(q_len * h_q, BLOCK_M))
+    grid = (part_offsets.shape[0] - 1, -(-(q_len * h_q) // BLOCK_M))
     fixed = dict(
         BlockTable=block_table, Seqlens=seqlens, Items=items, PartOffsets=part_offsets, PartialOut=partial_out,
         PartialLse=partial_lse, qk_scale=softmax_scale * 1.4426950408889634, q_len=q_len, group=h_q,

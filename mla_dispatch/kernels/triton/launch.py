@@ -213,13 +213,14 @@ class _KeptDescriptors:
 
 class PreparedLaunch:
     """A :class:`TritonLaunch` bound to one plan's buffers: ``launch(q, kv, kv_scale, indices, out, lse)`` runs the
-    decode (and the combine of split rows) on the current stream; no allocation, no host synchronisation. ``kind``
-    says which of the launch's kernels ran last (for tests and profiles)."""
+    decode (and the combine of split rows) on the current stream; no allocation, no host synchronisation. Each of the
+    launch's kernels is bound to the buffers on its first call (which of them a call runs is the launch's, decided at
+    plan time). ``kind`` says which ran last (for tests and profiles)."""
 
-    __slots__ = ("launch", "page_size", "kind", "_runs")
+    __slots__ = ("launch", "page_size", "kind", "_bind", "_runs")
 
-    def __init__(self, launch: TritonLaunch, runs: dict[str, Callable], page_size: int):
-        self.launch, self._runs, self.page_size, self.kind = launch, runs, page_size, None
+    def __init__(self, launch: TritonLaunch, bind: Callable[[str], Callable], page_size: int):
+        self.launch, self._bind, self.page_size, self.kind, self._runs = launch, bind, page_size, None, {}
 
     def __call__(self, q, kv, kv_scale, indices, out, lse) -> None:
         kind = self.launch.kernel
@@ -229,29 +230,37 @@ class PreparedLaunch:
             elif not (q.is_contiguous() and q.data_ptr() % 16 == 0):
                 kind = self.launch.kv_only
         self.kind = kind
-        self._runs[kind](q, kv, kv_scale, indices, out, lse)
+        run = self._runs.get(kind)
+        if run is None:
+            run = self._runs[kind] = self._bind(kind)
+        run(q, kv, kv_scale, indices, out, lse)
 
 
 def prepare(launch: TritonLaunch, p, *, block_table, seqlens, schedule, first_slot, partial_out, partial_lse,
             softmax_scale: float, device: torch.device) -> PreparedLaunch:
     """Bind ``launch`` to a plan of problem ``p``: its table (None when sparse), lengths, schedule, first slots and
-    partial buffers. Every kernel the launch may run (its own and its fallbacks) is bound here; each compiles on its
-    first call."""
+    partial buffers. Each kernel the launch may run (its own and its fallbacks) is bound on its first call (and
+    compiles then, unless an earlier plan compiled it)."""
     from mla_dispatch.kernels.triton.combine import combine_call, combine_fixed, combine_kernel
     from triton.runtime.jit import JITFunction
 
     device_index = device.index if device.type == "cuda" else None
     if device.type == "cuda" and device_index is None:
         device_index = torch.cuda.current_device()
-    combine = None
-    prepared = combine_fixed(partial_out, partial_lse, schedule.num_splits, first_slot, schedule.items,
-                             schedule.part_offsets, batch=p.batch, q_len=p.q_len, h_q=p.num_heads_q,
-                             d_v=p.head_dim_v, v_split=launch.v_split, fixed_splits=schedule.fixed_splits)
-    if prepared is not None:
-        grid, fixed, options = prepared
-        combine = CachedLaunch(combine_kernel, grid, fixed, ("Out", "Lse", "stride_ob", "stride_os", "stride_oh",
-                                                            "stride_lb", "stride_lh", "stride_ls"), options,
-                               device_index)
+    combines: list = []  # [the combine's launch, or None: nothing to merge], bound with the first kernel
+
+    def combine(out, lse) -> None:
+        if not combines:
+            prepared = combine_fixed(partial_out, partial_lse, schedule.num_splits, first_slot, schedule.items,
+                                     schedule.part_offsets, batch=p.batch, q_len=p.q_len, h_q=p.num_heads_q,
+                                     d_v=p.head_dim_v, v_split=launch.v_split, fixed_splits=schedule.fixed_splits)
+            combines.append(None if prepared is None else CachedLaunch(
+                combine_kernel, prepared[0], prepared[1], ("Out", "Lse", "stride_ob", "stride_os", "stride_oh",
+                                                          "stride_lb", "stride_lh", "stride_ls"), prepared[2],
+                device_index))
+        if combines[0] is not None:
+            combines[0].call(combine_call(out, lse))
+
     plan_side = dict(block_table=block_table, seqlens=seqlens, items=schedule.items, part_offsets=schedule.part_offsets,
                      partial_out=partial_out, partial_lse=partial_lse, softmax_scale=softmax_scale, causal=p.causal)
     fp8_scale = p.kv_format == "fp8_e4m3"
@@ -282,8 +291,7 @@ def prepare(launch: TritonLaunch, p, *, block_table, seqlens, schedule, first_sl
             decode.call(decode_kernel_call(q, kv, kv_scale, indices, out, lse, tma=tma, q_tma=q_tma,
                                            head_dim_v=p.head_dim_v, block_m=cfg.block_m, block_n=cfg.block_n,
                                            kv_descriptors=descriptors))
-            if combine is not None:
-                combine.call(combine_call(out, lse))
+            combine(out, lse)
 
         return run
 
@@ -323,16 +331,17 @@ def prepare(launch: TritonLaunch, p, *, block_table, seqlens, schedule, first_sl
                 decode.append(CachedLaunch(kernel_fn, grid, {k: v for k, v in fixed.items() if k not in values},
                                            tuple(values), options, device_index))
             decode[0].call(values)
-            if combine is not None:
-                combine.call(combine_call(out, lse))
+            combine(out, lse)
 
         return run
 
-    runs: dict[str, Callable] = {"gather": plain(False, False)}
-    if launch.kernel == "tma":
-        runs["tma"] = plain(True, launch.q_tma)
-    if launch.kv_only == "tma_kv":
-        runs["tma_kv"] = plain(True, False)
-    if launch.kernel in _GLUON_FAMILY:
-        runs[launch.kernel] = gluon_family(launch.kernel)
-    return PreparedLaunch(launch, runs, p.page_size)
+    def bind(kind: str) -> Callable:
+        if kind == "gather":
+            return plain(False, False)
+        if kind == "tma":
+            return plain(True, launch.q_tma)
+        if kind == "tma_kv":
+            return plain(True, False)
+        return gluon_family(kind)
+
+    return PreparedLaunch(launch, bind, p.page_size)
