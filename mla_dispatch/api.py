@@ -166,7 +166,7 @@ class DecodePlan:
         """The lengths every :meth:`run` computes with: a copy of ``cache_seqlens`` as of :func:`plan_decode` or the
         last :meth:`update` (docs/design.md §2, "Stale plans"); None for a sparse plan or one made without
         ``cache_seqlens``."""
-        if self._sparse or self.cache_seqlens is None:
+        if self._sparse or self.cache_seqlens is None or not self.problem.batch:
             return None
         return self._snapshot if self._snapshot is not None else self._state.lengths
 
