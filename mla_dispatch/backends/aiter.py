@@ -173,13 +173,14 @@ class AiterBackend(MLABackend):
     @classmethod
     def update(cls, state: BackendState, block_table, cache_seqlens) -> None:
         p = state.problem
-        indptr, indices = token_indices(block_table, cache_seqlens, p.page_size)
         last = kv_last_page_lens(cache_seqlens, 1)
         # each packed token's table entry (its row-major position in the table) and offset in its page (0 for the
-        # padding past kv_indptr[-1], never read): run() re-reads the table's current values through them
+        # padding past kv_indptr[-1], never read): its slot is the table's value there, now and at every run
         # (docs/design.md §2: every run reads the block table)
-        token_pos = token_indices(state.table_pos, cache_seqlens, p.page_size)[1].long()
+        indptr, token_pos = token_indices(state.table_pos, cache_seqlens, p.page_size)
+        token_pos = token_pos.long()
         token_pos, token_offset = token_pos // p.page_size, (token_pos % p.page_size).to(torch.int32)
+        indices = torch.index_select(block_table.reshape(-1), 0, token_pos) * p.page_size + token_offset
         if state.kv_indptr is None:
             state.kv_indptr, state.kv_indices, state.last_page = indptr, indices, last
             state.token_pos, state.token_offset = token_pos, token_offset

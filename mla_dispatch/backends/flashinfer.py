@@ -231,10 +231,11 @@ class FlashInferBackend(MLABackend):
     @classmethod
     def _replan_wrapper(cls, state: BackendState, block_table, cache_seqlens) -> None:
         p = state.problem
-        kv_indptr, kv_indices = packed_page_indices(block_table, cache_seqlens, p.page_size)
-        # where each packed page id sits in the table (0 for the padding past kv_indptr[-1], never read): run()
-        # re-reads the table's current values through it (docs/design.md §2: every run reads the block table)
-        page_pos = packed_page_indices(state.table_pos, cache_seqlens, p.page_size)[1].long()
+        # where each packed page id sits in the table (0 for the padding past kv_indptr[-1], never read): the page ids
+        # are the table's values there, now and at every run (docs/design.md §2: every run reads the block table)
+        kv_indptr, page_pos = packed_page_indices(state.table_pos, cache_seqlens, p.page_size)
+        page_pos = page_pos.long()
+        kv_indices = torch.index_select(block_table.reshape(-1), 0, page_pos)
         if state.page_pos is None:
             state.page_pos = page_pos
         else:  # in place: a graph captured over run() reads these
