@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Source this at the start of every device-tool command:
 #   source ci/gpu_setup.sh
-# Installs carried wheels (.whl/, see README "GPU runs") into /tmp/site and this
+# Installs carried wheels (.whl/: built where there is network, shipped with the checkout) into /tmp/site and this
 # checkout in editable mode, without network access. Safe to source twice.
 set -e
 export PYTHONUNBUFFERED=1

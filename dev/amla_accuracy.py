@@ -9,9 +9,9 @@ Gaussian and uniform inputs. Defaults are the paper's: context 8K, h_q = 128,
 the kernel returns, and the quantity the paper's ~1.8e-3 figures describe) is
 more than --max-ratio times Base's on any distribution.
 
-    python ci/amla_accuracy.py                       # full study on the CPU (slow: ~1 h on 2 cores)
-    python ci/amla_accuracy.py --device cuda         # the same on a GPU (TF32 is switched off)
-    python ci/amla_accuracy.py --samples 4 --context 2048 --heads 32   # quick look
+    python dev/amla_accuracy.py                       # full study on the CPU (slow: ~1 h on 2 cores)
+    python dev/amla_accuracy.py --device cuda         # the same on a GPU (TF32 is switched off)
+    python dev/amla_accuracy.py --samples 4 --context 2048 --heads 32   # quick look
 """
 
 from __future__ import annotations

@@ -10,10 +10,10 @@ compares each config's eager and graph-replay outputs (poisoned with NaN first) 
 the fp32 reference at docs/design.md §5 tolerances before timing it; ``--plot`` charts the
 run against issue 4's targets (:data:`TARGETS`, :func:`target_rows`).
 
-    python ci/bench_cuda_sm90.py [--quick] [--groups flashmla,small] [--variants 0,5,2]
+    python dev/bench_cuda_sm90.py [--quick] [--groups flashmla,small] [--variants 0,5,2]
                                  [--combine auto,fused,separate] [--check] [--seed N]
                                  [--json PATH] [--plot PNG]
-    python ci/bench_cuda_sm90.py --from-json PATH --plot PNG    # chart an earlier run (no GPU)
+    python dev/bench_cuda_sm90.py --from-json PATH --plot PNG    # chart an earlier run (no GPU)
 """
 
 from __future__ import annotations

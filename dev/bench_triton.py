@@ -1,8 +1,8 @@
 """Benchmark the Triton MLA decode kernel against the roofline measured in the same run.
 
-    python ci/bench_triton.py [--grids flashmla,mem,pages,fp8,graph,choice,occupancy,small,tma,tmapage16,gluon,gluonpages,gluonfp8,gluonsched] [--json PATH]
+    python dev/bench_triton.py [--grids flashmla,mem,pages,fp8,graph,choice,occupancy,small,tma,tmapage16,gluon,gluonpages,gluonfp8,gluonsched] [--json PATH]
                               [--check] [--only NAME,...] [--report] [--precompile N] [--plot PNG]
-    python ci/bench_triton.py --from-json PATH --plot PNG      # chart an earlier run (no GPU needed)
+    python dev/bench_triton.py --from-json PATH --plot PNG      # chart an earlier run (no GPU needed)
 
 Prints, per config: µs (triton.testing.do_bench median, L2 flushed) for
 ``DecodePlan.run`` (decode + combine), for ``update + run`` (the per-step
@@ -419,7 +419,7 @@ PANELS = dict(pct="% of roofline (target: FlashMLA grid 60, mem 80)",
 
 
 def plot_targets(results: list[dict], path: str, title: str = "") -> None:
-    """The four panels of :func:`target_rows` side by side (ci/target_chart.py), a bar per config: green where it
+    """The four panels of :func:`target_rows` side by side (dev/target_chart.py), a bar per config: green where it
     meets its target (a dashed line), red where it misses it, grey where it has none. Panels whose configs the run
     lacks stay empty."""
     plot_target_rows(target_rows(results), PANELS, path, title)

@@ -2,6 +2,7 @@
 ``tests/test_flash_mla_sparse_decoding.py``) through our FlashMLA API on one of our backends.
 
     python dev/flashmla_test.py {dense,sparse} FLASHMLA_SRC/tests [--backend cuda_sm90] [--limit N] [--json FILE]
+                                [--model {all,v32,model1}] [--sample N] [--shard K/N]
 
 ``import flash_mla`` resolves to :mod:`mla_dispatch.compat.flash_mla` (a real FlashMLA on the path is hidden for
 this process), ``backend="auto"`` may choose only ``--backend``, and FlashMLA's own ``test_flash_mla`` runs each of
@@ -11,8 +12,11 @@ trace, and ``bench`` times ours.
 
 - dense: FlashMLA's ``main`` for ``--dtype`` (its correctness, corner and performance-shape cases, in its order);
   it stops at the first case that fails, as FlashMLA's does.
-- sparse: every case of its ``gen_testcase`` that our API takes; the MODEL1 cases (``d_qk=512``: another cache
-  format, extra caches, ``topk_length``) are counted as not run, with the reason.
+- sparse: every case of its ``gen_testcase``: DeepSeek-V3.2's (``d_qk=576``, the ``fp8_ds_mla`` cache) and
+  MODEL1's (``d_qk=512``: DeepSeek-V4's ``fp8_ds_v4`` cache, extra caches, ``topk_length``; all with
+  ``attn_sink``), or only one model's (``--model``), or a random sample of ``--sample`` of them (the same
+  for a given ``--seed``); the counts are reported per model. ``--shard K/N`` takes every N-th case from the K-th
+  (N processes side by side on one GPU: the cases' data generation and reference are host-bound).
 - ``--reuse-meta`` (dense): FlashMLA's contract lets a ``FlashMLASchedMeta`` be reused while the shapes and the
   lengths stay the same, and reads ``block_table`` and the cache on every call. So before each of its calls on a
   fresh meta, the same meta is first filled by a call on another table: the cache's blocks moved to a random
@@ -79,21 +83,34 @@ def _fill_meta_with_another_table(flash_mla, torch) -> None:
         return real(q, k_cache, block_table, cache_seqlens, head_dim_v, meta, *args, **kwargs)
 
     flash_mla.flash_mla_with_kvcache = reused
+def _model(c) -> str:
+    return "v32" if c.d_qk == 576 else "model1"
 
 
 def _sparse(fm_test, args, torch, tqdm) -> dict:
+    import random
+
     torch.set_default_dtype(torch.bfloat16)
     torch.set_default_device("cuda:0")
     taken, not_run = [], {}
     for c in fm_test.gen_testcase():
-        if c.d_qk != 576:
-            reason = "d_qk=512 (MODEL1 cache format, extra caches, topk_length): not in mla_dispatch's API"
+        if args.model != "all" and _model(c) != args.model:
+            reason = f"--model {args.model}"
             not_run[reason] = not_run.get(reason, 0) + 1
             continue
         taken.append(dataclasses.replace(c, num_runs=0, check_correctness=True))
+    if args.shard:
+        k, n = (int(x) for x in args.shard.split("/"))
+        not_run[f"other shards of {n}"] = len(taken) - len(taken[k::n])
+        taken = taken[k::n]
+    if args.sample and args.sample < len(taken):
+        keep = sorted(random.Random(args.seed).sample(range(len(taken)), args.sample))
+        not_run["not sampled"] = len(taken) - len(keep)
+        taken = [taken[i] for i in keep]
     if args.limit:
         taken = taken[: args.limit]
     failures = []
+    per_model = {m: {"taken": 0, "passed": 0} for m in ("v32", "model1")}
     for c in tqdm(taken, desc=f"FlashMLA sparse test on {args.backend}", file=sys.stderr):
         buf = io.StringIO()
         try:
@@ -102,11 +119,13 @@ def _sparse(fm_test, args, torch, tqdm) -> dict:
             ok, note = result.is_correct, buf.getvalue()[-600:]
         except Exception as exc:  # a case that raises is a failure with its message
             ok, note = False, f"{type(exc).__name__}: {exc}"
+        per_model[_model(c)]["taken"] += 1
+        per_model[_model(c)]["passed"] += bool(ok)
         if not ok:
             failures.append({"case": repr(c), "note": note})
             print(f"FAIL {c}\n{note}", file=sys.stderr)
     return {"taken": len(taken), "passed": len(taken) - len(failures), "failed": len(failures), "not_run": not_run,
-            "failures": failures[:20]}
+            "per_model": per_model, "failures": failures[:20]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,6 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the counts and failures here")
     ap.add_argument("--reuse-meta", action="store_true",
                     help="dense: fill each FlashMLASchedMeta with a call on another (permuted) table first")
+    ap.add_argument("--model", choices=("all", "v32", "model1"), default="all",
+                    help="sparse: DeepSeek-V3.2's cases (d_qk 576), MODEL1's (DeepSeek-V4, d_qk 512), or both")
+    ap.add_argument("--sample", type=int, default=0, help="sparse: a random sample of N of the cases taken (0: all)")
+    ap.add_argument("--seed", type=int, default=0, help="the sample's seed")
+    ap.add_argument("--shard", help="sparse: K/N, every N-th case from the K-th (0 <= K < N)")
     args = ap.parse_args(argv)
 
     import torch

@@ -1,6 +1,6 @@
 """Where does a whole ``mla_decode`` call spend its host time? (cProfile, GPU machine)
 
-    python ci/profile_call.py [--backend cuda_sm90] [--batch 1] [--seqlen 4096]
+    python dev/profile_call.py [--backend cuda_sm90] [--batch 1] [--seqlen 4096]
 
 Prints the per-call wall time of plan_decode, DecodePlan.run and mla_decode at a
 small batch (where the host, not the GPU, bounds the call) and the top functions

@@ -1,8 +1,8 @@
 """Where do small batches spend their time in the cuda_sm90 backend? (GPU machine)
 
-    python ci/profile_small_batch.py [--min-chunks 1,2,4,8] [--variants 2,5] [--combine separate,fused]
-    python ci/profile_small_batch.py --configs 128x4096,32x4096 --varlen --min-chunks 2 --variants 5,2 --combine separate
-    python ci/profile_small_batch.py --heads 16,32,64 --variants default --min-chunks 1,2 --configs 1x4096,2x4096
+    python dev/profile_small_batch.py [--min-chunks 1,2,4,8] [--variants 2,5] [--combine separate,fused]
+    python dev/profile_small_batch.py --configs 128x4096,32x4096 --varlen --min-chunks 2 --variants 5,2 --combine separate
+    python dev/profile_small_batch.py --heads 16,32,64 --variants default --min-chunks 1,2 --configs 1x4096,2x4096
 
 For each small-batch config of issue 4 (h_q=128 unless ``--heads`` says otherwise, s_q=1) and each split size
 (``backend_options['min_chunks_per_part']``), mainloop variant and place of the combine (``default``: the plan's own choice of either): the CUDA-graph replay

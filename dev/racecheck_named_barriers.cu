@@ -1,6 +1,6 @@
 // Does compute-sanitizer's racecheck report hazards across barriers in a kernel that has none? (GPU machine)
 //
-//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -lineinfo -o /tmp/rnb ci/racecheck_named_barriers.cu
+//   nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a -lineinfo -o /tmp/rnb dev/racecheck_named_barriers.cu
 //   compute-sanitizer --tool racecheck /tmp/rnb            # named barriers with ids, as v6 has them now
 //   compute-sanitizer --tool racecheck /tmp/rnb syncthreads # __syncthreads for the CTA-wide points, as v6 had them
 //   compute-sanitizer --tool racecheck /tmp/rnb named nowgbar  # the tile loop without its per-warpgroup barriers

@@ -1,6 +1,6 @@
 """Run one forced cuda_sm90 configuration many times on fresh inputs and keep every failure's details (GPU machine).
 
-    python ci/sm90_stress.py --variant 6 --combine fused --shape 2,1,16,3000 --scale 1e9 --iters 200
+    python dev/sm90_stress.py --variant 6 --combine fused --shape 2,1,16,3000 --scale 1e9 --iters 200
 
 Each iteration draws a new case (as tests/test_cuda_sm90.py's output-range test does: the cache's latent channels
 times `--scale`, q's divided by it, so the outputs scale and the scores do not), poisons the outputs, runs the plan

@@ -1,6 +1,6 @@
 """How much room do split requests leave under docs/design.md §5's bounds? (GPU machine)
 
-    python ci/split_accuracy.py [--draws 40] [--seed 0]
+    python dev/split_accuracy.py [--draws 40] [--seed 0]
 
 A split request's output is rounded once more than a whole one: each piece's partial row is stored
 (kernels/cuda/mla_decode_sm90/params.h) and the combine merges the pieces. For small shapes whose requests

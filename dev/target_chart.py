@@ -1,5 +1,5 @@
-"""A benchmark run against an issue's speed targets, as one chart (used by ci/bench_triton.py and
-ci/bench_cuda_sm90.py).
+"""A benchmark run against an issue's speed targets, as one chart (used by dev/bench_triton.py and
+dev/bench_cuda_sm90.py).
 
 Each script turns its results into rows ``dict(panel, name, value, target, met)`` (``met``: True, False or None where a
 config has no target) and names its panels; :func:`plot_target_rows` draws one panel per name, a bar per row, green

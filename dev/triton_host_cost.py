@@ -1,6 +1,6 @@
 """Host (CPU) cost of the Triton backend's ``DecodePlan.run``, against its GPU time (GPU machine).
 
-    python ci/triton_host_cost.py [--specs hM64-n64-w8-tma-gl,hM64-n64-w8-tma] [--heads 64] [--profile]
+    python dev/triton_host_cost.py [--specs hM64-n64-w8-tma-gl,hM64-n64-w8-tma] [--heads 64] [--profile]
 
 For each config: 50 calls enqueued back to back (host µs per call), then the same with the GPU's completion (µs per
 call); ``--profile`` adds a cProfile of 50 calls. Where the host takes longer than the GPU, eager timings

@@ -10,7 +10,7 @@ import torch
 
 from mla_dispatch.dispatch.backend import BackendState, MLABackend, untraced_eager
 from mla_dispatch.kvcache.cache import PagedMLACache
-from mla_dispatch.kvcache.formats import DS_MLA_TOKEN_BYTES
+from mla_dispatch.kvcache.formats import token_bytes
 from mla_dispatch.dispatch.platform import Platform, platform_for
 from mla_dispatch.dispatch.problem import DecodeProblem, check_values, default_softmax_scale, describe_inputs
 from mla_dispatch.dispatch.registry import get_backend
@@ -97,11 +97,11 @@ class DecodePlan:
     __slots__ = ("backend", "problem", "platform", "softmax_scale", "backend_options", "block_table", "cache_seqlens",
                  "_cls", "_state", "_q_shape", "_kv_tail", "_kv_dtype", "_q_dtype", "_out_shape", "_lse_shape",
                  "_fp8_scale", "_sparse", "_run", "_fast", "_lse_scratch", "_scales", "_any_out_strides", "_snapshot",
-                 "_lens")
+                 "_lens", "_extra_tail", "_sparse_args")
 
     def __init__(self, backend_cls: type[MLABackend], problem: DecodeProblem, platform: Platform,
                  softmax_scale: float, block_table, cache_seqlens, state: BackendState, q_shape, kv_tail, kv_dtype,
-                 backend_options: Mapping[str, object] = MappingProxyType({}), snapshot=None):
+                 backend_options: Mapping[str, object] = MappingProxyType({}), snapshot=None, extra_tail=None):
         self.backend = backend_cls.NAME
         self.problem = problem
         self.platform = platform
@@ -124,6 +124,8 @@ class DecodePlan:
         self._lse_shape = (problem.batch, problem.num_heads_q, problem.q_len)
         self._fp8_scale = problem.kv_format == "fp8_e4m3"
         self._sparse = problem.sparse
+        self._extra_tail = extra_tail  # the extra cache's [page_size, h_kv, last] (None: no extra cache)
+        self._sparse_args = problem.sparse_extras  # the optional sparse arguments every run must pass
         self._run = backend_cls.run
         self._any_out_strides = backend_cls.ANY_OUT_STRIDES
         # the backend's one-call eager path (MLABackend.bind), and where it writes an LSE nobody asked for
@@ -200,9 +202,46 @@ class DecodePlan:
         if self.problem.batch:  # a plan for no request has no backend state (plan_decode)
             self._cls.update(self._state, self.block_table, self._lens)
 
+    def _sparse_extras(self, topk_length, attn_sink, extra_kv_cache, extra_indices, extra_topk_length) -> dict:
+        """The optional sparse arguments of one run, checked against the plan (presence, shape, dtype): the keywords
+        for the backend's ``run``."""
+        p = self.problem
+        given = {"topk_length": topk_length, "attn_sink": attn_sink, "extra_kv_cache": extra_kv_cache,
+                 "extra_indices": extra_indices, "extra_topk_length": extra_topk_length}
+        planned = set(p.sparse_extras) | ({"extra_indices"} if p.extra_topk else set())
+        for name, t in given.items():
+            if (t is not None) != (name in planned):
+                raise ValueError(f"{name} was {'not ' if t is None else ''}given, but the plan was made "
+                                 f"{'with' if t is None else 'without'} it (plan with the same optional sparse "
+                                 "arguments as you run)")
+        extras = {name: t for name, t in given.items() if t is not None}
+        for name, want in (("topk_length", (p.batch,)), ("extra_topk_length", (p.batch,))):
+            t = extras.get(name)
+            if t is not None and (t.shape != want or t.dtype != torch.int32):
+                raise ValueError(f"{name} must be int32 {list(want)} as planned, got {list(t.shape)} {t.dtype}")
+        if attn_sink is not None and (attn_sink.shape != (p.num_heads_q,) or attn_sink.dtype != torch.float32):
+            raise ValueError(f"attn_sink must be float32 [{p.num_heads_q}] as planned, got {list(attn_sink.shape)} "
+                             f"{attn_sink.dtype}")
+        if extra_kv_cache is not None:
+            extra, _, _ = _unwrap_cache(extra_kv_cache, "auto", None)
+            if extra.dim() == 3:
+                extra = extra.unsqueeze(2)
+            if extra.shape[1:] != self._extra_tail or extra.dtype != self._kv_dtype or extra.stride(-1) != 1:
+                raise ValueError(f"extra_kv_cache must be [num_blocks, {', '.join(map(str, self._extra_tail))}] "
+                                 f"{self._kv_dtype}, contiguous in its last dim, as planned, got {list(extra.shape)} "
+                                 f"{extra.dtype}")
+            extras["extra_kv_cache"] = extra
+            want = (p.batch, p.q_len, p.extra_topk)
+            if extra_indices.shape != want or extra_indices.dtype != torch.int32:
+                raise ValueError(f"extra_indices must be int32 {list(want)} as planned, got {list(extra_indices.shape)} "
+                                 f"{extra_indices.dtype}")
+        return extras
+
     def run(self, q: torch.Tensor, kv_cache, *, kv_scale: torch.Tensor | float | None = None,
             indices: torch.Tensor | None = None, out: torch.Tensor | None = None,
-            lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            lse: torch.Tensor | None = None, topk_length: torch.Tensor | None = None,
+            attn_sink: torch.Tensor | None = None, extra_kv_cache=None, extra_indices: torch.Tensor | None = None,
+            extra_topk_length: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Run one layer's decode attention.
 
         Parameters
@@ -225,6 +264,9 @@ class DecodePlan:
             fp32 ``[B, h_q, s_q]``, written in place; no two of its elements may share memory.
             Without it, a plan made with ``return_lse=False`` on a backend with a fast path
             writes the LSE to a buffer of its own (no allocation per call).
+        topk_length, attn_sink, extra_kv_cache, extra_indices, extra_topk_length : optional
+            The optional sparse arguments of :func:`mla_decode`, per layer: exactly those the plan was made
+            with, of the planned shapes.
 
         Returns
         -------
@@ -277,6 +319,14 @@ class DecodePlan:
                 raise ValueError(f"indices must be int32 [{p.batch}, {p.q_len}, {p.topk}] as planned, got {got}")
         elif indices is not None:
             raise ValueError("indices were given but the plan is dense (plan with indices to run sparse)")
+        extras = {}
+        if self._sparse and (self._sparse_args or topk_length is not None or attn_sink is not None
+                             or extra_kv_cache is not None or extra_indices is not None
+                             or extra_topk_length is not None):
+            extras = self._sparse_extras(topk_length, attn_sink, extra_kv_cache, extra_indices, extra_topk_length)
+        elif not self._sparse and any(t is not None for t in (topk_length, attn_sink, extra_kv_cache, extra_indices,
+                                                                extra_topk_length)):
+            raise ValueError("topk_length, attn_sink and the extra cache need a sparse plan (plan with indices)")
         device = q.device
         out_shape = self._out_shape
         if out is None:
@@ -303,7 +353,7 @@ class DecodePlan:
                              "address (an expanded tensor?), so results would overwrite each other")
         if p.batch:  # no request: the empty out and lse are the result (plan_decode)
             self._run(self._state, q, kv, self.block_table, self._lens, problem=p,
-                      softmax_scale=self.softmax_scale, kv_scale=kv_scale, indices=indices, out=out, lse=lse)
+                      softmax_scale=self.softmax_scale, kv_scale=kv_scale, indices=indices, out=out, lse=lse, **extras)
         return out, (lse if give_lse else None)
 
 
@@ -325,16 +375,21 @@ def plan_decode(
     cuda_graph: bool = False,
     batch_invariant: bool = False,
     validate: bool = False,
+    topk_length: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+    extra_kv_cache=None,
+    extra_indices: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
 ) -> DecodePlan:
     """Plan one decode step: choose the backend and compute its per-step state.
 
-    ``q``, ``kv_cache`` and ``indices`` are read for their shapes, dtypes and
-    device only (pass layer 0's tensors, or any tensors of the same geometry);
-    ``block_table`` and ``cache_seqlens`` are kept: every :meth:`DecodePlan.run`
-    reads the block table's values as they are then, and computes with the
-    *values* ``cache_seqlens`` holds now, until :meth:`DecodePlan.update`
-    (docs/design.md §2, "Stale plans"). Arguments are those of
-    :func:`mla_decode`, plus:
+    ``q``, ``kv_cache``, ``indices`` and the optional sparse arguments (``topk_length``,
+    ``attn_sink``, ``extra_kv_cache``, ``extra_indices``, ``extra_topk_length``) are read for
+    their shapes, dtypes and device only (pass layer 0's tensors, or any tensors of the same
+    geometry; :meth:`DecodePlan.run` takes each layer's); ``block_table`` and ``cache_seqlens``
+    are kept: every :meth:`DecodePlan.run` reads the block table's values as they are then,
+    and computes with the *values* ``cache_seqlens`` holds now, until :meth:`DecodePlan.update`
+    (docs/design.md §2, "Stale plans"). Arguments are those of :func:`mla_decode`, plus:
 
     Parameters
     ----------
@@ -375,10 +430,18 @@ def plan_decode(
     """
     options = _checked_options(backend, backend_options)
     kv, kv_format, kv_scale = _unwrap_cache(kv_cache, kv_format, kv_scale)
+    extra_kv = None if extra_kv_cache is None else _unwrap_cache(extra_kv_cache, "auto", None)[0]
     problem = _problem(q, kv, block_table, cache_seqlens, indices, kv_scale, head_dim_v, causal, kv_format, return_lse,
-                       cuda_graph, batch_invariant)
+                       cuda_graph, batch_invariant, topk_length, attn_sink, extra_kv, extra_indices, extra_topk_length)
+    extra_tail = None
+    if extra_kv is not None:
+        extra_kv = extra_kv.unsqueeze(2) if extra_kv.dim() == 3 else extra_kv
+        extra_tail = tuple(extra_kv.shape[1:])
     if validate:
-        check_values(problem, kv.shape[0], block_table, cache_seqlens, indices)
+        check_values(problem, kv.shape[0], block_table, cache_seqlens, indices, topk_length=topk_length)
+        if extra_kv is not None:
+            check_values(problem, extra_kv.shape[0], None, None, extra_indices, page_size=problem.extra_page_size,
+                         name="extra_indices", topk_length=extra_topk_length)
     if kv_scale is not None and not isinstance(kv_scale, torch.Tensor):
         _check_positive_finite("kv_scale", kv_scale)
     if softmax_scale is None:
@@ -400,9 +463,10 @@ def plan_decode(
         # of the documented shapes, [0, s_q, h_q, D_v] and [0, h_q, s_q].
         state = BackendState()
     p = problem
-    kv_tail = (p.page_size, p.num_heads_kv, DS_MLA_TOKEN_BYTES if p.kv_format == "fp8_ds_mla" else p.head_dim_qk)
+    kv_tail = (p.page_size, p.num_heads_kv, token_bytes(p.kv_format) or p.head_dim_qk)
     plan = DecodePlan(cls, problem, platform, float(softmax_scale), block_table, cache_seqlens, state,
-                      (p.batch, p.q_len, p.num_heads_q, p.head_dim_qk), kv_tail, kv.dtype, options, snapshot)
+                      (p.batch, p.q_len, p.num_heads_q, p.head_dim_qk), kv_tail, kv.dtype, options, snapshot,
+                      extra_tail)
     if kv_scale is not None and not isinstance(kv_scale, torch.Tensor):
         plan._scale_tensor(kv_scale, q.device)  # checked and converted now, not in run()
     return plan
@@ -414,17 +478,22 @@ _problems: dict[tuple, DecodeProblem] = {}
 
 
 def _problem(q, kv, block_table, cache_seqlens, indices, kv_scale, head_dim_v, causal, kv_format, return_lse,
-             cuda_graph, batch_invariant) -> DecodeProblem:
+             cuda_graph, batch_invariant, topk_length=None, attn_sink=None, extra_kv_cache=None, extra_indices=None,
+             extra_topk_length=None) -> DecodeProblem:
     """:func:`~mla_dispatch.dispatch.problem.describe_inputs` once per geometry: every check it makes reads only the
     shapes, strides, dtypes and devices of the tensors and the scalar arguments, so those, as a key, find the problem
     an earlier call of the same geometry made (a plan per decode step repeats the same key). Tensor subclasses and
     anything that is not a tensor take ``describe_inputs`` every time (its errors included)."""
     plain = torch.Tensor
+    sparse_args = (topk_length, attn_sink, extra_kv_cache, extra_indices, extra_topk_length)
     if not (type(q) is plain and type(kv) is plain and (block_table is None or type(block_table) is plain)
-            and (cache_seqlens is None or type(cache_seqlens) is plain) and (indices is None or type(indices) is plain)):
+            and (cache_seqlens is None or type(cache_seqlens) is plain) and (indices is None or type(indices) is plain)
+            and all(t is None or type(t) is plain for t in sparse_args)):
         return describe_inputs(q, kv, block_table, cache_seqlens, head_dim_v=head_dim_v, causal=causal,
                                kv_format=kv_format, kv_scale=kv_scale, indices=indices, return_lse=return_lse,
-                               cuda_graph=cuda_graph, batch_invariant=batch_invariant)
+                               cuda_graph=cuda_graph, batch_invariant=batch_invariant, topk_length=topk_length,
+                               attn_sink=attn_sink, extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
+                               extra_topk_length=extra_topk_length)
     key = (q.shape, q.stride(), q.dtype, q.device, kv.shape, kv.stride(), kv.dtype, kv.device,
            None if block_table is None else (block_table.shape, block_table.stride(), block_table.dtype,
                                              block_table.device),
@@ -432,6 +501,8 @@ def _problem(q, kv, block_table, cache_seqlens, indices, kv_scale, head_dim_v, c
            None if indices is None else (indices.shape, indices.dtype, indices.device),
            (kv_scale.shape, kv_scale.dtype) if isinstance(kv_scale, plain) else type(kv_scale),
            head_dim_v, causal, kv_format, return_lse, cuda_graph, batch_invariant)
+    if any(t is not None for t in sparse_args):  # DeepSeek-V4's optional sparse arguments (their checks read these)
+        key += tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in sparse_args)
     try:
         problem = _problems.get(key)
     except TypeError:  # an unhashable scalar argument: describe_inputs says what is wrong with it
@@ -439,7 +510,9 @@ def _problem(q, kv, block_table, cache_seqlens, indices, kv_scale, head_dim_v, c
     if problem is None:
         problem = describe_inputs(q, kv, block_table, cache_seqlens, head_dim_v=head_dim_v, causal=causal,
                                   kv_format=kv_format, kv_scale=kv_scale, indices=indices, return_lse=return_lse,
-                                  cuda_graph=cuda_graph, batch_invariant=batch_invariant)
+                                  cuda_graph=cuda_graph, batch_invariant=batch_invariant, topk_length=topk_length,
+                                  attn_sink=attn_sink, extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
+                                  extra_topk_length=extra_topk_length)
         if key is not None and len(_problems) < _MAX_CACHED_PROBLEMS:
             _problems[key] = problem
     return problem
@@ -474,6 +547,11 @@ def mla_decode(
     batch_invariant: bool = False,
     plan: DecodePlan | None = None,
     validate: bool = False,
+    topk_length: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+    extra_kv_cache=None,
+    extra_indices: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Decode-step Multi-head Latent Attention (DeepSeek MLA, absorbed "MQA mode").
 
@@ -516,13 +594,34 @@ def mla_decode(
     causal : bool
         With ``s_q > 1`` (speculative / multi-token decode), query token ``i``
         sees keys ``0 .. L_b - s_q + i``. No effect when ``s_q == 1``.
-    kv_format : {"auto", "bf16", "fp16", "fp8_e4m3", "fp8_ds_mla"}
-        ``"auto"`` infers it from the cache dtype.
+    kv_format : {"auto", "bf16", "fp16", "fp8_e4m3", "fp8_ds_mla", "fp8_ds_v4"}
+        ``"auto"`` infers it from the cache dtype (and, for bytes, the last dim: 656 is
+        ``"fp8_ds_mla"``, 584 ``"fp8_ds_v4"``). ``"fp8_ds_v4"`` is DeepSeek-V4's cache
+        (FlashMLA's "MODEL1"): ``D_qk = head_dim_v = 512`` (448 fp8 NoPE + 64 bf16 RoPE
+        channels; V is the whole token), one KV head, laid out per block
+        (:mod:`mla_dispatch.kvcache.formats`; ``PagedMLACache(kv_format="fp8_ds_v4")`` makes one).
     kv_scale : float or Tensor, optional
         The per-tensor fp32 dequantisation scale, positive; required for ``"fp8_e4m3"``.
     indices : Tensor, optional
         int32 ``[B, s_q, topk]`` sparse attention (DeepSeek Sparse Attention):
-        entry ``block_id * page_size + offset``, ``-1`` = skip.
+        entry ``block_id * page_size + offset``, ``-1`` = skip. An entry at or past
+        ``num_blocks * page_size`` is never read: that query token's ``out`` rows and
+        ``lse`` are NaN (``validate=True`` raises instead).
+    topk_length : Tensor, optional
+        Sparse only. int32 ``[B]``: request ``b`` reads only the first ``topk_length[b]``
+        entries of its ``indices`` (clamped to ``[0, topk]``); the rest may hold anything.
+    attn_sink : Tensor, optional
+        Sparse only. float32 ``[h_q]``, one logit per query head (DeepSeek-V4): head h's
+        output is scaled by ``exp(lse) / (exp(lse) + exp(attn_sink[h]))``, as if one more key
+        of that score and a zero value were attended to; ``+inf`` gives 0, ``-inf`` changes
+        nothing. The returned ``lse`` is the keys' own, without the sink.
+    extra_kv_cache, extra_indices : optional
+        Sparse only, together. A second cache (Tensor or PagedMLACache) in ``kv_cache``'s
+        format and head count, with its own page size, and int32 ``[B, s_q, extra_topk]``
+        token ids into it (as ``indices``): each query attends to both lists in one softmax
+        (DeepSeek-V4's compressed and sliding-window caches).
+    extra_topk_length : Tensor, optional
+        int32 ``[B]``: ``topk_length`` for ``extra_indices``.
     out : Tensor, optional
         ``[B, s_q, h_q, D_v]`` in q's dtype, written in place; contiguous in its last dim
         unless the backend takes any strides (``ANY_OUT_STRIDES``: the reference does).
@@ -537,8 +636,8 @@ def mla_decode(
         Each request's result bitwise independent of the rest of the batch (see :func:`plan_decode`).
     plan : DecodePlan, optional
         Reuse a plan from :func:`plan_decode` (then only ``q``, ``kv_cache``,
-        ``kv_scale``, ``indices`` and ``out`` are used; the plan computes with
-        the lengths it was made or last updated for).
+        ``kv_scale``, ``indices``, the optional sparse arguments and ``out`` are used;
+        the plan computes with the lengths it was made or last updated for).
     validate : bool
         Also check values (block ids, sequence lengths, indices): a ValueError
         names ``block_table`` / ``cache_seqlens`` / ``indices`` and the offending
@@ -561,6 +660,9 @@ def mla_decode(
         ``softmax_scale`` / a float ``kv_scale`` is not finite and positive; the
         message names it and the expected value. Bad ``backend_options``
         (see :func:`plan_decode`).
+    TypeError
+        ``q``, ``kv_cache``, ``block_table``, ``cache_seqlens`` or ``indices`` is
+        not a tensor (a Python list of lengths, say); the message names it.
     NoBackendError
         No available backend can run the problem; the message lists the
         problem and every candidate's reasons.
@@ -576,20 +678,26 @@ def mla_decode(
     >>> out.shape, lse.shape
     (torch.Size([2, 1, 16, 512]), torch.Size([2, 16, 1]))
     """
+    extras = dict(topk_length=topk_length, attn_sink=attn_sink, extra_kv_cache=extra_kv_cache,
+                  extra_indices=extra_indices, extra_topk_length=extra_topk_length)
     if plan is None:
         plan = plan_decode(q, kv_cache, block_table, cache_seqlens, head_dim_v=head_dim_v, softmax_scale=softmax_scale,
                            causal=causal, kv_format=kv_format, kv_scale=kv_scale, indices=indices,
                            return_lse=return_lse, backend=backend, backend_options=backend_options,
-                           batch_invariant=batch_invariant, validate=validate)
+                           batch_invariant=batch_invariant, validate=validate, **extras)
     elif validate:  # the plan's own table and lengths (what run() reads), against this cache
         kv = _unwrap_cache(kv_cache, "auto", None)[0]
         planned = plan.planned_lengths
         check_values(plan.problem, kv.shape[0], plan.block_table, plan.cache_seqlens if planned is None else planned,
-                     indices)
+                     indices, topk_length=topk_length)
+        if extra_kv_cache is not None:
+            extra = _unwrap_cache(extra_kv_cache, "auto", None)[0]
+            check_values(plan.problem, extra.shape[0], None, None, extra_indices, page_size=extra.shape[1],
+                         name="extra_indices", topk_length=extra_topk_length)
         if planned is not None and not torch.equal(planned, plan.cache_seqlens):
             stale = torch.nonzero(planned != plan.cache_seqlens).flatten().tolist()
             raise ValueError(f"cache_seqlens changed since the plan was made or last updated (rows {stale[:8]}: "
                              f"planned {planned[stale[:8]].tolist()}, now {plan.cache_seqlens[stale[:8]].tolist()}); "
                              "the plan computes with the planned lengths until plan.update() (docs/design.md §2, "
                              "'Stale plans')")
-    return plan.run(q, kv_cache, kv_scale=kv_scale, indices=indices, out=out)
+    return plan.run(q, kv_cache, kv_scale=kv_scale, indices=indices, out=out, **extras)

@@ -1,7 +1,7 @@
 """Shared pytest configuration.
 
-- Tests marked ``gpu`` run only where torch sees a CUDA device (the device tool's H100);
-  elsewhere they are skipped with that reason.
+- Tests marked ``gpu`` run only where torch sees a CUDA device; elsewhere they are skipped with
+  :data:`GPU_SKIP_REASON`, which says what to run where there is one.
 - Every test gets a fresh random seed, printed in the header, so failures can be replayed
   with ``MLA_DISPATCH_SEED=<seed>``.
 - After each ``gpu`` test the caching allocator's free blocks go back to the driver, so an idle
@@ -22,6 +22,9 @@ import torch
 
 SEED = int(os.environ.get("MLA_DISPATCH_SEED", random.SystemRandom().randrange(1 << 31)))
 
+#: Why a ``gpu`` test is skipped here, and what a user with a GPU runs (tests/test_docs.py holds it to the README).
+GPU_SKIP_REASON = 'needs a CUDA GPU; where there is one: python -m pytest -q -m gpu (README "GPU tests")'
+
 
 def pytest_report_header(config):
     return f"mla_dispatch test seed: {SEED} (replay with MLA_DISPATCH_SEED={SEED})"
@@ -30,7 +33,7 @@ def pytest_report_header(config):
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device tool: see README 'GPU runs')")
+    skip = pytest.mark.skip(reason=GPU_SKIP_REASON)
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

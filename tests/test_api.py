@@ -55,6 +55,10 @@ BAD_INPUTS = [
     ("sparse-causal", dict(q=torch.randn(2, 2, 4, 64, dtype=BF), indices=torch.zeros(2, 2, 4, dtype=torch.int32), causal=True), ValueError, "causal=True cannot be combined with sparse indices"),
     ("scale-neg", dict(softmax_scale=-1.0), ValueError, "softmax_scale must be a finite positive float, got -1.0"),
     ("q-type", dict(q=[1, 2]), TypeError, "q must be a torch.Tensor, got list"),
+    ("seqlens-list", dict(cache_seqlens=[10, 7]), TypeError,
+     r"cache_seqlens must be a torch.Tensor \(int32 \[batch\]\) on q's device, got list \(e.g. torch.tensor"),
+    ("table-list", dict(block_table=[[0, 1, 2], [3, 4, 5]]), TypeError, r"block_table must be a torch.Tensor \(int32"),
+    ("indices-list", dict(indices=[[[0, 1]], [[2, -1]]]), TypeError, r"indices must be a torch.Tensor \(int32"),
     ("backend", dict(backend="fastest"), ValueError, "unknown backend 'fastest'"),
 ]
 

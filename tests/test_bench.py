@@ -201,6 +201,27 @@ def test_host_time_is_the_wall_clock_of_the_call():
     assert "host plan / run / call µs" in head and "× FlashMLA" in head
 
 
+def test_every_row_gets_its_ratio_to_each_peer():
+    """'× FlashMLA' and '× FA3': each row's CUDA-graph time over that peer's, the whole eager call's where either has
+    no graph time; a peer that failed gives no ratio."""
+    from mla_dispatch.tools.peers import PEER_FA3, PEER_FLASHMLA
+
+    rows = [bench.BenchRow("c", "cuda_sm90", "", "ok", us_graph=120.0, us_call=150.0),
+            bench.BenchRow("c", "triton", "", "ok", us_call=300.0),
+            bench.BenchRow("c", PEER_FLASHMLA, "", "ok", us_graph=100.0, us_call=130.0),
+            bench.BenchRow("c", PEER_FA3, "", "ok", us_graph=80.0, us_call=100.0)]
+    bench._ratios_to_peers(rows)
+    assert (rows[0].x_flashmla, rows[0].x_fa3) == (pytest.approx(1.2), pytest.approx(1.5))
+    assert (rows[1].x_flashmla, rows[1].x_fa3) == (pytest.approx(300 / 130), pytest.approx(3.0))
+    assert (rows[3].x_flashmla, rows[3].x_fa3) == (pytest.approx(0.8), pytest.approx(1.0))
+    head, _, line = bench.format_table(rows[:1]).splitlines()
+    assert "| × FlashMLA | × FA3 |" in head and "| 1.200 | 1.500 |" in line
+    rows[3].status = "wrong"
+    rows[0].x_fa3 = None
+    bench._ratios_to_peers(rows)
+    assert rows[0].x_fa3 is None and rows[0].x_flashmla == pytest.approx(1.2)
+
+
 def test_ordered_tables_hold_each_requests_blocks_in_order(seed):
     cfg = bench.BenchConfig(4, 1, 16, 300, varlen=True, page_size=16, ordered=True)
     case = bench.make_bench_case(cfg, seed=seed)
@@ -212,3 +233,18 @@ def test_ordered_tables_hold_each_requests_blocks_in_order(seed):
     shuffled = bench.make_bench_case(bench.BenchConfig(4, 1, 16, 300, varlen=True, page_size=16), seed=seed)
     flat_r = [i for b in range(4) for i in shuffled.block_table[b, : -(-int(shuffled.cache_seqlens[b]) // 16)].tolist()]
     assert flat_r != list(range(len(flat_r)))
+
+
+def test_backends_help_says_what_runs_by_default_on_a_cpu():
+    """The help of --backends matches :func:`bench.default_backends`: on a CPU the reference and every backend that
+    imports (amla_emulation aside), no 'auto'; on a GPU no reference, and 'auto' where more than one would run."""
+    text = " ".join(bench.parser().format_help().split())
+    assert "on a GPU, 'auto' beside them where more than one does" in text
+    assert "the reference, the oracle, only on a CPU" in text and "TRITON_INTERPRET=1 with --dtype fp16" in text
+    from mla_dispatch.dispatch.registry import get_backend, registered_names
+
+    importable = [n for n in registered_names() if not get_backend(n).availability_reasons() and n != "amla_emulation"]
+    assert bench.default_backends(torch.device("cpu")) == importable
+    gpu = bench.default_backends(torch.device("cuda"))
+    others = [n for n in importable if n != "reference"]
+    assert gpu == (["auto"] + others if len(others) > 1 else others)

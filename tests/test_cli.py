@@ -36,7 +36,8 @@ def test_info_lists_platform_and_every_backend(capsys):
     assert main(["info", "--heads", "16", "--page-size", "16"]) == 0
     out = capsys.readouterr().out
     assert "platform: cpu" in out or not NO_CUDA
-    for name in ("reference", "triton", "cuda_sm90", "flashmla", "flashinfer", "aiter", "ascend_amla", "torch_npu"):
+    for name in ("reference", "triton", "cuda_sm90", "flashmla", "fa3", "flashinfer", "aiter", "ascend_amla",
+                 "torch_npu"):
         assert f"  {name}@" in out, name
     if NO_CUDA:
         assert "auto would choose: reference" in out
@@ -53,6 +54,17 @@ def test_demo_checks_against_float64_and_says_so(capsys):
     similarity = float(check.split("cosine similarity ")[1].split(";")[0])
     assert 0.99999 < similarity <= 1.0 and check.endswith("within tolerance")
     assert "cos 0" not in out
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="checks the CPU path of demo")
+def test_demo_dtype_fp16(capsys):
+    """``--dtype fp16`` makes q and the cache fp16 (how the Triton kernel runs on a CPU, under TRITON_INTERPRET=1)."""
+    assert main(["demo", "--dtype", "fp16", "--lengths", "40,0,9", "--heads", "4", "--seed", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "q=fp16 kv=fp16" in out and out.strip().endswith("PASS")
+    assert main(["demo", "--dtype", "fp16", "--kv-format", "fp8_e4m3", "--lengths", "40,9", "--heads", "4"]) == 0
+    assert "q=fp16 kv=fp8_e4m3" in capsys.readouterr().out
+    _one_line_error(capsys, ["demo", "--dtype", "fp16", "--kv-format", "bf16"], "--kv-format", "--dtype fp16")
 
 
 class _WrongDemoBackend(ReferenceBackend):
@@ -90,6 +102,9 @@ BAD_ARGUMENTS = [
     pytest.param(["demo", "--device", "xyz"], ["--device", "not a torch device"], id="demo-device-name"),
     pytest.param(["demo", "--lengths", "abc"], ["--lengths", "comma-separated integers >= 0"], id="demo-lengths"),
     pytest.param(["demo", "--lengths", "5,-3"], ["--lengths", "'5,-3'"], id="demo-lengths-negative"),
+    pytest.param(["demo", "--lengths", "-5,10"], ["--lengths", "integers >= 0", "'-5,10'"],
+                 id="demo-lengths-negative-first"),
+    pytest.param(["demo", "--heads", "-2"], ["--heads", "integer >= 1", "'-2'"], id="demo-heads-negative"),
     pytest.param(["demo", "--lengths", ""], ["--lengths"], id="demo-lengths-empty"),
     pytest.param(["demo", "--page-size", "0"], ["--page-size", "integer >= 1"], id="demo-page-size"),
     pytest.param(["demo", "--heads", "0"], ["--heads", "integer >= 1"], id="demo-heads"),
@@ -190,3 +205,14 @@ def test_the_module_entry_point_exits_with_the_status(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip() == ("python -m mla_dispatch demo: error: argument --page-size: expected an integer >= 1, "
                                 "got '0' (see --help)")
+
+
+def test_a_closed_pipe_ends_quietly():
+    """``python -m mla_dispatch --help | head -3``: the reader closes the pipe early; no BrokenPipeError traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "mla_dispatch", "--help"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # closed before the child writes: its first write meets EPIPE
+    err = proc.stderr.read().decode()
+    proc.stderr.close()
+    assert proc.wait(timeout=300) == 1
+    assert "Traceback" not in err and "BrokenPipe" not in err, err

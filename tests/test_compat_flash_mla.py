@@ -419,6 +419,24 @@ def test_attn_sink_nan_is_not_a_silent_zero_and_its_shape_is_checked(gen):
                                       is_fp8_kvcache=True, indices=c.indices, attn_sink=bad)
 
 
+def test_sparse_deepseek_v4_model1(gen):
+    """FlashMLA's MODEL1 call as its test makes it: d 512, the 584-byte cache as a float8_e4m3fn view of padded
+    blocks, topk_length, a sink, an extra cache with its own page size and extra_topk_length; sgl-flash-mla's
+    kv_format="V4" names the same cache."""
+    c = make_case(3, 2, 64, 300, topk=64, page_size=61, topk_length=True, attn_sink=True, extra_topk=32,
+                  extra_page_size=2, extra_topk_length=True, head_dim_qk=512, head_dim_v=512, kv_format="fp8_ds_v4",
+                  generator=gen)
+    want = naive_attention(c)
+    kv, extra_kv = c.kv_cache.view(torch.float8_e4m3fn), c.extra_kv_cache.view(torch.float8_e4m3fn)
+    meta, _ = fm.get_mla_metadata()
+    for kv_format in (None, "V4"):
+        out, lse = fm.flash_mla_with_kvcache(
+            c.q, kv, None, None, 512, meta, None, c.softmax_scale, False, True, c.indices, c.attn_sink, extra_kv,
+            c.extra_indices, c.topk_length, c.extra_topk_length, out=_nan_out(c), kv_format=kv_format)
+        check(out, lse, *want)
+    assert meta.plan.problem.kv_format == "fp8_ds_v4" and meta.plan.problem.extra_page_size == 2
+
+
 # -- the import alias ---------------------------------------------------------------------------
 
 
@@ -663,19 +681,21 @@ def test_kv_format_names(gen):
     out, lse = call(c.kv_cache, "V32")
     check(out, lse, *naive_attention(c))
     assert torch.equal(out, call(c.kv_cache, None)[0])
-    for name in ("V32_NO_ROPE", "V4", "V41", "V41_FP4"):
+    for name in ("V32_NO_ROPE", "V41", "V41_FP4"):
         with pytest.raises(NotImplementedError, match=f"kv_format='{name}'.* not provided"):
             call(c.kv_cache, name)
     with pytest.raises(fm.FlashMLAArgumentError, match="Unknown kv_format: 'v32'"):
         call(c.kv_cache, "v32")
     with pytest.raises(fm.FlashMLAArgumentError, match="kv_format says V32"):
         call(c.kv_cache[..., :576].contiguous(), "V32")
+    with pytest.raises(fm.FlashMLAArgumentError, match="kv_format says V4"):
+        call(c.kv_cache, "V4")
 
 
 def test_fp8_caches_told_by_their_bytes_per_token(gen):
     q = torch.randn(2, 1, 64, 512, generator=gen).to(torch.bfloat16)
     table, lens = torch.zeros(2, 1, dtype=torch.int32), torch.full((2,), 3, dtype=torch.int32)
-    for token_bytes in (528, 584, 288):  # DeepSeek-V3.2-no-RoPE / V4.1, V4, V4.1 fp4
+    for token_bytes in (528, 288):  # DeepSeek-V3.2-no-RoPE / V4.1, V4.1 fp4
         cache = torch.zeros(1, 64, 1, token_bytes, dtype=torch.uint8)
         with pytest.raises(NotImplementedError, match=f"k_cache: the .*{token_bytes} bytes per token"):
             fm.flash_mla_with_kvcache(q, cache, table, lens, 512, _fresh_meta())

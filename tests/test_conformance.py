@@ -61,6 +61,20 @@ class Bf16Only(ReferenceBackend):
     SUPPORTS_SPARSE = False
 
 
+class Fp16Only(ReferenceBackend):
+    """Declines bf16 queries, as the Triton kernel does under TRITON_INTERPRET=1."""
+
+    NAME = "test_conf_fp16_only"
+    Q_DTYPES = frozenset({torch.float16})
+    runs = 0
+
+    @classmethod
+    def run(cls, state, q, kv_cache, block_table, cache_seqlens, **kw):
+        assert q.dtype == torch.float16
+        cls.runs += 1
+        super().run(state, q, kv_cache, block_table, cache_seqlens, **kw)
+
+
 def _cases(*names):
     by_name = {c.name: c for c in conformance.case_set(quick=False)}
     return [by_name[n] for n in names]
@@ -139,10 +153,14 @@ def test_unsupported_cells_carry_the_backends_reason(registered, seed):
 
 
 def test_all_pass_exits_zero(capsys, seed):
-    rc = conformance.main(["--quick", "--backends", "amla_emulation", "--quiet", "--seed", str(seed)])
+    """The reference's own cells (the oracle against itself) are not counted among the passes."""
+    rc = conformance.main(["--quick", "--backends", "reference,amla_emulation", "--quiet", "--seed", str(seed)])
     captured = capsys.readouterr()
     assert rc == 0, captured.err
-    assert "cell(s) checked against the reference: all pass" in captured.out
+    quick = conformance.case_set(quick=True)
+    amla = sum(c.params.get("kv_format") is None and not c.params.get("topk") for c in quick)
+    assert (f"{amla} cell(s) checked against the reference: all pass; {len(quick) - amla} unsupported; "
+            f"{len(quick)} cell(s) of the reference itself, not counted") in captured.out
 
 
 def test_nothing_checked_exits_nonzero(capsys, seed):
@@ -153,3 +171,56 @@ def test_nothing_checked_exits_nonzero(capsys, seed):
     assert "pass or are unsupported" not in captured.out + captured.err
     rc = conformance.main(["--quick", "--backends", "reference", "--quiet", "--seed", str(seed)])
     assert rc == 1 and "only the reference ran, and it is the oracle itself" in capsys.readouterr().err
+
+
+def test_dtype_replaces_every_cases_q_dtype(registered, tmp_path, capsys, seed):
+    """``--dtype fp16``: every row runs fp16 q (and cache), so an fp16-only backend (Triton in the interpreter) is
+    checked on every row instead of declining all but the fp16 one."""
+    name = registered(Fp16Only)
+    cases = _cases("baseline", "fp8_e4m3", "fp16")
+    as_given = conformance.run_conformance(cases, [name], device=CPU, seed=seed, progress=False)
+    assert as_given["baseline"][name].status == "unsupported" and "q dtype=bfloat16" in as_given["baseline"][name].detail
+    assert as_given["fp16"][name].status == "pass"
+    fp16 = conformance.run_conformance(cases, [name], device=CPU, seed=seed, progress=False, dtype=torch.float16)
+    assert {c: row[name].status for c, row in fp16.items()} == {"baseline": "pass", "fp8_e4m3": "pass", "fp16": "pass"}
+    Fp16Only.runs = 0
+    path = tmp_path / "conf.json"
+    rc = conformance.main(["--quick", "--dtype", "fp16", "--backends", name, "--quiet", "--seed", str(seed),
+                           "--json", str(path)])
+    assert rc == 0, capsys.readouterr().err
+    assert "fp16 throughout" in capsys.readouterr().out
+    doc = json.loads(path.read_text())
+    assert doc["dtype"] == "fp16"
+    statuses = [cell["status"] for row in doc["matrix"].values() for cell in row.values()]
+    assert statuses.count("pass") == len(statuses) == Fp16Only.runs  # the reference runs everything, fp16 too
+
+
+def test_the_reference_column_is_the_oracle_not_passes(seed):
+    """On a CPU the default columns include the reference: its cells compare it with itself, so they read
+    ``oracle`` and the summary counts only the other backends' passes."""
+    cases = _cases("baseline", "fp8_e4m3")
+    matrix = conformance.run_conformance(cases, ["reference", "amla_emulation"], device=CPU, seed=seed, progress=False)
+    assert [matrix[c]["reference"].status for c in matrix] == ["oracle", "oracle"]
+    assert matrix["baseline"]["amla_emulation"].status == "pass"
+    text = conformance.format_matrix(matrix, ["reference", "amla_emulation"])
+    assert "| baseline | oracle | pass |" in text and "not counted as passes" in text
+
+
+def test_a_vendor_library_that_aborts_fails_its_cell_and_the_run_goes_on(registered, seed):
+    """A vendor backend's cells run in a child process: the cell whose call aborts the process reads ERROR with how
+    the child died and the vendor's own assert text; a fresh child runs that backend's next cells; the other
+    backends' cells run as usual, and this process lives on."""
+    from fakes.fake_abort import ASSERT_TEXT, AbortingVendorBackend
+
+    name = registered(AbortingVendorBackend)
+    assert conformance.isolated(name) and not conformance.isolated("amla_emulation")
+    small = dict(batch=2, q_len=1, num_heads_q=4, seqlen=40, page_size=16, varlen=True)
+    cases = [conformance.ConformanceCase("small", "576/512", small),
+             conformance.ConformanceCase("small d=512/512", "the vendor aborts", {**small, "head_dim_qk": 512}),
+             conformance.ConformanceCase("small fp16", "after the abort", {**small, "dtype": torch.float16})]
+    matrix = conformance.run_conformance(cases, ["amla_emulation", name], device=CPU, seed=seed, progress=False)
+    assert {c: row["amla_emulation"].status for c, row in matrix.items()} == dict.fromkeys(matrix, "pass")
+    assert matrix["small"][name].status == "pass" and matrix["small fp16"][name].status == "pass"
+    died = matrix["small d=512/512"][name]
+    assert died.status == "error", died
+    assert "died of SIGABRT in this cell" in died.detail and ASSERT_TEXT in died.detail, died.detail

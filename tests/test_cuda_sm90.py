@@ -576,6 +576,76 @@ def test_sparse_cache_blocks_with_padding(fmt, ps, gen):
     _run_and_check(_plan(case), case)
 
 
+# DeepSeek-V4 (fp8_ds_v4, FlashMLA's MODEL1) and FlashMLA's optional sparse arguments: (b, s_q, h_q, page, topk,
+# extra (topk, page) or None, topk_length, extra_topk_length, sink, kv_format). FlashMLA's own shapes (page 256 + an
+# extra cache on pages of 64 / 2, topk 128 + 512 / 1024) and odd ones (pages of 61 / 2, h_q 16 / 3, topk 40).
+V4_GRID = [
+    (2, 2, 64, 256, 128, (512, 64), False, False, True, "fp8_ds_v4"),
+    (4, 2, 128, 256, 128, (1024, 2), False, True, True, "fp8_ds_v4"),
+    (3, 1, 16, 61, 40, (24, 2), True, True, True, "fp8_ds_v4"),
+    (3, 2, 3, 64, 64, None, True, False, False, "fp8_ds_v4"),
+    (2, 2, 64, 64, 256, None, True, False, True, "fp8_ds_mla"),
+    (2, 1, 16, 16, 96, (32, 5), True, False, True, "bf16"),
+]
+
+
+def _v4_id(c):
+    b, s, h, ps, topk, extra, tl, etl, sink, fmt = c
+    return (f"{fmt}-b{b}xs{s}xh{h}-ps{ps}-topk{topk}" + (f"+{extra[0]}ps{extra[1]}" if extra else "")
+            + ("-len" if tl else "") + ("-xlen" if etl else "") + ("-sink" if sink else ""))
+
+
+def _v4_case(cfg, gen):
+    b, s_q, h_q, ps, topk, extra, tl, etl, sink, fmt = cfg
+    dims = dict(head_dim_qk=512, head_dim_v=512) if fmt == "fp8_ds_v4" else {}
+    return make_case(b, s_q, h_q, 4 * topk, page_size=ps, topk=topk, kv_format=fmt, topk_length=tl, attn_sink=sink,
+                     extra_topk=extra[0] if extra else 0, extra_page_size=extra[1] if extra else None,
+                     extra_topk_length=etl, zero_len_rows=1, device="cuda", generator=gen, **dims)
+
+
+@pytest.mark.parametrize("cfg", V4_GRID, ids=[_v4_id(c) for c in V4_GRID])
+def test_sparse_v4_and_optional_arguments(cfg, gen):
+    """DeepSeek-V4's cache and FlashMLA's topk_length / attn_sink / extra cache on mainloop v2 (the extra cache by a
+    second launch merged in the adapter), twice into fresh poison; forced splits with the combine inside and after the
+    decode launch."""
+    case = _v4_case(cfg, gen)
+    for options in ({}, {"fuse_combine": True, "min_chunks_per_part": 1}, {"fuse_combine": False}):
+        plan = _plan(case, **options)
+        assert plan.backend == "cuda_sm90" and plan.state.launch.variant == cuda_sm90.WGMMA
+        for _ in range(2):
+            out, lse = poisoned_outputs(case)
+            plan.run(case.q, case.kv_cache, indices=case.indices, out=out, lse=lse, **case.sparse_extras())
+            torch.cuda.synchronize()
+            _check(case, out, lse)
+
+
+def test_sparse_v4_cuda_graph(gen):
+    """A V4 plan with every optional argument is captured and replays new topk lengths and sinks written in place."""
+    case = _v4_case((4, 2, 64, 256, 128, (512, 64), True, True, True, "fp8_ds_v4"), gen)
+    plan = plan_decode(*case.args(), backend="cuda_sm90", cuda_graph=True, **case.kwargs())
+    out, lse = poisoned_outputs(case)
+    run = lambda: plan.run(case.q, case.kv_cache, indices=case.indices, out=out, lse=lse,  # noqa: E731
+                           **case.sparse_extras())
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    original = case.topk_length.clone()  # entries past it hold ids that must not be read: lengths may only shrink
+    for _ in range(2):
+        shrink = torch.rand(original.shape, generator=gen).to("cuda")
+        case.topk_length.copy_((original * shrink).to(torch.int32))
+        case.attn_sink.copy_(torch.randn(case.attn_sink.shape, generator=gen).to("cuda"))
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(case, out, lse)
+
+
 def test_sparse_out_with_strided_rows(gen):
     """out whose (b, s) rows cannot be flattened (a slice of a larger buffer) is written through a copy."""
     case = _sparse_case((3, 2, 16, 1, 600, 64, 128, "bf16", 0), gen)

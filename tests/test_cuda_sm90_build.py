@@ -67,10 +67,15 @@ def test_missing_nvcc_is_a_clear_error(monkeypatch):
 
 
 def test_build_cli_reports_failure(monkeypatch, capsys):
+    """``python -m mla_dispatch build`` reaches the kernel's build through the backend (tools/build.py)."""
+    from mla_dispatch.tools.cli import main
+
     monkeypatch.setattr(build, "nvcc_path", lambda: None)
     build.load_sm90.cache_clear()
-    assert build.main([]) == 1
-    assert "needs nvcc" in capsys.readouterr().err
+    assert main(["build"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("python -m mla_dispatch build: error: cuda_sm90: ") and "needs nvcc" in err
+    assert len(err.splitlines()) == 1
     build.load_sm90.cache_clear()
 
 
@@ -82,7 +87,7 @@ def test_backend_declares_capabilities_and_reasons():
 
     cls = get_backend("cuda_sm90")
     assert cls.NAME == "cuda_sm90"
-    assert cls.KV_FORMATS == {"bf16", "fp16", "fp8_e4m3", "fp8_ds_mla"}
+    assert cls.KV_FORMATS == {"bf16", "fp16", "fp8_e4m3", "fp8_ds_mla", "fp8_ds_v4"}
     problem = DecodeProblem(batch=2, q_len=1, num_heads_q=16, num_heads_kv=1, head_dim_qk=512, head_dim_v=512,
                             page_size=16, max_blocks=4, q_dtype=torch.float32, kv_format="bf16", causal=False,
                             topk=8, return_lse=True, device_type="cpu", batch_invariant=True)

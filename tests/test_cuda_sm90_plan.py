@@ -43,9 +43,11 @@ def test_plan_constants_match_config_h():
     assert (consts["kEtapMaxRows"], consts["kEtapFp8MaxRows"], consts["kFp8tMaxRows"]) == (
         cuda_sm90.ETAP_MAX_ROWS, cuda_sm90.ETAP_FP8_MAX_ROWS, cuda_sm90.FP8T_MAX_ROWS)
     assert consts["kFusedMaxSplits"] == cuda_sm90.FUSED_MAX_SPLITS
-    assert {(consts["kHeadDimQK"], consts["kHeadDimV"])} == CudaSM90Backend.HEAD_DIMS
-    assert (enums["kKvSameAsQ"], enums["kKvFp8E4M3"], enums["kKvFp8DsMla"]) == (
-        KV_FORMAT_CODES["bf16"], KV_FORMAT_CODES["fp8_e4m3"], KV_FORMAT_CODES["fp8_ds_mla"])
+    assert {(consts["kHeadDimQK"], consts["kHeadDimV"]), (consts["kDsV4HeadDim"],) * 2} == CudaSM90Backend.HEAD_DIMS
+    assert consts["kDsV4HeadDim"] == cuda_sm90.DS_V4_HEAD_DIM
+    assert (enums["kKvSameAsQ"], enums["kKvFp8E4M3"], enums["kKvFp8DsMla"], enums["kKvFp8DsV4"]) == (
+        KV_FORMAT_CODES["bf16"], KV_FORMAT_CODES["fp8_e4m3"], KV_FORMAT_CODES["fp8_ds_mla"],
+        KV_FORMAT_CODES["fp8_ds_v4"])
     assert KV_FORMAT_CODES["fp16"] == enums["kKvSameAsQ"]
     mainloops = {name: enums[name] for name in ("kWgmma", "kSeesaw", "kEtap", "kFp8Convert", "kFp8Regs", "kSeesawFp8")}
     assert tuple(mainloops.values()) == (cuda_sm90.WGMMA, cuda_sm90.SEESAW, cuda_sm90.ETAP, cuda_sm90.FP8_CONVERT,

@@ -62,7 +62,7 @@ def fake_backends(monkeypatch):
 @pytest.mark.parametrize(
     "platform,expected",
     [
-        (SM90, ("cuda_sm90", "flashmla", "flashinfer", "triton", "reference")),
+        (SM90, ("cuda_sm90", "flashmla", "fa3", "flashinfer", "triton", "reference")),
         (SM100, ("flashinfer", "triton", "reference")),
         (SM80, ("triton", "flashinfer", "reference")),
         (MI300X, ("aiter", "triton", "reference")),
@@ -84,6 +84,7 @@ def test_first_feasible_backend_wins(fake_backends, platform, chosen):
 def test_infeasible_backends_are_skipped(fake_backends):
     registry.register_backend("cuda_sm90", _fake_backend("cuda_sm90", PAGE_SIZES=frozenset({64})), replace=True)
     registry.register_backend("flashmla", _fake_backend("flashmla", PAGE_SIZES=frozenset({64})), replace=True)
+    registry.register_backend("fa3", _fake_backend("fa3", PAGE_SIZES=frozenset({64})), replace=True)
     assert select.select_backend(problem(page_size=16), SM90).NAME == "flashinfer"
     report = select.explain(problem(page_size=16), SM90)
     assert [r.message for r in report.candidates[0][2]] == ["page_size=16 (supported: {64})"]
@@ -246,9 +247,9 @@ def test_importing_mla_dispatch_imports_no_backend_or_kernel_library():
     code = textwrap.dedent("""
         import sys, mla_dispatch
         from mla_dispatch.tools.info import report
-        heavy = [m for m in ("triton", "flash_mla", "flashinfer", "aiter", "torch_npu",
-                             "mla_dispatch.backends.triton", "mla_dispatch.backends.cuda_sm90",
-                             "mla_dispatch.backends.flashinfer") if m in sys.modules]
+        heavy = [m for m in ("triton", "flash_mla", "flashinfer", "aiter", "torch_npu", "flash_attn_interface",
+                             "vllm", "sgl_kernel", "mla_dispatch.backends.triton", "mla_dispatch.backends.cuda_sm90",
+                             "mla_dispatch.backends.flashinfer", "mla_dispatch.backends.fa3") if m in sys.modules]
         print(heavy)
     """)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -279,8 +280,8 @@ def test_a_backend_registered_with_a_priority_takes_its_place_in_the_default_ord
     """One place to register a backend: its registry row's priority is where ``auto`` tries it, per platform."""
     registry.register_backend("ranked_plugin", _fake_backend("ranked_plugin"), priority={"sm90": 15, "cpu": 5})
     try:
-        assert select.priority(problem(), SM90) == ("cuda_sm90", "ranked_plugin", "flashmla", "flashinfer", "triton",
-                                                    "reference")
+        assert select.priority(problem(), SM90) == ("cuda_sm90", "ranked_plugin", "flashmla", "fa3", "flashinfer",
+                                                    "triton", "reference")
         assert select.priority(problem(device_type="cpu"), CPU) == ("ranked_plugin", "reference")
         assert "ranked_plugin" not in select.priority(problem(), SM100), "absent from the platforms it does not name"
         with pytest.raises(ValueError, match="platform keys"):

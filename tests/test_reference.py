@@ -107,17 +107,17 @@ def test_scale_outputs_scales_the_outputs_not_the_scores(gen):
 def test_reference_work_follows_the_tokens_not_the_tables_width(batch_invariant, gen, monkeypatch):
     """Two requests of 10 and 3 tokens in a 2,000-column table (page 16: 32,000 positions each) once gathered and
     decoded every position (a 20,000-column table at page 64 took 18-27 s and 9.2 GB). The oracle's one gather
-    (dequantize_tokens) is wrapped to count what it decodes; the result is checked against tests/oracle64."""
+    (gather_tokens) is wrapped to count what it decodes; the result is checked against tests/oracle64."""
     import mla_dispatch.numerics.oracle as oracle_mod
 
     decoded = []
-    real = oracle_mod.dequantize_tokens
+    real = oracle_mod.gather_tokens
 
-    def counting(tokens, *args, **kwargs):
-        decoded.append(tokens.shape[:-2].numel())
-        return real(tokens, *args, **kwargs)
+    def counting(kv_cache, blocks, offsets, *args, **kwargs):
+        decoded.append(torch.broadcast_shapes(blocks.shape, offsets.shape).numel())
+        return real(kv_cache, blocks, offsets, *args, **kwargs)
 
-    monkeypatch.setattr(oracle_mod, "dequantize_tokens", counting)
+    monkeypatch.setattr(oracle_mod, "gather_tokens", counting)
     case = make_case(2, 2, 4, 10, page_size=16, causal=True, generator=gen, varlen=False)
     case.cache_seqlens[1] = 3
     wide = torch.full((2, 2000), 7, dtype=torch.int32)  # every entry a valid block: only the lengths bound the work

@@ -3,7 +3,7 @@
 Fresh random data every run (the session seed in the header replays it), output
 poisoned with NaN before every run, NaN in every unused cache slot and garbage
 block ids past every request's length (``make_case``). Speed is never asserted
-here: see ci/bench_triton.py. The registered op ``torch.ops.mla_dispatch.triton_decode``
+here: see dev/bench_triton.py. The registered op ``torch.ops.mla_dispatch.triton_decode``
 (a ``triton_op`` on the GPU) is checked with ``torch.library.opcheck`` and under
 ``torch.compile(fullgraph=True)``.
 """
@@ -17,6 +17,8 @@ from mla_dispatch.numerics.cases import case_reference, make_case, poisoned_outp
 from mla_dispatch.numerics.tolerance import compare_outputs
 
 pytestmark = pytest.mark.gpu
+
+_V4 = dict(head_dim_qk=512, head_dim_v=512, kv_format="fp8_ds_v4")
 
 # (make_case kwargs, make_state overrides); ids are generated from the kwargs
 CASES = [
@@ -130,6 +132,16 @@ CASES = [
      dict(spec="hM64-n64-w8-tma-gl", num_parts=24, overhead=1)),
     (dict(batch=2, q_len=1, num_heads_q=16, seqlen=2000, page_size=1, kv_format="fp8_e4m3", varlen=False),
      dict(spec="hM64-n64-w8-tma-gl")),
+    # DeepSeek-V4 (fp8_ds_v4) with FlashMLA's optional sparse arguments, bf16 queries (the interpreter runs fp16 only):
+    # each rows bucket's config, FlashMLA's shapes (page 256, an extra cache on pages of 64 / 2), forced splits
+    (dict(batch=3, q_len=2, num_heads_q=64, seqlen=2000, page_size=256, topk=128, extra_topk=512, extra_page_size=64,
+          attn_sink=True, **_V4), {}),
+    (dict(batch=4, q_len=2, num_heads_q=128, seqlen=2000, page_size=256, topk=128, extra_topk=1024,
+          extra_page_size=2, extra_topk_length=True, attn_sink=True, **_V4), dict(num_parts=40, overhead=1)),
+    (dict(batch=3, q_len=1, num_heads_q=16, seqlen=900, page_size=61, topk=200, topk_length=True, attn_sink=True,
+          zero_len_rows=1, **_V4), dict(num_parts=20, overhead=1)),
+    (dict(batch=2, q_len=2, num_heads_q=32, seqlen=900, page_size=64, topk=256, topk_length=True, attn_sink=True,
+          kv_format="fp8_ds_mla"), {}),
 ]
 
 
@@ -146,6 +158,9 @@ def _case_id(kw: dict, overrides: dict) -> str:
         parts.append("causal")
     if kw.get("topk"):
         parts.append(f"topk{kw['topk']}")
+    if kw.get("extra_topk"):
+        parts.append(f"extra{kw['extra_topk']}ps{kw['extra_page_size']}")
+    parts += [name for name in ("topk_length", "extra_topk_length", "attn_sink") if kw.get(name)]
     if kw.get("zero_len_rows"):
         parts.append("zero")
     if "spec" in overrides:
@@ -199,7 +214,8 @@ def test_triton_gpu_matches_reference(kw, overrides, gen):
     ref_out, ref_lse = case_reference(case)
     for _ in range(2):  # a second run over the same plan and workspace (the kept compiled kernel) must agree
         out, lse = poisoned_outputs(case)
-        plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale, indices=case.indices, out=out, lse=lse)
+        plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale, indices=case.indices, out=out, lse=lse,
+                 **case.sparse_extras())
         torch.cuda.synchronize()
         rep = compare_outputs(out, lse, ref_out, ref_lse, TritonBackend.TOLERANCE)
         assert rep, rep.message

@@ -23,6 +23,8 @@ import sys
 
 import pytest
 
+_V4 = dict(head_dim_qk=512, head_dim_v=512, kv_format="fp8_ds_v4")
+
 # (id, make_case kwargs, make_state overrides)
 CASES = [
     ("fp16-b3xs1xh4-ps16", dict(batch=3, q_len=1, num_heads_q=4, seqlen=40, page_size=16), {}),
@@ -73,6 +75,23 @@ CASES = [
           num_parts=5, overhead=1)),
     ("fp16-tma-d512-b2xs1xh2-ps16", dict(batch=2, q_len=1, num_heads_q=2, seqlen=40, page_size=16, head_dim_qk=512),
      dict(config=dict(block_m=16, block_n=16, num_warps=4, num_stages=2, tma=True, chunk_size=16))),
+    # DeepSeek-V4 (fp8_ds_v4, FlashMLA's MODEL1) with FlashMLA's optional sparse arguments: topk_length, a sink, an
+    # extra cache on pages of 2 with its own length; then split so that items straddle the two lists (40 is no
+    # multiple of the 16-token chunk) and the combine applies the sink; then the chunked dot / V split, whose column
+    # groups straddle the fp8 / bf16 boundary at channel 448
+    ("fp8dsv4-sparse-extras-b3xs2xh3-ps61", dict(batch=3, q_len=2, num_heads_q=3, seqlen=90, page_size=61, topk=40,
+                                                 topk_length=True, attn_sink=True, extra_topk=24, extra_page_size=2,
+                                                 extra_topk_length=True, zero_len_rows=1, **_V4), {}),
+    ("fp8dsv4-split-extras-b2xs1xh4-ps16", dict(batch=2, q_len=1, num_heads_q=4, seqlen=90, page_size=16, topk=40,
+                                                attn_sink=True, extra_topk=24, extra_page_size=5, **_V4),
+     dict(num_parts=5, overhead=1)),
+    ("fp8dsv4-vsplit2-qk128-b2xs1xh2-ps16", dict(batch=2, q_len=1, num_heads_q=2, seqlen=40, page_size=16, topk=24,
+                                                 attn_sink=True, **_V4),
+     dict(config=dict(block_m=16, block_n=16, num_warps=4, num_stages=1, v_split=2, qk_chunk=128, chunk_size=16))),
+    ("fp16-sparse-extras-hkv2-b2xs2xh4-ps16", dict(batch=2, q_len=2, num_heads_q=4, num_heads_kv=2, seqlen=40,
+                                                   page_size=16, topk=20, topk_length=True, attn_sink=True,
+                                                   extra_topk=12, extra_page_size=3, head_dim_qk=192, head_dim_v=128),
+     dict(num_parts=3, overhead=1)),
 ]
 
 
@@ -85,6 +104,9 @@ OPCHECK_CASES = [
      {}),
     ("opcheck-fp8dsmla-b2xs1xh2-ps16", dict(batch=2, q_len=1, num_heads_q=2, seqlen=30, page_size=16,
                                             kv_format="fp8_ds_mla"), {}),
+    ("opcheck-fp8dsv4-extras-b2xs1xh2-ps16", dict(batch=2, q_len=1, num_heads_q=2, seqlen=30, page_size=16, topk=16,
+                                                  topk_length=True, attn_sink=True, extra_topk=8, extra_page_size=4,
+                                                  **_V4), {}),
 ]
 
 TRITON_DECODE_SCHEMA = (
@@ -92,7 +114,9 @@ TRITON_DECODE_SCHEMA = (
     "Tensor? kv_scale, Tensor items, Tensor part_offsets, Tensor num_splits, Tensor first_slot, Tensor(a10!) out, "
     "Tensor(a11!) lse, Tensor(a12!) partial_out, Tensor(a13!) partial_lse, float softmax_scale, bool causal, "
     "str kv_format, SymInt block_m, SymInt block_n, SymInt num_warps, SymInt num_stages, bool tokens_on_m, "
-    "SymInt v_split, SymInt qk_chunk, SymInt max_registers, bool tma, bool gluon, bool fixed_splits=False) -> ()"
+    "SymInt v_split, SymInt qk_chunk, SymInt max_registers, bool tma, bool gluon, bool fixed_splits=False, "
+    "Tensor? topk_length=None, Tensor? attn_sink=None, Tensor? extra_kv_cache=None, Tensor? extra_indices=None, "
+    "Tensor? extra_topk_length=None) -> ()"
 )
 
 
@@ -104,7 +128,8 @@ def triton_op_args(plan, case, out, lse) -> tuple:
     return (case.q, case.kv_cache, None if p.sparse else case.block_table, st.lengths, case.indices, case.kv_scale,
             s.items, s.part_offsets, s.num_splits, st.first_slot, out, lse, st.partial_out, st.partial_lse,
             plan.softmax_scale, p.causal, p.kv_format, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
-            cfg.tokens_on_m, cfg.v_split, cfg.qk_chunk, cfg.max_registers, cfg.tma, cfg.gluon)
+            cfg.tokens_on_m, cfg.v_split, cfg.qk_chunk, cfg.max_registers, cfg.tma, cfg.gluon, s.fixed_splits,
+            case.topk_length, case.attn_sink, case.extra_kv_cache, case.extra_indices, case.extra_topk_length)
 
 
 def _run_op_checks(seed: int) -> None:
@@ -189,7 +214,8 @@ def _run_cases(seed: int) -> None:
             b, s, h, _ = case.q.shape
             out = torch.full((b, s, h, case.head_dim_v), float("nan"), dtype=case.q.dtype)
             lse = torch.full((b, h, s), float("nan"))
-            plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale, indices=case.indices, out=out, lse=lse)
+            plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale, indices=case.indices, out=out, lse=lse,
+                     **case.sparse_extras())
             if plan.state.prepared.kind != plan.state.launch.kernel:
                 raise AssertionError(f"ran {plan.state.prepared.kind}, the plan froze {plan.state.launch}")
             ref_out, ref_lse = reference_attention(*case.args(), **case.kwargs())

@@ -1,4 +1,4 @@
-"""ci/bench_cuda_sm90.py's reading of a run against issue 4's targets: every row's panel, value and verdict follow from
+"""dev/bench_cuda_sm90.py's reading of a run against issue 4's targets: every row's panel, value and verdict follow from
 the raw timings (fresh random timings per seed), configs without a bf16 page-64 counterpart get no relative row, and
 the chart renders from a saved run without a GPU."""
 

@@ -1,4 +1,4 @@
-"""ci/bench_triton.py's chart of a run against issue 3's targets: every row's value and verdict follow from the raw
+"""dev/bench_triton.py's chart of a run against issue 3's targets: every row's value and verdict follow from the raw
 timings, on fresh random results, and the chart renders from a saved run (no GPU)."""
 
 import importlib.util

@@ -1,4 +1,4 @@
-"""ci/sass_ctrl.py decodes the scheduling bits of real sm_90a SASS consistently.
+"""dev/sass_ctrl.py decodes the scheduling bits of real sm_90a SASS consistently.
 
 The fixture is four instructions that `cuobjdump -sass` printed for this repository's v6 kernel
 (bf16 q, 16 rows, fp8_e4m3; nvcc 13.0, sm_90a). Among them is an 8-byte global load of R96:R97 and

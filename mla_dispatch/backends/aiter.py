@@ -37,7 +37,7 @@ import inspect
 
 import torch
 
-from mla_dispatch.dispatch.backend import BackendState, CGSupport, MLABackend, Reason, ReasonCode
+from mla_dispatch.dispatch.backend import ArchSupport, BackendState, CGSupport, MLABackend, Reason, ReasonCode
 from mla_dispatch.metadata.conversions import kv_last_page_lens, token_indices
 from mla_dispatch.dispatch.platform import Platform
 from mla_dispatch.dispatch.problem import DecodeProblem
@@ -105,6 +105,7 @@ class AiterBackend(MLABackend):
     """AMD AITER assembly MLA decode (ROCm gfx942 / gfx950)."""
 
     NAME = "aiter"
+    VENDOR = "AMD AITER"
     DESCRIPTION = "AMD AITER mla_decode_fwd (ROCm MI300X gfx942, MI355X gfx950)"
     PLATFORMS = frozenset({"rocm"})
     ARCHS = frozenset(KERNELS)
@@ -116,6 +117,13 @@ class AiterBackend(MLABackend):
     CUDA_GRAPH = CGSupport.ALWAYS  # persistent buffers owned by the plan, refilled in place
     ANY_OUT_STRIDES = True  # out.copy_(...)
     REQUIRES = ("aiter",)
+    ARCH_SUPPORT = tuple(
+        ArchSupport(arch, f"ROCm {gpu} ({arch})", archs=frozenset({arch}),
+                    notes=f"AITER's mla_decode_fwd: page-1 token indices; h_q and s_q as its kernel table has them "
+                          f"(hsa/{arch}/mla/mla_asm.csv: AITER aborts where none matches), fewer than 16 heads padded "
+                          "to 16",
+                    run_here="no: contract-tested")
+        for arch, gpu in (("gfx942", "MI300X"), ("gfx950", "MI355X")))
 
     @classmethod
     def version(cls) -> str:

@@ -12,7 +12,7 @@ outside the priority table. Ask for it by name::
 
 from __future__ import annotations
 
-from mla_dispatch.dispatch.backend import BackendState, CGSupport, MLABackend, Reason, ReasonCode
+from mla_dispatch.dispatch.backend import ArchSupport, BackendState, CGSupport, MLABackend, Reason, ReasonCode
 from mla_dispatch.numerics.tolerance import Tolerance
 from mla_dispatch.dispatch.problem import DecodeProblem
 
@@ -31,6 +31,8 @@ class AMLAEmulationBackend(MLABackend):
     SUPPORTS_SPARSE = False
     CUDA_GRAPH = CGSupport.NEVER  # reads sequence lengths on the host
     ANY_OUT_STRIDES = True  # out.copy_(...)
+    ARCH_SUPPORT = (ArchSupport("any", "any (by name only)", notes="bit-faithful emulation of the AMLA kernel, its "
+                                                                    "oracle", run_here="yes: CPU"),)
     # Same bounds as the reference comparison of every bf16 kernel (docs/design.md §5): AMLA's
     # extra error (tests/test_amla_emulation.py) stays well inside them.
     TOLERANCE = Tolerance()

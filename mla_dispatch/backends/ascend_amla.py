@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from mla_dispatch.dispatch.backend import BackendState, CGSupport, MLABackend, Reason, ReasonCode
+from mla_dispatch.dispatch.backend import ArchSupport, BackendState, CGSupport, MLABackend, Reason, ReasonCode
 from mla_dispatch.dispatch.problem import DecodeProblem
 
 __all__ = ["AscendAMLABackend"]
@@ -52,6 +52,8 @@ class AscendAMLABackend(MLABackend):
     MAX_HEADS_KV = 1
     MAX_Q_LEN = 4  # rows = s_q * h_q <= 512: two 256-row tiles, one per vector core pair
     CUDA_GRAPH = CGSupport.NEVER  # host tiling from host sequence lengths (aclgraph capture not done)
+    ARCH_SUPPORT = (ArchSupport("910B/910C", "Ascend 910B/910C", notes="our Ascend C kernel of the AMLA algorithm",
+                                run_here="no: not compiled (no CANN); host tiling compiled and tested with g++"),)
 
     @classmethod
     def version(cls) -> str:

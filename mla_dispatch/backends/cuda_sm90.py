@@ -35,8 +35,8 @@ from types import MappingProxyType
 
 import torch
 
-from mla_dispatch.dispatch.backend import (BackendOption, BackendState, CGSupport, MLABackend, Reason, ReasonCode,
-                                           untraced_eager)
+from mla_dispatch.dispatch.backend import (ArchSupport, BackendOption, BackendState, CGSupport, MLABackend, Reason,
+                                           ReasonCode, untraced_eager)
 from mla_dispatch.metadata.schedule import BATCH_INVARIANT_SPLIT_TOKENS, SPLIT_TOKENS_CHOICES, check_invariant_workspace
 from mla_dispatch.kernels.cuda.schedule import native_schedule
 from mla_dispatch.metadata.split_plan import SplitKVLayout, SplitKVPlan
@@ -51,12 +51,13 @@ __all__ = ["CudaSM90Backend", "Mainloop", "MAINLOOPS", "Sm90Launch", "choose_var
 # tests/test_cuda_sm90_plan.py::test_plan_constants_match_config_h reads that file and compares ----
 BLOCK_M = 64  # kBlockM: query rows of a CTA tile of the 64-row mainloops
 BLOCK_N = 64  # kBlockN: KV tokens per mainloop step = split-KV chunk size
+DS_V4_HEAD_DIM = 512  # kDsV4HeadDim: D_qk = D_v of the fp8_ds_v4 cache (DeepSeek-V4), v2's sparse instance only
 WGMMA, SEESAW, ETAP, FP8_CONVERT, FP8_REGS, SEESAW_FP8 = 2, 5, 6, 7, 8, 9  # Mainloop
 SEESAW_MAX_Q_LEN = 64  # kSeesawMaxQLen
 ETAP_MAX_ROWS, ETAP_FP8_MAX_ROWS, FP8T_MAX_ROWS = 32, 16, 32  # kEtapMaxRows, kEtapFp8MaxRows, kFp8tMaxRows
 FUSED_MAX_SPLITS = 1024  # kFusedMaxSplits
 
-_ANY_CACHE = frozenset(KV_FORMAT_CODES)
+_ANY_CACHE = frozenset(KV_FORMAT_CODES) - {"fp8_ds_v4"}
 _16BIT_CACHE = frozenset({"bf16", "fp16"})
 
 
@@ -119,7 +120,7 @@ class Mainloop:
 
 #: the mainloops a plan can pick, by variant number (kernels/cuda/mla_decode_sm90/config.h, Mainloop)
 MAINLOOPS = MappingProxyType({m.variant: m for m in (
-    Mainloop(WGMMA, "mainloop_wgmma.cuh", _ANY_CACHE, sparse=True),
+    Mainloop(WGMMA, "mainloop_wgmma.cuh", _ANY_CACHE | {"fp8_ds_v4"}, sparse=True),
     Mainloop(SEESAW, "mainloop_seesaw.cuh", _16BIT_CACHE, whole_tile_pages=True, max_q_len=SEESAW_MAX_Q_LEN,
              combine_tail=False),
     Mainloop(ETAP, "mainloop_etap.cuh", _ANY_CACHE, max_rows=ETAP_MAX_ROWS, max_rows_fp8=ETAP_FP8_MAX_ROWS),
@@ -404,6 +405,27 @@ class Sm90State(BackendState):
     sparse_lse = None
 
 
+def merge_with_sink(out: torch.Tensor, lse: torch.Tensor, out2: torch.Tensor, lse2: torch.Tensor,
+                    attn_sink: torch.Tensor | None) -> None:
+    """Merge the attention over a second key list (``out2`` ``[B, s_q, h_q, D_v]``, ``lse2`` ``[B, h_q, s_q]``) into
+    ``out`` / ``lse``, in place: the LSE-weighted sum (a list without keys has lse +inf and weight 0; both empty: out
+    0, lse +inf), then the sink's factor ``exp(lse) / (exp(lse) + exp(sink))`` on out. Torch ops (they allocate
+    temporaries)."""
+    l1 = torch.where(torch.isposinf(lse), float("-inf"), lse)
+    l2 = torch.where(torch.isposinf(lse2), float("-inf"), lse2)
+    total = torch.logaddexp(l1, l2)
+    empty = torch.isneginf(total)
+    safe = torch.where(empty, 0.0, total)
+    w1 = torch.exp(l1 - safe).transpose(1, 2)[..., None]
+    w2 = torch.exp(l2 - safe).transpose(1, 2)[..., None]
+    merged = out.float() * w1 + out2.float() * w2
+    if attn_sink is not None:  # sigmoid(lse - sink); a row without keys stays 0
+        factor = torch.where(empty, 0.0, torch.sigmoid(total - attn_sink[None, :, None]))
+        merged = merged * factor.transpose(1, 2)[..., None]
+    out.copy_(torch.where(empty.transpose(1, 2)[..., None], 0.0, merged))
+    lse.copy_(torch.where(empty, float("inf"), total))
+
+
 class CudaSM90Backend(MLABackend):
     """Native SM90 MLA decode (the mainloops of :data:`MAINLOOPS`; see kernels/cuda/mla_decode_sm90/NOTES.md)."""
 
@@ -413,8 +435,9 @@ class CudaSM90Backend(MLABackend):
     MIN_CAPABILITY = (9, 0)
     MAX_CAPABILITY = (9, 0)
     Q_DTYPES = frozenset({torch.bfloat16, torch.float16})
-    KV_FORMATS = frozenset({"bf16", "fp16", "fp8_e4m3", "fp8_ds_mla"})
-    HEAD_DIMS = frozenset({(576, 512)})
+    KV_FORMATS = frozenset({"bf16", "fp16", "fp8_e4m3", "fp8_ds_mla", "fp8_ds_v4"})
+    # 512 / 512: DeepSeek-V4's fp8_ds_v4 cache, sparse (extra_reasons)
+    HEAD_DIMS = frozenset({(576, 512), (DS_V4_HEAD_DIM, DS_V4_HEAD_DIM)})
     PAGE_SIZES = None  # any page size >= 1
     MAX_HEADS_Q = None
     MAX_Q_LEN = None
@@ -422,11 +445,15 @@ class CudaSM90Backend(MLABackend):
     SUPPORTS_LSE = True
     # sparse (top-k) decode: the flattened view of sparse_view on mainloop v2, which skips -1 slots
     SUPPORTS_SPARSE = True
+    # topk_length: the lengths of the flattened view (the kernel ends a sparse item there); attn_sink: v2's epilogue
+    # and the combine; the extra cache: a second launch over its own view, merged here (_run_sparse)
+    SPARSE_EXTRAS = frozenset({"topk_length", "attn_sink", "extra_kv_cache", "extra_topk_length"})
     # batch_invariant=True: fixed-size pieces (fixed_split_schedule), one mainloop per shape (invariant_variant), the
     # per-request combine kernel
     SUPPORTS_BATCH_INVARIANT = True
     CUDA_GRAPH = CGSupport.ALWAYS
     KEEPS_LENGTHS = True  # the split-KV plan's own copy (metadata/split_plan.py), written by its schedule launch
+    ARCH_SUPPORT = (ArchSupport("sm90", "Hopper (sm_90a)", notes="our native CUDA kernel", run_here="yes: H100, H200"),)
     OPTIONS = MappingProxyType({
         "variant": BackendOption(tuple(MAINLOOPS), "the mainloop, instead of the plan's choice (choose_variant): 2 "
                                  "wgmma, 5 two tiles in flight, 6 tokens on M, 7 / 8 tokens on M for fp8_e4m3, 9 v5 "
@@ -447,7 +474,7 @@ class CudaSM90Backend(MLABackend):
     #: 21.5 / 28.0 / 21.3 against 22.6 / 29.2 / 22.7, fp8_e4m3 8-10% faster at b <= 2. Experiments pass
     #: ``backend_options={"min_chunks_per_part": n}``.
     MIN_CHUNKS_PER_PART: int = 1
-    #: the split-KV schedule's fixed cost per work item, in chunks (mla_dispatch/metadata.py; FlashMLA charges 5), per
+    #: the split-KV schedule's fixed cost per work item, in chunks (metadata/schedule.py; FlashMLA charges 5), per
     #: mainloop: what an item costs besides its tiles, read in per-CTA timelines (sixteenth session in
     #: kernels/cuda/mla_decode_sm90/NOTES.md; the timeline build is commit 8b1ee16's). A v2 item's metadata, first
     #: loads and stores take ~7 us, two tiles at b=64 L=8192 h_q=64; with 5 the parts holding one item ran 5 tiles
@@ -465,11 +492,32 @@ class CudaSM90Backend(MLABackend):
 
     @classmethod
     def extra_reasons(cls, problem: DecodeProblem, platform: Platform) -> list[Reason]:
+        reasons = []
+        v4 = problem.kv_format == "fp8_ds_v4"
+        if problem.head_dim_qk == DS_V4_HEAD_DIM and not (v4 and problem.sparse):
+            reasons.append(Reason(ReasonCode.HEAD_DIM, f"D_qk/D_v=512/{problem.head_dim_v} with kv_format="
+                                                       f"{problem.kv_format}{'' if problem.sparse else ', dense'} "
+                                                       "(supported: 576/512; 512/512 only for sparse fp8_ds_v4)"))
+        if problem.batch_invariant and problem.extra_topk:
+            reasons.append(Reason(ReasonCode.FEATURE, "batch_invariant=True with extra_kv_cache (supported: without)"))
         requests = sparse_view(problem).batch  # sparse: one request per query position
         if problem.batch_invariant and requests > 65535:  # the per-request combine's grid y (launch.cu)
-            return [Reason(ReasonCode.FEATURE, f"batch_invariant=True with {requests} requests (batch * s_q for "
-                                               "sparse; supported: <= 65535)")]
-        return []
+            reasons.append(Reason(ReasonCode.FEATURE, f"batch_invariant=True with {requests} requests (batch * s_q "
+                                                      "for sparse; supported: <= 65535)"))
+        return reasons
+
+    @classmethod
+    def build(cls, *, verbose: bool = False) -> str:
+        """Build (or load the cached build of) the extension: ``kernels/cuda/build.py`` (nvcc >= 12.4, CUTLASS).
+
+        Raises
+        ------
+        mla_dispatch.kernels.cuda.build.KernelBuildError
+            nvcc or CUTLASS missing, or the build failed (with the compiler's text).
+        """
+        from mla_dispatch.kernels.cuda.build import SM90_SOURCE_DIR, load_sm90
+
+        return f"built {load_sm90(verbose=verbose).__name__} (sources: {SM90_SOURCE_DIR})"
 
     @classmethod
     def _check_availability(cls) -> list[Reason]:
@@ -503,8 +551,22 @@ class CudaSM90Backend(MLABackend):
         sparse_lse = None
         if problem.sparse and problem.q_len > 1:
             sparse_lse = torch.empty(view.batch, view.num_heads_q, 1, dtype=torch.float32, device=device)
+        extra = None
+        if problem.extra_topk:
+            # the extra cache: its own flattened view (extra_topk tokens, its page size), launched after the main one
+            # into out / lse buffers of its own, then merged (_run_sparse)
+            extra_problem = dataclasses.replace(problem, topk=problem.extra_topk, page_size=problem.extra_page_size,
+                                                cache_numel=problem.extra_cache_numel, extra_topk=0,
+                                                extra_page_size=0, extra_cache_numel=0, topk_length=False,
+                                                extra_topk_length=False, attn_sink=False)
+            extra = cls.plan(extra_problem, platform, None, None, softmax_scale=softmax_scale, options=options)
+            extra.out = torch.empty(problem.batch, problem.q_len, problem.num_heads_q, problem.head_dim_v,
+                                    dtype=problem.q_dtype, device=device)
+            extra.lse = torch.empty(problem.batch, problem.num_heads_q, problem.q_len, dtype=torch.float32,
+                                    device=device)
         return Sm90State(
             split=split,
+            extra=extra,
             lengths=split.lengths,
             sparse_lse=sparse_lse,
             op=load_ops().cuda_sm90_decode.default,
@@ -541,17 +603,26 @@ class CudaSM90Backend(MLABackend):
 
     @classmethod
     def run(cls, state: BackendState, q, kv_cache, block_table, cache_seqlens, *, problem: DecodeProblem,
-            softmax_scale: float, kv_scale, indices, out, lse) -> None:
+            softmax_scale: float, kv_scale, indices, out, lse, topk_length=None, attn_sink=None, extra_kv_cache=None,
+            extra_indices=None, extra_topk_length=None) -> None:
         if problem.sparse:
+            extra = state.extra
+            # with an extra cache the sink is applied once both lists are merged, not by the kernels
             cls._run_sparse(state, q, kv_cache, indices, problem=problem, softmax_scale=softmax_scale,
-                            kv_scale=kv_scale, out=out, lse=lse)
+                            kv_scale=kv_scale, out=out, lse=lse, topk_length=topk_length,
+                            attn_sink=attn_sink if extra is None else None)
+            if extra is not None:
+                cls._run_sparse(extra, q, extra_kv_cache, extra_indices,
+                                problem=dataclasses.replace(problem, topk=problem.extra_topk), softmax_scale=softmax_scale,
+                                kv_scale=None, out=extra.out, lse=extra.lse, topk_length=extra_topk_length)
+                merge_with_sink(out, lse, extra.out, extra.lse, attn_sink)
             return
         cls._launch(state, q, kv_cache, block_table, state.lengths, kv_scale, out, lse, softmax_scale, problem.causal,
                     False)
 
     @staticmethod
     def _launch(state: Sm90State, q, kv_cache, block_table, cache_seqlens, kv_scale, out, lse, softmax_scale: float,
-                causal: bool, sparse: bool) -> None:
+                causal: bool, sparse: bool, attn_sink=None) -> None:
         """The extension's decode (and combine) on these tensors with the plan's schedule, workspace and launch."""
         s, c = state.schedule, state.launch
         # Eager calls on plain tensors skip the dispatcher (binding.cpp; on the H100 host of 2026-11-22 the op
@@ -561,16 +632,19 @@ class CudaSM90Backend(MLABackend):
             q, kv_cache, block_table, cache_seqlens, s.items, s.part_offsets,
             kv_scale if state.kv_format_code == 1 else None, out, lse, state.partial_out, state.partial_lse,
             s.num_splits, state.first_slot, softmax_scale, causal, state.kv_format_code, c.variant,
-            c.tile_rows, c.tma_loads, c.paired, c.fuse_combine, c.fixed_splits, sparse)
+            c.tile_rows, c.tma_loads, c.paired, c.fuse_combine, c.fixed_splits, sparse, attn_sink)
 
     @classmethod
     def _run_sparse(cls, state: Sm90State, q, kv_cache, indices, *, problem: DecodeProblem, softmax_scale: float,
-                    kv_scale, out, lse) -> None:
+                    kv_scale, out, lse, topk_length=None, attn_sink=None) -> None:
         """A sparse run on the flattened view (:func:`sparse_view`): views of q, out and indices (no copy where
         their strides allow one; copies otherwise), the cache as it is (the kernel reads token id ``block *
         page_size + offset`` from its blocks, whatever their stride), the LSE through ``state.sparse_lse`` when
-        s_q > 1."""
+        s_q > 1. ``topk_length`` becomes the view's lengths (written in place: the kernel ends each item there, so
+        entries past it are never read); ``attn_sink`` goes to the kernel."""
         p = problem
+        if topk_length is not None:  # every query position of request b reads its first clamp(topk_length[b]) ids
+            state.lengths.view(p.batch, p.q_len).copy_(topk_length[:, None]).clamp_(0, p.topk)
         rows = p.batch * p.q_len
         q_flat = q.reshape(rows, 1, p.num_heads_q, q.shape[-1])  # a view for a q of contiguous (b, s) rows
         table = indices.reshape(rows, p.topk)
@@ -581,7 +655,7 @@ class CudaSM90Backend(MLABackend):
                     else torch.empty(rows, 1, p.num_heads_q, p.head_dim_v, dtype=out.dtype, device=out.device))
         lse_flat = lse if state.sparse_lse is None else state.sparse_lse
         cls._launch(state, q_flat, kv_cache, table, state.lengths, kv_scale, out_flat, lse_flat, softmax_scale, False,
-                    True)
+                    True, attn_sink)
         if not flat_out:
             out.copy_(out_flat.view(p.batch, p.q_len, p.num_heads_q, p.head_dim_v))
         if state.sparse_lse is not None:  # [B * s_q, h_q, 1] -> [B, h_q, s_q]

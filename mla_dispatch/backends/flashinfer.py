@@ -38,7 +38,7 @@ import math
 
 import torch
 
-from mla_dispatch.dispatch.backend import BackendState, CGSupport, MLABackend, Reason, ReasonCode
+from mla_dispatch.dispatch.backend import ArchSupport, BackendState, CGSupport, MLABackend, Reason, ReasonCode
 from mla_dispatch.numerics.tolerance import Tolerance
 from mla_dispatch.metadata.conversions import repage_block_table
 from mla_dispatch.dispatch.platform import Platform
@@ -111,6 +111,7 @@ class FlashInferBackend(MLABackend):
     """FlashInfer: MLA paged wrapper on SM80/SM90, trtllm-gen decode on SM100."""
 
     NAME = "flashinfer"
+    VENDOR = "FlashInfer"
     DESCRIPTION = "FlashInfer BatchMLAPagedAttentionWrapper (SM80/90) / trtllm-gen MLA decode (SM100)"
     PLATFORMS = frozenset({"cuda"})
     MIN_CAPABILITY = (8, 0)
@@ -123,6 +124,23 @@ class FlashInferBackend(MLABackend):
     CUDA_GRAPH = CGSupport.ALWAYS  # wrapper in use_cuda_graph mode with plan-owned buffers
     ANY_OUT_STRIDES = True  # out.copy_(...) where out is not contiguous
     REQUIRES = ("flashinfer",)
+    # First match wins: on SM100/SM103 the adapter runs trtllm-gen, elsewhere (SM80+) the MLA wrapper.
+    ARCH_SUPPORT = (
+        ArchSupport("sm100 trtllm-gen", "Blackwell (SM100/SM103)", min_capability=(10, 0), max_capability=(10, 3),
+                    limits={"Q_DTYPES": frozenset({torch.bfloat16}), "KV_FORMATS": frozenset({"bf16"}),
+                            "SUPPORTS_LSE": False, "PAGE_SIZE_MULTIPLE": 32, "MAX_HEADS_Q": 128},
+                    sources={"Q_DTYPES": "trtllm_batch_decode_with_kv_cache_mla runs bf16 (its output is bf16)",
+                             "KV_FORMATS": "trtllm_batch_decode_with_kv_cache_mla runs bf16 (its output is bf16)",
+                             "SUPPORTS_LSE": "0.6.0 returns no LSE; the later return_lse is not wired here (its base "
+                                             "and layout unverified)"},
+                    notes="the trtllm-gen MLA kernel: pages of 64 or 32, heads zero-padded to a count it runs, s_q > 1 "
+                          "causal only",
+                    run_here="no: contract-tested"),
+        ArchSupport("sm80+ wrapper", "NVIDIA SM80+ (not SM100/SM103)", min_capability=(8, 0),
+                    notes="BatchMLAPagedAttentionWrapper (fa3 on SM90a, fa2 elsewhere), flashinfer-python >= 0.6; "
+                          "causal s_q > 1 only at a power-of-two h_q (measured wrong otherwise, 0.6.0)",
+                    run_here="yes: H100, H200"),
+    )
     # docs/design.md's bounds, except cosine difference 1e-5 (FlashMLA's own test bound) instead of
     # 5e-6: 0.6.0 gave 5.26e-6 on H200 for b=1, h_q=1, L~20 (a single 512-value row averaging a
     # handful of bf16-rounded P values); every element was within the per-element bounds.
@@ -165,19 +183,9 @@ class FlashInferBackend(MLABackend):
                                                  "two): wrong results measured with flashinfer 0.6.0 (see "
                                                  "backends/flashinfer.py)"))
             return reasons
-        # SM100: trtllm-gen.
-        if p.q_dtype != torch.bfloat16:
-            reasons.append(Reason(R.DTYPE, f"q dtype={str(p.q_dtype)[6:]} on SM100 trtllm-gen (supported: bfloat16)"))
-        if _trtllm_page_size(p.page_size) is None:
-            reasons.append(Reason(R.PAGE_SIZE, f"page_size={p.page_size} on SM100 trtllm-gen "
-                                               "(supported: 32, 64, or a multiple of 32 re-viewed)"))
-        if trtllm_heads(p.num_heads_q) is None:
-            reasons.append(Reason(R.HEADS, f"h_q={p.num_heads_q} on SM100 trtllm-gen (supported: <= 128)"))
+        # SM100: trtllm-gen (its dtype, pages, heads and LSE: ARCH_SUPPORT).
         if p.q_len > 1 and not p.causal:
             reasons.append(Reason(R.FEATURE, "causal=False with s_q > 1 on SM100 trtllm-gen (its MTP mask is causal)"))
-        if p.return_lse:
-            reasons.append(Reason(R.FEATURE, "return_lse=True on SM100 trtllm-gen (0.6.0 returns no LSE; the later "
-                                             "return_lse is not wired here: its base and layout are unverified)"))
         return reasons
 
     # -- plan ------------------------------------------------------------------------

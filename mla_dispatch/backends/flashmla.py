@@ -1,12 +1,21 @@
 """FlashMLA adapter (deepseek-ai/FlashMLA, built from source; import name ``flash_mla``).
 
-Dense decode: SM90 only, q/kv bf16 or fp16 (no dense FP8 upstream), D_qk 576 or 512
-with D_v 512, page size 64 (``csrc/api/dense_decode.h``). A cache whose page size
-is a multiple of 64 is re-viewed as page 64 (a view plus a re-paged block table, cheap
-and exact); other page sizes are refused with a reason.
+What it runs is :attr:`FlashMLABackend.ARCH_SUPPORT`, read from FlashMLA's kernels (HEAD 9241ae3), not from
+its API: ``csrc/api/dense_decode.h`` accepts ``head_size_k`` 576 or 512, but the SM90 dense kernel then
+asserts ``params.d == Config::HEAD_DIM_K`` (576; ``csrc/sm90/decode/dense/splitkv_mla.cuh``, ``FLASH_ASSERT``:
+print and ``exit(1)``), so a 512-wide q ends the caller's process. A failed ``TORCH_CHECK`` raises, a
+failed ``FLASH_ASSERT`` ends the process and a failed ``KU_ASSERT`` throws from inside the launch: every one of
+them is declined here, with a reason, before FlashMLA is called.
 
-Sparse decode: SM90 and SM100, the 656-byte ``fp8_ds_mla`` cache, h_kv 1,
-h_q in {64, 128}, q bf16, any page size (``csrc/api/sparse_decode.h``).
+Dense decode: SM90 only, q/kv bf16 or fp16 (no dense FP8 upstream), D_qk 576 with D_v 512,
+page size 64 (``csrc/api/dense_decode.h``). A cache whose page size is a multiple of 64 is
+re-viewed as page 64 (a view plus a re-paged block table, cheap and exact); other page
+sizes are refused with a reason.
+
+Sparse decode: SM90 and SM100, the 656-byte ``fp8_ds_mla`` cache, h_kv 1, h_q in {64, 128},
+q bf16, any page size, top-k a multiple of 64 (``csrc/api/sparse_decode.h``; the kernels
+``KU_ASSERT(params.topk % 64 == 0)``). Builds from before its sparse kernels (c28eca9, Sep 2025)
+take no ``indices``: there sparse decode is declined.
 
 Both interfaces of ``flash_mla_with_kvcache`` are handled; which one is detected from
 the installed module (``FlashMLASchedMeta`` in ``flash_mla.flash_mla_interface``):
@@ -34,7 +43,7 @@ import functools
 
 import torch
 
-from mla_dispatch.dispatch.backend import BackendState, CGSupport, MLABackend, Reason, ReasonCode
+from mla_dispatch.dispatch.backend import ArchSupport, BackendState, CGSupport, MLABackend, Reason, ReasonCode
 from mla_dispatch.metadata.conversions import repage_block_table
 from mla_dispatch.dispatch.platform import Platform
 from mla_dispatch.dispatch.problem import DecodeProblem
@@ -45,6 +54,35 @@ __all__ = ["FlashMLABackend"]
 
 DENSE_PAGE = 64
 SPARSE_HEADS = frozenset({64, 128})
+#: top-k block of the sparse kernels: csrc/sm90/decode/sparse_fp8/config.h TOPK_BLOCK_SIZE, csrc/sm100/decode/head64
+#: B_TOPK; both launches KU_ASSERT(params.topk % 64 == 0)
+SPARSE_TOPK_BLOCK = 64
+#: the largest split count FlashMLA's combine kernel has an instance for (csrc/smxx/decode/combine/combine.cu,
+#: MLA_NUM_SPLITS_SWITCH: FLASH_ASSERT(false) past 160): its num_sm_parts must not exceed it
+MAX_SM_PARTS = 160
+
+_SPARSE_LIMITS = {"SUPPORTS_DENSE": False, "Q_DTYPES": frozenset({torch.bfloat16}),
+                  "KV_FORMATS": frozenset({"fp8_ds_mla"}), "NUM_HEADS_Q": SPARSE_HEADS, "MAX_HEADS_KV": 1}
+
+
+def _dense_sm_parts(num_sms: int, p: DecodeProblem) -> int:
+    """FlashMLA's split count for a dense problem (``csrc/api/dense_decode.h``, ``num_sm_parts``; the same formula
+    as :func:`mla_dispatch.metadata.flashmla_sched.num_sm_parts`, whose module needs triton)."""
+    rows = p.q_len * p.num_heads_q // p.num_heads_kv
+    return max(num_sms // p.num_heads_kv // -(-rows // 64), 1)
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_indices() -> bool:
+    """Whether the installed ``flash_mla_with_kvcache`` has sparse decode (an ``indices`` parameter), read once."""
+    import inspect
+
+    import flash_mla
+
+    try:
+        return "indices" in inspect.signature(flash_mla.flash_mla_with_kvcache).parameters
+    except (TypeError, ValueError):  # a compiled callable without a signature: assume the current interface
+        return True
 
 
 @functools.lru_cache(maxsize=None)
@@ -59,17 +97,51 @@ class FlashMLABackend(MLABackend):
     """DeepSeek FlashMLA: dense bf16/fp16 decode on SM90, sparse fp8_ds_mla decode on SM90/SM100."""
 
     NAME = "flashmla"
+    VENDOR = "DeepSeek FlashMLA"
     DESCRIPTION = "DeepSeek FlashMLA (dense SM90 page 64; sparse fp8_ds_mla SM90/SM100)"
     PLATFORMS = frozenset({"cuda"})
     MIN_CAPABILITY = (9, 0)
-    MAX_CAPABILITY = (10, 3)  # dense: 9.x only (extra_reasons)
+    MAX_CAPABILITY = (10, 3)  # dense: 9.0 only (ARCH_SUPPORT)
     Q_DTYPES = frozenset({torch.bfloat16, torch.float16})
     KV_FORMATS = frozenset({"bf16", "fp16", "fp8_ds_mla"})
-    HEAD_DIMS = frozenset({(576, 512), (512, 512)})
+    # Dense: the SM90 kernel asserts params.d == 576 (its API accepts 512 and lets it through: the process exits).
+    # Sparse: 512/512 exists upstream only in its MODEL1 cache layout, not DeepSeek-V3.2's 656-byte token.
+    HEAD_DIMS = frozenset({(576, 512)})
     SUPPORTS_SPARSE = True
     CUDA_GRAPH = CGSupport.ALWAYS  # legacy interface only (extra_reasons)
     ANY_OUT_STRIDES = True  # out.copy_(...)
     REQUIRES = ("flash_mla",)
+    ARCH_SUPPORT = (
+        ArchSupport("sm90 dense", "Hopper (sm_90a)", min_capability=(9, 0), max_capability=(9, 0),
+                    limits={"SUPPORTS_SPARSE": False, "KV_FORMATS": frozenset({"bf16", "fp16"}),
+                            "HEAD_DIMS": frozenset({(576, 512)}), "PAGE_SIZE_MULTIPLE": DENSE_PAGE},
+                    sources={"KV_FORMATS": "FlashMLA's dense decode reads a cache of q's dtype "
+                                           "(csrc/api/dense_decode.h)",
+                             "HEAD_DIMS": "FlashMLA's SM90 dense kernel asserts params.d == 576 and ends the process "
+                                          "otherwise (csrc/sm90/decode/dense/splitkv_mla.cuh; its API lets 512 "
+                                          "through)",
+                             "PAGE_SIZE_MULTIPLE": "csrc/api/dense_decode.h: page_block_size == 64"},
+                    notes="FlashMLA's dense decode",
+                    run_here="yes: H100, H200 (built from source)"),
+        ArchSupport("sm90 sparse", "Hopper (sm_90a)", min_capability=(9, 0), max_capability=(9, 0),
+                    limits=_SPARSE_LIMITS,
+                    sources={"NUM_HEADS_Q": "csrc/sm90/decode/sparse_fp8/config.h static_assert(NUM_HEADS == 64 "
+                                            "|| NUM_HEADS == 128)",
+                             "Q_DTYPES": "csrc/api/sparse_decode.h KU_CHECK_DTYPE(q, kBFloat16)",
+                             "MAX_HEADS_KV": "csrc/sm90/decode/sparse_fp8/splitkv_mla.cuh KU_ASSERT(params.h_kv == 1)"},
+                    notes="FlashMLA's sparse fp8 decode; top-k a multiple of 64; CUDA graph with its legacy interface "
+                          "only",
+                    run_here="no: contract-tested (its sparse kernel ran beside ours on an H100, not through "
+                             "this adapter)"),
+        ArchSupport("sm100 sparse", "Blackwell (sm_100f)", min_capability=(10, 0), max_capability=(10, 3),
+                    limits=_SPARSE_LIMITS,
+                    sources={"NUM_HEADS_Q": "csrc/api/sparse_decode.h: the head64 kernel, twice for 128 heads",
+                             "Q_DTYPES": "csrc/api/sparse_decode.h KU_CHECK_DTYPE(q, kBFloat16)",
+                             "MAX_HEADS_KV": "csrc/sm100/decode/head64/kernel.cuh KU_ASSERT(params.h_kv == 1)"},
+                    notes="FlashMLA's sparse fp8 decode; top-k a multiple of 64; CUDA graph with its legacy interface "
+                          "only; no dense decode upstream",
+                    run_here="no: contract-tested"),
+    )
 
     @classmethod
     def version(cls) -> str:
@@ -98,27 +170,23 @@ class FlashMLABackend(MLABackend):
         p = problem
         R = ReasonCode
         reasons = []
-        cap = platform.capability if platform.kind == "cuda" else None
+        installed = not cls.availability_reasons()
         if p.sparse:
-            if p.kv_format != "fp8_ds_mla":
-                reasons.append(Reason(R.KV_FORMAT, f"kv_format={p.kv_format} with sparse indices (supported: fp8_ds_mla)"))
-            if p.num_heads_q not in SPARSE_HEADS:
-                reasons.append(Reason(R.HEADS, f"h_q={p.num_heads_q} for sparse decode (supported: {{64, 128}})"))
-            if p.num_heads_kv != 1:
-                reasons.append(Reason(R.HEADS, f"h_kv={p.num_heads_kv} for sparse decode (supported: 1)"))
-            if p.q_dtype != torch.bfloat16:
-                reasons.append(Reason(R.DTYPE, f"q dtype={str(p.q_dtype)[6:]} for sparse decode (supported: bfloat16)"))
+            if p.topk % SPARSE_TOPK_BLOCK:
+                reasons.append(Reason(R.FEATURE, f"topk={p.topk} for sparse decode (supported: multiples of "
+                                                 f"{SPARSE_TOPK_BLOCK}; FlashMLA's sparse kernels assert "
+                                                 f"topk % {SPARSE_TOPK_BLOCK} == 0)"))
+            if installed and not _takes_indices():
+                reasons.append(Reason(R.FEATURE, "sparse indices with the installed flash_mla, whose "
+                                                 "flash_mla_with_kvcache takes no indices (FlashMLA before its sparse "
+                                                 "kernels, c28eca9)"))
         else:
-            if cap is not None and cap[0] != 9:
-                reasons.append(Reason(R.CAPABILITY, f"compute capability {cap[0]}.{cap[1]} for dense decode "
-                                                    "(supported: 9.0; upstream has no SM100 dense decode)"))
-            if p.kv_format == "fp8_ds_mla":
-                reasons.append(Reason(R.KV_FORMAT, "kv_format=fp8_ds_mla without sparse indices "
-                                                   "(supported dense: bf16, fp16)"))
-            if p.page_size % DENSE_PAGE != 0:
-                reasons.append(Reason(R.PAGE_SIZE, f"page_size={p.page_size} for dense decode "
-                                                   f"(supported: {DENSE_PAGE}, or a multiple re-viewed as {DENSE_PAGE})"))
-        if p.cuda_graph and p.sparse and not cls.availability_reasons() and _has_sched_meta():
+            parts = _dense_sm_parts(platform.num_compute_units, p)
+            if parts > MAX_SM_PARTS:
+                reasons.append(Reason(R.CAPABILITY, f"{platform.num_compute_units} SMs (supported: FlashMLA's combine "
+                                                    f"kernel has instances up to {MAX_SM_PARTS} splits, this problem "
+                                                    f"would make {parts}; combine.cu asserts it)"))
+        if p.cuda_graph and p.sparse and installed and _has_sched_meta():
             reasons.append(Reason(R.CUDA_GRAPH, "cuda_graph=True for sparse decode with FlashMLA's FlashMLASchedMeta "
                                                 "interface (the object fills itself on its first call)"))
         return reasons
@@ -240,9 +308,11 @@ class FlashMLABackend(MLABackend):
         if state.ratio > 1:
             nb, ps, h_kv, d = kv_cache.shape
             kv = kv_cache.view(nb * state.ratio, DENSE_PAGE, h_kv, d)
+        # the sparse arguments only where they are used: builds before the sparse kernels have no such parameters
+        sparse = dict(is_fp8_kvcache=True, indices=indices) if p.sparse else {}
         o, l = flash_mla.flash_mla_with_kvcache(
             q, kv, cls._table(state, block_table), cache_seqlens, p.head_dim_v, state.meta, state.num_splits,
-            softmax_scale=softmax_scale, causal=p.causal, is_fp8_kvcache=p.sparse, indices=indices)
+            softmax_scale=softmax_scale, causal=p.causal, **sparse)
         out.copy_(o)
         lse.copy_(l)
         if p.sparse:  # dense rows with no key already hold FlashMLA's 0 / +inf

@@ -48,7 +48,7 @@ import sys
 
 import torch
 
-from mla_dispatch.dispatch.backend import BackendState, CGSupport, MLABackend, Reason, ReasonCode
+from mla_dispatch.dispatch.backend import ArchSupport, BackendState, CGSupport, MLABackend, Reason, ReasonCode
 from mla_dispatch.numerics.tolerance import Tolerance
 from mla_dispatch.metadata.conversions import repage_block_table
 from mla_dispatch.dispatch.problem import DecodeProblem
@@ -92,6 +92,7 @@ class TorchNpuBackend(MLABackend):
     """Huawei's FIA (AMLA template) or legacy ATB MLA kernel via torch_npu."""
 
     NAME = "torch_npu"
+    VENDOR = "Huawei CANN"
     DESCRIPTION = "torch_npu npu_fused_infer_attention_score[_v2] / _npu_paged_attention_mla"
     PLATFORMS = frozenset({"npu"})
     ARCHS = frozenset({"Ascend910B", "Ascend910C"})
@@ -99,10 +100,15 @@ class TorchNpuBackend(MLABackend):
     HEAD_DIMS = frozenset({(NOPE_DIM + ROPE_DIM, NOPE_DIM)})
     MAX_HEADS_Q = 128
     MAX_HEADS_KV = 1
+    PAGE_SIZE_MULTIPLE = 16  # re-viewed as FIA block_size 128 or 16
     SUPPORTS_LSE = False  # FIA MLA mode and the legacy op return no LSE
     CUDA_GRAPH = CGSupport.NEVER
     ANY_OUT_STRIDES = True  # out.copy_(...)
     TOLERANCE = Tolerance()
+    ARCH_SUPPORT = (ArchSupport("910B/910C", "Ascend 910B/910C",
+                                notes="npu_fused_infer_attention_score[_v2] (FIA in MLA mode) or the ATB MLA op: pages "
+                                      "of 16 or 128, heads zero-padded to 32/64/128, s_q > 1 folded into the batch",
+                                run_here="no: contract-tested"),)
 
     @classmethod
     def version(cls) -> str:
@@ -118,13 +124,6 @@ class TorchNpuBackend(MLABackend):
         if name is None:
             return [Reason(ReasonCode.UNAVAILABLE, f"torch_npu {getattr(torch_npu, '__version__', '?')} has none of "
                                                    f"{', '.join(VENDOR_OPS)}")]
-        return []
-
-    @classmethod
-    def extra_reasons(cls, problem: DecodeProblem, platform) -> list[Reason]:
-        if problem.page_size % 16 != 0:
-            return [Reason(ReasonCode.PAGE_SIZE, f"page_size={problem.page_size} (supported: multiples of 16, "
-                                                 "re-viewed as FIA block_size 128 or 16)")]
         return []
 
     @classmethod

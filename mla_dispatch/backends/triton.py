@@ -31,12 +31,15 @@ import torch
 
 from types import MappingProxyType
 
-from mla_dispatch.dispatch.backend import BackendOption, BackendState, CGSupport, MLABackend, Reason, ReasonCode
+from mla_dispatch.dispatch.backend import (ArchSupport, BackendOption, BackendState, CGSupport, MLABackend, Reason,
+                                           ReasonCode)
 from mla_dispatch.metadata.schedule import BATCH_INVARIANT_SPLIT_TOKENS, SPLIT_TOKENS_CHOICES, check_invariant_workspace
 from mla_dispatch.kernels.cuda.schedule import loaded_native_schedule
 from mla_dispatch.metadata.split_plan import SplitKVLayout, SplitKVPlan
 from mla_dispatch.dispatch.platform import Platform
 from mla_dispatch.dispatch.problem import DecodeProblem
+
+from ._vendor import dist_version
 
 __all__ = ["TritonBackend"]
 
@@ -78,8 +81,9 @@ def _split_layout(p: DecodeProblem, compute_units: int, cfg, num_parts: int | No
                                                                                               else 1)
     if num_parts is None:
         num_parts = max(1, cfg.programs_per_sm * compute_units // tiles)
-    # sparse: the "tokens" of a request are its top-k list positions; dense: no item reaches past a block-table
-    # row, whatever cache_seqlens holds
+    # sparse: the "tokens" of a request are its top-k list positions, then its extra list's; dense: no item reaches
+    # past a block-table row, whatever cache_seqlens holds
+    positions = p.topk + p.extra_topk
     capacity = None if p.sparse else p.max_blocks * p.page_size
     if overhead is None:
         overhead = max(1, _SCHEDULE_OVERHEAD_TOKENS // cfg.chunk_size)
@@ -91,14 +95,14 @@ def _split_layout(p: DecodeProblem, compute_units: int, cfg, num_parts: int | No
         if not (isinstance(split_tokens, int) and split_tokens > 0 and split_tokens % cfg.chunk_size == 0):
             raise ValueError(f"backend_options['split_tokens'] must be a positive multiple of the kernel's chunk "
                              f"({cfg.chunk_size} tokens), got {split_tokens!r}")
-        capacity = p.topk if p.sparse else capacity
+        capacity = positions if p.sparse else capacity
         # a partial row per query row of a piece: 2 D_v fp16 (PARTIAL_ROW_FORMAT) and the LSE
         check_invariant_workspace(p.batch, capacity, split_tokens, p.q_len * p.num_heads_q * (p.head_dim_v * 4 + 4))
     # split rows: fp16 values and their scales (kernels/triton/combine.py, PARTIAL_ROW_FORMAT)
     return SplitKVLayout(batch=p.batch, num_parts=num_parts, chunk_size=cfg.chunk_size, overhead=overhead,
                          capacity=capacity, partial_row=(p.q_len, p.num_heads_q, 2 * p.head_dim_v),
                          partial_dtype=torch.float16, split_tokens=split_tokens,
-                         fixed_length=p.topk if p.sparse else None)
+                         fixed_length=positions if p.sparse else None)
 
 
 class TritonBackend(MLABackend):
@@ -109,7 +113,7 @@ class TritonBackend(MLABackend):
     PLATFORMS = frozenset({"cuda", "rocm", "cpu"})
     MIN_CAPABILITY = (8, 0)
     Q_DTYPES = frozenset({torch.bfloat16, torch.float16})
-    KV_FORMATS = frozenset({"bf16", "fp16", "fp8_e4m3", "fp8_ds_mla"})
+    KV_FORMATS = frozenset({"bf16", "fp16", "fp8_e4m3", "fp8_ds_mla", "fp8_ds_v4"})
     # D_v must be a power of two (a tile width); the RoPE part D_qk - D_v is 0 or 64.
     HEAD_DIMS = frozenset({(576, 512), (512, 512), (320, 256), (192, 128)})
     MAX_PAGE_SIZE = 256
@@ -118,12 +122,24 @@ class TritonBackend(MLABackend):
     SUPPORTS_CAUSAL = True
     SUPPORTS_LSE = True
     SUPPORTS_SPARSE = True
+    SPARSE_EXTRAS = frozenset({"topk_length", "attn_sink", "extra_kv_cache", "extra_topk_length"})
     # the kernel config depends on the rows per KV head, the cache and the page size, never on the batch; a batch-
     # invariant plan cuts requests at fixed token counts and merges per request (metadata/schedule.py)
     SUPPORTS_BATCH_INVARIANT = True
     CUDA_GRAPH = CGSupport.ALWAYS
     KEEPS_LENGTHS = True  # the split-KV plan's own copy (metadata/split_plan.py), written by its schedule launch
     ANY_OUT_STRIDES = False  # the kernels store rows of out with stride 1
+    ARCH_SUPPORT = (
+        ArchSupport("cuda", "NVIDIA SM80+", kinds=frozenset({"cuda"}), notes="our Triton kernel (Gluon kernels on SM90)",
+                    run_here="yes: H100, H200 (Ampere and Blackwell not run)"),
+        ArchSupport("rocm", "AMD ROCm", kinds=frozenset({"rocm"}), notes="our Triton kernel", run_here="no: not run"),
+        ArchSupport("cpu", "CPU (Triton's interpreter)", kinds=frozenset({"cpu"}),
+                    limits={"Q_DTYPES": frozenset({torch.float16}), "CUDA_GRAPH": CGSupport.NEVER},
+                    sources={"Q_DTYPES": "under TRITON_INTERPRET=1, Triton's interpreter computes tl.dot on bf16 "
+                                         "operands wrongly (triton 3.9, torch 2.13)"},
+                    notes="TRITON_INTERPRET=1 set before triton is imported; slow: for trying and testing the kernel",
+                    run_here="yes: CPU"),
+    )
     REQUIRES = ("triton",)
     OPTIONS = MappingProxyType({
         "split_tokens": BackendOption(SPLIT_TOKENS_CHOICES, "tokens per piece of a batch_invariant=True plan (a multiple of the "
@@ -136,9 +152,10 @@ class TritonBackend(MLABackend):
 
     @classmethod
     def version(cls) -> str:
-        import triton
-
-        return f"triton{triton.__version__}"
+        # never imports triton: info and explain list this backend where triton is not installed (its import failure
+        # is the availability reason, from REQUIRES)
+        ver = dist_version("triton", "triton")
+        return ver if ver == "not installed" else f"triton{ver}"
 
     @classmethod
     def extra_reasons(cls, problem: DecodeProblem, platform: Platform) -> list[Reason]:
@@ -146,9 +163,10 @@ class TritonBackend(MLABackend):
         if platform.kind == "cpu" and not _interpreting():
             reasons.append(Reason(ReasonCode.DEVICE, "platform=cpu needs TRITON_INTERPRET=1 set before triton is "
                                                      "imported (Triton's interpreter; for tests)"))
-        if platform.kind == "cpu" and problem.cuda_graph:
-            reasons.append(Reason(ReasonCode.CUDA_GRAPH, "cuda_graph=True on platform=cpu"))
-        if _interpreting() and problem.q_dtype == torch.bfloat16:
+        if problem.kv_format == "fp8_ds_v4" and not problem.sparse:
+            reasons.append(Reason(ReasonCode.FEATURE, "kv_format=fp8_ds_v4 with dense decoding (supported: sparse "
+                                                      "indices, as DeepSeek-V4 decodes)"))
+        if _interpreting() and problem.q_dtype == torch.bfloat16 and platform.kind != "cpu":  # cpu: ARCH_SUPPORT
             # the interpreter's tl.dot on bf16 operands returns values ~1e8 off (triton 3.9, torch 2.13)
             reasons.append(Reason(ReasonCode.DTYPE, "q dtype=bfloat16 under TRITON_INTERPRET=1 (supported there: "
                                                     "float16; Triton's interpreter computes bf16 tl.dot wrongly)"))
@@ -211,17 +229,23 @@ class TritonBackend(MLABackend):
 
     @classmethod
     def run(cls, state: BackendState, q, kv_cache, block_table, cache_seqlens, *, problem: DecodeProblem,
-            softmax_scale, kv_scale, indices, out, lse) -> None:
+            softmax_scale, kv_scale, indices, out, lse, topk_length=None, attn_sink=None, extra_kv_cache=None,
+            extra_indices=None, extra_topk_length=None) -> None:
         from mla_dispatch.kernels.triton.ops import traced_call
 
+        p = problem
+        # DeepSeek-V4's optional sparse arguments, those the plan was made with (DecodePlan.run checks them)
+        extras = (topk_length, attn_sink, extra_kv_cache, extra_indices, extra_topk_length) if p.sparse_extras else ()
         prepared = state.prepared
-        if prepared is not None and not traced_call(q, kv_cache, out, lse, kv_scale, indices):
-            prepared(q, kv_cache, kv_scale, indices, out, lse)  # the launch the plan froze (kernels/triton/launch.py)
+        if prepared is not None and not traced_call(q, kv_cache, out, lse, kv_scale, indices, *extras):
+            # the launch the plan froze (kernels/triton/launch.py)
+            prepared(q, kv_cache, kv_scale, indices, out, lse, extras or None)
             return
         # traced (torch.compile, fake tensors, functionalization, tensor subclasses): the registered op, whose
         # wrap_triton launch of the plain kernel the trace records
-        p, s, cfg = problem, state.schedule, state.cfg
+        s, cfg = state.schedule, state.cfg
         state.op(q, kv_cache, None if p.sparse else block_table, state.lengths, indices, kv_scale, s.items,
                  s.part_offsets, s.num_splits, state.first_slot, out, lse, state.partial_out, state.partial_lse,
                  softmax_scale, p.causal, p.kv_format, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
-                 cfg.tokens_on_m, cfg.v_split, cfg.qk_chunk, cfg.max_registers, cfg.tma, cfg.gluon, s.fixed_splits)
+                 cfg.tokens_on_m, cfg.v_split, cfg.qk_chunk, cfg.max_registers, cfg.tma, cfg.gluon, s.fixed_splits,
+                 *extras)

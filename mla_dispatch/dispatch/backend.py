@@ -23,8 +23,8 @@ from mla_dispatch.dispatch.platform import Platform
 from mla_dispatch.dispatch.problem import DecodeProblem
 from mla_dispatch.numerics.tolerance import BF16_TOLERANCE, Tolerance
 
-__all__ = ["ReasonCode", "Reason", "CGSupport", "BackendOption", "MLABackend", "BackendState", "Unimplemented",
-           "untraced_eager"]
+__all__ = ["ReasonCode", "Reason", "CGSupport", "BackendOption", "ArchSupport", "MLABackend", "BackendState",
+           "Unimplemented", "untraced_eager", "version_of"]
 
 _is_compiling = torch.compiler.is_compiling
 _dispatch_modes = torch._C._len_torch_dispatch_stack
@@ -85,6 +85,50 @@ class BackendOption:
 
 
 
+@dataclasses.dataclass(frozen=True)
+class ArchSupport:
+    """What a backend runs on one architecture: one row of the README's support matrix.
+
+    ``limits`` narrow the backend's class constants there, under the same names (``Q_DTYPES``, ``KV_FORMATS``,
+    ``HEAD_DIMS``, ``NUM_HEADS_Q``, ``MAX_HEADS_KV``, ``SUPPORTS_DENSE``, ``SUPPORTS_SPARSE``, ``SUPPORTS_LSE``,
+    ``CUDA_GRAPH``, ...). A vendor's are read from its kernels' own static checks (what the kernels assert, not
+    what the API lets through), and ``sources`` says, per constant, which check (it is quoted in the reason).
+    """
+
+    #: short name, used in reasons ("sm90 dense", "gfx942", "cpu")
+    name: str
+    #: the matrix's hardware column ("Hopper (sm_90a)")
+    hardware: str
+    #: platform kinds it covers (None: all of the backend's ``PLATFORMS``)
+    kinds: frozenset[str] | None = None
+    #: CUDA compute capability range, inclusive (kind "cuda")
+    min_capability: tuple[int, int] | None = None
+    max_capability: tuple[int, int] | None = None
+    #: exact architectures (ROCm gfx names, Ascend SoCs)
+    archs: frozenset[str] | None = None
+    limits: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    sources: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    #: what the matrix adds to what the constants say: the kernel's name, how the adapter adapts the layout, and
+    #: what :meth:`MLABackend.extra_reasons` checks
+    notes: str = ""
+    #: hand-kept: where this project ran it, for the matrix's "run here" column
+    run_here: str = "not recorded"
+
+    def matches(self, platform: Platform, kinds: frozenset[str] = frozenset()) -> bool:
+        """Whether ``platform`` is this architecture (``kinds``: the backend's platforms, when the entry names none)."""
+        if platform.kind not in (self.kinds if self.kinds is not None else kinds):
+            return False
+        if self.archs is not None and platform.arch not in self.archs:
+            return False
+        cap = platform.capability if platform.kind == "cuda" else None
+        if cap is not None:
+            if self.min_capability is not None and cap < self.min_capability:
+                return False
+            if self.max_capability is not None and cap > self.max_capability:
+                return False
+        return True
+
+
 class BackendState:
     """Whatever a backend computes once per decode step (schedule, workspace, vendor plan).
 
@@ -102,6 +146,61 @@ def _fmt_set(values) -> str:
     return "{" + ", ".join(sorted(name(v) for v in values)) + "}"
 
 
+def _table_reasons(get, p: DecodeProblem) -> list[tuple[str, Reason]]:
+    """``(constant name, Reason)`` for every class constant (read through ``get(name)``) that ``p`` violates."""
+    R = ReasonCode
+    out = []
+
+    def add(key: str, code: ReasonCode, message: str) -> None:
+        out.append((key, Reason(code, message)))
+
+    q_dtypes, kv_formats, head_dims = get("Q_DTYPES"), get("KV_FORMATS"), get("HEAD_DIMS")
+    if p.q_dtype not in q_dtypes:
+        add("Q_DTYPES", R.DTYPE, f"q dtype={_fmt_set([p.q_dtype])[1:-1]} (supported: {_fmt_set(q_dtypes)})")
+    if p.kv_format not in kv_formats:
+        add("KV_FORMATS", R.KV_FORMAT, f"kv_format={p.kv_format} (supported: {_fmt_set(kv_formats)})")
+    if head_dims is not None and (p.head_dim_qk, p.head_dim_v) not in head_dims:
+        dims = ", ".join(f"{a}/{b}" for a, b in sorted(head_dims))
+        add("HEAD_DIMS", R.HEAD_DIM, f"D_qk/D_v={p.head_dim_qk}/{p.head_dim_v} (supported: {dims})")
+    page_sizes, max_page = get("PAGE_SIZES"), get("MAX_PAGE_SIZE")
+    if page_sizes is not None and p.page_size not in page_sizes and not p.sparse:
+        add("PAGE_SIZES", R.PAGE_SIZE, f"page_size={p.page_size} (supported: {_fmt_set(page_sizes)})")
+    if max_page is not None and p.page_size > max_page:
+        add("MAX_PAGE_SIZE", R.PAGE_SIZE, f"page_size={p.page_size} (supported: <= {max_page})")
+    page_multiple = get("PAGE_SIZE_MULTIPLE")
+    if page_multiple is not None and p.page_size % page_multiple and not p.sparse:
+        add("PAGE_SIZE_MULTIPLE", R.PAGE_SIZE, f"page_size={p.page_size} (supported: multiples of {page_multiple}, "
+                                               f"re-viewed as pages the kernel takes)")
+    heads_q, max_heads_q, max_heads_kv, max_q_len = (get("NUM_HEADS_Q"), get("MAX_HEADS_Q"), get("MAX_HEADS_KV"),
+                                                      get("MAX_Q_LEN"))
+    if heads_q is not None and p.num_heads_q not in heads_q:
+        add("NUM_HEADS_Q", R.HEADS, f"h_q={p.num_heads_q} (supported: {_fmt_set(heads_q)})")
+    if max_heads_q is not None and p.num_heads_q > max_heads_q:
+        add("MAX_HEADS_Q", R.HEADS, f"h_q={p.num_heads_q} (supported: <= {max_heads_q})")
+    if max_heads_kv is not None and p.num_heads_kv > max_heads_kv:
+        add("MAX_HEADS_KV", R.HEADS, f"h_kv={p.num_heads_kv} (supported: <= {max_heads_kv})")
+    if max_q_len is not None and p.q_len > max_q_len:
+        add("MAX_Q_LEN", R.Q_LEN, f"s_q={p.q_len} (supported: <= {max_q_len})")
+    if p.causal and not get("SUPPORTS_CAUSAL"):
+        add("SUPPORTS_CAUSAL", R.FEATURE, "causal=True with s_q > 1 (supported: causal=False)")
+    if p.return_lse and not get("SUPPORTS_LSE"):
+        add("SUPPORTS_LSE", R.FEATURE, "return_lse=True (this backend cannot return the LSE)")
+    if p.sparse and not get("SUPPORTS_SPARSE"):
+        add("SUPPORTS_SPARSE", R.FEATURE, f"sparse indices (topk={p.topk}) (supported: dense block_table only)")
+    if not p.sparse and not get("SUPPORTS_DENSE"):
+        add("SUPPORTS_DENSE", R.FEATURE, "dense block_table decode (supported: sparse indices only)")
+    sparse_extras = get("SPARSE_EXTRAS")
+    for extra in p.sparse_extras:
+        if extra not in sparse_extras:
+            supported = ", ".join(sorted(sparse_extras)) or "none"
+            add("SPARSE_EXTRAS", R.FEATURE, f"{extra} with sparse indices (supported: {supported})")
+    if p.batch_invariant and not get("SUPPORTS_BATCH_INVARIANT"):
+        add("SUPPORTS_BATCH_INVARIANT", R.FEATURE, "batch_invariant=True (this backend's splits depend on the batch)")
+    if p.cuda_graph and get("CUDA_GRAPH") is CGSupport.NEVER:
+        add("CUDA_GRAPH", R.CUDA_GRAPH, "cuda_graph=True (this backend cannot be captured)")
+    return out
+
+
 class MLABackend:
     """Base class of every backend adapter.
 
@@ -111,6 +210,10 @@ class MLABackend:
 
     NAME: ClassVar[str] = "?"
     DESCRIPTION: ClassVar[str] = ""
+    #: the vendor library whose kernels the adapter calls ("DeepSeek FlashMLA"); None for our own code. A vendor
+    #: library may abort the process or fault the device on what its kernels do not run: ``conformance`` runs a
+    #: vendor backend's cells in a child process (STYLE 20)
+    VENDOR: ClassVar[str | None] = None
     #: platform kinds (``Platform.kind``) the backend runs on
     PLATFORMS: ClassVar[frozenset[str]] = frozenset()
     #: CUDA compute capability range, inclusive, for kind "cuda"
@@ -124,6 +227,8 @@ class MLABackend:
     HEAD_DIMS: ClassVar[frozenset[tuple[int, int]] | None] = None
     PAGE_SIZES: ClassVar[frozenset[int] | None] = None
     MAX_PAGE_SIZE: ClassVar[int | None] = None
+    #: dense page sizes must be multiples of this (the adapter re-views such a cache as the pages its kernel takes)
+    PAGE_SIZE_MULTIPLE: ClassVar[int | None] = None
     NUM_HEADS_Q: ClassVar[frozenset[int] | None] = None
     MAX_HEADS_Q: ClassVar[int | None] = None
     MAX_HEADS_KV: ClassVar[int | None] = None
@@ -132,6 +237,10 @@ class MLABackend:
     SUPPORTS_LSE: ClassVar[bool] = True
     SUPPORTS_SPARSE: ClassVar[bool] = False
     SUPPORTS_DENSE: ClassVar[bool] = True
+    #: the optional sparse arguments the backend runs (names of :attr:`DecodeProblem.sparse_extras
+    #: <mla_dispatch.dispatch.problem.DecodeProblem.sparse_extras>`: "topk_length", "attn_sink", "extra_kv_cache",
+    #: "extra_topk_length"); :meth:`run` receives those a problem has as keywords of the same names
+    SPARSE_EXTRAS: ClassVar[frozenset[str]] = frozenset()
     #: runs ``batch_invariant=True`` plans: a request's out and lse bitwise the same whatever the batch around it
     SUPPORTS_BATCH_INVARIANT: ClassVar[bool] = False
     CUDA_GRAPH: ClassVar[CGSupport] = CGSupport.NEVER
@@ -152,6 +261,10 @@ class MLABackend:
     #: hands it to :meth:`plan`, :meth:`update` and :meth:`run` as ``cache_seqlens``. Either way a plan computes with
     #: the lengths it was made or last updated for (docs/design.md §2, "Stale plans").
     KEEPS_LENGTHS: ClassVar[bool] = False
+    #: what the backend runs per architecture, where that is narrower than the constants above (a vendor build's
+    #: kernels), and the rows of the README's support matrix (``python -m mla_dispatch info --markdown``). Empty:
+    #: the constants hold everywhere, and the matrix shows one row made from them
+    ARCH_SUPPORT: ClassVar[tuple[ArchSupport, ...]] = ()
 
     # -- availability ----------------------------------------------------------------
 
@@ -181,15 +294,31 @@ class MLABackend:
                 reasons.append(Reason(ReasonCode.UNAVAILABLE, f"import {module} failed: {type(exc).__name__}: {exc}"))
         return reasons
 
+    @classmethod
+    def build(cls, *, verbose: bool = False) -> str | None:
+        """Compile now what the backend would otherwise compile on its first call (``python -m mla_dispatch
+        build``); returns what was built, or None where there is nothing to build (the default).
+
+        Raises
+        ------
+        RuntimeError
+            The build failed; the text says why (a missing compiler, a compiler error).
+        """
+        return None
+
     # -- feasibility ---------------------------------------------------------------------
 
     @classmethod
     def not_supported_reasons(cls, problem: DecodeProblem, platform: Platform) -> list[Reason]:
-        """Every reason this backend cannot run ``problem`` on ``platform`` (empty: it can)."""
+        """Every reason this backend cannot run ``problem`` on ``platform`` (empty: it can).
+
+        The class constants are checked as narrowed on the platform's architecture by the entry of
+        :attr:`ARCH_SUPPORT` that applies (:meth:`arch_support`); a reason that comes from such a narrowing names
+        the entry and, where the entry says, the vendor check it mirrors.
+        """
         reasons = cls.availability_reasons()
         if reasons and reasons[0].code is ReasonCode.NOT_IMPLEMENTED:
             return reasons
-        p = problem
         R = ReasonCode
         if platform.kind not in cls.PLATFORMS:
             reasons.append(Reason(R.DEVICE, f"platform={platform.kind} (supported: {_fmt_set(cls.PLATFORMS)})"))
@@ -201,39 +330,44 @@ class MLABackend:
                 reasons.append(Reason(R.CAPABILITY, f"compute capability {cap[0]}.{cap[1]} (supported: {rng})"))
         if cls.ARCHS is not None and platform.kind in cls.PLATFORMS and platform.arch not in cls.ARCHS:
             reasons.append(Reason(R.CAPABILITY, f"arch={platform.arch} (supported: {_fmt_set(cls.ARCHS)})"))
-        if p.q_dtype not in cls.Q_DTYPES:
-            reasons.append(Reason(R.DTYPE, f"q dtype={_fmt_set([p.q_dtype])[1:-1]} (supported: {_fmt_set(cls.Q_DTYPES)})"))
-        if p.kv_format not in cls.KV_FORMATS:
-            reasons.append(Reason(R.KV_FORMAT, f"kv_format={p.kv_format} (supported: {_fmt_set(cls.KV_FORMATS)})"))
-        if cls.HEAD_DIMS is not None and (p.head_dim_qk, p.head_dim_v) not in cls.HEAD_DIMS:
-            dims = ", ".join(f"{a}/{b}" for a, b in sorted(cls.HEAD_DIMS))
-            reasons.append(Reason(R.HEAD_DIM, f"D_qk/D_v={p.head_dim_qk}/{p.head_dim_v} (supported: {dims})"))
-        if cls.PAGE_SIZES is not None and p.page_size not in cls.PAGE_SIZES and not p.sparse:
-            reasons.append(Reason(R.PAGE_SIZE, f"page_size={p.page_size} (supported: {_fmt_set(cls.PAGE_SIZES)})"))
-        if cls.MAX_PAGE_SIZE is not None and p.page_size > cls.MAX_PAGE_SIZE:
-            reasons.append(Reason(R.PAGE_SIZE, f"page_size={p.page_size} (supported: <= {cls.MAX_PAGE_SIZE})"))
-        if cls.NUM_HEADS_Q is not None and p.num_heads_q not in cls.NUM_HEADS_Q:
-            reasons.append(Reason(R.HEADS, f"h_q={p.num_heads_q} (supported: {_fmt_set(cls.NUM_HEADS_Q)})"))
-        if cls.MAX_HEADS_Q is not None and p.num_heads_q > cls.MAX_HEADS_Q:
-            reasons.append(Reason(R.HEADS, f"h_q={p.num_heads_q} (supported: <= {cls.MAX_HEADS_Q})"))
-        if cls.MAX_HEADS_KV is not None and p.num_heads_kv > cls.MAX_HEADS_KV:
-            reasons.append(Reason(R.HEADS, f"h_kv={p.num_heads_kv} (supported: <= {cls.MAX_HEADS_KV})"))
-        if cls.MAX_Q_LEN is not None and p.q_len > cls.MAX_Q_LEN:
-            reasons.append(Reason(R.Q_LEN, f"s_q={p.q_len} (supported: <= {cls.MAX_Q_LEN})"))
-        if p.causal and not cls.SUPPORTS_CAUSAL:
-            reasons.append(Reason(R.FEATURE, "causal=True with s_q > 1 (supported: causal=False)"))
-        if p.return_lse and not cls.SUPPORTS_LSE:
-            reasons.append(Reason(R.FEATURE, "return_lse=True (this backend cannot return the LSE)"))
-        if p.sparse and not cls.SUPPORTS_SPARSE:
-            reasons.append(Reason(R.FEATURE, f"sparse indices (topk={p.topk}) (supported: dense block_table only)"))
-        if not p.sparse and not cls.SUPPORTS_DENSE:
-            reasons.append(Reason(R.FEATURE, "dense block_table decode (supported: sparse indices only)"))
-        if p.batch_invariant and not cls.SUPPORTS_BATCH_INVARIANT:
-            reasons.append(Reason(R.FEATURE, "batch_invariant=True (this backend's splits depend on the batch)"))
-        if p.cuda_graph and cls.CUDA_GRAPH is CGSupport.NEVER:
-            reasons.append(Reason(R.CUDA_GRAPH, "cuda_graph=True (this backend cannot be captured)"))
+        entry = None
+        if cls.ARCH_SUPPORT and not any(r.code in (R.DEVICE, R.CAPABILITY) for r in reasons):
+            entry, missing = cls._arch_entry(problem, platform)
+            if missing is not None:
+                reasons.append(missing)
+        limits = entry.limits if entry is not None else {}
+        for key, reason in _table_reasons(lambda name: limits[name] if name in limits else getattr(cls, name),
+                                          problem):
+            if key in limits:
+                source = entry.sources.get(key)
+                reason = Reason(reason.code, f"{reason.message} on {entry.name}" + (f": {source}" if source else ""))
+            reasons.append(reason)
         reasons.extend(cls.extra_reasons(problem, platform))
         return reasons
+
+    @classmethod
+    def arch_support(cls, problem: DecodeProblem, platform: Platform) -> ArchSupport | None:
+        """The entry of :attr:`ARCH_SUPPORT` that says what this backend runs for ``problem`` on ``platform``: the
+        first that matches the platform and runs the problem's kind of decode (dense or sparse); None where there is
+        no such entry (or the backend declares none)."""
+        return cls._arch_entry(problem, platform)[0]
+
+    @classmethod
+    def _arch_entry(cls, problem: DecodeProblem, platform: Platform) -> tuple[ArchSupport | None, Reason | None]:
+        here = [e for e in cls.ARCH_SUPPORT if e.matches(platform, cls.PLATFORMS)]
+        mode = "SUPPORTS_SPARSE" if problem.sparse else "SUPPORTS_DENSE"
+        for e in here:
+            if e.limits.get(mode, getattr(cls, mode)):
+                return e, None
+        where = (f"compute capability {platform.capability[0]}.{platform.capability[1]}"
+                 if platform.kind == "cuda" and platform.capability is not None else f"arch={platform.arch}")
+        if here:
+            kind = "sparse" if problem.sparse else "dense"
+            runs = [e.name for e in cls.ARCH_SUPPORT if e.limits.get(mode, getattr(cls, mode))]
+            return None, Reason(ReasonCode.CAPABILITY, f"{kind} decode on {where} (supported on: "
+                                                       f"{', '.join(runs) or 'none'})")
+        names = ", ".join(e.name for e in cls.ARCH_SUPPORT)
+        return None, Reason(ReasonCode.CAPABILITY, f"{where} (supported: {names})")
 
     @classmethod
     def extra_reasons(cls, problem: DecodeProblem, platform: Platform) -> list[Reason]:
@@ -320,10 +454,22 @@ class MLABackend:
     ) -> None:
         """Compute into ``out`` ``[B, s_q, h_q, D_v]`` and ``lse`` ``[B, h_q, s_q]`` fp32.
 
-        ``kv_cache`` is 4-D ``[num_blocks, page_size, h_kv, D or 656]``. Must not
-        allocate or sync when ``problem.cuda_graph`` is set.
+        ``kv_cache`` is 4-D ``[num_blocks, page_size, h_kv, D or bytes]``. Must not
+        allocate or sync when ``problem.cuda_graph`` is set. A sparse problem with optional arguments
+        (``problem.sparse_extras``, all in :attr:`SPARSE_EXTRAS`) passes them as keywords: ``topk_length``,
+        ``attn_sink``, ``extra_kv_cache`` (4-D) with ``extra_indices``, ``extra_topk_length``.
         """
         raise NotImplementedError(f"{cls.NAME}.run")
+
+
+def version_of(cls: type[MLABackend]) -> str:
+    """``cls.version()``, or ``"unknown (<the error>)"`` where it raises: a listing of backends (``info``,
+    :func:`~mla_dispatch.dispatch.select.explain`, a ``NoBackendError``) never fails on one backend's version probe
+    (a vendor library that does not import, a third-party backend's bug)."""
+    try:
+        return cls.version()
+    except Exception as exc:
+        return f"unknown ({type(exc).__name__}: {exc})"
 
 
 class Unimplemented(MLABackend):

@@ -13,7 +13,8 @@ import math
 
 import torch
 
-from mla_dispatch.kvcache.formats import DS_MLA_TOKEN_BYTES, KV_FORMATS, format_of_dtype, storage_dtype
+from mla_dispatch.kvcache.formats import (DS_V4_DIM, KV_FORMATS, check_ds_v4_cache, format_of_dtype, storage_dtype,
+                                          token_bytes)
 
 __all__ = ["DecodeProblem", "describe_inputs", "check_values", "KV_FORMATS"]
 
@@ -50,10 +51,27 @@ class DecodeProblem:
     cache_numel: int = 0
     #: a request's out and lse must not depend on the rest of the batch (``plan_decode(batch_invariant=True)``)
     batch_invariant: bool = False
+    #: sparse only: a per-request ``topk_length`` cuts ``indices`` short
+    topk_length: bool = False
+    #: sparse only: a per-head ``attn_sink`` scales the output
+    attn_sink: bool = False
+    #: sparse only: width of ``extra_indices`` into a second cache (0: none), that cache's page size and elements
+    extra_topk: int = 0
+    extra_page_size: int = 0
+    extra_cache_numel: int = 0
+    #: sparse only: a per-request ``extra_topk_length`` cuts ``extra_indices`` short
+    extra_topk_length: bool = False
 
     @property
     def sparse(self) -> bool:
         return self.topk > 0
+
+    @property
+    def sparse_extras(self) -> tuple[str, ...]:
+        """The optional sparse arguments the problem has, by their API names (empty for plain sparse or dense)."""
+        names = (("topk_length", self.topk_length), ("attn_sink", self.attn_sink),
+                 ("extra_kv_cache", self.extra_topk > 0), ("extra_topk_length", self.extra_topk_length))
+        return tuple(name for name, present in names if present)
 
     @property
     def rows_per_kv_head(self) -> int:
@@ -68,6 +86,13 @@ class DecodeProblem:
             f"head_dim_v   {self.head_dim_v}",
             f"causal       {self.causal}",
             f"sparse       {'topk=' + str(self.topk) if self.sparse else 'no'}",
+        ]
+        if self.extra_topk:
+            lines.append(f"extra cache  topk={self.extra_topk} page_size={self.extra_page_size}")
+        extras = [n for n in self.sparse_extras if n != "extra_kv_cache"]
+        if extras:
+            lines.append(f"sparse args  {', '.join(extras)}")
+        lines += [
             f"return_lse   {self.return_lse}",
             f"device       {self.device_type}",
             f"cuda_graph   {self.cuda_graph}",
@@ -99,15 +124,21 @@ def describe_inputs(
     return_lse: bool,
     cuda_graph: bool = False,
     batch_invariant: bool = False,
+    topk_length: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+    extra_kv_cache: torch.Tensor | None = None,
+    extra_indices: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
 ) -> DecodeProblem:
     """Validate the canonical inputs (metadata only, no data read) and build the problem.
 
-    ``kv_cache`` here is the tensor, already unwrapped from a ``PagedMLACache``.
+    ``kv_cache`` and ``extra_kv_cache`` here are tensors, already unwrapped from a ``PagedMLACache``.
 
     Raises
     ------
     TypeError
-        A non-tensor where a tensor is required.
+        A non-tensor where a tensor is required (``q``, ``kv_cache``, ``block_table``, ``cache_seqlens``,
+        ``indices``); the message names the argument and the dtype and shape expected.
     ValueError
         A dtype, rank, shape, device, layout or format mismatch; the message
         names the argument, what was expected and what was given.
@@ -136,17 +167,19 @@ def describe_inputs(
         if kv_cache.dtype == q.dtype:
             kv_format = _FORMAT_OF_Q[q.dtype]
         else:
-            guessed = format_of_dtype(kv_cache.dtype)
+            guessed = format_of_dtype(kv_cache.dtype, kv_cache.shape[-1] if kv_cache.dim() else None)
             if guessed is None or guessed in ("bf16", "fp16"):
                 raise ValueError(
                     f"kv_cache.dtype {_dtype_name(kv_cache.dtype)} does not match q.dtype {_dtype_name(q.dtype)} "
-                    "and names no quantised format (float8_e4m3fn for 'fp8_e4m3', uint8 [..., 656] for 'fp8_ds_mla')"
+                    "and names no quantised format (float8_e4m3fn for 'fp8_e4m3', uint8 [..., 656] for 'fp8_ds_mla', "
+                    "uint8 [..., 584] for 'fp8_ds_v4')"
                 )
             kv_format = guessed
     expected_dtype = storage_dtype(kv_format)
     if kv_format in ("bf16", "fp16") and expected_dtype != q.dtype:
         raise ValueError(f"kv_format={kv_format!r} needs q.dtype {_dtype_name(expected_dtype)}, got {_dtype_name(q.dtype)}")
-    ok_dtypes = (torch.uint8, torch.int8) if kv_format == "fp8_ds_mla" else (expected_dtype,)
+    packed_bytes = token_bytes(kv_format)
+    ok_dtypes = (torch.uint8, torch.int8) if packed_bytes else (expected_dtype,)
     if kv_cache.dtype not in ok_dtypes:
         raise ValueError(
             f"kv_cache.dtype must be {' or '.join(_dtype_name(d) for d in ok_dtypes)} for kv_format={kv_format!r}, "
@@ -166,16 +199,19 @@ def describe_inputs(
     num_blocks, page_size, num_heads_kv, last = kv_cache.shape
     if page_size < 1 or num_blocks < 1:
         raise ValueError(f"kv_cache needs num_blocks >= 1 and page_size >= 1, got shape {_shape(kv_cache)}")
-    if kv_format == "fp8_ds_mla":
-        if last != DS_MLA_TOKEN_BYTES:
+    if packed_bytes:
+        if last != packed_bytes:
             raise ValueError(
-                f"kv_cache.shape[-1] must be {DS_MLA_TOKEN_BYTES} bytes for kv_format='fp8_ds_mla', got {last}"
+                f"kv_cache.shape[-1] must be {packed_bytes} bytes for kv_format={kv_format!r}, got {last}"
             )
-        if head_dim_qk != 576 or head_dim_v != 512:
+        dims = (576, 512) if kv_format == "fp8_ds_mla" else (DS_V4_DIM, DS_V4_DIM)
+        if (head_dim_qk, head_dim_v) != dims:
             raise ValueError(
-                f"kv_format='fp8_ds_mla' is defined for D_qk=576, head_dim_v=512; got D_qk={head_dim_qk}, "
+                f"kv_format={kv_format!r} is defined for D_qk={dims[0]}, head_dim_v={dims[1]}; got D_qk={head_dim_qk}, "
                 f"head_dim_v={head_dim_v}"
             )
+        if kv_format == "fp8_ds_v4":
+            check_ds_v4_cache(kv_cache)
     elif last != head_dim_qk:
         raise ValueError(f"kv_cache.shape[-1] (D_qk) must equal q.shape[-1]={head_dim_qk}, got {last}")
     if num_heads_kv < 1 or num_heads_q % num_heads_kv != 0:
@@ -194,6 +230,12 @@ def describe_inputs(
 
     # block_table / cache_seqlens / indices -------------------------------------------
     device = q.device
+    for name, t, dtype_shape in (("block_table", block_table, "int32 [batch, max_blocks]"),
+                                 ("cache_seqlens", cache_seqlens, "int32 [batch]"),
+                                 ("indices", indices, "int32 [batch, s_q, topk]")):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor ({dtype_shape}) on q's device, got {type(t).__name__} "
+                            f"(e.g. torch.tensor({name}, dtype=torch.int32, device={str(device)!r}))")
     if kv_cache.device != device:
         raise ValueError(f"kv_cache is on {kv_cache.device}, q on {device}: they must be on the same device")
     topk = 0
@@ -210,6 +252,8 @@ def describe_inputs(
             raise ValueError(f"indices.shape[2] (topk) must be >= 1, got {topk}")
         if causal:
             raise ValueError("causal=True cannot be combined with sparse indices (the indexer already chose the keys)")
+    extra = _describe_sparse_extras(q, kv_cache, kv_format, topk, topk_length, attn_sink, extra_kv_cache,
+                                    extra_indices, extra_topk_length)
     max_blocks = 0
     if indices is None or block_table is not None:
         if block_table is None or cache_seqlens is None:
@@ -254,7 +298,81 @@ def describe_inputs(
         cuda_graph=cuda_graph,
         cache_numel=kv_cache.shape[0] * kv_cache.stride(0),
         batch_invariant=bool(batch_invariant),
+        **extra,
     )
+
+
+def _check_lengths(name: str, t: torch.Tensor | None, batch: int, device: torch.device) -> None:
+    if t is None:
+        return
+    if not isinstance(t, torch.Tensor) or t.shape != (batch,) or t.dtype != torch.int32:
+        got = f"{_shape(t)} {_dtype_name(t.dtype)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name} must be an int32 tensor [batch={batch}], got {got}")
+    if t.device != device or t.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous on {device}, got strides {list(t.stride())} on {t.device}")
+
+
+def _describe_sparse_extras(q, kv_cache, kv_format, topk, topk_length, attn_sink, extra_kv_cache, extra_indices,
+                            extra_topk_length) -> dict:
+    """Check the optional sparse arguments (``topk_length``, ``attn_sink``, the extra cache); the problem fields."""
+    given = [n for n, t in (("topk_length", topk_length), ("attn_sink", attn_sink), ("extra_kv_cache", extra_kv_cache),
+                            ("extra_indices", extra_indices), ("extra_topk_length", extra_topk_length)) if t is not None]
+    if not given:
+        return {}
+    if topk == 0:
+        raise ValueError(f"{', '.join(given)} need sparse decoding: pass indices (dense decoding takes none of them)")
+    batch, q_len, num_heads_q = q.shape[:3]
+    device = q.device
+    _check_lengths("topk_length", topk_length, batch, device)
+    _check_lengths("extra_topk_length", extra_topk_length, batch, device)
+    if attn_sink is not None:
+        if (not isinstance(attn_sink, torch.Tensor) or attn_sink.shape != (num_heads_q,)
+                or attn_sink.dtype != torch.float32):
+            got = f"{_shape(attn_sink)} {_dtype_name(attn_sink.dtype)}" if isinstance(attn_sink, torch.Tensor) else \
+                type(attn_sink).__name__
+            raise ValueError(f"attn_sink must be a float32 tensor [h_q={num_heads_q}], got {got}")
+        if attn_sink.device != device or attn_sink.stride(0) != 1:
+            raise ValueError(f"attn_sink must be contiguous on {device}, got strides {list(attn_sink.stride())} on "
+                             f"{attn_sink.device}")
+    fields = dict(topk_length=topk_length is not None, attn_sink=attn_sink is not None,
+                  extra_topk_length=extra_topk_length is not None)
+    if (extra_kv_cache is None) != (extra_indices is None):
+        raise ValueError("extra_kv_cache and extra_indices must be given together (a second cache and the token ids "
+                         "to read from it)")
+    if extra_kv_cache is None:
+        if extra_topk_length is not None:
+            raise ValueError("extra_topk_length needs extra_kv_cache and extra_indices")
+        return fields
+    if not isinstance(extra_kv_cache, torch.Tensor):
+        raise TypeError(f"extra_kv_cache must be a torch.Tensor, got {type(extra_kv_cache).__name__}")
+    if kv_format == "fp8_e4m3":
+        raise ValueError("extra_kv_cache with kv_format='fp8_e4m3' is not supported (kv_scale is one scale, for "
+                         "kv_cache); the extra cache must be in kv_cache's format")
+    extra = extra_kv_cache.unsqueeze(2) if extra_kv_cache.dim() == 3 else extra_kv_cache
+    if (extra.dim() != 4 or extra.dtype != kv_cache.dtype or extra.shape[2:] != kv_cache.shape[2:]
+            or extra.stride(-1) != 1):
+        raise ValueError(f"extra_kv_cache must be in kv_cache's format: [num_blocks, page_size, "
+                         f"{', '.join(map(str, kv_cache.shape[2:]))}] {_dtype_name(kv_cache.dtype)}, contiguous in its "
+                         f"last dim; got {_shape(extra_kv_cache)} {_dtype_name(extra_kv_cache.dtype)} strides "
+                         f"{list(extra_kv_cache.stride())}")
+    if extra.shape[0] < 1 or extra.shape[1] < 1:
+        raise ValueError(f"extra_kv_cache needs num_blocks >= 1 and page_size >= 1, got shape {_shape(extra)}")
+    if kv_format == "fp8_ds_v4":
+        check_ds_v4_cache(extra, "extra_kv_cache")
+    if extra.device != device:
+        raise ValueError(f"extra_kv_cache is on {extra.device}, q on {device}: they must be on the same device")
+    if (not isinstance(extra_indices, torch.Tensor) or extra_indices.dim() != 3
+            or tuple(extra_indices.shape[:2]) != (batch, q_len) or extra_indices.dtype != torch.int32
+            or extra_indices.shape[2] < 1):
+        got = f"{_shape(extra_indices)} {_dtype_name(extra_indices.dtype)}" if isinstance(extra_indices, torch.Tensor) \
+            else type(extra_indices).__name__
+        raise ValueError(f"extra_indices must be int32 [batch={batch}, s_q={q_len}, extra_topk >= 1], got {got}")
+    if extra_indices.device != device or extra_indices.stride(-1) != 1:
+        raise ValueError(f"extra_indices must be on {device}, contiguous in its last dim; got strides "
+                         f"{list(extra_indices.stride())} on {extra_indices.device}")
+    fields.update(extra_topk=extra_indices.shape[2], extra_page_size=extra.shape[1],
+                  extra_cache_numel=extra.shape[0] * extra.stride(0))
+    return fields
 
 
 def check_values(
@@ -263,8 +381,14 @@ def check_values(
     block_table: torch.Tensor | None,
     cache_seqlens: torch.Tensor | None,
     indices: torch.Tensor | None,
+    *,
+    page_size: int | None = None,
+    name: str = "indices",
+    topk_length: torch.Tensor | None = None,
 ) -> None:
-    """The ``validate=True`` checks: values, not just shapes (syncs with the device).
+    """The ``validate=True`` checks: values, not just shapes (syncs with the device). ``page_size`` (default the
+    problem's) and ``name`` are those of the cache ``indices`` address (the extra cache's for ``extra_indices``);
+    entries past ``topk_length[b]`` (when given) are never read, so not checked.
 
     Raises
     ------
@@ -273,7 +397,7 @@ def check_values(
         block ids outside ``[0, num_blocks)`` in the used part of ``block_table``,
         sparse indices outside ``[-1, num_blocks * page_size)``.
     """
-    ps = problem.page_size
+    ps = problem.page_size if page_size is None else page_size
     if cache_seqlens is not None:
         seqlens = cache_seqlens.to("cpu", torch.int64)
         bad = torch.nonzero(seqlens < 0).flatten().tolist()
@@ -302,9 +426,11 @@ def check_values(
         idx = indices.to("cpu", torch.int64)
         limit = num_blocks * ps
         bad_mask = (idx < -1) | (idx >= limit)
+        if topk_length is not None:
+            bad_mask &= torch.arange(idx.shape[-1])[None, None, :] < topk_length.to("cpu", torch.int64)[:, None, None]
         bad = torch.nonzero(bad_mask.flatten(1).any(dim=1)).flatten().tolist()
         if bad:
-            raise ValueError(f"indices must be in [-1, num_blocks*page_size={limit}); offending batch rows {bad[:8]}")
+            raise ValueError(f"{name} must be in [-1, num_blocks*page_size={limit}); offending batch rows {bad[:8]}")
 
 
 def default_softmax_scale(head_dim_qk: int) -> float:

@@ -18,8 +18,8 @@ from importlib import metadata as importlib_metadata
 from mla_dispatch.dispatch.backend import MLABackend, Reason, ReasonCode, Unimplemented
 from mla_dispatch.dispatch.platform import PLATFORM_KEYS
 
-__all__ = ["BackendSpec", "register_backend", "get_backend", "registered_names", "default_order", "load_entry_points",
-           "ENTRY_POINT_GROUP", "LAST"]
+__all__ = ["BackendSpec", "register_backend", "get_backend", "backend_qualname", "registered_names", "default_order",
+           "load_entry_points", "ENTRY_POINT_GROUP", "LAST"]
 
 logger = logging.getLogger("mla_dispatch")
 
@@ -85,6 +85,21 @@ def unregister_backend(name: str) -> None:
     """Remove ``name`` (tests and plugins that replace a backend)."""
     _SPECS.pop(name, None)
     _CLASSES.pop(name, None)
+
+
+def backend_qualname(name: str) -> str:
+    """Where backend ``name``'s class lives (``"module:Class"``), without importing it.
+
+    Raises
+    ------
+    ValueError
+        If no backend of that name is registered.
+    """
+    load_entry_points()
+    spec = _SPECS.get(name)
+    if spec is None:
+        raise ValueError(f"unknown backend {name!r} (registered: {', '.join(_SPECS)})")
+    return spec.qualname
 
 
 def registered_names() -> tuple[str, ...]:
@@ -184,6 +199,7 @@ BUILTIN_BACKENDS = {
     "reference": ("mla_dispatch.backends.reference:ReferenceBackend", _EVERYWHERE),
     "cuda_sm90": ("mla_dispatch.backends.cuda_sm90:CudaSM90Backend", {"sm90": 10}),
     "flashmla": ("mla_dispatch.backends.flashmla:FlashMLABackend", {"sm90": 20}),
+    "fa3": ("mla_dispatch.backends.fa3:FA3Backend", {"sm90": 25}),
     "flashinfer": ("mla_dispatch.backends.flashinfer:FlashInferBackend", {"sm90": 30, "sm100": 10, "cuda": 20}),
     "triton": ("mla_dispatch.backends.triton:TritonBackend", {"sm90": 40, "sm100": 20, "cuda": 10, "rocm": 20}),
     "aiter": ("mla_dispatch.backends.aiter:AiterBackend", {"rocm": 10}),

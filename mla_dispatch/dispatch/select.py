@@ -17,7 +17,7 @@ from typing import Iterator, Mapping, Sequence
 
 import torch
 
-from mla_dispatch.dispatch.backend import MLABackend, Reason
+from mla_dispatch.dispatch.backend import MLABackend, Reason, version_of
 from mla_dispatch.dispatch.platform import Platform, platform_for, platform_key
 from mla_dispatch.dispatch.problem import DecodeProblem
 from mla_dispatch.dispatch import tuned
@@ -137,7 +137,7 @@ def explain(problem: DecodeProblem, platform: Platform | None = None,
     rows = []
     for name in names:
         cls = get_backend(name)
-        rows.append((name, cls.version(), tuple(cls.not_supported_reasons(problem, platform))))
+        rows.append((name, version_of(cls), tuple(cls.not_supported_reasons(problem, platform))))
     return SelectionReport(problem, platform, tuple(rows), order)
 
 
@@ -147,7 +147,7 @@ def _select_cached(problem: DecodeProblem, platform: Platform, backend: str, ove
         cls = get_backend(backend)  # ValueError for unknown names
         reasons = cls.not_supported_reasons(problem, platform)
         if reasons:
-            report = SelectionReport(problem, platform, ((backend, cls.version(), tuple(reasons)),))
+            report = SelectionReport(problem, platform, ((backend, version_of(cls), tuple(reasons)),))
             raise NoBackendError(report, header=f"Backend {backend!r} was requested but cannot run this problem")
         return backend
     for name in _active_candidates(problem, platform):

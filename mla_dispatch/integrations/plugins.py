@@ -26,13 +26,8 @@ from __future__ import annotations
 
 import os
 
-VLLM_BACKEND_CLASS = "mla_dispatch.integrations.vllm.MLADispatchBackend"
-VLLM_SPARSE_BACKEND_NAME = "MLA_DISPATCH_SPARSE"
-VLLM_SPARSE_BACKEND_CLASS = "mla_dispatch.integrations.vllm_sparse.MLADispatchSparseBackend"
-SGLANG_BACKEND_NAME = "mla_dispatch"
-SGLANG_DSA_BACKEND_NAME = "mla_dispatch_dsa"
-#: environment variable: "1" makes register_sglang() replace SGLang's own "dsa" factory with ours (opt-in)
-SGLANG_REPLACE_DSA_ENV = "MLA_DISPATCH_SGLANG_REPLACE_DSA"
+from mla_dispatch.integrations.names import (SGLANG_BACKEND_NAME, SGLANG_DSA_BACKEND_NAME, SGLANG_REPLACE_DSA_ENV,
+                                             VLLM_BACKEND_CLASS, VLLM_SPARSE_BACKEND_CLASS, VLLM_SPARSE_BACKEND_NAME)
 
 __all__ = ["register_vllm", "register_sglang", "VLLM_BACKEND_CLASS", "VLLM_SPARSE_BACKEND_NAME",
            "VLLM_SPARSE_BACKEND_CLASS", "SGLANG_BACKEND_NAME", "SGLANG_DSA_BACKEND_NAME", "SGLANG_REPLACE_DSA_ENV"]

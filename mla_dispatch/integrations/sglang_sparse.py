@@ -75,7 +75,7 @@ from sglang.srt.layers.attention.dsa_backend import DeepseekSparseAttnBackend
 
 from mla_dispatch.api import DecodePlan, plan_decode
 from mla_dispatch.integrations.plan_cache import PlanCache
-from mla_dispatch.integrations.plugins import SGLANG_DSA_BACKEND_NAME, SGLANG_REPLACE_DSA_ENV
+from mla_dispatch.integrations.names import SGLANG_DSA_BACKEND_NAME, SGLANG_REPLACE_DSA_ENV
 from mla_dispatch.kvcache.formats import DS_MLA_TOKEN_BYTES
 
 __all__ = ["MLADispatchDSABackend", "create_dsa_backend", "SGLANG_DSA_BACKEND_NAME"]

@@ -16,7 +16,8 @@ from collections.abc import Hashable, Sequence
 
 import torch
 
-from mla_dispatch.kvcache.formats import DS_MLA_TOKEN_BYTES, KV_FORMATS, dequantize_tokens, pack_ds_mla, quantize_fp8_e4m3, storage_dtype
+from mla_dispatch.kvcache.formats import (DS_MLA_TOKEN_BYTES, DS_V4_DIM, KV_FORMATS, empty_ds_v4_cache,
+                                          gather_tokens, pack_ds_mla, quantize_fp8_e4m3, storage_dtype, write_ds_v4)
 
 __all__ = ["PagedMLACache", "CacheFullError"]
 
@@ -42,7 +43,8 @@ class PagedMLACache:
         ``D_qk`` values per token (DeepSeek: 576); >= 1.
     num_heads_kv : int
         KV heads (DeepSeek: 1); >= 1.
-    kv_format : {"bf16", "fp16", "fp8_e4m3", "fp8_ds_mla"}
+    kv_format : {"bf16", "fp16", "fp8_e4m3", "fp8_ds_mla", "fp8_ds_v4"}
+        ``"fp8_ds_v4"`` (DeepSeek-V4) needs ``head_dim=512`` and one KV head.
     kv_scale : float, optional
         Per-tensor scale for ``"fp8_e4m3"``, required there, finite and positive (values saturate at
         ``±448 * kv_scale``); None for the other formats.
@@ -59,7 +61,9 @@ class PagedMLACache:
     ----------
     kv : Tensor
         ``[num_blocks, page_size, num_heads_kv, head_dim]`` (``uint8 [..., 656]`` for
-        ``"fp8_ds_mla"``); pass the cache object (or this tensor) to ``mla_decode``.
+        ``"fp8_ds_mla"``; for ``"fp8_ds_v4"`` ``uint8 [num_blocks, page_size, 1, 584]``, a view of
+        blocks padded to a multiple of 576 bytes, FlashMLA's layout); pass the cache object (or this
+        tensor) to ``mla_decode``.
 
     Threads
     -------
@@ -107,6 +111,9 @@ class PagedMLACache:
         if kv_format == "fp8_ds_mla" and (head_dim != 576 or num_heads_kv != 1):
             raise ValueError(f"kv_format='fp8_ds_mla' stores 576-value tokens with one KV head, got head_dim={head_dim}, "
                              f"num_heads_kv={num_heads_kv}")
+        if kv_format == "fp8_ds_v4" and (head_dim != DS_V4_DIM or num_heads_kv != 1):
+            raise ValueError(f"kv_format='fp8_ds_v4' stores {DS_V4_DIM}-value tokens with one KV head, got "
+                             f"head_dim={head_dim}, num_heads_kv={num_heads_kv}")
         self.num_blocks = num_blocks
         self.page_size = page_size
         self.head_dim = head_dim
@@ -115,8 +122,12 @@ class PagedMLACache:
         self.device = torch.device(device)
         self.kv_scale = (torch.tensor([kv_scale], dtype=torch.float32, device=self.device)
                          if kv_format == "fp8_e4m3" else None)
-        last = DS_MLA_TOKEN_BYTES if kv_format == "fp8_ds_mla" else head_dim
-        self.kv = torch.zeros(num_blocks, page_size, num_heads_kv, last, dtype=storage_dtype(kv_format), device=self.device)
+        if kv_format == "fp8_ds_v4":
+            self.kv = empty_ds_v4_cache(num_blocks, page_size, device=self.device)
+        else:
+            last = DS_MLA_TOKEN_BYTES if kv_format == "fp8_ds_mla" else head_dim
+            self.kv = torch.zeros(num_blocks, page_size, num_heads_kv, last, dtype=storage_dtype(kv_format),
+                                  device=self.device)
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() hands out low ids first
         self._seqs: dict[Hashable, _Sequence] = {}
         # Guards _free and _seqs (the sequences' blocks and lengths): see the class docstring, "Threads".
@@ -265,7 +276,7 @@ class PagedMLACache:
             slots.append(table[pos // self.page_size] * self.page_size + pos % self.page_size)
             new_blocks.append(blocks)
         slot_mapping = torch.cat(slots).to(self.device)
-        self._flat()[slot_mapping] = encoded
+        self._write(slot_mapping, encoded)
         # The write is done: commit the bookkeeping (list operations, nothing below raises).
         del self._free[len(self._free) - sum(need):]
         for s, v, blocks in zip(seqs, chunks, new_blocks):
@@ -295,17 +306,28 @@ class PagedMLACache:
             raise ValueError(f"slot_mapping entries must be in [-1, {cap})")
         keep = slot_mapping >= 0
         slot_mapping, values = slot_mapping[keep], values[keep]
-        self._flat()[slot_mapping] = self._encode(values)
+        self._write(slot_mapping, self._encode(values))
+
+    def _write(self, slot_mapping: torch.Tensor, encoded: torch.Tensor) -> None:
+        """Store encoded tokens (:meth:`_encode`) at flat slots."""
+        if self.kv_format == "fp8_ds_v4":
+            write_ds_v4(self.kv, slot_mapping, encoded)  # tokens are not rows of the tensor: write through the layout
+        else:
+            self._flat()[slot_mapping] = encoded
 
     def _flat(self) -> torch.Tensor:
         """The cache as ``[num_blocks * page_size, h_kv, last]`` token slots (a view)."""
         return self.kv.view(self.num_blocks * self.page_size, self.num_heads_kv, self.kv.shape[-1])
 
     def _encode(self, values: torch.Tensor) -> torch.Tensor:
+        """Values as the cache stores them: cast or quantised (``fp8_ds_v4``: the fp32 values, quantised by the
+        write, since its bytes are spread over the block)."""
         if self.kv_format in ("bf16", "fp16"):
             return values.to(self.kv.dtype)
         if self.kv_format == "fp8_e4m3":
             return quantize_fp8_e4m3(values, self.kv_scale)
+        if self.kv_format == "fp8_ds_v4":
+            return values.float()
         return pack_ds_mla(values)
 
     # -- reads -------------------------------------------------------------------------
@@ -334,5 +356,5 @@ class PagedMLACache:
         seq_blocks, length = self._snapshot(seq_id)
         pos = torch.arange(length)
         blocks = torch.tensor(seq_blocks, dtype=torch.int64)[pos // self.page_size] if length else pos
-        tokens = self.kv[blocks.to(self.device), (pos % self.page_size).to(self.device)]
-        return dequantize_tokens(tokens, self.kv_format, self.kv_scale)
+        return gather_tokens(self.kv, blocks.to(self.device), (pos % self.page_size).to(self.device), self.kv_format,
+                             self.kv_scale)

@@ -226,7 +226,7 @@ def split_kv_schedule(
         entry past the row, whatever ``cache_seqlens`` holds. None: no bound.
     impl : str
         ``"torch"``: the tensor-op reference below (~30 small ops, any device).
-        ``"triton"``: one launch of ``kernels/triton/schedule.py``, identical
+        ``"triton"``: one launch of ``metadata/schedule_triton.py``, identical
         output; needs ``1 <= batch <= TRITON_SCHEDULE_MAX_BATCH`` and a CUDA/ROCm
         tensor (or ``TRITON_INTERPRET=1`` on a CPU). ``"auto"`` (default):
         Triton for a CUDA/ROCm tensor when triton imports and the batch fits,

@@ -17,7 +17,7 @@ import torch
 
 from mla_dispatch.numerics.oracle import reference_attention
 from mla_dispatch.numerics.tolerance import Tolerance
-from mla_dispatch.kvcache.formats import pack_ds_mla, quantize_fp8_e4m3
+from mla_dispatch.kvcache.formats import pack_ds_mla, pack_ds_v4, quantize_fp8_e4m3
 
 __all__ = ["DecodeCase", "make_case", "case_reference", "poisoned_outputs", "scale_outputs", "UNUSED_BLOCK_ID"]
 
@@ -38,11 +38,22 @@ class DecodeCase:
     causal: bool
     head_dim_v: int
     softmax_scale: float
+    # sparse only, optional (make_case's topk_length / attn_sink / extra_topk)
+    topk_length: torch.Tensor | None = None  # int32 [B]
+    attn_sink: torch.Tensor | None = None  # fp32 [h_q]
+    extra_kv_cache: torch.Tensor | None = None  # a second cache in kv_format, its own page size
+    extra_indices: torch.Tensor | None = None  # int32 [B, s_q, extra_topk]
+    extra_topk_length: torch.Tensor | None = None  # int32 [B]
+
+    def sparse_extras(self) -> dict:
+        """The optional sparse arguments the case has (keyword arguments of ``mla_decode`` / ``DecodePlan.run``)."""
+        names = ("topk_length", "attn_sink", "extra_kv_cache", "extra_indices", "extra_topk_length")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
     def kwargs(self) -> dict:
         """Keyword arguments for ``mla_decode`` / ``plan_decode``."""
         return dict(head_dim_v=self.head_dim_v, softmax_scale=self.softmax_scale, causal=self.causal,
-                    kv_format=self.kv_format, kv_scale=self.kv_scale, indices=self.indices)
+                    kv_format=self.kv_format, kv_scale=self.kv_scale, indices=self.indices, **self.sparse_extras())
 
     def args(self) -> tuple:
         return (self.q, self.kv_cache, self.block_table, self.cache_seqlens)
@@ -68,14 +79,80 @@ def make_case(
     generator: torch.Generator | None = None,
     softmax_scale: float | None = None,
     extra_blocks: int = 2,
+    topk_length: bool = False,
+    attn_sink: bool = False,
+    extra_topk: int = 0,
+    extra_seqlen: int | None = None,
+    extra_page_size: int | None = None,
+    extra_topk_length: bool = False,
 ) -> DecodeCase:
     """Generate a decode case (see the module docstring for how).
 
     ``zero_len_rows`` requests (the last ones) get length 0. With ``topk > 0``
-    sparse indices are drawn from each request's tokens, with some -1 entries.
+    sparse indices are drawn from each request's tokens, with some -1 entries; then, as FlashMLA's sparse
+    test makes them (``tests/lib.py``): ``topk_length`` draws a per-request length in ``[0, topk]`` and fills
+    the entries past it with ids far outside the cache (they must never be read); ``attn_sink`` draws a
+    per-head sink ``~ N(0, 1)``, about a third of them ``+inf`` and a third ``-inf``; ``extra_topk > 0``
+    adds a second cache of ``extra_seqlen`` tokens per request (default ``2 * extra_topk``) in pages of
+    ``extra_page_size`` (default ``page_size``), with ``extra_topk`` indices into it (and
+    ``extra_topk_length``, as ``topk_length``). ``kv_format="fp8_ds_v4"`` needs ``head_dim_qk = head_dim_v
+    = 512``.
     """
     g = generator if generator is not None else torch.Generator().manual_seed(0)
     kv_format = kv_format or ("bf16" if dtype == torch.bfloat16 else "fp16")
+    if (topk_length or attn_sink or extra_topk) and not topk:
+        raise ValueError("topk_length, attn_sink and extra_topk need topk > 0 (sparse)")
+    lens, block_table, kv, kv_scale, indices, q = _scope(batch, q_len, seqlen, num_heads_kv, head_dim_qk, page_size,
+                                                         kv_format, dtype, varlen, zero_len_rows, topk, g, extra_blocks,
+                                                         q_heads=num_heads_q)
+    dev = torch.device(device)
+    extras = {}
+    if topk_length:
+        extras["topk_length"] = _cut(indices, g)
+    if attn_sink:
+        sink = torch.randn(num_heads_q, generator=g)
+        pick = torch.randn(num_heads_q, generator=g)
+        extras["attn_sink"] = torch.where(pick > 0.5, float("inf"), torch.where(pick < -0.5, float("-inf"), sink))
+    if extra_topk:
+        _, _, extras["extra_kv_cache"], _, extras["extra_indices"], _ = _scope(
+            batch, q_len, extra_seqlen or 2 * extra_topk, num_heads_kv, head_dim_qk, extra_page_size or page_size,
+            kv_format, dtype, varlen, zero_len_rows, extra_topk, g, extra_blocks, kv_scale=kv_scale)
+        if extra_topk_length:
+            extras["extra_topk_length"] = _cut(extras["extra_indices"], g)
+    elif extra_topk_length:
+        raise ValueError("extra_topk_length needs extra_topk > 0")
+    return DecodeCase(
+        q=q.to(dtype).to(dev),
+        kv_cache=kv.to(dev),
+        block_table=block_table.to(torch.int32).to(dev),
+        cache_seqlens=lens.to(torch.int32).to(dev),
+        kv_format=kv_format,
+        kv_scale=None if kv_scale is None else kv_scale.to(dev),
+        indices=None if indices is None else indices.to(dev),
+        causal=causal,
+        head_dim_v=head_dim_v,
+        softmax_scale=softmax_scale if softmax_scale is not None else head_dim_qk**-0.5,
+        **{name: t.to(dev) for name, t in extras.items()},
+    )
+
+
+def _cut(indices: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """A per-request length in ``[0, topk]`` for ``indices`` (int32 ``[B]``); the entries past it are overwritten with
+    ids far outside any cache (in place), which a kernel must never read."""
+    batch, _, topk = indices.shape
+    lengths = torch.randint(0, topk + 1, (batch,), generator=g, dtype=torch.int32)
+    past = (torch.arange(topk)[None, None, :] >= lengths[:, None, None].long()).expand(indices.shape)
+    garbage = torch.tensor([UNUSED_BLOCK_ID, 2147483647, -2147483648, -123456], dtype=torch.int32)
+    pick = garbage[torch.randint(0, len(garbage), indices.shape, generator=g)]
+    indices[past] = pick[past]
+    return lengths
+
+
+def _scope(batch, q_len, seqlen, num_heads_kv, head_dim_qk, page_size, kv_format, dtype, varlen, zero_len_rows, topk,
+           g, extra_blocks, kv_scale=None, q_heads=0):
+    """One cache and what addresses it: ``(lens int64 [B], block_table int64 [B, max_blocks], kv in kv_format,
+    kv_scale, indices int32 [B, s_q, topk] or None, q)``. ``kv_scale`` is drawn for fp8_e4m3 unless given; q
+    ``[B, s_q, q_heads, D_qk]`` fp32 is drawn (between the cache and the indices) when ``q_heads > 0``."""
     if varlen:
         lens = torch.normal(float(seqlen), seqlen / 2, (batch,), generator=g)
         lens = lens.round().clamp_min(q_len).to(torch.int64)
@@ -99,20 +176,22 @@ def make_case(
         for j in range(nb):
             used[block_table[b, j], : min(page_size, n - j * page_size)] = True
         block_table[b, nb:] = UNUSED_BLOCK_ID
-    q = (torch.randn(batch, q_len, num_heads_q, head_dim_qk, generator=g) / 10).clamp(-1, 1)
+    q = (torch.randn(batch, q_len, q_heads, head_dim_qk, generator=g) / 10).clamp(-1, 1) if q_heads else None
 
-    kv_scale = None
     if kv_format in ("bf16", "fp16"):
         kv = values.to(dtype)
         kv[~used] = float("nan")
     elif kv_format == "fp8_e4m3":
-        kv_scale = torch.tensor([values.abs().max().item() / 448.0 * 1.25], dtype=torch.float32)
+        if kv_scale is None:
+            kv_scale = torch.tensor([values.abs().max().item() / 448.0 * 1.25], dtype=torch.float32)
         kv = quantize_fp8_e4m3(values, kv_scale)
         kv.view(torch.uint8)[~used] = 0x7F  # e4m3fn NaN
     elif kv_format == "fp8_ds_mla":
         kv = pack_ds_mla(values)
         nan_token = pack_ds_mla(torch.full((head_dim_qk,), float("nan")))
         kv[~used] = nan_token
+    elif kv_format == "fp8_ds_v4":
+        kv = pack_ds_v4(torch.where(used[:, :, None, None], values, float("nan")))  # NaN tokens: NaN scales
     else:
         raise ValueError(f"unknown kv_format {kv_format!r}")
 
@@ -130,20 +209,7 @@ def make_case(
                 keep = torch.rand(k, generator=g) > 0.1  # ~10% skipped entries
                 indices[b, i, :k] = torch.where(keep, slot, torch.full_like(slot, -1))
         indices = indices.to(torch.int32)
-
-    dev = torch.device(device)
-    return DecodeCase(
-        q=q.to(dtype).to(dev),
-        kv_cache=kv.to(dev),
-        block_table=block_table.to(torch.int32).to(dev),
-        cache_seqlens=lens.to(torch.int32).to(dev),
-        kv_format=kv_format,
-        kv_scale=None if kv_scale is None else kv_scale.to(dev),
-        indices=None if indices is None else indices.to(dev),
-        causal=causal,
-        head_dim_v=head_dim_v,
-        softmax_scale=softmax_scale if softmax_scale is not None else head_dim_qk**-0.5,
-    )
+    return lens, block_table, kv, kv_scale, indices, q
 
 
 def case_reference(case: DecodeCase, cache_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,7 +220,10 @@ def case_reference(case: DecodeCase, cache_seqlens: torch.Tensor | None = None) 
     """
     kv = case.kv_cache if case.kv_cache.dim() == 4 else case.kv_cache.unsqueeze(2)
     lens = case.cache_seqlens if cache_seqlens is None else cache_seqlens
-    return reference_attention(case.q, kv, case.block_table, lens, **case.kwargs())
+    kwargs = case.kwargs()
+    if case.extra_kv_cache is not None and case.extra_kv_cache.dim() == 3:
+        kwargs["extra_kv_cache"] = case.extra_kv_cache.unsqueeze(2)
+    return reference_attention(case.q, kv, case.block_table, lens, **kwargs)
 
 
 def poisoned_outputs(case: DecodeCase) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from mla_dispatch.kvcache.formats import dequantize_tokens
+from mla_dispatch.kvcache.formats import gather_tokens
 
 __all__ = ["reference_attention"]
 
@@ -38,7 +38,7 @@ def _gather_keys(kv_cache, ids, pos, live, kv_format, kv_scale):
     num_blocks, page_size = kv_cache.shape[:2]
     bad = live & ((ids < 0) | (ids >= num_blocks))
     blocks = torch.where(live & ~bad, ids, 0)
-    keys = dequantize_tokens(kv_cache[blocks, pos % page_size], kv_format, kv_scale)
+    keys = gather_tokens(kv_cache, blocks, pos % page_size, kv_format, kv_scale)
     keys = torch.where(live[..., None, None], keys, torch.zeros((), device=keys.device))  # NaN never leaks
     return keys, bad
 
@@ -129,11 +129,22 @@ def reference_attention(
     kv_scale: torch.Tensor | float | None = None,
     indices: torch.Tensor | None = None,
     batch_invariant: bool = False,
+    topk_length: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+    extra_kv_cache: torch.Tensor | None = None,
+    extra_indices: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MLA decode attention in fp32.
 
     Parameters are the canonical ones of :func:`mla_dispatch.mla_decode`
-    (``kv_cache`` must be 4-D ``[num_blocks, page_size, h_kv, D_qk or 656]``).
+    (``kv_cache`` and ``extra_kv_cache`` must be 4-D ``[num_blocks, page_size, h_kv, D_qk or bytes]``).
+
+    Sparse decoding attends to the tokens ``indices`` names, then those ``extra_indices`` names in
+    ``extra_kv_cache`` (one softmax over both lists); only the first ``clamp(topk_length[b], 0, topk)``
+    entries of request b's ``indices`` (likewise ``extra_topk_length``) are read, the rest are never looked
+    at. ``attn_sink`` (fp32 ``[h_q]``) then scales head h's output by ``exp(lse) / (exp(lse) +
+    exp(attn_sink[h]))`` (0 for a sink of ``+inf``, unchanged for ``-inf``); ``lse`` stays the keys' own.
 
     Request ``b``'s tokens are its first ``clamp(L_b, 0, max_blocks * page_size)``; the causal cut is
     counted from ``L_b``. Bad inputs never raise (nothing is read outside ``kv_cache``): a block id
@@ -164,24 +175,42 @@ def reference_attention(
 
     nan = torch.full((), float("nan"), device=q.device)
     if indices is not None:
-        # Sparse: each query token attends to its own token list; negative entries are skipped, entries past the
-        # cache make that query token's rows NaN.
-        flat = kv_cache.reshape(num_blocks * page_size, h_kv, kv_cache.shape[-1])
-        topk = indices.shape[-1]
-        step = 1 if batch_invariant else max(1, _GROUP_ELEMENTS // max(1, q_len * topk * h_kv * (d_qk + group)))
+        # Sparse: each query token attends to its own token lists (indices, then extra_indices); negative entries and
+        # entries past topk_length are skipped, entries past the cache make that query token's rows NaN.
+        lists = [(kv_cache, indices, topk_length)]
+        if extra_kv_cache is not None:
+            lists.append((extra_kv_cache, extra_indices, extra_topk_length))
+        width = sum(ix.shape[-1] for _, ix, _ in lists)
+        sink = None if attn_sink is None else attn_sink.float().view(h_kv, group)
+        step = 1 if batch_invariant else max(1, _GROUP_ELEMENTS // max(1, q_len * width * h_kv * (d_qk + group)))
         for b0 in range(0, batch, step):
-            idx = indices[b0 : b0 + step].long()
-            past = idx >= num_blocks * page_size
-            valid = (idx >= 0) & ~past
-            keys = dequantize_tokens(flat[torch.where(valid, idx, 0)], kv_format, kv_scale)  # [g, s_q, k, h_kv, D]
-            keys = torch.where(valid[..., None, None], keys, torch.zeros((), device=q.device))
+            keys, valid, poisoned = [], [], torch.zeros((), dtype=torch.bool, device=q.device)
+            for cache, idx_all, lengths in lists:
+                idx, ps = idx_all[b0 : b0 + step].long(), cache.shape[1]
+                live = torch.ones_like(idx, dtype=torch.bool)
+                if lengths is not None:
+                    live = torch.arange(idx.shape[-1], device=q.device) < lengths[b0 : b0 + step, None, None].long()
+                past = live & (idx >= cache.shape[0] * ps)
+                ok = live & (idx >= 0) & ~past
+                safe = torch.where(ok, idx, 0)
+                k = gather_tokens(cache, safe // ps, safe % ps, kv_format, kv_scale)  # [g, s_q, k, h_kv, D]
+                keys.append(torch.where(ok[..., None, None], k, torch.zeros((), device=q.device)))
+                valid.append(ok)
+                poisoned = poisoned | past.any(dim=-1)  # [g, s_q]
+            keys, valid = torch.cat(keys, dim=2), torch.cat(valid, dim=2)
             scores = torch.einsum("bsgrd,bskgd->bsgrk", qf[b0 : b0 + step], keys) * scale
             scores = scores.masked_fill(~valid[:, :, None, None, :], float("-inf"))
             o, l = _softmax_rows(scores, keys[..., :head_dim_v], "bsgrk,bskgd->bsgrd")
-            poisoned = past.any(dim=-1)[:, :, None, None]  # [g, s_q, 1, 1]
+            if sink is not None:
+                # exp(lse) / (exp(lse) + exp(sink)) = sigmoid(lse - sink); a row without keys stays 0
+                factor = torch.where(torch.isposinf(l), torch.zeros_like(l), torch.sigmoid(l - sink))
+                o = o * factor[..., None]
+            poisoned = poisoned[:, :, None, None]  # [g, s_q, 1, 1]
             out[b0 : b0 + step] = torch.where(poisoned[..., None], nan, o)
             lse[b0 : b0 + step] = torch.where(poisoned, nan, l)
     else:
+        if any(t is not None for t in (topk_length, attn_sink, extra_kv_cache, extra_indices, extra_topk_length)):
+            raise ValueError("topk_length, attn_sink and the extra cache need sparse indices")
         # A request's tokens are its first clamp(L, 0, cap) (its table row addresses no more); a block id outside
         # [0, num_blocks) among the entries they use makes all its rows NaN (docs/design.md §1).
         max_blocks = block_table.shape[1]

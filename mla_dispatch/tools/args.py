@@ -27,10 +27,33 @@ class UsageError(Exception):
 
 
 class CommandParser(argparse.ArgumentParser):
-    """``argparse.ArgumentParser`` whose errors are one line (``<prog>: error: <what> (see --help)``), exit 2."""
+    """``argparse.ArgumentParser`` whose errors are one line (``<prog>: error: <what> (see --help)``), exit 2.
+
+    A value that starts with a minus sign and a digit is the option's value (``--lengths -5,10`` reaches the
+    option's type, which names what is wrong), where argparse alone would take ``-5,10`` for an option and say
+    "expected one argument".
+    """
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        args = list(sys.argv[1:] if args is None else args)
+        joined, i = [], 0
+        while i < len(args):
+            arg = args[i]
+            action = self._option_string_actions.get(arg)
+            if (action is not None and action.nargs is None and i + 1 < len(args)
+                    and re.match(r"-\.?\d", args[i + 1])):
+                joined.append(f"{arg}={args[i + 1]}")
+                i += 2
+                continue
+            joined.append(arg)
+            if arg == "--":
+                joined += args[i + 1:]
+                break
+            i += 1
+        return super().parse_known_args(joined, namespace)
 
 
 def usage_error(prog: str, exc: UsageError) -> int:

@@ -20,8 +20,9 @@ from typing import Iterable, Mapping, Sequence
 
 __all__ = ["AutoCheck", "check_auto", "format_check", "load_rows"]
 
-#: The name of FlashMLA's own rows in bench output (:data:`mla_dispatch.tools.peers.PEER_FLASHMLA`).
-_PEER = "FlashMLA (direct)"
+#: The names of the peers' own rows in bench output (:data:`mla_dispatch.tools.peers.PEER_FLASHMLA`, ``PEER_FA3``):
+#: vendor libraries called directly, not backends ``auto`` can pick.
+_PEERS = ("FlashMLA (direct)", "FA3 (direct)")
 _CHOSE = re.compile(r"chose (\S+)")
 
 
@@ -75,7 +76,7 @@ def check_auto(rows: Iterable, tolerance: float, metric: str | None = None) -> t
         by_config.setdefault(_get(r, "config"), []).append(r)
     results = []
     for config, group in by_config.items():
-        candidates = [r for r in group if _get(r, "backend") not in ("auto", _PEER) and ":" not in _get(r, "backend")
+        candidates = [r for r in group if _get(r, "backend") not in ("auto", *_PEERS) and ":" not in _get(r, "backend")
                       and _get(r, "status") == "ok" and _us(r, metric)]
         autos = [r for r in group if _get(r, "backend") == "auto"]
         best = min(candidates, key=lambda r: _us(r, metric)) if candidates else None

@@ -17,9 +17,9 @@ For each configuration of a named grid, in one process:
      with ``CUDA_GRAPH`` ALWAYS; its output is checked against the reference too);
 3. on a GPU, the host time of ``plan_decode``, ``DecodePlan.run`` and the one-shot
    ``mla_decode`` (wall clock with a device synchronisation after, median of 50);
-4. where FlashMLA is installed, FlashMLA itself called directly on the same inputs
-   (:mod:`mla_dispatch.tools.peers`), and every row's "× FlashMLA": its CUDA-graph
-   time over FlashMLA's (lower is better);
+4. where FlashMLA or FlashAttention-3 is installed, each called directly on the same
+   inputs (:mod:`mla_dispatch.tools.peers`), and every row's "× FlashMLA" and "× FA3":
+   its CUDA-graph time over that peer's (lower is better);
 5. count FLOPs and bytes (:mod:`mla_dispatch.tools.roofline`) and report µs, TFLOP/s,
    GB/s and % of the roofline, whose ceilings were measured at the start of
    the run.
@@ -62,7 +62,8 @@ from mla_dispatch.dispatch.problem import DecodeProblem, describe_inputs
 from mla_dispatch.dispatch.registry import get_backend, registered_names
 from mla_dispatch.dispatch.select import NoBackendError, select_backend
 from mla_dispatch.dispatch.tuned import fingerprint
-from mla_dispatch.tools.peers import PEER_FLASHMLA, flashmla_peer_available, flashmla_runs, host_us, time_flashmla
+from mla_dispatch.tools.peers import (PEER_FA3, PEER_FLASHMLA, fa3_peer_available, fa3_runs, flashmla_peer_available,
+                                      flashmla_runs, host_us, time_fa3, time_flashmla)
 from mla_dispatch.tools.roofline import Ceilings, decode_work, measure_ceilings, time_fn, timer_name
 from mla_dispatch.numerics.cases import UNUSED_BLOCK_ID, DecodeCase
 from mla_dispatch.numerics.tolerance import compare_outputs
@@ -129,6 +130,17 @@ def _flashmla_grid() -> list[BenchConfig]:
             for causal in ((False,) if s_q == 1 else (False, True))]
 
 
+def _hopper_grid() -> list[BenchConfig]:
+    # docs/design.md §6's side-by-side table (issue 54's configs): FlashMLA's grid at s_q=1 and s_q=2 causal, head
+    # counts at b=64, TP8 with MTP, small batches
+    return ([c for c in _flashmla_grid() if c.q_len == 1 or c.causal]
+            + [BenchConfig(64, 1, h, 8192) for h in (16, 32, 64, 128)]
+            + [BenchConfig(128, 2, 16, 4096, causal=True)]
+            + [BenchConfig(1, 1, 128, L) for L in (4096, 32768)]
+            + [BenchConfig(8, 1, 128, 8192), BenchConfig(32, 1, 128, 4096)]
+            + [BenchConfig(4, 4, 16, 2048, causal=True)])
+
+
 def _heads_grid() -> list[BenchConfig]:
     return [BenchConfig(64, s_q, h, 8192) for s_q in (1, 2) for h in (16, 32, 64, 128)]
 
@@ -185,6 +197,9 @@ def _quick_grid() -> list[BenchConfig]:
 # name -> (what it is, configs)
 GRIDS = {
     "flashmla": ("FlashMLA's own grid: b=128, h_q=128, s_q 1/2, varlen L-bar 4K..32K, causal on/off", _flashmla_grid),
+    "hopper": ("docs/design.md §6's side-by-side table: b=128 h_q=128 varlen L-bar 4K..32K (s_q 1, s_q 2 causal), "
+               "b=64 L=8192 h_q 16..128, b=128 L=4096 h_q=16 s_q=2 causal, b 1/8/32 h_q=128, b=4 h_q=16 s_q=4 causal",
+               _hopper_grid),
     "heads": ("b=64, L=8192, h_q 16/32/64/128, s_q 1/2", _heads_grid),
     "latency": ("small batches: b 1/8/32, L 4096/32768, h_q=128, s_q=1", _latency_grid),
     "pages": ("page sizes 1/16/64/128/256: b=64, h_q=128, varlen L-bar 8192", _pages_grid),
@@ -333,6 +348,7 @@ class BenchRow:
     host_call_us: float | None = None  # one-shot mla_decode, wall clock + device sync
     x_flashmla: float | None = None    # us_graph (else us_call) over FlashMLA's own, same config
     chosen: str | None = None          # the backend "auto" chose (auto's rows only)
+    x_fa3: float | None = None         # the same over FlashAttention-3's own
 
     @property
     def best_us(self) -> float | None:
@@ -538,7 +554,8 @@ def run_bench(configs: Sequence[BenchConfig], backends: Sequence[str], *, device
 
     start = time.monotonic()
     ceilings = ceilings or measure_ceilings(device)
-    peer_version = flashmla_peer_available() if device.type == "cuda" and peer else None
+    peers = [(PEER_FLASHMLA, flashmla_peer_available(), flashmla_runs, time_flashmla),
+             (PEER_FA3, fa3_peer_available(), fa3_runs, time_fa3)] if device.type == "cuda" and peer else []
     rows: list[BenchRow] = []
     bar = tqdm(total=len(configs) * len(backends), desc=desc, unit="run", disable=not progress, leave=False,
                file=sys.stderr)
@@ -561,13 +578,14 @@ def run_bench(configs: Sequence[BenchConfig], backends: Sequence[str], *, device
             row = BenchRow(cfg.label, name, version, "?", flops=work.flops, bytes=work.bytes, roofline_us=roof_us)
             config_rows.append(bench_backend(name, case, ref, row, graphs=graphs, rep_ms=rep_ms, timings=timings))
             bar.update(1)
-        if peer_version and flashmla_runs(case):
-            peer = BenchRow(cfg.label, PEER_FLASHMLA, peer_version, "?", flops=work.flops, bytes=work.bytes,
-                            roofline_us=roof_us)
-            for key, value in time_flashmla(case, ref, time_fn, rep_ms=rep_ms).items():
-                setattr(peer, key, value)
-            config_rows.append(peer)
-        _ratios_to_flashmla(config_rows)
+        for peer_name, peer_version, runs, time_peer in peers:
+            if peer_version and runs(case):
+                peer = BenchRow(cfg.label, peer_name, peer_version, "?", flops=work.flops, bytes=work.bytes,
+                                roofline_us=roof_us)
+                for key, value in time_peer(case, ref, time_fn, rep_ms=rep_ms).items():
+                    setattr(peer, key, value)
+                config_rows.append(peer)
+        _ratios_to_peers(config_rows)
         rows.extend(config_rows)
         del case, ref
         if device.type == "cuda":
@@ -576,19 +594,20 @@ def run_bench(configs: Sequence[BenchConfig], backends: Sequence[str], *, device
     return rows, ceilings
 
 
-def _ratios_to_flashmla(rows: list[BenchRow]) -> None:
-    """Each row's time over FlashMLA's on the same config: CUDA-graph replay where both have one, else the whole
-    eager call."""
-    peer = next((r for r in rows if r.backend == PEER_FLASHMLA and r.status == "ok"), None)
-    if peer is None:
-        return
-    for r in rows:
-        if r.status != "ok":
+def _ratios_to_peers(rows: list[BenchRow]) -> None:
+    """Each row's time over FlashMLA's (``x_flashmla``) and FA3's (``x_fa3``) on the same config: CUDA-graph replay
+    where both have one, else the whole eager call."""
+    for peer_name, field in ((PEER_FLASHMLA, "x_flashmla"), (PEER_FA3, "x_fa3")):
+        peer = next((r for r in rows if r.backend == peer_name and r.status == "ok"), None)
+        if peer is None:
             continue
-        if r.us_graph and peer.us_graph:
-            r.x_flashmla = r.us_graph / peer.us_graph
-        elif r.us_call and peer.us_call:
-            r.x_flashmla = r.us_call / peer.us_call
+        for r in rows:
+            if r.status != "ok":
+                continue
+            if r.us_graph and peer.us_graph:
+                setattr(r, field, r.us_graph / peer.us_graph)
+            elif r.us_call and peer.us_call:
+                setattr(r, field, r.us_call / peer.us_call)
 
 
 # -- output ---------------------------------------------------------------------------------------------
@@ -600,9 +619,9 @@ def _f(x: float | None, fmt: str) -> str:
 
 def format_table(rows: Iterable[BenchRow]) -> str:
     """Markdown table: one row per (config, backend); unsupported ones say why."""
-    head = ("| config | backend | status | run µs | call µs | graph µs | × FlashMLA | TFLOP/s | GB/s "
+    head = ("| config | backend | status | run µs | call µs | graph µs | × FlashMLA | × FA3 | TFLOP/s | GB/s "
             "| % roofline (run / graph) | host plan / run / call µs |\n"
-            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     lines = [head]
     for r in rows:
         if r.status == "ok":
@@ -610,11 +629,12 @@ def format_table(rows: Iterable[BenchRow]) -> str:
             status = "ok" + (f" ({r.note})" if r.note else "")
             host = " / ".join(_f(x, ".0f") or "-" for x in (r.host_plan_us, r.host_run_us, r.host_call_us))
             lines.append(f"| {r.config} | {r.backend} | {status} | {_f(r.us_run, '.1f')} | {_f(r.us_call, '.1f')} | "
-                         f"{_f(r.us_graph, '.1f')} | {_f(r.x_flashmla, '.3f')} | {_f(r.tflops(r.us_run), '.3g')} | "
+                         f"{_f(r.us_graph, '.1f')} | {_f(r.x_flashmla, '.3f')} | {_f(r.x_fa3, '.3f')} | "
+                         f"{_f(r.tflops(r.us_run), '.3g')} | "
                          f"{_f(r.gbps(r.us_run), '.4g')} | {pct} | {host} |")
         else:
             note = r.note.replace("|", "/")
-            lines.append(f"| {r.config} | {r.backend} | {r.status}: {note} | | | | | | | | |")
+            lines.append(f"| {r.config} | {r.backend} | {r.status}: {note} | | | | | | | | | |")
     return "\n".join(lines)
 
 
@@ -672,11 +692,14 @@ def parser() -> argparse.ArgumentParser:
     grids = "\n".join(f"  {name:<9} {desc}" for name, (desc, _) in GRIDS.items())
     p = CommandParser(prog="python -m mla_dispatch bench", description=__doc__.split("\n\n")[0],
                       epilog=f"grids:\n{grids}", formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--grid", default="quick", help="grid name(s), comma-separated (default: quick)")
+    p.add_argument("--grid", default="quick", help="grid name(s), comma-separated (default: quick, the one sized for a "
+                                                   "CPU; the others are sized for a GPU)")
     p.add_argument("--backends", default=None,
-                   help="comma-separated names (default: every available backend; 'reference' only on CPU); a name "
-                        "may carry options, name:key=value:... (batch_invariant=true, or the backend's "
-                        "backend_options, e.g. cuda_sm90:variant=2)")
+                   help="comma-separated names (default: every backend whose library imports here, amla_emulation "
+                        "aside; on a GPU, 'auto' beside them where more than one does; the reference, the oracle, "
+                        "only on a CPU, where triton runs only under TRITON_INTERPRET=1 with --dtype fp16 and no CUDA-"
+                        "graph or FlashMLA times are taken); a name may carry options, name:key=value:... "
+                        "(batch_invariant=true, or the backend's backend_options, e.g. cuda_sm90:variant=2)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default="bf16", help="q (and dense cache) dtype")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     p.add_argument("--out", default="bench_out", help="directory for bench-<grid>.json/.csv/.png (default: bench_out)")

@@ -5,12 +5,13 @@ and exit status 2). :func:`main` returns the exit status; it raises no ``SystemE
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 COMMANDS = {
     "info": ("mla_dispatch.tools.info", "platform, backends and why each can or cannot run"),
     "demo": ("mla_dispatch.tools.demo", "a DeepSeek-V3-shaped decode step on the best backend here, checked"),
-    "build": ("mla_dispatch.kernels.cuda.build", "compile the native CUDA (SM90) extension ahead of time"),
+    "build": ("mla_dispatch.tools.build", "compile the native CUDA (SM90) extension ahead of time"),
     "bench": ("mla_dispatch.tools.bench", "time every available backend on a named grid against the roofline"),
     "conformance": ("mla_dispatch.tools.conformance", "check every available backend against the reference"),
     "tune": ("mla_dispatch.tools.tune", "measure backends and write this device's dispatch table"),
@@ -23,6 +24,20 @@ def _usage() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # The reader went away (``| head``): say nothing more. stdout now points at devnull, so the interpreter's
+        # flush at exit does not raise again (the recipe of the Python docs, "Note on SIGPIPE").
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+        except (OSError, ValueError):  # a stdout without a file descriptor (captured in-process)
+            pass
+        return 1
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())

@@ -31,6 +31,7 @@ from mla_dispatch.tools.args import (CommandParser, UsageError, int_list, parse_
 # DeepSeek-V3: qk_nope 128 + qk_rope 64 per head before absorption; YaRN mscale for
 # factor 40 with mscale_all_dim 1.0 is 0.1*ln(40)+1.
 DEEPSEEK_V3_SCALE = (1 / math.sqrt(192)) * (0.1 * math.log(40) + 1) ** 2
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _float64_attention(q, tokens, scale, head_dim_v):
@@ -98,7 +99,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated cached tokens per request (default: 1000,37,4096,0,513)")
     parser.add_argument("--heads", type=positive_int, default=128, help="h_q (default: 128)")
     parser.add_argument("--page-size", type=positive_int, default=64)
-    parser.add_argument("--kv-format", default="bf16", choices=["bf16", "fp8_e4m3", "fp8_ds_mla"])
+    parser.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES),
+                        help="q's dtype, and the cache's unless --kv-format says otherwise (default: bf16; fp16 runs "
+                             "the Triton kernel on a CPU: TRITON_INTERPRET=1 ... --backend triton --dtype fp16)")
+    parser.add_argument("--kv-format", default=None, choices=["bf16", "fp16", "fp8_e4m3", "fp8_ds_mla"],
+                        help="the cache's format (default: --dtype's)")
     parser.add_argument("--backend", default="auto", help="a registered backend name, or auto (default)")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--seed", type=seed_int, default=None)
@@ -114,6 +119,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.backend != "auto" and args.backend not in registered_names():
         raise UsageError(f"argument --backend: unknown backend {args.backend!r} "
                          f"(registered: {', '.join(registered_names())}, or auto)")
+    kv_format = args.kv_format or args.dtype
+    if kv_format in _DTYPES and kv_format != args.dtype:
+        raise UsageError(f"argument --kv-format: {kv_format} with --dtype {args.dtype} (a bf16/fp16 cache has q's "
+                         f"dtype: --kv-format {args.dtype}, fp8_e4m3 or fp8_ds_mla)")
     seed = args.seed if args.seed is not None else int(time.time()) % 100000
     g = torch.Generator().manual_seed(seed)
     lengths = args.lengths
@@ -122,15 +131,15 @@ def _run(args: argparse.Namespace) -> int:
 
     # The cache, filled the way an engine would: per-request appends.
     blocks_needed = sum(math.ceil(n / args.page_size) for n in lengths) + 4
-    kv_scale = 0.1 / 448 * 1.5 if args.kv_format == "fp8_e4m3" else None
-    _check_it_fits(lengths, args.page_size, args.heads, args.kv_format, blocks_needed, device)
-    cache = PagedMLACache(blocks_needed, args.page_size, kv_format=args.kv_format, kv_scale=kv_scale, device=device)
+    kv_scale = 0.1 / 448 * 1.5 if kv_format == "fp8_e4m3" else None
+    _check_it_fits(lengths, args.page_size, args.heads, kv_format, blocks_needed, device)
+    cache = PagedMLACache(blocks_needed, args.page_size, kv_format=kv_format, kv_scale=kv_scale, device=device)
     for i, n in enumerate(lengths):
         cache.add_sequence(i)
         cache.append(i, (torch.randn(n, 576, generator=g) / 10).clamp(-1, 1))
     seq_ids = list(range(len(lengths)))
     block_table, cache_seqlens = cache.decode_inputs(seq_ids)
-    q = (torch.randn(len(lengths), 1, args.heads, 576, generator=g) / 10).clamp(-1, 1).to(torch.bfloat16).to(device)
+    q = (torch.randn(len(lengths), 1, args.heads, 576, generator=g) / 10).clamp(-1, 1).to(_DTYPES[args.dtype]).to(device)
 
     try:
         plan = plan_decode(q, cache, block_table, cache_seqlens, softmax_scale=DEEPSEEK_V3_SCALE,
@@ -141,7 +150,7 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(f"argument --backend: {what} run this problem on {plat.describe()}: {reasons}") from None
     cls = get_backend(plan.backend)
     print(f"backend: {plan.backend}@{cls.version()}   problem: B={len(lengths)} s_q=1 h_q={args.heads} "
-          f"D=576/512 page={args.page_size} kv={args.kv_format} lengths={lengths}")
+          f"D=576/512 page={args.page_size} q={args.dtype} kv={kv_format} lengths={lengths}")
 
     out, lse = plan.run(q, cache)  # warm-up (JIT builds, autotuning)
     if device.type == "cuda":

@@ -1,5 +1,5 @@
-"""Peers timed beside our backends in ``bench``: FlashMLA called directly, through its own Python API, on the
-same inputs (docs/design.md §6), and the host-time measurements every row reports.
+"""Peers timed beside our backends in ``bench``: FlashMLA and FlashAttention-3 called directly, through their own
+Python APIs, on the same inputs (docs/design.md §6), and the host-time measurements every row reports.
 
 FlashMLA is optional: where ``import flash_mla`` fails (or resolves to mla_dispatch's own alias), no peer row is
 made. Its direct call is timed as its users call it:
@@ -10,6 +10,15 @@ made. Its direct call is timed as its users call it:
 - ``call``: the whole eager call, a fresh ``get_mla_metadata()`` and ``flash_mla_with_kvcache`` (FlashMLA then
   computes its schedule inside the call), with ``triton.testing.do_bench``;
 - ``host_call_us``: the same whole call by wall clock with a device synchronisation after, median of 50.
+
+FlashAttention-3 (its MLA path: the RoPE part as q/k, the latent as ``qv``/v; vLLM's FLASH_ATTN_MLA) is optional
+the same way: where none of the modules the ``fa3`` backend imports provides it, no peer row is made. It is called as
+vLLM calls it, through the backend class's ``attention`` (views of the same tensors and FA3's one call, nothing else)
+and ``scheduler_metadata``:
+
+- ``graph``: ``get_scheduler_metadata`` once (vLLM's per-step schedule), one warm-up call, then one call captured in a
+  CUDA graph and replayed, each replay after an L2 flush;
+- ``call`` / ``host_call_us``: ``get_scheduler_metadata`` and the call, eagerly (one step of one layer).
 """
 
 from __future__ import annotations
@@ -23,10 +32,13 @@ import torch
 from mla_dispatch.numerics.cases import DecodeCase
 from mla_dispatch.numerics.tolerance import BF16_TOLERANCE, compare_outputs
 
-__all__ = ["PEER_FLASHMLA", "flashmla_peer_available", "flashmla_runs", "time_flashmla", "host_us"]
+__all__ = ["PEER_FLASHMLA", "PEER_FA3", "flashmla_peer_available", "flashmla_runs", "time_flashmla",
+           "fa3_peer_available", "fa3_runs", "time_fa3", "host_us"]
 
 #: The name of FlashMLA's own rows in bench output ("flashmla" is our adapter over it).
 PEER_FLASHMLA = "FlashMLA (direct)"
+#: The name of FlashAttention-3's own rows ("fa3" is our adapter over it).
+PEER_FA3 = "FA3 (direct)"
 
 
 def flashmla_peer_available() -> str | None:
@@ -111,6 +123,90 @@ def time_flashmla(case: DecodeCase, ref: tuple[torch.Tensor, torch.Tensor], time
         graph.replay()
         torch.cuda.synchronize()
         report = compare_outputs(g_out, g_lse, ref[0], ref[1], BF16_TOLERANCE)
+        if not report:
+            return {"status": "wrong", "note": f"CUDA-graph replay: {report.message}"}
+        result["us_graph"] = time_fn(graph.replay, q.device, rep_ms=rep_ms) * 1e6
+        return result
+    except Exception as exc:  # a peer that crashes is a result too
+        return {"status": "error", "note": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
+
+
+def fa3_peer_available() -> str | None:
+    """FlashAttention-3's version (and the module that provides it) when the ``fa3`` backend finds one here, else
+    None."""
+    from mla_dispatch.dispatch.registry import get_backend
+
+    fa3 = get_backend("fa3")
+    return None if fa3.availability_reasons() else fa3.version()
+
+
+def _fa3_problem(case: DecodeCase):
+    from mla_dispatch.dispatch.problem import describe_inputs
+
+    return describe_inputs(case.q, case.kv_cache, case.block_table, case.cache_seqlens, head_dim_v=case.head_dim_v,
+                           causal=case.causal, kv_format=case.kv_format, kv_scale=case.kv_scale,
+                           indices=case.indices, return_lse=True)
+
+
+def fa3_runs(case: DecodeCase) -> bool:
+    """Whether FA3 takes ``case`` as it is: what the ``fa3`` backend declares for it on this device (the adapter
+    passes FA3 views of the same tensors, so FA3 runs exactly the cases it does: dense, a 16-bit cache of q's dtype,
+    D 576/512, SM90; any page size and head count)."""
+    from mla_dispatch.dispatch.platform import platform_for
+    from mla_dispatch.dispatch.registry import get_backend
+
+    if not case.q.is_cuda or case.indices is not None or case.kv_cache.dim() != 4:
+        return False
+    return not get_backend("fa3").not_supported_reasons(_fa3_problem(case), platform_for(case.q.device))
+
+
+def time_fa3(case: DecodeCase, ref: tuple[torch.Tensor, torch.Tensor], time_fn, *, rep_ms: float) -> dict:
+    """FlashAttention-3's direct call on ``case``: checked against ``ref`` (docs/design.md §5 bounds; FA3's -inf LSE of
+    a row without keys read as the canonical +inf), then timed. Returns the keys of :func:`time_flashmla`."""
+    from mla_dispatch.dispatch.registry import get_backend
+
+    fa3 = get_backend("fa3")
+    prov, module = fa3.vendor()
+    problem = _fa3_problem(case)
+    q = case.q
+    cu_q = (torch.arange(0, problem.batch * problem.q_len + 1, problem.q_len, dtype=torch.int32, device=q.device)
+            if prov.call == "varlen" else None)
+
+    def call(meta):
+        return fa3.attention(prov, module, problem, q, case.kv_cache, case.block_table, case.cache_seqlens,
+                             softmax_scale=case.softmax_scale, meta=meta, num_splits=0, cu_seqlens_q=cu_q)
+
+    def schedule():
+        return fa3.scheduler_metadata(module, problem, case.cache_seqlens, cu_seqlens_q=cu_q, num_splits=0)
+
+    def whole_call():
+        return call(schedule())
+
+    def check(out, lse):
+        return compare_outputs(out, torch.where(torch.isneginf(lse), float("inf"), lse), ref[0], ref[1],
+                               BF16_TOLERANCE)
+
+    try:
+        report = check(*whole_call())
+        if not report:
+            return {"status": "wrong", "note": report.message}
+        result = {"status": "ok", "note": "",
+                  "us_call": time_fn(whole_call, q.device, rep_ms=rep_ms) * 1e6,
+                  "host_call_us": host_us(whole_call, q.device)}
+        meta = schedule()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            call(meta)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            g_out, g_lse = call(meta)
+        g_out.fill_(float("nan"))
+        g_lse.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        report = check(g_out, g_lse)
         if not report:
             return {"status": "wrong", "note": f"CUDA-graph replay: {report.message}"}
         result["us_graph"] = time_fn(graph.replay, q.device, rep_ms=rep_ms) * 1e6

@@ -200,7 +200,7 @@ def _table_from_bench(path: Path, args, argv) -> int:
         configs = {label: BenchConfig(**cfg) for label, cfg in doc["configs"].items()}
         buckets = {label: config_bucket(cfg, dtype, seed=seed + i) for i, (label, cfg) in enumerate(configs.items())}
         env = doc["environment"]
-        names = set(env["backends"])  # the backends the run measured (not `auto`, not the FlashMLA peer)
+        names = set(env["backends"])  # the backends the run measured (not `auto`, not the FlashMLA or FA3 peer)
         if args.backends:
             names &= {n.strip() for n in args.backends.split(",")}
         fields = set(BenchRow.__dataclass_fields__)
@@ -291,7 +291,7 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     spent = time.monotonic() - t0
     measured = list(dict.fromkeys(r.config for r in rows))
     buckets = {c.label: config_bucket(c, dtype, seed=i) for i, c in enumerate(configs) if c.label in measured}
-    rows = [r for r in rows if r.backend in backends]  # peers timed beside them (FlashMLA direct) are not backends
+    rows = [r for r in rows if r.backend in backends]  # peers timed beside them (FlashMLA, FA3 direct): not backends
     table, measurements = pick_winners(rows, buckets, args.metric)
     given = argv if argv is not None else sys.argv[1:]
     command = "python -m mla_dispatch tune " + " ".join(shlex.quote(a) for a in given)

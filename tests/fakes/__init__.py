@@ -1,4 +1,4 @@
-"""Fake vendor modules (FlashMLA, FlashInfer, AITER) for CPU contract tests, and the
+"""Fake vendor modules (FlashMLA, FlashAttention-3, FlashInfer, AITER) for CPU contract tests, and the
 helpers that install them and simulate a platform for one test."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import torch
 from mla_dispatch.dispatch.platform import Platform
 
 H100 = Platform("cuda", "NVIDIA H100 80GB HBM3", (9, 0), "sm_90", 132)
+H200 = Platform("cuda", "NVIDIA H200", (9, 0), "sm_90", 132)
 B200 = Platform("cuda", "NVIDIA B200", (10, 0), "sm_100", 148)
 MI300X = Platform("rocm", "AMD Instinct MI300X", None, "gfx942", 304)
 MI355X = Platform("rocm", "AMD Instinct MI355X", None, "gfx950", 256)

@@ -8,6 +8,11 @@ num_splits)``). Host checks follow ``csrc/api/dense_decode.h`` / ``sparse_decode
 dense page size 64 only, q/kv same dtype, D_qk 576|512, D_v 512, h_q % h_kv == 0;
 sparse needs ``is_fp8_kvcache``, h_kv 1, h_q in {64, 128}, bf16 q, 656-byte tokens.
 
+Checks inside the kernels, which the API lets through, are modelled as they surface (:func:`kernel_asserts`):
+the SM90 dense kernel's ``FLASH_ASSERT(params.d == Config::HEAD_DIM_K)`` (576) prints and exits the process
+(``SystemExit`` here, so a test that reaches it fails instead of ending the session); the sparse kernels'
+``KU_ASSERT(params.topk % 64 == 0)`` throws (``RuntimeError``).
+
 Metadata misuse is detected the way the real asserts would surface it: the
 ``FlashMLASchedMeta`` remembers the config *and* the seqlens it was filled for
 (reusing it across steps gives wrong splits upstream); the legacy tensors encode
@@ -66,6 +71,24 @@ def get_mla_metadata_legacy(cache_seqlens, num_q_tokens_per_head_k, num_heads_k,
     return tile, num_splits
 
 
+def kernel_asserts(*, head_dim_qk: int, head_dim_v: int, topk: int | None) -> str | None:
+    """The first check inside FlashMLA's kernels (9241ae3) that a call the API accepted fails, or None.
+
+    Dense (``topk`` None): csrc/sm90/decode/dense/splitkv_mla.cuh asserts ``params.d == 576`` and ``params.d_v ==
+    512``. Sparse: csrc/sm90/decode/sparse_fp8/splitkv_mla.cuh and csrc/sm100/decode/head64/kernel.cuh assert
+    ``params.topk % 64 == 0``.
+    """
+    if topk is None:
+        if head_dim_qk != 576:
+            return "Assertion failed (splitkv_mla.cuh:1277): params.d == Config::HEAD_DIM_K"
+        if head_dim_v != 512:
+            return "Assertion failed (splitkv_mla.cuh:1278): params.d_v == Config::HEAD_DIM_V"
+        return None
+    if topk % 64:
+        return "Assertion `params.topk % TOPK_BLOCK_SIZE == 0` failed (splitkv_mla.cuh:689)"
+    return None
+
+
 def _compute(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal, is_fp8_kvcache, indices):
     b, s_q, h_q, d = q.shape
     nb, ps, h_k, dk = k_cache.shape
@@ -86,6 +109,11 @@ def _compute(q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, 
             raise RuntimeError("sparse decode: fp8 kv, causal=False, h_kv 1, h_q in {64,128}, bf16 q")
         if dk != 656 or k_cache.stride(1) != 656 * h_k:
             raise RuntimeError("sparse decode: 656-byte tokens, stride(1) == bytes_per_token")
+    failed = kernel_asserts(head_dim_qk=d, head_dim_v=head_dim_v, topk=None if indices is None else indices.shape[-1])
+    if failed is not None:
+        if indices is None:
+            raise SystemExit(f"{failed} (FlashMLA's FLASH_ASSERT exits the process)")
+        raise RuntimeError(failed)
     out = torch.empty(b, s_q, h_q, head_dim_v, dtype=q.dtype)
     lse = torch.empty(b, h_q, s_q, dtype=torch.float32)
     g = h_q // h_k

@@ -50,7 +50,8 @@ Code written for ``flash_mla`` runs unchanged on every backend mla_dispatch has
 second cache are supported. Beyond FlashMLA, keyword-only: vLLM's ``out``; sgl-flash-mla's ``use_legacy``,
 ``kv_format`` (mapped to mla_dispatch's formats), ``descale_k`` (the scale of a per-tensor fp8_e4m3 cache);
 ``is_fp8_kvcache=None`` infers the cache's kind. Not provided, each raising ``NotImplementedError`` that names
-the argument: an fp8 q (``descale_q``) and the DeepSeek-V3.2-no-RoPE / V4 / V4.1 and NVFP4 caches.
+the argument: an fp8 q (``descale_q``) and the DeepSeek-V3.2-no-RoPE / V4.1 and NVFP4 caches. DeepSeek-V4's
+584-byte cache (FlashMLA's "MODEL1", d 512) is mla_dispatch's ``fp8_ds_v4``.
 ``enable_batch_invariant=True`` plans with ``batch_invariant=True`` (each request's result bitwise independent of the
 rest of the batch, on the backends that declare it). Any page size works and the dense path runs on any device.
 

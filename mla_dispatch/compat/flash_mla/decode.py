@@ -27,7 +27,7 @@ import torch
 from mla_dispatch.api import plan_decode
 from mla_dispatch.compat.flash_mla.errors import FlashMLAArgumentError
 from mla_dispatch.compat.flash_mla.metadata import FlashMLASchedMeta
-from mla_dispatch.kvcache.formats import DS_MLA_TOKEN_BYTES
+from mla_dispatch.kvcache.formats import DS_MLA_TOKEN_BYTES, DS_V4_TOKEN_BYTES
 
 __all__ = ["flash_mla_with_kvcache", "SGL_KV_FORMATS"]
 
@@ -38,19 +38,20 @@ logger = logging.getLogger(__name__)
 SGL_KV_FORMATS = {
     "V32": ("fp8_ds_mla", "DeepSeek-V3.2 (d_qk 576, 656 bytes per token)"),
     "V32_NO_ROPE": (None, "DeepSeek-V3.2 without RoPE (d_qk 512, 528 bytes per token)"),
-    "V4": (None, "DeepSeek-V4 (d_qk 512, 584 bytes per token)"),
+    "V4": ("fp8_ds_v4", "DeepSeek-V4 (d_qk 512, 584 bytes per token)"),
     "V41": (None, "DeepSeek-V4.1 (d_qk 512, 528 bytes per token)"),
     "V41_FP4": (None, "DeepSeek-V4.1 fp4 (d_qk 512, 288 bytes per token)"),
 }
+#: (q head dim, bytes per token) of the byte-packed caches mla_dispatch reads, by its format name
+_TOKEN_FORMATS = {(576, DS_MLA_TOKEN_BYTES): "fp8_ds_mla", (512, DS_V4_TOKEN_BYTES): "fp8_ds_v4"}
 #: (q head dim, bytes per token) of the quantised caches FlashMLA's family reads and mla_dispatch does not.
 _UNPROVIDED_TOKEN_FORMATS = {
     (512, 528): "DeepSeek-V3.2-no-RoPE / V4.1 (528 bytes per token)",
-    (512, 584): "DeepSeek-V4 (584 bytes per token)",
     (512, 288): "DeepSeek-V4.1 fp4 (288 bytes per token)",
     (576, 352): "NVFP4 (352 bytes per token)",
 }
-_PROVIDED_FORMATS = ("mla_dispatch reads caches in q's dtype, DeepSeek-V3.2's 656-byte fp8 token and per-tensor "
-                     "fp8_e4m3 caches (one byte per channel, with descale_k)")
+_PROVIDED_FORMATS = ("mla_dispatch reads caches in q's dtype, DeepSeek-V3.2's 656-byte and DeepSeek-V4's 584-byte fp8 "
+                     "caches and per-tensor fp8_e4m3 caches (one byte per channel, with descale_k)")
 _FP8_DTYPES = tuple(getattr(torch, n) for n in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
                     if hasattr(torch, n))
 
@@ -79,7 +80,7 @@ def _sgl_kv_format(kv_format: str, head_dim: int, token_bytes: int, name: str) -
     ours, what = SGL_KV_FORMATS[kv_format]
     if ours is None:
         raise NotImplementedError(f"kv_format={kv_format!r}: the {what} cache is not provided; {_PROVIDED_FORMATS}")
-    if head_dim != 576 or token_bytes != DS_MLA_TOKEN_BYTES:
+    if _TOKEN_FORMATS.get((head_dim, token_bytes)) != ours:
         raise FlashMLAArgumentError(f"kv_format says {kv_format} ({what}) but q/{name} have d_qk {head_dim} and "
                                     f"{token_bytes} bytes per token")
     return ours
@@ -90,8 +91,9 @@ def _resolve_cache(k_cache, q: torch.Tensor, is_fp8_kvcache: Optional[bool], kv_
     """FlashMLA's cache arguments -> (tensor for mla_dispatch, mla_dispatch kv_format, kv_scale, is_fp8).
 
     ``is_fp8_kvcache=None`` infers it from the element size (1 byte: fp8). An fp8 cache's format is told by its
-    bytes per token, as FlashMLA tells it: 656 with d=576 is DeepSeek-V3.2's token (``fp8_ds_mla``), d bytes a
-    per-tensor fp8_e4m3 cache whose scale is ``descale_k``.
+    bytes per token, as FlashMLA tells it: 656 with d=576 is DeepSeek-V3.2's token (``fp8_ds_mla``), 584 with d=512
+    DeepSeek-V4's (``fp8_ds_v4``, FlashMLA's MODEL1), d bytes a per-tensor fp8_e4m3 cache whose scale is
+    ``descale_k``.
     """
     if not isinstance(k_cache, torch.Tensor):
         raise FlashMLAArgumentError(f"{name} must be a tensor, got {type(k_cache).__name__}")
@@ -110,8 +112,8 @@ def _resolve_cache(k_cache, q: torch.Tensor, is_fp8_kvcache: Optional[bool], kv_
     head_dim, token_bytes = q.shape[-1], k_cache.shape[-1]
     if kv_format is not None:
         fmt = _sgl_kv_format(kv_format, head_dim, token_bytes, name)
-    elif token_bytes == DS_MLA_TOKEN_BYTES and head_dim == 576:
-        fmt = "fp8_ds_mla"
+    elif (head_dim, token_bytes) in _TOKEN_FORMATS:
+        fmt = _TOKEN_FORMATS[head_dim, token_bytes]
     elif token_bytes == head_dim:
         fmt = "fp8_e4m3"
     elif (head_dim, token_bytes) in _UNPROVIDED_TOKEN_FORMATS:
@@ -120,12 +122,12 @@ def _resolve_cache(k_cache, q: torch.Tensor, is_fp8_kvcache: Optional[bool], kv_
     else:
         raise FlashMLAArgumentError(
             f"{name}.shape[-1]={token_bytes} with q's head dim {head_dim} names no fp8 cache format: "
-            f"is_fp8_kvcache=True takes {DS_MLA_TOKEN_BYTES} bytes per token (DeepSeek-V3.2, head dim 576) or "
-            f"{head_dim} (per-tensor fp8_e4m3 with descale_k)")
-    if fmt == "fp8_ds_mla":
+            f"is_fp8_kvcache=True takes {DS_MLA_TOKEN_BYTES} bytes per token (DeepSeek-V3.2, head dim 576), "
+            f"{DS_V4_TOKEN_BYTES} (DeepSeek-V4, head dim 512) or {head_dim} (per-tensor fp8_e4m3 with descale_k)")
+    if fmt in ("fp8_ds_mla", "fp8_ds_v4"):
         if descale_k is not None:
-            raise FlashMLAArgumentError(f"descale_k must be None for {name} in DeepSeek's {DS_MLA_TOKEN_BYTES}-byte "
-                                        "format: its scales are stored in every token")
+            raise FlashMLAArgumentError(f"descale_k must be None for {name} in DeepSeek's {token_bytes}-byte "
+                                        "format: its scales are stored with every token")
         return (k_cache if k_cache.dtype in (torch.uint8, torch.int8) else k_cache.view(torch.uint8)), fmt, None, True
     if k_cache.dtype not in (torch.float8_e4m3fn, torch.uint8, torch.int8):
         raise FlashMLAArgumentError(f"a per-tensor fp8 {name} must be float8_e4m3fn (or its bytes as uint8/int8), "
@@ -156,14 +158,6 @@ def _check_out(out, q: torch.Tensor, head_dim_v: int) -> None:
                                     f"{_describe(out)}{where}")
     if not out.is_contiguous():
         raise FlashMLAArgumentError(f"out must be contiguous, got strides {list(out.stride())}")
-
-
-def _limit_topk(indices: Optional[torch.Tensor], topk_length: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """Only the leftmost ``topk_length[b]`` indices of request b are used (others become -1)."""
-    if indices is None or topk_length is None:
-        return indices
-    keep = torch.arange(indices.shape[-1], device=indices.device)[None, None, :] < topk_length.to(indices.device)[:, None, None]
-    return torch.where(keep, indices, torch.full_like(indices, -1))
 
 
 def _config_of(q, k_cache, causal, is_fp8_kvcache, topk, extra_k_cache, extra_topk,
@@ -219,19 +213,6 @@ def _per_call_key(q: torch.Tensor, kv: torch.Tensor, block_table, head_dim_v: in
     return table, scale, int(head_dim_v), q.dtype, kv.dtype, fmt
 
 
-def _merge(out1, lse1, out2, lse2):
-    """LSE-weighted merge of two attention results over disjoint key sets (lse +inf = no key)."""
-    l1 = torch.where(torch.isposinf(lse1), torch.full_like(lse1, -math.inf), lse1)
-    l2 = torch.where(torch.isposinf(lse2), torch.full_like(lse2, -math.inf), lse2)
-    lse = torch.logaddexp(l1, l2)
-    empty = torch.isneginf(lse)
-    safe = torch.where(empty, torch.zeros_like(lse), lse)
-    w1 = torch.exp(l1 - safe).transpose(1, 2)[..., None]  # [b, s_q, h_q, 1]
-    w2 = torch.exp(l2 - safe).transpose(1, 2)[..., None]
-    out = (out1.float() * w1 + out2.float() * w2).to(out1.dtype)
-    return out, torch.where(empty, torch.full_like(lse, math.inf), lse)
-
-
 def _check_sink(attn_sink, q: torch.Tensor) -> None:
     """FlashMLA's ``attn_sink``: float32 ``[h_q]`` on q's device."""
     h_q = q.shape[2]
@@ -240,14 +221,6 @@ def _check_sink(attn_sink, q: torch.Tensor) -> None:
         where = f" on {attn_sink.device}" if isinstance(attn_sink, torch.Tensor) else ""
         raise FlashMLAArgumentError(f"attn_sink must be float32 [h_q={h_q}] on {q.device}, one value per query head, "
                                     f"got {_describe(attn_sink)}{where}")
-
-
-def _apply_sink(out: torch.Tensor, lse: torch.Tensor, attn_sink: torch.Tensor) -> torch.Tensor:
-    """out * exp(lse) / (exp(lse) + exp(sink)): a +inf sink gives 0, a -inf one changes nothing, a NaN one gives NaN
-    (as any NaN input does: never a silent 0). A row with no key (lse +inf) stays 0 whatever its sink."""
-    factor = torch.sigmoid(lse - attn_sink[None, :, None])  # [b, h_q, s_q]; NaN only for lse = sink = +inf or NaN
-    factor = torch.where(torch.isposinf(lse), torch.zeros_like(factor), factor)
-    return (out.float() * factor.transpose(1, 2)[..., None]).to(out.dtype)
 
 
 def flash_mla_with_kvcache(
@@ -304,9 +277,12 @@ def flash_mla_with_kvcache(
         fp32 ``[h_q]`` on q's device: the output is scaled by ``exp(lse) / (exp(lse) + exp(sink))``; lse unchanged.
         ``+inf`` zeroes a head's output, ``-inf`` leaves it, NaN makes it NaN (rows with no key stay 0).
     extra_k_cache, extra_indices_in_kvcache : Tensor, optional
-        A second sparse cache (``k_cache``'s format) attended to together with the first.
+        A second sparse cache (``k_cache``'s format, its own page size) attended to together with the first.
     topk_length, extra_topk_length : Tensor, optional
         int32 ``[b]``: only the leftmost that many indices are used.
+
+    These four are :func:`mla_dispatch.mla_decode`'s ``attn_sink``, ``extra_kv_cache`` / ``extra_indices``,
+    ``topk_length`` and ``extra_topk_length``: the backend computes them (one softmax over both caches).
     out : Tensor, optional
         vLLM's: ``[b, s_q, h_q, head_dim_v]`` in q's dtype on q's device, contiguous; written in place and
         returned.
@@ -320,8 +296,9 @@ def flash_mla_with_kvcache(
         no ``kv_format``), None FlashMLA's own contract.
     kv_format : str, optional
         sgl-flash-mla's name of a sparse fp8 cache's format (legacy side only): ``"V32"`` is DeepSeek-V3.2's
-        656-byte token (mla_dispatch's ``"fp8_ds_mla"``); ``"V32_NO_ROPE"``, ``"V4"``, ``"V41"``, ``"V41_FP4"``
-        are not provided (NotImplementedError). None: told by the cache's bytes per token.
+        656-byte token (mla_dispatch's ``"fp8_ds_mla"``), ``"V4"`` DeepSeek-V4's 584-byte one (``"fp8_ds_v4"``);
+        ``"V32_NO_ROPE"``, ``"V41"``, ``"V41_FP4"`` are not provided (NotImplementedError). None: told by the
+        cache's bytes per token.
     descale_q : Tensor, optional
         sgl-flash-mla's scale of an fp8 q. Not taken: raises NotImplementedError, which says how to pass such a
         q exactly (bf16 q, scale folded into ``softmax_scale``).
@@ -343,8 +320,8 @@ def flash_mla_with_kvcache(
         ``FlashMLASchedMeta``, sparse with causal, dense with ``use_legacy=False``, ...) and for a wrong ``out``,
         ``attn_sink`` (shape, dtype, device) or ``descale_k``; the message names the argument.
     NotImplementedError
-        What the originals accept and mla_dispatch does not provide: an fp8 q (``descale_q``), the DeepSeek-V4 /
-        V4.1 / V3.2-no-RoPE / NVFP4 caches (``kv_format`` or the cache's bytes per token), an extra cache next to
+        What the originals accept and mla_dispatch does not provide: an fp8 q (``descale_q``), the DeepSeek-V4.1 /
+        V3.2-no-RoPE / NVFP4 caches (``kv_format`` or the cache's bytes per token), an extra cache next to
         a per-tensor fp8 one.
     ValueError, NoBackendError
         From :func:`mla_dispatch.plan_decode` / :meth:`~mla_dispatch.DecodePlan.run`.
@@ -394,7 +371,7 @@ def flash_mla_with_kvcache(
     if sparse and not fp8:
         raise FlashMLAArgumentError("is_fp8_kvcache must be True when sparse attention is enabled (FlashMLA's "
                                     f"contract), got a {k_cache.dtype} k_cache")
-    idx = _limit_topk(indices, topk_length)
+    idx = indices
     extra_kv = extra_idx = None
     if extra_k_cache is not None:
         if fmt == "fp8_e4m3":
@@ -403,10 +380,15 @@ def flash_mla_with_kvcache(
         extra_kv, extra_fmt, _, _ = _resolve_cache(extra_k_cache, q, fp8, None, None, "extra_k_cache")
         if extra_fmt != fmt:
             raise FlashMLAArgumentError(f"extra_k_cache must be in k_cache's format ({fmt}), got {extra_fmt}")
-        extra_idx = _limit_topk(extra_indices_in_kvcache, extra_topk_length)
+        extra_idx = extra_indices_in_kvcache
     _check_out(out, q, head_dim_v)
     topk = None if indices is None else indices.shape[-1]
     extra_topk = None if extra_indices_in_kvcache is None else extra_indices_in_kvcache.shape[-1]
+
+    # FlashMLA's optional sparse arguments are mla_dispatch's (the same semantics, computed by the backend)
+    sparse_args = {name: t for name, t in (("topk_length", topk_length), ("attn_sink", attn_sink),
+                                           ("extra_kv_cache", extra_kv), ("extra_indices", extra_idx),
+                                           ("extra_topk_length", extra_topk_length)) if t is not None}
 
     def make_plans(backend: str):
         # enable_batch_invariant: each request's result independent of the rest of the batch
@@ -414,11 +396,8 @@ def flash_mla_with_kvcache(
         common = dict(head_dim_v=head_dim_v, softmax_scale=softmax_scale, causal=causal and not sparse,
                       kv_format=fmt, backend=backend, batch_invariant=bool(enable_batch_invariant))
         main = plan_decode(q, kv, None if sparse else block_table, None if sparse else cache_seqlens,
-                           indices=idx, kv_scale=kv_scale, **common)
-        extra = None
-        if extra_kv is not None:
-            extra = plan_decode(q, extra_kv, None, None, indices=extra_idx, **common)
-        return main, extra
+                           indices=idx, kv_scale=kv_scale, **common, **sparse_args)
+        return main, None  # the extra cache is an argument of the one plan
 
     if current:
         meta = tile_scheduler_metadata
@@ -441,13 +420,4 @@ def flash_mla_with_kvcache(
     else:
         plan, extra_plan = make_plans("auto")
 
-    combine = extra_plan is not None or attn_sink is not None
-    result, lse = plan.run(q, kv, kv_scale=kv_scale, indices=idx, out=None if combine else out)
-    if extra_plan is not None:
-        result2, lse2 = extra_plan.run(q, extra_kv, indices=extra_idx)
-        result, lse = _merge(result, lse, result2, lse2)
-    if attn_sink is not None:
-        result = _apply_sink(result, lse, attn_sink)
-    if combine and out is not None:
-        result = out.copy_(result)
-    return result, lse
+    return plan.run(q, kv, kv_scale=kv_scale, indices=idx, out=out, **sparse_args)

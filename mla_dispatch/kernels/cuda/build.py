@@ -10,14 +10,12 @@ loads from the cache (``$MLA_DISPATCH_CACHE`` or ``~/.cache/mla_dispatch``).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import hashlib
 import os
 import pathlib
 import shutil
-import sys
 import warnings
 
 try:
@@ -26,7 +24,7 @@ except ImportError:  # not POSIX: builds are not serialised and a killed build's
     fcntl = None
 
 __all__ = ["KernelBuildError", "SM90_SOURCE_DIR", "SM90_KERNEL_SOURCES", "nvcc_path", "cutlass_include_dir", "nvcc_flags",
-           "load_sm90", "main"]
+           "load_sm90"]
 
 SM90_SOURCE_DIR = pathlib.Path(__file__).resolve().parent / "mla_decode_sm90"
 #: The kernel translation units (no torch): the launcher, the split-KV schedule of a plan, and one file per (q dtype,
@@ -154,25 +152,3 @@ def load_sm90(verbose: bool = False):
     except Exception as exc:  # compiler output is in the exception text
         raise KernelBuildError(f"building the cuda_sm90 kernel failed: {type(exc).__name__}: {exc}") from exc
     return module
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m mla_dispatch build [--verbose]``: build the native CUDA kernels now."""
-    class OneLineErrors(argparse.ArgumentParser):  # as tools/args.py's CommandParser (kernels import no tools)
-        def error(self, message):
-            self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-    parser = OneLineErrors(prog="python -m mla_dispatch build", description=main.__doc__)
-    parser.add_argument("--verbose", action="store_true", help="show the compiler commands")
-    args = parser.parse_args(argv)
-    try:
-        name = load_sm90(verbose=args.verbose).__name__
-    except KernelBuildError as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
-        return 1
-    print(f"built {name} (sources: {SM90_SOURCE_DIR})")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -53,6 +53,10 @@ def compile_config(cfg: KernelConfig, *, kv_format="bf16", causal=False, sparse=
     for desc in ("KDesc", "RDesc", "QDesc", "QRDesc"):
         if desc not in ptrs:
             constexprs[desc] = None
+    # the optional sparse arguments (DeepSeek-V4's): absent, as a launch without them passes them
+    constexprs.update(TopkLength=None, AttnSink=None, ExtraKV=None, ExtraIndices=None, ExtraTopkLength=None,
+                      EXTRA_PAGE_SIZE=1, HAS_TOPK_LENGTH=False, HAS_SINK=False, HAS_EXTRA=False,
+                      HAS_EXTRA_TOPK_LENGTH=False)
     src = ASTSource(mla_decode_kernel, *_signature(names, ptrs, constexprs))
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -252,7 +256,7 @@ def sass_loops(cubin: bytes) -> list[str]:
 def parse_spec(spec: str) -> KernelConfig:
     """'tM16-n64-w8-v2-q128-s2' -> KernelConfig: t|h tokens/heads on M, M block_m, n block_n,
     w warps, v v_split, q qk_chunk, s stages, p programs per SM, r register cap, tma whole tiles by TMA, gl the Gluon
-    sm_90 kernel where it applies (the notation of ci/bench_triton.py)."""
+    sm_90 kernel where it applies (the notation of dev/bench_triton.py)."""
     f = dict(block_m=16, block_n=64, num_warps=4, num_stages=2, tokens_on_m=spec[0] == "t", v_split=1, qk_chunk=512)
     for tok in spec[1:].split("-"):
         if tok in ("tma", "gl"):

@@ -54,6 +54,7 @@ def combine_kernel(
     stride_lb, stride_lh, stride_ls,
     ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
     BY_BOUNDARY: tl.constexpr, D_V: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+    AttnSink=None, HAS_SINK: tl.constexpr = False,  # fp32 [h_q]: a merged row is scaled by 1 / (1 + exp(sink - lse))
 ):
     # Partial rows (PARTIAL_ROW_FORMAT) are read as 32-bit words, two fp16 channels each (`PartialOut` is the
     # workspace viewed as int32, strides in words): loaded as fp16 elements, the same bytes made the combine 1.2-2.5x
@@ -129,6 +130,9 @@ def combine_kernel(
         out = acc / tl.where(empty, 1.0, denom)[:, None]
         out = tl.where(empty[:, None], 0.0, out)
         lse = tl.where(empty, float("inf"), m_safe + tl.log(tl.where(empty, 1.0, denom)))
+        if HAS_SINK:  # the decode kernel's _sink_factor, for the rows it left split
+            sink = tl.load(AttnSink + h, mask=ok, other=float("-inf"))
+            out = out * tl.where(empty, 0.0, 1.0 / (1.0 + tl.exp(sink - lse)))[:, None]
         bo = b.to(tl.int64)
         tl.store(Out + bo * stride_ob + (i * stride_os + h * stride_oh)[:, None] + d[None, :],
                  out.to(Out.dtype.element_ty), mask=ok[:, None])
@@ -152,7 +156,7 @@ _BLOCKS_PER_BOUNDARY = (2, 512, 4)
 
 def launch_combine(partial_out, partial_lse, num_splits, first_slot, out, lse, items, part_offsets, *,
                    v_split: int = 1, block_r: int | None = None, block_d: int | None = None,
-                   block_s: int | None = None, kernel=combine_kernel, fixed_splits: bool = False):
+                   block_s: int | None = None, kernel=combine_kernel, fixed_splits: bool = False, attn_sink=None):
     """Merge partials into ``out`` ``[B, s_q, h_q, D_v]`` / ``lse`` ``[B, h_q, s_q]`` (no allocation).
 
     One program per (request, or part boundary where :func:`combine_by_boundary` says so,
@@ -166,26 +170,28 @@ def launch_combine(partial_out, partial_lse, num_splits, first_slot, out, lse, i
     2 D_v]`` holds rows in :data:`PARTIAL_ROW_FORMAT`, written by a decode launched with ``v_split`` (as it clipped it).
     ``fixed_splits``: the schedule is batch-invariant (``SplitKVSchedule.fixed_splits``): any request may be split,
     even with one part, so the grid runs per request (the per-boundary grid assumes the balanced schedule's at most
-    one split request per boundary) with the per-request block sizes, whatever the batch.
+    one split request per boundary) with the per-request block sizes, whatever the batch. ``attn_sink`` (fp32
+    ``[h_q]``, optional): each merged row is scaled by ``1 / (1 + exp(sink - lse))``, the returned lse unchanged.
     Returns Triton's launch handle, or None when there is nothing to merge (one part, or no requests).
     """
     batch, q_len, h_q, d_v = out.shape
     prepared = combine_fixed(partial_out, partial_lse, num_splits, first_slot, items, part_offsets, batch=batch,
                              q_len=q_len, h_q=h_q, d_v=d_v, v_split=v_split, block_r=block_r, block_d=block_d,
-                             block_s=block_s, fixed_splits=fixed_splits)
+                             block_s=block_s, fixed_splits=fixed_splits, has_sink=attn_sink is not None)
     if prepared is None:
         return None
     grid, fixed, options = prepared
     with kernel_device(out):  # Triton launches on the current device, not the tensors'
-        return kernel[grid](**fixed, **combine_call(out, lse), **options)
+        return kernel[grid](**fixed, **combine_call(out, lse, attn_sink), **options)
 
 
 def combine_fixed(partial_out, partial_lse, num_splits, first_slot, items, part_offsets, *, batch: int, q_len: int,
                   h_q: int, d_v: int, v_split: int = 1, block_r: int | None = None, block_d: int | None = None,
-                  block_s: int | None = None, fixed_splits: bool = False):
+                  block_s: int | None = None, fixed_splits: bool = False, has_sink: bool = False):
     """``(grid, arguments, launch options)`` of :func:`combine_kernel` that a plan fixes (everything but out and lse
-    and their strides, :func:`combine_call`), or None when there is nothing to merge (one part of a balanced
-    schedule, or no requests). Arguments as :func:`launch_combine`.
+    and their strides and the attention sink, :func:`combine_call`), or None when there is nothing to merge (one part
+    of a balanced schedule, or no requests). Arguments as :func:`launch_combine`; ``has_sink``: every call gives an
+    ``attn_sink`` (the ``HAS_SINK`` constexpr).
 
     Raises ValueError for a ``partial_out`` that does not hold rows in :data:`PARTIAL_ROW_FORMAT`.
     """
@@ -209,11 +215,15 @@ def combine_fixed(partial_out, partial_lse, num_splits, first_slot, items, part_
         stride_pob=words.stride(0), stride_pos=words.stride(1), stride_poh=words.stride(2),
         stride_plb=partial_lse.stride(0), stride_pls=partial_lse.stride(1), stride_plh=partial_lse.stride(2),
         ROWS=rows, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_S=block_s, BY_BOUNDARY=by_boundary, D_V=d_v,
-        SCALE_BLOCK=d_v // v_split)
+        SCALE_BLOCK=d_v // v_split, HAS_SINK=has_sink)
     return grid, fixed, {"num_warps": 4}
 
 
-def combine_call(out, lse) -> dict:
-    """The arguments of :func:`combine_kernel` that change per call: out and lse and their strides."""
-    return dict(Out=out, Lse=lse, stride_ob=out.stride(0), stride_os=out.stride(1), stride_oh=out.stride(2),
+def combine_call(out, lse, attn_sink=None) -> dict:
+    """The arguments of :func:`combine_kernel` that change per call: out and lse and their strides, and the layer's
+    ``attn_sink`` where the plan has one (``combine_fixed(..., has_sink=True)``)."""
+    call = dict(Out=out, Lse=lse, stride_ob=out.stride(0), stride_os=out.stride(1), stride_oh=out.stride(2),
                 stride_lb=lse.stride(0), stride_lh=lse.stride(1), stride_ls=lse.stride(2))
+    if attn_sink is not None:
+        call["AttnSink"] = attn_sink
+    return call

@@ -34,6 +34,17 @@ is folded into the softmax scale and the final output; ``fp8_ds_mla`` tokens
 (512 fp8 NoPE + 4 fp32 scales + 64 bf16 RoPE in 656 bytes) are scaled per 128
 channels (the scales are powers of two, so the product is exact) and cast.
 
+``fp8_ds_v4`` (DeepSeek-V4, FlashMLA's MODEL1; sparse only) is run as ``D_qk = D_v = 512`` with no separate
+RoPE part: V is the whole token. A token's channels 0..447 are fp8 bytes at ``block * stride + slot * 576``, scaled
+per 64 channels by ue8m0 bytes at ``block * stride + PAGE_SIZE * 576 + slot * 8``, and channels 448..511 bf16 right
+behind the fp8 bytes (FlashMLA ``csrc/sm90/decode/sparse_fp8/splitkv_mla.cuh`` reads the same layout).
+
+Sparse decoding takes FlashMLA's optional arguments: ``topk_length`` ends a request's index list early (tiles past
+it are skipped, entries past it never read), a second cache (``extra_*``: its own pointer, strides, page size and
+index list) whose tokens follow the main list's in the schedule's token axis (positions ``topk ..``), and
+``attn_sink``, which scales a finished row by ``1 / (1 + exp(sink - lse))`` where the row is written whole (here,
+or in :mod:`.combine` for a split request).
+
 Where the cache allows it (bf16/fp16, one KV head, contiguous, pages holding whole
 tiles: :func:`tma_applies`), an item's whole tiles are loaded by TMA through host
 tensor descriptors, which Triton pipelines a tile ahead (``TMA_CONFIGS``); its partial
@@ -67,6 +78,7 @@ from triton.runtime.jit import JITFunction
 
 from mla_dispatch.kernels.triton.descriptors import rebased
 from mla_dispatch.kernels.triton.device import kernel_device
+from mla_dispatch.kernels.triton.fp8t_limits import FP8T_MAX_ROWS
 from mla_dispatch.kvcache.formats import KV_FORMAT_CODES
 
 __all__ = ["KernelConfig", "choose_config", "launch_decode", "launch_decode_kernel"]
@@ -74,6 +86,10 @@ __all__ = ["KernelConfig", "choose_config", "launch_decode", "launch_decode_kern
 DS_MLA_SCALE_OFFSET = tl.constexpr(512)  # bytes
 DS_MLA_ROPE_OFFSET = tl.constexpr(528)  # bytes
 DS_MLA_TILE = tl.constexpr(128)  # channels per fp32 scale
+DS_V4_NOPE = tl.constexpr(448)  # fp8 channels of an fp8_ds_v4 token; then 64 bf16 RoPE channels
+DS_V4_TILE = tl.constexpr(64)  # channels per ue8m0 scale
+DS_V4_DATA_BYTES = 576  # a token's fp8 + bf16 bytes, consecutive in its block (the token stride)
+DS_V4_SCALE_BYTES = 8  # a token's 7 scale bytes + 1 pad, after the block's PAGE_SIZE * 576 data bytes
 
 
 # ----------------------------------------------------------------------------------------
@@ -83,9 +99,11 @@ DS_MLA_TILE = tl.constexpr(128)  # channels per fp32 scale
 
 @triton.jit
 def _token_rows(BlockTable, Indices, req, i_row0, start, end, num_blocks, PAGE_SIZE: tl.constexpr, stride_bt,
-                stride_ib, stride_is, stride_kb, stride_kt, kv_head_off, BLOCK_N: tl.constexpr, SPARSE: tl.constexpr):
+                stride_ib, stride_is, stride_kb, stride_kt, kv_head_off, BLOCK_N: tl.constexpr, SPARSE: tl.constexpr,
+                KV_FORMAT: tl.constexpr = 0):
     """Token positions, validity mask, int64 cache offsets of one token tile, and which of its tokens have a block id
-    outside ``[0, num_blocks)`` (not loaded: ``valid`` is false there, and the caller poisons the item)."""
+    outside ``[0, num_blocks)`` (not loaded: ``valid`` is false there, and the caller poisons the item); and the
+    offsets of the tokens' scale bytes (``fp8_ds_v4``, sparse; else the token offsets again)."""
     n = start + tl.arange(0, BLOCK_N)
     in_range = n < end
     if SPARSE:
@@ -97,6 +115,9 @@ def _token_rows(BlockTable, Indices, req, i_row0, start, end, num_blocks, PAGE_S
         idx = tl.where(valid, idx, 0).to(tl.int64)
         block = idx // PAGE_SIZE
         rows = block * stride_kb + (idx - block * PAGE_SIZE) * stride_kt + kv_head_off
+        srows = rows
+        if KV_FORMAT == 3:  # the block's scale bytes follow its PAGE_SIZE tokens of 576 data bytes
+            srows = block * stride_kb + PAGE_SIZE * DS_V4_DATA_BYTES + (idx - block * PAGE_SIZE) * DS_V4_SCALE_BYTES
     elif PAGE_SIZE % BLOCK_N == 0:
         # the tile lies in one page (tiles start at multiples of BLOCK_N: schedule items are
         # chunk-aligned, metadata.split_kv_schedule, and chunk_size % BLOCK_N == 0): one table entry,
@@ -109,6 +130,7 @@ def _token_rows(BlockTable, Indices, req, i_row0, start, end, num_blocks, PAGE_S
         block = tl.where(ok, block, 0).to(tl.int64)
         base = block * stride_kb + (start % PAGE_SIZE) * stride_kt + kv_head_off  # in-page term fits int32
         rows = base + tl.arange(0, BLOCK_N).to(tl.int64) * stride_kt
+        srows = rows
     elif PAGE_SIZE > 1 and BLOCK_N % PAGE_SIZE == 0:
         # whole pages per tile: BLOCK_N / PAGE_SIZE table entries (masked: entries past the
         # request's length are never read), spread over their pages' slots
@@ -121,6 +143,7 @@ def _token_rows(BlockTable, Indices, req, i_row0, start, end, num_blocks, PAGE_S
         valid = in_range & ok  # (a bad id's rows are computed and never loaded)
         block = block.to(tl.int64)
         rows = block * stride_kb + (n % PAGE_SIZE).to(tl.int64) * stride_kt + kv_head_off
+        srows = rows
     else:
         # masked: table entries past the request's length are never read
         block = tl.load(BlockTable + req.to(tl.int64) * stride_bt + n // PAGE_SIZE, mask=in_range, other=0)
@@ -129,15 +152,32 @@ def _token_rows(BlockTable, Indices, req, i_row0, start, end, num_blocks, PAGE_S
         valid = in_range & ok  # (a bad id's rows are computed and never loaded)
         block = block.to(tl.int64)
         rows = block * stride_kb + (n % PAGE_SIZE).to(tl.int64) * stride_kt + kv_head_off
-    return n, valid, rows, bad
+        srows = rows
+    return n, valid, rows, bad, srows
 
 
 @triton.jit
-def _load_latent(KV, rows, valid, col0, DTYPE: tl.constexpr, NCOLS: tl.constexpr, KV_FORMAT: tl.constexpr):
-    """``[BLOCK_N, NCOLS]`` latent (NoPE) channels ``col0 ..`` in the query dtype; 0 for invalid tokens."""
+def _load_latent(KV, rows, valid, col0, DTYPE: tl.constexpr, NCOLS: tl.constexpr, KV_FORMAT: tl.constexpr,
+                 srows=None):
+    """``[BLOCK_N, NCOLS]`` latent (NoPE) channels ``col0 ..`` in the query dtype; 0 for invalid tokens. ``srows``:
+    the tokens' scale-byte offsets (``fp8_ds_v4``)."""
     d = col0 + tl.arange(0, NCOLS)
     ptrs = KV + rows[:, None] + d[None, :]
-    if KV_FORMAT == 2:  # fp8_ds_mla: fp8 bytes, one fp32 scale per 128 channels (powers of two: exact)
+    if KV_FORMAT == 3:  # fp8_ds_v4: fp8 channels < 448 scaled per 64 by ue8m0 bytes, then 64 bf16 channels
+        tl.static_assert(NCOLS % 64 == 0)  # whole scale tiles (DS_V4_TILE)
+        NG: tl.constexpr = NCOLS // DS_V4_TILE
+        nope = d < DS_V4_NOPE
+        raw = tl.load(ptrs, mask=valid[:, None] & nope[None, :], other=0)
+        val = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        g = col0 // DS_V4_TILE + tl.arange(0, NG)  # scale tile of each group of 64 channels (7: the RoPE part)
+        sbyte = tl.load(KV + srows[:, None] + g[None, :], mask=valid[:, None] & (g < 7)[None, :], other=0)
+        # 2 ** (byte - 127) is the fp32 with that biased exponent; 255 is NaN
+        scale = tl.where(sbyte == 255, float("nan"), (sbyte.to(tl.int32) << 23).to(tl.float32, bitcast=True))
+        val = tl.reshape(tl.reshape(val, (val.shape[0], NG, DS_V4_TILE)) * scale[:, :, None], (val.shape[0], NCOLS))
+        rptrs = (KV + rows[:, None] + DS_V4_NOPE + 2 * (d[None, :] - DS_V4_NOPE)).to(tl.pointer_type(tl.bfloat16))
+        rope = tl.load(rptrs, mask=valid[:, None] & ~nope[None, :], other=0.0).to(tl.float32)
+        return tl.where(nope[None, :], val, rope).to(DTYPE)
+    elif KV_FORMAT == 2:  # fp8_ds_mla: fp8 bytes, one fp32 scale per 128 channels (powers of two: exact)
         raw = tl.load(ptrs, mask=valid[:, None], other=0)
         val = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         if NCOLS <= DS_MLA_TILE:  # one scale per token
@@ -181,7 +221,7 @@ def _qk(k, q, acc, TOKENS_ON_M: tl.constexpr):
 @triton.jit
 def _scores(Q, q_off, row_ok, q_whole, q_rope, KV, rows, valid, DTYPE: tl.constexpr, D_V: tl.constexpr,
             D_ROPE: tl.constexpr, QK_CHUNK: tl.constexpr, KV_FORMAT: tl.constexpr, BLOCK_M: tl.constexpr,
-            BLOCK_N: tl.constexpr, TOKENS_ON_M: tl.constexpr):
+            BLOCK_N: tl.constexpr, TOKENS_ON_M: tl.constexpr, srows=None):
     """Raw scores of one token tile: ``[BLOCK_M, BLOCK_N]`` (heads on M) or its transpose.
 
     The latent dot runs in ``D_V / QK_CHUNK`` pieces; with ``QK_CHUNK < D_V`` the
@@ -193,13 +233,13 @@ def _scores(Q, q_off, row_ok, q_whole, q_rope, KV, rows, valid, DTYPE: tl.conste
     else:
         s = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if QK_CHUNK == D_V:
-        k = _load_latent(KV, rows, valid, 0, DTYPE, D_V, KV_FORMAT)
+        k = _load_latent(KV, rows, valid, 0, DTYPE, D_V, KV_FORMAT, srows)
         s = _qk(k, q_whole, s, TOKENS_ON_M)
     else:
         for c in tl.static_range(D_V // QK_CHUNK):
             dq = c * QK_CHUNK + tl.arange(0, QK_CHUNK)
             q_c = tl.load(Q + q_off[:, None] + dq[None, :], mask=row_ok[:, None], other=0.0)
-            k_c = _load_latent(KV, rows, valid, c * QK_CHUNK, DTYPE, QK_CHUNK, KV_FORMAT)
+            k_c = _load_latent(KV, rows, valid, c * QK_CHUNK, DTYPE, QK_CHUNK, KV_FORMAT, srows)
             s = _qk(k_c, q_c, s, TOKENS_ON_M)
     if D_ROPE > 0:
         k_r = _load_rope(KV, rows, valid, DTYPE, D_V, D_ROPE, KV_FORMAT)
@@ -289,6 +329,42 @@ def _online_update(s, v, n, valid, bad, limit, m_i, l_i, acc, s_scale, DTYPE: tl
 
 
 @triton.jit
+def _gather_tiles(Q, q_off, row_ok, q_whole, q_rope, KV, BlockTable, Indices, req, i_row0, begin, end, num_blocks,
+                  PAGE_SIZE: tl.constexpr, stride_bt, stride_ib, stride_is, stride_kb, stride_kt, kv_head_off, limit,
+                  m_i, l_i, acc, s_scale, v_lo, DTYPE: tl.constexpr, D_V: tl.constexpr, D_ROPE: tl.constexpr,
+                  QK_CHUNK: tl.constexpr, DV_BLOCK: tl.constexpr, REUSE_K: tl.constexpr, KV_FORMAT: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE: tl.constexpr, TOKENS_ON_M: tl.constexpr,
+                  CAUSAL: tl.constexpr):
+    """The online softmax over the gathered token tiles ``begin ..`` (masked at ``end``) of one cache: returns
+    ``(m_i, l_i, acc)``. Sparse items run it once per index list (the main one, then the extra cache's)."""
+    for start in range(begin, end, BLOCK_N):
+        n, valid, rows, bad, srows = _token_rows(BlockTable, Indices, req, i_row0, start, end, num_blocks, PAGE_SIZE,
+                                                 stride_bt, stride_ib, stride_is, stride_kb, stride_kt, kv_head_off,
+                                                 BLOCK_N, SPARSE, KV_FORMAT)
+        if REUSE_K:
+            k = _load_latent(KV, rows, valid, 0, DTYPE, D_V, KV_FORMAT, srows)
+            s = _qk(k, q_whole, None, TOKENS_ON_M)
+            if D_ROPE > 0:
+                k_r = _load_rope(KV, rows, valid, DTYPE, D_V, D_ROPE, KV_FORMAT)
+                s = _qk(k_r, q_rope, s, TOKENS_ON_M)
+            v = k
+        else:
+            s = _scores(Q, q_off, row_ok, q_whole, q_rope, KV, rows, valid, DTYPE, D_V, D_ROPE, QK_CHUNK,
+                        KV_FORMAT, BLOCK_M, BLOCK_N, TOKENS_ON_M, srows)
+            v = _load_latent(KV, rows, valid, v_lo, DTYPE, DV_BLOCK, KV_FORMAT, srows)
+        m_i, l_i, acc = _online_update(s, v, n, valid, bad, limit, m_i, l_i, acc, s_scale, DTYPE, TOKENS_ON_M,
+                                       CAUSAL)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _sink_factor(AttnSink, head, row_ok, has_key, lse_nat):
+    """``1 / (1 + exp(sink - lse))`` per row (natural-log LSE), 0 for a row without keys; a sink of +inf gives 0."""
+    sink = tl.load(AttnSink + head, mask=row_ok, other=float("-inf"))
+    return tl.where(has_key, 1.0 / (1.0 + tl.exp(sink - lse_nat)), 0.0)
+
+
+@triton.jit
 def _pow2_scale(amax):
     """``(2^s, 2^-s)`` for a partial row whose largest magnitude is ``amax`` (>= 0): ``s = 141 - E`` for
     ``amax = 1.f * 2^(E - 127)`` puts ``amax * 2^s`` in ``[2^14, 2^15)``, where fp16 keeps all 11 bits and cannot
@@ -330,10 +406,19 @@ def mla_decode_kernel(
     TMA: tl.constexpr = False,  # whole tiles by TMA (dense, h_kv = 1, PAGE_SIZE % BLOCK_N == 0, REUSE_K)
     ASM_PAGE: tl.constexpr = False,  # TMA: block-table reads as inline PTX (see _page_of); False interpreting
     Q_TMA: tl.constexpr = False,  # TMA and q contiguous: the query tile by TMA, straight into shared memory
+    # sparse only, FlashMLA's optional arguments (see the module docstring); None / 0 when absent
+    TopkLength=None, AttnSink=None, ExtraKV=None, ExtraIndices=None, ExtraTopkLength=None,
+    topk=0,  # width of Indices: the extra list's tokens are the schedule's positions topk ..
+    stride_ekb=0, stride_ekt=0, stride_ekh=0, stride_eib=0, stride_eis=0, extra_num_blocks=0,
+    EXTRA_PAGE_SIZE: tl.constexpr = 1,
+    HAS_TOPK_LENGTH: tl.constexpr = False, HAS_SINK: tl.constexpr = False, HAS_EXTRA: tl.constexpr = False,
+    HAS_EXTRA_TOPK_LENGTH: tl.constexpr = False,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16)
     tl.static_assert(D_V % V_SPLIT == 0 and D_V % QK_CHUNK == 0)
     tl.static_assert(KV_FORMAT != 2 or (D_V == 512 and D_ROPE == 64))
+    tl.static_assert(KV_FORMAT != 3 or (D_V == 512 and D_ROPE == 0 and SPARSE))
+    tl.static_assert(SPARSE or not (HAS_TOPK_LENGTH or HAS_SINK or HAS_EXTRA))
     DV_BLOCK: tl.constexpr = D_V // V_SPLIT  # output channels this program accumulates
     # V can reuse the K tile only when one program holds all of it
     REUSE_K: tl.constexpr = V_SPLIT == 1 and QK_CHUNK == D_V
@@ -430,23 +515,26 @@ def mla_decode_kernel(
                 m_i, l_i, acc = _online_update(s, k, n, tl.where(page_ok, n < tok_end, False),
                                                tl.where(page_ok, False, n < tok_end), limit, m_i, l_i, acc, s_scale,
                                                DTYPE, TOKENS_ON_M, CAUSAL)
-        for start in range(gather_begin, tok_end, BLOCK_N):
-            n, valid, rows, bad = _token_rows(BlockTable, Indices, req, i_row0, start, tok_end, num_blocks, PAGE_SIZE,
-                                              stride_bt, stride_ib, stride_is, stride_kb, stride_kt, kv_head_off,
-                                              BLOCK_N, SPARSE)
-            if REUSE_K:
-                k = _load_latent(KV, rows, valid, 0, DTYPE, D_V, KV_FORMAT)
-                s = _qk(k, q_whole, None, TOKENS_ON_M)
-                if D_ROPE > 0:
-                    k_r = _load_rope(KV, rows, valid, DTYPE, D_V, D_ROPE, KV_FORMAT)
-                    s = _qk(k_r, q_rope, s, TOKENS_ON_M)
-                v = k
-            else:
-                s = _scores(Q, q_off, row_ok, q_whole, q_rope, KV, rows, valid, DTYPE, D_V, D_ROPE, QK_CHUNK,
-                            KV_FORMAT, BLOCK_M, BLOCK_N, TOKENS_ON_M)
-                v = _load_latent(KV, rows, valid, v_lo, DTYPE, DV_BLOCK, KV_FORMAT)
-            m_i, l_i, acc = _online_update(s, v, n, valid, bad, limit, m_i, l_i, acc, s_scale, DTYPE, TOKENS_ON_M,
-                                           CAUSAL)
+        main_end = tok_end
+        if HAS_EXTRA:
+            main_end = tl.minimum(tok_end, topk)  # positions topk .. are the extra cache's
+        if HAS_TOPK_LENGTH:  # tiles past the request's topk_length are skipped, entries past it never read
+            main_end = tl.minimum(main_end, tl.maximum(tl.load(TopkLength + req), 0))
+        m_i, l_i, acc = _gather_tiles(Q, q_off, row_ok, q_whole, q_rope, KV, BlockTable, Indices, req, i_row0,
+                                      gather_begin, main_end, num_blocks, PAGE_SIZE, stride_bt, stride_ib, stride_is,
+                                      stride_kb, stride_kt, kv_head_off, limit, m_i, l_i, acc, s_scale, v_lo, DTYPE,
+                                      D_V, D_ROPE, QK_CHUNK, DV_BLOCK, REUSE_K, KV_FORMAT, BLOCK_M, BLOCK_N, SPARSE,
+                                      TOKENS_ON_M, CAUSAL)
+        if HAS_EXTRA:
+            extra_end = tok_end - topk
+            if HAS_EXTRA_TOPK_LENGTH:
+                extra_end = tl.minimum(extra_end, tl.maximum(tl.load(ExtraTopkLength + req), 0))
+            m_i, l_i, acc = _gather_tiles(Q, q_off, row_ok, q_whole, q_rope, ExtraKV, BlockTable, ExtraIndices, req,
+                                          i_row0, tl.maximum(tok_begin - topk, 0), extra_end, extra_num_blocks,
+                                          EXTRA_PAGE_SIZE, stride_bt, stride_eib, stride_eis, stride_ekb, stride_ekt,
+                                          kv_head.to(tl.int64) * stride_ekh, limit, m_i, l_i, acc, s_scale, v_lo,
+                                          DTYPE, D_V, D_ROPE, QK_CHUNK, DV_BLOCK, REUSE_K, KV_FORMAT, BLOCK_M, BLOCK_N,
+                                          SPARSE, TOKENS_ON_M, CAUSAL)
 
         # -- epilogue: normalise; natural-log LSE (l_i = 0: no key; NaN, a bad block id: out and LSE NaN) ------
         has_key = l_i != 0.0
@@ -458,6 +546,11 @@ def mla_decode_kernel(
             o = acc * inv_l[:, None]
         lse_row_ok = row_ok & ((flat * 0 + v_idx) == 0)
         if slot < 0:  # the item is the whole request: final out / lse
+            if HAS_SINK:
+                if TOKENS_ON_M:
+                    o = o * _sink_factor(AttnSink, head, row_ok, has_key, lse_nat)[None, :]
+                else:
+                    o = o * _sink_factor(AttnSink, head, row_ok, has_key, lse_nat)[:, None]
             o_off = req.to(tl.int64) * stride_ob + q_tok.to(tl.int64) * stride_os + head.to(tl.int64) * stride_oh
             if TOKENS_ON_M:
                 tl.store(Out + o_off[None, :] + d_o[:, None], o.to(Out.dtype.element_ty), mask=row_ok[None, :])
@@ -526,7 +619,7 @@ def _rows_bucket(rows: int) -> int:
 
 # (rows bucket, kv format) -> config. rows = query rows per KV head (s_q*h_q/h_kv, or
 # h_q/h_kv for sparse). Never keyed on sequence length (CUDA graphs stay valid).
-# Measured with ci/bench_triton.py --grids choice / occupancy; register reports from
+# Measured with dev/bench_triton.py --grids choice / occupancy; register reports from
 # kernels/triton/aot_report.py (see NOTES.md).
 _H64 = KernelConfig(64, 32, 8, 2)  # heads on M, wgmma; spills 168 regs (see NOTES.md); fp8 caches' 128 rows
 # 64 rows: 64-token tiles (H100, b=64 L=8K: 390 us vs 460 for 32-token tiles, page 64; fp8_e4m3 484 vs 662 us,
@@ -557,9 +650,12 @@ CONFIGS.update({(16, "fp8_e4m3"): _H16_P3, (32, "fp8_e4m3"): _H64_N64, (64, "fp8
                 (128, "fp8_e4m3"): _H64,
                 (16, "fp8_ds_mla"): _T16_P3, (32, "fp8_ds_mla"): _H64_N64, (64, "fp8_ds_mla"): _H64_N64,
                 (128, "fp8_ds_mla"): _H64})
+# fp8_ds_v4 (DeepSeek-V4) takes fp8_ds_mla's configs (the same dequantise-in-registers loop, 512 channels): not yet
+# measured on its own
+CONFIGS.update({(rows, "fp8_ds_v4"): CONFIGS[rows, "fp8_ds_mla"] for rows in (16, 32, 64, 128)})
 #: (rows bucket, kv format) -> config for bf16/fp16 caches with one KV head whose pages hold whole 64-token tiles
 #: (page_size % 64 == 0): whole tiles by TMA, pipelined a tile ahead (``KernelConfig.tma``). H100, same run
-#: (ci/bench_triton.py --grids tma, page 64): b=64 L=8K h=16 250.9 us vs 268.1 (the 16-row config above), h=32
+#: (dev/bench_triton.py --grids tma, page 64): b=64 L=8K h=16 250.9 us vs 268.1 (the 16-row config above), h=32
 #: 276.7 vs 316.7, h=64 329.7 vs 397.6; b=128 h=128 L̄=8K 1133.6 vs 1376.2. Deeper pipelines with 32-token tiles
 #: (tM16-n32-s4 264.0 us, hM64-n32-w8-s4 359.7 / 369.7 / 1316.5 us) lost to 64-token tiles with two stages.
 TMA_CONFIGS: dict[tuple[int, str], KernelConfig] = {}
@@ -572,7 +668,7 @@ for _fmt in ("bf16", "fp16"):
     })
 #: The config of the Gluon sm_90 kernel (:mod:`.gluon_sm90`), for every rows bucket of a bf16/fp16 cache with one KV head,
 #: D_qk = 576 / D_v = 512 and any page size, where ``choose_config`` is told the kernel can run (an sm_90 GPU, Gluon
-#: importable). 64-row tiles, so 16- and 32-row problems pad. H100, b=64 L=8K, eager µs (ci/bench_triton.py
+#: importable). 64-row tiles, so 16- and 32-row problems pad. H100, b=64 L=8K, eager µs (dev/bench_triton.py
 #: --grids gluon, calls 1-4 of 2026-11-22's twentieth session): h=16 232.8 vs 240.5 (TMA_CONFIGS), h=32 239.0 vs 267.9,
 #: h=64 248.2 vs 313.2; FlashMLA grid b=128 h=128 s_q=1 L=8K 696.1-737.2 vs 1118.0 (kernels/triton/NOTES.md, "The Gluon
 #: kernel"). On pages of 1 / 16 / 33 tokens (every tile gathered), graph µs (--grids gluonpages, 2026-11-22, twenty-first
@@ -589,13 +685,7 @@ GLUON_CONFIG = KernelConfig(64, 64, 8, 2, tma=True, gluon=True)
 #: gluonfp8, 2026-11-22, twenty-first session, call 5): h16 298.1 vs 288.0 (page 64) and 299.2 vs 282.2 (page 16): plain
 #: kept; h32 303.6 vs 474.5, h64 311.5 vs 482.5; FlashMLA grid b=128 h128 L=8K s1 1132.2 vs 2493.4, s2 2187.2 vs 4871.1.
 GLUON_FP8_MIN_ROWS = 32
-#: fp8_e4m3 caches with at most this many query rows take the tokens-on-M Gluon kernel (:mod:`.gluon_fp8`) instead,
-#: under the same config (a plan's launch chooses it, :mod:`.launch`; ``backend_options={"kernel": "gluon"}`` keeps
-#: gluon_sm90 there).
-#: H100, b=64 L=8K, graph µs (2026-11-23, twenty-third session, calls 7 / 10): h16 140.9 / 144.8 vs 292.8 (the plain
-#: 16-row config), h32 157.7 / 159.5 vs 305.8 (gluon_sm90); kernels/triton/NOTES.md, "fp8_e4m3 with tokens on M".
-FP8T_MAX_ROWS = 32
-
+# FP8T_MAX_ROWS: the tokens-on-M fp8 kernel's row limit (.fp8t_limits, imported above).
 
 
 #: (rows bucket, kv format) -> config where a 64-token tile spans several pages (page_size < 64, dense caches)
@@ -708,7 +798,7 @@ def launch_decode(q, kv, block_table, cache_seqlens, indices, kv_scale, schedule
     ``[B, s_q, h_q, D_v]``; lse ``[B, h_q, s_q]`` fp32; partial_out fp16
     ``[max_slots, s_q, h_q, 2 D_v]`` (rows in :data:`.combine.PARTIAL_ROW_FORMAT`); partial_lse fp32
     ``[max_slots, s_q, h_q]``.
-    Returns Triton's launch handle (the compiled kernel; ``ci/bench_triton.py`` reads
+    Returns Triton's launch handle (the compiled kernel; ``dev/bench_triton.py`` reads
     its registers). The backend launches through the registered op instead
     (:mod:`.ops`, ``torch.ops.mla_dispatch.triton_decode``). Raises ValueError if
     ``out.shape[-1] != head_dim_v``.
@@ -727,7 +817,8 @@ def launch_decode_kernel(kernel, q, kv, block_table, cache_seqlens, indices, kv_
                          lse, partial_out, partial_lse, *, softmax_scale: float, causal: bool, kv_format: str,
                          block_m: int, block_n: int, num_warps: int, num_stages: int, tokens_on_m: bool,
                          v_split: int, qk_chunk: int, max_registers: int = 0, tma: bool = False,
-                         gluon: bool = False):
+                         gluon: bool = False, topk_length=None, attn_sink=None, extra_kv=None, extra_indices=None,
+                         extra_topk_length=None):
     """The launch itself, on tensors and plain scalars: ``kernel[grid](...)``, with the kernel decided here, per call
     (the registered op's path; a plan's eager runs take the launch its plan froze, :mod:`.launch`).
 
@@ -735,7 +826,10 @@ def launch_decode_kernel(kernel, q, kv, block_table, cache_seqlens, indices, kv_
     (inside the registered op). One program per (schedule part, tile): the grid is
     ``(num_parts, h_kv * v_split * m_tiles * (s_q if sparse else 1))`` with
     ``num_parts = part_offsets.shape[0] - 1``; ``D_v = out.shape[-1]``. Only shapes and
-    strides are read on the host (no sync), so it traces with fake tensors.
+    strides are read on the host (no sync), so it traces with fake tensors. Sparse launches take FlashMLA's optional
+    arguments (int32 ``[B]`` ``topk_length`` / ``extra_topk_length``, fp32 ``[h_q]`` ``attn_sink``, a second cache
+    ``extra_kv`` in ``kv``'s format with int32 ``[B, s_q, extra_topk]`` ``extra_indices``), and ``cache_seqlens``
+    then holds ``topk + extra_topk`` per request (the schedule's token axis).
     """
     batch, q_len, h_q, d_qk = q.shape
     _, page_size, h_kv, _ = kv.shape
@@ -769,9 +863,14 @@ def launch_decode_kernel(kernel, q, kv, block_table, cache_seqlens, indices, kv_
         kv_format=kv_format, sparse=sparse, block_m=block_m, block_n=block_n, num_warps=num_warps,
         num_stages=num_stages, tokens_on_m=tokens_on_m, v_split=v_split, qk_chunk=qk_chunk,
         max_registers=max_registers if isinstance(kernel, JITFunction) else 0, tma=use_tma, q_tma=q_tma,
-        device_is_cuda=kv.device.type == "cuda")
+        device_is_cuda=kv.device.type == "cuda", topk=indices.shape[-1] if sparse else 0,
+        has_topk_length=topk_length is not None, has_sink=attn_sink is not None,
+        extra_page_size=extra_kv.shape[1] if extra_kv is not None else 0,
+        has_extra_topk_length=extra_topk_length is not None)
     call = decode_kernel_call(q, kv, kv_scale, indices, out, lse, tma=use_tma, q_tma=q_tma, head_dim_v=head_dim_v,
-                              block_m=block_m, block_n=block_n)
+                              block_m=block_m, block_n=block_n, kv_format=kv_format, topk_length=topk_length,
+                              attn_sink=attn_sink, extra_kv=extra_kv, extra_indices=extra_indices,
+                              extra_topk_length=extra_topk_length)
     with kernel_device(q):  # Triton launches on the current device, not the tensors'
         return kernel[grid](**fixed, **call, **options)
 
@@ -780,11 +879,14 @@ def decode_kernel_fixed(*, batch: int, q_len: int, h_q: int, d_qk: int, page_siz
                         block_table, seqlens, items, part_offsets, partial_out, partial_lse, softmax_scale: float,
                         causal: bool, kv_format: str, sparse: bool, block_m: int, block_n: int, num_warps: int,
                         num_stages: int, tokens_on_m: bool, v_split: int, qk_chunk: int, max_registers: int,
-                        tma: bool, q_tma: bool, device_is_cuda: bool):
+                        tma: bool, q_tma: bool, device_is_cuda: bool, topk: int = 0, has_topk_length: bool = False,
+                        has_sink: bool = False, extra_page_size: int = 0, has_extra_topk_length: bool = False):
     """``(grid, arguments, launch options)`` of :func:`mla_decode_kernel` that a plan fixes: everything but what
     :func:`decode_kernel_call` gives per call. ``v_split`` / ``qk_chunk`` as clipped (:func:`_clip_splits`); ``tma``
     and ``q_tma`` as decided for the launch (:func:`tma_applies`, :func:`q_tma_applies`); ``max_registers`` 0 where the
-    launch takes no register cap (the interpreter; torch's wrap_triton forwards no ``maxnreg``)."""
+    launch takes no register cap (the interpreter; torch's wrap_triton forwards no ``maxnreg``). Sparse launches:
+    ``topk`` the width of the indices, and which of the optional sparse arguments every call gives (the ``HAS_*``
+    constexprs; ``extra_page_size`` > 0: an extra cache of that page size)."""
     group = h_q // h_kv
     rows = group if sparse else q_len * group
     tiles_m = -(-rows // block_m)  # (cdiv; triton.cdiv is a constexpr function, slow on the host)
@@ -799,9 +901,15 @@ def decode_kernel_fixed(*, batch: int, q_len: int, h_q: int, d_qk: int, page_siz
         H_KV=h_kv, NUM_M_TILES=tiles_m, PAGE_SIZE=page_size, D_V=head_dim_v, D_ROPE=d_qk - head_dim_v,
         BLOCK_M=block_m, BLOCK_N=block_n, V_SPLIT=v_split, QK_CHUNK=qk_chunk, KV_FORMAT=KV_FORMAT_CODES[kv_format],
         CAUSAL=causal, SPARSE=sparse, TOKENS_ON_M=tokens_on_m, TMA=tma, ASM_PAGE=tma and device_is_cuda, Q_TMA=q_tma,
+        HAS_TOPK_LENGTH=has_topk_length, HAS_SINK=has_sink, HAS_EXTRA=extra_page_size > 0,
+        HAS_EXTRA_TOPK_LENGTH=has_extra_topk_length,
     )
-    if not sparse:
+    if sparse:
+        fixed["topk"] = topk
+    else:
         fixed.update(Indices=seqlens, stride_ib=0, stride_is=0)  # dummies
+    if extra_page_size:
+        fixed["EXTRA_PAGE_SIZE"] = extra_page_size
     if kv_format != "fp8_e4m3":
         fixed["KVScale"] = seqlens  # a dummy pointer
     if not tma:
@@ -814,14 +922,24 @@ def decode_kernel_fixed(*, batch: int, q_len: int, h_q: int, d_qk: int, page_siz
     return grid, fixed, options
 
 
+#: the per-call arguments of :func:`mla_decode_kernel` that come with an extra cache (:func:`decode_kernel_call`)
+EXTRA_CACHE_ARGS = ("ExtraKV", "ExtraIndices", "stride_ekb", "stride_ekt", "stride_ekh", "stride_eib", "stride_eis",
+                    "extra_num_blocks")
+
+
 def decode_kernel_call(q, kv, kv_scale, indices, out, lse, *, tma: bool, q_tma: bool, head_dim_v: int, block_m: int,
-                       block_n: int, kv_descriptors=None) -> dict:
+                       block_n: int, kv_descriptors=None, kv_format: str | None = None, topk_length=None,
+                       attn_sink=None, extra_kv=None, extra_indices=None, extra_topk_length=None) -> dict:
     """The arguments of :func:`mla_decode_kernel` that change per call (layer): q, the cache, the scale, the sparse
     indices, out and lse, their strides, the cache's block count and the TMA descriptors over q and the cache
-    (``kv_descriptors``: a function of the cache giving its pair, for a caller that keeps them)."""
+    (``kv_descriptors``: a function of the cache giving its pair, for a caller that keeps them); and a sparse call's
+    optional arguments where given (``topk_length``, ``attn_sink``, the extra cache with its indices and
+    ``extra_topk_length``: :data:`EXTRA_CACHE_ARGS`). ``kv_format="fp8_ds_v4"``: a token's data bytes are 576 apart in
+    its block (the tensor's dim-1 stride, 584, is the layout's size per token, not the distance between tokens)."""
+    v4 = kv_format == "fp8_ds_v4"
     call = dict(Q=q, KV=kv, Out=out, Lse=lse,
                 stride_qb=q.stride(0), stride_qs=q.stride(1), stride_qh=q.stride(2),
-                stride_kb=kv.stride(0), stride_kt=kv.stride(1), stride_kh=kv.stride(2),
+                stride_kb=kv.stride(0), stride_kt=DS_V4_DATA_BYTES if v4 else kv.stride(1), stride_kh=kv.stride(2),
                 stride_ob=out.stride(0), stride_os=out.stride(1), stride_oh=out.stride(2),
                 stride_lb=lse.stride(0), stride_lh=lse.stride(1), stride_ls=lse.stride(2),
                 num_blocks=kv.shape[0])
@@ -835,4 +953,15 @@ def decode_kernel_call(q, kv, kv_scale, indices, out, lse, *, tma: bool, q_tma: 
     if q_tma:
         batch, q_len, h_q, d_qk = q.shape
         call["QDesc"], call["QRDesc"] = tma_descriptors(q.view(batch * q_len, h_q, 1, d_qk), head_dim_v, block_m)
+    if topk_length is not None:
+        call["TopkLength"] = topk_length
+    if attn_sink is not None:
+        call["AttnSink"] = attn_sink
+    if extra_kv is not None:
+        call.update(ExtraKV=extra_kv, ExtraIndices=extra_indices, stride_ekb=extra_kv.stride(0),
+                    stride_ekt=DS_V4_DATA_BYTES if v4 else extra_kv.stride(1), stride_ekh=extra_kv.stride(2),
+                    stride_eib=extra_indices.stride(0), stride_eis=extra_indices.stride(1),
+                    extra_num_blocks=extra_kv.shape[0])
+        if extra_topk_length is not None:
+            call["ExtraTopkLength"] = extra_topk_length
     return call

@@ -53,7 +53,7 @@ import torch
 import triton
 
 from mla_dispatch.kernels.triton import gluon_sm90 as _g
-from mla_dispatch.kernels.triton.decode import FP8T_MAX_ROWS
+from mla_dispatch.kernels.triton.fp8t_limits import FP8T_MAX_ROWS
 from mla_dispatch.kernels.triton.device import kernel_device
 
 if _g.GLUON_API:

@@ -26,9 +26,10 @@ from typing import Callable
 
 import torch
 
-from mla_dispatch.kernels.triton.decode import (CONFIGS, GLUON_CONFIG, SMALL_PAGE_CONFIGS, TMA_CONFIGS, KernelConfig,
-                                                _clip_splits, _rows_bucket, choose_config, decode_kernel_call,
-                                                decode_kernel_fixed, mla_decode_kernel, tma_descriptors, tma_fits)
+from mla_dispatch.kernels.triton.decode import (CONFIGS, EXTRA_CACHE_ARGS, GLUON_CONFIG, SMALL_PAGE_CONFIGS,
+                                                TMA_CONFIGS, KernelConfig, _clip_splits, _rows_bucket, choose_config,
+                                                decode_kernel_call, decode_kernel_fixed, mla_decode_kernel,
+                                                tma_descriptors, tma_fits)
 from mla_dispatch.metadata.triton_launch import CachedLaunch
 
 __all__ = ["KERNELS", "TritonLaunch", "choose_launch", "kernel_reasons", "prepare", "PreparedLaunch"]
@@ -215,14 +216,16 @@ class PreparedLaunch:
     """A :class:`TritonLaunch` bound to one plan's buffers: ``launch(q, kv, kv_scale, indices, out, lse)`` runs the
     decode (and the combine of split rows) on the current stream; no allocation, no host synchronisation. Each of the
     launch's kernels is bound to the buffers on its first call (which of them a call runs is the launch's, decided at
-    plan time). ``kind`` says which ran last (for tests and profiles)."""
+    plan time). ``kind`` says which ran last (for tests and profiles). A sparse plan made with DeepSeek-V4's optional
+    arguments takes them per call as ``extras``: ``(topk_length, attn_sink, extra_kv_cache, extra_indices,
+    extra_topk_length)``, those the plan was made without None (the plan's ``HAS_*`` constexprs say which are read)."""
 
     __slots__ = ("launch", "page_size", "kind", "_bind", "_runs")
 
     def __init__(self, launch: TritonLaunch, bind: Callable[[str], Callable], page_size: int):
         self.launch, self._bind, self.page_size, self.kind, self._runs = launch, bind, page_size, None, {}
 
-    def __call__(self, q, kv, kv_scale, indices, out, lse) -> None:
+    def __call__(self, q, kv, kv_scale, indices, out, lse, extras=None) -> None:
         kind = self.launch.kernel
         if self.launch.needs_layout:
             if not (kv.is_contiguous() and kv.data_ptr() % 16 == 0 and kv.shape[0] * self.page_size < 2**31):
@@ -233,14 +236,16 @@ class PreparedLaunch:
         run = self._runs.get(kind)
         if run is None:
             run = self._runs[kind] = self._bind(kind)
-        run(q, kv, kv_scale, indices, out, lse)
+        run(q, kv, kv_scale, indices, out, lse, extras)
 
 
 def prepare(launch: TritonLaunch, p, *, block_table, seqlens, schedule, first_slot, partial_out, partial_lse,
             softmax_scale: float, device: torch.device) -> PreparedLaunch:
     """Bind ``launch`` to a plan of problem ``p``: its table (None when sparse), lengths, schedule, first slots and
     partial buffers. Each kernel the launch may run (its own and its fallbacks) is bound on its first call (and
-    compiles then, unless an earlier plan compiled it)."""
+    compiles then, unless an earlier plan compiled it). Which of the optional sparse arguments a call gives
+    (``p.topk_length``, ``p.attn_sink``, ``p.extra_topk``, ``p.extra_topk_length``) is the plan's: their ``HAS_*``
+    constexprs are fixed here, the tensors are per-call arguments."""
     from mla_dispatch.kernels.triton.combine import combine_call, combine_fixed, combine_kernel
     from triton.runtime.jit import JITFunction
 
@@ -248,23 +253,29 @@ def prepare(launch: TritonLaunch, p, *, block_table, seqlens, schedule, first_sl
     if device.type == "cuda" and device_index is None:
         device_index = torch.cuda.current_device()
     combines: list = []  # [the combine's launch, or None: nothing to merge], bound with the first kernel
+    has_sink = p.attn_sink  # the sink scales a split request's merged rows (the decode scales the others)
 
-    def combine(out, lse) -> None:
+    def combine(out, lse, attn_sink) -> None:
         if not combines:
             prepared = combine_fixed(partial_out, partial_lse, schedule.num_splits, first_slot, schedule.items,
                                      schedule.part_offsets, batch=p.batch, q_len=p.q_len, h_q=p.num_heads_q,
-                                     d_v=p.head_dim_v, v_split=launch.v_split, fixed_splits=schedule.fixed_splits)
+                                     d_v=p.head_dim_v, v_split=launch.v_split, fixed_splits=schedule.fixed_splits,
+                                     has_sink=has_sink)
             combines.append(None if prepared is None else CachedLaunch(
                 combine_kernel, prepared[0], prepared[1], ("Out", "Lse", "stride_ob", "stride_os", "stride_oh",
-                                                          "stride_lb", "stride_lh", "stride_ls"), prepared[2],
-                device_index))
+                                                          "stride_lb", "stride_lh", "stride_ls")
+                + (("AttnSink",) if has_sink else ()), prepared[2], device_index))
         if combines[0] is not None:
-            combines[0].call(combine_call(out, lse))
+            combines[0].call(combine_call(out, lse, attn_sink))
 
     plan_side = dict(block_table=block_table, seqlens=seqlens, items=schedule.items, part_offsets=schedule.part_offsets,
                      partial_out=partial_out, partial_lse=partial_lse, softmax_scale=softmax_scale, causal=p.causal)
     fp8_scale = p.kv_format == "fp8_e4m3"
     cfg = launch.cfg
+    # the optional sparse arguments a call of this plan gives (DeepSeek-V4's), by kernel parameter
+    sparse_names = (["TopkLength"] if p.topk_length else []) + (["AttnSink"] if p.attn_sink else [])
+    if p.extra_topk:
+        sparse_names += [*EXTRA_CACHE_ARGS, *(["ExtraTopkLength"] if p.extra_topk_length else [])]
 
     def plain(tma: bool, q_tma: bool) -> Callable:
         grid, fixed, options = decode_kernel_fixed(
@@ -273,25 +284,35 @@ def prepare(launch: TritonLaunch, p, *, block_table, seqlens, schedule, first_sl
             block_m=cfg.block_m, block_n=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             tokens_on_m=cfg.tokens_on_m, v_split=launch.v_split, qk_chunk=launch.qk_chunk,
             max_registers=cfg.max_registers if isinstance(mla_decode_kernel, JITFunction) else 0, tma=tma,
-            q_tma=q_tma, device_is_cuda=device.type == "cuda", **plan_side)
+            q_tma=q_tma, device_is_cuda=device.type == "cuda", topk=p.topk, has_topk_length=p.topk_length,
+            has_sink=p.attn_sink, extra_page_size=p.extra_page_size if p.extra_topk else 0,
+            has_extra_topk_length=p.extra_topk_length, **plan_side)
         names = ["Q", "KV", "Out", "Lse", "stride_qb", "stride_qs", "stride_qh", "stride_kb", "stride_kt", "stride_kh",
                  "stride_ob", "stride_os", "stride_oh", "stride_lb", "stride_lh", "stride_ls", "num_blocks"]
         names += ["Indices", "stride_ib", "stride_is"] if p.sparse else []
         names += ["KVScale"] if fp8_scale else []
         names += ["KDesc", "RDesc"] if tma else []
         names += ["QDesc", "QRDesc"] if q_tma else []
+        names += sparse_names
         for name in names:
             fixed.pop(name, None)
         decode = CachedLaunch(mla_decode_kernel, grid, fixed, names, options, device_index)
         descriptors = _KeptDescriptors(lambda kv: tma_descriptors(kv, p.head_dim_v, cfg.block_n)) if tma else None
 
-        def run(q, kv, kv_scale, indices, out, lse):
+        def run(q, kv, kv_scale, indices, out, lse, extras):
             if kv.dtype == torch.int8:  # fp8_ds_mla caches may come as int8 (FlashMLA's convention)
                 kv = kv.view(torch.uint8)
+            topk_length = attn_sink = extra_kv = extra_indices = extra_topk_length = None
+            if extras is not None:
+                topk_length, attn_sink, extra_kv, extra_indices, extra_topk_length = extras
+                if extra_kv is not None and extra_kv.dtype == torch.int8:
+                    extra_kv = extra_kv.view(torch.uint8)
             decode.call(decode_kernel_call(q, kv, kv_scale, indices, out, lse, tma=tma, q_tma=q_tma,
                                            head_dim_v=p.head_dim_v, block_m=cfg.block_m, block_n=cfg.block_n,
-                                           kv_descriptors=descriptors))
-            combine(out, lse)
+                                           kv_descriptors=descriptors, kv_format=p.kv_format,
+                                           topk_length=topk_length, attn_sink=attn_sink, extra_kv=extra_kv,
+                                           extra_indices=extra_indices, extra_topk_length=extra_topk_length))
+            combine(out, lse, attn_sink)
 
         return run
 
@@ -325,13 +346,13 @@ def prepare(launch: TritonLaunch, p, *, block_table, seqlens, schedule, first_sl
                 mla_decode_sm90_kernel
         decode: list = []  # made on the first call, from the names that call gives
 
-        def run(q, kv, kv_scale, indices, out, lse):
+        def run(q, kv, kv_scale, indices, out, lse, extras):  # dense only (_gluon_reasons): no sparse extras
             values = make_call(q, kv, kv_scale, out, lse)
             if not decode:
                 decode.append(CachedLaunch(kernel_fn, grid, {k: v for k, v in fixed.items() if k not in values},
                                            tuple(values), options, device_index))
             decode[0].call(values)
-            combine(out, lse)
+            combine(out, lse, None)
 
         return run
 

@@ -74,6 +74,11 @@ def _triton_decode(
     tma: bool,
     gluon: bool,
     fixed_splits: bool = False,
+    topk_length: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+    extra_kv_cache: torch.Tensor | None = None,
+    extra_indices: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
 ) -> None:
     """Split-KV MLA decode into ``out`` / ``lse`` (see :mod:`.decode` and :mod:`.combine`).
 
@@ -90,32 +95,41 @@ def _triton_decode(
     the fields of :class:`.decode.KernelConfig` (``chunk_size`` lives in the schedule; ``tma`` and ``gluon`` apply to
     plain launches only, :func:`.decode.tma_applies`, :func:`.gluon_sm90.gluon_applies`). ``fixed_splits``: the
     schedule is a batch-invariant one (:func:`mla_dispatch.metadata.schedule.fixed_split_schedule`), whose split
-    requests the combine finds per request, never per part boundary.
+    requests the combine finds per request, never per part boundary. Sparse only, optional: FlashMLA's
+    ``topk_length`` / ``extra_topk_length`` (int32 ``[B]``), ``attn_sink`` (fp32 ``[h_q]``) and a second cache
+    ``extra_kv_cache`` (``kv_cache``'s format) with int32 ``[B, s_q, extra_topk]`` ``extra_indices``; ``seqlens``
+    then holds ``topk + extra_topk``.
 
     Raises ValueError for an unknown ``kv_format``.
     """
     _launch(_launchable(mla_decode_kernel), _launchable(combine_kernel), q, kv_cache, block_table, seqlens,
             indices, kv_scale, items, part_offsets, num_splits, first_slot, out, lse, partial_out, partial_lse,
             softmax_scale, causal, kv_format, block_m, block_n, num_warps, num_stages, tokens_on_m, v_split,
-            qk_chunk, max_registers, tma, gluon, fixed_splits)
+            qk_chunk, max_registers, tma, gluon, fixed_splits, topk_length, attn_sink, extra_kv_cache,
+            extra_indices, extra_topk_length)
 
 
 def _launch(decode_kernel, combine, q, kv_cache, block_table, seqlens, indices, kv_scale, items, part_offsets,
             num_splits, first_slot, out, lse, partial_out, partial_lse, softmax_scale, causal, kv_format, block_m,
             block_n, num_warps, num_stages, tokens_on_m, v_split, qk_chunk, max_registers, tma, gluon,
-            fixed_splits=False) -> None:
+            fixed_splits=False, topk_length=None, attn_sink=None, extra_kv_cache=None, extra_indices=None,
+            extra_topk_length=None) -> None:
     if kv_format not in KV_FORMAT_CODES:
         raise ValueError(f"kv_format={kv_format!r} (supported: {sorted(KV_FORMAT_CODES)})")
     kv = kv_cache.view(torch.uint8) if kv_cache.dtype == torch.int8 else kv_cache
+    extra_kv = extra_kv_cache
+    if extra_kv is not None and extra_kv.dtype == torch.int8:
+        extra_kv = extra_kv.view(torch.uint8)
     launch_decode_kernel(
         decode_kernel, q, kv, block_table, seqlens, indices, kv_scale, items,
         part_offsets, out, lse, partial_out, partial_lse, softmax_scale=softmax_scale, causal=causal,
         kv_format=kv_format, block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
         tokens_on_m=tokens_on_m, v_split=v_split, qk_chunk=qk_chunk, max_registers=max_registers, tma=tma,
-        gluon=gluon)
+        gluon=gluon, topk_length=topk_length, attn_sink=attn_sink, extra_kv=extra_kv, extra_indices=extra_indices,
+        extra_topk_length=extra_topk_length)
     launch_combine(partial_out, partial_lse, num_splits, first_slot, out, lse, items, part_offsets,
                    v_split=_clip_splits(v_split, qk_chunk, out.shape[-1])[0], kernel=combine,
-                   fixed_splits=fixed_splits)
+                   fixed_splits=fixed_splits, attn_sink=attn_sink)
 
 
 _functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)  # functionalize, vmap

@@ -89,8 +89,8 @@ bool overlaps_itself(const at::Tensor& t) {
 }
 
 void check_kv_format(int64_t kv_format) {
-  MLA_CHECK(kv_format >= 0 && kv_format <= 2, "kv_format must be 0 (q dtype), 1 (fp8_e4m3) or 2 (fp8_ds_mla), got ",
-            kv_format);
+  MLA_CHECK(kv_format >= 0 && kv_format <= 3,
+            "kv_format must be 0 (q dtype), 1 (fp8_e4m3), 2 (fp8_ds_mla) or 3 (fp8_ds_v4), got ", kv_format);
 }
 
 // The arguments that change per call (per layer): q, the cache and its scale, out, lse.
@@ -100,7 +100,8 @@ void check_call(const at::Tensor& q, const at::Tensor& kv, const c10::optional<a
   const at::Device dev = q.device();
   MLA_CHECK(q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf,
             "q must be bfloat16 or float16, got ", dtype_str(q.scalar_type()));
-  MLA_CHECK(q.dim() == 4 && q.size(3) == kDQK, "q must be [B, s_q, h_q, 576], got ", shape_str(q));
+  const int64_t d_qk = kv_format == mla_sm90::kKvFp8DsV4 ? mla_sm90::kDsV4HeadDim : kDQK;
+  MLA_CHECK(q.dim() == 4 && q.size(3) == d_qk, "q must be [B, s_q, h_q, ", d_qk, "], got ", shape_str(q));
   MLA_CHECK(q.stride(3) == 1, "q must be contiguous in its last dim");
   const int64_t B = q.size(0), s_q = q.size(1), h_q = q.size(2);
   check_kv_format(kv_format);
@@ -120,6 +121,17 @@ void check_call(const at::Tensor& q, const at::Tensor& kv, const c10::optional<a
     MLA_CHECK(kv_scale.has_value() && kv_scale->device() == dev && kv_scale->scalar_type() == at::kFloat &&
                   kv_scale->numel() == 1,
               "kv_scale must be a float32 tensor of one element on ", dev_str(dev), " for fp8_e4m3");
+  } else if (kv_format == mla_sm90::kKvFp8DsV4) {
+    // one KV head; the blocks' bytes are read as laid out (config.h, kDsV4*), 16-byte vectors from 16-byte boundaries
+    MLA_CHECK(kv.element_size() == 1, "fp8_ds_v4 kv_cache must have 1-byte elements, got ",
+              dtype_str(kv.scalar_type()));
+    MLA_CHECK(kv.size(2) == 1 && kv.size(3) == mla_sm90::kDsV4TokenBytes,
+              "fp8_ds_v4 kv_cache must be [num_blocks, page_size, 1, 584], got ", shape_str(kv));
+    MLA_CHECK((kv.size(1) == 1 || kv.stride(1) == mla_sm90::kDsV4TokenBytes) &&
+                  (kv.size(0) == 1 || kv.stride(0) >= kv.size(1) * mla_sm90::kDsV4TokenBytes),
+              "fp8_ds_v4 kv_cache blocks must be contiguous (strides [>= page_size * 584, 584, *, 1]), got strides ",
+              kv.stride(0), ", ", kv.stride(1));
+    MLA_CHECK(aligned(kv, 1, 16), "fp8_ds_v4 kv_cache blocks must start at 16-byte boundaries");
   } else {
     MLA_CHECK(kv.element_size() == 1, "fp8_ds_mla kv_cache must have 1-byte elements, got ",
               dtype_str(kv.scalar_type()));
@@ -145,7 +157,8 @@ void check_call(const at::Tensor& q, const at::Tensor& kv, const c10::optional<a
   // the epilogues store two channels (4 bytes) at a time; a misaligned store would be a device fault, which
   // poisons the CUDA context, so refuse the row here
   MLA_CHECK(aligned(out, 3, 4), "out rows must start at 4-byte boundaries (even strides)");
-  MLA_CHECK(aligned16(kv, 3), "kv_cache tokens must start at 16-byte boundaries");
+  if (kv_format != mla_sm90::kKvFp8DsV4)  // (fp8_ds_v4: its blocks, checked above)
+    MLA_CHECK(aligned16(kv, 3), "kv_cache tokens must start at 16-byte boundaries");
   // a tensor map of the cache (launch.cu, make_kv_map): the same 16-byte rule, and strides below 2^40 bytes
   if (tma_loads)
     MLA_CHECK(kv.stride(0) * kv.element_size() < (int64_t(1) << 40),
@@ -337,9 +350,17 @@ void cuda_sm90_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tenso
                       const at::Tensor& partial_out, const at::Tensor& partial_lse, const at::Tensor& num_splits,
                       const at::Tensor& first_slot, double softmax_scale, bool causal, int64_t kv_format,
                       int64_t variant, int64_t tile_rows, bool tma_loads, bool paired, bool fuse_combine,
-                      bool fixed_splits, bool sparse) {
+                      bool fixed_splits, bool sparse, const c10::optional<at::Tensor>& attn_sink) {
   check_call(q, kv, kv_scale, out, lse, kv_format, tma_loads);
   MLA_CHECK(!sparse || !causal, "sparse=true cannot be causal (the top-k indexer chose the keys)");
+  MLA_CHECK(sparse || kv_format != mla_sm90::kKvFp8DsV4, "kv_format 3 (fp8_ds_v4) needs sparse=true");
+  if (attn_sink.has_value()) {
+    MLA_CHECK(sparse, "attn_sink needs sparse=true (v2's sparse instance applies it)");
+    MLA_CHECK(attn_sink->device() == q.device() && attn_sink->scalar_type() == at::kFloat && attn_sink->dim() == 1 &&
+                  attn_sink->size(0) == q.size(2) && attn_sink->stride(0) == 1,
+              "attn_sink must be a contiguous float32 [h_q=", q.size(2), "] tensor on ", dev_str(q.device()), ", got ",
+              shape_str(*attn_sink), " ", dtype_str(attn_sink->scalar_type()));
+  }
   check_plan(q.size(0), q.size(1), q.size(2), q.device(), block_table, cache_seqlens, items, part_offsets, partial_out,
              partial_lse, num_splits, first_slot, softmax_scale);
   const mla_sm90::LaunchConfig cfg = launch_config(variant, tile_rows, tma_loads, paired, fuse_combine, fixed_splits);
@@ -352,6 +373,7 @@ void cuda_sm90_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tenso
               "(int32 token ids), got ", kv.size(0) * kv.size(1));
     p.sparse = 1;
     p.sparse_page = p.page_size;
+    p.attn_sink = attn_sink.has_value() ? attn_sink->data_ptr<float>() : nullptr;
     p.page_size = 1;
     p.block_ids = static_cast<uint32_t>(kv.size(0) * kv.size(1));
   }
@@ -495,7 +517,7 @@ TORCH_LIBRARY_FRAGMENT(mla_dispatch, m) {
       "Tensor part_offsets, Tensor? kv_scale, Tensor(a!) out, Tensor(b!) lse, Tensor(c!) partial_out, "
       "Tensor(d!) partial_lse, Tensor num_splits, Tensor first_slot, float softmax_scale, bool causal, "
       "int kv_format, int variant, int tile_rows, bool tma_loads, bool paired, bool fuse_combine, "
-      "bool fixed_splits, bool sparse=False) -> ()");
+      "bool fixed_splits, bool sparse=False, Tensor? attn_sink=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(mla_dispatch, CUDA, m) { m.impl("cuda_sm90_decode", &cuda_sm90_decode); }

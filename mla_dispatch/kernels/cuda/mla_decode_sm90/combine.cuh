@@ -82,7 +82,10 @@ __device__ __forceinline__ void combine_row_part(const CombineParams& p, int b, 
   }
   // acc holds channels blk + 2q, +1 (x, y) and blk + 8 + 2q, +1 (z, w)
   T* dst = out_row<T>(p, b, i, h) + c0 + 16 * (lane / 4) + 2 * (lane % 4);
-  const float inv = m == -INFINITY ? 0.f : 1.f / denom;  // no slot saw a key: out = 0, lse = +inf
+  // no slot saw a key: out = 0, lse = +inf. A sink s scales the row by exp(lse) / (exp(lse) + exp(s)), lse = m +
+  // log(denom): 1 / (denom + exp(s - m)) in all (+inf: 0)
+  const float sink = p.attn_sink != nullptr ? __expf(p.attn_sink[h] - m) : 0.f;
+  const float inv = m == -INFINITY ? 0.f : 1.f / (denom + sink);
   *reinterpret_cast<typename TT::T2*>(dst) = TT::from_float2(acc.x * inv, acc.y * inv);
   *reinterpret_cast<typename TT::T2*>(dst + 8) = TT::from_float2(acc.z * inv, acc.w * inv);
   if (c0 == 0 && lane == 0)

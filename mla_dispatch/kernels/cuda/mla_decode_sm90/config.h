@@ -9,6 +9,12 @@ namespace mla_sm90 {
 constexpr int kHeadDimQK = 576;  // kv_lora_rank 512 + rope 64
 constexpr int kHeadDimV = 512;
 constexpr int kDsMlaTokenBytes = 656;  // fp8_ds_mla: 512 fp8 NoPE, 4 fp32 scales, 64 bf16 RoPE
+// fp8_ds_v4 (DeepSeek-V4, FlashMLA's MODEL1; kvcache/formats.py): D_qk = D_v = 512, laid out per block: each token's
+// 448 fp8 NoPE bytes and 64 bf16 RoPE values (kDsV4DataBytes, one token after the other), then each token's 7 ue8m0
+// scales (one per 64 NoPE values) and a pad byte; kDsV4TokenBytes is the cache tensor's last dim
+constexpr int kDsV4HeadDim = 512;
+constexpr int kDsV4DataBytes = 576;
+constexpr int kDsV4TokenBytes = 584;
 constexpr int kBlockM = 64;  // query rows (s_q x heads of one KV head) of a CTA tile of the 64-row mainloops
 constexpr int kBlockN = 64;  // KV tokens per mainloop step = the split-KV chunk size
 
@@ -17,6 +23,7 @@ enum KvFormat : int {
   kKvSameAsQ = 0,   // bf16 or fp16, same dtype as q
   kKvFp8E4M3 = 1,   // float8_e4m3fn, one per-tensor fp32 scale (kv_scale)
   kKvFp8DsMla = 2,  // kDsMlaTokenBytes per token
+  kKvFp8DsV4 = 3,   // DeepSeek-V4's per-block layout (kDsV4*); v2's sparse instance only
 };
 
 // The mainloops a plan can pick (its `variant`), by header.

@@ -20,6 +20,7 @@ static int launch_format(const DecodeParams& p, const LaunchConfig& cfg, cudaStr
     case kKvSameAsQ: return launch_mainloop<T, kKvSameAsQ>(p, cfg, stream);
     case kKvFp8E4M3: return launch_mainloop<T, kKvFp8E4M3>(p, cfg, stream);
     case kKvFp8DsMla: return launch_mainloop<T, kKvFp8DsMla>(p, cfg, stream);
+    case kKvFp8DsV4: return launch_mainloop<T, kKvFp8DsV4>(p, cfg, stream);
     default: return cudaErrorInvalidValue;
   }
 }

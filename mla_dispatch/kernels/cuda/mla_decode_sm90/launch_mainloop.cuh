@@ -233,7 +233,7 @@ int launch_fp8_regs(const DecodeParams& p, const LaunchConfig& cfg, cudaStream_t
 // The instance of cfg for q dtype T and cache format KvFmt. Configs no instance takes (the binding refuses them) end
 // in cudaErrorInvalidValue.
 template <typename T, int KvFmt>
-int launch_mainloop(const DecodeParams& p, const LaunchConfig& cfg, cudaStream_t stream) {
+int launch_mainloop_by_variant(const DecodeParams& p, const LaunchConfig& cfg, cudaStream_t stream) {
   const bool rows16 = cfg.tile_rows == 16;
   switch (cfg.mainloop) {
     case kWgmma:
@@ -262,6 +262,19 @@ int launch_mainloop(const DecodeParams& p, const LaunchConfig& cfg, cudaStream_t
   return cudaErrorInvalidValue;
 }
 
+
+// launch_mainloop_by_variant for the DeepSeek-V2/V3 caches; DeepSeek-V4's (kKvFp8DsV4) has v2's sparse instance
+// only.
+template <typename T, int KvFmt>
+int launch_mainloop(const DecodeParams& p, const LaunchConfig& cfg, cudaStream_t stream) {
+  if constexpr (KvFmt == kKvFp8DsV4) {
+    if (cfg.mainloop != kWgmma || !p.sparse) return cudaErrorInvalidValue;
+    return launch_kernel(mla_decode_kernel_v2<T, KvFmt, true>, dim3(p.num_parts, p.num_row_tiles, p.heads_kv),
+                         DecodeConfig::kThreads, DecodeConfig::kSmemBytes, cfg, stream, p);
+  } else {
+    return launch_mainloop_by_variant<T, KvFmt>(p, cfg, stream);
+  }
+}
 
 // One translation unit per (q dtype, cache format) instantiates this (instantiations/*.cu).
 #define MLA_SM90_INSTANTIATE_LAUNCH(T, KvFmt) \

@@ -11,7 +11,7 @@
 
 namespace mla_sm90 {
 
-// One work item of the split-KV schedule (mla_dispatch/metadata.py): request (< 0: padding, skip),
+// One work item of the split-KV schedule (mla_dispatch/metadata/schedule.py): request (< 0: padding, skip),
 // its token range [tok_begin, tok_end), and the partial slot it writes (< 0: the request fits one
 // part, write out / lse directly).
 struct WorkItem {
@@ -136,26 +136,51 @@ __device__ __forceinline__ void store_kv_fp8_8b(T* stage, const Fp8Stage8B<Cfg::
   // chunk c of column block k of the thread's row in pass p: blk + 4096 k + kLoaders / 8 * 64 p
   T* const blk = stage + Gmma128Tile64::offset(tid / 8, 8 * (tid % 8));
   const uint4 zero = make_uint4(0, 0, 0, 0);
+  if constexpr (KvFmt == kKvFp8DsV4) {
+    // column blocks 0-6: the NoPE values times their ue8m0 scale (2^(byte - 127), the fp32 of that biased exponent;
+    // 255 is NaN); 7: the RoPE values; 8: zeros (D_qk 512: q's column block 8 is zero too, load_q_tile_async)
 #pragma unroll
-  for (int pass = 0; pass < Cfg::kBlockN * 8 / kLoaders; ++pass) {
-    T* const row = blk + kLoaders / 8 * 64 * pass;
-    if (!st.valid[pass]) {  // zero-fill the whole token row
+    for (int pass = 0; pass < Cfg::kBlockN * 8 / kLoaders; ++pass) {
+      T* const row = blk + kLoaders / 8 * 64 * pass;
+      *reinterpret_cast<uint4*>(row + 4096 * 8) = zero;
+      if (!st.valid[pass]) {
 #pragma unroll
-      for (int k = 0; k < 9; ++k) *reinterpret_cast<uint4*>(row + 4096 * k) = zero;
-      continue;
+        for (int k = 0; k < 8; ++k) *reinterpret_cast<uint4*>(row + 4096 * k) = zero;
+        continue;
+      }
+#pragma unroll
+      for (int k = 0; k < 7; ++k) {
+        const uint32_t e = ((k < 4 ? st.scale[pass].x : st.scale[pass].y) >> (8 * (k % 4))) & 0xffu;
+        const float s = e == 0xffu ? __uint_as_float(0x7fc00000u) : __uint_as_float(e << 23);
+        const uint2 w = st.v[pass][k];
+        *reinterpret_cast<uint4*>(row + 4096 * k) =
+            make_uint4(fp8x2_to<T, true>(w.x, s), fp8x2_to<T, true>(w.x >> 16, s), fp8x2_to<T, true>(w.y, s),
+                       fp8x2_to<T, true>(w.y >> 16, s));
+      }
+      *reinterpret_cast<uint4*>(row + 4096 * 7) = rope_as<T>(st.rope[pass]);
     }
-    const float scales[4] = {__uint_as_float(st.scale[pass].x), __uint_as_float(st.scale[pass].y),
-                             __uint_as_float(st.scale[pass].z), __uint_as_float(st.scale[pass].w)};
+  } else {
 #pragma unroll
-    for (int k = 0; k < (kScaled ? 8 : 9); ++k) {
-      const uint2 w = st.v[pass][k];
-      const float s = kScaled ? scales[k / 2] : 1.f;  // column block k lies in scale group k / 2
-      *reinterpret_cast<uint4*>(row + 4096 * k) =
-          make_uint4(fp8x2_to<T, kScaled>(w.x, s), fp8x2_to<T, kScaled>(w.x >> 16, s), fp8x2_to<T, kScaled>(w.y, s),
-                     fp8x2_to<T, kScaled>(w.y >> 16, s));
-    }
-    if constexpr (kScaled) {  // rope: 8 bf16 values -> chunk c of column block 8
-      *reinterpret_cast<uint4*>(row + 4096 * 8) = rope_as<T>(st.rope[pass]);
+    for (int pass = 0; pass < Cfg::kBlockN * 8 / kLoaders; ++pass) {
+      T* const row = blk + kLoaders / 8 * 64 * pass;
+      if (!st.valid[pass]) {  // zero-fill the whole token row
+#pragma unroll
+        for (int k = 0; k < 9; ++k) *reinterpret_cast<uint4*>(row + 4096 * k) = zero;
+        continue;
+      }
+      const float scales[4] = {__uint_as_float(st.scale[pass].x), __uint_as_float(st.scale[pass].y),
+                               __uint_as_float(st.scale[pass].z), __uint_as_float(st.scale[pass].w)};
+#pragma unroll
+      for (int k = 0; k < (kScaled ? 8 : 9); ++k) {
+        const uint2 w = st.v[pass][k];
+        const float s = kScaled ? scales[k / 2] : 1.f;  // column block k lies in scale group k / 2
+        *reinterpret_cast<uint4*>(row + 4096 * k) =
+            make_uint4(fp8x2_to<T, kScaled>(w.x, s), fp8x2_to<T, kScaled>(w.x >> 16, s), fp8x2_to<T, kScaled>(w.y, s),
+                       fp8x2_to<T, kScaled>(w.y >> 16, s));
+      }
+      if constexpr (kScaled) {  // rope: 8 bf16 values -> chunk c of column block 8
+        *reinterpret_cast<uint4*>(row + 4096 * 8) = rope_as<T>(st.rope[pass]);
+      }
     }
   }
 }
@@ -197,6 +222,20 @@ __device__ __forceinline__ void load_kv_async_sparse(const DecodeParams& p, T* s
   }
 }
 
+// One fp8_ds_v4 token (config.h, kDsV4*) into pass `pass` of st: its 7 NoPE column blocks (8 bytes of each), its
+// RoPE values 8c .. 8c + 8 (bf16, stored as column block 7) and its 7 scale bytes + pad (st.scale.x, .y). `data` is
+// the token's 576 bytes in its block, `scales` its 8 scale bytes behind the block's tokens (FlashMLA reads the same
+// layout: csrc/sm90/decode/sparse_fp8/splitkv_mla.cuh, MODEL1).
+template <int kPasses>
+__device__ __forceinline__ void load_ds_v4_token(Fp8Stage8B<kPasses>& st, int pass, const uint8_t* data,
+                                                 const uint8_t* scales, int c) {
+#pragma unroll
+  for (int k = 0; k < 7; ++k) st.v[pass][k] = __ldg(reinterpret_cast<const uint2*>(data) + c + 8 * k);
+  st.rope[pass] = __ldg(reinterpret_cast<const uint4*>(data + 448) + c);
+  const uint2 s = __ldg(reinterpret_cast<const uint2*>(scales));
+  st.scale[pass] = make_uint4(s.x, s.y, 0u, 0u);
+}
+
 // load_kv_fp8_8b of a sparse launch (the whole CTA; store_kv_fp8_8b stores it).
 template <int KvFmt>
 __device__ __forceinline__ void load_kv_fp8_8b_sparse(const DecodeParams& p, Fp8Stage8B<2>& st, int req, int kvh,
@@ -210,14 +249,25 @@ __device__ __forceinline__ void load_kv_fp8_8b_sparse(const DecodeParams& p, Fp8
     const int id = t < t_end ? sparse_id(p, req, t) : -1;
     st.valid[pass] = id != -1;
     if (id == -1) continue;
-    const uint8_t* src = reinterpret_cast<const uint8_t*>(p.kv) + sparse_token_elem(p, checked_page(p, id, max_id), kvh);
-    load_fp8_token<KvFmt>(st, pass, src, c);
+    if constexpr (KvFmt == kKvFp8DsV4) {  // one KV head; the token's bytes and its scales are apart in its block
+      const int ok_id = checked_page(p, id, max_id);
+      const uint8_t* block =
+          reinterpret_cast<const uint8_t*>(p.kv) + (int64_t)(ok_id / p.sparse_page) * p.kv_stride_block;
+      const int slot = ok_id % p.sparse_page;
+      load_ds_v4_token(st, pass, block + (int64_t)slot * kDsV4DataBytes,
+                       block + (int64_t)p.sparse_page * kDsV4DataBytes + 8 * slot, c);
+    } else {
+      const uint8_t* src =
+          reinterpret_cast<const uint8_t*>(p.kv) + sparse_token_elem(p, checked_page(p, id, max_id), kvh);
+      load_fp8_token<KvFmt>(st, pass, src, c);
+    }
   }
 }
 
 // The item's Q tile [64 x 576] into sQ by cp.async (committed by the caller); rows past
-// rows_per_kv_head are zero-filled. 8 threads per row, 32 rows per pass, 2 passes.
-template <typename T, class Layout>
+// rows_per_kv_head are zero-filled, and the chunks of 8 values from kQChunks on (a q of D_qk 512, fp8_ds_v4: 64).
+// 8 threads per row, 32 rows per pass, 2 passes.
+template <typename T, class Layout, int kQChunks = Cfg::kChunksQK>
 __device__ __forceinline__ void load_q_tile_async(const DecodeParams& p, T* sQ, int req, int row_tile, int kvh) {
   const int tid = threadIdx.x;
   const int heads_per_kv = p.heads_q / p.heads_kv;
@@ -233,7 +283,11 @@ __device__ __forceinline__ void load_q_tile_async(const DecodeParams& p, T* sQ, 
 #pragma unroll
     for (int k = 0; k < Cfg::kChunksQK / 8; ++k) {
       const int chunk = tid % 8 + 8 * k;
-      cp_async_16(sQ + Layout::offset(row, chunk * 8), src + chunk * 8, valid);
+      if constexpr (kQChunks < Cfg::kChunksQK)
+        cp_async_16(sQ + Layout::offset(row, chunk * 8), src + (chunk < kQChunks ? chunk * 8 : 0),
+                    valid && chunk < kQChunks);
+      else
+        cp_async_16(sQ + Layout::offset(row, chunk * 8), src + chunk * 8, valid);
     }
   }
 }

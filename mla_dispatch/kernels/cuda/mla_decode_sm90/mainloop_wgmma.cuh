@@ -71,9 +71,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
   const int item_begin = p.part_offsets[part], item_end = p.part_offsets[part + 1];
   for (int item = item_begin; item < item_end; ++item) {
     const WorkItem w = load_item(p, item);
-    const int req = w.req, tok_begin = w.tok_begin, tok_end = w.tok_end, slot = w.slot;
+    const int req = w.req, tok_begin = w.tok_begin, slot = w.slot;
     if (req < 0) continue;
     const int seqlen = p.cache_seqlens[req];
+    // A sparse launch's length is its list's (topk_length: entries past it are never read, tiles past it skipped)
+    const int tok_end = kSparse ? min(w.tok_end, max(seqlen, tok_begin)) : w.tok_end;
     int limit[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) limit[h] = p.causal ? seqlen - p.q_len + row_i[h] : seqlen - 1;
@@ -81,7 +83,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
     const int unmasked_end = min(tok_end, p.causal ? seqlen - p.q_len + 1 : seqlen);
 
     // -- Q tile
-    load_q_tile_async<T, L>(p, sQ, req, row_tile, kvh);
+    load_q_tile_async<T, L, KvFmt == kKvFp8DsV4 ? kDsV4HeadDim / 8 : Cfg::kChunksQK>(p, sQ, req, row_tile, kvh);
     const int num_tiles = (tok_end - tok_begin + Cfg::kBlockN - 1) / Cfg::kBlockN;
     Fp8Stage8B<2> fp8_stage;
     uint32_t max_id = 0;  // the largest block id this thread read for the item, as unsigned (loads.cuh)
@@ -271,9 +273,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const _
     for (int h = 0; h < 2; ++h) {
       const float total = poison_sum(row_sum[h] + sSum[(1 - half) * Cfg::kBlockM + row_local[h]], poisoned);
       const bool has_keys = total != 0.f;
-      const float inv = has_keys ? out_scale / total : 0.f;
-      const float lse_val = has_keys ? (row_max[h] + log2f(total)) * kLn2 : (slot < 0 ? INFINITY : -INFINITY);
       if (!row_ok[h]) continue;
+      // a whole request's row with a sink s: times exp(lse) / (exp(lse) + exp(s)), 1 / (total + 2^(s log2 e - max))
+      // in all (row_max is in log2 units; s = +inf: 0); a split request's rows take it in the combine
+      const float sink = kSparse && slot < 0 && p.attn_sink != nullptr ? exp2f(p.attn_sink[row_head[h]] * kLog2e -
+                                                                               row_max[h]) : 0.f;
+      const float inv = has_keys ? out_scale / (total + sink) : 0.f;
+      const float lse_val = has_keys ? (row_max[h] + log2f(total)) * kLn2 : (slot < 0 ? INFINITY : -INFINITY);
       store_acc_row<T>(p, acc_o, h, half * 256, inv, lse_val, req, slot, row_i[h], row_head[h],
                        half == 0 && lane % 4 == 0);
     }

@@ -35,7 +35,7 @@ struct DecodeParams {
   int64_t bt_stride;
   const int32_t* cache_seqlens;  // [B]
   const float* kv_scale;         // [1] device pointer, fp8_e4m3 only, else nullptr
-  // split-KV schedule (mla_dispatch/metadata.py): items [max_items, 4], part_offsets [P+1]
+  // split-KV schedule (mla_dispatch/metadata/schedule.py): items [max_items, 4], part_offsets [P+1]
   const int32_t* items;
   const int32_t* part_offsets;
   int num_parts;
@@ -71,6 +71,9 @@ struct DecodeParams {
   // load_kv_async_sparse). v2's sparse instance only (binding.cpp, check_config; launch.cu, launch_wgmma).
   int sparse;
   int sparse_page;  // sparse: the cache's page size (kv_cache.size(1))
+  // sparse only, optional (nullptr): fp32 [h_q] attention sinks (DeepSeek-V4): a finished row is scaled by
+  // 1 / (1 + exp(sink - lse)), its lse unchanged (v2's epilogue for a whole request, the combine for a split one)
+  const float* attn_sink;
 };
 
 // The launch a plan chose (mla_dispatch/backends/cuda_sm90.py, Sm90Launch), run as given: the binding checks it
@@ -101,6 +104,7 @@ struct CombineParams {
   int64_t lse_stride_b, lse_stride_h;
   int batch, q_len, heads_q;
   int q_is_bf16;
+  const float* attn_sink;  // DecodeParams::attn_sink
 };
 
 #ifdef __CUDACC__
@@ -129,6 +133,7 @@ inline MLA_SM90_HD CombineParams combine_params(const DecodeParams& d) {
   c.q_len = d.q_len;
   c.heads_q = d.heads_q;
   c.q_is_bf16 = d.q_is_bf16;
+  c.attn_sink = d.attn_sink;
   return c;
 }
 
