@@ -52,6 +52,8 @@ import os
 
 import torch
 
+from mla_dispatch.metadata.workspace import workspace_numel  # (split_plan and tests import it from here too)
+
 __all__ = ["SplitKVSchedule", "split_kv_schedule", "fixed_split_schedule", "default_num_parts",
            "BATCH_INVARIANT_SPLIT_TOKENS", "SPLIT_TOKENS_CHOICES", "check_invariant_workspace", "ITEM_REQ", "ITEM_BEGIN", "ITEM_END", "ITEM_SLOT"]
 
@@ -420,15 +422,6 @@ def fixed_split_schedule(
         capacity=capacity,
         split_tokens=split_tokens,
     )
-
-
-def workspace_numel(batch: int, num_parts: int) -> int:
-    """int32 elements of the scratch a one-launch schedule needs (:func:`.schedule_triton.split_kv_schedule_into`).
-
-    Layout: ``end`` (int64 ``[B]``, as 2B int32), merged-cut flags ``[B + P]``,
-    their exclusive prefix sum ``[B + P]``, per-request slot base ``[B]``.
-    """
-    return 2 * batch + 2 * (batch + num_parts) + batch
 
 
 def _check_schedule_args(cache_seqlens: torch.Tensor, num_parts: int, chunk_size: int, overhead: int,

@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mla_dispatch.metadata.schedule import workspace_numel
+from mla_dispatch.metadata.workspace import workspace_numel
 from mla_dispatch.metadata.triton_launch import CachedLaunch
 
 __all__ = ["MAX_BATCH", "workspace_numel", "split_kv_schedule_into", "schedule_launch"]
