@@ -24,11 +24,14 @@ from triton.compiler import ASTSource
 from mla_dispatch.kernels.triton.decode import KernelConfig, effective_splits, mla_decode_kernel, tma_fits
 from mla_dispatch.kvcache.formats import KV_FORMAT_CODES
 
-_PTR = {"bf16": "*bf16", "fp16": "*fp16", "fp8_e4m3": "*fp8e4nv", "fp8_ds_mla": "*u8"}
+_PTR = {"bf16": "*bf16", "fp16": "*fp16", "fp8_e4m3": "*fp8e4nv", "fp8_ds_mla": "*u8", "fp8_ds_v4": "*u8"}
 
 
 def compile_config(cfg: KernelConfig, *, kv_format="bf16", causal=False, sparse=False, arch=90, d_v=512, d_rope=64,
-                   page_size=64, sass=False, seesaw=None):
+                   page_size=64, sass=False, seesaw=None, sparse_extras=False):
+    """Compile ``cfg``'s kernel for ``sm_{arch}`` and report its registers, spills, shared memory and instruction
+    counts. ``sparse_extras`` (sparse only): with every optional sparse argument (DeepSeek-V4's ``topk_length``,
+    ``attn_sink``, an extra cache on pages of 2 tokens and its ``extra_topk_length``), else with none."""
     if cfg.gluon:
         if seesaw is None:  # the kernel a launch takes (decode.launch_decode_kernel)
             seesaw = kv_format in ("bf16", "fp16") and page_size % 64 == 0
@@ -53,10 +56,15 @@ def compile_config(cfg: KernelConfig, *, kv_format="bf16", causal=False, sparse=
     for desc in ("KDesc", "RDesc", "QDesc", "QRDesc"):
         if desc not in ptrs:
             constexprs[desc] = None
-    # the optional sparse arguments (DeepSeek-V4's): absent, as a launch without them passes them
-    constexprs.update(TopkLength=None, AttnSink=None, ExtraKV=None, ExtraIndices=None, ExtraTopkLength=None,
-                      EXTRA_PAGE_SIZE=1, HAS_TOPK_LENGTH=False, HAS_SINK=False, HAS_EXTRA=False,
-                      HAS_EXTRA_TOPK_LENGTH=False)
+    if sparse_extras:  # the optional sparse arguments (DeepSeek-V4's), every one given
+        ptrs.update(TopkLength="*i32", AttnSink="*fp32", ExtraKV=_PTR[kv_format], ExtraIndices="*i32",
+                    ExtraTopkLength="*i32")
+        constexprs.update(EXTRA_PAGE_SIZE=2, HAS_TOPK_LENGTH=True, HAS_SINK=True, HAS_EXTRA=True,
+                          HAS_EXTRA_TOPK_LENGTH=True)
+    else:  # absent, as a launch without them passes them
+        constexprs.update(TopkLength=None, AttnSink=None, ExtraKV=None, ExtraIndices=None, ExtraTopkLength=None,
+                          EXTRA_PAGE_SIZE=1, HAS_TOPK_LENGTH=False, HAS_SINK=False, HAS_EXTRA=False,
+                          HAS_EXTRA_TOPK_LENGTH=False)
     src = ASTSource(mla_decode_kernel, *_signature(names, ptrs, constexprs))
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -90,6 +90,9 @@ DS_V4_NOPE = tl.constexpr(448)  # fp8 channels of an fp8_ds_v4 token; then 64 bf
 DS_V4_TILE = tl.constexpr(64)  # channels per ue8m0 scale
 DS_V4_DATA_BYTES = 576  # a token's fp8 + bf16 bytes, consecutive in its block (the token stride)
 DS_V4_SCALE_BYTES = 8  # a token's 7 scale bytes + 1 pad, after the block's PAGE_SIZE * 576 data bytes
+# the two as the jit code reads them (a compiled kernel reads only constexpr globals; the interpreter reads any)
+_DS_V4_DATA_BYTES = tl.constexpr(DS_V4_DATA_BYTES)
+_DS_V4_SCALE_BYTES = tl.constexpr(DS_V4_SCALE_BYTES)
 
 
 # ----------------------------------------------------------------------------------------
@@ -117,7 +120,7 @@ def _token_rows(BlockTable, Indices, req, i_row0, start, end, num_blocks, PAGE_S
         rows = block * stride_kb + (idx - block * PAGE_SIZE) * stride_kt + kv_head_off
         srows = rows
         if KV_FORMAT == 3:  # the block's scale bytes follow its PAGE_SIZE tokens of 576 data bytes
-            srows = block * stride_kb + PAGE_SIZE * DS_V4_DATA_BYTES + (idx - block * PAGE_SIZE) * DS_V4_SCALE_BYTES
+            srows = block * stride_kb + PAGE_SIZE * _DS_V4_DATA_BYTES + (idx - block * PAGE_SIZE) * _DS_V4_SCALE_BYTES
     elif PAGE_SIZE % BLOCK_N == 0:
         # the tile lies in one page (tiles start at multiples of BLOCK_N: schedule items are
         # chunk-aligned, metadata.split_kv_schedule, and chunk_size % BLOCK_N == 0): one table entry,
