@@ -386,7 +386,8 @@ def load_ops():
         @torch.library.register_fake("mla_dispatch::cuda_sm90_decode")
         def _decode_fake(q, kv_cache, block_table, cache_seqlens, items, part_offsets, kv_scale, out, lse,
                          partial_out, partial_lse, num_splits, first_slot, softmax_scale, causal, kv_format,
-                         variant, tile_rows, tma_loads, paired, fuse_combine, fixed_splits, sparse=False):
+                         variant, tile_rows, tma_loads, paired, fuse_combine, fixed_splits, sparse=False,
+                         attn_sink=None):
             return None
 
         _fake_registered = True
