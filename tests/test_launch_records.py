@@ -186,19 +186,39 @@ INTERPRETER_CASES = [
     ("gather-fp8-b2xs1xh2-ps16", dict(batch=2, q_len=1, num_heads_q=2, seqlen=30, page_size=16,
                                       kv_format="fp8_e4m3"), {}),
     ("gather-sparse-b2xs2xh2-topk20", dict(batch=2, q_len=2, num_heads_q=2, seqlen=30, page_size=16, topk=20), {}),
+    # DeepSeek-V4's cache and optional arguments: the plan fixes which are given (HAS_* constexprs), each run passes its
+    # own tensors (the second run another layer's sink and top-k lengths); split rows merged with the sink too
+    ("gather-v4-b2xs2xh4-topk32-extra", dict(batch=2, q_len=2, num_heads_q=4, seqlen=60, page_size=16, topk=32,
+                                             topk_length=True, attn_sink=True, extra_topk=16, extra_page_size=3,
+                                             extra_topk_length=True, head_dim_qk=512, head_dim_v=512,
+                                             kv_format="fp8_ds_v4"), {}),
+    ("gather-v4-b2xs1xh4-topk48-split", dict(batch=2, q_len=1, num_heads_q=4, seqlen=60, page_size=16, topk=48,
+                                             topk_length=True, attn_sink=True, head_dim_qk=512, head_dim_v=512,
+                                             kv_format="fp8_ds_v4"), dict(num_parts=6, overhead=1)),
 ]
+
+
+def _another_layer(case):
+    """``case`` with another layer's per-call sparse arguments: another sink, shorter top-k lengths (what a plan must
+    not keep from its first run)."""
+    if case.attn_sink is None and case.topk_length is None:
+        return case
+    return dataclasses.replace(
+        case, attn_sink=None if case.attn_sink is None else case.attn_sink.flip(0) + 0.5,
+        topk_length=None if case.topk_length is None else case.topk_length // 2)
 
 
 def _triton_frozen_problems(case, plan, kernel: str | None = None) -> list[str]:
     """Run ``plan`` twice with every chooser refusing and the environment watched; the broken expectations."""
-    ref = case_reference(case)
     mp = pytest.MonkeyPatch()
     problems = []
     try:
         watched = freeze_choices(mp, TRITON_CHOOSERS)
-        for _ in range(2):
-            out, lse = poisoned_outputs(case)
-            plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale, indices=case.indices, out=out, lse=lse)
+        for layer in (case, _another_layer(case)):
+            ref = case_reference(layer)
+            out, lse = poisoned_outputs(layer)
+            plan.run(layer.q, layer.kv_cache, kv_scale=layer.kv_scale, indices=layer.indices, out=out, lse=lse,
+                     **layer.sparse_extras())
             report = compare_outputs(out, lse, *ref, _triton_tolerance())
             if not report:
                 problems.append(report.message)
@@ -231,10 +251,15 @@ def _run_cases(seed: int) -> None:
             case = make_case(dtype=torch.float16, generator=torch.Generator().manual_seed(seed + i), **kw)
             plan = mla_dispatch.plan_decode(*case.args(), backend="triton", **case.kwargs())
             if overrides:
+                overrides = dict(overrides)
+                if "config" in overrides:
+                    overrides["config"] = KernelConfig(**overrides["config"])
                 plan._state = TritonBackend.make_state(plan.problem, plan.platform, plan.cache_seqlens,
-                                                       config=KernelConfig(**overrides["config"]),
-                                                       block_table=plan.block_table, softmax_scale=plan.softmax_scale)
+                                                       block_table=plan.block_table, softmax_scale=plan.softmax_scale,
+                                                       **overrides)
             problems = _triton_frozen_problems(case, plan, cid.split("-")[0])
+            if cid.endswith("-split") and not bool((plan.state.schedule.num_splits > 1).any()):
+                problems.append("the schedule split no request (the combine's sink is not exercised)")
             msg = "; ".join(problems)[:4000]
         except Exception as exc:  # reported to the parent
             problems, msg = [exc], f"{type(exc).__name__}: {exc}"
