@@ -32,8 +32,8 @@ takes v2 for all of these shapes), in the command above:
 
 On an H100 the Triton backend takes its Gluon kernels here: the seesaw kernel for bf16 on page 64, ``gluon_sm90``
 (every tile gathered) on pages 1 and 16 and for fp8_e4m3 with 64 heads, the tokens-on-M fp8 kernel for fp8_e4m3 with
-16 heads, the plain kernel for fp8_ds_mla; ``MLA_TRITON_SEESAW=0`` sends page 64 to ``gluon_sm90``'s TMA path,
-``MLA_TRITON_FP8T=0`` the 16-head fp8 cases to ``gluon_sm90``. On a CPU: ``--device cpu --small`` (float16, small shapes; Triton under
+16 heads, the plain kernel for fp8_ds_mla; ``triton:kernel=gluon`` sends page 64 to ``gluon_sm90``'s TMA path and the
+16-head fp8 cases to ``gluon_sm90``. On a CPU: ``--device cpu --small`` (float16, small shapes; Triton under
 ``TRITON_INTERPRET=1``).
 """
 

@@ -71,7 +71,8 @@ for kw, ov in cases:
     c = make_case(device="cuda", generator=g, **kw)
     plan = plan_decode(*c.args(), backend="triton", **c.kwargs())
     if ov:
-        plan._state = TritonBackend.make_state(plan.problem, plan.platform, plan.cache_seqlens, **ov)
+        plan._state = TritonBackend.make_state(plan.problem, plan.platform, plan.cache_seqlens,
+                                               block_table=plan.block_table, softmax_scale=plan.softmax_scale, **ov)
     if "gluon" in sys.argv[1:] and not plan.state.cfg.gluon:
         continue
     out, lse = plan.run(c.q, c.kv_cache, kv_scale=c.kv_scale, indices=c.indices)

@@ -126,7 +126,8 @@ def bench_one(name, peaks, batch, q_len, h_q, seqlen, *, page_size=64, kv_format
                        backend="triton", cuda_graph=True)
     if config is not None or num_parts is not None or overhead is not None:
         plan._state = TritonBackend.make_state(plan.problem, plan.platform, lens, config=config, num_parts=num_parts,
-                                               overhead=overhead)
+                                               overhead=overhead, block_table=plan.block_table,
+                                               softmax_scale=plan.softmax_scale)
     out = torch.empty(batch, q_len, h_q, D_V, dtype=q.dtype, device="cuda")
     lse = torch.empty(batch, h_q, q_len, device="cuda")
 

@@ -29,7 +29,8 @@ def main():
     for spec in args.specs.split(","):
         q, kv, table, lens, _ = make_inputs(64, 1, args.heads, 8192, varlen=False)
         plan = plan_decode(q, kv, table, lens, causal=False, backend="triton")
-        plan._state = TritonBackend.make_state(plan.problem, plan.platform, lens, config=parse_spec(spec))
+        plan._state = TritonBackend.make_state(plan.problem, plan.platform, lens, config=parse_spec(spec),
+                                               block_table=plan.block_table, softmax_scale=plan.softmax_scale)
         out = torch.empty(64, 1, args.heads, 512, dtype=q.dtype, device="cuda")
         lse = torch.empty(64, args.heads, 1, device="cuda")
         for _ in range(3):  # compile

@@ -10,6 +10,7 @@ import torch
 
 from mla_dispatch.dispatch.backend import BackendState, MLABackend, untraced_eager
 from mla_dispatch.kvcache.cache import PagedMLACache
+from mla_dispatch.kvcache.formats import token_bytes
 from mla_dispatch.dispatch.platform import Platform, platform_for
 from mla_dispatch.dispatch.problem import DecodeProblem, check_values, default_softmax_scale, describe_inputs
 from mla_dispatch.dispatch.registry import get_backend
@@ -62,6 +63,8 @@ def _overlaps_itself(t: torch.Tensor) -> bool:
     return False
 
 
+_NO_OPTIONS = MappingProxyType({})
+
 #: float kv_scales a plan keeps as device tensors (one per layer's scale, typically); past this many it stops adding
 _MAX_CACHED_SCALES = 1024
 
@@ -93,19 +96,23 @@ class DecodePlan:
 
     __slots__ = ("backend", "problem", "platform", "softmax_scale", "backend_options", "block_table", "cache_seqlens",
                  "_cls", "_state", "_q_shape", "_kv_tail", "_kv_dtype", "_q_dtype", "_out_shape", "_lse_shape",
-                 "_fp8_scale", "_sparse", "_run", "_fast", "_lse_scratch", "_scales", "_any_out_strides",
-                 "_extra_tail", "_sparse_args")
+                 "_fp8_scale", "_sparse", "_run", "_fast", "_lse_scratch", "_scales", "_any_out_strides", "_snapshot",
+                 "_lens", "_extra_tail", "_sparse_args")
 
     def __init__(self, backend_cls: type[MLABackend], problem: DecodeProblem, platform: Platform,
                  softmax_scale: float, block_table, cache_seqlens, state: BackendState, q_shape, kv_tail, kv_dtype,
-                 backend_options: Mapping[str, object] = MappingProxyType({}), extra_tail=None):
+                 backend_options: Mapping[str, object] = MappingProxyType({}), snapshot=None, extra_tail=None):
         self.backend = backend_cls.NAME
         self.problem = problem
         self.platform = platform
         self.softmax_scale = softmax_scale
-        self.backend_options = MappingProxyType(dict(backend_options))
+        self.backend_options = MappingProxyType(dict(backend_options)) if backend_options else _NO_OPTIONS
         self.block_table = block_table
         self.cache_seqlens = cache_seqlens
+        # the lengths every run computes with (docs/design.md §2, "Stale plans"): the front end's copy, or the caller's
+        # tensor for a backend that keeps its own copy (KEEPS_LENGTHS)
+        self._snapshot = snapshot
+        self._lens = cache_seqlens if snapshot is None else snapshot
         self._cls = backend_cls
         self._state = state
         self._q_shape = q_shape
@@ -123,7 +130,7 @@ class DecodePlan:
         self._any_out_strides = backend_cls.ANY_OUT_STRIDES
         # the backend's one-call eager path (MLABackend.bind), and where it writes an LSE nobody asked for
         self._fast = None if problem.sparse or not problem.batch else backend_cls.bind(
-            state, problem, kv_dtype, block_table, cache_seqlens, softmax_scale=softmax_scale)
+            state, problem, kv_dtype, block_table, self._lens, softmax_scale=softmax_scale)
         self._lse_scratch = None
         if self._fast is not None and not problem.return_lse:
             self._lse_scratch = torch.empty(self._lse_shape, dtype=torch.float32, device=cache_seqlens.device)
@@ -156,12 +163,25 @@ class DecodePlan:
         """The backend's per-step state (schedule, workspace); for tests and adapters."""
         return self._state
 
+    @property
+    def planned_lengths(self) -> torch.Tensor | None:
+        """The lengths every :meth:`run` computes with: a copy of ``cache_seqlens`` as of :func:`plan_decode` or the
+        last :meth:`update` (docs/design.md §2, "Stale plans"); None for a sparse plan or one made without
+        ``cache_seqlens``."""
+        if self._sparse or self.cache_seqlens is None or not self.problem.batch:
+            return None
+        return self._snapshot if self._snapshot is not None else self._state.lengths
+
     def update(self, block_table: torch.Tensor | None = None, cache_seqlens: torch.Tensor | None = None) -> None:
         """Re-plan for new block-table / sequence-length *values* of the same shapes.
 
         Copies the new values into the tensors the plan was built with (if
-        other tensors are given) and refreshes the backend's schedule in place,
-        so CUDA graphs captured over :meth:`run` stay valid.
+        other tensors are given), takes the values ``cache_seqlens`` holds now
+        as the plan's lengths and refreshes the backend's schedule in place, so
+        CUDA graphs captured over :meth:`run` stay valid. Until the next
+        ``update``, every run computes with these lengths, whatever the tensor
+        holds later (docs/design.md §2, "Stale plans"); the block table's
+        values are read by every run.
 
         Raises
         ------
@@ -177,8 +197,10 @@ class DecodePlan:
                                  f"{None if old is None else (list(old.shape), old.dtype)}, got {list(new.shape)} {new.dtype}")
             if new.data_ptr() != old.data_ptr():
                 old.copy_(new)
+        if self._snapshot is not None:
+            self._snapshot.copy_(self.cache_seqlens)
         if self.problem.batch:  # a plan for no request has no backend state (plan_decode)
-            self._cls.update(self._state, self.block_table, self.cache_seqlens)
+            self._cls.update(self._state, self.block_table, self._lens)
 
     def _sparse_extras(self, topk_length, attn_sink, extra_kv_cache, extra_indices, extra_topk_length) -> dict:
         """The optional sparse arguments of one run, checked against the plan (presence, shape, dtype): the keywords
@@ -330,7 +352,7 @@ class DecodePlan:
             raise ValueError(f"lse must not overlap itself: its strides {list(lse.stride())} give two elements one "
                              "address (an expanded tensor?), so results would overwrite each other")
         if p.batch:  # no request: the empty out and lse are the result (plan_decode)
-            self._run(self._state, q, kv, self.block_table, self.cache_seqlens, problem=p,
+            self._run(self._state, q, kv, self.block_table, self._lens, problem=p,
                       softmax_scale=self.softmax_scale, kv_scale=kv_scale, indices=indices, out=out, lse=lse, **extras)
         return out, (lse if give_lse else None)
 
@@ -364,9 +386,10 @@ def plan_decode(
     ``q``, ``kv_cache``, ``indices`` and the optional sparse arguments (``topk_length``,
     ``attn_sink``, ``extra_kv_cache``, ``extra_indices``, ``extra_topk_length``) are read for
     their shapes, dtypes and device only (pass layer 0's tensors, or any tensors of the same
-    geometry; :meth:`DecodePlan.run` takes each layer's);
-    ``block_table`` and ``cache_seqlens`` are kept and used by every
-    :meth:`DecodePlan.run`. Arguments are those of :func:`mla_decode`, plus:
+    geometry; :meth:`DecodePlan.run` takes each layer's); ``block_table`` and ``cache_seqlens``
+    are kept: every :meth:`DecodePlan.run` reads the block table's values as they are then,
+    and computes with the *values* ``cache_seqlens`` holds now, until :meth:`DecodePlan.update`
+    (docs/design.md §2, "Stale plans"). Arguments are those of :func:`mla_decode`, plus:
 
     Parameters
     ----------
@@ -408,13 +431,8 @@ def plan_decode(
     options = _checked_options(backend, backend_options)
     kv, kv_format, kv_scale = _unwrap_cache(kv_cache, kv_format, kv_scale)
     extra_kv = None if extra_kv_cache is None else _unwrap_cache(extra_kv_cache, "auto", None)[0]
-    problem = describe_inputs(q, kv, block_table, cache_seqlens, head_dim_v=head_dim_v, causal=causal,
-                              kv_format=kv_format, kv_scale=kv_scale, indices=indices, return_lse=return_lse,
-                              cuda_graph=cuda_graph, batch_invariant=batch_invariant, topk_length=topk_length,
-                              attn_sink=attn_sink, extra_kv_cache=extra_kv, extra_indices=extra_indices,
-                              extra_topk_length=extra_topk_length)
-    if kv.dim() == 3:
-        kv = kv.unsqueeze(2)
+    problem = _problem(q, kv, block_table, cache_seqlens, indices, kv_scale, head_dim_v, causal, kv_format, return_lse,
+                       cuda_graph, batch_invariant, topk_length, attn_sink, extra_kv, extra_indices, extra_topk_length)
     extra_tail = None
     if extra_kv is not None:
         extra_kv = extra_kv.unsqueeze(2) if extra_kv.dim() == 3 else extra_kv
@@ -434,18 +452,70 @@ def plan_decode(
     cls = select_backend(problem, platform, backend)
     # only a backend that declares options takes them (MLABackend.plan)
     extra = {"options": options} if cls.OPTIONS else {}
+    # the plan computes with the lengths as of now (docs/design.md §2, "Stale plans"): the backend's own copy, or ours
+    snapshot = None if cache_seqlens is None or cls.KEEPS_LENGTHS else cache_seqlens.clone()
     if problem.batch:
-        state = cls.plan(problem, platform, block_table, cache_seqlens, softmax_scale=float(softmax_scale), **extra)
+        state = cls.plan(problem, platform, block_table, cache_seqlens if snapshot is None else snapshot,
+                         softmax_scale=float(softmax_scale), **extra)
     else:
         # Batch size 0 (an engine step with no decode request): the backend is chosen and the arguments checked as
         # for any batch, but no backend plans or runs (their schedules index request 0); run() returns out and lse
         # of the documented shapes, [0, s_q, h_q, D_v] and [0, h_q, s_q].
         state = BackendState()
+    p = problem
+    kv_tail = (p.page_size, p.num_heads_kv, token_bytes(p.kv_format) or p.head_dim_qk)
     plan = DecodePlan(cls, problem, platform, float(softmax_scale), block_table, cache_seqlens, state,
-                      tuple(q.shape), tuple(kv.shape[1:]), kv.dtype, options, extra_tail)
+                      (p.batch, p.q_len, p.num_heads_q, p.head_dim_qk), kv_tail, kv.dtype, options, snapshot,
+                      extra_tail)
     if kv_scale is not None and not isinstance(kv_scale, torch.Tensor):
         plan._scale_tensor(kv_scale, q.device)  # checked and converted now, not in run()
     return plan
+
+
+#: problems of the tensor geometries plan_decode has seen (:func:`_problem`); past this many it stops adding
+_MAX_CACHED_PROBLEMS = 1024
+_problems: dict[tuple, DecodeProblem] = {}
+
+
+def _problem(q, kv, block_table, cache_seqlens, indices, kv_scale, head_dim_v, causal, kv_format, return_lse,
+             cuda_graph, batch_invariant, topk_length=None, attn_sink=None, extra_kv_cache=None, extra_indices=None,
+             extra_topk_length=None) -> DecodeProblem:
+    """:func:`~mla_dispatch.dispatch.problem.describe_inputs` once per geometry: every check it makes reads only the
+    shapes, strides, dtypes and devices of the tensors and the scalar arguments, so those, as a key, find the problem
+    an earlier call of the same geometry made (a plan per decode step repeats the same key). Tensor subclasses and
+    anything that is not a tensor take ``describe_inputs`` every time (its errors included)."""
+    plain = torch.Tensor
+    sparse_args = (topk_length, attn_sink, extra_kv_cache, extra_indices, extra_topk_length)
+    if not (type(q) is plain and type(kv) is plain and (block_table is None or type(block_table) is plain)
+            and (cache_seqlens is None or type(cache_seqlens) is plain) and (indices is None or type(indices) is plain)
+            and all(t is None or type(t) is plain for t in sparse_args)):
+        return describe_inputs(q, kv, block_table, cache_seqlens, head_dim_v=head_dim_v, causal=causal,
+                               kv_format=kv_format, kv_scale=kv_scale, indices=indices, return_lse=return_lse,
+                               cuda_graph=cuda_graph, batch_invariant=batch_invariant, topk_length=topk_length,
+                               attn_sink=attn_sink, extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
+                               extra_topk_length=extra_topk_length)
+    key = (q.shape, q.stride(), q.dtype, q.device, kv.shape, kv.stride(), kv.dtype, kv.device,
+           None if block_table is None else (block_table.shape, block_table.stride(), block_table.dtype,
+                                             block_table.device),
+           None if cache_seqlens is None else (cache_seqlens.shape, cache_seqlens.dtype, cache_seqlens.device),
+           None if indices is None else (indices.shape, indices.dtype, indices.device),
+           (kv_scale.shape, kv_scale.dtype) if isinstance(kv_scale, plain) else type(kv_scale),
+           head_dim_v, causal, kv_format, return_lse, cuda_graph, batch_invariant)
+    if any(t is not None for t in sparse_args):  # DeepSeek-V4's optional sparse arguments (their checks read these)
+        key += tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in sparse_args)
+    try:
+        problem = _problems.get(key)
+    except TypeError:  # an unhashable scalar argument: describe_inputs says what is wrong with it
+        problem, key = None, None
+    if problem is None:
+        problem = describe_inputs(q, kv, block_table, cache_seqlens, head_dim_v=head_dim_v, causal=causal,
+                                  kv_format=kv_format, kv_scale=kv_scale, indices=indices, return_lse=return_lse,
+                                  cuda_graph=cuda_graph, batch_invariant=batch_invariant, topk_length=topk_length,
+                                  attn_sink=attn_sink, extra_kv_cache=extra_kv_cache, extra_indices=extra_indices,
+                                  extra_topk_length=extra_topk_length)
+        if key is not None and len(_problems) < _MAX_CACHED_PROBLEMS:
+            _problems[key] = problem
+    return problem
 
 
 def _checked_options(backend: str, backend_options: Mapping[str, object] | None) -> dict[str, object]:
@@ -566,12 +636,14 @@ def mla_decode(
         Each request's result bitwise independent of the rest of the batch (see :func:`plan_decode`).
     plan : DecodePlan, optional
         Reuse a plan from :func:`plan_decode` (then only ``q``, ``kv_cache``,
-        ``kv_scale``, ``indices``, the optional sparse arguments and ``out`` are used).
+        ``kv_scale``, ``indices``, the optional sparse arguments and ``out`` are used;
+        the plan computes with the lengths it was made or last updated for).
     validate : bool
         Also check values (block ids, sequence lengths, indices): a ValueError
         names ``block_table`` / ``cache_seqlens`` / ``indices`` and the offending
         requests (rows). Syncs with the device. With ``plan``, the plan's table
-        and lengths are checked.
+        and planned lengths are checked, and a ``cache_seqlens`` whose values
+        changed since the plan was made or updated raises (a stale plan).
 
     Returns
     -------
@@ -615,10 +687,17 @@ def mla_decode(
                            batch_invariant=batch_invariant, validate=validate, **extras)
     elif validate:  # the plan's own table and lengths (what run() reads), against this cache
         kv = _unwrap_cache(kv_cache, "auto", None)[0]
-        check_values(plan.problem, kv.shape[0], plan.block_table, plan.cache_seqlens, indices,
-                     topk_length=topk_length)
+        planned = plan.planned_lengths
+        check_values(plan.problem, kv.shape[0], plan.block_table, plan.cache_seqlens if planned is None else planned,
+                     indices, topk_length=topk_length)
         if extra_kv_cache is not None:
             extra = _unwrap_cache(extra_kv_cache, "auto", None)[0]
             check_values(plan.problem, extra.shape[0], None, None, extra_indices, page_size=extra.shape[1],
                          name="extra_indices", topk_length=extra_topk_length)
+        if planned is not None and not torch.equal(planned, plan.cache_seqlens):
+            stale = torch.nonzero(planned != plan.cache_seqlens).flatten().tolist()
+            raise ValueError(f"cache_seqlens changed since the plan was made or last updated (rows {stale[:8]}: "
+                             f"planned {planned[stale[:8]].tolist()}, now {plan.cache_seqlens[stale[:8]].tolist()}); "
+                             "the plan computes with the planned lengths until plan.update() (docs/design.md §2, "
+                             "'Stale plans')")
     return plan.run(q, kv_cache, kv_scale=kv_scale, indices=indices, out=out, **extras)

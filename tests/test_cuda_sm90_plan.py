@@ -16,6 +16,7 @@ from mla_dispatch.backends import cuda_sm90
 from mla_dispatch.backends.cuda_sm90 import CudaSM90Backend, Sm90Launch, launch_config, split_parts
 from mla_dispatch.dispatch.problem import DecodeProblem
 from mla_dispatch.kernels.cuda.build import SM90_SOURCE_DIR
+from mla_dispatch.kvcache.formats import KV_FORMAT_CODES
 
 H100_SMS = 132
 
@@ -45,9 +46,9 @@ def test_plan_constants_match_config_h():
     assert {(consts["kHeadDimQK"], consts["kHeadDimV"]), (consts["kDsV4HeadDim"],) * 2} == CudaSM90Backend.HEAD_DIMS
     assert consts["kDsV4HeadDim"] == cuda_sm90.DS_V4_HEAD_DIM
     assert (enums["kKvSameAsQ"], enums["kKvFp8E4M3"], enums["kKvFp8DsMla"], enums["kKvFp8DsV4"]) == (
-        cuda_sm90.KV_FORMAT_CODE["bf16"], cuda_sm90.KV_FORMAT_CODE["fp8_e4m3"], cuda_sm90.KV_FORMAT_CODE["fp8_ds_mla"],
-        cuda_sm90.KV_FORMAT_CODE["fp8_ds_v4"])
-    assert cuda_sm90.KV_FORMAT_CODE["fp16"] == enums["kKvSameAsQ"]
+        KV_FORMAT_CODES["bf16"], KV_FORMAT_CODES["fp8_e4m3"], KV_FORMAT_CODES["fp8_ds_mla"],
+        KV_FORMAT_CODES["fp8_ds_v4"])
+    assert KV_FORMAT_CODES["fp16"] == enums["kKvSameAsQ"]
     mainloops = {name: enums[name] for name in ("kWgmma", "kSeesaw", "kEtap", "kFp8Convert", "kFp8Regs", "kSeesawFp8")}
     assert tuple(mainloops.values()) == (cuda_sm90.WGMMA, cuda_sm90.SEESAW, cuda_sm90.ETAP, cuda_sm90.FP8_CONVERT,
                                          cuda_sm90.FP8_REGS, cuda_sm90.SEESAW_FP8)

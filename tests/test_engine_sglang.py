@@ -201,6 +201,37 @@ def test_step_plan_is_shared_by_layers(gen):
     assert plan is not None and backend.forward_metadata.plan is plan
 
 
+def test_steps_of_one_shape_update_one_plan(gen):
+    """Issue 55: eager decode steps of one batch shape share a kept plan (the table's width rounded up to a power of
+    two), each step updating it with its own table and lengths; a step's rows are its own lengths'."""
+    lens = [17, 40, 23]
+    pool, r2t, req_idx = _setup(gen, 16, torch.bfloat16, [n + 2 for n in lens])
+    backend = _backend(pool, r2t, 16)
+    layer = RadixAttention(HEADS, D, SCALE, 1, layer_id=1, v_head_dim=LORA)
+    buf = pool.kv_buffer[1]
+    buf.copy_(((torch.randn(buf.shape, generator=gen) / 4).clamp(-1, 1)).to(torch.bfloat16))  # every slot a value
+    plans = []
+    with get_parallel().override(dcp_enabled=False, attn_dcp_size=1):
+        for step in range(3):
+            step_lens = [n + step for n in lens]  # one more token per request and step, as decoding goes
+            fb = _decode_batch(r2t, req_idx, step_lens)
+            q = ((torch.randn(3, HEADS, D, generator=gen) / 2).clamp(-2, 2)).to(torch.bfloat16).to(DEVICE)
+            new = buf[fb.out_cache_loc].reshape(3, D)  # the token already there: written again, unchanged
+            backend.init_forward_metadata(fb)
+            out = backend.forward(q.reshape(3, HEADS * D), new.unsqueeze(1), new[:, None, :LORA], layer, fb)
+            plans.append(backend.forward_metadata.plan)
+            table = torch.zeros(3, max(step_lens), dtype=torch.int32)
+            for b, (r, n) in enumerate(zip(req_idx, step_lens)):
+                table[b, :n] = r2t.req_to_token[r, :n].cpu()
+            case = DecodeCase(q=q.cpu().unsqueeze(1), kv_cache=buf.cpu().view(-1, 1, 1, D), block_table=table,
+                              cache_seqlens=torch.tensor(step_lens, dtype=torch.int32), kv_format="bf16",
+                              kv_scale=None, indices=None, causal=True, head_dim_v=LORA, softmax_scale=SCALE)
+            want, _ = naive_attention(case)
+            report = compare_outputs(out.cpu().reshape(3, 1, HEADS, LORA), None, want.float(), None, TOL)
+            assert report, f"step {step}: {report.message}"
+    assert plans[0] is plans[1] is plans[2]
+
+
 def test_decode_without_decode_metadata_is_refused(gen):
     pool, r2t, _ = _setup(gen, 1, torch.bfloat16, [4])
     backend = _backend(pool, r2t, 1)

@@ -378,6 +378,30 @@ def test_causal_multi_token_under_dcp_is_refused(vllm_world, model_dir, gen):
         eng.layer.impl.forward_mqa(q, cache, md, eng.layer)
 
 
+def test_steps_of_one_shape_update_one_plan(vllm_world, model_dir, gen):
+    """Issue 55: the builder keeps a plan per decode shape across steps; the next step's first layer updates it with
+    that step's table and lengths (DecodePlan.update) instead of planning anew, and its rows are those lengths'."""
+    eng = _Layer(vllm_world, model_dir, "plan_reuse", block_size=16, cache_dtype="auto", draft_tokens=0,
+                 non_causal=False, gen=gen)
+    plans = []
+    for step in range(3):
+        batch = 5 if step < 2 else 3  # a third step of another batch size gets a plan of its own
+        lens = [int(n) for n in torch.randint(1, 120, (batch,), generator=gen)]
+        lens[0] = 119  # the same table width every step (vLLM's block table is as wide as a request may grow)
+        meta, reqs, table, num_blocks = _batch(gen, lens, 1, [], 16)
+        _, cache = _fill_cache(gen, reqs, table, num_blocks, 16, "auto", 1.0)
+        q = ((torch.randn(batch, HEADS, LORA + ROPE, generator=gen) / 4).clamp(-1, 1)).to(torch.bfloat16)
+        md = eng.build(meta)
+        out, _ = eng.layer.impl.forward_mqa(q.to(DEVICE), cache, md, eng.layer)
+        plans.append(md.decode.plan_slot.plan)
+        case = _decode_case(q.view(batch, 1, HEADS, LORA + ROPE), cache, table, torch.tensor(lens, dtype=torch.int32),
+                            "auto", 1.0, True, 16)
+        attn64, _ = naive_attention(case)
+        report = compare_outputs(out.cpu().reshape(batch, 1, HEADS, LORA), None, attn64.float(), None, TOL)
+        assert report, f"step {step}: {report.message}"
+    assert plans[1] is plans[0] and plans[2] is not plans[0]
+
+
 def test_batch_invariant_mode(vllm_world, model_dir, gen, monkeypatch):
     """vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1, vllm/envs.py): forward_mqa plans with
     batch_invariant=True, and a request's rows are the same bits alone as inside the batch."""

@@ -1,6 +1,7 @@
 """The one-launch Triton split-KV schedule (metadata/schedule_triton.py) against the torch reference.
 
-Every output tensor must be bit-identical to ``split_kv_schedule(..., impl="torch")``.
+Every output tensor must be bit-identical to ``split_kv_schedule(..., impl="torch")``; the first slots and the
+lengths' copy a plan's launch also writes, to ``first_slots`` of that schedule and the lengths given.
 
 - CPU: the kernel runs under Triton's interpreter. ``TRITON_INTERPRET=1`` must be
   set before triton is imported, so all cases run in one child process
@@ -86,8 +87,9 @@ def _mismatches(got: SplitKVSchedule, want: SplitKVSchedule) -> list[str]:
 
 
 def _check_case(lens: list[int], num_parts: int, chunk: int, overhead: int, capacity: int | None = None,
-                device: str = "cpu") -> list[str]:
-    """Compare a fresh triton build and a triton update_ into junk-filled buffers with the torch path."""
+                device: str = "cpu", into: bool = True) -> list[str]:
+    """Compare a fresh triton build and a triton update_ into junk-filled buffers with the torch path (and, with
+    ``into``, a launch that also writes the first slots and the lengths' copy)."""
     seqlens = torch.tensor(lens, dtype=torch.int32, device=device)
     kw = dict(num_parts=num_parts, chunk_size=chunk, overhead=overhead, capacity=capacity)
     want = split_kv_schedule(seqlens, impl="torch", **kw)
@@ -102,14 +104,54 @@ def _check_case(lens: list[int], num_parts: int, chunk: int, overhead: int, capa
     problems += [f"update_ {m}" for m in _mismatches(sched, want)]
     if ptrs != [getattr(sched, n).data_ptr() for n in OUTPUTS + ("workspace",)]:
         problems.append("update_ replaced a buffer")
+    if into:
+        problems += [f"into {m}" for m in _check_into(seqlens, want, **kw)]
     return problems
+
+
+def _junk_buffers(batch: int, num_parts: int, device) -> dict[str, torch.Tensor]:
+    """A schedule's buffers, the first slots, a lengths copy and the workspace, all full of junk."""
+    from mla_dispatch.metadata.schedule import workspace_numel
+
+    shapes = {"items": (batch + num_parts, 4), "part_offsets": (num_parts + 1,), "num_splits": (batch,),
+              "slot_req": (batch + num_parts,), "first_slot": (batch,), "lengths": (batch,),
+              "workspace": (workspace_numel(batch, num_parts),)}
+    return {name: torch.full(shape, 0x5A5A5A5, dtype=torch.int32, device=device) for name, shape in shapes.items()}
+
+
+def _into_mismatches(bufs: dict[str, torch.Tensor], seqlens: torch.Tensor, want: SplitKVSchedule) -> list[str]:
+    """What a one-launch schedule wrote into ``bufs`` against the torch schedule ``want``, its first slots and the
+    lengths it was given."""
+    from mla_dispatch.metadata.combine import first_slots
+
+    got = SplitKVSchedule(items=bufs["items"], part_offsets=bufs["part_offsets"], num_splits=bufs["num_splits"],
+                          slot_req=bufs["slot_req"], chunk_size=want.chunk_size, num_parts=want.num_parts,
+                          overhead=want.overhead)
+    bad = _mismatches(got, want)
+    for name, expected in (("first_slot", first_slots(want.num_splits)), ("lengths", seqlens)):
+        if not torch.equal(bufs[name].cpu(), expected.cpu()):
+            bad.append(f"{name}: got {bufs[name].tolist()} want {expected.tolist()}")
+    return bad
+
+
+def _check_into(seqlens: torch.Tensor, want: SplitKVSchedule, *, num_parts: int, chunk_size: int, overhead: int,
+                capacity: int | None) -> list[str]:
+    """split_kv_schedule_into with the first slots and the lengths' copy (a plan's buffers), into junk."""
+    from mla_dispatch.metadata.schedule_triton import split_kv_schedule_into
+
+    bufs = _junk_buffers(seqlens.shape[0], num_parts, seqlens.device)
+    split_kv_schedule_into(seqlens, bufs["items"], bufs["part_offsets"], bufs["num_splits"], bufs["slot_req"],
+                           bufs["workspace"], num_parts=num_parts, chunk_size=chunk_size, overhead=overhead,
+                           capacity=capacity, first_slot=bufs["first_slot"], lengths_out=bufs["lengths"])
+    return _into_mismatches(bufs, seqlens, want)
 
 
 def _run_cases(seed: int) -> None:
     """Child process (TRITON_INTERPRET=1): run every case, print one JSON line each."""
     for cid, lens, num_parts, chunk, overhead, capacity in make_cases(seed):
         try:
-            problems = _check_case(lens, num_parts, chunk, overhead, capacity)
+            # the first slots and the lengths' copy on the edge and capacity cases (interpreter time)
+            problems = _check_case(lens, num_parts, chunk, overhead, capacity, into=not cid.startswith("rand"))
             msg = "; ".join(problems)[:4000]
         except Exception as exc:  # reported to the parent
             problems, msg = [exc], f"{type(exc).__name__}: {exc}"

@@ -26,6 +26,21 @@ def test_sass_loops_follow_the_tma_loop():
     assert report["tma"] > 0 and report["wgmma"] > 0
 
 
+@pytest.mark.parametrize("kv_format", ["fp8_ds_v4", "fp8_ds_mla"])
+def test_sparse_kernel_with_every_optional_argument_compiles(kv_format):
+    """DeepSeek-V4's sparse decode (the fp8_ds_v4 loader, topk_length, the sink, an extra cache and its lengths)
+    compiles for sm_90, not only under the interpreter, which reads any global where a compiled kernel reads only
+    constexpr ones."""
+    from mla_dispatch.kernels.triton.decode import CONFIGS
+
+    d_rope = 0 if kv_format == "fp8_ds_v4" else 64
+    for rows in (16, 64):
+        for extras in (False, True):
+            report = compile_config(CONFIGS[rows, kv_format], kv_format=kv_format, sparse=True, d_rope=d_rope,
+                                    sparse_extras=extras)
+            assert report["regs"] <= 255 and report["smem"] <= 227 * 1024, report
+
+
 def test_the_report_without_sass_has_no_loops():
     report = compile_config(parse_spec("hM64-n64-w8"))
     assert "sass_loops" not in report and report["wgmma"] > 0

@@ -93,7 +93,7 @@ CASES = [
      dict(spec="hM64-n64-w8-tma-gl", num_parts=30, overhead=1)),
     (dict(batch=3, q_len=3, num_heads_q=128, seqlen=900, page_size=256, causal=True, dtype=torch.float16),
      dict(spec="hM64-n64-w8-tma-gl", num_parts=24, overhead=1)),
-    # ... and with it switched off (MLA_TRITON_SEESAW=0): the gluon_sm90 kernel's TMA path
+    # ... and kept on gluon_sm90 (backend_options={"kernel": "gluon"}): the gluon_sm90 kernel's TMA path
     (dict(batch=3, q_len=2, num_heads_q=128, seqlen=400, page_size=64, causal=True, zero_len_rows=1),
      dict(spec="hM64-n64-w8-tma-gl", num_parts=40, overhead=1, seesaw=False)),
     (dict(batch=4, q_len=1, num_heads_q=16, seqlen=700, page_size=128), dict(spec="hM64-n64-w8-tma-gl", seesaw=False)),
@@ -115,7 +115,7 @@ CASES = [
     (dict(batch=2, q_len=1, num_heads_q=32, seqlen=3000, page_size=128, kv_format="fp8_e4m3", varlen=False),
      dict(spec="hM64-n64-w8-tma-gl")),
     # (the cases above with at most 32 query rows take the tokens-on-M fp8 kernel, gluon_fp8.py; these keep
-    # gluon_sm90's fp8 path checked at those row counts, MLA_TRITON_FP8T=0)
+    # gluon_sm90's fp8 path checked at those row counts, backend_options={"kernel": "gluon"})
     (dict(batch=3, q_len=1, num_heads_q=16, seqlen=300, page_size=64, kv_format="fp8_e4m3", zero_len_rows=1),
      dict(spec="hM64-n64-w8-tma-gl", fp8t=False)),
     (dict(batch=4, q_len=1, num_heads_q=32, seqlen=500, page_size=1, kv_format="fp8_e4m3", dtype=torch.float16),
@@ -175,60 +175,51 @@ def _case_id(kw: dict, overrides: dict) -> str:
 
 
 @pytest.mark.parametrize("kw,overrides", CASES, ids=[_case_id(*c) for c in CASES])
-def test_triton_gpu_matches_reference(kw, overrides, gen, monkeypatch):
+def test_triton_gpu_matches_reference(kw, overrides, gen):
     from mla_dispatch import plan_decode
     from mla_dispatch.backends.triton import TritonBackend
 
     kw = dict(kw)
     overrides = dict(overrides)
+    # the seesaw kernel (16-bit pages of whole tiles) and the tokens-on-M fp8 kernel (fp8_e4m3, <= 32 query rows)
+    # unless the case keeps gluon_sm90 there (backend_options={"kernel": "gluon"})
     seesaw = overrides.pop("seesaw", True)
-    if not seesaw:
-        monkeypatch.setenv("MLA_TRITON_SEESAW", "0")
     fp8t = overrides.pop("fp8t", True)
-    if not fp8t:
-        monkeypatch.setenv("MLA_TRITON_FP8T", "0")
     dtype = kw.pop("dtype", torch.bfloat16)
     case = make_case(dtype=dtype, device="cuda", generator=gen, **kw)
     plan = plan_decode(*case.args(), backend="triton", **case.kwargs())
-    if overrides:
+    if overrides or not (seesaw and fp8t):
         from mla_dispatch.kernels.triton.aot_report import parse_spec
-        from mla_dispatch.kernels.triton.decode import effective_splits, tma_applies
 
-        overrides = dict(overrides)
         spec = overrides.pop("spec", None)
         cfg = parse_spec(spec) if spec else None
         plan._state = TritonBackend.make_state(plan.problem, plan.platform, plan.cache_seqlens, config=cfg,
+                                               kernel=None if seesaw and fp8t else "gluon",
+                                               block_table=plan.block_table, softmax_scale=plan.softmax_scale,
                                                **overrides)
         if "num_parts" in overrides:
             assert bool((plan.state.schedule.num_splits > 1).any()), "schedule override did not split any request"
+        launch = plan.state.launch
         if cfg is not None and cfg.tma and not cfg.gluon:  # the case exists for the TMA path: the launch must take it
-            v_split, qk_chunk = effective_splits(cfg, case.head_dim_v)
-            assert tma_applies(True, case.kv_cache, kv_format=case.kv_format, sparse=False,
-                               block_n=cfg.block_n, v_split=v_split, qk_chunk=qk_chunk, head_dim_v=case.head_dim_v,
-                               traced=False)
-        if cfg is not None and cfg.gluon:  # the case exists for the Gluon kernel: the launch must take it
-            from mla_dispatch.kernels.triton.gluon_sm90 import gluon_applies
-
-            assert gluon_applies(case.q, case.kv_cache, kv_format=case.kv_format, sparse=False,
-                                 head_dim_v=case.head_dim_v, traced=False)
-            from mla_dispatch.kernels.triton.gluon_seesaw import seesaw_applies
-
-            from mla_dispatch.kernels.triton.gluon_fp8 import fp8t_applies
-
-            # 16-bit pages of whole tiles take the seesaw kernel unless switched off, fp8_e4m3 caches with at most 32
-            # query rows the tokens-on-M fp8 kernel unless switched off; other cases the gluon_sm90 one
-            expect = seesaw and case.kv_cache.element_size() == 2 and case.kv_cache.shape[1] % 64 == 0
-            assert seesaw_applies(case.kv_cache) == expect
-            expect = fp8t and case.kv_format == "fp8_e4m3" and case.q.shape[1] * case.q.shape[2] <= 32
-            assert fp8t_applies(case.q, case.kv_cache, kv_format=case.kv_format) == expect
+            assert launch.kernel == "tma", launch
+        if cfg is not None and cfg.gluon:  # the case exists for the Gluon kernels: the launch must take one
+            # 16-bit pages of whole tiles take the seesaw kernel, fp8_e4m3 caches with at most 32 query rows the
+            # tokens-on-M fp8 kernel (unless the case keeps gluon_sm90); other cases the gluon_sm90 one
+            want = "gluon"
+            if seesaw and case.kv_cache.element_size() == 2 and case.kv_cache.shape[1] % 64 == 0:
+                want = "seesaw"
+            elif fp8t and case.kv_format == "fp8_e4m3" and case.q.shape[1] * case.q.shape[2] <= 32:
+                want = "fp8t"
+            assert launch.kernel == want, launch
     ref_out, ref_lse = case_reference(case)
-    for _ in range(2):  # a second run over the same plan and workspace must give the same answer
+    for _ in range(2):  # a second run over the same plan and workspace (the kept compiled kernel) must agree
         out, lse = poisoned_outputs(case)
         plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale, indices=case.indices, out=out, lse=lse,
                  **case.sparse_extras())
         torch.cuda.synchronize()
         rep = compare_outputs(out, lse, ref_out, ref_lse, TritonBackend.TOLERANCE)
         assert rep, rep.message
+        assert plan.state.prepared.kind == plan.state.launch.kernel  # contiguous q and cache: the plan's kernel
 
 
 def _force_spec(plan, spec):
@@ -238,7 +229,8 @@ def _force_spec(plan, spec):
         from mla_dispatch.backends.triton import TritonBackend
         from mla_dispatch.kernels.triton.aot_report import parse_spec
 
-        plan._state = TritonBackend.make_state(plan.problem, plan.platform, plan.cache_seqlens, config=parse_spec(spec))
+        plan._state = TritonBackend.make_state(plan.problem, plan.platform, plan.cache_seqlens, config=parse_spec(spec),
+                                               block_table=plan.block_table, softmax_scale=plan.softmax_scale)
 
 
 @pytest.mark.parametrize("scale", [1e9, 1e-30], ids=["large", "tiny"])

@@ -198,19 +198,15 @@ def _run_cases(seed: int) -> None:
                 by_boundary = ov.pop("by_boundary", False)
                 if "config" in ov:
                     ov["config"] = KernelConfig(**ov["config"])
-                # swap in a schedule that forces split requests (exercises the combine) or another config
+                # swap in a schedule that forces split requests (exercises the combine) or another config, with
+                # the plan's eager launch bound (the path DecodePlan.run takes)
                 plan._state = TritonBackend.make_state(plan.problem, platform_for(case.q.device), plan.cache_seqlens,
+                                                       block_table=plan.block_table, softmax_scale=plan.softmax_scale,
                                                        **ov)
                 split = int(plan.state.schedule.num_splits.max()) >= min_splits
-                if ov.get("config") is not None and ov["config"].tma:  # the case exists for the TMA path: it must take it
-                    from mla_dispatch.kernels.triton.decode import effective_splits, tma_applies
-
-                    cfg = ov["config"]
-                    v_split, qk_chunk = effective_splits(cfg, case.head_dim_v)
-                    if not tma_applies(True, case.kv_cache, kv_format=case.kv_format, sparse=False,
-                                       block_n=cfg.block_n, v_split=v_split, qk_chunk=qk_chunk,
-                                       head_dim_v=case.head_dim_v, traced=False):
-                        raise AssertionError("the launch would not take the TMA path")
+                # the case exists for the TMA path: the plan's launch must take it
+                if ov.get("config") is not None and ov["config"].tma and plan.state.launch.kernel != "tma":
+                    raise AssertionError(f"the plan's launch is {plan.state.launch}, not the TMA path")
                 if by_boundary:  # the case exists for the combine's per-boundary grid: it must take it
                     from mla_dispatch.kernels.triton.combine import combine_by_boundary
 
@@ -220,6 +216,8 @@ def _run_cases(seed: int) -> None:
             lse = torch.full((b, h, s), float("nan"))
             plan.run(case.q, case.kv_cache, kv_scale=case.kv_scale, indices=case.indices, out=out, lse=lse,
                      **case.sparse_extras())
+            if plan.state.prepared.kind != plan.state.launch.kernel:
+                raise AssertionError(f"ran {plan.state.prepared.kind}, the plan froze {plan.state.launch}")
             ref_out, ref_lse = reference_attention(*case.args(), **case.kwargs())
             rep = compare_outputs(out, lse, ref_out, ref_lse, TritonBackend.TOLERANCE)
             ok = bool(rep) and (split or not wants_split)
@@ -343,12 +341,10 @@ def test_tma_applies_only_where_the_descriptors_are_valid():
         assert choose_config(rows, "fp8_e4m3", page_size=16, gluon=True) is GLUON_CONFIG
         assert not choose_config(rows, "fp8_ds_mla", page_size=64, gluon=True).gluon
         assert not choose_config(rows, "bf16", gluon=True).gluon
-    # without the tokens-on-M kernel (MLA_TRITON_FP8T=0) from 32 rows only: gluon_sm90 converts in shared memory and is
-    # slower than the plain kernel's 16-row config at 16 rows
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MLA_TRITON_FP8T", "0")
-        for rows in (16, 32, 64, 128):
-            assert (choose_config(rows, "fp8_e4m3", page_size=16, gluon=True) is GLUON_CONFIG) == (rows >= 32)
+    # without the tokens-on-M kernel (fp8t=False: a plan with backend_options={"kernel": "gluon"}) from 32 rows only:
+    # gluon_sm90 converts in shared memory and is slower than the plain kernel's 16-row config at 16 rows
+    for rows in (16, 32, 64, 128):
+        assert (choose_config(rows, "fp8_e4m3", page_size=16, gluon=True, fp8t=False) is GLUON_CONFIG) == (rows >= 32)
 
 
 def test_gluon_kernel_gate():

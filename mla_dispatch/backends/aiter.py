@@ -168,7 +168,9 @@ class AiterBackend(MLABackend):
             qo_indptr=torch.arange(0, n + 1, p.q_len, dtype=torch.int32, device=device),
             q_buf=torch.zeros(n, heads, p.head_dim_qk, dtype=q_dtype, device=device),
             o_buf=torch.empty(n, heads, p.head_dim_v, dtype=torch.bfloat16, device=device),
-            meta=None, kv_indptr=None, kv_indices=None, last_page=None)
+            meta=None, kv_indptr=None, kv_indices=None, last_page=None, token_pos=None, token_offset=None,
+            table_pos=torch.arange(p.batch * p.max_blocks, dtype=torch.int32, device=device).view(p.batch,
+                                                                                                  p.max_blocks))
         if persistent:
             info = aiter.get_mla_metadata_info_v1(p.batch, p.q_len, heads, q_dtype, kv_dtype, is_sparse=False,
                                                   fast_mode=True)
@@ -179,14 +181,23 @@ class AiterBackend(MLABackend):
     @classmethod
     def update(cls, state: BackendState, block_table, cache_seqlens) -> None:
         p = state.problem
-        indptr, indices = token_indices(block_table, cache_seqlens, p.page_size)
         last = kv_last_page_lens(cache_seqlens, 1)
+        # each packed token's table entry (its row-major position in the table) and offset in its page (0 for the
+        # padding past kv_indptr[-1], never read): its slot is the table's value there, now and at every run
+        # (docs/design.md §2: every run reads the block table)
+        indptr, token_pos = token_indices(state.table_pos, cache_seqlens, p.page_size)
+        token_pos = token_pos.long()
+        token_pos, token_offset = token_pos // p.page_size, (token_pos % p.page_size).to(torch.int32)
+        indices = torch.index_select(block_table.reshape(-1), 0, token_pos) * p.page_size + token_offset
         if state.kv_indptr is None:
             state.kv_indptr, state.kv_indices, state.last_page = indptr, indices, last
+            state.token_pos, state.token_offset = token_pos, token_offset
         else:  # in place: a captured graph keeps pointing at these
             state.kv_indptr.copy_(indptr)
             state.kv_indices.copy_(indices)
             state.last_page.copy_(last)
+            state.token_pos.copy_(token_pos)
+            state.token_offset.copy_(token_offset)
         if state.persistent:
             import aiter
 
@@ -223,6 +234,9 @@ class AiterBackend(MLABackend):
             kwargs.update(page_size=1, nhead_kv=1)
         if "causal" in params:
             kwargs["causal"] = p.causal
+        # the token slots of the block table's current values (planned lengths): a gather and two in-place ops
+        torch.index_select(block_table.reshape(-1), 0, state.token_pos, out=state.kv_indices)
+        state.kv_indices.mul_(p.page_size).add_(state.token_offset)
         if state.persistent:
             work_meta, work_indptr, work_info, reduce_indptr, reduce_final, reduce_partial = state.meta
             kwargs.update(work_meta_data=work_meta, work_indptr=work_indptr, work_info_set=work_info,

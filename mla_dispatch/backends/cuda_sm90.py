@@ -29,6 +29,7 @@ name; traced runs (torch.compile, fake tensors) call the op.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from types import MappingProxyType
 
@@ -36,11 +37,12 @@ import torch
 
 from mla_dispatch.dispatch.backend import (ArchSupport, BackendOption, BackendState, CGSupport, MLABackend, Reason,
                                            ReasonCode, untraced_eager)
-from mla_dispatch.metadata.schedule import (BATCH_INVARIANT_SPLIT_TOKENS, SPLIT_TOKENS_CHOICES,
-                                           check_invariant_workspace, fixed_split_schedule, split_kv_schedule)
-from mla_dispatch.metadata.combine import first_slots
+from mla_dispatch.metadata.schedule import BATCH_INVARIANT_SPLIT_TOKENS, SPLIT_TOKENS_CHOICES, check_invariant_workspace
+from mla_dispatch.kernels.cuda.schedule import native_schedule
+from mla_dispatch.metadata.split_plan import SplitKVLayout, SplitKVPlan
 from mla_dispatch.dispatch.platform import Platform
 from mla_dispatch.dispatch.problem import DecodeProblem
+from mla_dispatch.kvcache.formats import KV_FORMAT_CODES
 
 __all__ = ["CudaSM90Backend", "Mainloop", "MAINLOOPS", "Sm90Launch", "choose_variant", "invariant_variant",
            "choose_fuse_combine", "launch_config", "load_ops", "load_module"]
@@ -49,14 +51,13 @@ __all__ = ["CudaSM90Backend", "Mainloop", "MAINLOOPS", "Sm90Launch", "choose_var
 # tests/test_cuda_sm90_plan.py::test_plan_constants_match_config_h reads that file and compares ----
 BLOCK_M = 64  # kBlockM: query rows of a CTA tile of the 64-row mainloops
 BLOCK_N = 64  # kBlockN: KV tokens per mainloop step = split-KV chunk size
-KV_FORMAT_CODE = {"bf16": 0, "fp16": 0, "fp8_e4m3": 1, "fp8_ds_mla": 2, "fp8_ds_v4": 3}  # KvFormat
 DS_V4_HEAD_DIM = 512  # kDsV4HeadDim: D_qk = D_v of the fp8_ds_v4 cache (DeepSeek-V4), v2's sparse instance only
 WGMMA, SEESAW, ETAP, FP8_CONVERT, FP8_REGS, SEESAW_FP8 = 2, 5, 6, 7, 8, 9  # Mainloop
 SEESAW_MAX_Q_LEN = 64  # kSeesawMaxQLen
 ETAP_MAX_ROWS, ETAP_FP8_MAX_ROWS, FP8T_MAX_ROWS = 32, 16, 32  # kEtapMaxRows, kEtapFp8MaxRows, kFp8tMaxRows
 FUSED_MAX_SPLITS = 1024  # kFusedMaxSplits
 
-_ANY_CACHE = frozenset(KV_FORMAT_CODE) - {"fp8_ds_v4"}
+_ANY_CACHE = frozenset(KV_FORMAT_CODES) - {"fp8_ds_v4"}
 _16BIT_CACHE = frozenset({"bf16", "fp16"})
 
 
@@ -325,6 +326,40 @@ def launch_config(problem: DecodeProblem, num_parts: int, max_chunks: int, num_s
     return Sm90Launch(variant, tile_rows, tma_loads, paired, fuse, fixed_splits=p.batch_invariant)
 
 
+@functools.lru_cache(maxsize=256)
+def _shape_plan(problem: DecodeProblem, num_sms: int, options: tuple) -> tuple[SplitKVLayout, Sm90Launch]:
+    """What a plan decides from shapes alone, once per (problem, SM count, backend_options items): the split-KV
+    layout (parts, overhead, capacity, workspace rows) and the frozen launch (:func:`launch_config`).
+
+    Raises
+    ------
+    ValueError
+        As :func:`launch_config`; ``split_tokens`` without ``batch_invariant``; a batch-invariant workspace past its
+        bound (:func:`~mla_dispatch.metadata.schedule.check_invariant_workspace`).
+    """
+    options = dict(options)
+    p = sparse_view(problem)
+    num_parts, max_chunks = split_parts(p, num_sms, options.get("min_chunks_per_part",
+                                                                 CudaSM90Backend.MIN_CHUNKS_PER_PART))
+    launch = launch_config(problem, num_parts, max_chunks, num_sms, options)
+    if "split_tokens" in options and not p.batch_invariant:
+        raise ValueError(f"backend_options['split_tokens']={options['split_tokens']} applies to "
+                         "batch_invariant=True plans only")
+    overhead = options.get("schedule_overhead") or CudaSM90Backend.schedule_overhead(launch.variant)
+    # capacity: no item reaches past a block-table row, whatever cache_seqlens holds (update keeps it)
+    capacity = p.max_blocks * p.page_size
+    split = None
+    if p.batch_invariant:
+        split = options.get("split_tokens", BATCH_INVARIANT_SPLIT_TOKENS)
+        # a partial row per query row of a piece: fp32 values (the kernels' fp16 rows and shifts) and the LSE
+        check_invariant_workspace(p.batch, capacity, split, p.q_len * p.num_heads_q * (p.head_dim_v * 4 + 4))
+    layout = SplitKVLayout(batch=p.batch, num_parts=num_parts, chunk_size=BLOCK_N, overhead=overhead,
+                           capacity=capacity, partial_row=(p.q_len, p.num_heads_q, p.head_dim_v),
+                           partial_dtype=torch.float32, split_tokens=split,
+                           fixed_length=problem.topk if problem.sparse else None)
+    return layout, launch
+
+
 _fake_registered = False
 
 
@@ -358,7 +393,8 @@ def load_ops():
         @torch.library.register_fake("mla_dispatch::cuda_sm90_decode")
         def _decode_fake(q, kv_cache, block_table, cache_seqlens, items, part_offsets, kv_scale, out, lse,
                          partial_out, partial_lse, num_splits, first_slot, softmax_scale, causal, kv_format,
-                         variant, tile_rows, tma_loads, paired, fuse_combine, fixed_splits, sparse=False):
+                         variant, tile_rows, tma_loads, paired, fuse_combine, fixed_splits, sparse=False,
+                         attn_sink=None):
             return None
 
         _fake_registered = True
@@ -366,9 +402,10 @@ def load_ops():
 
 
 class Sm90State(BackendState):
-    """The backend's per-step state: the schedule, the workspace, the frozen :class:`Sm90Launch` (``launch``) and the
-    extension's call bound to them (``bound``, :meth:`CudaSM90Backend.bind`). Sparse plans also hold the lengths of
-    their flattened view (``lengths``: topk for every query position) and, for s_q > 1, the LSE of that view
+    """The backend's per-step state: the split-KV plan (``split``: schedule, first slots, workspace and ``lengths``,
+    the plan's own copy of the lengths that every run reads; topk for every query position of a sparse plan's
+    flattened view), the frozen :class:`Sm90Launch` (``launch``) and the extension's call bound to them (``bound``,
+    :meth:`CudaSM90Backend.bind`). Sparse plans with s_q > 1 also hold the LSE of their flattened view
     (``sparse_lse``, ``[B * s_q, h_q, 1]``: the kernel writes it per query position, run transposes it into lse)."""
 
     bound = None
@@ -423,6 +460,7 @@ class CudaSM90Backend(MLABackend):
     # per-request combine kernel
     SUPPORTS_BATCH_INVARIANT = True
     CUDA_GRAPH = CGSupport.ALWAYS
+    KEEPS_LENGTHS = True  # the split-KV plan's own copy (metadata/split_plan.py), written by its schedule launch
     ARCH_SUPPORT = (ArchSupport("sm90", "Hopper (sm_90a)", notes="our native CUDA kernel", run_here="yes: H100, H200"),)
     OPTIONS = MappingProxyType({
         "variant": BackendOption(tuple(MAINLOOPS), "the mainloop, instead of the plan's choice (choose_variant): 2 "
@@ -511,33 +549,16 @@ class CudaSM90Backend(MLABackend):
         view = sparse_view(problem)  # the problem itself unless sparse
         device = (cache_seqlens.device if cache_seqlens is not None
                   else torch.device("cuda", torch.cuda.current_device()))
-        if problem.sparse:  # every query position attends to its topk slots (-1 ones are masked in the kernel)
-            cache_seqlens = torch.full((view.batch,), problem.topk, dtype=torch.int32, device=device)
-        p = view
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        num_parts, max_chunks = split_parts(p, sms, options.get("min_chunks_per_part", cls.MIN_CHUNKS_PER_PART))
-        overhead = options.get("schedule_overhead")
-        launch = launch_config(problem, num_parts, max_chunks, sms, options)
-        # capacity: no item reaches past a block-table row, whatever cache_seqlens holds (update_ keeps it)
-        if "split_tokens" in options and not p.batch_invariant:
-            raise ValueError(f"backend_options['split_tokens']={options['split_tokens']} applies to "
-                             "batch_invariant=True plans only")
-        if overhead is None:
-            overhead = cls.schedule_overhead(launch.variant)
-        if p.batch_invariant:
-            split = options.get("split_tokens", BATCH_INVARIANT_SPLIT_TOKENS)
-            capacity = p.max_blocks * p.page_size
-            # a partial row per query row of a piece: fp32 values (the kernels' fp16 rows and shifts) and the LSE
-            check_invariant_workspace(p.batch, capacity, split, p.q_len * p.num_heads_q * (p.head_dim_v * 4 + 4))
-            schedule = fixed_split_schedule(cache_seqlens, num_parts=num_parts, chunk_size=BLOCK_N,
-                                            split_tokens=split, overhead=overhead, capacity=capacity)
-        else:
-            schedule = split_kv_schedule(cache_seqlens, num_parts=num_parts, chunk_size=BLOCK_N, overhead=overhead,
-                                         capacity=p.max_blocks * p.page_size)
-        max_slots = schedule.max_slots
+        sms = (platform.num_compute_units if platform is not None
+               else torch.cuda.get_device_properties(device).multi_processor_count)
+        layout, launch = _shape_plan(problem, sms, tuple(sorted(options.items())))
+        module = load_module()
+        # sparse: every query position attends to its topk slots (-1 ones are masked in the kernel), lengths unread
+        split = SplitKVPlan(layout, None if problem.sparse else cache_seqlens, device,
+                            native=native_schedule(module))
         sparse_lse = None
         if problem.sparse and problem.q_len > 1:
-            sparse_lse = torch.empty(view.batch, p.num_heads_q, 1, dtype=torch.float32, device=device)
+            sparse_lse = torch.empty(view.batch, view.num_heads_q, 1, dtype=torch.float32, device=device)
         extra = None
         if problem.extra_topk:
             # the extra cache: its own flattened view (extra_topk tokens, its page size), launched after the main one
@@ -552,19 +573,19 @@ class CudaSM90Backend(MLABackend):
             extra.lse = torch.empty(problem.batch, problem.num_heads_q, problem.q_len, dtype=torch.float32,
                                     device=device)
         return Sm90State(
+            split=split,
             extra=extra,
-            lengths=cache_seqlens if problem.sparse else None,
+            lengths=split.lengths,
             sparse_lse=sparse_lse,
             op=load_ops().cuda_sm90_decode.default,
-            direct=load_module().cuda_sm90_decode,
-            schedule=schedule,
-            first_slot=first_slots(schedule.num_splits),
+            direct=module.cuda_sm90_decode,
+            schedule=split.schedule,
+            first_slot=split.first_slot,
             # one 2048-byte row per (slot, query row); the kernels store fp16 rows with per-quarter shifts in them
             # (kernels/cuda/mla_decode_sm90/params.h, kPartialRowBytes)
-            partial_out=torch.empty(max_slots, p.q_len, p.num_heads_q, p.head_dim_v, dtype=torch.float32,
-                                    device=device),
-            partial_lse=torch.empty(max_slots, p.q_len, p.num_heads_q, dtype=torch.float32, device=device),
-            kv_format_code=KV_FORMAT_CODE[p.kv_format],
+            partial_out=split.partial_out,
+            partial_lse=split.partial_lse,
+            kv_format_code=KV_FORMAT_CODES[view.kv_format],
             launch=launch,
         )
 
@@ -576,7 +597,7 @@ class CudaSM90Backend(MLABackend):
         p, s, c = problem, state.schedule, state.launch
         try:
             state.bound = load_module().PlannedDecode(
-                block_table, cache_seqlens, s.items, s.part_offsets, state.partial_out, state.partial_lse,
+                block_table, state.lengths, s.items, s.part_offsets, state.partial_out, state.partial_lse,
                 s.num_splits, state.first_slot, p.q_dtype, kv_dtype, p.q_len, p.num_heads_q, p.num_heads_kv,
                 p.page_size, 656 if p.kv_format == "fp8_ds_mla" else p.head_dim_qk, softmax_scale, p.causal,
                 state.kv_format_code, c.variant, c.tile_rows, c.tma_loads, c.paired, c.fuse_combine, c.fixed_splits)
@@ -586,10 +607,7 @@ class CudaSM90Backend(MLABackend):
 
     @classmethod
     def update(cls, state: BackendState, block_table, cache_seqlens) -> None:
-        if state.lengths is not None:
-            return  # sparse: the schedule depends on topk only
-        state.schedule.update_(cache_seqlens)
-        first_slots(state.schedule.num_splits, out=state.first_slot)
+        state.split.update(cache_seqlens)  # (sparse: nothing, the schedule depends on topk only)
 
     @classmethod
     def run(cls, state: BackendState, q, kv_cache, block_table, cache_seqlens, *, problem: DecodeProblem,
@@ -607,7 +625,7 @@ class CudaSM90Backend(MLABackend):
                                 kv_scale=None, out=extra.out, lse=extra.lse, topk_length=extra_topk_length)
                 merge_with_sink(out, lse, extra.out, extra.lse, attn_sink)
             return
-        cls._launch(state, q, kv_cache, block_table, cache_seqlens, kv_scale, out, lse, softmax_scale, problem.causal,
+        cls._launch(state, q, kv_cache, block_table, state.lengths, kv_scale, out, lse, softmax_scale, problem.causal,
                     False)
 
     @staticmethod

@@ -218,28 +218,47 @@ class FlashInferBackend(MLABackend):
         qo_indptr = torch.arange(0, n + 1, p.q_len, dtype=torch.int32, device=device)
         kv_indptr, kv_indices = packed_page_indices(block_table, cache_seqlens, p.page_size)
         kv_len = cache_seqlens.to(torch.int32)
+        wrapper_indices = kv_indices.clone() if p.cuda_graph else None
         if p.cuda_graph:
             wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
                 torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device), use_cuda_graph=True,
-                qo_indptr=qo_indptr, kv_indptr=kv_indptr.clone(), kv_indices=kv_indices.clone(),
+                qo_indptr=qo_indptr, kv_indptr=kv_indptr.clone(), kv_indices=wrapper_indices,
                 kv_len_arr=kv_len.clone())
         else:
             wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(cls._workspace(device))
         state = BackendState(kind="wrapper", wrapper=wrapper, qo_indptr=qo_indptr, softmax_scale=softmax_scale,
                              problem=p, lse_buf=torch.empty(n, p.num_heads_q, dtype=torch.float32, device=device),
-                             lse_base_e=_signature_has("mla.BatchMLAPagedAttentionWrapper.run", "return_lse_base_on_e"))
+                             lse_base_e=_signature_has("mla.BatchMLAPagedAttentionWrapper.run", "return_lse_base_on_e"),
+                             graph_indices=wrapper_indices if p.cuda_graph else None,
+                             table_pos=torch.arange(p.batch * p.max_blocks, dtype=torch.int32,
+                                                    device=device).view(p.batch, p.max_blocks),
+                             page_pos=None, indices_buf=None)
         cls._replan_wrapper(state, block_table, cache_seqlens)
         return state
 
     @classmethod
     def _replan_wrapper(cls, state: BackendState, block_table, cache_seqlens) -> None:
         p = state.problem
-        kv_indptr, kv_indices = packed_page_indices(block_table, cache_seqlens, p.page_size)
+        # where each packed page id sits in the table (0 for the padding past kv_indptr[-1], never read): the page ids
+        # are the table's values there, now and at every run (docs/design.md §2: every run reads the block table)
+        kv_indptr, page_pos = packed_page_indices(state.table_pos, cache_seqlens, p.page_size)
+        page_pos = page_pos.long()
+        kv_indices = torch.index_select(block_table.reshape(-1), 0, page_pos)
+        if state.page_pos is None:
+            state.page_pos = page_pos
+        else:  # in place: a graph captured over run() reads these
+            state.page_pos.copy_(page_pos)
         state.wrapper.plan(
             state.qo_indptr, kv_indptr, kv_indices, cache_seqlens.to(torch.int32),
             p.num_heads_q, p.head_dim_v, p.head_dim_qk - p.head_dim_v, p.page_size, p.causal,
             state.softmax_scale, p.q_dtype, p.q_dtype,
         )
+        # the page ids the wrapper's kernel reads: its own buffer where it keeps one (flashinfer 0.6.x:
+        # `_kv_indices_buf`, the tensor given to the constructor (CUDA graphs) or to plan()), else what we gave it
+        buf = getattr(state.wrapper, "_kv_indices_buf", None)
+        if not isinstance(buf, torch.Tensor):
+            buf = state.graph_indices if state.graph_indices is not None else kv_indices
+        state.indices_buf = buf[: page_pos.shape[0]]
 
     @classmethod
     def _plan_trtllm(cls, p: DecodeProblem, block_table, cache_seqlens, softmax_scale) -> BackendState:
@@ -277,15 +296,18 @@ class FlashInferBackend(MLABackend):
     def run(cls, state, q, kv_cache, block_table, cache_seqlens, *, problem, softmax_scale, kv_scale, indices,
             out, lse) -> None:
         if state.kind == "wrapper":
-            cls._run_wrapper(state, q, kv_cache, out, lse)
+            cls._run_wrapper(state, q, kv_cache, block_table, out, lse)
         else:
+            cls._refresh_trtllm(state, block_table)  # every run reads the block table (docs/design.md §2)
             cls._run_trtllm(state, q, kv_cache, cache_seqlens, out, lse)
         zero_invisible_rows(out, lse, visible_rows(cache_seqlens, problem.q_len, problem.causal))
 
     @classmethod
-    def _run_wrapper(cls, state, q, kv_cache, out, lse) -> None:
+    def _run_wrapper(cls, state, q, kv_cache, block_table, out, lse) -> None:
         p = state.problem
         n, dv = p.batch * p.q_len, p.head_dim_v
+        # the page ids of the table's current values (planned lengths): one gather
+        torch.index_select(block_table.reshape(-1), 0, state.page_pos, out=state.indices_buf)
         qf = q.reshape(n, p.num_heads_q, p.head_dim_qk)
         kv = kv_cache[:, :, 0, :]  # [pages, ps, 576]
         o = out.view(n, p.num_heads_q, dv) if out.is_contiguous() else torch.empty(

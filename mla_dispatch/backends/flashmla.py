@@ -200,7 +200,8 @@ class FlashMLABackend(MLABackend):
         table = block_table
         if block_table is not None and ratio > 1:
             table = repage_block_table(block_table, p.page_size, DENSE_PAGE)
-        state = BackendState(problem=p, ratio=ratio, table=table, new_api=_has_sched_meta(), meta=None,
+        sub = None if ratio == 1 else torch.arange(ratio, dtype=torch.int32, device=block_table.device)
+        state = BackendState(problem=p, ratio=ratio, table=table, sub=sub, new_api=_has_sched_meta(), meta=None,
                              num_splits=None, seqlens=cache_seqlens, parts=platform.num_compute_units)
         cls._schedule(state, cache_seqlens)
         return state
@@ -251,9 +252,17 @@ class FlashMLABackend(MLABackend):
 
     @classmethod
     def update(cls, state: BackendState, block_table, cache_seqlens) -> None:
-        if block_table is not None and state.ratio > 1:
-            state.table.copy_(repage_block_table(block_table, state.problem.page_size, DENSE_PAGE))
         cls._schedule(state, cache_seqlens)
+
+    @staticmethod
+    def _table(state: BackendState, block_table):
+        """The table FlashMLA reads, from the block table's current values (every run reads them: docs/design.md
+        §2): the table itself for pages of 64, else its re-paged copy refreshed in place (two ops)."""
+        if state.ratio == 1 or block_table is None:
+            return block_table
+        b, mb = block_table.shape
+        torch.add(block_table.unsqueeze(-1) * state.ratio, state.sub, out=state.table.view(b, mb, state.ratio))
+        return state.table
 
     # -- run -----------------------------------------------------------------------------
 
@@ -268,7 +277,7 @@ class FlashMLABackend(MLABackend):
         q_shape, q_dtype = (p.batch, p.q_len, p.num_heads_q, p.head_dim_qk), p.q_dtype
         kv_tail = (p.page_size, p.num_heads_kv, p.head_dim_qk)
         out_shape, lse_shape = (p.batch, p.q_len, p.num_heads_q, p.head_dim_v), (p.batch, p.num_heads_q, p.q_len)
-        pages, dv, causal = DENSE_PAGE, p.head_dim_v, p.causal
+        pages, dv, causal, table_of = DENSE_PAGE, p.head_dim_v, p.causal, cls._table
 
         def fast(q, kv, kv_scale, out, lse):
             if (kv_scale is not None or q.shape != q_shape or q.dtype != q_dtype or q.stride(-1) != 1
@@ -279,7 +288,7 @@ class FlashMLABackend(MLABackend):
                 return None  # the checked path names what is wrong
             if state.ratio > 1:
                 kv = kv.view(kv.shape[0] * state.ratio, pages, kv.shape[2], kv.shape[3])
-            o, l = call(q, kv, state.table, cache_seqlens, dv, state.meta, state.num_splits,
+            o, l = call(q, kv, table_of(state, block_table), cache_seqlens, dv, state.meta, state.num_splits,
                         softmax_scale=softmax_scale, causal=causal)
             if out is not None:
                 o = out.copy_(o)
@@ -302,7 +311,7 @@ class FlashMLABackend(MLABackend):
         # the sparse arguments only where they are used: builds before the sparse kernels have no such parameters
         sparse = dict(is_fp8_kvcache=True, indices=indices) if p.sparse else {}
         o, l = flash_mla.flash_mla_with_kvcache(
-            q, kv, state.table, cache_seqlens, p.head_dim_v, state.meta, state.num_splits,
+            q, kv, cls._table(state, block_table), cache_seqlens, p.head_dim_v, state.meta, state.num_splits,
             softmax_scale=softmax_scale, causal=p.causal, **sparse)
         out.copy_(o)
         lse.copy_(l)

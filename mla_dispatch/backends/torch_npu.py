@@ -146,14 +146,21 @@ class TorchNpuBackend(MLABackend):
                 per_token.append(max(0, length - q_len + 1 + i) if problem.causal else length)
         state.token_lens = per_token
         state.empty_rows = torch.tensor([n == 0 for n in per_token], dtype=torch.bool, device=block_table.device)
-        block = 128 if problem.page_size % 128 == 0 else 16
+        state.block_size = 128 if problem.page_size % 128 == 0 else 16
+        cls._refresh_table(state, block_table)
+
+    @staticmethod
+    def _refresh_table(state: BackendState, block_table) -> None:
+        """The table the NPU ops read (re-paged to ``block_size``, one row per query token), from the block table's
+        current values (every run reads them: docs/design.md §2)."""
+        problem, block = state.problem, state.block_size
         table = repage_block_table(block_table, problem.page_size, block) if block != problem.page_size else block_table
-        state.block_size = block
-        state.block_table = table.repeat_interleave(q_len, dim=0).contiguous()
+        state.block_table = table.repeat_interleave(problem.q_len, dim=0).contiguous()
 
     @classmethod
     def run(cls, state: BackendState, q, kv_cache, block_table, cache_seqlens, *, problem: DecodeProblem,
             softmax_scale, kv_scale, indices, out, lse) -> None:
+        cls._refresh_table(state, block_table)
         batch, q_len, heads, dim = q.shape
         tokens = batch * q_len
         heads_p = padded_heads(heads)

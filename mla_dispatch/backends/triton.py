@@ -9,19 +9,22 @@ at import), which is how the CPU tests use it. The interpreter is slow and, with
 some triton/torch versions, computes ``tl.dot`` on bf16 operands wrongly, so the
 backend declines bf16 queries there (a ``dtype`` reason): use fp16.
 
-Per decode step :meth:`TritonBackend.plan` builds the shared split-KV schedule
-(:func:`mla_dispatch.metadata.schedule.split_kv_schedule`) and allocates the workspace
-(fp32 partial outputs and LSEs, one row per possible split slot); every
-:meth:`TritonBackend.run` is then one registered op,
-``torch.ops.mla_dispatch.triton_decode`` (``kernels/triton/ops.py``: two launches,
-decode and combine), that allocates nothing and never syncs, so it can be captured
-in a CUDA graph. Kernels compile on the first run: run once before capturing.
-After capture, change the values of ``cache_seqlens`` / ``block_table`` and call
-``DecodePlan.update`` (which recomputes the schedule in place) before replaying.
+Per decode step :meth:`TritonBackend.plan` makes the shared split-KV plan
+(:class:`mla_dispatch.metadata.split_plan.SplitKVPlan`: the schedule, its first slots, the plan's copy of the
+lengths, the workspace of partial rows) and freezes its launch (``kernels/triton/launch.py``, ``TritonLaunch``: the
+kernel family, its config and the fallbacks for calls whose q or cache layout the kernel cannot take, decided once,
+``backend_options={"kernel": ...}`` to override), bound to the plan's buffers. An eager
+:meth:`TritonBackend.run` launches that (decode and combine, each a kept compiled kernel:
+``metadata/triton_launch.py``); a traced one (torch.compile, fake tensors) calls the registered op
+``torch.ops.mla_dispatch.triton_decode`` (``kernels/triton/ops.py``). Neither allocates nor syncs, so a run can be
+captured in a CUDA graph. Kernels compile on the first run: run once before capturing. After capture, change the
+values of ``cache_seqlens`` / ``block_table`` and call ``DecodePlan.update`` (which recomputes the schedule in place)
+before replaying.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -30,9 +33,9 @@ from types import MappingProxyType
 
 from mla_dispatch.dispatch.backend import (ArchSupport, BackendOption, BackendState, CGSupport, MLABackend, Reason,
                                            ReasonCode)
-from mla_dispatch.metadata.schedule import (BATCH_INVARIANT_SPLIT_TOKENS, SPLIT_TOKENS_CHOICES,
-                                           check_invariant_workspace, fixed_split_schedule, split_kv_schedule)
-from mla_dispatch.metadata.combine import first_slots
+from mla_dispatch.metadata.schedule import BATCH_INVARIANT_SPLIT_TOKENS, SPLIT_TOKENS_CHOICES, check_invariant_workspace
+from mla_dispatch.kernels.cuda.schedule import loaded_native_schedule
+from mla_dispatch.metadata.split_plan import SplitKVLayout, SplitKVPlan
 from mla_dispatch.dispatch.platform import Platform
 from mla_dispatch.dispatch.problem import DecodeProblem
 
@@ -45,6 +48,61 @@ _SCHEDULE_OVERHEAD_TOKENS = 320  # fixed cost of a work item, in tokens (FlashML
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=256)
+def _shape_plan(p: DecodeProblem, platform: Platform, config, kernel: str | None, num_parts: int | None,
+                overhead: int | None, split_tokens: int | None):
+    """What a plan decides from shapes alone, once per (problem, platform, choices): the frozen launch
+    (:func:`~mla_dispatch.kernels.triton.launch.choose_launch`) and the split-KV layout (:func:`_split_layout`)."""
+    from mla_dispatch.kernels.triton.launch import choose_launch
+
+    launch = choose_launch(p, platform, config, kernel)
+    return launch, _split_layout(p, platform.num_compute_units, launch.cfg, num_parts, overhead, split_tokens)
+
+
+@functools.lru_cache(maxsize=256)
+def _split_layout(p: DecodeProblem, compute_units: int, cfg, num_parts: int | None, overhead: int | None,
+                  split_tokens: int | None) -> SplitKVLayout:
+    """The split-KV layout of a plan of ``p`` under ``cfg`` (shapes only, once per problem): one persistent program
+    per compute unit and tile (times the config's ``programs_per_sm``) unless ``num_parts`` says otherwise.
+
+    Raises
+    ------
+    ValueError
+        ``split_tokens`` given without ``p.batch_invariant``, or not a positive multiple of the kernel's chunk; a
+        batch-invariant workspace past its bound.
+    """
+    from mla_dispatch.kernels.triton.decode import num_m_tiles, programs_per_tile
+
+    group = p.num_heads_q // p.num_heads_kv
+    rows = group if p.sparse else p.q_len * group
+    tiles = p.num_heads_kv * num_m_tiles(rows, cfg) * programs_per_tile(cfg, p.head_dim_v) * (p.q_len if p.sparse
+                                                                                              else 1)
+    if num_parts is None:
+        num_parts = max(1, cfg.programs_per_sm * compute_units // tiles)
+    # sparse: the "tokens" of a request are its top-k list positions, then its extra list's; dense: no item reaches
+    # past a block-table row, whatever cache_seqlens holds
+    positions = p.topk + p.extra_topk
+    capacity = None if p.sparse else p.max_blocks * p.page_size
+    if overhead is None:
+        overhead = max(1, _SCHEDULE_OVERHEAD_TOKENS // cfg.chunk_size)
+    if split_tokens is not None and not p.batch_invariant:
+        raise ValueError(f"backend_options['split_tokens']={split_tokens} applies to batch_invariant=True plans "
+                         "only")
+    if p.batch_invariant:
+        split_tokens = BATCH_INVARIANT_SPLIT_TOKENS if split_tokens is None else split_tokens
+        if not (isinstance(split_tokens, int) and split_tokens > 0 and split_tokens % cfg.chunk_size == 0):
+            raise ValueError(f"backend_options['split_tokens'] must be a positive multiple of the kernel's chunk "
+                             f"({cfg.chunk_size} tokens), got {split_tokens!r}")
+        capacity = positions if p.sparse else capacity
+        # a partial row per query row of a piece: 2 D_v fp16 (PARTIAL_ROW_FORMAT) and the LSE
+        check_invariant_workspace(p.batch, capacity, split_tokens, p.q_len * p.num_heads_q * (p.head_dim_v * 4 + 4))
+    # split rows: fp16 values and their scales (kernels/triton/combine.py, PARTIAL_ROW_FORMAT)
+    return SplitKVLayout(batch=p.batch, num_parts=num_parts, chunk_size=cfg.chunk_size, overhead=overhead,
+                         capacity=capacity, partial_row=(p.q_len, p.num_heads_q, 2 * p.head_dim_v),
+                         partial_dtype=torch.float16, split_tokens=split_tokens,
+                         fixed_length=positions if p.sparse else None)
 
 
 class TritonBackend(MLABackend):
@@ -69,6 +127,7 @@ class TritonBackend(MLABackend):
     # invariant plan cuts requests at fixed token counts and merges per request (metadata/schedule.py)
     SUPPORTS_BATCH_INVARIANT = True
     CUDA_GRAPH = CGSupport.ALWAYS
+    KEEPS_LENGTHS = True  # the split-KV plan's own copy (metadata/split_plan.py), written by its schedule launch
     ANY_OUT_STRIDES = False  # the kernels store rows of out with stride 1
     ARCH_SUPPORT = (
         ArchSupport("cuda", "NVIDIA SM80+", kinds=frozenset({"cuda"}), notes="our Triton kernel (Gluon kernels on SM90)",
@@ -85,6 +144,10 @@ class TritonBackend(MLABackend):
     OPTIONS = MappingProxyType({
         "split_tokens": BackendOption(SPLIT_TOKENS_CHOICES, "tokens per piece of a batch_invariant=True plan (a multiple of the "
                                       f"kernel's chunk; default {BATCH_INVARIANT_SPLIT_TOKENS})"),
+        "kernel": BackendOption(("gather", "tma", "gluon", "seesaw", "fp8t"), "the kernel family, instead of the plan's "
+                                "choice (kernels/triton/launch.py): the plain kernel with gathered tiles or TMA tiles, "
+                                "the Gluon sm_90 kernel, its seesaw schedule (16-bit pages of whole tiles), the "
+                                "tokens-on-M fp8_e4m3 kernel; it must suit the problem"),
     })
 
     @classmethod
@@ -114,85 +177,53 @@ class TritonBackend(MLABackend):
     @classmethod
     def plan(cls, problem: DecodeProblem, platform: Platform, block_table, cache_seqlens, *,
              softmax_scale: float, options: dict[str, object]) -> BackendState:
-        return cls.make_state(problem, platform, cache_seqlens, split_tokens=options.get("split_tokens"))
+        return cls.make_state(problem, platform, cache_seqlens, split_tokens=options.get("split_tokens"),
+                              kernel=options.get("kernel"), block_table=block_table, softmax_scale=softmax_scale)
 
     @classmethod
     def make_state(cls, problem: DecodeProblem, platform: Platform, cache_seqlens, *, config=None,
-                   num_parts: int | None = None, overhead: int | None = None,
-                   split_tokens: int | None = None) -> BackendState:
+                   num_parts: int | None = None, overhead: int | None = None, split_tokens: int | None = None,
+                   kernel: str | None = None, block_table=None, softmax_scale: float | None = None) -> BackendState:
         """:meth:`plan` with its choices exposed (tests force splits; the benchmark compares configs).
 
         ``config`` a :class:`~mla_dispatch.kernels.triton.decode.KernelConfig` (default: the
         table's); ``num_parts`` persistent programs along the schedule (default: one
         per SM and tile, times the config's ``programs_per_sm``); ``overhead`` the
-        schedule's fixed cost per item, in chunks; ``split_tokens`` the piece size of a batch-invariant plan.
+        schedule's fixed cost per item, in chunks; ``split_tokens`` the piece size of a batch-invariant plan;
+        ``kernel`` the kernel family (:data:`~mla_dispatch.kernels.triton.launch.KERNELS`, default: the plan's
+        choice). ``block_table`` and ``softmax_scale`` bind the plan's eager launch (without them, a state for
+        :meth:`run`'s registered op only: tests that call the op themselves).
 
         Raises
         ------
         ValueError
             ``split_tokens`` given without ``problem.batch_invariant``, or not a positive multiple of the kernel's
-            chunk.
+            chunk; a ``kernel`` that cannot run the problem or does not go with ``config``.
         """
         import mla_dispatch.kernels.triton.ops  # noqa: F401  (registers torch.ops.mla_dispatch.triton_decode)
-        from mla_dispatch.kernels.triton.decode import choose_config, num_m_tiles, programs_per_tile
-        from mla_dispatch.kernels.triton.gluon_sm90 import gluon_possible
+        from mla_dispatch.kernels.triton.launch import prepare
 
         p = problem
         device = torch.device(p.device_type, torch.cuda.current_device()) if p.device_type == "cuda" else torch.device(
             p.device_type)
         if cache_seqlens is not None:
             device = cache_seqlens.device
-        group = p.num_heads_q // p.num_heads_kv
-        rows = group if p.sparse else p.q_len * group
-        gluon = platform.kind == "cuda" and gluon_possible(capability=platform.capability, sparse=p.sparse,
-                                                           head_dim_qk=p.head_dim_qk, head_dim_v=p.head_dim_v)
-        cfg = config or choose_config(rows, p.kv_format, page_size=None if p.sparse else p.page_size, gluon=gluon,
-                                      heads_kv=p.num_heads_kv, interpret=platform.kind == "cpu")
-        tiles = (p.num_heads_kv * num_m_tiles(rows, cfg) * programs_per_tile(cfg, p.head_dim_v)
-                 * (p.q_len if p.sparse else 1))
-        if num_parts is None:
-            num_parts = max(1, cfg.programs_per_sm * platform.num_compute_units // tiles)
-        if p.sparse:
-            # sparse: the "tokens" of a request are its top-k list positions, then its extra list's
-            lengths, capacity = torch.full((p.batch,), p.topk + p.extra_topk, dtype=torch.int32, device=device), None
-        else:
-            # no item reaches past a block-table row, whatever cache_seqlens holds
-            lengths, capacity = cache_seqlens, p.max_blocks * p.page_size
-        if overhead is None:
-            overhead = max(1, _SCHEDULE_OVERHEAD_TOKENS // cfg.chunk_size)
-        if split_tokens is not None and not p.batch_invariant:
-            raise ValueError(f"backend_options['split_tokens']={split_tokens} applies to batch_invariant=True plans "
-                             "only")
-        if p.batch_invariant:
-            split_tokens = BATCH_INVARIANT_SPLIT_TOKENS if split_tokens is None else split_tokens
-            if not (isinstance(split_tokens, int) and split_tokens > 0 and split_tokens % cfg.chunk_size == 0):
-                raise ValueError(f"backend_options['split_tokens'] must be a positive multiple of the kernel's chunk "
-                                 f"({cfg.chunk_size} tokens), got {split_tokens!r}")
-            capacity = p.topk + p.extra_topk if p.sparse else capacity
-            # a partial row per query row of a piece: 2 D_v fp16 (PARTIAL_ROW_FORMAT) and the LSE
-            check_invariant_workspace(p.batch, capacity, split_tokens,
-                                      p.q_len * p.num_heads_q * (p.head_dim_v * 4 + 4))
-            schedule = fixed_split_schedule(lengths, num_parts=num_parts, chunk_size=cfg.chunk_size,
-                                            split_tokens=split_tokens, overhead=overhead, capacity=capacity)
-        else:
-            schedule = split_kv_schedule(lengths, num_parts=num_parts, chunk_size=cfg.chunk_size, overhead=overhead,
-                                         capacity=capacity)
-        first_slot = torch.empty(p.batch, dtype=torch.int32, device=device)
-        first_slots(schedule.num_splits, out=first_slot)
-        max_slots = schedule.max_slots
-        # split rows: fp16 values and their scales (kernels/triton/combine.py, PARTIAL_ROW_FORMAT)
-        partial_out = torch.empty(max_slots, p.q_len, p.num_heads_q, 2 * p.head_dim_v, dtype=torch.float16,
-                                  device=device)
-        partial_lse = torch.empty(max_slots, p.q_len, p.num_heads_q, dtype=torch.float32, device=device)
-        return BackendState(op=torch.ops.mla_dispatch.triton_decode.default, cfg=cfg, schedule=schedule,
-                            lengths=lengths, first_slot=first_slot, partial_out=partial_out, partial_lse=partial_lse)
+        launch, layout = _shape_plan(p, platform, config, kernel, num_parts, overhead, split_tokens)
+        # the schedule: the SM90 extension's launch where it is loaded already, else one Triton launch
+        native = loaded_native_schedule(platform.capability) if platform.kind == "cuda" else None
+        split = SplitKVPlan(layout, None if p.sparse else cache_seqlens, device, native=native)
+        prepared = None
+        if softmax_scale is not None:
+            prepared = prepare(launch, p, block_table=None if p.sparse else block_table, seqlens=split.lengths,
+                               schedule=split.schedule, first_slot=split.first_slot, partial_out=split.partial_out,
+                               partial_lse=split.partial_lse, softmax_scale=softmax_scale, device=device)
+        return BackendState(op=torch.ops.mla_dispatch.triton_decode.default, cfg=launch.cfg, launch=launch,
+                            prepared=prepared, split=split, schedule=split.schedule, lengths=split.lengths,
+                            first_slot=split.first_slot, partial_out=split.partial_out, partial_lse=split.partial_lse)
 
     @classmethod
     def update(cls, state: BackendState, block_table, cache_seqlens) -> None:
-        if cache_seqlens is None or state.lengths is not cache_seqlens:
-            return  # sparse: the schedule depends on topk only
-        state.schedule.update_(cache_seqlens)
-        first_slots(state.schedule.num_splits, out=state.first_slot)
+        state.split.update(cache_seqlens)  # (sparse: nothing, the schedule depends on topk only)
 
     # -- run ---------------------------------------------------------------------------
 
@@ -200,14 +231,21 @@ class TritonBackend(MLABackend):
     def run(cls, state: BackendState, q, kv_cache, block_table, cache_seqlens, *, problem: DecodeProblem,
             softmax_scale, kv_scale, indices, out, lse, topk_length=None, attn_sink=None, extra_kv_cache=None,
             extra_indices=None, extra_topk_length=None) -> None:
-        from mla_dispatch.kernels.triton.ops import decode_step
+        from mla_dispatch.kernels.triton.ops import traced_call
 
-        p, s, cfg = problem, state.schedule, state.cfg
-        extras = ()
-        if p.sparse_extras:
-            extras = (topk_length, attn_sink, extra_kv_cache, extra_indices, extra_topk_length)
-        decode_step(q, kv_cache, None if p.sparse else block_table, state.lengths, indices, kv_scale, s.items,
-                    s.part_offsets, s.num_splits, state.first_slot, out, lse, state.partial_out, state.partial_lse,
-                    softmax_scale, p.causal, p.kv_format, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
-                    cfg.tokens_on_m, cfg.v_split, cfg.qk_chunk, cfg.max_registers, cfg.tma, cfg.gluon,
-                    s.fixed_splits, *extras)
+        p = problem
+        # DeepSeek-V4's optional sparse arguments, those the plan was made with (DecodePlan.run checks them)
+        extras = (topk_length, attn_sink, extra_kv_cache, extra_indices, extra_topk_length) if p.sparse_extras else ()
+        prepared = state.prepared
+        if prepared is not None and not traced_call(q, kv_cache, out, lse, kv_scale, indices, *extras):
+            # the launch the plan froze (kernels/triton/launch.py)
+            prepared(q, kv_cache, kv_scale, indices, out, lse, extras or None)
+            return
+        # traced (torch.compile, fake tensors, functionalization, tensor subclasses): the registered op, whose
+        # wrap_triton launch of the plain kernel the trace records
+        s, cfg = state.schedule, state.cfg
+        state.op(q, kv_cache, None if p.sparse else block_table, state.lengths, indices, kv_scale, s.items,
+                 s.part_offsets, s.num_splits, state.first_slot, out, lse, state.partial_out, state.partial_lse,
+                 softmax_scale, p.causal, p.kv_format, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages,
+                 cfg.tokens_on_m, cfg.v_split, cfg.qk_chunk, cfg.max_registers, cfg.tma, cfg.gluon, s.fixed_splits,
+                 *extras)

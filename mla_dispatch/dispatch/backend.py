@@ -256,6 +256,11 @@ class MLABackend:
     #: the planning options the backend accepts (name -> :class:`BackendOption`); a backend that declares any takes
     #: them in :meth:`plan` as ``options``
     OPTIONS: ClassVar[Mapping[str, BackendOption]] = MappingProxyType({})
+    #: ``True``: :meth:`plan` and :meth:`update` copy the values of ``cache_seqlens`` into the state (its ``lengths``,
+    #: for dense plans) and :meth:`run` computes with that copy only. ``False``: the front end keeps the copy and
+    #: hands it to :meth:`plan`, :meth:`update` and :meth:`run` as ``cache_seqlens``. Either way a plan computes with
+    #: the lengths it was made or last updated for (docs/design.md §2, "Stale plans").
+    KEEPS_LENGTHS: ClassVar[bool] = False
     #: what the backend runs per architecture, where that is narrower than the constants above (a vendor build's
     #: kernels), and the rows of the README's support matrix (``python -m mla_dispatch info --markdown``). Empty:
     #: the constants hold everywhere, and the matrix shows one row made from them

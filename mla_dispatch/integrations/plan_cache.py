@@ -1,5 +1,6 @@
-"""Plans kept per shape by the engine integrations whose kernel call carries only tensors (sparse decode: a plan
-depends on shapes alone, since every query position attends to its ``topk`` slots).
+"""Plans kept per shape by the engine integrations: the sparse ones, whose plan depends on shapes alone (every query
+position attends to its ``topk`` slots), and the dense ones, which refresh a kept plan of the step's shapes with the
+step's block table and lengths (``DecodePlan.update``: the schedule in place, no allocation) instead of planning anew.
 
 A plan first used while a CUDA graph is being captured is kept for good: the graph replays its buffers. Other
 shapes share a small set of recent plans, so shapes that change every step (eager batch sizes, prefill token
@@ -32,13 +33,20 @@ class PlanCache:
     def __len__(self) -> int:
         return len(self._graph) + len(self._recent)
 
-    def get(self, key: Hashable, make: Callable[[], DecodePlan], device: torch.device) -> DecodePlan:
+    def get(self, key: Hashable, make: Callable[[], DecodePlan], device: torch.device,
+            reuse: Callable[[DecodePlan], None] | None = None) -> DecodePlan:
+        """The plan kept for ``key`` (after ``reuse(plan)``, where given: a dense plan's update with this step's
+        table and lengths), else ``make()``'s, kept."""
         plan = self._graph.get(key)
         if plan is not None:
+            if reuse is not None:
+                reuse(plan)
             return plan
         plan = self._recent.pop(key, None)
         if plan is None:
             plan = make()
+        elif reuse is not None:
+            reuse(plan)
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             self._graph[key] = plan
         else:

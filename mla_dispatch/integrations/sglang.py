@@ -10,7 +10,8 @@ The plugin (:func:`mla_dispatch.integrations.plugins.register_sglang`) adds
 the MLA token pool directly — page size 1 (token slots) or paged
 (``--page-size N``) — through a block table built on the device from
 ``req_to_token``, and run :func:`mla_dispatch.plan_decode` /
-:meth:`~mla_dispatch.DecodePlan.run` (one plan per step, shared by all layers).
+:meth:`~mla_dispatch.DecodePlan.run` (one plan per step, shared by all layers: a plan kept per batch shape and
+updated with each step's table and lengths, ``DecodePlan.update``; under CUDA graphs one per captured batch size).
 Extend / prefill / speculative-verify batches are delegated to SGLang's own
 ``triton`` backend, which is also the handler SGLang's DeepSeek model uses to
 choose its attention path for a backend name it does not know.
@@ -59,6 +60,7 @@ except ImportError:  # older releases (no such name) take forward_batch.out_cach
     KVWriteLoc = None
 
 from mla_dispatch.api import DecodePlan, plan_decode
+from mla_dispatch.integrations.plan_cache import PlanCache
 from mla_dispatch.integrations.layouts import (
     max_blocks_for,
     sglang_block_table,
@@ -130,6 +132,7 @@ class MLADispatchAttnBackend(AttentionBackend):
         self._graph_seq_lens: torch.Tensor | None = None
         self._graph_steps: dict[int, _DecodeStep] = {}
         self._kv_scales: dict[int, torch.Tensor] = {}
+        self._plans = PlanCache()  # eager decode plans kept per shape, updated step after step
         # SGLang's --enable-deterministic-inference: each request's result independent of the batch
         self.batch_invariant = deterministic_inference()
 
@@ -144,7 +147,10 @@ class MLADispatchAttnBackend(AttentionBackend):
             seq_lens_cpu = getattr(forward_batch, "seq_lens_cpu", None)
             width = self.max_blocks
             if seq_lens_cpu is not None and seq_lens_cpu.numel() and not self.batch_invariant:
-                width = min(self.max_blocks, max_blocks_for(int(seq_lens_cpu.max()), self.page_size))
+                # rounded up to a power of two: the steps of a batch share a table shape, so they share a kept plan
+                # that each step updates (the columns past a request's pages are never read)
+                needed = max_blocks_for(int(seq_lens_cpu.max()), self.page_size)
+                width = min(self.max_blocks, 1 << (needed - 1).bit_length())
             self.forward_metadata = _DecodeStep(
                 block_table=sglang_block_table(self.req_to_token, forward_batch.req_pool_indices,
                                                forward_batch.seq_lens, self.page_size, width),
@@ -214,10 +220,18 @@ class MLADispatchAttnBackend(AttentionBackend):
         kv_format = sglang_kv_format(kv.dtype, query.dtype)
         kv_scale = self._kv_scale(layer, kv.device) if kv_format == "fp8_e4m3" else None
         if step.plan is None:
-            step.plan = plan_decode(query, kv, step.block_table, step.seq_lens, head_dim_v=layer.v_head_dim,
-                                    softmax_scale=layer.scaling, causal=True, kv_format=kv_format,
-                                    kv_scale=kv_scale, return_lse=False, cuda_graph=step.graph,
-                                    batch_invariant=self.batch_invariant)
+            def make() -> DecodePlan:
+                return plan_decode(query, kv, step.block_table, step.seq_lens, head_dim_v=layer.v_head_dim,
+                                   softmax_scale=layer.scaling, causal=True, kv_format=kv_format, kv_scale=kv_scale,
+                                   return_lse=False, cuda_graph=step.graph, batch_invariant=self.batch_invariant)
+
+            if step.graph:  # one plan per captured batch size, over its persistent buffers (init_forward_metadata_*)
+                step.plan = make()
+            else:  # eager: the kept plan of these shapes, updated with this step's table and lengths, or a new one
+                key = (tuple(query.shape), query.dtype, tuple(kv.shape[1:]), kv.dtype, tuple(step.block_table.shape),
+                       query.device, kv_format, kv_scale is None, float(layer.scaling), int(layer.v_head_dim))
+                step.plan = self._plans.get(key, make, query.device, reuse=lambda kept: kept.update(
+                    block_table=step.block_table, cache_seqlens=step.seq_lens))
         out, _ = step.plan.run(query, kv, kv_scale=kv_scale)
         return sglang_decode_output(out)
 

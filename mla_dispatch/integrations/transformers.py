@@ -25,9 +25,10 @@ cache.
 - **Decode** (a cache is present and holds tokens, at most
   ``decode_max_query_len`` new tokens per sequence, none of them masked) runs in
   the absorbed form: ``q_nope`` is multiplied by ``W_UK`` (the key half of
-  ``kv_b_proj``) into the latent space, ``q_pe`` gets RoPE, one
-  :func:`~mla_dispatch.plan_decode` per step (shared by all layers) picks the
-  backend, :meth:`~mla_dispatch.DecodePlan.run` attends over the paged latent
+  ``kv_b_proj``) into the latent space, ``q_pe`` gets RoPE, one plan per step
+  (shared by all layers; kept across steps of the same batch and table width and
+  updated with the step's table and lengths, :meth:`~mla_dispatch.DecodePlan.update`)
+  picks the backend, :meth:`~mla_dispatch.DecodePlan.run` attends over the paged latent
   cache with ``softmax_scale = module.scaling`` (DeepSeek: ``1/sqrt(qk_nope +
   qk_rope) * mscale**2`` under YaRN, as the module computed it), and the result
   goes through ``W_UV`` (the value half of ``kv_b_proj``) and ``o_proj``. The new
@@ -74,6 +75,7 @@ from collections.abc import Mapping
 import torch
 
 from mla_dispatch.api import DecodePlan, plan_decode
+from mla_dispatch.integrations.plan_cache import PlanCache
 
 __all__ = ["enable", "TransformersMLAHandle", "SUPPORTED_ATTENTION_CLASSES", "MAX_DECODE_QUERY_LEN"]
 
@@ -276,8 +278,10 @@ class TransformersMLAHandle:
         self.page_size = page_size
         self.decode_max_query_len = decode_max_query_len
         self.backend_options = dict(backend_options) if backend_options else None
-        self.stats = {"decode_steps": 0, "other_steps": 0, "cache_copies": 0}
+        self.stats = {"decode_steps": 0, "other_steps": 0, "cache_copies": 0, "plans_made": 0}
         self.last_plan: DecodePlan | None = None
+        # decode plans kept per shape across steps: a step of the same batch and table width updates one
+        self._plans = PlanCache()
         self._base = base_model
         self._attentions = attentions  # [(module, rope form)]
         self._dynamic_cache_cls = dynamic_cache_cls
@@ -483,12 +487,21 @@ class TransformersMLAHandle:
         self._pages.write(layer_idx, step.new_slots, latents)
 
     def _plan(self, step: _Step, q: torch.Tensor, kv: torch.Tensor, softmax_scale: float) -> DecodePlan:
+        """The step's plan (one per softmax scale, shared by the layers): the plan kept for these shapes, updated with
+        this step's table and lengths (``DecodePlan.update``), or a new one (a new batch, a wider table)."""
         plan = step.plans.get(softmax_scale)
         if plan is None:
             table, lens = self._pages.decode_inputs()
-            plan = plan_decode(q, kv, table, lens, head_dim_v=self._latent_dim, softmax_scale=softmax_scale,
-                               causal=step.query_len > 1, return_lse=False, backend=self.backend,
-                               backend_options=self.backend_options)
+
+            def make() -> DecodePlan:
+                self.stats["plans_made"] += 1
+                return plan_decode(q, kv, table, lens, head_dim_v=self._latent_dim, softmax_scale=softmax_scale,
+                                   causal=step.query_len > 1, return_lse=False, backend=self.backend,
+                                   backend_options=self.backend_options)
+
+            key = (softmax_scale, tuple(q.shape), q.dtype, tuple(kv.shape[1:]), kv.dtype, tuple(table.shape), q.device)
+            plan = self._plans.get(key, make, q.device,
+                                   reuse=lambda kept: kept.update(block_table=table, cache_seqlens=lens))
             step.plans[softmax_scale] = plan
             self.last_plan = plan
         return plan

@@ -67,6 +67,7 @@ from vllm.model_executor.layers.attention.mla_attention import (
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionLayer, AttentionType, MultipleOf
 
 from mla_dispatch.api import DecodePlan, plan_decode
+from mla_dispatch.integrations.plan_cache import PlanCache
 from mla_dispatch.integrations.layouts import (
     EngineCapabilities,
     auto_candidates,
@@ -159,12 +160,14 @@ def _batch_invariant_mode() -> bool:
 
 
 class _PlanSlot:
-    """One decode step's plan, made by the first layer that runs and reused by the rest."""
+    """One decode step's plan, found by the first layer that runs (the builder's kept plan of these shapes, updated
+    with this step's table and lengths, or a new one) and reused by the rest."""
 
-    __slots__ = ("plan",)
+    __slots__ = ("plan", "plans")
 
-    def __init__(self) -> None:
+    def __init__(self, plans: PlanCache | None = None) -> None:
         self.plan: DecodePlan | None = None
+        self.plans = plans  # the builder's plans, kept across steps
 
 
 @dataclasses.dataclass
@@ -176,10 +179,14 @@ class MLADispatchMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
     """Decode metadata: vLLM's block table and sequence lengths plus an empty plan slot.
 
     The plan itself needs the query's geometry, which the builder does not see,
-    so the first layer's ``forward_mqa`` makes it (FlashMLA's ``FlashMLASchedMeta``
-    works the same way). Under full CUDA-graph capture that planning is captured
+    so the first layer's ``forward_mqa`` finds it (FlashMLA's ``FlashMLASchedMeta``
+    works the same way): the plan the builder keeps for these shapes
+    (:class:`~mla_dispatch.integrations.plan_cache.PlanCache`), updated with this
+    step's table and lengths (``DecodePlan.update``: the schedule refreshed in
+    place, one launch for the in-house backends), or a new one where no plan of
+    these shapes is kept. Under full CUDA-graph capture the planning is captured
     with the layer, so every replay re-plans from the live ``seq_lens`` buffer on
-    the device.
+    the device; a plan captured so is kept for good.
     """
 
     query_len_support: ClassVar[QueryLenSupport] = QueryLenSupport.UNIFORM
@@ -197,10 +204,14 @@ class MLADispatchMetadataBuilder(MLACommonMetadataBuilder[MLACommonMetadata]):
     def _build_decode(self, block_table_tensor, seq_lens_device, *args, **kwargs) -> MLADispatchDecodeMetadata:
         # vLLM passes keywords; the list grew (max_query_len, 0.33) and dcp_tot_seq_lens_device stays last.
         dcp_tot_seq_lens = kwargs.get("dcp_tot_seq_lens_device", args[-1] if len(args) >= 5 else None)
+        plans = self.__dict__.get("_mla_dispatch_plans")
+        if plans is None:
+            plans = self.__dict__["_mla_dispatch_plans"] = PlanCache()
         return MLADispatchDecodeMetadata(
             block_table=block_table_tensor,
             seq_lens=seq_lens_device,
             dcp_tot_seq_lens=dcp_tot_seq_lens,
+            plan_slot=_PlanSlot(plans),
         )
 
 
@@ -249,13 +260,24 @@ class MLADispatchImpl(MLACommonImpl[MLACommonMetadata]):
         slot = getattr(decode, "plan_slot", None)
         plan = slot.plan if slot is not None else None
         if plan is None:
-            plan = plan_decode(
-                query, kv, decode.block_table, decode.seq_lens,
-                head_dim_v=self.kv_lora_rank, softmax_scale=self.scale, causal=causal,
-                kv_format=self.kv_format, kv_scale=kv_scale, return_lse=return_lse,
-                cuda_graph=query.is_cuda and torch.cuda.is_current_stream_capturing(),
-                batch_invariant=_batch_invariant_mode(),
-            )
+            capturing = query.is_cuda and torch.cuda.is_current_stream_capturing()
+            table, lens = decode.block_table, decode.seq_lens
+
+            def make() -> DecodePlan:
+                return plan_decode(query, kv, table, lens, head_dim_v=self.kv_lora_rank, softmax_scale=self.scale,
+                                   causal=causal, kv_format=self.kv_format, kv_scale=kv_scale, return_lse=return_lse,
+                                   cuda_graph=capturing, batch_invariant=_batch_invariant_mode())
+
+            if slot is None or slot.plans is None:
+                plan = make()
+            else:
+                # the kept plan of these shapes takes this step's table and lengths (its schedule refreshed in
+                # place; a captured graph replays that too), else a new one
+                key = (tuple(query.shape), query.dtype, tuple(kv.shape[1:]), kv.dtype, tuple(table.shape),
+                       tuple(lens.shape), query.device, causal, self.kv_format, kv_scale is None, return_lse,
+                       capturing, _batch_invariant_mode(), float(self.scale))
+                plan = slot.plans.get(key, make, query.device,
+                                      reuse=lambda kept: kept.update(block_table=table, cache_seqlens=lens))
             if slot is not None:
                 slot.plan = plan
         out, lse = plan.run(query, kv, kv_scale=kv_scale)

@@ -34,6 +34,7 @@ import torch
 
 __all__ = [
     "KV_FORMATS",
+    "KV_FORMAT_CODES",
     "DS_MLA_TOKEN_BYTES",
     "DS_V4_TOKEN_BYTES",
     "storage_dtype",
@@ -53,6 +54,9 @@ __all__ = [
 ]
 
 KV_FORMATS = ("bf16", "fp16", "fp8_e4m3", "fp8_ds_mla", "fp8_ds_v4")
+#: The integer every kernel takes for a format (the Triton kernels' ``KV_FORMAT`` constexpr, the CUDA family's
+#: ``KvFormat`` in kernels/cuda/mla_decode_sm90/config.h): a 16-bit cache is "the query's dtype", 0 for both.
+KV_FORMAT_CODES = {"bf16": 0, "fp16": 0, "fp8_e4m3": 1, "fp8_ds_mla": 2, "fp8_ds_v4": 3}
 FP8_MAX = 448.0
 
 DS_MLA_NOPE = 512

@@ -52,6 +52,8 @@ import os
 
 import torch
 
+from mla_dispatch.metadata.workspace import workspace_numel  # (split_plan and tests import it from here too)
+
 __all__ = ["SplitKVSchedule", "split_kv_schedule", "fixed_split_schedule", "default_num_parts",
            "BATCH_INVARIANT_SPLIT_TOKENS", "SPLIT_TOKENS_CHOICES", "check_invariant_workspace", "ITEM_REQ", "ITEM_BEGIN", "ITEM_END", "ITEM_SLOT"]
 
@@ -469,8 +471,6 @@ def _schedule_impl(impl: str, cache_seqlens: torch.Tensor) -> str:
 
 def _triton_schedule(cache_seqlens: torch.Tensor, num_parts: int, chunk_size: int, overhead: int,
                      capacity: int | None) -> SplitKVSchedule:
-    from mla_dispatch.metadata.schedule_triton import workspace_numel
-
     batch, device, i32 = cache_seqlens.shape[0], cache_seqlens.device, torch.int32
     sched = SplitKVSchedule(
         items=torch.empty(batch + num_parts, 4, dtype=i32, device=device),
@@ -488,7 +488,7 @@ def _triton_schedule(cache_seqlens: torch.Tensor, num_parts: int, chunk_size: in
 
 
 def _triton_schedule_into(sched: SplitKVSchedule, cache_seqlens: torch.Tensor) -> None:
-    from mla_dispatch.metadata.schedule_triton import split_kv_schedule_into, workspace_numel
+    from mla_dispatch.metadata.schedule_triton import split_kv_schedule_into
 
     need = workspace_numel(sched.batch, sched.num_parts)
     ws = sched.workspace

@@ -42,14 +42,14 @@ requests on), and the caller falls back to torch above :data:`MAX_BATCH`.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
+from mla_dispatch.metadata.workspace import workspace_numel
+from mla_dispatch.metadata.triton_launch import CachedLaunch
 
-__all__ = ["MAX_BATCH", "workspace_numel", "split_kv_schedule_into"]
+__all__ = ["MAX_BATCH", "workspace_numel", "split_kv_schedule_into", "schedule_launch"]
 
 #: Largest batch one program handles; mla_dispatch.metadata.schedule uses torch above it.
 MAX_BATCH = 8192
@@ -78,11 +78,12 @@ def _count_le(Sorted, n, x, mask, STEPS: tl.constexpr):
 
 @triton.jit
 def split_kv_schedule_kernel(
-    SeqLens, Items, PartOffsets, NumSplits, SlotReq,
+    SeqLens, Items, PartOffsets, NumSplits, SlotReq, FirstSlot, LensOut,
     WsEnd, WsFlag, WsExcl, WsSlotBase,
     batch, num_parts, chunk_size, overhead, capacity,
     stride_seq, stride_item_row, stride_item_col,
     BLOCK_B: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_M: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    WRITE_FIRST_SLOT: tl.constexpr = False, WRITE_LENGTHS: tl.constexpr = False,
 ):
     tl.static_assert(BLOCK_M >= BLOCK_B)
     n_rows = batch + num_parts  # rows of items and slot_req; merged cuts are n_rows - 1
@@ -90,7 +91,10 @@ def split_kv_schedule_kernel(
     # -- phase 1: the cost axis; request starts as cuts ---------------------------------
     b = tl.arange(0, BLOCK_B)
     in_b = b < batch
-    seqlen = tl.load(SeqLens + b.to(tl.int64) * stride_seq, mask=in_b, other=0).to(tl.int64)
+    raw_len = tl.load(SeqLens + b.to(tl.int64) * stride_seq, mask=in_b, other=0)
+    if WRITE_LENGTHS:  # the plan's copy of the lengths, as given (the kernels count the causal cut from them)
+        tl.store(LensOut + b, raw_len, mask=in_b)
+    seqlen = raw_len.to(tl.int64)
     seqlen = tl.minimum(tl.maximum(seqlen, 0), capacity)  # the tokens the request's table row can address
     n_chunks = _cdiv(seqlen, chunk_size)
     cost = tl.where(in_b, n_chunks + overhead, 0)
@@ -147,6 +151,8 @@ def split_kv_schedule_kernel(
     slots = tl.where(is_split, splits, 0)
     first_slot = tl.cumsum(slots, 0) - slots
     n_slots = tl.sum(slots, 0)
+    if WRITE_FIRST_SLOT:  # metadata.combine.first_slots: the combines find a request's partial rows from it
+        tl.store(FirstSlot + b, first_slot, mask=in_b)
     tl.store(WsSlotBase + b, first_slot - first_item, mask=in_b)
 
     start_slot = tl.where(is_split, first_slot, -1)
@@ -182,15 +188,6 @@ def split_kv_schedule_kernel(
     tl.store(SlotReq + bound_slot, req_c, mask=bound_valid & (r_splits > 1))
 
 
-def workspace_numel(batch: int, num_parts: int) -> int:
-    """int32 elements of the workspace :func:`split_kv_schedule_into` needs.
-
-    Layout: ``end`` (int64 ``[B]``, as 2B int32), merged-cut flags ``[B + P]``,
-    their exclusive prefix sum ``[B + P]``, per-request slot base ``[B]``.
-    """
-    return 2 * batch + 2 * (batch + num_parts) + batch
-
-
 def split_kv_schedule_into(
     cache_seqlens: torch.Tensor,
     items: torch.Tensor,
@@ -203,6 +200,8 @@ def split_kv_schedule_into(
     chunk_size: int,
     overhead: int,
     capacity: int | None = None,
+    first_slot: torch.Tensor | None = None,
+    lengths_out: torch.Tensor | None = None,
 ) -> None:
     """Write the split-KV schedule of ``cache_seqlens`` into preallocated buffers (one launch, no host sync).
 
@@ -220,19 +219,50 @@ def split_kv_schedule_into(
         As in :func:`mla_dispatch.metadata.schedule.split_kv_schedule` (all >= 1).
     capacity : int, optional
         As there: ``max_blocks * page_size``, or None (no bound).
+    first_slot : Tensor, optional
+        int32 ``[B]``, contiguous: also written, :func:`mla_dispatch.metadata.combine.first_slots` of the schedule.
+    lengths_out : Tensor, optional
+        int32 ``[B]``, contiguous: also written, a copy of ``cache_seqlens`` (a plan's own lengths).
 
     Raises
     ------
     ValueError
         A buffer has the wrong shape, dtype or layout, or ``B`` is out of range.
     """
+    schedule_launch(cache_seqlens, items, part_offsets, num_splits, slot_req, workspace, num_parts=num_parts,
+                    chunk_size=chunk_size, overhead=overhead, capacity=capacity, first_slot=first_slot,
+                    lengths_out=lengths_out).slow()
+
+
+def schedule_launch(
+    cache_seqlens: torch.Tensor,
+    items: torch.Tensor,
+    part_offsets: torch.Tensor,
+    num_splits: torch.Tensor,
+    slot_req: torch.Tensor,
+    workspace: torch.Tensor,
+    *,
+    num_parts: int,
+    chunk_size: int,
+    overhead: int,
+    capacity: int | None = None,
+    first_slot: torch.Tensor | None = None,
+    lengths_out: torch.Tensor | None = None,
+) -> CachedLaunch:
+    """The launch of :func:`split_kv_schedule_into` with these buffers, checked once and kept: calling it (no
+    arguments) recomputes the schedule of the values ``cache_seqlens`` holds then (a plan's update), one launch
+    through :class:`~mla_dispatch.metadata.triton_launch.CachedLaunch`. Arguments and errors as
+    :func:`split_kv_schedule_into`."""
     batch = cache_seqlens.shape[0]
     if not 1 <= batch <= MAX_BATCH:
         raise ValueError(f"batch must be in [1, {MAX_BATCH}] for the triton schedule, got {batch}")
     n_rows = batch + num_parts
     expected = {"items": (items, (n_rows, 4)), "part_offsets": (part_offsets, (num_parts + 1,)),
-                "num_splits": (num_splits, (batch,)), "slot_req": (slot_req, (n_rows,))}
+                "num_splits": (num_splits, (batch,)), "slot_req": (slot_req, (n_rows,)),
+                "first_slot": (first_slot, (batch,)), "lengths_out": (lengths_out, (batch,))}
     for name, (t, shape) in expected.items():
+        if t is None:
+            continue
         if tuple(t.shape) != shape or t.dtype != torch.int32 or t.device != cache_seqlens.device:
             raise ValueError(f"{name} must be int32 {list(shape)} on {cache_seqlens.device}, "
                              f"got {t.dtype} {list(t.shape)} on {t.device}")
@@ -251,16 +281,22 @@ def split_kv_schedule_into(
     block_b = triton.next_power_of_2(batch)
     block_p = triton.next_power_of_2(num_parts + 1)
     block_m = triton.next_power_of_2(n_rows)
-    # Triton launches on the current device, not the tensors' (the kernels' guard: kernels/triton/device.py)
-    with torch.cuda.device(cache_seqlens.device) if cache_seqlens.is_cuda else contextlib.nullcontext():
-        split_kv_schedule_kernel[(1,)](
-            cache_seqlens, items, part_offsets, num_splits, slot_req,
-            ws_end, ws_flag, ws_excl, ws_slot_base,
-            batch, num_parts, chunk_size, overhead, _INT32_MAX if capacity is None else min(capacity, _INT32_MAX),
-            cache_seqlens.stride(0), items.stride(0), items.stride(1),
-            BLOCK_B=block_b, BLOCK_P=block_p, BLOCK_M=block_m, SEARCH_STEPS=block_b.bit_length(),
-            num_warps=_num_warps(block_m),
-        )
+    args = dict(
+        SeqLens=cache_seqlens, Items=items, PartOffsets=part_offsets, NumSplits=num_splits, SlotReq=slot_req,
+        FirstSlot=num_splits if first_slot is None else first_slot,  # (unused pointers stand in when not written)
+        LensOut=num_splits if lengths_out is None else lengths_out,
+        WsEnd=ws_end, WsFlag=ws_flag, WsExcl=ws_excl, WsSlotBase=ws_slot_base,
+        batch=batch, num_parts=num_parts, chunk_size=chunk_size, overhead=overhead,
+        capacity=_INT32_MAX if capacity is None else min(capacity, _INT32_MAX),
+        stride_seq=cache_seqlens.stride(0), stride_item_row=items.stride(0), stride_item_col=items.stride(1),
+        BLOCK_B=block_b, BLOCK_P=block_p, BLOCK_M=block_m, SEARCH_STEPS=block_b.bit_length(),
+        WRITE_FIRST_SLOT=first_slot is not None, WRITE_LENGTHS=lengths_out is not None,
+    )
+    # Triton launches on the current device, not the tensors' (the launch guards it: kernels/triton/device.py)
+    device = cache_seqlens.device.index if cache_seqlens.is_cuda else None
+    if cache_seqlens.is_cuda and device is None:
+        device = torch.cuda.current_device()
+    return CachedLaunch(split_kv_schedule_kernel, (1,), args, (), {"num_warps": _num_warps(block_m)}, device)
 
 
 def _num_warps(block_m: int) -> int:

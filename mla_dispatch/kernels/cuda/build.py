@@ -27,9 +27,9 @@ __all__ = ["KernelBuildError", "SM90_SOURCE_DIR", "SM90_KERNEL_SOURCES", "nvcc_p
            "load_sm90"]
 
 SM90_SOURCE_DIR = pathlib.Path(__file__).resolve().parent / "mla_decode_sm90"
-#: The kernel translation units (no torch): the launcher and one file per (q dtype, cache format) of kernel
-#: instances (instantiations/), which the build compiles in parallel.
-SM90_KERNEL_SOURCES = ("launch.cu",
+#: The kernel translation units (no torch): the launcher, the split-KV schedule of a plan, and one file per (q dtype,
+#: cache format) of kernel instances (instantiations/), which the build compiles in parallel.
+SM90_KERNEL_SOURCES = ("launch.cu", "schedule.cu",
                        *sorted(f"instantiations/{f.name}" for f in (SM90_SOURCE_DIR / "instantiations").glob("*.cu")))
 _SM90_SOURCES = ("binding.cpp", *SM90_KERNEL_SOURCES)
 SM90_GENCODE = "-gencode=arch=compute_90a,code=sm_90a"

@@ -22,13 +22,16 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from mla_dispatch.kernels.triton.decode import KernelConfig, effective_splits, mla_decode_kernel, tma_fits
+from mla_dispatch.kvcache.formats import KV_FORMAT_CODES
 
-_PTR = {"bf16": "*bf16", "fp16": "*fp16", "fp8_e4m3": "*fp8e4nv", "fp8_ds_mla": "*u8"}
-_FMT = {"bf16": 0, "fp16": 0, "fp8_e4m3": 1, "fp8_ds_mla": 2}
+_PTR = {"bf16": "*bf16", "fp16": "*fp16", "fp8_e4m3": "*fp8e4nv", "fp8_ds_mla": "*u8", "fp8_ds_v4": "*u8"}
 
 
 def compile_config(cfg: KernelConfig, *, kv_format="bf16", causal=False, sparse=False, arch=90, d_v=512, d_rope=64,
-                   page_size=64, sass=False, seesaw=None):
+                   page_size=64, sass=False, seesaw=None, sparse_extras=False):
+    """Compile ``cfg``'s kernel for ``sm_{arch}`` and report its registers, spills, shared memory and instruction
+    counts. ``sparse_extras`` (sparse only): with every optional sparse argument (DeepSeek-V4's ``topk_length``,
+    ``attn_sink``, an extra cache on pages of 2 tokens and its ``extra_topk_length``), else with none."""
     if cfg.gluon:
         if seesaw is None:  # the kernel a launch takes (decode.launch_decode_kernel)
             seesaw = kv_format in ("bf16", "fp16") and page_size % 64 == 0
@@ -42,7 +45,7 @@ def compile_config(cfg: KernelConfig, *, kv_format="bf16", causal=False, sparse=
     tma = cfg.tma and tma_fits(kv_format=kv_format, sparse=sparse, page_size=page_size, heads_kv=1,
                                block_n=cfg.block_n, v_split=v_split, qk_chunk=qk_chunk, head_dim_v=d_v)
     constexprs = dict(PAGE_SIZE=page_size, D_V=d_v, D_ROPE=d_rope, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, V_SPLIT=v_split,
-                      QK_CHUNK=qk_chunk, KV_FORMAT=_FMT[kv_format], CAUSAL=causal, SPARSE=sparse,
+                      QK_CHUNK=qk_chunk, KV_FORMAT=KV_FORMAT_CODES[kv_format], CAUSAL=causal, SPARSE=sparse,
                       TOKENS_ON_M=cfg.tokens_on_m, TMA=tma, ASM_PAGE=tma, Q_TMA=tma)
     if tma:  # host tensor descriptors (decode.tma_descriptors)
         dt = _PTR[kv_format][1:]
@@ -53,10 +56,15 @@ def compile_config(cfg: KernelConfig, *, kv_format="bf16", causal=False, sparse=
     for desc in ("KDesc", "RDesc", "QDesc", "QRDesc"):
         if desc not in ptrs:
             constexprs[desc] = None
-    # the optional sparse arguments (DeepSeek-V4's): absent, as a launch without them passes them
-    constexprs.update(TopkLength=None, AttnSink=None, ExtraKV=None, ExtraIndices=None, ExtraTopkLength=None,
-                      EXTRA_PAGE_SIZE=1, HAS_TOPK_LENGTH=False, HAS_SINK=False, HAS_EXTRA=False,
-                      HAS_EXTRA_TOPK_LENGTH=False)
+    if sparse_extras:  # the optional sparse arguments (DeepSeek-V4's), every one given
+        ptrs.update(TopkLength="*i32", AttnSink="*fp32", ExtraKV=_PTR[kv_format], ExtraIndices="*i32",
+                    ExtraTopkLength="*i32")
+        constexprs.update(EXTRA_PAGE_SIZE=2, HAS_TOPK_LENGTH=True, HAS_SINK=True, HAS_EXTRA=True,
+                          HAS_EXTRA_TOPK_LENGTH=True)
+    else:  # absent, as a launch without them passes them
+        constexprs.update(TopkLength=None, AttnSink=None, ExtraKV=None, ExtraIndices=None, ExtraTopkLength=None,
+                          EXTRA_PAGE_SIZE=1, HAS_TOPK_LENGTH=False, HAS_SINK=False, HAS_EXTRA=False,
+                          HAS_EXTRA_TOPK_LENGTH=False)
     src = ASTSource(mla_decode_kernel, *_signature(names, ptrs, constexprs))
     k = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -272,7 +280,7 @@ def parse_spec(spec: str) -> KernelConfig:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", type=int, default=90)
-    ap.add_argument("--fmt", default="bf16", choices=sorted(_FMT))
+    ap.add_argument("--fmt", default="bf16", choices=sorted(KV_FORMAT_CODES))
     ap.add_argument("--sass", action="store_true", help="also each loop's SASS events in order (sass_loops)")
     ap.add_argument("specs", nargs="*", default=["tM16-n64", "tM32-n64", "hM64-n32-w8", "hM64-n64-w8"])
     args = ap.parse_args()

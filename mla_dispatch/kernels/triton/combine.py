@@ -26,7 +26,7 @@ import triton.language as tl
 
 from mla_dispatch.kernels.triton.device import kernel_device
 
-__all__ = ["PARTIAL_ROW_FORMAT", "combine_kernel", "combine_by_boundary", "launch_combine"]
+__all__ = ["PARTIAL_ROW_FORMAT", "combine_kernel", "combine_by_boundary", "launch_combine", "combine_fixed", "combine_call"]
 
 #: How the decode kernel (:mod:`.decode`) stores a split request's partial row in the plan's fp16 workspace row
 #: ``partial_out[slot, i, h, :]`` (``2 D_v`` fp16, the bytes of an fp32 row) and this combine reads it:
@@ -175,6 +175,26 @@ def launch_combine(partial_out, partial_lse, num_splits, first_slot, out, lse, i
     Returns Triton's launch handle, or None when there is nothing to merge (one part, or no requests).
     """
     batch, q_len, h_q, d_v = out.shape
+    prepared = combine_fixed(partial_out, partial_lse, num_splits, first_slot, items, part_offsets, batch=batch,
+                             q_len=q_len, h_q=h_q, d_v=d_v, v_split=v_split, block_r=block_r, block_d=block_d,
+                             block_s=block_s, fixed_splits=fixed_splits, has_sink=attn_sink is not None)
+    if prepared is None:
+        return None
+    grid, fixed, options = prepared
+    with kernel_device(out):  # Triton launches on the current device, not the tensors'
+        return kernel[grid](**fixed, **combine_call(out, lse, attn_sink), **options)
+
+
+def combine_fixed(partial_out, partial_lse, num_splits, first_slot, items, part_offsets, *, batch: int, q_len: int,
+                  h_q: int, d_v: int, v_split: int = 1, block_r: int | None = None, block_d: int | None = None,
+                  block_s: int | None = None, fixed_splits: bool = False, has_sink: bool = False):
+    """``(grid, arguments, launch options)`` of :func:`combine_kernel` that a plan fixes (everything but out and lse
+    and their strides and the attention sink, :func:`combine_call`), or None when there is nothing to merge (one part
+    of a balanced schedule, or no requests). Arguments as :func:`launch_combine`; ``has_sink``: every call gives an
+    ``attn_sink`` (the ``HAS_SINK`` constexpr).
+
+    Raises ValueError for a ``partial_out`` that does not hold rows in :data:`PARTIAL_ROW_FORMAT`.
+    """
     if partial_out.dtype != torch.float16 or partial_out.shape[-1] != 2 * d_v:
         raise ValueError(f"partial_out: dtype {partial_out.dtype}, last dim {partial_out.shape[-1]} "
                          f"(expected float16 and 2 * D_v = {2 * d_v}: PARTIAL_ROW_FORMAT)")
@@ -187,18 +207,23 @@ def launch_combine(partial_out, partial_lse, num_splits, first_slot, out, lse, i
     block_r = block_r or defaults[0]
     block_s = block_s or defaults[2]
     block_d = min(block_d or defaults[1], d_v)
-    scale_block = d_v // v_split
-    grid = (num_parts - 1 if by_boundary else batch, triton.cdiv(rows, block_r), triton.cdiv(d_v, block_d))
+    grid = (num_parts - 1 if by_boundary else batch, -(-rows // block_r), -(-d_v // block_d))  # (cdiv; triton.cdiv is a constexpr function, slow on the host)
     words = partial_out.view(torch.int32)  # [max_slots, s_q, h_q, D_v]: two fp16 channels per word
-    with kernel_device(out):  # Triton launches on the current device, not the tensors'
-        return kernel[grid](
-            words, partial_lse, out, lse, num_splits, first_slot, items, part_offsets,
-            h_q,
-            words.stride(0), words.stride(1), words.stride(2),
-            partial_lse.stride(0), partial_lse.stride(1), partial_lse.stride(2),
-            out.stride(0), out.stride(1), out.stride(2),
-            lse.stride(0), lse.stride(1), lse.stride(2),
-            ROWS=rows, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_S=block_s, BY_BOUNDARY=by_boundary,
-            D_V=d_v, SCALE_BLOCK=scale_block, AttnSink=attn_sink, HAS_SINK=attn_sink is not None,
-            num_warps=4,
-        )
+    fixed = dict(
+        PartialOut=words, PartialLse=partial_lse, NumSplits=num_splits, FirstSlot=first_slot, Items=items,
+        PartOffsets=part_offsets, num_heads=h_q,
+        stride_pob=words.stride(0), stride_pos=words.stride(1), stride_poh=words.stride(2),
+        stride_plb=partial_lse.stride(0), stride_pls=partial_lse.stride(1), stride_plh=partial_lse.stride(2),
+        ROWS=rows, BLOCK_R=block_r, BLOCK_D=block_d, BLOCK_S=block_s, BY_BOUNDARY=by_boundary, D_V=d_v,
+        SCALE_BLOCK=d_v // v_split, HAS_SINK=has_sink)
+    return grid, fixed, {"num_warps": 4}
+
+
+def combine_call(out, lse, attn_sink=None) -> dict:
+    """The arguments of :func:`combine_kernel` that change per call: out and lse and their strides, and the layer's
+    ``attn_sink`` where the plan has one (``combine_fixed(..., has_sink=True)``)."""
+    call = dict(Out=out, Lse=lse, stride_ob=out.stride(0), stride_os=out.stride(1), stride_oh=out.stride(2),
+                stride_lb=lse.stride(0), stride_lh=lse.stride(1), stride_ls=lse.stride(2))
+    if attn_sink is not None:
+        call["AttnSink"] = attn_sink
+    return call

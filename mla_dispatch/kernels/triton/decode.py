@@ -76,12 +76,13 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
+from mla_dispatch.kernels.triton.descriptors import rebased
 from mla_dispatch.kernels.triton.device import kernel_device
-from mla_dispatch.kernels.triton.fp8t_limits import FP8T_MAX_ROWS, fp8t_enabled
+from mla_dispatch.kernels.triton.fp8t_limits import FP8T_MAX_ROWS
+from mla_dispatch.kvcache.formats import KV_FORMAT_CODES
 
-__all__ = ["KernelConfig", "choose_config", "launch_decode", "launch_decode_kernel", "KV_FORMAT_IDS"]
+__all__ = ["KernelConfig", "choose_config", "launch_decode", "launch_decode_kernel"]
 
-KV_FORMAT_IDS = {"bf16": 0, "fp16": 0, "fp8_e4m3": 1, "fp8_ds_mla": 2, "fp8_ds_v4": 3}
 DS_MLA_SCALE_OFFSET = tl.constexpr(512)  # bytes
 DS_MLA_ROPE_OFFSET = tl.constexpr(528)  # bytes
 DS_MLA_TILE = tl.constexpr(128)  # channels per fp32 scale
@@ -89,6 +90,9 @@ DS_V4_NOPE = tl.constexpr(448)  # fp8 channels of an fp8_ds_v4 token; then 64 bf
 DS_V4_TILE = tl.constexpr(64)  # channels per ue8m0 scale
 DS_V4_DATA_BYTES = 576  # a token's fp8 + bf16 bytes, consecutive in its block (the token stride)
 DS_V4_SCALE_BYTES = 8  # a token's 7 scale bytes + 1 pad, after the block's PAGE_SIZE * 576 data bytes
+# the two as the jit code reads them (a compiled kernel reads only constexpr globals; the interpreter reads any)
+_DS_V4_DATA_BYTES = tl.constexpr(DS_V4_DATA_BYTES)
+_DS_V4_SCALE_BYTES = tl.constexpr(DS_V4_SCALE_BYTES)
 
 
 # ----------------------------------------------------------------------------------------
@@ -116,7 +120,7 @@ def _token_rows(BlockTable, Indices, req, i_row0, start, end, num_blocks, PAGE_S
         rows = block * stride_kb + (idx - block * PAGE_SIZE) * stride_kt + kv_head_off
         srows = rows
         if KV_FORMAT == 3:  # the block's scale bytes follow its PAGE_SIZE tokens of 576 data bytes
-            srows = block * stride_kb + PAGE_SIZE * DS_V4_DATA_BYTES + (idx - block * PAGE_SIZE) * DS_V4_SCALE_BYTES
+            srows = block * stride_kb + PAGE_SIZE * _DS_V4_DATA_BYTES + (idx - block * PAGE_SIZE) * _DS_V4_SCALE_BYTES
     elif PAGE_SIZE % BLOCK_N == 0:
         # the tile lies in one page (tiles start at multiples of BLOCK_N: schedule items are
         # chunk-aligned, metadata.split_kv_schedule, and chunk_size % BLOCK_N == 0): one table entry,
@@ -684,7 +688,7 @@ GLUON_CONFIG = KernelConfig(64, 64, 8, 2, tma=True, gluon=True)
 #: gluonfp8, 2026-11-22, twenty-first session, call 5): h16 298.1 vs 288.0 (page 64) and 299.2 vs 282.2 (page 16): plain
 #: kept; h32 303.6 vs 474.5, h64 311.5 vs 482.5; FlashMLA grid b=128 h128 L=8K s1 1132.2 vs 2493.4, s2 2187.2 vs 4871.1.
 GLUON_FP8_MIN_ROWS = 32
-# FP8T_MAX_ROWS, fp8t_enabled: the tokens-on-M fp8 kernel's limit and switch (.fp8t_limits, imported above).
+# FP8T_MAX_ROWS: the tokens-on-M fp8 kernel's row limit (.fp8t_limits, imported above).
 
 
 #: (rows bucket, kv format) -> config where a 64-token tile spans several pages (page_size < 64, dense caches)
@@ -693,11 +697,11 @@ INTERPRETER_CONFIG = KernelConfig(16, 16, 4, 1, chunk_size=16)
 
 
 def choose_config(rows: int, kv_format: str, *, page_size: int | None = None, heads_kv: int = 1,
-                  interpret: bool = False, gluon: bool = False) -> KernelConfig:
+                  interpret: bool = False, gluon: bool = False, fp8t: bool = True) -> KernelConfig:
     """The config for a problem class (see ``CONFIGS``; ``TMA_CONFIGS`` for bf16/fp16 caches with one KV head
     and pages of whole 64-token tiles; ``GLUON_CONFIG`` for bf16/fp16 caches (and fp8_e4m3 ones from
-    ``GLUON_FP8_MIN_ROWS`` rows, or up to ``FP8T_MAX_ROWS`` rows unless :func:`fp8t_enabled` says no) with one KV head
-    and any page size when ``gluon`` says the Gluon sm_90 kernel can run
+    ``GLUON_FP8_MIN_ROWS`` rows, or up to ``FP8T_MAX_ROWS`` rows where ``fp8t`` allows the tokens-on-M kernel) with one
+    KV head and any page size when ``gluon`` says the Gluon sm_90 kernel can run
     (:func:`.gluon_sm90.gluon_possible`); ``SMALL_PAGE_CONFIGS`` for dense caches with pages shorter than 64 tokens;
     ``page_size=None``: sparse or unknown)."""
     if interpret:
@@ -705,7 +709,7 @@ def choose_config(rows: int, kv_format: str, *, page_size: int | None = None, he
     key = (_rows_bucket(rows), kv_format)
     if gluon and page_size is not None and heads_kv == 1 and (
             kv_format in ("bf16", "fp16") or (kv_format == "fp8_e4m3" and (
-                key[0] >= GLUON_FP8_MIN_ROWS or (rows <= FP8T_MAX_ROWS and fp8t_enabled())))):
+                key[0] >= GLUON_FP8_MIN_ROWS or (rows <= FP8T_MAX_ROWS and fp8t)))):
         return GLUON_CONFIG
     tma = TMA_CONFIGS.get(key)
     if tma is not None and page_size is not None and heads_kv == 1 and page_size % tma.block_n == 0:
@@ -772,8 +776,13 @@ def tma_descriptors(t, head_dim_v: int, block_rows: int):
 
     rows, width = t.shape[0] * t.shape[1], t.shape[-1]
     flat = t.view(rows, width)
-    kd = TensorDescriptor(flat, [rows, width], [width, 1], [block_rows, head_dim_v])
-    rd = TensorDescriptor(flat, [rows, width], [width, 1], [block_rows, width - head_dim_v]) if width > head_dim_v else None
+    # the same geometry every call of a plan: built and checked once, copied with the new base after (.descriptors)
+    key = ("plain", rows, width, block_rows, head_dim_v, t.dtype)
+    kd = rebased(key + ("latent",), flat, lambda f: TensorDescriptor(f, [rows, width], [width, 1],
+                                                                     [block_rows, head_dim_v]))
+    rd = rebased(key + ("rope",), flat, lambda f: TensorDescriptor(f, [rows, width], [width, 1],
+                                                                   [block_rows, width - head_dim_v])) \
+        if width > head_dim_v else None
     return kd, rd
 
 
@@ -813,7 +822,8 @@ def launch_decode_kernel(kernel, q, kv, block_table, cache_seqlens, indices, kv_
                          v_split: int, qk_chunk: int, max_registers: int = 0, tma: bool = False,
                          gluon: bool = False, topk_length=None, attn_sink=None, extra_kv=None, extra_indices=None,
                          extra_topk_length=None):
-    """The launch itself, on tensors and plain scalars: ``kernel[grid](...)``.
+    """The launch itself, on tensors and plain scalars: ``kernel[grid](...)``, with the kernel decided here, per call
+    (the registered op's path; a plan's eager runs take the launch its plan froze, :mod:`.launch`).
 
     ``kernel`` is :func:`mla_decode_kernel` or ``torch.library.wrap_triton`` of it
     (inside the registered op). One program per (schedule part, tile): the grid is
@@ -827,20 +837,8 @@ def launch_decode_kernel(kernel, q, kv, block_table, cache_seqlens, indices, kv_
     batch, q_len, h_q, d_qk = q.shape
     _, page_size, h_kv, _ = kv.shape
     head_dim_v = out.shape[-1]
-    group = h_q // h_kv
     sparse = indices is not None
-    rows = group if sparse else q_len * group
-    tiles_m = triton.cdiv(rows, block_m)
     v_split, qk_chunk = _clip_splits(v_split, qk_chunk, head_dim_v)
-    grid = (part_offsets.shape[0] - 1, h_kv * v_split * tiles_m * (q_len if sparse else 1))
-    bt = block_table if block_table is not None else cache_seqlens  # dummy pointer when sparse
-    idx = indices if sparse else cache_seqlens
-    scale_ptr = kv_scale if kv_scale is not None else cache_seqlens
-    stride_bt = block_table.stride(0) if block_table is not None else 0
-    stride_ib, stride_is = (indices.stride(0), indices.stride(1)) if sparse else (0, 0)
-    # the register cap is a plain launch's option; torch's wrap_triton (torch.compile / export) forwards
-    # only num_warps / num_stages-like options, so a traced launch runs without the cap (same results)
-    launch_options = {"maxnreg": max_registers} if max_registers and isinstance(kernel, JITFunction) else {}
     traced = not isinstance(kernel, (JITFunction, InterpretedFunction))
     use_tma = tma_applies(tma, kv, kv_format=kv_format, sparse=sparse, block_n=block_n, v_split=v_split,
                           qk_chunk=qk_chunk, head_dim_v=head_dim_v, traced=traced)
@@ -861,40 +859,112 @@ def launch_decode_kernel(kernel, q, kv, block_table, cache_seqlens, indices, kv_
                                             partial_out, partial_lse, softmax_scale=softmax_scale, causal=causal)
             return launch_decode_gluon(q, kv, block_table, cache_seqlens, kv_scale, items, part_offsets, out, lse,
                                        partial_out, partial_lse, softmax_scale=softmax_scale, causal=causal)
-    # fp8_ds_v4: a token's data bytes are 576 apart in its block (the tensor's dim-1 stride, 584, is the layout's
-    # size per token, not the distance between tokens)
-    stride_kt = DS_V4_DATA_BYTES if kv_format == "fp8_ds_v4" else kv.stride(1)
-    extra = dict(TopkLength=topk_length, AttnSink=attn_sink, HAS_TOPK_LENGTH=topk_length is not None,
-                 HAS_SINK=attn_sink is not None, topk=indices.shape[-1] if sparse else 0)
-    if extra_kv is not None:
-        extra.update(ExtraKV=extra_kv, ExtraIndices=extra_indices, ExtraTopkLength=extra_topk_length,
-                     stride_ekb=extra_kv.stride(0),
-                     stride_ekt=DS_V4_DATA_BYTES if kv_format == "fp8_ds_v4" else extra_kv.stride(1),
-                     stride_ekh=extra_kv.stride(2), stride_eib=extra_indices.stride(0),
-                     stride_eis=extra_indices.stride(1), extra_num_blocks=extra_kv.shape[0],
-                     EXTRA_PAGE_SIZE=extra_kv.shape[1], HAS_EXTRA=True,
-                     HAS_EXTRA_TOPK_LENGTH=extra_topk_length is not None)
-    descs = tma_descriptors(kv, head_dim_v, block_n) if use_tma else (None, None)
-    q_descs = tma_descriptors(q.view(batch * q_len, h_q, 1, d_qk), head_dim_v, block_m) if q_tma else (None, None)
+    grid, fixed, options = decode_kernel_fixed(
+        batch=batch, q_len=q_len, h_q=h_q, d_qk=d_qk, page_size=page_size, h_kv=h_kv, head_dim_v=head_dim_v,
+        block_table=block_table, seqlens=cache_seqlens, items=items, part_offsets=part_offsets,
+        partial_out=partial_out, partial_lse=partial_lse, softmax_scale=softmax_scale, causal=causal,
+        kv_format=kv_format, sparse=sparse, block_m=block_m, block_n=block_n, num_warps=num_warps,
+        num_stages=num_stages, tokens_on_m=tokens_on_m, v_split=v_split, qk_chunk=qk_chunk,
+        max_registers=max_registers if isinstance(kernel, JITFunction) else 0, tma=use_tma, q_tma=q_tma,
+        device_is_cuda=kv.device.type == "cuda", topk=indices.shape[-1] if sparse else 0,
+        has_topk_length=topk_length is not None, has_sink=attn_sink is not None,
+        extra_page_size=extra_kv.shape[1] if extra_kv is not None else 0,
+        has_extra_topk_length=extra_topk_length is not None)
+    call = decode_kernel_call(q, kv, kv_scale, indices, out, lse, tma=use_tma, q_tma=q_tma, head_dim_v=head_dim_v,
+                              block_m=block_m, block_n=block_n, kv_format=kv_format, topk_length=topk_length,
+                              attn_sink=attn_sink, extra_kv=extra_kv, extra_indices=extra_indices,
+                              extra_topk_length=extra_topk_length)
     with kernel_device(q):  # Triton launches on the current device, not the tensors'
-        return kernel[grid](
-            q, kv, bt, cache_seqlens, idx, scale_ptr,
-            *descs, *q_descs,
-            items, part_offsets,
-            out, lse, partial_out, partial_lse,
-            softmax_scale * 1.4426950408889634,
-            q_len, group,
-            q.stride(0), q.stride(1), q.stride(2),
-            kv.stride(0), stride_kt, kv.stride(2),
-            stride_bt, stride_ib, stride_is,
-            out.stride(0), out.stride(1), out.stride(2),
-            lse.stride(0), lse.stride(1), lse.stride(2),
-            partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
-            partial_lse.stride(0), partial_lse.stride(1), partial_lse.stride(2),
-            H_KV=h_kv, NUM_M_TILES=tiles_m, num_blocks=kv.shape[0], PAGE_SIZE=page_size,
-            D_V=head_dim_v, D_ROPE=d_qk - head_dim_v,
-            BLOCK_M=block_m, BLOCK_N=block_n, V_SPLIT=v_split, QK_CHUNK=qk_chunk,
-            KV_FORMAT=KV_FORMAT_IDS[kv_format], CAUSAL=causal, SPARSE=sparse, TOKENS_ON_M=tokens_on_m,
-            TMA=use_tma, ASM_PAGE=use_tma and kv.device.type == "cuda", Q_TMA=q_tma, **extra,
-            num_warps=num_warps, num_stages=num_stages, **launch_options,
-        )
+        return kernel[grid](**fixed, **call, **options)
+
+
+def decode_kernel_fixed(*, batch: int, q_len: int, h_q: int, d_qk: int, page_size: int, h_kv: int, head_dim_v: int,
+                        block_table, seqlens, items, part_offsets, partial_out, partial_lse, softmax_scale: float,
+                        causal: bool, kv_format: str, sparse: bool, block_m: int, block_n: int, num_warps: int,
+                        num_stages: int, tokens_on_m: bool, v_split: int, qk_chunk: int, max_registers: int,
+                        tma: bool, q_tma: bool, device_is_cuda: bool, topk: int = 0, has_topk_length: bool = False,
+                        has_sink: bool = False, extra_page_size: int = 0, has_extra_topk_length: bool = False):
+    """``(grid, arguments, launch options)`` of :func:`mla_decode_kernel` that a plan fixes: everything but what
+    :func:`decode_kernel_call` gives per call. ``v_split`` / ``qk_chunk`` as clipped (:func:`_clip_splits`); ``tma``
+    and ``q_tma`` as decided for the launch (:func:`tma_applies`, :func:`q_tma_applies`); ``max_registers`` 0 where the
+    launch takes no register cap (the interpreter; torch's wrap_triton forwards no ``maxnreg``). Sparse launches:
+    ``topk`` the width of the indices, and which of the optional sparse arguments every call gives (the ``HAS_*``
+    constexprs; ``extra_page_size`` > 0: an extra cache of that page size)."""
+    group = h_q // h_kv
+    rows = group if sparse else q_len * group
+    tiles_m = -(-rows // block_m)  # (cdiv; triton.cdiv is a constexpr function, slow on the host)
+    grid = (part_offsets.shape[0] - 1, h_kv * v_split * tiles_m * (q_len if sparse else 1))
+    fixed = dict(
+        BlockTable=block_table if block_table is not None else seqlens,  # a dummy pointer when sparse
+        Seqlens=seqlens, Items=items, PartOffsets=part_offsets, PartialOut=partial_out, PartialLse=partial_lse,
+        qk_scale=softmax_scale * 1.4426950408889634, q_len=q_len, group=group,
+        stride_bt=block_table.stride(0) if block_table is not None else 0,
+        stride_pob=partial_out.stride(0), stride_pos=partial_out.stride(1), stride_poh=partial_out.stride(2),
+        stride_plb=partial_lse.stride(0), stride_pls=partial_lse.stride(1), stride_plh=partial_lse.stride(2),
+        H_KV=h_kv, NUM_M_TILES=tiles_m, PAGE_SIZE=page_size, D_V=head_dim_v, D_ROPE=d_qk - head_dim_v,
+        BLOCK_M=block_m, BLOCK_N=block_n, V_SPLIT=v_split, QK_CHUNK=qk_chunk, KV_FORMAT=KV_FORMAT_CODES[kv_format],
+        CAUSAL=causal, SPARSE=sparse, TOKENS_ON_M=tokens_on_m, TMA=tma, ASM_PAGE=tma and device_is_cuda, Q_TMA=q_tma,
+        HAS_TOPK_LENGTH=has_topk_length, HAS_SINK=has_sink, HAS_EXTRA=extra_page_size > 0,
+        HAS_EXTRA_TOPK_LENGTH=has_extra_topk_length,
+    )
+    if sparse:
+        fixed["topk"] = topk
+    else:
+        fixed.update(Indices=seqlens, stride_ib=0, stride_is=0)  # dummies
+    if extra_page_size:
+        fixed["EXTRA_PAGE_SIZE"] = extra_page_size
+    if kv_format != "fp8_e4m3":
+        fixed["KVScale"] = seqlens  # a dummy pointer
+    if not tma:
+        fixed.update(KDesc=None, RDesc=None)
+    if not q_tma:
+        fixed.update(QDesc=None, QRDesc=None)
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    if max_registers:
+        options["maxnreg"] = max_registers
+    return grid, fixed, options
+
+
+#: the per-call arguments of :func:`mla_decode_kernel` that come with an extra cache (:func:`decode_kernel_call`)
+EXTRA_CACHE_ARGS = ("ExtraKV", "ExtraIndices", "stride_ekb", "stride_ekt", "stride_ekh", "stride_eib", "stride_eis",
+                    "extra_num_blocks")
+
+
+def decode_kernel_call(q, kv, kv_scale, indices, out, lse, *, tma: bool, q_tma: bool, head_dim_v: int, block_m: int,
+                       block_n: int, kv_descriptors=None, kv_format: str | None = None, topk_length=None,
+                       attn_sink=None, extra_kv=None, extra_indices=None, extra_topk_length=None) -> dict:
+    """The arguments of :func:`mla_decode_kernel` that change per call (layer): q, the cache, the scale, the sparse
+    indices, out and lse, their strides, the cache's block count and the TMA descriptors over q and the cache
+    (``kv_descriptors``: a function of the cache giving its pair, for a caller that keeps them); and a sparse call's
+    optional arguments where given (``topk_length``, ``attn_sink``, the extra cache with its indices and
+    ``extra_topk_length``: :data:`EXTRA_CACHE_ARGS`). ``kv_format="fp8_ds_v4"``: a token's data bytes are 576 apart in
+    its block (the tensor's dim-1 stride, 584, is the layout's size per token, not the distance between tokens)."""
+    v4 = kv_format == "fp8_ds_v4"
+    call = dict(Q=q, KV=kv, Out=out, Lse=lse,
+                stride_qb=q.stride(0), stride_qs=q.stride(1), stride_qh=q.stride(2),
+                stride_kb=kv.stride(0), stride_kt=DS_V4_DATA_BYTES if v4 else kv.stride(1), stride_kh=kv.stride(2),
+                stride_ob=out.stride(0), stride_os=out.stride(1), stride_oh=out.stride(2),
+                stride_lb=lse.stride(0), stride_lh=lse.stride(1), stride_ls=lse.stride(2),
+                num_blocks=kv.shape[0])
+    if indices is not None:
+        call.update(Indices=indices, stride_ib=indices.stride(0), stride_is=indices.stride(1))
+    if kv_scale is not None:
+        call["KVScale"] = kv_scale
+    if tma:
+        call["KDesc"], call["RDesc"] = (kv_descriptors(kv) if kv_descriptors is not None
+                                        else tma_descriptors(kv, head_dim_v, block_n))
+    if q_tma:
+        batch, q_len, h_q, d_qk = q.shape
+        call["QDesc"], call["QRDesc"] = tma_descriptors(q.view(batch * q_len, h_q, 1, d_qk), head_dim_v, block_m)
+    if topk_length is not None:
+        call["TopkLength"] = topk_length
+    if attn_sink is not None:
+        call["AttnSink"] = attn_sink
+    if extra_kv is not None:
+        call.update(ExtraKV=extra_kv, ExtraIndices=extra_indices, stride_ekb=extra_kv.stride(0),
+                    stride_ekt=DS_V4_DATA_BYTES if v4 else extra_kv.stride(1), stride_ekh=extra_kv.stride(2),
+                    stride_eib=extra_indices.stride(0), stride_eis=extra_indices.stride(1),
+                    extra_num_blocks=extra_kv.shape[0])
+        if extra_topk_length is not None:
+            call["ExtraTopkLength"] = extra_topk_length
+    return call

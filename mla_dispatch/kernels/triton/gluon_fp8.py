@@ -44,7 +44,7 @@ H100, b=64 L=8K, graph replays (kernels/triton/NOTES.md, "fp8_e4m3 with tokens o
 them before; with the query tiles asked of L2 (twenty-ninth session) 143.7 us (1.60x) and 152.0 us (1.55x).
 
 Applies (:func:`fp8t_applies`): where :func:`.gluon_sm90.gluon_applies` does, to fp8_e4m3 caches with at most
-``MAX_ROWS`` query rows, unless ``MLA_TRITON_FP8T=0``. 64 rows do not fit: a 72 KB query tile beside two 72 KB stages.
+``MAX_ROWS`` query rows (a plan may keep gluon_sm90 there: ``backend_options={"kernel": "gluon"}``). 64 rows do not fit: a 72 KB query tile beside two 72 KB stages.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ import torch
 import triton
 
 from mla_dispatch.kernels.triton import gluon_sm90 as _g
-from mla_dispatch.kernels.triton.fp8t_limits import FP8T_MAX_ROWS, fp8t_enabled
+from mla_dispatch.kernels.triton.fp8t_limits import FP8T_MAX_ROWS
 from mla_dispatch.kernels.triton.device import kernel_device
 
 if _g.GLUON_API:
@@ -83,9 +83,9 @@ def rows_per_program(rows: int) -> int:
 
 def fp8t_applies(q, kv, *, kv_format: str) -> bool:
     """This kernel's own conditions on top of :func:`.gluon_sm90.gluon_applies`: an fp8_e4m3 cache and at most
-    ``MAX_ROWS`` query rows (``s_q * h_q``), unless ``MLA_TRITON_FP8T=0`` (:func:`.fp8t_limits.fp8t_enabled`; then
-    :mod:`.gluon_sm90`'s kernel or the plain one runs them: for comparisons, and the tests that keep those checked)."""
-    return fp8t_enabled() and kv_format == "fp8_e4m3" and q.shape[1] * q.shape[2] <= MAX_ROWS
+    ``MAX_ROWS`` query rows (``s_q * h_q``). (A plan may keep :mod:`.gluon_sm90`'s kernel there instead:
+    ``backend_options={"kernel": "gluon"}``, :mod:`.launch`.)"""
+    return kv_format == "fp8_e4m3" and q.shape[1] * q.shape[2] <= MAX_ROWS
 
 
 if _g.GLUON_API:
@@ -483,27 +483,39 @@ def launch_decode_fp8t(q, kv, block_table, cache_seqlens, kv_scale, items, part_
     """Launch :func:`mla_decode_fp8t_kernel` (check :func:`.gluon_sm90.gluon_applies` and :func:`fp8t_applies` first):
     grid ``(num_parts, 1)``, 12 warps (three partitions of 4). Arguments as :func:`.gluon_sm90.launch_decode_gluon`
     (``kv_scale`` fp32 ``[1]``). No allocation, no sync."""
-    batch, q_len, h_q, d_qk = q.shape
+    grid, fixed, options = fp8t_fixed(batch=q.shape[0], q_len=q.shape[1], h_q=q.shape[2], page_size=kv.shape[1],
+                                      block_table=block_table, seqlens=cache_seqlens, items=items,
+                                      part_offsets=part_offsets, partial_out=partial_out, partial_lse=partial_lse,
+                                      softmax_scale=softmax_scale, causal=causal)
+    with kernel_device(q):
+        return mla_decode_fp8t_kernel[grid](**fixed, **fp8t_call(q, kv, kv_scale, out, lse), **options)
+
+
+def fp8t_fixed(*, batch: int, q_len: int, h_q: int, page_size: int, block_table, seqlens, items, part_offsets,
+               partial_out, partial_lse, softmax_scale: float, causal: bool):
+    """``(grid, arguments, launch options)`` of :func:`mla_decode_fp8t_kernel` that a plan fixes (everything but
+    :func:`fp8t_call`'s)."""
     rows = q_len * h_q
     r = rows_per_program(rows)
-    page_size = kv.shape[1]
-    kv32 = kv.view(torch.int32)  # [nb, page, 1, 144]: four e4m3 values a word (see _load_fp8)
-    qd, qrd = _g._descriptors(q, batch * rows, r, 512)
     scorer_regs, acc_regs = CONSUMER_REGS[r]
-    grid = (part_offsets.shape[0] - 1, triton.cdiv(rows, r))
-    with kernel_device(q):
-        return mla_decode_fp8t_kernel[grid](
-            qd, qrd, q, batch * rows,
-            kv32, kv_scale, block_table, cache_seqlens, items, part_offsets,
-            out, lse, partial_out, partial_lse,
-            softmax_scale * 1.4426950408889634,
-            q_len, h_q,
-            kv32.stride(1), block_table.stride(0),
-            out.stride(0), out.stride(1), out.stride(2),
-            lse.stride(0), lse.stride(1), lse.stride(2),
-            partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
-            partial_lse.stride(0), partial_lse.stride(1), partial_lse.stride(2),
-            kv.shape[0],
-            PAGE_SIZE=page_size, CAUSAL=causal, R=r, SCORER_NUM_REGS=scorer_regs, ACC_NUM_REGS=acc_regs,
-            num_warps=4,
-        )
+    grid = (part_offsets.shape[0] - 1, -(-rows // r))
+    fixed = dict(
+        q_rows=batch * rows, BlockTable=block_table, Seqlens=seqlens, Items=items, PartOffsets=part_offsets,
+        PartialOut=partial_out, PartialLse=partial_lse, qk_scale=softmax_scale * 1.4426950408889634, q_len=q_len,
+        group=h_q, stride_bt=block_table.stride(0),
+        stride_pob=partial_out.stride(0), stride_pos=partial_out.stride(1), stride_poh=partial_out.stride(2),
+        stride_plb=partial_lse.stride(0), stride_pls=partial_lse.stride(1), stride_plh=partial_lse.stride(2),
+        PAGE_SIZE=page_size, CAUSAL=causal, R=r, SCORER_NUM_REGS=scorer_regs, ACC_NUM_REGS=acc_regs)
+    return grid, fixed, {"num_warps": 4}
+
+
+def fp8t_call(q, kv, kv_scale, out, lse) -> dict:
+    """The arguments of :func:`mla_decode_fp8t_kernel` that change per call: q and its TMA descriptors, the cache (as
+    int32 words: four e4m3 values each, see _load_fp8), its scale, out and lse and their strides, the block count."""
+    batch, q_len, h_q, _ = q.shape
+    kv32 = kv.view(torch.int32)  # [nb, page, 1, 144]
+    qd, qrd = _g._descriptors(q, batch * q_len * h_q, rows_per_program(q_len * h_q), 512)
+    return dict(q_desc=qd, qr_desc=qrd, Q=q, KV32=kv32, KVScale=kv_scale, Out=out, Lse=lse,
+                stride_kt=kv32.stride(1),
+                stride_ob=out.stride(0), stride_os=out.stride(1), stride_oh=out.stride(2),
+                stride_lb=lse.stride(0), stride_lh=lse.stride(1), stride_ls=lse.stride(2), num_blocks=kv.shape[0])

@@ -38,10 +38,6 @@ D_v = 512, 64-row head tiles. :func:`.gluon_sm90.gluon_applies` plus :func:`sees
 
 from __future__ import annotations
 
-import os
-
-import triton
-
 from mla_dispatch.kernels.triton import gluon_sm90 as _g
 from mla_dispatch.kernels.triton.device import kernel_device
 
@@ -64,10 +60,8 @@ WORKER_REGS = 240  # registers per thread of the worker partition (setmaxnreg); 
 
 def seesaw_applies(kv) -> bool:
     """The seesaw kernel's own conditions on top of :func:`.gluon_sm90.gluon_applies`: a 16-bit cache (not fp8) with
-    pages of whole 64-token tiles, unless ``MLA_TRITON_SEESAW=0`` (then :mod:`.gluon_sm90`'s kernel runs those too:
-    for comparisons, and the tests that keep its TMA path checked)."""
-    if os.environ.get("MLA_TRITON_SEESAW", "1") == "0":
-        return False
+    pages of whole 64-token tiles. (A plan may keep :mod:`.gluon_sm90`'s kernel there instead:
+    ``backend_options={"kernel": "gluon"}``, :mod:`.launch`.)"""
     return kv.element_size() == 2 and kv.shape[1] % BLOCK_N == 0
 
 
@@ -444,24 +438,41 @@ def launch_decode_seesaw(q, kv, block_table, cache_seqlens, items, part_offsets,
     """Launch :func:`mla_decode_seesaw_kernel` (check :func:`.gluon_sm90.gluon_applies` and :func:`seesaw_applies`
     first): grid ``(num_parts, ceil(s_q * h_q / 64))``, 8 warps (two partitions of 4). Arguments as
     :func:`.gluon_sm90.launch_decode_gluon`. No allocation, no sync."""
-    batch, q_len, h_q, d_qk = q.shape
-    nb, page_size = kv.shape[:2]
-    qd, qrd = _g._descriptors(q, batch * q_len * h_q, BLOCK_M, 2 * HALF)
-    kd, rd = _g._descriptors(kv, nb * page_size, BLOCK_N, 2 * HALF, cols=HALF)
-    grid = (part_offsets.shape[0] - 1, triton.cdiv(q_len * h_q, BLOCK_M))
+    grid, fixed, options = seesaw_fixed(q_len=q.shape[1], h_q=q.shape[2], page_size=kv.shape[1],
+                                        block_table=block_table, seqlens=cache_seqlens, items=items,
+                                        part_offsets=part_offsets, partial_out=partial_out, partial_lse=partial_lse,
+                                        softmax_scale=softmax_scale, causal=causal)
     with kernel_device(q):
-        return mla_decode_seesaw_kernel[grid](
-            qd, qrd, kd, rd,
-            block_table, cache_seqlens, items, part_offsets,
-            out, lse, partial_out, partial_lse,
-            softmax_scale * 1.4426950408889634,
-            q_len, h_q,
-            block_table.stride(0),
-            out.stride(0), out.stride(1), out.stride(2),
-            lse.stride(0), lse.stride(1), lse.stride(2),
-            partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
-            partial_lse.stride(0), partial_lse.stride(1), partial_lse.stride(2),
-            nb,
-            PAGE_SIZE=page_size, CAUSAL=causal, WORKER_NUM_REGS=WORKER_REGS,
-            num_warps=4,
-        )
+        return mla_decode_seesaw_kernel[grid](**fixed, **seesaw_call(q, kv, out, lse), **options)
+
+
+def seesaw_fixed(*, q_len: int, h_q: int, page_size: int, block_table, seqlens, items, part_offsets, partial_out,
+                 partial_lse, softmax_scale: float, causal: bool):
+    """``(grid, arguments, launch options)`` of :func:`mla_decode_seesaw_kernel` that a plan fixes (everything but
+    :func:`seesaw_call`'s)."""
+    grid = (part_offsets.shape[0] - 1, -(-(q_len * h_q) // BLOCK_M))
+    fixed = dict(
+        BlockTable=block_table, Seqlens=seqlens, Items=items, PartOffsets=part_offsets, PartialOut=partial_out,
+        PartialLse=partial_lse, qk_scale=softmax_scale * 1.4426950408889634, q_len=q_len, group=h_q,
+        stride_bt=block_table.stride(0),
+        stride_pob=partial_out.stride(0), stride_pos=partial_out.stride(1), stride_poh=partial_out.stride(2),
+        stride_plb=partial_lse.stride(0), stride_pls=partial_lse.stride(1), stride_plh=partial_lse.stride(2),
+        PAGE_SIZE=page_size, CAUSAL=causal, WORKER_NUM_REGS=WORKER_REGS)
+    return grid, fixed, {"num_warps": 4}
+
+
+def seesaw_descriptors(kv):
+    """The (latent, RoPE) TMA descriptors over the cache the seesaw kernel loads from (the latent part in halves)."""
+    return _g._descriptors(kv, kv.shape[0] * kv.shape[1], BLOCK_N, 2 * HALF, cols=HALF)
+
+
+def seesaw_call(q, kv, out, lse, *, kv_descriptors=None) -> dict:
+    """The arguments of :func:`mla_decode_seesaw_kernel` that change per call: the TMA descriptors over q and the
+    cache (``kv_descriptors``: a function of the cache giving its pair, for a caller that keeps them), out and lse and
+    their strides, the cache's block count."""
+    batch, q_len, h_q, _ = q.shape
+    qd, qrd = _g._descriptors(q, batch * q_len * h_q, BLOCK_M, 2 * HALF)
+    kd, rd = (kv_descriptors or seesaw_descriptors)(kv)
+    return dict(q_desc=qd, qr_desc=qrd, k_desc=kd, r_desc=rd, Out=out, Lse=lse,
+                stride_ob=out.stride(0), stride_os=out.stride(1), stride_oh=out.stride(2),
+                stride_lb=lse.stride(0), stride_lh=lse.stride(1), stride_ls=lse.stride(2), num_blocks=kv.shape[0])

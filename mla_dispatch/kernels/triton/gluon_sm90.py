@@ -4,7 +4,7 @@ Since the twenty-second session, 16-bit caches on pages of whole 64-token tiles 
 in flight, one per warpgroup; 1.14-1.24x this kernel on FlashMLA's grid, equal on the memory-bound configs), and since
 the twenty-third fp8_e4m3 caches with at most 32 query rows take :mod:`.gluon_fp8` (tokens on M, a converting
 warpgroup; ~1.9-2x), so this kernel runs the other page sizes and fp8_e4m3 caches with more rows, and those cases too
-under ``MLA_TRITON_SEESAW=0`` / ``MLA_TRITON_FP8T=0``.
+in plans made with ``backend_options={"kernel": "gluon"}`` (:mod:`.launch`).
 
 Why a second kernel in the Triton backend
 -----------------------------------------
@@ -67,6 +67,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from mla_dispatch.kernels.triton.descriptors import rebased
 from mla_dispatch.kernels.triton.device import kernel_device
 
 try:  # Gluon is experimental: its API moves between Triton releases (written for 3.6, compiled with 3.6 and 3.9)
@@ -499,9 +500,13 @@ def _descriptors(t, rows: int, block_rows: int, head_dim_v: int, cols: int | Non
     width = t.shape[-1]
     cols = cols or head_dim_v
     flat = t.view(rows, width)
-    return (TensorDescriptor(flat, [rows, width], [width, 1], [block_rows, cols], _layout(block_rows, cols, t.dtype)),
-            TensorDescriptor(flat, [rows, width], [width, 1], [block_rows, width - head_dim_v],
-                             _layout(block_rows, width - head_dim_v, t.dtype)))
+    # the same geometry every call of a plan: built and checked once, copied with the new base after (.descriptors)
+    key = ("gluon", rows, width, block_rows, cols, head_dim_v, t.dtype)
+    return (rebased(key + ("latent",), flat, lambda f: TensorDescriptor(
+                f, [rows, width], [width, 1], [block_rows, cols], _layout(block_rows, cols, t.dtype))),
+            rebased(key + ("rope",), flat, lambda f: TensorDescriptor(
+                f, [rows, width], [width, 1], [block_rows, width - head_dim_v],
+                _layout(block_rows, width - head_dim_v, t.dtype))))
 
 
 def launch_decode_gluon(q, kv, block_table, cache_seqlens, kv_scale, items, part_offsets, out, lse, partial_out,
@@ -511,27 +516,49 @@ def launch_decode_gluon(q, kv, block_table, cache_seqlens, kv_scale, items, part
     fp8_e4m3 cache, else None; the partial rows carry one scale each (combine with ``v_split = 1``). No allocation, no
     sync."""
     batch, q_len, h_q, d_qk = q.shape
-    nb, page_size = kv.shape[:2]
-    head_dim_v = out.shape[-1]
     fp8 = kv.dtype == torch.float8_e4m3fn
-    qd, qrd = _descriptors(q, batch * q_len * h_q, BLOCK_M, head_dim_v)
-    # fp8 tiles are always gathered (no cache descriptors; the query's stand in for the unused arguments)
-    kd, rd = (qd, qrd) if fp8 else _descriptors(kv, nb * page_size, BLOCK_N, head_dim_v)
-    grid = (part_offsets.shape[0] - 1, triton.cdiv(q_len * h_q, BLOCK_M))
+    grid, fixed, options = gluon_fixed(q_len=q_len, h_q=h_q, d_qk=d_qk, page_size=kv.shape[1], head_dim_v=out.shape[-1],
+                                       fp8=fp8, block_table=block_table, seqlens=cache_seqlens, items=items,
+                                       part_offsets=part_offsets, partial_out=partial_out, partial_lse=partial_lse,
+                                       softmax_scale=softmax_scale, causal=causal)
     with kernel_device(q):
-        return mla_decode_sm90_kernel[grid](
-            qd, qrd, kd, rd,
-            kv, kv_scale if fp8 else cache_seqlens, block_table, cache_seqlens, items, part_offsets,
-            out, lse, partial_out, partial_lse,
-            softmax_scale * 1.4426950408889634,
-            q_len, h_q,
-            kv.stride(1), block_table.stride(0),
-            out.stride(0), out.stride(1), out.stride(2),
-            lse.stride(0), lse.stride(1), lse.stride(2),
-            partial_out.stride(0), partial_out.stride(1), partial_out.stride(2),
-            partial_lse.stride(0), partial_lse.stride(1), partial_lse.stride(2),
-            nb,
-            PAGE_SIZE=page_size, D_V=head_dim_v, D_ROPE=d_qk - head_dim_v, CAUSAL=causal,
-            TILE_M=BLOCK_M, TILE_N=BLOCK_N, STAGES=NUM_STAGES, GATHER=fp8 or page_size % BLOCK_N != 0, FP8=fp8,
-            num_warps=NUM_WARPS,
-        )
+        return mla_decode_sm90_kernel[grid](**fixed, **gluon_call(q, kv, kv_scale, out, lse, fp8=fp8), **options)
+
+
+def gluon_fixed(*, q_len: int, h_q: int, d_qk: int, page_size: int, head_dim_v: int, fp8: bool, block_table, seqlens,
+                items, part_offsets, partial_out, partial_lse, softmax_scale: float, causal: bool):
+    """``(grid, arguments, launch options)`` of :func:`mla_decode_sm90_kernel` that a plan fixes (everything but
+    :func:`gluon_call`'s)."""
+    grid = (part_offsets.shape[0] - 1, -(-(q_len * h_q) // BLOCK_M))
+    fixed = dict(
+        BlockTable=block_table, Seqlens=seqlens, Items=items, PartOffsets=part_offsets, PartialOut=partial_out,
+        PartialLse=partial_lse, qk_scale=softmax_scale * 1.4426950408889634, q_len=q_len, group=h_q,
+        stride_bt=block_table.stride(0),
+        stride_pob=partial_out.stride(0), stride_pos=partial_out.stride(1), stride_poh=partial_out.stride(2),
+        stride_plb=partial_lse.stride(0), stride_pls=partial_lse.stride(1), stride_plh=partial_lse.stride(2),
+        PAGE_SIZE=page_size, D_V=head_dim_v, D_ROPE=d_qk - head_dim_v, CAUSAL=causal, TILE_M=BLOCK_M,
+        TILE_N=BLOCK_N, STAGES=NUM_STAGES, GATHER=fp8 or page_size % BLOCK_N != 0, FP8=fp8)
+    if not fp8:
+        fixed["KVScale"] = seqlens  # a dummy pointer
+    return grid, fixed, {"num_warps": NUM_WARPS}
+
+
+def gluon_call(q, kv, kv_scale, out, lse, *, fp8: bool, kv_descriptors=None) -> dict:
+    """The arguments of :func:`mla_decode_sm90_kernel` that change per call: the TMA descriptors over q and the cache
+    (``kv_descriptors``: a function of the cache giving its pair, for a caller that keeps them), the cache, its scale,
+    out and lse and their strides, the cache's block count."""
+    batch, q_len, h_q, d_qk = q.shape
+    head_dim_v = out.shape[-1]
+    qd, qrd = _descriptors(q, batch * q_len * h_q, BLOCK_M, head_dim_v)
+    if fp8:  # fp8 tiles are always gathered (no cache descriptors; the query's stand in for the unused arguments)
+        kd, rd = qd, qrd
+    elif kv_descriptors is not None:
+        kd, rd = kv_descriptors(kv)
+    else:
+        kd, rd = _descriptors(kv, kv.shape[0] * kv.shape[1], BLOCK_N, head_dim_v)
+    call = dict(q_desc=qd, qr_desc=qrd, k_desc=kd, r_desc=rd, KV=kv, Out=out, Lse=lse, stride_kt=kv.stride(1),
+                stride_ob=out.stride(0), stride_os=out.stride(1), stride_oh=out.stride(2),
+                stride_lb=lse.stride(0), stride_lh=lse.stride(1), stride_ls=lse.stride(2), num_blocks=kv.shape[0])
+    if fp8:
+        call["KVScale"] = kv_scale
+    return call

@@ -23,9 +23,10 @@ import torch
 from triton.runtime.jit import JITFunction
 
 from mla_dispatch.kernels.triton.combine import combine_kernel, launch_combine
-from mla_dispatch.kernels.triton.decode import KV_FORMAT_IDS, _clip_splits, launch_decode_kernel, mla_decode_kernel
+from mla_dispatch.kernels.triton.decode import _clip_splits, launch_decode_kernel, mla_decode_kernel
+from mla_dispatch.kvcache.formats import KV_FORMAT_CODES
 
-__all__ = ["triton_decode", "decode_step"]
+__all__ = ["triton_decode", "decode_step", "traced_call"]
 
 _NAME = "mla_dispatch::triton_decode"
 _MUTATED = ("out", "lse", "partial_out", "partial_lse")
@@ -113,8 +114,8 @@ def _launch(decode_kernel, combine, q, kv_cache, block_table, seqlens, indices, 
             block_n, num_warps, num_stages, tokens_on_m, v_split, qk_chunk, max_registers, tma, gluon,
             fixed_splits=False, topk_length=None, attn_sink=None, extra_kv_cache=None, extra_indices=None,
             extra_topk_length=None) -> None:
-    if kv_format not in KV_FORMAT_IDS:
-        raise ValueError(f"kv_format={kv_format!r} (supported: {sorted(KV_FORMAT_IDS)})")
+    if kv_format not in KV_FORMAT_CODES:
+        raise ValueError(f"kv_format={kv_format!r} (supported: {sorted(KV_FORMAT_CODES)})")
     kv = kv_cache.view(torch.uint8) if kv_cache.dtype == torch.int8 else kv_cache
     extra_kv = extra_kv_cache
     if extra_kv is not None and extra_kv.dtype == torch.int8:
@@ -131,16 +132,24 @@ def _launch(decode_kernel, combine, q, kv_cache, block_table, seqlens, indices, 
                    fixed_splits=fixed_splits, attn_sink=attn_sink)
 
 
-def decode_step(*args) -> None:
-    """What ``TritonBackend.run`` calls, with the op's arguments: the registered op whenever torch
-    traces (torch.compile, functorch transforms, fake / dispatch modes, tensor subclasses), the op's body with plain
-    launches otherwise. torch's Python-side handling of a 25-argument mutating op cost ~55 µs of
-    host time per eager call on the device host (122 vs 68 µs); the kernels and grids are the same."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
+_functorch_active = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)  # functionalize, vmap
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_is_compiling = torch.compiler.is_compiling
 
-    functorch = getattr(torch._C, "_are_functorch_transforms_active", lambda: False)()  # functionalize, vmap
-    if (torch.compiler.is_compiling() or functorch or _get_current_dispatch_mode() is not None
-            or any(isinstance(a, torch.Tensor) and type(a) is not torch.Tensor for a in args)):
+
+def traced_call(*tensors) -> bool:
+    """Whether a call on these tensors (None allowed) must reach the registered op: torch traces it (torch.compile,
+    functorch transforms, fake / dispatch modes) or one is a tensor subclass. Plain eager calls launch directly."""
+    return (_is_compiling() or _functorch_active() or _dispatch_modes() > 0
+            or any(t is not None and type(t) is not torch.Tensor for t in tensors))
+
+
+def decode_step(*args) -> None:
+    """The op's arguments, run as the op whenever torch traces (:func:`traced_call`), as the op's body with plain
+    launches otherwise (benchmarks; a plan's eager runs take its frozen launch, :mod:`.launch`). torch's Python-side
+    handling of a 25-argument mutating op cost ~55 µs of host time per eager call on the device host (122 vs 68 µs);
+    the kernels and grids are the same."""
+    if traced_call(*(a for a in args if isinstance(a, torch.Tensor))):
         torch.ops.mla_dispatch.triton_decode.default(*args)
     else:
         _launch(mla_decode_kernel, combine_kernel, *args)

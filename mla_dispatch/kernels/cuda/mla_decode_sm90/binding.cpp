@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "params.h"
+#include "schedule.h"
 
 namespace {
 
@@ -445,6 +446,68 @@ class PlannedDecode {
   mla_sm90::DecodeParams base_;
 };
 
+// A plan's split-KV schedule (schedule.cu) written into its buffers (mla_dispatch/metadata/split_plan.py): one
+// launch on the current stream, no allocation, no host synchronisation (so it can run between CUDA-graph replays,
+// or be captured). capacity < 0: no bound.
+void split_kv_schedule(const at::Tensor& cache_seqlens, const at::Tensor& items, const at::Tensor& part_offsets,
+                       const at::Tensor& num_splits, const at::Tensor& slot_req, const at::Tensor& first_slot,
+                       const at::Tensor& lengths, const at::Tensor& workspace, int64_t chunk_size, int64_t overhead,
+                       int64_t capacity) {
+#define SCHED_CHECK(cond, ...)                                             \
+  do {                                                                     \
+    if (!(cond)) {                                                         \
+      const std::string msg_ = cat("split_kv_schedule: ", __VA_ARGS__);    \
+      TORCH_CHECK_VALUE(false, msg_);                                      \
+    }                                                                      \
+  } while (0)
+  SCHED_CHECK(cache_seqlens.is_cuda(), "cache_seqlens must be a CUDA tensor, got device ",
+              dev_str(cache_seqlens.device()));
+  const at::Device dev = cache_seqlens.device();
+  const int64_t B = cache_seqlens.size(0), P = items.size(0) - B;
+  SCHED_CHECK(B >= 1 && B <= mla_sm90::kScheduleMaxBatch, "batch must be in [1, ", mla_sm90::kScheduleMaxBatch,
+              "], got ", B);
+  SCHED_CHECK(P >= 1 && P <= mla_sm90::kScheduleMaxParts, "items must have batch + num_parts rows with num_parts in [1, ",
+              mla_sm90::kScheduleMaxParts, "], got ", items.size(0), " rows for batch ", B);
+  const std::pair<const at::Tensor*, std::pair<const char*, std::vector<int64_t>>> expected[] = {
+      {&cache_seqlens, {"cache_seqlens", {B}}}, {&items, {"items", {B + P, 4}}},
+      {&part_offsets, {"part_offsets", {P + 1}}}, {&num_splits, {"num_splits", {B}}},
+      {&slot_req, {"slot_req", {B + P}}}, {&first_slot, {"first_slot", {B}}}, {&lengths, {"lengths", {B}}}};
+  for (const auto& [t, want] : expected) {
+    if (t->device() == dev && t->scalar_type() == at::kInt && t->is_contiguous() &&
+        t->sizes().equals(at::IntArrayRef(want.second)))
+      continue;
+    std::string shape = "[";
+    for (size_t i = 0; i < want.second.size(); ++i) shape += (i ? ", " : "") + std::to_string(want.second[i]);
+    SCHED_CHECK(false, want.first, " must be a contiguous int32 tensor of shape ", shape, "] on ", dev_str(dev),
+                ", got ", shape_str(*t), " ", dtype_str(t->scalar_type()), " on ", dev_str(t->device()));
+  }
+  SCHED_CHECK(workspace.device() == dev && workspace.scalar_type() == at::kInt && workspace.is_contiguous() &&
+                  workspace.numel() >= 5 * B + 2 * P &&
+                  reinterpret_cast<uintptr_t>(workspace.data_ptr()) % 8 == 0,
+              "workspace must be a contiguous 8-byte aligned int32 tensor of >= ", 5 * B + 2 * P, " elements on ",
+              dev_str(dev));
+  SCHED_CHECK(chunk_size >= 1 && overhead >= 1, "chunk_size and overhead must be >= 1, got ", chunk_size, " and ",
+              overhead);
+#undef SCHED_CHECK
+  mla_sm90::ScheduleParams p{};
+  p.seqlens = cache_seqlens.data_ptr<int32_t>();
+  p.items = items.data_ptr<int32_t>();
+  p.part_offsets = part_offsets.data_ptr<int32_t>();
+  p.num_splits = num_splits.data_ptr<int32_t>();
+  p.slot_req = slot_req.data_ptr<int32_t>();
+  p.first_slot = first_slot.data_ptr<int32_t>();
+  p.lengths = lengths.data_ptr<int32_t>();
+  p.workspace = workspace.data_ptr<int32_t>();
+  p.batch = static_cast<int>(B);
+  p.num_parts = static_cast<int>(P);
+  p.chunk_size = static_cast<int>(std::min<int64_t>(chunk_size, INT32_MAX));
+  p.overhead = static_cast<int>(std::min<int64_t>(overhead, INT32_MAX));
+  p.capacity = capacity < 0 ? INT32_MAX : std::min<int64_t>(capacity, INT32_MAX);
+  const c10::cuda::CUDAGuard guard(dev);
+  const int err = mla_sm90::launch_split_kv_schedule(p, at::cuda::getCurrentCUDAStream(dev.index()).stream());
+  TORCH_CHECK(err == 0, "split_kv_schedule: launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
+}
+
 }  // namespace
 
 // FRAGMENT: other extensions of this project may define ops in the same namespace.
@@ -466,6 +529,9 @@ TORCH_LIBRARY_IMPL(mla_dispatch, CUDA, m) { m.impl("cuda_sm90_decode", &cuda_sm9
 // PlannedDecode.run takes five arguments and checks only those.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cuda_sm90_decode", &cuda_sm90_decode, "the op cuda_sm90_decode, called without the dispatcher");
+  m.def("split_kv_schedule", &split_kv_schedule,
+        "split_kv_schedule(cache_seqlens, items, part_offsets, num_splits, slot_req, first_slot, lengths, workspace, "
+        "chunk_size, overhead, capacity): a plan's split-KV schedule in one launch (schedule.cu)");
   pybind11::class_<PlannedDecode>(m, "PlannedDecode",
                                   "one plan's decode: schedule, workspace and launch config bound once")
       .def(pybind11::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,

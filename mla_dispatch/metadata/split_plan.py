@@ -1,0 +1,225 @@
+"""One decode step's split-KV plan, shared by the in-house backends (``triton`` and ``cuda_sm90``).
+
+A plan of either backend holds the same buffers: the split-KV schedule of the step's lengths
+(:mod:`.schedule`), the first partial slot of each request (the combines' index, :func:`.combine.first_slots`),
+the plan's own copy of the lengths (what every run computes with: docs/design.md §2, "Stale plans"), and the
+workspace split requests write their partial rows to. The backends differ only in data: the chunk and part counts,
+the schedule's overhead, a partial row's width and dtype, whether the pieces are fixed (batch-invariant plans) and
+whether the lengths are read at all (a sparse plan's query positions each attend to ``topk`` slots).
+:class:`SplitKVLayout` is that data, a function of shapes, so a backend computes it once per problem;
+:class:`SplitKVPlan` allocates the buffers for one step and fills them, and :meth:`SplitKVPlan.update` refreshes
+them in place for new lengths (no allocation, no host synchronisation: a CUDA graph over a run stays valid).
+
+How the schedule is computed is chosen once, when the plan is made: a backend's native launch where it brings one
+(``cuda_sm90``: its extension's schedule kernel), else one Triton launch on a GPU (:mod:`.schedule_triton`,
+through its kept :class:`~.triton_launch.CachedLaunch`), else the torch reference (CPU, batches past
+:data:`.schedule_triton.MAX_BATCH`, batch-invariant pieces).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import torch
+
+from mla_dispatch.metadata.combine import first_slots
+from mla_dispatch.metadata.schedule import (TRITON_SCHEDULE_MAX_BATCH, SplitKVSchedule, _check_schedule_args,
+                                           fixed_split_schedule, split_kv_schedule, workspace_numel)
+
+__all__ = ["SplitKVLayout", "SplitKVPlan", "NativeSchedule"]
+
+#: A backend's own schedule launch: ``fn(cache_seqlens, plan)`` writes ``plan.schedule``'s items, part offsets,
+#: splits and slot owners, ``plan.first_slot`` and ``plan.lengths`` (a copy of ``cache_seqlens``) for a balanced
+#: schedule (:func:`.schedule.split_kv_schedule`'s contract, bit for bit), with ``plan.workspace`` as scratch.
+NativeSchedule = Callable[[torch.Tensor, "SplitKVPlan"], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitKVLayout:
+    """What a split-KV plan allocates and how its schedule cuts the work; shapes only (no tensors, hashable).
+
+    Attributes
+    ----------
+    batch : int
+        Requests of the schedule (a sparse ``cuda_sm90`` plan: one per query position, ``B * s_q``).
+    num_parts, chunk_size, overhead : int
+        As :func:`.schedule.split_kv_schedule` takes them.
+    capacity : int or None
+        Tokens a request's table row addresses (``max_blocks * page_size``), or None (no bound).
+    partial_row : tuple of int
+        ``partial_out``'s shape after its slot dimension (the backend's row format).
+    partial_dtype : torch.dtype
+    split_tokens : int or None
+        Set for a batch-invariant plan (:func:`.schedule.fixed_split_schedule`).
+    fixed_length : int or None
+        Set for a sparse plan: every request has this many positions (``topk``); ``cache_seqlens`` is not read,
+        the schedule is made once and :meth:`SplitKVPlan.update` does nothing.
+    """
+
+    batch: int
+    num_parts: int
+    chunk_size: int
+    overhead: int
+    capacity: int | None
+    partial_row: tuple[int, ...]
+    partial_dtype: torch.dtype
+    split_tokens: int | None = None
+    fixed_length: int | None = None
+
+    def __post_init__(self):
+        # the schedule's parameters, checked once per layout (a plan checks only its lengths)
+        _check_schedule_args(torch.zeros(1, dtype=torch.int32), self.num_parts, self.chunk_size, self.overhead,
+                             self.capacity)
+
+    @functools.cached_property
+    def max_items(self) -> int:
+        """Rows of the item list, and of the partial buffers (every item may be a split piece)."""
+        if self.split_tokens is not None:
+            return self.batch * max(1, -(-self.capacity // self.split_tokens))
+        return self.batch + self.num_parts
+
+    @property
+    def max_slots(self) -> int:
+        return self.max_items
+
+    @functools.cached_property
+    def _int32_sizes(self) -> tuple[int, ...]:
+        """Elements of items, workspace, part_offsets, num_splits, slot_req, first_slot and lengths, in that order
+        in one int32 buffer: items first (the CUDA kernels read a row as one 16-byte vector), the workspace after
+        them (its first part is viewed as int64)."""
+        b, p = self.batch, self.num_parts
+        return (4 * self.max_items, workspace_numel(b, p), p + 1, b, self.max_slots, b, b)
+
+    @functools.cached_property
+    def _int32_total(self) -> int:
+        return sum(self._int32_sizes)
+
+
+class SplitKVPlan:
+    """The buffers of one step's split-KV plan (see the module docstring), filled for ``cache_seqlens``.
+
+    Attributes
+    ----------
+    layout : SplitKVLayout
+    schedule : SplitKVSchedule
+        Its tensors are views of the plan's buffers; refreshed in place by :meth:`update`.
+    first_slot : Tensor
+        int32 ``[batch]``: :func:`.combine.first_slots` of the schedule.
+    lengths : Tensor
+        int32 ``[batch]``: the lengths the schedule was made for (a copy of ``cache_seqlens`` as of the last
+        :meth:`update`; ``fixed_length`` everywhere for a sparse plan). Kernels read these, never the caller's
+        tensor.
+    partial_out, partial_lse : Tensor
+        ``[max_slots, *partial_row]`` of ``partial_dtype``, and fp32 ``[max_slots, *partial_row[:-1]]``: the
+        workspace (contents undefined between runs).
+    workspace : Tensor
+        int32 scratch of the schedule launch.
+
+    Parameters
+    ----------
+    layout : SplitKVLayout
+    cache_seqlens : Tensor or None
+        int32 ``[batch]`` on ``device`` (None or ignored when ``layout.fixed_length`` is set).
+    device : torch.device
+    native : NativeSchedule, optional
+        The backend's own schedule launch (used on CUDA devices for balanced schedules).
+
+    Raises
+    ------
+    ValueError
+        ``cache_seqlens`` is not int32 ``[batch]`` (or is missing), or the layout's parameters are out of range.
+    """
+
+    __slots__ = ("layout", "schedule", "first_slot", "lengths", "partial_out", "partial_lse", "workspace",
+                 "_refresh")
+
+    def __init__(self, layout: SplitKVLayout, cache_seqlens: torch.Tensor | None, device: torch.device, *,
+                 native: NativeSchedule | None = None) -> None:
+        lay = self.layout = layout
+        ints = torch.empty(lay._int32_total, dtype=torch.int32, device=device)
+        items, self.workspace, part_offsets, num_splits, slot_req, self.first_slot, self.lengths = (
+            ints.split_with_sizes(lay._int32_sizes))
+        self.schedule = SplitKVSchedule(items=items.view(lay.max_items, 4), part_offsets=part_offsets,
+                                        num_splits=num_splits, slot_req=slot_req, chunk_size=lay.chunk_size,
+                                        num_parts=lay.num_parts, overhead=lay.overhead, capacity=lay.capacity,
+                                        split_tokens=lay.split_tokens, workspace=self.workspace)
+        self.partial_out = torch.empty((lay.max_slots, *lay.partial_row), dtype=lay.partial_dtype, device=device)
+        self.partial_lse = torch.empty((lay.max_slots, *lay.partial_row[:-1]), dtype=torch.float32, device=device)
+        if lay.fixed_length is not None:  # sparse: the schedule of topk positions per request, made once
+            self.lengths.fill_(lay.fixed_length)
+            self._refresh = None
+            self._refresh_with(self._torch_or_triton(self.lengths, native))(self.lengths)
+            return
+        if cache_seqlens is None:
+            raise ValueError("cache_seqlens is required for a dense split-KV plan (int32 [batch])")
+        if (cache_seqlens.dtype != torch.int32 or cache_seqlens.shape != (lay.batch,)
+                or cache_seqlens.device != self.lengths.device):
+            raise ValueError(f"cache_seqlens must be int32 [{lay.batch}] on {self.lengths.device}, got "
+                             f"{cache_seqlens.dtype} {list(cache_seqlens.shape)} on {cache_seqlens.device}")
+        self._refresh = self._refresh_with(self._torch_or_triton(cache_seqlens, native))
+        self._refresh(cache_seqlens)
+
+    def update(self, cache_seqlens: torch.Tensor) -> None:
+        """Recompute the schedule, first slots and lengths in place for the values ``cache_seqlens`` holds now
+        (int32 ``[batch]``, the tensor the plan was made with or one of the same shape); a sparse plan's does
+        nothing. No allocation on a GPU, no host synchronisation."""
+        if self._refresh is not None:
+            self._refresh(cache_seqlens)
+
+    # -- how the schedule is computed, chosen once ----------------------------------------------------------
+
+    def _torch_or_triton(self, cache_seqlens: torch.Tensor, native: NativeSchedule | None) -> str | NativeSchedule:
+        lay = self.layout
+        if lay.split_tokens is not None or not cache_seqlens.is_cuda or not 1 <= lay.batch <= TRITON_SCHEDULE_MAX_BATCH:
+            return "torch"
+        if native is not None:
+            return native
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "torch"
+        return "triton"
+
+    def _refresh_with(self, how: str | NativeSchedule) -> Callable[[torch.Tensor], None]:
+        if how == "torch":
+            return self._refresh_torch
+        if how == "triton":
+            return self._triton_refresh()
+        return lambda cache_seqlens: how(cache_seqlens, self)
+
+    def _triton_refresh(self) -> Callable[[torch.Tensor], None]:
+        """One kept launch of the Triton schedule, which also writes first_slot and the lengths' copy; a call with
+        another lengths tensor than the one it was made for rebuilds it (checks and all) once."""
+        from mla_dispatch.metadata.schedule_triton import schedule_launch
+
+        s, lay = self.schedule, self.layout
+        made: dict[int, object] = {}
+
+        def refresh(cache_seqlens: torch.Tensor) -> None:
+            launch = made.get(id(cache_seqlens))
+            if launch is None or launch[0] is not cache_seqlens:
+                launch = made[id(cache_seqlens)] = (cache_seqlens, schedule_launch(
+                    cache_seqlens, s.items, s.part_offsets, s.num_splits, s.slot_req, self.workspace,
+                    num_parts=lay.num_parts, chunk_size=lay.chunk_size, overhead=lay.overhead,
+                    capacity=lay.capacity, first_slot=self.first_slot, lengths_out=self.lengths))
+                while len(made) > 2:  # the plan's own tensor and one other at most
+                    made.pop(next(iter(made)))
+            launch[1]()
+
+        return refresh
+
+    def _refresh_torch(self, cache_seqlens: torch.Tensor) -> None:
+        lay, s = self.layout, self.schedule
+        if lay.split_tokens is not None:
+            fresh = fixed_split_schedule(cache_seqlens, num_parts=lay.num_parts, chunk_size=lay.chunk_size,
+                                         split_tokens=lay.split_tokens, overhead=lay.overhead, capacity=lay.capacity)
+        else:
+            fresh = split_kv_schedule(cache_seqlens, num_parts=lay.num_parts, chunk_size=lay.chunk_size,
+                                      overhead=lay.overhead, capacity=lay.capacity, impl="torch")
+        for name in ("items", "part_offsets", "num_splits", "slot_req"):
+            getattr(s, name).copy_(getattr(fresh, name))
+        first_slots(s.num_splits, out=self.first_slot)
+        if cache_seqlens is not self.lengths:
+            self.lengths.copy_(cache_seqlens)

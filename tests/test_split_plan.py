@@ -1,0 +1,123 @@
+"""The split-KV plan both in-house backends use (metadata/split_plan.py): its buffers hold the schedule of the
+lengths it was made or last updated for, the first slots of that schedule and a copy of those lengths, whatever
+the caller's tensor holds since; update refreshes them in place.
+
+CPU: the torch path. GPU (``gpu``): the Triton launch, and the cuda_sm90 extension's where it is built, against the
+torch path, with no host synchronisation in update.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mla_dispatch.metadata.combine import first_slots
+from mla_dispatch.metadata.schedule import fixed_split_schedule, split_kv_schedule
+from mla_dispatch.metadata.split_plan import SplitKVLayout, SplitKVPlan
+
+OUTPUTS = ("items", "part_offsets", "num_splits", "slot_req")
+
+
+def layout(batch, num_parts=7, chunk=16, overhead=2, capacity=640, **kw) -> SplitKVLayout:
+    return SplitKVLayout(batch=batch, num_parts=num_parts, chunk_size=chunk, overhead=overhead, capacity=capacity,
+                         partial_row=(2, 3, 8), partial_dtype=torch.float16, **kw)
+
+
+def lengths(gen, batch, device="cpu", high=700) -> torch.Tensor:
+    lens = torch.randint(-3, high, (batch,), generator=gen, dtype=torch.int32)
+    lens[torch.randint(0, batch, (max(1, batch // 4),), generator=gen)] = 0
+    return lens.to(device)
+
+
+def expected(lay: SplitKVLayout, lens: torch.Tensor):
+    kw = dict(num_parts=lay.num_parts, chunk_size=lay.chunk_size, overhead=lay.overhead, capacity=lay.capacity)
+    if lay.split_tokens is not None:
+        return fixed_split_schedule(lens, split_tokens=lay.split_tokens, **kw)
+    return split_kv_schedule(lens, impl="torch", **kw)
+
+
+def mismatches(plan: SplitKVPlan, lens: torch.Tensor) -> list[str]:
+    want = expected(plan.layout, lens)
+    bad = [name for name in OUTPUTS if not torch.equal(getattr(plan.schedule, name).cpu(), getattr(want, name).cpu())]
+    if not torch.equal(plan.first_slot.cpu(), first_slots(want.num_splits).cpu()):
+        bad.append("first_slot")
+    if not torch.equal(plan.lengths.cpu(), lens.cpu()):
+        bad.append("lengths")
+    return bad
+
+
+def buffer_ptrs(plan: SplitKVPlan) -> list[int]:
+    return [getattr(plan.schedule, n).data_ptr() for n in OUTPUTS] + [
+        t.data_ptr() for t in (plan.first_slot, plan.lengths, plan.partial_out, plan.partial_lse, plan.workspace)]
+
+
+@pytest.mark.parametrize("lay", [layout(5), layout(33, num_parts=132, chunk=64, overhead=5, capacity=512),
+                                 layout(9, split_tokens=128)], ids=["b5-p7", "b33-p132", "invariant-b9"])
+def test_plan_holds_the_lengths_it_was_made_for_until_update(lay, gen):
+    lens = lengths(gen, lay.batch)
+    plan = SplitKVPlan(lay, lens, lens.device)
+    assert mismatches(plan, lens) == []
+    assert plan.partial_out.shape == (lay.max_slots, 2, 3, 8) and plan.partial_out.dtype == torch.float16
+    assert plan.partial_lse.shape == (lay.max_slots, 2, 3) and plan.partial_lse.dtype == torch.float32
+    planned = lens.clone()
+    ptrs = buffer_ptrs(plan)
+    lens.copy_(lengths(gen, lay.batch))  # the caller's tensor changes in place: the plan keeps what it planned
+    assert mismatches(plan, planned) == []
+    plan.update(lens)
+    assert mismatches(plan, lens) == [] and buffer_ptrs(plan) == ptrs
+
+
+def test_sparse_plan_is_made_once_for_topk_positions():
+    lay = layout(6, capacity=None, fixed_length=48)
+    plan = SplitKVPlan(lay, None, torch.device("cpu"))
+    topk = torch.full((6,), 48, dtype=torch.int32)
+    assert mismatches(plan, topk) == []
+    plan.update(torch.zeros(6, dtype=torch.int32))  # nothing to update: the lengths are topk
+    assert mismatches(plan, topk) == []
+
+
+def test_plan_argument_errors():
+    with pytest.raises(ValueError, match=r"cache_seqlens is required"):
+        SplitKVPlan(layout(3), None, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"cache_seqlens must be int32 \[3\]"):
+        SplitKVPlan(layout(3), torch.zeros(4, dtype=torch.int32), torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"cache_seqlens must be int32 \[3\] on cpu, got torch.int64"):
+        SplitKVPlan(layout(3), torch.zeros(3, dtype=torch.int64), torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"overhead must be >= 1"):
+        layout(3, overhead=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("native", [False, True], ids=["triton", "cuda_sm90-extension"])
+def test_gpu_plan_matches_torch_without_host_sync(native, gen):
+    """The Triton launch (and the extension's, where built) writes what the torch path computes, and update does
+    not synchronise with the host."""
+    pytest.importorskip("triton")
+    fn = None
+    if native:
+        from mla_dispatch.backends import cuda_sm90
+
+        if cuda_sm90.CudaSM90Backend.availability_reasons():
+            pytest.skip(f"cuda_sm90 unavailable: {cuda_sm90.CudaSM90Backend.availability_reasons()[0]}")
+        from mla_dispatch.kernels.cuda.schedule import native_schedule
+
+        fn = native_schedule(cuda_sm90.load_module())
+        assert fn is not None, "the built extension has no split_kv_schedule"
+    for lay in (layout(1, num_parts=132, chunk=64, overhead=5, capacity=2**20),
+                layout(128, num_parts=132, chunk=64, overhead=2, capacity=32768),
+                layout(1000, num_parts=66, chunk=64, overhead=5, capacity=8192),
+                layout(8192, num_parts=132, chunk=64, overhead=5, capacity=4096)):
+        lens = lengths(gen, lay.batch, "cuda", high=lay.capacity + 100)
+        plan = SplitKVPlan(lay, lens, lens.device, native=fn)
+        assert mismatches(plan, lens) == [], lay
+        for t in (plan.schedule.items, plan.schedule.slot_req, plan.first_slot, plan.lengths, plan.workspace):
+            t.fill_(0x5A5A5A5)  # every element must be written again
+        lens.copy_(lengths(gen, lay.batch, "cuda", high=lay.capacity + 100))
+        ptrs = buffer_ptrs(plan)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            plan.update(lens)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert mismatches(plan, lens) == [] and buffer_ptrs(plan) == ptrs, lay
