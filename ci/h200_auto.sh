@@ -35,6 +35,8 @@ if [ -n "${FLASHMLA_BUILD:-}" ]; then
 fi
 # with its .so in place flashmla_peer.sh only puts FlashMLA on the path (it would rebuild a missing one)
 if ls .peer/flashmla/flash_mla/cuda*.so >/dev/null 2>&1; then source ci/flashmla_peer.sh; fi
+# FlashAttention-3 beside them where its build is in place (ci/fa3_peer.sh; it would build a missing one: ~5 min)
+if ls .peer/flash-attention/hopper/flash_attn_3/_C*.so >/dev/null 2>&1; then source ci/fa3_peer.sh; fi
 python - <<'PY' | tee "$OUT/backends.txt"
 import mla_dispatch.dispatch.registry as r
 for n in r.registered_names():
@@ -45,7 +47,7 @@ grep -q "^flashmla: available" "$OUT/backends.txt" || echo "WARNING: FlashMLA is
 grep -q "^flashinfer: available" "$OUT/backends.txt" || echo "WARNING: flashinfer is not available (carry .whl)"
 
 TABLE="$OUT/tables/$(python -c 'from mla_dispatch.dispatch import tuned; from mla_dispatch.dispatch.platform import detect_platform; print(tuned.shipped_table_path(detect_platform()).name)')"
-BACKENDS=$(python -c 'import mla_dispatch.dispatch.registry as r; print(",".join(n for n in ("cuda_sm90", "flashmla", "flashinfer", "triton") if not r.get_backend(n).availability_reasons()))')
+BACKENDS=$(python -c 'import mla_dispatch.dispatch.registry as r; print(",".join(n for n in ("cuda_sm90", "flashmla", "fa3", "flashinfer", "triton") if not r.get_backend(n).availability_reasons()))')
 # the tune budget: what is left after the benches' share (150 s for the four grids: an estimate from counting configs x
 # backends x do_bench budgets, to be replaced by the phase times this run prints), at most 120 s and at least 30 s
 BUDGET=$(( $(left) - 150 )); [ "$BUDGET" -gt 120 ] && BUDGET=120; [ "$BUDGET" -lt 30 ] && BUDGET=30
