@@ -46,10 +46,10 @@ def _check(case, **kw):
 
 
 SHAPES = {"ps1-s1-h16": (1, 1, 16, 1, False), "ps16-s2-h16-causal": (16, 2, 16, 1, True),
-          "ps64-s1-h128": (64, 1, 128, 1, False), "ps33-s3-h8-hkv2-causal": (33, 3, 8, 2, True)}
+          "ps64-s1-h64": (64, 1, 64, 1, False), "ps33-s3-h8-hkv2-causal": (33, 3, 8, 2, True)}
 REFERENCE_CASES = [("upstream", shape) for shape in SHAPES] + [
     ("vllm", "ps16-s2-h16-causal"), ("vllm", "ps33-s3-h8-hkv2-causal"), ("sgl_kernel", "ps1-s1-h16"),
-    ("sgl_kernel", "ps64-s1-h128")]
+    ("sgl_kernel", "ps64-s1-h64")]
 
 
 @pytest.mark.parametrize("packaging,shape", REFERENCE_CASES, ids=[f"{p}-{s}" for p, s in REFERENCE_CASES])
@@ -151,8 +151,8 @@ def _problem(**over):
 
 @pytest.mark.parametrize("flag,declined,accepted", [
     ("FLASHATTENTION_DISABLE_FP16", dict(q_dtype=torch.float16, kv_format="fp16"), {}),
-    ("FLASHATTENTION_DISABLE_PAGEDKV", dict(page_size=16, num_heads_q=128), dict(page_size=128, num_heads_q=128)),
-    ("FLASHATTENTION_DISABLE_PAGEDKV", dict(page_size=64, num_heads_q=64), dict(page_size=64, num_heads_q=72)),
+    ("FLASHATTENTION_DISABLE_PAGEDKV", dict(page_size=16, num_heads_q=128), None),
+    ("FLASHATTENTION_DISABLE_PAGEDKV", dict(page_size=64, num_heads_q=64), None),
     ("FLASH_ATTENTION_DISABLE_HDIMDIFF64", {}, None),
     ("FLASHATTENTION_DISABLE_VARLEN", {}, None),
 ])
@@ -172,13 +172,28 @@ def test_an_upstream_build_declares_what_it_was_built_with(monkeypatch, gen, fla
         forget(FA3Backend)
 
 
-def test_pack_rows_decide_the_tma_path(monkeypatch):
-    """Without the non-TMA paged path, what matters is s_q * h_q / h_kv > 64 (rows packed per KV head)."""
+@pytest.mark.parametrize("packaging", PACKAGINGS)
+def test_pack_rows_decide_the_tma_path(monkeypatch, packaging):
+    """FA3 takes whole pages by TMA where the page holds whole 64-token tiles and s_q * h_q / h_kv > 64 (rows packed
+    per KV head): declined on every build (a NaN in an unused slot reaches the output there, measured on the H200);
+    a build without the non-TMA paged path (FLASHATTENTION_DISABLE_PAGEDKV) then runs no paged problem at all."""
+    def reasons(**over):
+        return " ".join(map(str, FA3Backend.not_supported_reasons(_problem(**over), H100)))
+
+    _install(monkeypatch, packaging)
+    try:
+        for tma in (dict(num_heads_q=128), dict(num_heads_q=64, q_len=2), dict(num_heads_q=128, page_size=128),
+                    dict(num_heads_q=32, q_len=4, causal=True)):
+            assert "paged-TMA path" in reasons(**tma), tma
+        for other in (dict(num_heads_q=64), dict(num_heads_q=128, num_heads_kv=2), dict(num_heads_q=128, page_size=16),
+                      dict(num_heads_q=128, page_size=96)):
+            assert reasons(**other) == "", other
+    finally:
+        forget(FA3Backend)
     _install(monkeypatch, FLASHATTENTION_DISABLE_PAGEDKV=True)
     try:
-        assert FA3Backend.not_supported_reasons(_problem(num_heads_q=64), H100)
-        assert not FA3Backend.not_supported_reasons(_problem(num_heads_q=64, q_len=2), H100)
-        assert FA3Backend.not_supported_reasons(_problem(num_heads_q=128, num_heads_kv=2), H100)
+        assert "FLASHATTENTION_DISABLE_PAGEDKV" in reasons(num_heads_q=64)
+        assert "paged-TMA path" in reasons(num_heads_q=128)
     finally:
         forget(FA3Backend)
 
@@ -223,8 +238,8 @@ def _real_fa3():
         pytest.skip("FA3's qv path needs an SM90 GPU")
 
 
-GPU_CASES = [  # (page_size, q_len, h_q, h_kv, causal): TMA and non-TMA pages, GQA packing, MTP
-    (64, 1, 128, 1, False), (64, 1, 16, 1, False), (1, 1, 16, 1, False), (16, 2, 64, 1, True),
+GPU_CASES = [  # (page_size, q_len, h_q, h_kv, causal): the non-TMA paged path (the TMA one is declined), GQA packing, MTP
+    (64, 1, 64, 1, False), (64, 1, 16, 1, False), (1, 1, 16, 1, False), (16, 2, 64, 1, True),
     (33, 4, 128, 1, True), (128, 1, 32, 2, False)]
 
 

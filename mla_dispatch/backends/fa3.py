@@ -177,12 +177,23 @@ class FA3Backend(MLABackend):
 
     @classmethod
     def extra_reasons(cls, problem: DecodeProblem, platform: Platform) -> list[Reason]:
-        flags = build_flags()
-        if not flags:
-            return []
         p = problem
         R = ReasonCode
         reasons = []
+        tma = p.page_size % TMA_PAGE_MULTIPLE == 0 and p.rows_per_kv_head > TMA_PAGE_MULTIPLE
+        if tma:
+            # hopper/flash_api.cpp get_pagedkv_tma: whole pages by TMA once s_q*h_q/h_kv > kBlockM (64) and the page
+            # holds whole kBlockN (64) tiles. Then a request's last page is read to its end and the scores past the
+            # length masked, but P V still multiplies their V rows by 0: a NaN in an unused slot (docs/design.md §1:
+            # they may hold anything) made every output of its request NaN on the H200 (2026-11-29, RESULTS.md,
+            # "FlashAttention-3"); the non-TMA paged path predicates its loads and passed the same cases.
+            reasons.append(Reason(R.PAGE_SIZE, f"page_size={p.page_size} with s_q*h_q/h_kv={p.rows_per_kv_head} "
+                                               f"(supported: page_size not a multiple of {TMA_PAGE_MULTIPLE}, or "
+                                               f"s_q*h_q/h_kv <= {TMA_PAGE_MULTIPLE}): FA3's paged-TMA path lets "
+                                               "a NaN in a page's unused slots into its request's output"))
+        flags = build_flags()
+        if not flags:
+            return reasons
         missing = [f for f in ("FLASHATTENTION_DISABLE_HDIM64", "FLASH_ATTENTION_DISABLE_HDIMDIFF64") if flags.get(f)]
         if missing:
             reasons.append(Reason(R.HEAD_DIM, f"D_qk/D_v={p.head_dim_qk}/{p.head_dim_v}: this flash_attn_3 build has "
@@ -193,7 +204,6 @@ class FA3Backend(MLABackend):
         if flags.get("FLASHATTENTION_DISABLE_VARLEN"):
             reasons.append(Reason(R.FEATURE, "per-request cache_seqlens (seqused_k) need FA3's varlen kernels (this "
                                              "build has FLASHATTENTION_DISABLE_VARLEN)"))
-        tma = p.page_size % TMA_PAGE_MULTIPLE == 0 and p.rows_per_kv_head > TMA_PAGE_MULTIPLE
         if flags.get("FLASHATTENTION_DISABLE_PAGEDKV") and not tma:
             reasons.append(Reason(R.PAGE_SIZE, f"page_size={p.page_size} with s_q*h_q/h_kv={p.rows_per_kv_head} "
                                                "(supported by this flash_attn_3 build, FLASHATTENTION_DISABLE_PAGEDKV: "

@@ -17,7 +17,7 @@ import torch
 
 from mla_dispatch.numerics.oracle import reference_attention
 from mla_dispatch.numerics.tolerance import Tolerance
-from mla_dispatch.kvcache.formats import pack_ds_mla, pack_ds_v4, quantize_fp8_e4m3
+from mla_dispatch.kvcache.formats import empty_ds_v4_cache, pack_ds_mla, pack_ds_v4, quantize_fp8_e4m3
 
 __all__ = ["DecodeCase", "make_case", "case_reference", "poisoned_outputs", "scale_outputs", "UNUSED_BLOCK_ID"]
 
@@ -123,7 +123,7 @@ def make_case(
         raise ValueError("extra_topk_length needs extra_topk > 0")
     return DecodeCase(
         q=q.to(dtype).to(dev),
-        kv_cache=kv.to(dev),
+        kv_cache=_cache_to(kv, kv_format, dev),
         block_table=block_table.to(torch.int32).to(dev),
         cache_seqlens=lens.to(torch.int32).to(dev),
         kv_format=kv_format,
@@ -132,8 +132,18 @@ def make_case(
         causal=causal,
         head_dim_v=head_dim_v,
         softmax_scale=softmax_scale if softmax_scale is not None else head_dim_qk**-0.5,
-        **{name: t.to(dev) for name, t in extras.items()},
+        **{name: _cache_to(t, kv_format, dev) if name == "extra_kv_cache" else t.to(dev) for name, t in extras.items()},
     )
+
+
+def _cache_to(kv: torch.Tensor, kv_format: str, dev: torch.device) -> torch.Tensor:
+    """``kv`` on ``dev`` in the same layout: an ``fp8_ds_v4`` cache keeps its padded blocks (``Tensor.to`` of a view
+    with gaps makes a dense copy, whose blocks of an odd page size no longer start at 16-byte boundaries)."""
+    if kv_format != "fp8_ds_v4" or kv.device == dev:
+        return kv.to(dev)
+    moved = empty_ds_v4_cache(kv.shape[0], kv.shape[1], device=dev)
+    moved.copy_(kv)
+    return moved
 
 
 def _cut(indices: torch.Tensor, g: torch.Generator) -> torch.Tensor:
