@@ -115,6 +115,17 @@ def test_triton_interpreter_keeps_hidden_keys_out(interpreter_results, case_id):
     assert rec["ok"], rec["message"]
 
 
+#: (case id, backend) measured failing on the H200 (2026-11-29, main d421359, both dtypes; benchmarks/RESULTS.md): the
+#: GPU kernels give a query the key p = 0 for a hidden key but still multiply its NaN V row into P V (the reference
+#: and the Triton interpreter's generic kernel leave hidden keys out). Strict: a fixed kernel turns these red, so the
+#: mark comes off with the fix. The other GPU cases hold the rule and stay plain assertions.
+KNOWN_GPU_FAILURES = {
+    ("b2xs2xh8-ps1", "cuda_sm90"), ("b2xs4xh2-ps64-hkv2", "cuda_sm90"), ("b3xs3xh4-ps16", "cuda_sm90"),
+    ("b3xs3xh4-ps16-invariant", "cuda_sm90"), ("b2xs2xh8-ps1", "triton"), ("b3xs3xh4-ps16", "triton"),
+    ("b3xs3xh4-ps16-invariant", "triton"),
+}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("backend", ["triton", "cuda_sm90"])
@@ -122,8 +133,12 @@ def test_triton_interpreter_keeps_hidden_keys_out(interpreter_results, case_id):
     ("b4xs2xh128-ps64", dict(batch=4, q_len=2, num_heads_q=128, seqlen=2000, page_size=64), {}),
     ("b4xs4xh16-ps64", dict(batch=4, q_len=4, num_heads_q=16, seqlen=700, page_size=64), {}),
 ], ids=lambda c: c[0])
-def test_gpu_backends_keep_hidden_keys_out(case, backend, dtype, seed):
+def test_gpu_backends_keep_hidden_keys_out(request, case, backend, dtype, seed):
     from mla_dispatch import NoBackendError
+
+    if (case[0], backend) in KNOWN_GPU_FAILURES:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="measured on the H200: a hidden NaN key reaches P V "
+                                                                  "in this GPU kernel (KNOWN_GPU_FAILURES)"))
 
     try:
         ok, msg = check_case(*case, dtype=dtype, backend=backend, device="cuda", seed=seed)
