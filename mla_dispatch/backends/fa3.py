@@ -158,7 +158,8 @@ class FA3Backend(MLABackend):
                              "KV_FORMATS": "hopper/flash_api.cpp: q_v rejects fp8"},
                     notes="FlashAttention-3's paged decode with the latent as qv (vLLM's FLASH_ATTN_MLA; from "
                           "flash_attn_3, vllm.vllm_flash_attn or sgl_kernel)",
-                    run_here="no: contract-tested"),
+                    run_here="yes: H200 (flash_attn_3 built from source by ci/build_fa3_peer.sh; vLLM's and "
+                             "SGLang's builds contract-tested)"),
     )
 
     @classmethod
