@@ -157,7 +157,8 @@ class FA3Backend(MLABackend):
                                           "instantiation with V 512 is run_mha_fwd_<90, T, 64, 512>",
                              "KV_FORMATS": "hopper/flash_api.cpp: q_v rejects fp8"},
                     notes="FlashAttention-3's paged decode with the latent as qv (vLLM's FLASH_ATTN_MLA; from "
-                          "flash_attn_3, vllm.vllm_flash_attn or sgl_kernel)",
+                          "flash_attn_3, vllm.vllm_flash_attn or sgl_kernel); not its paged-TMA path (page a "
+                          "multiple of 64 with s_q*h_q/h_kv > 64), where a NaN in unused slots reaches the output",
                     run_here="yes: H200 (flash_attn_3 built from source by ci/build_fa3_peer.sh; vLLM's and "
                              "SGLang's builds contract-tested)"),
     )
