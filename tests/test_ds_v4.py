@@ -212,3 +212,15 @@ def test_backends_without_the_extras_decline_them():
                                        topk_length=torch.zeros(1, dtype=torch.int32)).problem
     reasons = [str(r) for r in Plain.not_supported_reasons(problem, Platform("cpu", "cpu", None, "cpu", 2))]
     assert reasons == ["attn_sink with sparse indices (supported: topk_length)"]
+
+
+def test_a_case_moved_to_a_device_keeps_the_padded_blocks():
+    """make_case builds on the CPU and moves the case: an fp8_ds_v4 cache keeps FlashMLA's padded block stride (a plain
+    Tensor.to makes a dense copy, whose blocks of an odd page size are not 16-byte aligned: cuda_sm90 rejects it)."""
+    from mla_dispatch.numerics.cases import _cache_to
+
+    case = make_case(2, 1, 16, 100, page_size=61, head_dim_qk=512, head_dim_v=512, topk=64, kv_format="fp8_ds_v4",
+                     generator=torch.Generator().manual_seed(0))
+    moved = _cache_to(case.kv_cache, "fp8_ds_v4", torch.device("meta"))
+    assert moved.shape == case.kv_cache.shape and moved.stride() == case.kv_cache.stride()
+    assert moved.stride(0) % 576 == 0 and moved.stride(0) % 16 == 0

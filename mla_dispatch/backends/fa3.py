@@ -187,8 +187,8 @@ class FA3Backend(MLABackend):
             # hopper/flash_api.cpp get_pagedkv_tma: whole pages by TMA once s_q*h_q/h_kv > kBlockM (64) and the page
             # holds whole kBlockN (64) tiles. Then a request's last page is read to its end and the scores past the
             # length masked, but P V still multiplies their V rows by 0: a NaN in an unused slot (docs/design.md §1:
-            # they may hold anything) made every output of its request NaN on the H200 (2026-11-29, RESULTS.md,
-            # "FlashAttention-3"); the non-TMA paged path predicates its loads and passed the same cases.
+            # they may hold anything) made every output of its request NaN on the H200 (benchmarks/RESULTS.md,
+            # "NVIDIA H200, 2026-11-29"); the non-TMA paged path predicates its loads and passed the same cases.
             reasons.append(Reason(R.PAGE_SIZE, f"page_size={p.page_size} with s_q*h_q/h_kv={p.rows_per_kv_head} "
                                                f"(supported: page_size not a multiple of {TMA_PAGE_MULTIPLE}, or "
                                                f"s_q*h_q/h_kv <= {TMA_PAGE_MULTIPLE}): FA3's paged-TMA path lets "
