@@ -17,7 +17,7 @@ not subtracted (FlashMLA's own counting).
 The roofline time is ``max(FLOPs / peak_flops, bytes / peak_bandwidth)`` with
 both peaks measured in the same process by :func:`measure_ceilings`: a 1 GiB
 device-to-device copy (read + write counted) and an 8192^3 bf16 matmul. On a
-CPU the same two measurements run at a smaller size (64 MiB, 1024^3) and the
+CPU the same two measurements run at a smaller size (64 MiB, 256^3) and the
 :class:`Ceilings` record says so.
 """
 
@@ -153,13 +153,13 @@ def measure_ceilings(device: torch.device | str, *, copy_bytes: int | None = Non
                      rep_ms: float = 200.0) -> Ceilings:
     """Measure peak copy bandwidth (read + write counted) and bf16 matmul throughput.
 
-    Defaults: 1 GiB and 8192^3 on an accelerator; 64 MiB and 1024^3 on a CPU
-    (the full sizes would take minutes there and measure DRAM the same way).
+    Defaults: 1 GiB and 8192^3 on an accelerator; 64 MiB and 256^3 on a CPU (the full sizes would take minutes
+    there; a CPU's bf16 matmul runs below 1 GFLOP/s, so 1024^3 took ~10 s, and its ceiling only labels CPU runs).
     """
     device = torch.device(device)
     on_cpu = device.type == "cpu"
     copy_bytes = copy_bytes or ((64 << 20) if on_cpu else (1 << 30))
-    matmul_n = matmul_n or (1024 if on_cpu else 8192)
+    matmul_n = matmul_n or (256 if on_cpu else 8192)
     src = torch.empty(copy_bytes, dtype=torch.uint8, device=device).random_(0, 255)
     dst = torch.empty_like(src)
     t_copy = time_fn(lambda: dst.copy_(src), device, rep_ms=rep_ms)
