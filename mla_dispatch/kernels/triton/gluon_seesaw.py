@@ -450,14 +450,11 @@ def seesaw_fixed(*, q_len: int, h_q: int, page_size: int, block_table, seqlens, 
                  partial_lse, softmax_scale: float, causal: bool):
     """``(grid, arguments, launch options)`` of :func:`mla_decode_seesaw_kernel` that a plan fixes (everything but
     :func:`seesaw_call`'s)."""
-    grid = (part_offsets.shape[0] - 1, -(-(q_len * h_q) // BLOCK_M))
-    fixed = dict(
-        BlockTable=block_table, Seqlens=seqlens, Items=items, PartOffsets=part_offsets, PartialOut=partial_out,
-        PartialLse=partial_lse, qk_scale=softmax_scale * 1.4426950408889634, q_len=q_len, group=h_q,
-        stride_bt=block_table.stride(0),
-        stride_pob=partial_out.stride(0), stride_pos=partial_out.stride(1), stride_poh=partial_out.stride(2),
-        stride_plb=partial_lse.stride(0), stride_pls=partial_lse.stride(1), stride_plh=partial_lse.stride(2),
-        PAGE_SIZE=page_size, CAUSAL=causal, WORKER_NUM_REGS=WORKER_REGS)
+    grid, fixed = _g.split_kv_fixed(block_m=BLOCK_M, q_len=q_len, h_q=h_q, page_size=page_size,
+                                    block_table=block_table, seqlens=seqlens, items=items, part_offsets=part_offsets,
+                                    partial_out=partial_out, partial_lse=partial_lse, softmax_scale=softmax_scale,
+                                    causal=causal)
+    fixed["WORKER_NUM_REGS"] = WORKER_REGS
     return grid, fixed, {"num_warps": 4}
 
 

@@ -525,19 +525,29 @@ def launch_decode_gluon(q, kv, block_table, cache_seqlens, kv_scale, items, part
         return mla_decode_sm90_kernel[grid](**fixed, **gluon_call(q, kv, kv_scale, out, lse, fp8=fp8), **options)
 
 
-def gluon_fixed(*, q_len: int, h_q: int, d_qk: int, page_size: int, head_dim_v: int, fp8: bool, block_table, seqlens,
-                items, part_offsets, partial_out, partial_lse, softmax_scale: float, causal: bool):
-    """``(grid, arguments, launch options)`` of :func:`mla_decode_sm90_kernel` that a plan fixes (everything but
-    :func:`gluon_call`'s)."""
-    grid = (part_offsets.shape[0] - 1, -(-(q_len * h_q) // BLOCK_M))
-    fixed = dict(
+def split_kv_fixed(*, block_m: int, q_len: int, h_q: int, page_size: int, block_table, seqlens, items, part_offsets,
+                   partial_out, partial_lse, softmax_scale: float, causal: bool) -> tuple[tuple[int, int], dict]:
+    """The grid and the arguments a plan fixes that every Gluon split-KV kernel takes (this one's and
+    gluon_seesaw's): the table, lengths, schedule, partial buffers and their strides, the scale in log2 units."""
+    grid = (part_offsets.shape[0] - 1, -(-(q_len * h_q) // block_m))
+    return grid, dict(
         BlockTable=block_table, Seqlens=seqlens, Items=items, PartOffsets=part_offsets, PartialOut=partial_out,
         PartialLse=partial_lse, qk_scale=softmax_scale * 1.4426950408889634, q_len=q_len, group=h_q,
         stride_bt=block_table.stride(0),
         stride_pob=partial_out.stride(0), stride_pos=partial_out.stride(1), stride_poh=partial_out.stride(2),
         stride_plb=partial_lse.stride(0), stride_pls=partial_lse.stride(1), stride_plh=partial_lse.stride(2),
-        PAGE_SIZE=page_size, D_V=head_dim_v, D_ROPE=d_qk - head_dim_v, CAUSAL=causal, TILE_M=BLOCK_M,
-        TILE_N=BLOCK_N, STAGES=NUM_STAGES, GATHER=fp8 or page_size % BLOCK_N != 0, FP8=fp8)
+        PAGE_SIZE=page_size, CAUSAL=causal)
+
+
+def gluon_fixed(*, q_len: int, h_q: int, d_qk: int, page_size: int, head_dim_v: int, fp8: bool, block_table, seqlens,
+                items, part_offsets, partial_out, partial_lse, softmax_scale: float, causal: bool):
+    """``(grid, arguments, launch options)`` of :func:`mla_decode_sm90_kernel` that a plan fixes (everything but
+    :func:`gluon_call`'s)."""
+    grid, fixed = split_kv_fixed(block_m=BLOCK_M, q_len=q_len, h_q=h_q, page_size=page_size, block_table=block_table,
+                                 seqlens=seqlens, items=items, part_offsets=part_offsets, partial_out=partial_out,
+                                 partial_lse=partial_lse, softmax_scale=softmax_scale, causal=causal)
+    fixed.update(D_V=head_dim_v, D_ROPE=d_qk - head_dim_v, TILE_M=BLOCK_M, TILE_N=BLOCK_N, STAGES=NUM_STAGES,
+                 GATHER=fp8 or page_size % BLOCK_N != 0, FP8=fp8)
     if not fp8:
         fixed["KVScale"] = seqlens  # a dummy pointer
     return grid, fixed, {"num_warps": NUM_WARPS}
