@@ -50,7 +50,8 @@ import importlib
 
 import torch
 
-from mla_dispatch.dispatch.backend import ArchSupport, BackendState, CGSupport, MLABackend, Reason, ReasonCode
+from mla_dispatch.dispatch.backend import (ArchSupport, BackendState, CGSupport, MLABackend, Reason, ReasonCode,
+                                           dense_call_matcher)
 from mla_dispatch.dispatch.platform import Platform
 from mla_dispatch.dispatch.problem import DecodeProblem
 
@@ -322,17 +323,11 @@ class FA3Backend(MLABackend):
         """Eager calls: FA3's call, and the LSE's no-key rows made +inf; its outputs are returned as they are
         (the LSE made contiguous) unless ``out`` / ``lse`` were given."""
         p = problem
-        q_shape, q_dtype = (p.batch, p.q_len, p.num_heads_q, p.head_dim_qk), p.q_dtype
-        kv_tail = (p.page_size, p.num_heads_kv, p.head_dim_qk)
-        out_shape, lse_shape = (p.batch, p.q_len, p.num_heads_q, p.head_dim_v), (p.batch, p.num_heads_q, p.q_len)
+        matches = dense_call_matcher(p, kv_dtype)
         call, no_key, inf = cls._call, state.no_key, float("inf")
 
         def fast(q, kv, kv_scale, out, lse):
-            if (kv_scale is not None or q.shape != q_shape or q.dtype != q_dtype or q.stride(-1) != 1
-                    or kv.shape[1:] != kv_tail or kv.dtype != kv_dtype or kv.stride(-1) != 1
-                    or (out is not None and (out.shape != out_shape or out.dtype != q_dtype or out.device != q.device))
-                    or (lse is not None and (lse.shape != lse_shape or lse.dtype != torch.float32
-                                             or lse.device != q.device))):
+            if not matches(q, kv, kv_scale, out, lse):
                 return None  # the checked path names what is wrong
             o, l = call(state, q, kv, block_table, cache_seqlens, softmax_scale, out)
             if out is not None:

@@ -43,7 +43,8 @@ import functools
 
 import torch
 
-from mla_dispatch.dispatch.backend import ArchSupport, BackendState, CGSupport, MLABackend, Reason, ReasonCode
+from mla_dispatch.dispatch.backend import (ArchSupport, BackendState, CGSupport, MLABackend, Reason, ReasonCode,
+                                           dense_call_matcher)
 from mla_dispatch.metadata.conversions import repage_block_table
 from mla_dispatch.dispatch.platform import Platform
 from mla_dispatch.dispatch.problem import DecodeProblem
@@ -274,17 +275,11 @@ class FlashMLABackend(MLABackend):
 
         p = problem
         call = flash_mla.flash_mla_with_kvcache
-        q_shape, q_dtype = (p.batch, p.q_len, p.num_heads_q, p.head_dim_qk), p.q_dtype
-        kv_tail = (p.page_size, p.num_heads_kv, p.head_dim_qk)
-        out_shape, lse_shape = (p.batch, p.q_len, p.num_heads_q, p.head_dim_v), (p.batch, p.num_heads_q, p.q_len)
+        matches = dense_call_matcher(p, kv_dtype)
         pages, dv, causal, table_of = DENSE_PAGE, p.head_dim_v, p.causal, cls._table
 
         def fast(q, kv, kv_scale, out, lse):
-            if (kv_scale is not None or q.shape != q_shape or q.dtype != q_dtype or q.stride(-1) != 1
-                    or kv.shape[1:] != kv_tail or kv.dtype != kv_dtype or kv.stride(-1) != 1
-                    or (out is not None and (out.shape != out_shape or out.dtype != q_dtype or out.device != q.device))
-                    or (lse is not None and (lse.shape != lse_shape or lse.dtype != torch.float32
-                                             or lse.device != q.device))):
+            if not matches(q, kv, kv_scale, out, lse):
                 return None  # the checked path names what is wrong
             if state.ratio > 1:
                 kv = kv.view(kv.shape[0] * state.ratio, pages, kv.shape[2], kv.shape[3])

@@ -24,7 +24,7 @@ from mla_dispatch.dispatch.problem import DecodeProblem
 from mla_dispatch.numerics.tolerance import BF16_TOLERANCE, Tolerance
 
 __all__ = ["ReasonCode", "Reason", "CGSupport", "BackendOption", "ArchSupport", "MLABackend", "BackendState",
-           "Unimplemented", "untraced_eager", "version_of"]
+           "Unimplemented", "untraced_eager", "version_of", "dense_call_matcher"]
 
 _is_compiling = torch.compiler.is_compiling
 _dispatch_modes = torch._C._len_torch_dispatch_stack
@@ -35,6 +35,26 @@ def untraced_eager(q: torch.Tensor) -> bool:
     functionalization, ``make_fx``) and not a tensor subclass. Only such calls may skip the dispatcher (native
     fast paths, :meth:`MLABackend.bind`); every other call must reach a registered op, so traces see it."""
     return not _is_compiling() and type(q) is torch.Tensor and not _dispatch_modes()
+
+
+def dense_call_matcher(problem: DecodeProblem, kv_dtype: torch.dtype):
+    """``matches(q, kv, kv_scale, out, lse) -> bool`` for a bound eager call (:meth:`MLABackend.bind`) of a dense
+    plan over a 16-bit cache: whether the arguments are what ``problem`` was planned for (q of its shape and dtype,
+    a 4-D cache of its page, heads and width in ``kv_dtype``, both contiguous in their last dim, no ``kv_scale``, and
+    ``out`` / ``lse``, where given, of the planned shapes and dtypes on q's device). The shapes are computed once."""
+    p = problem
+    q_shape, q_dtype = (p.batch, p.q_len, p.num_heads_q, p.head_dim_qk), p.q_dtype
+    kv_tail = (p.page_size, p.num_heads_kv, p.head_dim_qk)
+    out_shape, lse_shape = (p.batch, p.q_len, p.num_heads_q, p.head_dim_v), (p.batch, p.num_heads_q, p.q_len)
+    fp32 = torch.float32
+
+    def matches(q, kv, kv_scale, out, lse) -> bool:
+        return not (kv_scale is not None or q.shape != q_shape or q.dtype != q_dtype or q.stride(-1) != 1
+                    or kv.shape[1:] != kv_tail or kv.dtype != kv_dtype or kv.stride(-1) != 1
+                    or (out is not None and (out.shape != out_shape or out.dtype != q_dtype or out.device != q.device))
+                    or (lse is not None and (lse.shape != lse_shape or lse.dtype != fp32 or lse.device != q.device)))
+
+    return matches
 
 
 class ReasonCode(enum.Enum):
