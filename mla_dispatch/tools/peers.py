@@ -101,31 +101,44 @@ def time_flashmla(case: DecodeCase, ref: tuple[torch.Tensor, torch.Tensor], time
         meta, _ = flash_mla.get_mla_metadata()
         return flash_mla.flash_mla_with_kvcache(*args, meta, None, **kw)
 
+    def graphed():  # one scheduling object, filled by the warm-up call before capture
+        meta, _ = flash_mla.get_mla_metadata()
+        return lambda: flash_mla.flash_mla_with_kvcache(*args, meta, None, **kw)
+
+    def check(out, lse):
+        return compare_outputs(out, lse, ref[0], ref[1], BF16_TOLERANCE)
+
+    return _check_and_time(whole_call, graphed, check, q.device, time_fn, rep_ms)
+
+
+def _check_and_time(whole_call, graphed, check, device, time_fn, rep_ms: float) -> dict:
+    """A peer's direct call: ``whole_call()`` checked (``check(out, lse)``) and timed eagerly, then the call that
+    ``graphed()`` returns run once on a side stream, captured in a CUDA graph, replayed into NaN-poisoned outputs,
+    checked again and timed. Returns the keys of :func:`time_flashmla`."""
     try:
-        out, lse = whole_call()
-        report = compare_outputs(out, lse, ref[0], ref[1], BF16_TOLERANCE)
+        report = check(*whole_call())
         if not report:
             return {"status": "wrong", "note": report.message}
         result = {"status": "ok", "note": "",
-                  "us_call": time_fn(whole_call, q.device, rep_ms=rep_ms) * 1e6,
-                  "host_call_us": host_us(whole_call, q.device)}
-        meta, _ = flash_mla.get_mla_metadata()
+                  "us_call": time_fn(whole_call, device, rep_ms=rep_ms) * 1e6,
+                  "host_call_us": host_us(whole_call, device)}
+        step = graphed()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            flash_mla.flash_mla_with_kvcache(*args, meta, None, **kw)  # fills the scheduling object
+            step()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            g_out, g_lse = flash_mla.flash_mla_with_kvcache(*args, meta, None, **kw)
+            g_out, g_lse = step()
         g_out.fill_(float("nan"))
         g_lse.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        report = compare_outputs(g_out, g_lse, ref[0], ref[1], BF16_TOLERANCE)
+        report = check(g_out, g_lse)
         if not report:
             return {"status": "wrong", "note": f"CUDA-graph replay: {report.message}"}
-        result["us_graph"] = time_fn(graph.replay, q.device, rep_ms=rep_ms) * 1e6
+        result["us_graph"] = time_fn(graph.replay, device, rep_ms=rep_ms) * 1e6
         return result
     except Exception as exc:  # a peer that crashes is a result too
         return {"status": "error", "note": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
@@ -186,30 +199,8 @@ def time_fa3(case: DecodeCase, ref: tuple[torch.Tensor, torch.Tensor], time_fn, 
         return compare_outputs(out, torch.where(torch.isneginf(lse), float("inf"), lse), ref[0], ref[1],
                                BF16_TOLERANCE)
 
-    try:
-        report = check(*whole_call())
-        if not report:
-            return {"status": "wrong", "note": report.message}
-        result = {"status": "ok", "note": "",
-                  "us_call": time_fn(whole_call, q.device, rep_ms=rep_ms) * 1e6,
-                  "host_call_us": host_us(whole_call, q.device)}
+    def graphed():  # the schedule made once, outside the capture
         meta = schedule()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            call(meta)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            g_out, g_lse = call(meta)
-        g_out.fill_(float("nan"))
-        g_lse.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        report = check(g_out, g_lse)
-        if not report:
-            return {"status": "wrong", "note": f"CUDA-graph replay: {report.message}"}
-        result["us_graph"] = time_fn(graph.replay, q.device, rep_ms=rep_ms) * 1e6
-        return result
-    except Exception as exc:  # a peer that crashes is a result too
-        return {"status": "error", "note": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
+        return lambda: call(meta)
+
+    return _check_and_time(whole_call, graphed, check, q.device, time_fn, rep_ms)
