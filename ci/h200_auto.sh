@@ -6,7 +6,8 @@
 #      ship it); H200_AUTO_TUNE=full measures the full tuning grid instead, within the same budget;
 #   3. `bench` on the flashmla, heads, latency and pages grids, one grid per process, every available backend and
 #      FlashMLA's own call beside `auto`, with that table in use (CUDA-graph replays only);
-#   4. `bench --check-auto 0.03` over the four runs, printed last: auto against the fastest correct backend.
+#   4. `bench --check-auto 0.03` over the four runs, printed last: auto against the fastest correct backend, both
+#      timed again in alternation per config (5 rounds) by each grid's run.
 # Carry ".whl" (flashinfer-python 0.6.0) and ".peer" (FlashMLA's source, ci/flashmla_peer.sh), then:
 #   bash ci/h200_auto.sh
 # Every phase prints its start time in seconds since the start; the python steps run under `timeout` so the command
@@ -63,8 +64,9 @@ JSONS=()
 for grid in "${GRIDS[@]}"; do
   if [ "$(left)" -lt 45 ]; then stamp "SKIPPED grid $grid: $(left)s left"; continue; fi
   stamp "bench $grid"
+  # --check-auto: auto and each config's fastest backend are timed again in alternation (their medians are judged)
   timeout "$(left)" python -m mla_dispatch bench --grid "$grid" --backends "auto,$BACKENDS" --times graph \
-    --rep-ms "$REP_MS" --quiet --out "$OUT/bench" > "$OUT/bench/$grid.log" 2>&1
+    --rep-ms "$REP_MS" --check-auto 0.03 --quiet --out "$OUT/bench" > "$OUT/bench/$grid.log" 2>&1
   echo "  exit $?; $(grep -c '' "$OUT/bench/$grid.log") lines in $OUT/bench/$grid.log"
   [ -f "$OUT/bench/bench-$grid.json" ] && JSONS+=(--from-json "$OUT/bench/bench-$grid.json")
 done

@@ -112,6 +112,9 @@ def test_bench_check_auto_end_to_end(registered, tmp_path, monkeypatch, capsys):
     rows = json.loads((tmp_path / "bench-tiny.json").read_text())["rows"]
     autos = [r for r in rows if r["backend"] == "auto"]
     assert len(autos) == 2 and {r["chosen"] for r in autos} == {slow}
+    # auto and the fastest (the reference) timed again in alternation: the 20 ms sleep shows in auto's median
+    assert all(r["paired_with"] == "reference" and r["paired_rounds"] == 5 for r in autos)
+    assert all(r["paired_us"] > 2e4 > r["paired_with_us"] for r in autos)
     assert all(r["us_run"] and r["us_call"] is None for r in rows if r["status"] == "ok"), "--times run: run only"
     assert bench.main(["--check-auto", "1000", "--from-json", str(tmp_path / "bench-tiny.json")]) == 0
 
@@ -125,3 +128,46 @@ def test_from_json_needs_check_auto_and_a_bench_file(tmp_path, capsys):
     bad.write_text('{"rows": 3}')
     assert bench.main(["--check-auto", "0.03", "--from-json", str(bad)]) == 2
     assert "no 'rows' list" in capsys.readouterr().err
+
+
+def test_paired_times_decide_where_the_run_took_them(gen):
+    """auto's row and the fastest row, timed once each, 8% apart; timed in alternation, 1% apart: the alternating
+    medians decide (and are marked), the rows still show the chosen backend's own time; a pairing with another
+    backend than the fastest is ignored."""
+    import torch
+
+    base = float(100 + 900 * torch.rand(1, generator=gen))
+    rows = _rows("c", auto=("a", base * 1.08), a=base, b=base * 1.5)
+    rows[0].paired_with, rows[0].paired_us, rows[0].paired_with_us, rows[0].paired_rounds = "a", base * 1.01, base, 5
+    (paired,), _ = check_auto(rows, 0.03)
+    assert paired.verdict == "ok" and paired.ratio == pytest.approx(1.01) and paired.paired_rounds == 5
+    text = format_check([paired], 0.03, "graph")
+    assert "median of 5 rounds, where marked *" in text and f"| a {base:.1f}* |" in text
+    rows[0].paired_with = "b"
+    (unpaired,), _ = check_auto(rows, 0.03)
+    assert unpaired.verdict == "over" and unpaired.ratio == pytest.approx(1.08) and unpaired.paired_rounds is None
+
+
+def test_alternate_times_alternates_and_takes_medians(monkeypatch, gen):
+    """Each round times every callable once, the order reversed every other round; each one's median is returned."""
+    import torch
+
+    order, draws = [], {}
+
+    def fake_time_fn(fn, device, *, rep_ms):
+        order.append(fn.__name__)
+        return draws[fn.__name__].pop(0)
+
+    def first():
+        pass
+
+    def second():
+        pass
+
+    draws["first"] = (torch.rand(5, generator=gen) * 1e-3).tolist()
+    draws["second"] = (torch.rand(5, generator=gen) * 1e-3).tolist()
+    want = [sorted(draws[k])[2] * 1e6 for k in ("first", "second")]
+    monkeypatch.setattr(bench, "time_fn", fake_time_fn)
+    got = bench.alternate_times([first, second], torch.device("cpu"), rounds=5, rep_ms=1)
+    assert got == pytest.approx(want)
+    assert order == ["first", "second", "second", "first"] * 2 + ["first", "second"]

@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-__all__ = ["AutoCheck", "check_auto", "format_check", "load_rows"]
+__all__ = ["AutoCheck", "check_auto", "fastest_candidate", "format_check", "load_rows"]
 
 #: The names of the peers' own rows in bench output (:data:`mla_dispatch.tools.peers.PEER_FLASHMLA`, ``PEER_FA3``):
 #: vendor libraries called directly, not backends ``auto`` can pick.
@@ -42,6 +42,9 @@ class AutoCheck:
     fastest_us: float | None = None
     chosen_us: float | None = None
     note: str = ""
+    paired_rounds: int | None = None  # auto_us and fastest_us are medians of this many alternating rounds
+    fastest_row_us: float | None = None  # the fastest backend's own row (fastest_us unless paired)
+
 
     @property
     def ratio(self) -> float | None:
@@ -64,6 +67,14 @@ def _us(row, metric: str) -> float | None:
     return float(run) if run else None
 
 
+def fastest_candidate(rows: Iterable, metric: str):
+    """The fastest correct row of one config's ``rows`` among the backends ``auto`` could have chosen (not ``auto``
+    itself, a peer's own call or a forced variant ``name:key=value``), by ``metric``; None if there is none."""
+    candidates = [r for r in rows if _get(r, "backend") not in ("auto", *_PEERS) and ":" not in _get(r, "backend")
+                  and _get(r, "status") == "ok" and _us(r, metric)]
+    return min(candidates, key=lambda r: _us(r, metric)) if candidates else None
+
+
 def check_auto(rows: Iterable, tolerance: float, metric: str | None = None) -> tuple[list[AutoCheck], str]:
     """Check every config of ``rows`` (bench rows: :class:`~mla_dispatch.tools.bench.BenchRow` or their JSON dicts);
     returns the per-config results, in the run's order, and the metric used (``graph`` where any row has a graph
@@ -76,18 +87,17 @@ def check_auto(rows: Iterable, tolerance: float, metric: str | None = None) -> t
         by_config.setdefault(_get(r, "config"), []).append(r)
     results = []
     for config, group in by_config.items():
-        candidates = [r for r in group if _get(r, "backend") not in ("auto", *_PEERS) and ":" not in _get(r, "backend")
-                      and _get(r, "status") == "ok" and _us(r, metric)]
         autos = [r for r in group if _get(r, "backend") == "auto"]
-        best = min(candidates, key=lambda r: _us(r, metric)) if candidates else None
-        fastest = dict(fastest=_get(best, "backend"), fastest_us=_us(best, metric)) if best is not None else {}
+        best = fastest_candidate(group, metric)
+        fastest = (dict(fastest=_get(best, "backend"), fastest_us=_us(best, metric), fastest_row_us=_us(best, metric))
+                   if best is not None else {})
         if not autos:
             results.append(AutoCheck(config, "no auto row" if best is not None else "nothing ran", **fastest))
             continue
         auto = autos[0]
         match = _CHOSE.search(_get(auto, "note") or "")
         chose = _get(auto, "chosen") or (match.group(1) if match else None)
-        chosen_row = next((r for r in candidates if _get(r, "backend") == chose), None)
+        chosen_row = next((r for r in group if _get(r, "backend") == chose and _get(r, "status") == "ok"), None)
         common = dict(chose=chose, chosen_us=_us(chosen_row, metric) if chosen_row is not None else None, **fastest)
         if best is None:
             ran = _get(auto, "status") == "ok"
@@ -96,16 +106,24 @@ def check_auto(rows: Iterable, tolerance: float, metric: str | None = None) -> t
             results.append(AutoCheck(config, "auto failed", note=f"{_get(auto, 'status')}: {_get(auto, 'note')}",
                                      **common))
         else:
-            us = _us(auto, metric)
-            verdict = "ok" if us <= fastest["fastest_us"] * (1 + tolerance) else "over"
-            results.append(AutoCheck(config, verdict, auto_us=us, **common))
+            us, paired = _us(auto, metric), None
+            if (_get(auto, "paired_with") == fastest["fastest"] and _get(auto, "paired_us")
+                    and _get(auto, "paired_with_us")):
+                us, fastest_us, paired = (float(_get(auto, "paired_us")), float(_get(auto, "paired_with_us")),
+                                          _get(auto, "paired_rounds"))
+                common["fastest_us"] = fastest_us
+            verdict = "ok" if us <= common["fastest_us"] * (1 + tolerance) else "over"
+            results.append(AutoCheck(config, verdict, auto_us=us, paired_rounds=paired, **common))
     return results, metric
 
 
 def format_check(results: Sequence[AutoCheck], tolerance: float, metric: str) -> str:
     """Markdown table of the results and a one-line verdict."""
     what = "CUDA-graph replay" if metric == "graph" else "eager DecodePlan.run"
-    lines = [f"### auto against the fastest correct backend ({what} µs; tolerance {tolerance:.1%})", "",
+    paired = [r.paired_rounds for r in results if r.paired_rounds]
+    how = (f"; auto and the fastest timed in alternation, median of {max(paired)} rounds, where marked *" if paired
+           else "")
+    lines = [f"### auto against the fastest correct backend ({what} µs; tolerance {tolerance:.1%}{how})", "",
              "| config | auto chose | auto µs | fastest correct backend, µs | auto / fastest | chosen backend's own "
              "row / fastest | verdict |", "|---|---|---:|---|---:|---:|---|"]
 
@@ -113,11 +131,12 @@ def format_check(results: Sequence[AutoCheck], tolerance: float, metric: str) ->
         return "" if x is None else format(x, fmt)
 
     for r in results:
-        own = r.chosen_us / r.fastest_us if r.chosen_us and r.fastest_us else None
+        own = r.chosen_us / r.fastest_row_us if r.chosen_us and r.fastest_row_us else None
         best = f"{r.fastest} {r.fastest_us:.1f}" if r.fastest else ""
         verdict = r.verdict + (f" ({r.note})" if r.note else "")
-        lines.append(f"| {r.config} | {r.chose or ''} | {f(r.auto_us, '.1f')} | {best} | {f(r.ratio, '.3f')} | "
-                     f"{f(own, '.3f')} | {verdict.replace('|', '/')} |")
+        mark = "*" if r.paired_rounds else ""
+        lines.append(f"| {r.config} | {r.chose or ''} | {f(r.auto_us, '.1f')}{mark} | {best}{mark} | "
+                     f"{f(r.ratio, '.3f')} | {f(own, '.3f')} | {verdict.replace('|', '/')} |")
     checked = [r for r in results if r.verdict != "nothing ran"]
     failed = [r for r in checked if r.failed]
     ratios = [r for r in checked if r.ratio is not None]

@@ -47,10 +47,11 @@ import math
 import os
 import platform as host_platform
 import shlex
+import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -68,7 +69,7 @@ from mla_dispatch.tools.roofline import Ceilings, decode_work, measure_ceilings,
 from mla_dispatch.numerics.cases import UNUSED_BLOCK_ID, DecodeCase
 from mla_dispatch.numerics.tolerance import compare_outputs
 from mla_dispatch.tools.args import (CommandParser, UsageError, backend_names, backend_spec, nonnegative_float,
-                                     parse_device, positive_float, seed_int, usage_error, writable_dir)
+                                     parse_device, positive_float, positive_int, seed_int, usage_error, writable_dir)
 
 __all__ = ["BenchConfig", "BenchRow", "GRIDS", "grid_configs", "make_bench_case", "run_bench", "default_backends",
            "environment", "main"]
@@ -349,6 +350,12 @@ class BenchRow:
     x_flashmla: float | None = None    # us_graph (else us_call) over FlashMLA's own, same config
     chosen: str | None = None          # the backend "auto" chose (auto's rows only)
     x_fa3: float | None = None         # the same over FlashAttention-3's own
+    # auto's rows of a --check-auto run: auto and the fastest correct backend timed again in alternation
+    # (:func:`pair_auto`), each the median of ``paired_rounds`` rounds
+    paired_with: str | None = None
+    paired_us: float | None = None       # auto's
+    paired_with_us: float | None = None  # paired_with's
+    paired_rounds: int | None = None
 
     @property
     def best_us(self) -> float | None:
@@ -382,11 +389,14 @@ TIMINGS = frozenset({"run", "call", "host", "graph"})
 
 
 def bench_backend(name: str, case: DecodeCase, ref: tuple[torch.Tensor, torch.Tensor], row: BenchRow, *,
-                  graphs: bool = True, rep_ms: float = 100.0, timings: frozenset[str] = TIMINGS) -> BenchRow:
+                  graphs: bool = True, rep_ms: float = 100.0, timings: frozenset[str] = TIMINGS,
+                  timed: dict[str, Callable[[], object]] | None = None) -> BenchRow:
     """Check, then time, backend ``name`` (or ``"auto"``) on ``case``; fills and returns ``row``. ``name`` may carry
     options (``name:key=value:...``, :func:`~mla_dispatch.tools.args.backend_spec`): ``batch_invariant=true`` plans
     with ``batch_invariant=True``, the others go to ``backend_options``. ``timings``: which of :data:`TIMINGS` to
-    measure (``run`` is measured too where ``graph`` is asked for and no graph can be timed)."""
+    measure (``run`` is measured too where ``graph`` is asked for and no graph can be timed). ``timed``: where given,
+    ``timed[name]`` is set to what the row's main time measured (the graph replay, else the eager run), kept alive for
+    :func:`pair_auto`."""
     device = case.q.device
     name, options = backend_spec(name)
     invariant = bool(options.pop("batch_invariant", False))
@@ -420,9 +430,13 @@ def bench_backend(name: str, case: DecodeCase, ref: tuple[torch.Tensor, torch.Te
         row.status, row.note = "wrong", (row.note + ": " if row.note else "") + report.message
         return row
     graph = graphs and "graph" in timings and device.type == "cuda" and cls.CUDA_GRAPH is CGSupport.ALWAYS
+    def run():
+        return plan.run(case.q, case.kv_cache, **run_kw, out=out, lse=lse)
+
     if "run" in timings or not graph:
-        row.us_run = time_fn(lambda: plan.run(case.q, case.kv_cache, **run_kw, out=out, lse=lse), device,
-                             rep_ms=rep_ms) * 1e6
+        row.us_run = time_fn(run, device, rep_ms=rep_ms) * 1e6
+        if timed is not None:
+            timed[row.backend] = run
     if "call" in timings:
         row.us_call = time_fn(lambda: mla_decode(*case.args(), **plan_kw, out=out), device,
                               rep_ms=rep_ms) * 1e6
@@ -432,12 +446,15 @@ def bench_backend(name: str, case: DecodeCase, ref: tuple[torch.Tensor, torch.Te
         row.host_run_us = host_us(lambda: plan.run(case.q, case.kv_cache, **run_kw, out=out, lse=lse), device)
         row.host_call_us = host_us(lambda: mla_decode(*case.args(), **plan_kw, out=out), device)
     if graph:
-        _bench_graph(plan_kw, case, ref, row, rep_ms)
+        replay = _bench_graph(plan_kw, case, ref, row, rep_ms)
+        if replay is not None and timed is not None:
+            timed[row.backend] = replay
     return row
 
 
-def _bench_graph(plan_kw: dict, case: DecodeCase, ref, row: BenchRow, rep_ms: float) -> None:
-    """Capture ``plan.run`` into a CUDA graph, check one replay, time replays.
+def _bench_graph(plan_kw: dict, case: DecodeCase, ref, row: BenchRow, rep_ms: float) -> Callable[[], None] | None:
+    """Capture ``plan.run`` into a CUDA graph, check one replay, time replays; returns the replay (holding the plan
+    whose buffers the graph reads), or None where the capture failed or its replay was wrong.
 
     The captured call allocates its outputs (in the graph's pool, at capture), as FlashMLA's own call is captured
     and timed (:mod:`mla_dispatch.tools.peers`): a backend that writes into given buffers pays nothing for it, one
@@ -462,11 +479,48 @@ def _bench_graph(plan_kw: dict, case: DecodeCase, ref, row: BenchRow, rep_ms: fl
         report = _check(out, lse, ref, cls.TOLERANCE)
     except Exception as exc:
         row.note = f"graph capture failed: {type(exc).__name__}: {exc}".splitlines()[0][:300]
-        return
+        return None
     if not report:
         row.status, row.note = "wrong", f"CUDA-graph replay: {report.message}"
-        return
+        return None
     row.us_graph = time_fn(graph.replay, case.q.device, rep_ms=rep_ms) * 1e6
+
+    def replay():
+        graph.replay()
+        return plan, out, lse  # the graph reads the plan's buffers and writes these: they live as long as it
+
+    return replay
+
+
+def alternate_times(fns: Sequence[Callable[[], object]], device: torch.device, *, rounds: int, rep_ms: float
+                    ) -> list[float]:
+    """Median µs of each of ``fns`` over ``rounds`` rounds, each round timing every one once (:func:`time_fn`), in
+    an order reversed every other round: drift of the clocks or of the memory's temperature over the run falls on all
+    alike, where one measurement of each, seconds apart, can differ by more than the check's tolerance."""
+    samples: list[list[float]] = [[] for _ in fns]
+    for r in range(rounds):
+        order = range(len(fns)) if r % 2 == 0 else reversed(range(len(fns)))
+        for i in order:
+            samples[i].append(time_fn(fns[i], device, rep_ms=rep_ms) * 1e6)
+    return [statistics.median(s) for s in samples]
+
+
+def pair_auto(rows: Sequence[BenchRow], timed: dict[str, Callable[[], object]], device: torch.device, *,
+              rounds: int, rep_ms: float) -> None:
+    """On one config's ``rows``: time ``auto`` and the fastest correct backend (the one
+    :func:`~mla_dispatch.tools.autocheck.check_auto` compares it with) again, in alternation
+    (:func:`alternate_times`), and record both on auto's row. Nothing where auto or that backend was not timed."""
+    from mla_dispatch.tools.autocheck import fastest_candidate
+
+    auto = next((r for r in rows if r.backend == "auto" and r.status == "ok"), None)
+    if auto is None or "auto" not in timed:
+        return
+    best = fastest_candidate(rows, "graph" if auto.us_graph else "run")
+    if best is None or best.backend not in timed:
+        return
+    auto.paired_us, auto.paired_with_us = alternate_times([timed["auto"], timed[best.backend]], device, rounds=rounds,
+                                                          rep_ms=rep_ms)
+    auto.paired_with, auto.paired_rounds = best.backend, rounds
 
 
 # -- the run ------------------------------------------------------------------------------------------
@@ -539,11 +593,13 @@ def work_of(case: DecodeCase, cfg: BenchConfig):
 def run_bench(configs: Sequence[BenchConfig], backends: Sequence[str], *, device: torch.device,
               dtype: torch.dtype = torch.bfloat16, ceilings: Ceilings | None = None, graphs: bool = True,
               rep_ms: float = 100.0, seed: int = 0, progress: bool = True, timings: frozenset[str] = TIMINGS,
-              peer: bool = True, budget_s: float | None = None, desc: str = "bench"
+              peer: bool = True, budget_s: float | None = None, desc: str = "bench", pair_rounds: int = 0
               ) -> tuple[list[BenchRow], Ceilings]:
     """Benchmark ``backends`` on ``configs``; measures the ceilings first unless given.
 
     ``timings``: what to time (:data:`TIMINGS`); ``peer``: time FlashMLA itself beside them where installed.
+    ``pair_rounds``: where > 0 and ``auto`` is among ``backends``, auto and the fastest correct backend of each config
+    are timed again in alternation, that many rounds (:func:`pair_auto`; what ``--check-auto`` judges by).
     ``budget_s``: seconds from the call after which no further config is started (the ceilings count; a config is
     measured whole or not at all, so the rows hold only the configs that fit, in order); the progress bar shows the
     time spent against it.
@@ -573,11 +629,16 @@ def run_bench(configs: Sequence[BenchConfig], backends: Sequence[str], *, device
         work = work_of(case, cfg)
         roof_us = work.roofline_seconds(ceilings) * 1e6
         config_rows = []
+        timed: dict[str, Callable[[], object]] = {}
         for name in backends:
             version = "" if name == "auto" else get_backend(backend_spec(name)[0]).version()
             row = BenchRow(cfg.label, name, version, "?", flops=work.flops, bytes=work.bytes, roofline_us=roof_us)
-            config_rows.append(bench_backend(name, case, ref, row, graphs=graphs, rep_ms=rep_ms, timings=timings))
+            config_rows.append(bench_backend(name, case, ref, row, graphs=graphs, rep_ms=rep_ms, timings=timings,
+                                             timed=timed if pair_rounds else None))
             bar.update(1)
+        if pair_rounds:
+            pair_auto(config_rows, timed, device, rounds=pair_rounds, rep_ms=rep_ms)
+            timed.clear()
         for peer_name, peer_version, runs, time_peer in peers:
             if peer_version and runs(case):
                 peer = BenchRow(cfg.label, peer_name, peer_version, "?", flops=work.flops, bytes=work.bytes,
@@ -713,7 +774,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--check-auto", type=nonnegative_float, default=None, metavar="TOL",
                    help="after the run, set auto's time on each config against the fastest correct backend's and "
-                        "exit 1 if any is over by more than TOL (0.03 = 3%%); adds auto to the backends")
+                        "exit 1 if any is over by more than TOL (0.03 = 3%%); adds auto to the backends, and times "
+                        "auto and the fastest backend of each config again in alternation (--pair-rounds)")
+    p.add_argument("--pair-rounds", type=positive_int, default=5, metavar="N",
+                   help="with --check-auto: rounds of the alternating timing of auto and the fastest backend, whose "
+                        "medians the check compares (default: 5)")
     p.add_argument("--from-json", action="append", default=None, metavar="BENCH_JSON",
                    help="with --check-auto: check a saved run (bench-<grids>.json) instead of running; repeat it to "
                         "check several")
@@ -804,7 +869,8 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     command = "python -m mla_dispatch bench " + " ".join(shlex.quote(a) for a in given)
     env = environment(device, backends)
     rows, ceilings = run_bench(configs, backends, device=device, dtype=_DTYPES[args.dtype], graphs=not args.no_graph,
-                               rep_ms=args.rep_ms, seed=args.seed, progress=not args.quiet, timings=timings)
+                               rep_ms=args.rep_ms, seed=args.seed, progress=not args.quiet, timings=timings,
+                               pair_rounds=args.pair_rounds if args.check_auto is not None else 0)
     print(f"## bench {'+'.join(grids)} ({args.dtype})\n")
     print(format_header(env, ceilings, command.strip()))
     skipped = {} if chosen else {n: r for n, r in unavailable_backends().items() if n not in backends}
