@@ -162,31 +162,45 @@ def _fa3_problem(case: DecodeCase):
 
 
 def fa3_runs(case: DecodeCase) -> bool:
-    """Whether FA3 takes ``case`` as it is: what the ``fa3`` backend declares for it on this device (the adapter
-    passes FA3 views of the same tensors, so FA3 runs exactly the cases it does: dense, a 16-bit cache of q's dtype,
-    D 576/512, SM90; any page size and head count)."""
+    """Whether FA3 takes ``case``: what the ``fa3`` backend declares for it on this device (the adapter passes FA3
+    views of the same tensors, so FA3 runs the cases it does: dense, a 16-bit cache of q's dtype, D 576/512, SM90; any
+    page size and head count), and its paged-TMA path too, which the backend declines for what a NaN in an unused
+    slot does there (:func:`~mla_dispatch.backends.fa3.paged_tma_reason`): :func:`time_fa3` times that path, the one
+    vLLM's FLASH_ATTN_MLA runs, on the case's cache with its unused slots zeroed."""
+    from mla_dispatch.backends.fa3 import paged_tma_reason, uses_paged_tma
     from mla_dispatch.dispatch.platform import platform_for
     from mla_dispatch.dispatch.registry import get_backend
 
     if not case.q.is_cuda or case.indices is not None or case.kv_cache.dim() != 4:
         return False
-    return not get_backend("fa3").not_supported_reasons(_fa3_problem(case), platform_for(case.q.device))
+    problem = _fa3_problem(case)
+    reasons = get_backend("fa3").not_supported_reasons(problem, platform_for(case.q.device))
+    if uses_paged_tma(problem):
+        reasons = [r for r in reasons if r != paged_tma_reason(problem)]
+    return not reasons
 
 
 def time_fa3(case: DecodeCase, ref: tuple[torch.Tensor, torch.Tensor], time_fn, *, rep_ms: float) -> dict:
     """FlashAttention-3's direct call on ``case``: checked against ``ref`` (docs/design.md §5 bounds; FA3's -inf LSE of
-    a row without keys read as the canonical +inf), then timed. Returns the keys of :func:`time_flashmla`."""
+    a row without keys read as the canonical +inf), then timed. Returns the keys of :func:`time_flashmla`. On FA3's
+    paged-TMA path (:func:`fa3_runs`) the call reads a copy of the cache whose unused slots (NaN in bench's cases) are
+    zero, and the note says so."""
+    from mla_dispatch.backends.fa3 import uses_paged_tma
     from mla_dispatch.dispatch.registry import get_backend
 
     fa3 = get_backend("fa3")
     prov, module = fa3.vendor()
     problem = _fa3_problem(case)
     q = case.q
+    kv_cache = case.kv_cache
+    tma = uses_paged_tma(problem)
+    if tma:  # only unused slots hold NaN in a bench case (make_bench_case): zero them, the values FA3 reads
+        kv_cache = torch.nan_to_num(kv_cache, nan=0.0)
     cu_q = (torch.arange(0, problem.batch * problem.q_len + 1, problem.q_len, dtype=torch.int32, device=q.device)
             if prov.call == "varlen" else None)
 
     def call(meta):
-        return fa3.attention(prov, module, problem, q, case.kv_cache, case.block_table, case.cache_seqlens,
+        return fa3.attention(prov, module, problem, q, kv_cache, case.block_table, case.cache_seqlens,
                              softmax_scale=case.softmax_scale, meta=meta, num_splits=0, cu_seqlens_q=cu_q)
 
     def schedule():
@@ -203,4 +217,8 @@ def time_fa3(case: DecodeCase, ref: tuple[torch.Tensor, torch.Tensor], time_fn, 
         meta = schedule()
         return lambda: call(meta)
 
-    return _check_and_time(whole_call, graphed, check, q.device, time_fn, rep_ms)
+    result = _check_and_time(whole_call, graphed, check, q.device, time_fn, rep_ms)
+    if tma:
+        result["note"] = "; ".join(filter(None, [result["note"], "paged-TMA path, on the cache with its unused slots "
+                                                                 "zeroed (it reads them)"]))
+    return result
