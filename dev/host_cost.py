@@ -57,8 +57,9 @@ def make_inputs(batch: int, seqlen: int, varlen: bool, *, h_q: int = 128, page_s
 
 
 def host_us(fn, reps: int) -> float:
-    """Median wall-clock µs of ``fn()`` followed by a device synchronisation (after five warm-up calls)."""
-    for _ in range(5):
+    """Median wall-clock µs of ``fn()`` followed by a device synchronisation (after 20 warm-up calls: with five, the
+    first config measured in the process ran 1.5-2x high on the H200, 2026-11-29 afternoon)."""
+    for _ in range(20):
         fn()
     torch.cuda.synchronize()
     samples = []

@@ -6,6 +6,7 @@ returns a base-2 LSE, like FlashInfer: a wrong kv_indptr/kv_indices, a forgotten
 conversion or transpose, a missing head padding or block-table padding on SM100 fails here.
 """
 
+import gc
 import pytest
 import torch
 
@@ -59,13 +60,33 @@ def test_sm90_plan_once_run_per_layer_and_update(monkeypatch, fake, gen):
     simulate(monkeypatch, H100, FlashInferBackend)
     case = make_case(2, 1, 16, 40, page_size=16, varlen=False, generator=gen)
     plan = mla_dispatch.plan_decode(*case.args(), backend="flashinfer", **case.kwargs())
+    planned = plan.state.wrapper.plans
     for _ in range(2):  # two "layers", one plan
         plan.run(case.q, case.kv_cache)
-    assert plan.state.wrapper.plans == 1
+    assert plan.state.wrapper.plans == planned
     shorter = (case.cache_seqlens - 7).clamp_min(1)
     plan.update(cache_seqlens=shorter)
     out, lse = plan.run(case.q, case.kv_cache)
     assert compare_outputs(out, lse, *case_reference(case, shorter), FlashInferBackend.TOLERANCE)
+
+
+def test_sm90_eager_plans_reuse_dropped_wrappers_never_live_ones(monkeypatch, fake, gen):
+    """An eager plan takes the wrapper of a plan that was dropped (building one allocates a pinned host buffer); two
+    live plans never share one, and a plan made from a reused wrapper is right."""
+    simulate(monkeypatch, H100, FlashInferBackend)
+    case = make_case(2, 1, 16, 40, page_size=16, varlen=False, generator=gen)
+    first = mla_dispatch.plan_decode(*case.args(), backend="flashinfer", **case.kwargs())
+    second = mla_dispatch.plan_decode(*case.args(), backend="flashinfer", **case.kwargs())
+    assert first.state.wrapper is not second.state.wrapper
+    dropped = id(first.state.wrapper)
+    del first
+    gc.collect()
+    third = mla_dispatch.plan_decode(*case.args(), backend="flashinfer", **case.kwargs())
+    assert id(third.state.wrapper) == dropped and third.state.wrapper is not second.state.wrapper
+    out, lse = third.run(case.q, case.kv_cache)
+    assert compare_outputs(out, lse, *case_reference(case, case.cache_seqlens), FlashInferBackend.TOLERANCE)
+    graphed = mla_dispatch.plan_decode(*case.args(), backend="flashinfer", cuda_graph=True, **case.kwargs())
+    assert graphed.state.wrapper not in (second.state.wrapper, third.state.wrapper)  # its own, captured buffers
 
 
 @pytest.mark.parametrize("page_size,h_q,q_len", [(64, 16, 1), (32, 24, 1), (128, 96, 2), (64, 5, 1)])

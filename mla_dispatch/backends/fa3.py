@@ -154,6 +154,10 @@ def build_flags() -> dict[str, bool]:
 class FA3Backend(MLABackend):
     """FlashAttention-3 (SM90): paged decode with the latent as ``qv``, as vLLM's FLASH_ATTN_MLA runs it."""
 
+    # for tools that time FA3's own call (tools/peers.py): which path FA3 takes, and the reason the backend gives
+    uses_paged_tma = staticmethod(uses_paged_tma)
+    paged_tma_reason = staticmethod(paged_tma_reason)
+
     NAME = "fa3"
     DESCRIPTION = "FlashAttention-3 paged decode with qv (vLLM FLASH_ATTN_MLA, SGLang fa3), SM90"
     PLATFORMS = frozenset({"cuda"})

@@ -35,16 +35,19 @@ from __future__ import annotations
 import functools
 import inspect
 import math
+import threading
+import weakref
 
 import torch
 
 from mla_dispatch.dispatch.backend import ArchSupport, BackendState, CGSupport, MLABackend, Reason, ReasonCode
 from mla_dispatch.numerics.tolerance import Tolerance
 from mla_dispatch.metadata.conversions import repage_block_table
+from mla_dispatch.metadata.page_lists import PageLists
 from mla_dispatch.dispatch.platform import Platform
 from mla_dispatch.dispatch.problem import DecodeProblem
 
-from ._vendor import dist_version, import_reasons, packed_page_indices, visible_rows, zero_invisible_rows
+from ._vendor import dist_version, import_reasons, visible_rows, zero_invisible_rows
 
 __all__ = ["FlashInferBackend", "trtllm_heads"]
 
@@ -97,6 +100,39 @@ def _signature_has(func_qualname: str, param: str) -> bool:
     for part in func_qualname.split("."):
         obj = getattr(obj, part)
     return param in inspect.signature(obj).parameters
+
+
+class _WrapperPool:
+    """``BatchMLAPagedAttentionWrapper`` objects of plans that were dropped, per device, for the next plans.
+
+    Constructing one allocates its int workspace and a pinned host buffer of the same size (FlashInfer 0.6's
+    ``__init__``), which dominated the adapter's ``plan_decode`` on the H200 (benchmarks/RESULTS.md, "NVIDIA H200,
+    2026-11-29 (afternoon)"). A wrapper is meant to be planned again and again (FlashInfer's engines keep one and
+    re-plan it every step), so an eager plan takes a dropped plan's wrapper where there is one; the plan's state gives
+    it back when it is collected (``weakref.finalize``). At most ``keep`` wait per device. CUDA-graph plans keep their
+    own (their buffers are captured)."""
+
+    def __init__(self, keep: int = 8) -> None:
+        self.keep = keep
+        self._free: dict[tuple, list] = {}
+        self._lock = threading.Lock()
+
+    def take(self, device: torch.device, cls, make):
+        """A free wrapper of class ``cls`` on ``device``, else ``make()``."""
+        with self._lock:
+            free = self._free.get((device.type, device.index, cls))
+            if free:
+                return free.pop()
+        return make()
+
+    def give(self, device: torch.device, wrapper) -> None:
+        with self._lock:
+            free = self._free.setdefault((device.type, device.index, type(wrapper)), [])
+            if len(free) < self.keep:
+                free.append(wrapper)
+
+
+_WRAPPERS = _WrapperPool()
 
 
 def _parse_version(text: str) -> tuple[int, ...]:
@@ -216,40 +252,37 @@ class FlashInferBackend(MLABackend):
         device = block_table.device
         n = p.batch * p.q_len
         qo_indptr = torch.arange(0, n + 1, p.q_len, dtype=torch.int32, device=device)
-        kv_indptr, kv_indices = packed_page_indices(block_table, cache_seqlens, p.page_size)
-        kv_len = cache_seqlens.to(torch.int32)
-        wrapper_indices = kv_indices.clone() if p.cuda_graph else None
+        lists = PageLists(p.batch, p.max_blocks, p.page_size, device)
+        lists.update(block_table, cache_seqlens)
         if p.cuda_graph:
+            # the wrapper's own buffers, read by a captured run and refilled in place by its plan()
+            graph_indices = lists.indices.clone()
             wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
                 torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device), use_cuda_graph=True,
-                qo_indptr=qo_indptr, kv_indptr=kv_indptr.clone(), kv_indices=wrapper_indices,
-                kv_len_arr=kv_len.clone())
+                qo_indptr=qo_indptr, kv_indptr=lists.indptr.clone(), kv_indices=graph_indices,
+                kv_len_arr=cache_seqlens.to(torch.int32).clone())
         else:
-            wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(cls._workspace(device))
+            graph_indices = None
+            make = flashinfer.mla.BatchMLAPagedAttentionWrapper
+            wrapper = _WRAPPERS.take(device, make, lambda: make(cls._workspace(device)))
         state = BackendState(kind="wrapper", wrapper=wrapper, qo_indptr=qo_indptr, softmax_scale=softmax_scale,
                              problem=p, lse_buf=torch.empty(n, p.num_heads_q, dtype=torch.float32, device=device),
                              lse_base_e=_signature_has("mla.BatchMLAPagedAttentionWrapper.run", "return_lse_base_on_e"),
-                             graph_indices=wrapper_indices if p.cuda_graph else None,
-                             table_pos=torch.arange(p.batch * p.max_blocks, dtype=torch.int32,
-                                                    device=device).view(p.batch, p.max_blocks),
-                             page_pos=None, indices_buf=None)
-        cls._replan_wrapper(state, block_table, cache_seqlens)
+                             graph_indices=graph_indices, lists=lists, page_pos=lists.page_pos, indices_buf=None)
+        if not p.cuda_graph:  # the wrapper goes back to the pool when the plan is dropped (_WrapperPool)
+            weakref.finalize(state, _WRAPPERS.give, device, wrapper)
+        cls._replan_wrapper(state, block_table, cache_seqlens, lists_fresh=True)
         return state
 
     @classmethod
-    def _replan_wrapper(cls, state: BackendState, block_table, cache_seqlens) -> None:
-        p = state.problem
-        # where each packed page id sits in the table (0 for the padding past kv_indptr[-1], never read): the page ids
-        # are the table's values there, now and at every run (docs/design.md §2: every run reads the block table)
-        kv_indptr, page_pos = packed_page_indices(state.table_pos, cache_seqlens, p.page_size)
-        page_pos = page_pos.long()
-        kv_indices = torch.index_select(block_table.reshape(-1), 0, page_pos)
-        if state.page_pos is None:
-            state.page_pos = page_pos
-        else:  # in place: a graph captured over run() reads these
-            state.page_pos.copy_(page_pos)
+    def _replan_wrapper(cls, state: BackendState, block_table, cache_seqlens, lists_fresh: bool = False) -> None:
+        p, lists = state.problem, state.lists
+        # the packed page ids, where each sits in the table (a run gathers the table's values there again: every run
+        # reads the block table, docs/design.md §2), and the lengths' offsets: one launch (metadata/page_lists.py)
+        if not lists_fresh:
+            lists.update(block_table, cache_seqlens)
         state.wrapper.plan(
-            state.qo_indptr, kv_indptr, kv_indices, cache_seqlens.to(torch.int32),
+            state.qo_indptr, lists.indptr, lists.indices, cache_seqlens.to(torch.int32),
             p.num_heads_q, p.head_dim_v, p.head_dim_qk - p.head_dim_v, p.page_size, p.causal,
             state.softmax_scale, p.q_dtype, p.q_dtype,
         )
@@ -257,8 +290,8 @@ class FlashInferBackend(MLABackend):
         # `_kv_indices_buf`, the tensor given to the constructor (CUDA graphs) or to plan()), else what we gave it
         buf = getattr(state.wrapper, "_kv_indices_buf", None)
         if not isinstance(buf, torch.Tensor):
-            buf = state.graph_indices if state.graph_indices is not None else kv_indices
-        state.indices_buf = buf[: page_pos.shape[0]]
+            buf = state.graph_indices if state.graph_indices is not None else lists.indices
+        state.indices_buf = buf[: lists.page_pos.shape[0]]
 
     @classmethod
     def _plan_trtllm(cls, p: DecodeProblem, block_table, cache_seqlens, softmax_scale) -> BackendState:

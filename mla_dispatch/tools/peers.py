@@ -167,16 +167,16 @@ def fa3_runs(case: DecodeCase) -> bool:
     page size and head count), and its paged-TMA path too, which the backend declines for what a NaN in an unused
     slot does there (:func:`~mla_dispatch.backends.fa3.paged_tma_reason`): :func:`time_fa3` times that path, the one
     vLLM's FLASH_ATTN_MLA runs, on the case's cache with its unused slots zeroed."""
-    from mla_dispatch.backends.fa3 import paged_tma_reason, uses_paged_tma
     from mla_dispatch.dispatch.platform import platform_for
     from mla_dispatch.dispatch.registry import get_backend
 
     if not case.q.is_cuda or case.indices is not None or case.kv_cache.dim() != 4:
         return False
     problem = _fa3_problem(case)
-    reasons = get_backend("fa3").not_supported_reasons(problem, platform_for(case.q.device))
-    if uses_paged_tma(problem):
-        reasons = [r for r in reasons if r != paged_tma_reason(problem)]
+    fa3 = get_backend("fa3")
+    reasons = fa3.not_supported_reasons(problem, platform_for(case.q.device))
+    if fa3.uses_paged_tma(problem):
+        reasons = [r for r in reasons if r != fa3.paged_tma_reason(problem)]
     return not reasons
 
 
@@ -185,7 +185,6 @@ def time_fa3(case: DecodeCase, ref: tuple[torch.Tensor, torch.Tensor], time_fn, 
     a row without keys read as the canonical +inf), then timed. Returns the keys of :func:`time_flashmla`. On FA3's
     paged-TMA path (:func:`fa3_runs`) the call reads a copy of the cache whose unused slots (NaN in bench's cases) are
     zero, and the note says so."""
-    from mla_dispatch.backends.fa3 import uses_paged_tma
     from mla_dispatch.dispatch.registry import get_backend
 
     fa3 = get_backend("fa3")
@@ -193,7 +192,7 @@ def time_fa3(case: DecodeCase, ref: tuple[torch.Tensor, torch.Tensor], time_fn, 
     problem = _fa3_problem(case)
     q = case.q
     kv_cache = case.kv_cache
-    tma = uses_paged_tma(problem)
+    tma = fa3.uses_paged_tma(problem)
     if tma:  # only unused slots hold NaN in a bench case (make_bench_case): zero them, the values FA3 reads
         kv_cache = torch.nan_to_num(kv_cache, nan=0.0)
     cu_q = (torch.arange(0, problem.batch * problem.q_len + 1, problem.q_len, dtype=torch.int32, device=q.device)
