@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Callable
 
 import torch
@@ -97,20 +96,6 @@ class SplitKVLayout:
     def _int32_total(self) -> int:
         return sum(self._int32_sizes)
 
-    @functools.cached_property
-    def _byte_layout(self) -> tuple[int, int, int, int]:
-        """``(partial_out's offset, partial_lse's, the int32 buffer's, the total)`` in bytes of the one allocation a
-        plan makes, each part 256-byte aligned (torch's allocations are; the kernels' vector loads need 16)."""
-        def up(n: int) -> int:
-            return -(-n // 256) * 256
-
-        elem = torch.empty((), dtype=self.partial_dtype).element_size()
-        out_bytes = self.max_slots * math.prod(self.partial_row) * elem
-        lse_bytes = self.max_slots * math.prod(self.partial_row[:-1]) * 4
-        lse_at = up(out_bytes)
-        ints_at = lse_at + up(lse_bytes)
-        return 0, lse_at, ints_at, ints_at + 4 * self._int32_total
-
 
 class SplitKVPlan:
     """The buffers of one step's split-KV plan (see the module docstring), filled for ``cache_seqlens``.
@@ -153,21 +138,17 @@ class SplitKVPlan:
     def __init__(self, layout: SplitKVLayout, cache_seqlens: torch.Tensor | None, device: torch.device, *,
                  native: NativeSchedule | None = None) -> None:
         lay = self.layout = layout
-        # one allocation for every buffer of the plan (three took ~20% of cuda_sm90's plan_decode on the H200:
-        # benchmarks/RESULTS.md, "NVIDIA H200, 2026-11-29 (afternoon)")
-        out_at, lse_at, ints_at, total = lay._byte_layout
-        raw = torch.empty(total, dtype=torch.uint8, device=device)
-        ints = raw[ints_at:].view(torch.int32)
+        # three allocations, one per dtype: a mutated view of another dtype's buffer stops torch.compile over a run
+        # ("aot_autograd() does not yet handle input mutations on views with different dtypes", H200, 2026-11-29)
+        ints = torch.empty(lay._int32_total, dtype=torch.int32, device=device)
         items, self.workspace, part_offsets, num_splits, slot_req, self.first_slot, self.lengths = (
             ints.split_with_sizes(lay._int32_sizes))
         self.schedule = SplitKVSchedule(items=items.view(lay.max_items, 4), part_offsets=part_offsets,
                                         num_splits=num_splits, slot_req=slot_req, chunk_size=lay.chunk_size,
                                         num_parts=lay.num_parts, overhead=lay.overhead, capacity=lay.capacity,
                                         split_tokens=lay.split_tokens, workspace=self.workspace)
-        out_numel = lay.max_slots * math.prod(lay.partial_row)
-        self.partial_out = raw[out_at:lse_at].view(lay.partial_dtype)[:out_numel].view(lay.max_slots, *lay.partial_row)
-        self.partial_lse = raw[lse_at:ints_at].view(torch.float32)[: lay.max_slots * math.prod(lay.partial_row[:-1])
-                                                                    ].view(lay.max_slots, *lay.partial_row[:-1])
+        self.partial_out = torch.empty((lay.max_slots, *lay.partial_row), dtype=lay.partial_dtype, device=device)
+        self.partial_lse = torch.empty((lay.max_slots, *lay.partial_row[:-1]), dtype=torch.float32, device=device)
         if lay.fixed_length is not None:  # sparse: the schedule of topk positions per request, made once
             self.lengths.fill_(lay.fixed_length)
             self._refresh = None

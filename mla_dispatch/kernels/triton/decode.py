@@ -69,8 +69,6 @@ run once before capturing a graph.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 
 import torch
 import triton
@@ -876,21 +874,8 @@ def launch_decode_kernel(kernel, q, kv, block_table, cache_seqlens, indices, kv_
                               block_m=block_m, block_n=block_n, kv_format=kv_format, topk_length=topk_length,
                               attn_sink=attn_sink, extra_kv=extra_kv, extra_indices=extra_indices,
                               extra_topk_length=extra_topk_length)
-    args = {**fixed, **call}
-    if traced:  # inductor's launcher of a traced kernel takes every parameter: the defaulted ones too
-        args = {**_decode_kernel_defaults(), **args}
     with kernel_device(q):  # Triton launches on the current device, not the tensors'
-        return kernel[grid](**args, **options)
-
-
-@functools.cache
-def _decode_kernel_defaults() -> dict:
-    """The parameters of :func:`mla_decode_kernel` that have defaults, with them (the sparse extras, the TMA flags).
-    A traced launch (``torch.compile``) passes them all: inductor's generated launcher of a user-defined kernel takes
-    every parameter positionally, and a launch that left them to their defaults failed there on the H200 (TypeError:
-    launcher() missing 13 required positional arguments, torch 2.11)."""
-    params = inspect.signature(mla_decode_kernel.fn).parameters
-    return {n: p.default for n, p in params.items() if p.default is not inspect.Parameter.empty}
+        return kernel[grid](**fixed, **call, **options)
 
 
 def decode_kernel_fixed(*, batch: int, q_len: int, h_q: int, d_qk: int, page_size: int, h_kv: int, head_dim_v: int,
