@@ -217,7 +217,7 @@ def grids(names):
     if "graph" in names:
         g.append(("graph-b1-L4096", dict(batch=1, q_len=1, h_q=128, seqlen=4096, varlen=False), True))
         g.append(("graph-b1-L32768", dict(batch=1, q_len=1, h_q=128, seqlen=32768, varlen=False), True))
-    if "small" in names:  # split count vs decode / combine time at batch 1 (NOTES.md gap 4)
+    if "small" in names:  # split count vs decode / combine time at batch 1 (docs/notes/triton.md gap 4)
         for L in (4096, 32768):
             for parts in (None, 32, 16, 8):
                 g.append((f"small-b1-L{L}-parts{parts or 'auto'}", dict(batch=1, q_len=1, h_q=128, seqlen=L,
@@ -284,7 +284,7 @@ def grids(names):
     if "fp8choice" in names:
         for h, spec in ((16, "hM16-n32"), (16, "hM16-n64"), (32, "hM16-n32"), (32, "hM32-n32"), (32, "tM32-n64"),
                         (64, "hM16-n32")):
-            for fmt in ("fp8_e4m3",) if spec[0] == "t" else ("fp8_e4m3", "fp8_ds_mla"):  # see NOTES.md
+            for fmt in ("fp8_e4m3",) if spec[0] == "t" else ("fp8_e4m3", "fp8_ds_mla"):  # see docs/notes/triton.md
                 g.append((f"fp8choice-h{h}-{spec}-{fmt}", dict(batch=64, q_len=1, h_q=h, seqlen=8192, varlen=False,
                                                                kv_format=fmt, config=parse_spec(spec)), False))
     if "choice2" in names:  # tokens on M with several M tiles for 64/128 rows
@@ -315,7 +315,7 @@ def grids(names):
                 g.append((f"stages-flashmla-s{s_q}-L8192-{spec}", dict(batch=128, q_len=s_q, h_q=128, seqlen=8192,
                                                                        config=parse_spec(spec)), False))
     if "occupancy" in names:
-        # programs per SM (p), table prefetch (s3) and register caps (r): NOTES.md "pipeline"
+        # programs per SM (p), table prefetch (s3) and register caps (r): docs/notes/triton.md "pipeline"
         picks = {
             16: ("tM16-n64", "tM16-n32-s2-p3-r168", "tM16-n32-s2-p2", "tM16-n32-s3-p3-r168", "tM16-n32-s2-p4-r128", "hM16-n32:fp8_e4m3", "tM16-n32-s2-p3-r168:fp8_e4m3",
                  "hM16-n32-p3-r168:fp8_e4m3", "hM16-n32:fp8_ds_mla", "tM16-n32-s2-p3-r168:fp8_ds_mla",

@@ -12,7 +12,7 @@ this on instructions of this repository's v6 kernel).
 
 The use: a load that waits on a barrier set by earlier loads cannot issue until those land. That
 is how v6's fp8 rows came to arrive one DRAM latency apart
-(kernels/cuda/mla_decode_sm90/NOTES.md, "Fifth session: fp8 loads").
+(docs/notes/cuda_sm90.md, "Fifth session: fp8 loads").
 
     cuobjdump -sass build/x.cubin > x.sass      # cuobjdump: CUDA toolkit, or the nvidia-cuda-cuobjdump wheel
     python dev/sass_ctrl.py x.sass --function 'kernel_v6.*Li1EE' --grep LDG

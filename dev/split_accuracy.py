@@ -8,7 +8,7 @@ are split, and the mainloops that take them, this draws fresh inputs ``--draws``
 backend on poisoned outputs and prints the worst and the median cosine difference against the reference
 (bound 5e-6) and the worst max abs error, with the number of draws over any bound. A change to the partial
 rows or the combine is judged by the worst column over many draws, not by one test run: the twelfth
-session's bf16 rows passed three full test runs and failed the fourth (NOTES.md).
+session's bf16 rows passed three full test runs and failed the fourth (docs/notes/cuda_sm90.md).
 """
 
 from __future__ import annotations

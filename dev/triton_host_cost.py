@@ -4,7 +4,7 @@
 
 For each config: 50 calls enqueued back to back (host µs per call), then the same with the GPU's completion (µs per
 call); ``--profile`` adds a cProfile of 50 calls. Where the host takes longer than the GPU, eager timings
-(``bench_triton.py``'s ``us`` column) measure the host; CUDA-graph replay does not (kernels/triton/NOTES.md,
+(``bench_triton.py``'s ``us`` column) measure the host; CUDA-graph replay does not (docs/notes/triton.md,
 "Host cost"). b=64, L=8192, bf16, page 64.
 """
 import argparse

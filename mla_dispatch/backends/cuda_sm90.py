@@ -1,6 +1,6 @@
 """Our native CUDA MLA decode kernel for Hopper (SM90a): the flagship backend.
 
-The kernel lives in ``kernels/cuda/mla_decode_sm90/`` (see its NOTES.md) and is
+The kernel lives in ``kernels/cuda/mla_decode_sm90/`` (its development history: docs/notes/cuda_sm90.md) and is
 built just in time by :mod:`mla_dispatch.kernels.cuda.build` (nvcc >= 12.4 and
 the ``nvidia-cutlass`` headers). One registered op,
 ``torch.ops.mla_dispatch.cuda_sm90_decode``, runs a persistent grid over the
@@ -435,7 +435,7 @@ def merge_with_sink(out: torch.Tensor, lse: torch.Tensor, out2: torch.Tensor, ls
 
 
 class CudaSM90Backend(MLABackend):
-    """Native SM90 MLA decode (the mainloops of :data:`MAINLOOPS`; see kernels/cuda/mla_decode_sm90/NOTES.md)."""
+    """Native SM90 MLA decode (the mainloops of :data:`MAINLOOPS`; see docs/notes/cuda_sm90.md)."""
 
     NAME = "cuda_sm90"
     DESCRIPTION = "our CUDA MLA decode kernel for Hopper (sm_90a), persistent split-KV grid + combine"
@@ -484,7 +484,7 @@ class CudaSM90Backend(MLABackend):
     MIN_CHUNKS_PER_PART: int = 1
     #: the split-KV schedule's fixed cost per work item, in chunks (metadata/schedule.py; FlashMLA charges 5), per
     #: mainloop: what an item costs besides its tiles, read in per-CTA timelines (sixteenth session in
-    #: kernels/cuda/mla_decode_sm90/NOTES.md; the timeline build is commit 8b1ee16's). A v2 item's metadata, first
+    #: docs/notes/cuda_sm90.md; the timeline build is commit 8b1ee16's). A v2 item's metadata, first
     #: loads and stores take ~7 us, two tiles at b=64 L=8192 h_q=64; with 5 the parts holding one item ran 5 tiles
     #: longer than those holding two and finished last. Charging 2 measured 1% faster there and at h_q=32, 3% at b=8 L=8192 h_q=128 (CUDA-graph replay, H100,
     #: two runs each). v5's and v6's items cost ~4-5 tiles (their first pairs wait for loads); they keep 5. With 5

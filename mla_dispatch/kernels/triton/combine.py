@@ -40,7 +40,7 @@ __all__ = ["PARTIAL_ROW_FORMAT", "combine_kernel", "combine_by_boundary", "launc
 #: Half the bytes of fp32 rows are written and read back (as the CUDA kernel's partial rows, kernels/cuda/
 #: mla_decode_sm90/params.h, which scale per quarter row); fp16 rounds to 2^-12 relative, 8x finer than bf16. The
 #: combine reads the values as 32-bit words (two channels each) through an int32 view of the workspace
-#: (kernels/triton/NOTES.md, "fp16 partial rows").
+#: (docs/notes/triton.md, "fp16 partial rows").
 PARTIAL_ROW_FORMAT = "fp16 values times 2^s, then one fp32 2^-s per decode program of the row"
 
 
@@ -58,7 +58,7 @@ def combine_kernel(
 ):
     # Partial rows (PARTIAL_ROW_FORMAT) are read as 32-bit words, two fp16 channels each (`PartialOut` is the
     # workspace viewed as int32, strides in words): loaded as fp16 elements, the same bytes made the combine 1.2-2.5x
-    # slower with triton 3.6 (kernels/triton/NOTES.md). Word j of a row holds channels 2j (low half) and 2j + 1.
+    # slower with triton 3.6 (docs/notes/triton.md). Word j of a row holds channels 2j (low half) and 2j + 1.
     # SCALE_BLOCK channels share one scale (D_V / the decode's v_split).
     tl.static_assert(BLOCK_D % 2 == 0 and (BLOCK_D % SCALE_BLOCK == 0 or SCALE_BLOCK % BLOCK_D == 0))
     BLOCK_W: tl.constexpr = BLOCK_D // 2

@@ -66,6 +66,7 @@ call stays valid for every ``cache_seqlens``.  Triton compiles on first use:
 run once before capturing a graph.
 """
 
+# [notes]: docs/notes/triton.md, the development history these comments cite
 from __future__ import annotations
 
 import dataclasses
@@ -580,7 +581,7 @@ def mla_decode_kernel(
 
 
 # ----------------------------------------------------------------------------------------
-# configs (measured on H100, see kernels/triton/NOTES.md) and the launcher
+# configs (measured on H100, see [notes]) and the launcher
 # ----------------------------------------------------------------------------------------
 
 
@@ -597,7 +598,7 @@ class KernelConfig:
     qk_chunk: int = 512  # latent-dot chunk; < D_v re-reads Q chunks per token tile (fewer registers)
     chunk_size: int = 64  # split-KV schedule granularity (multiple of block_n)
     # persistent programs per SM: Triton issues a tile's gathered loads one tile ahead and
-    # waits for them at the top of the next iteration (NOTES.md "pipeline"), so a program
+    # waits for them at the top of the next iteration ([notes] "pipeline"), so a program
     # has at most one tile in flight; more programs per SM overlap each other's loads.
     programs_per_sm: int = 1
     max_registers: int = 0  # ptxas register cap per thread (Triton's maxnreg); 0 = the compiler's choice
@@ -623,8 +624,8 @@ def _rows_bucket(rows: int) -> int:
 # (rows bucket, kv format) -> config. rows = query rows per KV head (s_q*h_q/h_kv, or
 # h_q/h_kv for sparse). Never keyed on sequence length (CUDA graphs stay valid).
 # Measured with dev/bench_triton.py --grids choice / occupancy; register reports from
-# kernels/triton/aot_report.py (see NOTES.md).
-_H64 = KernelConfig(64, 32, 8, 2)  # heads on M, wgmma; spills 168 regs (see NOTES.md); fp8 caches' 128 rows
+# kernels/triton/aot_report.py (see [notes]).
+_H64 = KernelConfig(64, 32, 8, 2)  # heads on M, wgmma; spills 168 regs (see [notes]); fp8 caches' 128 rows
 # 64 rows: 64-token tiles (H100, b=64 L=8K: 390 us vs 460 for 32-token tiles, page 64; fp8_e4m3 484 vs 662 us,
 # fp8_ds_mla 502 vs 753 us); bf16/fp16 caches where a tile
 # spans several pages (page_size < 64) with the block-table entries prefetched a stage ahead (num_stages=3:
@@ -632,7 +633,7 @@ _H64 = KernelConfig(64, 32, 8, 2)  # heads on M, wgmma; spills 168 regs (see NOT
 _H64_N64 = KernelConfig(64, 64, 8, 2)
 _H64_N64_S3 = KernelConfig(64, 64, 8, 3)
 # 16 rows: 32-token tiles, three programs per SM under a 168-register cap (the loop is issue-bound with
-# one program per SM: NOTES.md "pipeline"). bf16 b=64 L=8K h=16 (H200): 220 us vs 267 for tM16-n64.
+# one program per SM: [notes] "pipeline"). bf16 b=64 L=8K h=16 (H200): 220 us vs 267 for tM16-n64.
 _T16_P3 = KernelConfig(16, 32, 4, 2, tokens_on_m=True, programs_per_sm=3, max_registers=168)
 CONFIGS: dict[tuple[int, str], KernelConfig] = {}
 for _fmt in ("bf16", "fp16"):
@@ -647,7 +648,7 @@ for _fmt in ("bf16", "fp16"):
 # 437 us (heads on M: 592). h=32 (H100): the 64-row config with 64-token tiles, half its rows padding,
 # 471 us fp8_e4m3 / 492 us fp8_ds_mla vs 562 / 797 us for the 16-row configs above.
 # fp8_ds_mla with tokens on M, block 16x64, 4 warps gave wrong results / an illegal address on an H200
-# with triton 3.6 (right in the interpreter): not used (NOTES.md).
+# with triton 3.6 (right in the interpreter): not used ([notes]).
 _H16_P3 = KernelConfig(16, 32, 4, 2, programs_per_sm=3, max_registers=168)
 CONFIGS.update({(16, "fp8_e4m3"): _H16_P3, (32, "fp8_e4m3"): _H64_N64, (64, "fp8_e4m3"): _H64_N64,
                 (128, "fp8_e4m3"): _H64,
@@ -673,7 +674,7 @@ for _fmt in ("bf16", "fp16"):
 #: D_qk = 576 / D_v = 512 and any page size, where ``choose_config`` is told the kernel can run (an sm_90 GPU, Gluon
 #: importable). 64-row tiles, so 16- and 32-row problems pad. H100, b=64 L=8K, eager µs (dev/bench_triton.py
 #: --grids gluon, calls 1-4 of 2026-11-22's twentieth session): h=16 232.8 vs 240.5 (TMA_CONFIGS), h=32 239.0 vs 267.9,
-#: h=64 248.2 vs 313.2; FlashMLA grid b=128 h=128 s_q=1 L=8K 696.1-737.2 vs 1118.0 (kernels/triton/NOTES.md, "The Gluon
+#: h=64 248.2 vs 313.2; FlashMLA grid b=128 h=128 s_q=1 L=8K 696.1-737.2 vs 1118.0 ([notes], "The Gluon
 #: kernel"). On pages of 1 / 16 / 33 tokens (every tile gathered), graph µs (--grids gluonpages, 2026-11-22, twenty-first
 #: session): h=16 239.4 / 233.9 / 232.2 vs the plain table's 258.1 / 251.7 / 259.7, h=32 244.8 / 239.9 / 238.6 vs
 #: 327.9 / 386.4 / 391.9, h=64 254.1 / 248.7 / 248.6 vs 351.5 / 388.4 / 397.4. Where a launch does not meet
@@ -681,7 +682,7 @@ for _fmt in ("bf16", "fp16"):
 #: whole tiles, gathered on others). On 16-bit pages of whole tiles the launch takes the seesaw kernel
 #: (:mod:`.gluon_seesaw`, ``seesaw_applies``) instead: FlashMLA grid b=128 h=128 s_q=1/2 graph µs at L=8K 635.9 / 1172.5
 #: vs 736.5 / 1415.5 for ``gluon_sm90``, the memory-bound configs equal (2026-11-22, twenty-second session, call 5;
-#: kernels/triton/NOTES.md, "The seesaw kernel").
+#: [notes], "The seesaw kernel").
 GLUON_CONFIG = KernelConfig(64, 64, 8, 2, tma=True, gluon=True)
 #: fp8_e4m3 caches take the Gluon kernel from this rows bucket up: each tile is gathered as fp8 and converted to fp16 in
 #: shared memory, so it costs ~1.25x a bf16 tile's time. H100, b=64 L=8K, graph µs, Gluon vs the plain table (--grids
@@ -743,7 +744,7 @@ def programs_per_tile(cfg: KernelConfig, head_dim_v: int) -> int:
 def tma_fits(*, kv_format: str, sparse: bool, page_size: int, heads_kv: int, block_n: int, v_split: int,
              qk_chunk: int, head_dim_v: int) -> bool:
     """The problem half of :func:`tma_applies`: a bf16/fp16 cache (fp8 tiles by TMA measured no faster than the
-    gather on the H100, and fp8_ds_mla's faulted: NOTES.md), dense, with one KV head; pages holding whole tiles;
+    gather on the H100, and fp8_ds_mla's faulted: [notes]), dense, with one KV head; pages holding whole tiles;
     the K tile reused as V (``v_split``, ``qk_chunk`` as clipped by :func:`effective_splits`)."""
     return (kv_format in ("bf16", "fp16") and not sparse and heads_kv == 1 and page_size % block_n == 0
             and v_split == 1 and qk_chunk == head_dim_v)

@@ -5,7 +5,7 @@ Why a third Gluon kernel
 :mod:`.gluon_sm90` reads fp8_e4m3 caches at ~0.8x the bf16 throughput of the same config (H100, b=64 L=8K; the
 issue's target is 1.6x): the eight warps gather a tile, all of them convert it to fp16, then all of them compute on it,
 so the conversion sits between every tile's copies and its wgmma; and with heads on M, 16 or 32 query rows still pay
-for 64-row matrix instructions (kernels/triton/NOTES.md, "fp8_e4m3 in the Gluon kernel").
+for 64-row matrix instructions ([notes], "fp8_e4m3 in the Gluon kernel").
 
 This kernel takes the two fixes named there, for at most 32 query rows (``s_q * h_q``; tensor-parallel DeepSeek has
 16 heads per GPU):
@@ -39,7 +39,7 @@ scale per row (:data:`.combine.PARTIAL_ROW_FORMAT`) for the same combine. Tokens
 zeros (masked loads and prefetches: a cache slot past a request's length, possibly NaN, and its table entry are never
 read) and their scores masked to -inf.
 
-H100, b=64 L=8K, graph replays (kernels/triton/NOTES.md, "fp8_e4m3 with tokens on M"): 16 heads 140.9-144.8 us
+H100, b=64 L=8K, graph replays ([notes], "fp8_e4m3 with tokens on M"): 16 heads 140.9-144.8 us
 (1.59-1.63x bf16's 229-230), 32 heads 157.7-160.5 us (1.47-1.50x), against 292.8 / 305.8 us for the kernels that ran
 them before; with the query tiles asked of L2 (twenty-ninth session) 143.7 us (1.60x) and 152.0 us (1.55x).
 
@@ -47,6 +47,7 @@ Applies (:func:`fp8t_applies`): where :func:`.gluon_sm90.gluon_applies` does, to
 ``MAX_ROWS`` query rows (a plan may keep gluon_sm90 there: ``backend_options={"kernel": "gluon"}``). 64 rows do not fit: a 72 KB query tile beside two 72 KB stages.
 """
 
+# [notes]: docs/notes/triton.md, the development history these comments cite
 from __future__ import annotations
 
 import torch
@@ -144,7 +145,7 @@ if _g.GLUON_API:
         """Ask L2 for the query tile of work item ``item`` if it is one of this program's (``< item_end``): its ``R``
         rows from row ``req * rows_total + m_tile * R`` of q viewed as ``[q_rows, 576]``, clipped to the view, so that
         the scorer's TMA of them hits L2. The CUDA kernel's fp8 mainloop measured its first item's query tile queued
-        behind the tiles' loads at a CTA's start, 12.6 -> 7.7 us with this (kernels/cuda/mla_decode_sm90/NOTES.md,
+        behind the tiles' loads at a CTA's start, 12.6 -> 7.7 us with this (docs/notes/cuda_sm90.md,
         twenty-eighth session)."""
         ok = item < item_end
         req = gl.load(Items + item * 4, mask=ok, other=0)  # (masked: nothing read past the program's entries)
@@ -213,7 +214,7 @@ if _g.GLUON_API:
         m_tile = gl.program_id(1)
         it = 0
         # the first item's query tile into L2 before any tile's loads (H100, b=64 L=8K fp8_e4m3, graph us, with
-        # against without both prefetches, same call: 16 heads 143.7 / 144.0, 32 heads 152.0 / 158.7; NOTES.md)
+        # against without both prefetches, same call: 16 heads 143.7 / 144.0, 32 heads 152.0 / 158.7; [notes])
         _prefetch_q(Q, Items, item_begin, item_end, rows_total, m_tile, q_rows, R, pf)
         for item in range(item_begin, item_end):
             req, tok_begin, tok_end, slot, seqlen = _g._item_meta(Items, Seqlens, item)

@@ -4,7 +4,7 @@ Why a third kernel
 ------------------
 The Gluon kernel of :mod:`.gluon_sm90` computes a tile's S, softmax and P V in series in both warpgroups (S split
 between them by tokens, the row maximum exchanged through shared memory): on FlashMLA's grid (128 query rows, near the
-ridge) a 64-token tile costs ~3.0 us per program where the tensor work is ~1.7 us (kernels/triton/NOTES.md). This kernel
+ridge) a 64-token tile costs ~3.0 us per program where the tensor work is ~1.7 us (docs/notes/triton.md). This kernel
 runs FlashMLA's SM90 schedule (DeepSeek, "A Deep-Dive into the New Flash MLA Kernel", 2025; our CUDA backend's v5,
 kernels/cuda/mla_decode_sm90/mainloop_seesaw.cuh) with Gluon's warp specialisation: the tiles of an item go in pairs
 (a = 2i in stage 0, b = 2i + 1 in stage 1),
@@ -29,7 +29,7 @@ once S_b is done (P V reads only the latent part), as in the CUDA kernel. Each h
 warpgroup that reads it last, as soon as it has, and S starts on the half that was refilled first. (FlashMLA's order,
 warpgroup 1 running P_b V_bR before P_a V_aR with P_a rescaled to m_b, was this kernel's first version; the two orders
 were compared only while the loop still spilled, and this one has not been compared with it since:
-kernels/triton/NOTES.md, "The seesaw kernel".)
+docs/notes/triton.md, "The seesaw kernel".)
 
 Scope: bf16/fp16 caches of q's type, pages of whole 64-token tiles (every tile by TMA; a partial last tile's rows past
 the item's end are zeroed in shared memory before P V reads them, and masked out of S), one KV head, D_qk = 576,

@@ -9,7 +9,7 @@ in plans made with ``backend_options={"kernel": "gluon"}`` (:mod:`.launch`).
 Why a second kernel in the Triton backend
 -----------------------------------------
 The plain-Triton kernel (:mod:`.decode`) leaves two things on the table at 64 and 128 query rows, read in its
-SASS (kernels/triton/NOTES.md, "What the SASS of the TMA loop shows"):
+SASS (docs/notes/triton.md, "What the SASS of the TMA loop shows"):
 
 1. Both warpgroups compute the whole score tile S: Triton lays a dot that feeds another dot out with every warp
    on M, and with M = 64 the second warpgroup repeats the first one's rows (1.53x the tensor work per tile).
@@ -44,7 +44,7 @@ How a tile reaches shared memory depends on the page size (``GATHER``, a compile
   page. The table entries of tile ``j + 2`` are loaded while tile ``j`` is computed, so the table's latency is off the
   loop's path; one copy group per tile, waited for with ``wait_group(1)`` while the next tile's is in flight. On the
   H100 this reads pages of 1 and 16 tokens within 3% of the time of pages of 64 (graph replays, b=64 L=8K,
-  kernels/triton/NOTES.md, "The Gluon kernel on short pages").
+  docs/notes/triton.md, "The Gluon kernel on short pages").
 
 fp8_e4m3 caches (``FP8``; :data:`GLUON_KV_FORMATS`): every tile is gathered as fp8 into one of two 36 KB stages and
 converted to fp16 in shared memory (:func:`_dequant_tile`) into the one 72 KB buffer the wgmma read; the per-tensor
@@ -54,7 +54,7 @@ against +1.0 us). A bf16 query tile is converted to fp16 in place once per item,
 puts its largest magnitude in ``[2^14, 2^15)``, undone on S (:func:`_query_to_fp16`), so a bf16 query survives whatever
 its range (rows whose largest magnitude is above 2^-112). The conversion runs between a tile's copies and its wgmma, so
 an fp8 tile costs ~1.25x a bf16 one and the kernel reaches ~0.8x bf16's throughput (1.55x the plain kernel's fp8 path at
-32 and 64 rows, 2.2x on FlashMLA's grid; H100, kernels/triton/NOTES.md, "fp8_e4m3 in the Gluon kernel").
+32 and 64 rows, 2.2x on FlashMLA's grid; H100, docs/notes/triton.md, "fp8_e4m3 in the Gluon kernel").
 
 Applies (:func:`gluon_applies`): an NVIDIA sm_90 GPU, a plain (untraced) launch, bf16/fp16 q, a cache of q's type or
 fp8_e4m3, one KV head, D_qk = 576 / D_v = 512, a contiguous cache and q with 16-byte aligned bases (the conditions of

@@ -1,3 +1,4 @@
+// [notes]: docs/notes/cuda_sm90.md, the development history these comments cite
 // Combine of split-KV partial results (LSE-weighted merge). Two callers of one merge routine:
 // - mla_combine_kernel: its own launch after the decode, one 128-thread block per (row, request), or per
 //   (row, part boundary) where the batch has more requests than boundaries;
@@ -103,7 +104,7 @@ __device__ __forceinline__ void combine_row_part(const CombineParams& p, int b, 
 // second partial piece starts at a boundary, so it is the first item of the part after it; that
 // boundary's blocks merge the request, the others exit.
 // 16 blocks per SM (32 registers; without the bound ptxas takes 40-56 for the fp16 rows' addressing, 9-12 blocks):
-// the combine waits on its loads, and blocks per SM, not loads per thread, is what it has (NOTES.md, small batches).
+// the combine waits on its loads, and blocks per SM, not loads per thread, is what it has ([notes], small batches).
 template <typename T, bool kByBoundary>
 __global__ void __launch_bounds__(kCombineThreads, 16) mla_combine_kernel(const __grid_constant__ CombineParams p) {
   int b = blockIdx.y;

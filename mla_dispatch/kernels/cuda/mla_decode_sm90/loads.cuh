@@ -81,7 +81,7 @@ __device__ __forceinline__ void load_kv_async(const DecodeParams& p, T* sK, int 
 // stores fill one 128-byte row of the block, free of bank conflicts, at one base pointer plus
 // compile-time offsets. 16-byte loads (16 fp8 values per thread) put a thread's two chunks in two
 // column blocks at the same swizzle positions, so a row's stores conflict two-way (25% of v6's
-// shared-memory wavefronts under ncu). H100 (NOTES.md, "fp8 loads"): v6 b=64 h_q=16 fp8_e4m3 204 ->
+// shared-memory wavefronts under ncu). H100 (docs/notes/cuda_sm90.md, "fp8 loads"): v6 b=64 h_q=16 fp8_e4m3 204 ->
 // 185 us against 16-byte loads with the offsets folded, v2 b=128 h_q=128 L=8K 1016 -> 876 us; 16-byte
 // loads with the lanes reordered so that the stores do not conflict measured 10% (v6) / 4% (v2) slower.
 template <int kPasses>
@@ -120,7 +120,7 @@ __device__ __forceinline__ void load_kv_fp8_8b(const DecodeParams& p, Fp8Stage8B
     st.valid[pass] = valid;
     // fp8_e4m3: no branch on the row; a row past the end reads page 0, in bounds, and is
     // zero-filled at the store. fp8_ds_mla keeps the branch: same-call A/B on the H100 (v6 b=64 h16 L=8K), without
-    // it 221 us, with it 210; with it fp8_e4m3 went 185 -> 196 us (NOTES.md, fifth session)
+    // it 221 us, with it 210; with it fp8_e4m3 went 185 -> 196 us (docs/notes/cuda_sm90.md, fifth session)
     if (KvFmt != kKvFp8E4M3 && !valid) continue;
     const int page = checked_page(
         p, kPaged ? spage[row] : (valid ? p.block_table[(int64_t)req * p.bt_stride + t / p.page_size] : 0), max_id);

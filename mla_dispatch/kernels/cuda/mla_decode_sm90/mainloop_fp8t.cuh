@@ -1,9 +1,10 @@
+// [notes]: docs/notes/cuda_sm90.md, the development history these comments cite
 // SM90 MLA decode, mainloops v7 (Mainloop::kFp8Convert) and v8 (kFp8Regs): fp8_e4m3 caches with at most 32 query
 // rows per KV head (the memory-bound decode of 16-32 heads), in three warpgroups.
 //
 // v6 (mainloop_etap.cuh) puts KV tokens on the 64-row side of wgmma (FlashMLA-ETAP's orientation, Dege et al.
 // 2025), but with an fp8 cache each of its warpgroups runs load wait -> dequantise -> S^T -> softmax -> P V in series
-// on its one stage: 1.25x the bf16 throughput against the 1.6-1.7x the bytes allow (NOTES.md, fifth and eleventh
+// on its one stage: 1.25x the bf16 throughput against the 1.6-1.7x the bytes allow ([notes], fifth and eleventh
 // sessions). This kernel is the design the Triton backend measured at 1.59x (kernels/triton/gluon_fp8.py): the same
 // orientation, the dequantisation in a warpgroup of its own (FlashMLA's fp8 kernels divide the work that way), and
 // the two consumers split by role instead of by tile, so each tile is read by the tensor cores once per GEMM:
@@ -11,7 +12,7 @@
 //   warpgroup 0, the converter: loads a tile's fp8 rows into registers (16-byte loads, each token row from its own
 //     page, so any page size; a tile ahead, the loop unrolled by two so that no register set is copied, and the tile
 //     three ahead already asked of L2 with cp.async.bulk.prefetch.L2), converts them to fp16 (cvt.rn.f16x2.e4m3x2:
-//     one instruction per pair, where bf16 takes four; NOTES.md, fifth session) and stores them into one of two
+//     one instruction per pair, where bf16 takes four; [notes], fifth session) and stores them into one of two
 //     shared-memory stages;
 //   warpgroup 1, the scorer: S^T = K Q^T (m64nNk16 x 36), the softmax over the tile's tokens with FlashAttention-4's
 //     conditional rescaling (the reference maximum of a query row moves only when a score passes it by more than
@@ -34,7 +35,7 @@
 //   sums_empty[2] accumulator -> scorer: the row sums of that parity are read
 // The converter's release of a stage (its proxy fence) compiles to MEMBAR.ALL.CTA, which waits for its loads of the
 // next tile in flight. Named barriers instead (bar.arrive, the proxy fence on the consumers' side) take the MEMBAR out
-// of the converter but measured 5% slower at 32 rows and no faster at 16 (NOTES.md, twenty-fifth session).
+// of the converter but measured 5% slower at 32 rows and no faster at 16 ([notes], twenty-fifth session).
 // Registers by setmaxnreg: the converter holds two tiles (2 x 72 registers), the accumulator O^T (kN x 4), the scorer
 // little; all three return to the launch's 168 before the fused combine.
 // Bad block ids (docs/design.md §1): the thread that turns a page into an address checks it (loads.cuh, page_ok) and
@@ -43,9 +44,9 @@
 // was one); the scorer ORs the words of an item's tiles and makes its row sums NaN, so the LSE, and through sSum the
 // accumulator's out rows, are NaN (epilogue.cuh, poison_sum).
 //
-// H100, b=64 L=8K, graph replay (NOTES.md, "Twenty-fifth session"): 16 heads 148.3 us (1.55x bf16's 230.7; v6 186.1),
+// H100, b=64 L=8K, graph replay ([notes], "Twenty-fifth session"): 16 heads 148.3 us (1.55x bf16's 230.7; v6 186.1),
 // 32 heads 177.4 us (1.35x; v2 243.8). What moved it from 162.8 / 184.1 was the distance of the L2 prefetch
-// (Fp8t::kPrefetchAhead). Ablation builds (NOTES.md, twenty-sixth session) put the rest of the gap in the converter's
+// (Fp8t::kPrefetchAhead). Ablation builds ([notes], twenty-sixth session) put the rest of the gap in the converter's
 // round trip: its register loads and its fp16 stores.
 //
 // Version 8 (kRS; mla_decode_kernel_v8) drops that round trip. One thread issues each tile as five tensor copies of
@@ -55,7 +56,7 @@
 // The query tile holds its columns in the order the scorer's fragments take the stage's bytes (fp8rs_q_col), O^T's rows are the
 // channels in fp8rs_load_v's order (fp8rs_channel), and tokens past an item's end are zeroed in the accumulator's
 // fragments (the scorer masks their scores). Every tile is converted twice (K and V^T), against once in v7, but with
-// no shared-memory stores. H100, b=64 L=8K, graph replay (NOTES.md, twenty-seventh session): 16 heads 140.2 us
+// no shared-memory stores. H100, b=64 L=8K, graph replay ([notes], twenty-seventh session): 16 heads 140.2 us
 // (1.64x bf16), 32 heads 168.9 (1.41x). Row-wise bulk copies (64 per tile) made it slower than v7 (182 / 200 us).
 // With the query rows asked of L2 an item ahead by the producer and, at 32 rows, the output rows written in
 // overlapping passes (twenty-eighth session): 135.8-136.2 us (1.69-1.70x) and 159.6 (1.50x).
@@ -94,7 +95,7 @@ struct Fp8t {
   // ahead). H100, b=64 L=8K h16 graph us by distance: 2: 164.3 (L2 hit rate 35%, the converter 38% in
   // long-scoreboard stalls), 3: 148.3, 4: 148.9, 5: 153.5, 6: 158.8, 8: 176.7 (farther ahead, the prefetched lines
   // are evicted before use: 132 SMs x 8 tiles x 36 KB is 38 MB of L2's 50). h32 did not move (186.7-187.3 from 2 to 4).
-  // Measured with the stages' full signal on named barriers (reverted after: NOTES.md, twenty-fifth session)
+  // Measured with the stages' full signal on named barriers (reverted after: [notes], twenty-fifth session)
   static constexpr int kPrefetchAhead = 3;
   static constexpr int kRegsConv = 200, kRegsScorer = 112, kRegsAcc = 192, kRegsLaunch = 168;
   // v8: the producer warpgroup (one issuing thread) gives its registers to the consumers, which hold A fragments
@@ -107,7 +108,7 @@ struct Fp8t {
 // of five boxes that tensor copies fill), byte offsets from the 1024-aligned base (every operand tile 1024-aligned).
 // v8 measured no faster with an L2 prefetch of the tile a ring ahead (much slower: 187 / 189 us at h16 / h32 against
 // 140 / 169) or with four stages at 16 rows (Q, P^T and the epilogue buffer sized by the rows used: 140.0 against
-// 138.5 us; NOTES.md, twenty-seventh session).
+// 138.5 us; [notes], twenty-seventh session).
 template <bool kRS>
 struct Fp8tSmem {
   static constexpr int kStages = kRS ? 3 : 2;
@@ -213,7 +214,7 @@ __device__ __forceinline__ int q_tile_offset(int row, int col) {
 // ---- v8: the tensor cores read fp16 A fragments that the consumers convert in registers from the raw fp8 stage
 // (wgmma's register-A form; FlashAttention-3's fp8 path also feeds V through registers, Shah et al. 2024), so no
 // warpgroup writes a converted tile back to shared memory: v7's ablation builds put its time in that round trip
-// (NOTES.md, twenty-sixth session).
+// ([notes], twenty-sixth session).
 
 // Byte offset of the 16 bytes at column `col` (a multiple of 16) of token row `row` in a v8 stage: box col / 128, its
 // 16-byte chunks XOR-swizzled by the row (the 128-byte swizzle of the tensor map; the 8 rows of an ldmatrix, one
@@ -302,7 +303,7 @@ __device__ __forceinline__ int fp8rs_channel(int row) { return (row & ~15) + 2 *
 // 2 k + tid_wg / 64 (a warp shares it). The passes hold no branch around their loads and shuffles (a row past
 // rows_per_kv_head reads the last row; only its stores are skipped), so that unrolled they overlap: as a loop of
 // store_row_quad each pass waited for the last (loads, five shuffles, the scale): 4.6 / 9.2 us per item at 16 / 32
-// rows (H100, b=64 L=8K; NOTES.md, twenty-eighth session). v8 at 32 rows uses it.
+// rows (H100, b=64 L=8K; [notes], twenty-eighth session). v8 at 32 rows uses it.
 template <typename T, int kN>
 __device__ __forceinline__ void fp8t_rows_out(const DecodeParams& p, const float* sO, const float* sum, int half,
                                               float kv_scale, int req, int slot, int kvh, int tid_wg) {
@@ -418,7 +419,7 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
       // The query rows of the CTA's first item into L2 before its first tile, and of the next item four tiles before
       // an item's end, so that the scorer's loads of them hit L2: without, the first item's loads queued behind the
       // tiles' copies (H100, b=64 L=8K, graph us 138.0 -> 134.9 at 16 rows, 166.1 -> 162.9 at 32; without any query
-      // loads 133.9 / 156.0; NOTES.md, twenty-eighth session). Where an item's rows are one range (row stride 576, and
+      // loads 133.9 / 156.0; [notes], twenty-eighth session). Where an item's rows are one range (row stride 576, and
       // one query token or one KV head); a loop over query tokens spilled the producer's 40 registers.
       const bool q_pf = (reinterpret_cast<uintptr_t>(p.q) & 15) == 0 && p.q_stride_b % 8 == 0 &&
                         p.q_stride_h == Cfg::kHeadDimQK &&
@@ -570,7 +571,7 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
       // ---- the query tile in fp16: warp w takes rows w, w + 4, ...; lane the 16-byte chunks lane, lane + 32, ...
       named_barrier(Fp8t::kBarScorer, 128);  // every warp's S^T of the previous item is done: sQ is free
       // every row's loads of a batch in flight before any is used (v8 at 32 rows: 167.7 -> 164.9 us at b=64 L=8K,
-      // no change at 16; H100, NOTES.md, twenty-eighth session). v8's scorer holds all its rows (kN / 4 x 12
+      // no change at 16; H100, [notes], twenty-eighth session). v8's scorer holds all its rows (kN / 4 x 12
       // registers); v7's (112 registers) spilled with two at 32 rows, so it keeps one row at a time
       constexpr int kQBatch = kRS ? kN / 4 : 1;
 #pragma unroll 1
@@ -848,7 +849,7 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
                 acc_o[4 * half + mb][i];
         named_barrier(Fp8t::kBarAcc, 128);
         // v8 at 32 rows: passes that overlap (H100, b=64 L=8K: 162.3 -> 157.0 us; at 16 rows 134.7 -> 135.2, so
-        // 16 rows and v7, not measured, keep the loop; NOTES.md, twenty-eighth session)
+        // 16 rows and v7, not measured, keep the loop; [notes], twenty-eighth session)
         if constexpr (kRS && kN == 32) {
           fp8t_rows_out<T, kN>(p, sO, sSum + par * Fp8t::kMaxRows, half, kv_scale, req, slot, kvh, tid_wg);
         } else

@@ -1,10 +1,11 @@
+// [notes]: docs/notes/cuda_sm90.md, the development history these comments cite
 // SM90 MLA decode, mainloops v5 (Mainloop::kSeesaw) and v9 (kSeesawFp8): two KV tiles in flight, one per
 // warpgroup, with the softmax of one warpgroup running while the other's GEMMs occupy the tensor cores
 // (the "seesaw" schedule of FlashMLA's SM90 kernel, described in DeepSeek's
 // "A Deep-Dive into the New Flash MLA Kernel", 2025, and csrc/sm90/kernels/
 // splitkv_mla.cu of deepseek-ai/FlashMLA). Our own code; the schedule is theirs.
 //
-// Why (NOTES.md): v2 runs S -> softmax -> P V of one 64-token tile serially in both
+// Why ([notes]): v2 runs S -> softmax -> P V of one 64-token tile serially in both
 // warpgroups, so the tensor cores idle through every softmax and barrier. Here the
 // tiles of an item go in pairs (a = 2i in stage 0, b = 2i+1 in stage 1):
 //   warpgroup 0 (WG0) owns S_a = Q K_a^T (m64n64k16, all 64 tokens) and O[:, 0:256);
@@ -29,7 +30,7 @@
 // Where a part's row tiles come in pairs (128 or 256 query rows per KV head), the plan runs each
 // pair as a cluster of two CTAs (kPaired; LaunchConfig::paired) that start every item together: 1-6%
 // faster on the FlashMLA grid. Multicasting each KV box to both CTAs of the pair was tried and not kept
-// (NOTES.md, "Eighteenth session").
+// ([notes], "Eighteenth session").
 // A 64-token tile must sit in one page, so this variant needs page_size % 64 == 0 and
 // a bf16/fp16 cache (v9: fp8_e4m3) that a tensor map describes; the binding refuses other
 // caches (binding.cpp, check_config).
@@ -347,7 +348,7 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
     if (tid == 0) sBad[0] = 0;
     // -- first two tiles (TMA), Q (cp.async), sM, issued in the order S needs them: tile 0 and Q (S of tile 0),
     // then tile 1. Issuing tile 1 ahead of Q measured 0-1% slower where v5 runs (b = 32..96, h_q = 128;
-    // NOTES.md, "Seventeenth session"), which also has the per-column-block Q wait that was tried instead.
+    // [notes], "Seventeenth session"), which also has the per-column-block Q wait that was tried instead.
     if constexpr (!kFp8) {
       if (tid == 0 && num_tiles > 0) tma_tile<0, 9>(p, &kv_map, stage_of(0), bars0, page_of(0), kvh, t0_of(0));
     }
@@ -378,7 +379,7 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
 
     // Descriptor bases go through an empty asm per use: the operand addresses are loop
     // invariant, and ptxas would otherwise keep every k-step's 64-bit descriptor live
-    // across the loop (NOTES.md, v4) and spill.
+    // across the loop ([notes], v4) and spill.
     auto desc = [](const void* base) {
       uint32_t a = smem_u32(base);
       asm volatile("" : "+r"(a));

@@ -1,3 +1,4 @@
+// [notes]: docs/notes/cuda_sm90.md, the development history these comments cite
 // Host/device parameter block of the SM90 MLA decode kernel family.
 // Plain C++ (no torch, no CUDA headers needed): shared by the torch binding
 // (binding.cpp, host compiler) and the kernels/launchers (launch.cu, nvcc).
@@ -17,7 +18,7 @@ namespace mla_sm90 {
 // - bytes 1024 + 32k .. + 31: the signed shift s of quarter row k (channels 128k ..), repeated over the sector:
 //   the stored values are out * 2^s, with s putting the quarter's largest magnitude in [2^14, 2^15) (epilogue.cuh,
 //   partial_shift), where fp16 keeps all 11 significant bits and cannot overflow.
-// Every store fills whole 32-byte sectors (NOTES.md, twelfth and thirteenth sessions: partly written sectors cost
+// Every store fills whole 32-byte sectors ([notes], twelfth and thirteenth sessions: partly written sectors cost
 // more). fp16 rounds 8x finer than bf16: bf16 partial rows fell outside docs/design.md §5's cosine bound.
 constexpr int kPartialRowBytes = 2048;
 constexpr int kPartialShiftByte = 1024;
