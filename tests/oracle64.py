@@ -91,11 +91,12 @@ def naive_attention(case, head_dim_v: int | None = None, *, q=None, kv_cache=Non
                 slots = [int(case.block_table[b, j // ps]) * ps + j % ps for j in range(max(visible, 0))]
                 keys = [decode_v4_token(kv, s // ps, s % ps) if case.kv_format == "fp8_ds_v4"
                         else decode_token(kv[s // ps, s % ps], case.kv_format, case.kv_scale) for s in slots]
+            stacked = torch.stack(keys) if keys else None  # [n, h_kv, D], once per query token (not per head)
             for h in range(h_q):
-                if not keys:
+                if stacked is None:
                     lse[b, h, i] = math.inf
                     continue
-                k = torch.stack([key[h // (h_q // h_kv)] for key in keys])
+                k = stacked[:, h // (h_q // h_kv)]
                 s = (k @ q[b, i, h]) * scale
                 m = s.max()
                 p = torch.exp(s - m)
