@@ -184,11 +184,11 @@ def measure_flashinfer_plan(cfg: str, q, kv, table, lens, scale: float, reps: in
     adds to is this)."""
     import flashinfer
 
-    from mla_dispatch.backends._vendor import packed_page_indices
+    from mla_dispatch.metadata.page_lists import packed_page_lists
 
     b = q.shape[0]
     qo_indptr = torch.arange(0, b + 1, dtype=torch.int32, device="cuda")
-    kv_indptr, kv_indices = packed_page_indices(table, lens, kv.shape[1])
+    kv_indptr, _, kv_indices = packed_page_lists(table, lens, kv.shape[1])
     wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(torch.empty(128 << 20, dtype=torch.uint8, device="cuda"))
 
     def plan():

@@ -94,6 +94,7 @@ def test_equals_flashmlas_own_schedule(b, s_q, h_q):
     assert not meta[:, 7].any()
     rows, host_splits = flashmla_sched_meta_host(lens.tolist(), parts)
     assert [r[:7] for r in want_meta.tolist()] == [r[:7] for r in rows] and want_splits.tolist() == host_splits
+    assert all(r[7] == 0 for r in rows)
 
 
 if __name__ == "__main__":

@@ -69,6 +69,8 @@ def test_torch_ops_match_the_loop(gen, case):
     lists.indptr.fill_(-7)
     lists.update(table, lens)  # on a CPU: the torch ops, in place
     assert _mismatch((lists.indptr, lists.page_pos, lists.indices), _by_loop(table, lens, page_size)) == ""
+    with pytest.raises(ValueError, match=r"block_table must be \["):
+        lists.update(table[:, :-1] if max_blocks > 1 else table[:0], lens)
 
 
 def _run_cases(seed: int) -> None:

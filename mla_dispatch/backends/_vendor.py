@@ -1,8 +1,8 @@
 """Small helpers shared by the vendor adapters (FlashMLA, FlashInfer, AITER).
 
-Nothing here imports a vendor library. The conversions are static-shape tensor
-code (no host sync), so they can run inside ``plan``/``update`` of a CUDA-graph
-plan.
+Nothing here imports a vendor library. The helpers are static-shape tensor
+code (no host sync), so they can run inside ``plan``/``update``/``run`` of a
+CUDA-graph plan.
 """
 
 from __future__ import annotations
@@ -13,9 +13,8 @@ import importlib.metadata
 import torch
 
 from mla_dispatch.dispatch.backend import Reason, ReasonCode
-from mla_dispatch.metadata.conversions import token_indices
 
-__all__ = ["dist_version", "import_reasons", "packed_page_indices", "visible_rows", "zero_invisible_rows"]
+__all__ = ["dist_version", "import_reasons", "visible_rows", "zero_invisible_rows"]
 
 
 def dist_version(dist: str, module: str) -> str:
@@ -37,20 +36,6 @@ def import_reasons(module: str) -> list[Reason]:
     except Exception as exc:  # ImportError, OSError from a missing .so, RuntimeError from a CUDA probe
         return [Reason(ReasonCode.UNAVAILABLE, f"import {module} failed: {type(exc).__name__}: {exc}")]
     return []
-
-
-def packed_page_indices(block_table: torch.Tensor, cache_seqlens: torch.Tensor, page_size: int
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Page-level CSR view of a block table: ``(kv_indptr [B+1], kv_indices [B*max_blocks])`` int32.
-
-    Request ``b``'s pages are ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]``, its first
-    ``ceil(L_b / page_size)`` table entries; entries past ``kv_indptr[-1]`` are 0 (a
-    valid page id), table entries past a request's length are never copied. This is
-    :func:`mla_dispatch.metadata.conversions.token_indices` applied to the table itself, one
-    "token" per page.
-    """
-    pages = (cache_seqlens.to(torch.int64) + page_size - 1) // page_size
-    return token_indices(block_table, pages, 1)
 
 
 def visible_rows(cache_seqlens: torch.Tensor, q_len: int, causal: bool) -> torch.Tensor:

@@ -8,7 +8,7 @@ gather leaves the table's first entry in ``indices`` there; neither is read). Th
 are static (``[batch + 1]`` and ``[batch * max_blocks]``): no host synchronisation.
 
 :class:`PageLists` owns the three int32 buffers of one plan and refreshes them in place for new lengths and a new
-table: on a CUDA device with Triton, one launch of :func:`packed_pages_kernel` through a kept
+table: on a CUDA device with Triton, one launch of a Triton kernel (``packed_pages_kernel``) through a kept
 :class:`~.triton_launch.CachedLaunch` (the same outputs as the torch ops, bit for bit; the FlashInfer adapter's plan
 took ~30 torch ops for them, 62 launches a plan on the H200 with its replan: benchmarks/RESULTS.md, "NVIDIA H200,
 2026-11-29 (afternoon)"); elsewhere (a CPU, no Triton, batches past :data:`MAX_BATCH`) the torch ops of
@@ -102,9 +102,10 @@ class PageLists:
     device : torch.device
     """
 
-    __slots__ = ("indptr", "page_pos", "indices", "page_size", "_launch", "_launched_with")
+    __slots__ = ("indptr", "page_pos", "indices", "page_size", "shape", "_launch", "_launched_with")
 
     def __init__(self, batch: int, max_blocks: int, page_size: int, device: torch.device) -> None:
+        self.shape = (batch, max_blocks)
         buf = torch.empty(batch + 1 + 2 * batch * max_blocks, dtype=torch.int32, device=device)
         self.indptr, self.page_pos, self.indices = buf.split_with_sizes(
             (batch + 1, batch * max_blocks, batch * max_blocks))
@@ -114,8 +115,17 @@ class PageLists:
 
     def update(self, block_table: torch.Tensor, cache_seqlens: torch.Tensor) -> None:
         """Recompute the lists for the values ``block_table`` (int32 ``[batch, max_blocks]``, rows of unit stride) and
-        ``cache_seqlens`` (int ``[batch]``) hold now, in place; no allocation on the kernel's path."""
-        batch, max_blocks = block_table.shape
+        ``cache_seqlens`` (int ``[batch]``) hold now, in place; no allocation on the kernel's path.
+
+        Raises
+        ------
+        ValueError
+            ``block_table`` or ``cache_seqlens`` of another shape than the lists were made for.
+        """
+        if tuple(block_table.shape) != self.shape or tuple(cache_seqlens.shape) != self.shape[:1]:
+            raise ValueError(f"block_table must be [{self.shape[0]}, {self.shape[1]}] and cache_seqlens "
+                             f"[{self.shape[0]}] (the plan's), got {list(block_table.shape)} and "
+                             f"{list(cache_seqlens.shape)}")
         if self._kernel_takes(block_table, cache_seqlens):
             key = (block_table.data_ptr(), block_table.stride(0), cache_seqlens.data_ptr(), cache_seqlens.stride(0),
                    cache_seqlens.dtype)

@@ -78,7 +78,9 @@ def fastest_candidate(rows: Iterable, metric: str):
 def check_auto(rows: Iterable, tolerance: float, metric: str | None = None) -> tuple[list[AutoCheck], str]:
     """Check every config of ``rows`` (bench rows: :class:`~mla_dispatch.tools.bench.BenchRow` or their JSON dicts);
     returns the per-config results, in the run's order, and the metric used (``graph`` where any row has a graph
-    time, unless ``metric`` says otherwise)."""
+    time, unless ``metric`` says otherwise). Where auto's row carries times of auto and that config's fastest backend
+    taken in alternation by the same metric (``paired_*``: :func:`mla_dispatch.tools.bench.pair_auto`), those two
+    medians decide the verdict; otherwise the rows' own times."""
     rows = list(rows)
     if metric is None:
         metric = "graph" if any(_get(r, "us_graph") for r in rows) else "run"
@@ -107,8 +109,10 @@ def check_auto(rows: Iterable, tolerance: float, metric: str | None = None) -> t
                                      **common))
         else:
             us, paired = _us(auto, metric), None
-            if (_get(auto, "paired_with") == fastest["fastest"] and _get(auto, "paired_us")
-                    and _get(auto, "paired_with_us")):
+            # runs saved before paired_metric was recorded paired graph replays where auto had one
+            paired_metric = _get(auto, "paired_metric") or ("graph" if _get(auto, "us_graph") else "run")
+            if (_get(auto, "paired_with") == fastest["fastest"] and paired_metric == metric
+                    and _get(auto, "paired_us") and _get(auto, "paired_with_us")):
                 us, fastest_us, paired = (float(_get(auto, "paired_us")), float(_get(auto, "paired_with_us")),
                                           _get(auto, "paired_rounds"))
                 common["fastest_us"] = fastest_us

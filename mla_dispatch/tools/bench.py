@@ -356,6 +356,7 @@ class BenchRow:
     paired_us: float | None = None       # auto's
     paired_with_us: float | None = None  # paired_with's
     paired_rounds: int | None = None
+    paired_metric: str | None = None     # "graph" or "run": which times were paired
 
     @property
     def best_us(self) -> float | None:
@@ -395,8 +396,8 @@ def bench_backend(name: str, case: DecodeCase, ref: tuple[torch.Tensor, torch.Te
     options (``name:key=value:...``, :func:`~mla_dispatch.tools.args.backend_spec`): ``batch_invariant=true`` plans
     with ``batch_invariant=True``, the others go to ``backend_options``. ``timings``: which of :data:`TIMINGS` to
     measure (``run`` is measured too where ``graph`` is asked for and no graph can be timed). ``timed``: where given,
-    ``timed[name]`` is set to what the row's main time measured (the graph replay, else the eager run), kept alive for
-    :func:`pair_auto`."""
+    ``timed[row.backend]`` is set to what the row's main time measured (the graph replay, else the eager run), kept
+    alive for :func:`pair_auto`."""
     device = case.q.device
     name, options = backend_spec(name)
     invariant = bool(options.pop("batch_invariant", False))
@@ -508,19 +509,21 @@ def alternate_times(fns: Sequence[Callable[[], object]], device: torch.device, *
 def pair_auto(rows: Sequence[BenchRow], timed: dict[str, Callable[[], object]], device: torch.device, *,
               rounds: int, rep_ms: float) -> None:
     """On one config's ``rows``: time ``auto`` and the fastest correct backend (the one
-    :func:`~mla_dispatch.tools.autocheck.check_auto` compares it with) again, in alternation
-    (:func:`alternate_times`), and record both on auto's row. Nothing where auto or that backend was not timed."""
+    :func:`~mla_dispatch.tools.autocheck.check_auto` compares it with: by graph replay where any row has one, else by
+    eager run) again, in alternation (:func:`alternate_times`), and record both on auto's row, with the metric. Nothing
+    where auto was not timed by that metric, or that backend not at all."""
     from mla_dispatch.tools.autocheck import fastest_candidate
 
     auto = next((r for r in rows if r.backend == "auto" and r.status == "ok"), None)
-    if auto is None or "auto" not in timed:
+    metric = "graph" if any(r.us_graph for r in rows) else "run"
+    if auto is None or "auto" not in timed or (metric == "graph" and not auto.us_graph):
         return
-    best = fastest_candidate(rows, "graph" if auto.us_graph else "run")
+    best = fastest_candidate(rows, metric)
     if best is None or best.backend not in timed:
         return
     auto.paired_us, auto.paired_with_us = alternate_times([timed["auto"], timed[best.backend]], device, rounds=rounds,
                                                           rep_ms=rep_ms)
-    auto.paired_with, auto.paired_rounds = best.backend, rounds
+    auto.paired_with, auto.paired_rounds, auto.paired_metric = best.backend, rounds, metric
 
 
 # -- the run ------------------------------------------------------------------------------------------
@@ -613,6 +616,7 @@ def run_bench(configs: Sequence[BenchConfig], backends: Sequence[str], *, device
     peers = [(PEER_FLASHMLA, flashmla_peer_available(), flashmla_runs, time_flashmla),
              (PEER_FA3, fa3_peer_available(), fa3_runs, time_fa3)] if device.type == "cuda" and peer else []
     rows: list[BenchRow] = []
+    pairing = bool(pair_rounds) and "auto" in backends  # keep plans and graphs alive past their rows only then
     bar = tqdm(total=len(configs) * len(backends), desc=desc, unit="run", disable=not progress, leave=False,
                file=sys.stderr)
     for i, cfg in enumerate(configs):
@@ -634,9 +638,9 @@ def run_bench(configs: Sequence[BenchConfig], backends: Sequence[str], *, device
             version = "" if name == "auto" else get_backend(backend_spec(name)[0]).version()
             row = BenchRow(cfg.label, name, version, "?", flops=work.flops, bytes=work.bytes, roofline_us=roof_us)
             config_rows.append(bench_backend(name, case, ref, row, graphs=graphs, rep_ms=rep_ms, timings=timings,
-                                             timed=timed if pair_rounds else None))
+                                             timed=timed if pairing else None))
             bar.update(1)
-        if pair_rounds:
+        if pairing:
             pair_auto(config_rows, timed, device, rounds=pair_rounds, rep_ms=rep_ms)
             timed.clear()
         for peer_name, peer_version, runs, time_peer in peers:

@@ -194,7 +194,7 @@ def time_fa3(case: DecodeCase, ref: tuple[torch.Tensor, torch.Tensor], time_fn, 
     kv_cache = case.kv_cache
     tma = fa3.uses_paged_tma(problem)
     if tma:  # only unused slots hold NaN in a bench case (make_bench_case): zero them, the values FA3 reads
-        kv_cache = torch.nan_to_num(kv_cache, nan=0.0)
+        kv_cache = kv_cache.masked_fill(kv_cache.isnan(), 0)
     cu_q = (torch.arange(0, problem.batch * problem.q_len + 1, problem.q_len, dtype=torch.int32, device=q.device)
             if prov.call == "varlen" else None)
 
