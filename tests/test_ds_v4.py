@@ -224,3 +224,33 @@ def test_a_case_moved_to_a_device_keeps_the_padded_blocks():
     moved = _cache_to(case.kv_cache, "fp8_ds_v4", torch.device("meta"))
     assert moved.shape == case.kv_cache.shape and moved.stride() == case.kv_cache.stride()
     assert moved.stride(0) % 576 == 0 and moved.stride(0) % 16 == 0
+
+
+@pytest.mark.parametrize("padded", [True, False], ids=["padded", "unpadded"])
+def test_cuda_sm90_declines_v4_blocks_its_vector_loads_cannot_start(padded):
+    """cuda_sm90 reads a V4 block with 16-byte vectors from its start: an unpadded cache of an odd page size (blocks
+    page_size * 584 bytes apart) is declined at plan time with the reason, for the cache and the extra cache alike,
+    where the binding used to refuse it at run; FlashMLA's padded layout is taken."""
+    from mla_dispatch.backends.cuda_sm90 import CudaSM90Backend
+
+    page = 61
+    if padded:
+        cache, extra = empty_ds_v4_cache(3, page), empty_ds_v4_cache(2, page)
+    else:
+        cache = torch.zeros(3, page, 1, 584, dtype=torch.uint8)
+        extra = torch.zeros(2, page, 1, 584, dtype=torch.uint8)
+    q = torch.zeros(1, 1, 64, 512, dtype=torch.bfloat16)
+    idx = torch.zeros(1, 1, 8, dtype=torch.int32)
+    problem = mla_dispatch.plan_decode(q, cache, None, None, indices=idx, extra_kv_cache=extra,
+                                       extra_indices=torch.zeros(1, 1, 4, dtype=torch.int32)).problem
+    assert problem.kv_block_stride == cache.stride(0) and problem.extra_block_stride == extra.stride(0)
+    reasons = [str(r) for r in CudaSM90Backend.extra_reasons(problem, None)]
+    if padded:
+        assert reasons == []
+    else:
+        assert reasons == [f"kv_cache blocks {page * 584} bytes apart (supported: a multiple of 16, as FlashMLA's "
+                           "fp8_ds_v4 layout pads each block to a multiple of 576 bytes: "
+                           "kvcache.formats.empty_ds_v4_cache)",
+                           f"extra_kv_cache blocks {page * 584} bytes apart (supported: a multiple of 16, as "
+                           "FlashMLA's fp8_ds_v4 layout pads each block to a multiple of 576 bytes: "
+                           "kvcache.formats.empty_ds_v4_cache)"]

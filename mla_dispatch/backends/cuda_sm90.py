@@ -506,6 +506,13 @@ class CudaSM90Backend(MLABackend):
             reasons.append(Reason(ReasonCode.HEAD_DIM, f"D_qk/D_v=512/{problem.head_dim_v} with kv_format="
                                                        f"{problem.kv_format}{'' if problem.sparse else ', dense'} "
                                                        "(supported: 576/512; 512/512 only for sparse fp8_ds_v4)"))
+        if v4:  # the kernel reads a V4 block's bytes with 16-byte vectors from its start (binding.cpp)
+            for what, stride in (("kv_cache", problem.kv_block_stride), ("extra_kv_cache", problem.extra_block_stride)):
+                if stride % 16:
+                    reasons.append(Reason(ReasonCode.FEATURE, f"{what} blocks {stride} bytes apart (supported: a "
+                                                              "multiple of 16, as FlashMLA's fp8_ds_v4 layout pads each "
+                                                              "block to a multiple of 576 bytes: "
+                                                              "kvcache.formats.empty_ds_v4_cache)"))
         if problem.batch_invariant and problem.extra_topk:
             reasons.append(Reason(ReasonCode.FEATURE, "batch_invariant=True with extra_kv_cache (supported: without)"))
         requests = sparse_view(problem).batch  # sparse: one request per query position
@@ -565,6 +572,7 @@ class CudaSM90Backend(MLABackend):
             # into out / lse buffers of its own, then merged (_run_sparse)
             extra_problem = dataclasses.replace(problem, topk=problem.extra_topk, page_size=problem.extra_page_size,
                                                 cache_numel=problem.extra_cache_numel, extra_topk=0,
+                                                kv_block_stride=problem.extra_block_stride, extra_block_stride=0,
                                                 extra_page_size=0, extra_cache_numel=0, topk_length=False,
                                                 extra_topk_length=False, attn_sink=False)
             extra = cls.plan(extra_problem, platform, None, None, softmax_scale=softmax_scale, options=options)

@@ -61,6 +61,11 @@ class DecodeProblem:
     extra_cache_numel: int = 0
     #: sparse only: a per-request ``extra_topk_length`` cuts ``extra_indices`` short
     extra_topk_length: bool = False
+    #: elements between the starts of two blocks of the cache, and of the extra cache (``stride(0)``; 0: unknown).
+    #: Kernels that read a block with vector loads need it aligned (an ``fp8_ds_v4`` cache of an odd page size
+    #: without FlashMLA's padding to 576 bytes is not 16-byte aligned).
+    kv_block_stride: int = 0
+    extra_block_stride: int = 0
 
     @property
     def sparse(self) -> bool:
@@ -297,6 +302,7 @@ def describe_inputs(
         device_type=device.type,
         cuda_graph=cuda_graph,
         cache_numel=kv_cache.shape[0] * kv_cache.stride(0),
+        kv_block_stride=kv_cache.stride(0),
         batch_invariant=bool(batch_invariant),
         **extra,
     )
@@ -371,7 +377,7 @@ def _describe_sparse_extras(q, kv_cache, kv_format, topk, topk_length, attn_sink
         raise ValueError(f"extra_indices must be on {device}, contiguous in its last dim; got strides "
                          f"{list(extra_indices.stride())} on {extra_indices.device}")
     fields.update(extra_topk=extra_indices.shape[2], extra_page_size=extra.shape[1],
-                  extra_cache_numel=extra.shape[0] * extra.stride(0))
+                  extra_cache_numel=extra.shape[0] * extra.stride(0), extra_block_stride=extra.stride(0))
     return fields
 
 
