@@ -57,28 +57,10 @@ from mla_dispatch.dispatch.problem import DecodeProblem
 
 from ._vendor import dist_version, visible_rows
 
-__all__ = ["FA3Backend", "Provider", "PROVIDERS", "resolve", "provider", "build_flags", "uses_paged_tma",
-           "paged_tma_reason"]
+__all__ = ["FA3Backend", "Provider", "PROVIDERS", "resolve", "provider", "build_flags"]
 
 #: ``tile_size_fwd_sm90(64, 512, ...)``'s kBlockN: pages of a multiple of it can be read by TMA.
 TMA_PAGE_MULTIPLE = 64
-
-
-def uses_paged_tma(p: DecodeProblem) -> bool:
-    """Whether FA3 reads ``p``'s pages by TMA (hopper/flash_api.cpp ``get_pagedkv_tma``): whole pages once
-    s_q*h_q/h_kv > kBlockM (64) and the page holds whole kBlockN (64) tiles."""
-    return p.page_size % TMA_PAGE_MULTIPLE == 0 and p.rows_per_kv_head > TMA_PAGE_MULTIPLE
-
-
-def paged_tma_reason(p: DecodeProblem) -> Reason:
-    """Why the backend declines FA3's paged-TMA path. On it a request's last page is read to its end and the scores
-    past the length masked, but P V still multiplies their V rows by 0: a NaN in an unused slot (docs/design.md §1:
-    they may hold anything) made every output of its request NaN on the H200 (benchmarks/RESULTS.md, "NVIDIA H200,
-    2026-11-29"); the non-TMA paged path predicates its loads and passed the same cases."""
-    return Reason(ReasonCode.PAGE_SIZE, f"page_size={p.page_size} with s_q*h_q/h_kv={p.rows_per_kv_head} (supported: "
-                                        f"page_size not a multiple of {TMA_PAGE_MULTIPLE}, or s_q*h_q/h_kv <= "
-                                        f"{TMA_PAGE_MULTIPLE}): FA3's paged-TMA path lets a NaN in a page's unused "
-                                        "slots into its request's output")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,10 +136,6 @@ def build_flags() -> dict[str, bool]:
 class FA3Backend(MLABackend):
     """FlashAttention-3 (SM90): paged decode with the latent as ``qv``, as vLLM's FLASH_ATTN_MLA runs it."""
 
-    # for tools that time FA3's own call (tools/peers.py): which path FA3 takes, and the reason the backend gives
-    uses_paged_tma = staticmethod(uses_paged_tma)
-    paged_tma_reason = staticmethod(paged_tma_reason)
-
     NAME = "fa3"
     DESCRIPTION = "FlashAttention-3 paged decode with qv (vLLM FLASH_ATTN_MLA, SGLang fa3), SM90"
     PLATFORMS = frozenset({"cuda"})
@@ -200,14 +178,34 @@ class FA3Backend(MLABackend):
             return [Reason(ReasonCode.UNAVAILABLE, "; ".join(failures))]
         return []
 
+    # which path FA3 takes, and the reason the backend gives for declining one (also read by tools/peers.py, which
+    # times FA3's own call on that path)
+    @staticmethod
+    def uses_paged_tma(p: DecodeProblem) -> bool:
+        """Whether FA3 reads ``p``'s pages by TMA (hopper/flash_api.cpp ``get_pagedkv_tma``): whole pages once
+        s_q*h_q/h_kv > kBlockM (64) and the page holds whole kBlockN (64) tiles."""
+        return p.page_size % TMA_PAGE_MULTIPLE == 0 and p.rows_per_kv_head > TMA_PAGE_MULTIPLE
+
+    @staticmethod
+    def paged_tma_reason(p: DecodeProblem) -> Reason:
+        """Why the backend declines FA3's paged-TMA path. On it a request's last page is read to its end and the
+        scores past the length masked, but P V still multiplies their V rows by 0: a NaN in an unused slot
+        (docs/design.md §1: they may hold anything) made every output of its request NaN on the H200
+        (benchmarks/RESULTS.md, "NVIDIA H200, 2026-11-29"); the non-TMA paged path predicates its loads and passed the
+        same cases."""
+        return Reason(ReasonCode.PAGE_SIZE, f"page_size={p.page_size} with s_q*h_q/h_kv={p.rows_per_kv_head} "
+                                            f"(supported: page_size not a multiple of {TMA_PAGE_MULTIPLE}, or "
+                                            f"s_q*h_q/h_kv <= {TMA_PAGE_MULTIPLE}): FA3's paged-TMA path lets a NaN "
+                                            "in a page's unused slots into its request's output")
+
     @classmethod
     def extra_reasons(cls, problem: DecodeProblem, platform: Platform) -> list[Reason]:
         p = problem
         R = ReasonCode
         reasons = []
-        tma = uses_paged_tma(p)
+        tma = cls.uses_paged_tma(p)
         if tma:
-            reasons.append(paged_tma_reason(p))
+            reasons.append(cls.paged_tma_reason(p))
         flags = build_flags()
         if not flags:
             return reasons

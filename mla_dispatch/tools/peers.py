@@ -165,7 +165,7 @@ def fa3_runs(case: DecodeCase) -> bool:
     """Whether FA3 takes ``case``: what the ``fa3`` backend declares for it on this device (the adapter passes FA3
     views of the same tensors, so FA3 runs the cases it does: dense, a 16-bit cache of q's dtype, D 576/512, SM90; any
     page size and head count), and its paged-TMA path too, which the backend declines for what a NaN in an unused
-    slot does there (:func:`~mla_dispatch.backends.fa3.paged_tma_reason`): :func:`time_fa3` times that path, the one
+    slot does there (:meth:`~mla_dispatch.backends.fa3.FA3Backend.paged_tma_reason`): :func:`time_fa3` times that path, the one
     vLLM's FLASH_ATTN_MLA runs, on the case's cache with its unused slots zeroed."""
     from mla_dispatch.dispatch.platform import platform_for
     from mla_dispatch.dispatch.registry import get_backend
