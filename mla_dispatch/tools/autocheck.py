@@ -18,7 +18,7 @@ import re
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-__all__ = ["AutoCheck", "check_auto", "fastest_candidate", "format_check", "load_rows"]
+__all__ = ["AutoCheck", "check_auto", "fastest_candidate", "format_check", "load_rows", "rows_metric"]
 
 #: The names of the peers' own rows in bench output (:data:`mla_dispatch.tools.peers.PEER_FLASHMLA`, ``PEER_FA3``):
 #: vendor libraries called directly, not backends ``auto`` can pick.
@@ -67,6 +67,11 @@ def _us(row, metric: str) -> float | None:
     return float(run) if run else None
 
 
+def rows_metric(rows: Iterable) -> str:
+    """The times the check compares ``rows`` by: ``graph`` (CUDA-graph replays) where any row has one, else ``run``."""
+    return "graph" if any(_get(r, "us_graph") for r in rows) else "run"
+
+
 def fastest_candidate(rows: Iterable, metric: str):
     """The fastest correct row of one config's ``rows`` among the backends ``auto`` could have chosen (not ``auto``
     itself, a peer's own call or a forced variant ``name:key=value``), by ``metric``; None if there is none."""
@@ -83,7 +88,7 @@ def check_auto(rows: Iterable, tolerance: float, metric: str | None = None) -> t
     medians decide the verdict; otherwise the rows' own times."""
     rows = list(rows)
     if metric is None:
-        metric = "graph" if any(_get(r, "us_graph") for r in rows) else "run"
+        metric = rows_metric(rows)
     by_config: dict[str, list] = {}
     for r in rows:
         by_config.setdefault(_get(r, "config"), []).append(r)

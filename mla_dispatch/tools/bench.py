@@ -512,10 +512,10 @@ def pair_auto(rows: Sequence[BenchRow], timed: dict[str, Callable[[], object]], 
     :func:`~mla_dispatch.tools.autocheck.check_auto` compares it with: by graph replay where any row has one, else by
     eager run) again, in alternation (:func:`alternate_times`), and record both on auto's row, with the metric. Nothing
     where auto was not timed by that metric, or that backend not at all."""
-    from mla_dispatch.tools.autocheck import fastest_candidate
+    from mla_dispatch.tools.autocheck import fastest_candidate, rows_metric
 
     auto = next((r for r in rows if r.backend == "auto" and r.status == "ok"), None)
-    metric = "graph" if any(r.us_graph for r in rows) else "run"
+    metric = rows_metric(rows)
     if auto is None or "auto" not in timed or (metric == "graph" and not auto.us_graph):
         return
     best = fastest_candidate(rows, metric)
