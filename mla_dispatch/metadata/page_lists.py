@@ -36,8 +36,9 @@ def packed_page_lists(block_table: torch.Tensor, cache_seqlens: torch.Tensor, pa
     pages = (cache_seqlens.to(torch.int64) + page_size - 1) // page_size
     positions = torch.arange(batch * max_blocks, dtype=torch.int32, device=block_table.device).view(batch, max_blocks)
     indptr, page_pos = token_indices(positions, pages, 1)
-    _, indices = token_indices(block_table, pages, 1)
-    return indptr, page_pos, indices
+    indices = torch.index_select(block_table.reshape(-1), 0, page_pos.long())  # the padding gathers entry 0: zero it
+    past = torch.arange(indices.numel(), device=indices.device) >= indptr[-1]
+    return indptr, page_pos, indices.masked_fill(past, 0).to(torch.int32)
 
 
 def _kernel():
