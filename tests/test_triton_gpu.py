@@ -174,7 +174,7 @@ def _case_id(kw: dict, overrides: dict) -> str:
     return "-".join(parts)
 
 
-#: ids of CASES measured outside the tolerance on the H200 (2026-11-29, in two sessions: out cosine difference
+#: ids of CASES measured outside the tolerance on the H200 (2026-11-29, in two runs: out cosine difference
 #: 1.24e-05 > 5e-06, max abs 1.8e-4; fp8_ds_mla, 256 query rows, causal): not explained yet. Strict xfails, so a fix
 #: shows.
 KNOWN_GPU_FAILURES = {"triton-bf16-fp8_ds_mla-b3xs2xh128-ps64-L300-causal"}
@@ -393,7 +393,7 @@ def test_triton_gpu_opcheck(kw, overrides, gen):
     assert rep, rep.message
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason="H200, torch 2.11 (2026-11-29, two sessions): inductor's "
+@pytest.mark.xfail(strict=True, raises=TypeError, reason="H200, torch 2.11 (2026-11-29, two runs): inductor's "
                    "launcher of the traced decode kernel is called without the kernel's defaulted parameters "
                    "(TypeError: launcher() missing 13 required positional arguments: 'ExtraIndices', ...); passing "
                    "them explicitly did not fix it")
