@@ -104,14 +104,16 @@ def _slots(table_row: torch.Tensor, positions: list[int], page_size: int) -> tor
 
 
 def shorten(case: DecodeCase, lengths: tuple[int, ...]) -> DecodeCase:
-    """``case`` (on the CPU) with its last requests cut to ``lengths``, freed slots and table entries poisoned."""
+    """``case`` (on the CPU) with its last requests cut to ``lengths``, freed slots and table entries poisoned.
+
+    A request already exactly that long is left as it is (``make_case`` draws lengths down to ``q_len``)."""
     kv, table, lens = case.kv_cache.clone(), case.block_table.clone(), case.cache_seqlens.clone()
     page = kv.shape[1]
     flat = kv.view(-1, *kv.shape[2:])
     poison = _poison(case.kv_format, kv)
     for b, n in zip(range(len(lens) - len(lengths), len(lens)), lengths):
         old = int(lens[b])
-        if n >= old:
+        if n > old:
             raise ValueError(f"shorten: request {b} has {old} tokens, cannot cut it to {n}")
         flat[_slots(table[b], list(range(n, old)), page)] = poison
         table[b, math.ceil(n / page):] = UNUSED_BLOCK_ID
