@@ -485,3 +485,90 @@ def test_sparse_fp8_decode_hook_matches_float64(h_q, s_q, page, gen):
     assert report, report.message
     out2, _ = impl._fp8_flash_mla_kernel(case.q, vllm_cache, case.indices, None)  # the plan is made once per shape
     assert len(impl._mla_dispatch_plans) == 1 and torch.equal(out2, out)
+
+
+# -- DeepSeek-V4's attention layer (MLA_DISPATCH_SPARSE selects it) ------------------------------------------------
+
+
+def test_dsv4_backend_name_selects_our_layer(vllm_world):
+    """The plugin wraps vLLM's DeepSeek-V4 class selector (``_select_dsv4_attn_cls``, called by
+    ``DeepseekV4DecoderLayer``) when vLLM imports the model module: MLA_DISPATCH_SPARSE then builds our layer, every
+    other backend name vLLM's own (FlashMLA's layer for FLASHMLA_SPARSE); registering again does not wrap twice."""
+    from vllm.config import AttentionConfig
+    from vllm.models.deepseek_v4.nvidia import model as dsv4_model
+    from vllm.models.deepseek_v4.nvidia.flashmla import DeepseekV4FlashMLAAttention
+
+    from mla_dispatch.integrations.plugins import VLLM_SPARSE_BACKEND_NAME
+    from mla_dispatch.integrations.vllm_v4 import MLADispatchDeepseekV4Attention
+
+    select = dsv4_model._select_dsv4_attn_cls
+    assert getattr(select, "mla_dispatch_wrapped", False)
+    register_vllm()
+    assert dsv4_model._select_dsv4_attn_cls is select
+
+    def picked(backend):
+        return dsv4_model._select_dsv4_attn_cls(VllmConfig(attention_config=AttentionConfig(backend=backend)))
+
+    assert picked(AttentionBackendEnum[VLLM_SPARSE_BACKEND_NAME]) is MLADispatchDeepseekV4Attention
+    assert picked(AttentionBackendEnum.FLASHMLA_SPARSE) is DeepseekV4FlashMLAAttention
+    assert issubclass(MLADispatchDeepseekV4Attention, DeepseekV4FlashMLAAttention)
+
+
+@pytest.mark.parametrize("compress_ratio,h,padded,window,extra_topk", [(1, 16, 64, 128, 0), (128, 8, 64, 64, 96),
+                                                                        (128, 64, 64, 32, 48)])
+def test_dsv4_decode_matches_float64(vllm_world, compress_ratio, h, padded, window, extra_topk, gen):
+    """vLLM's DeepSeek-V4 layer decodes in ``_forward_decode(q, kv_cache, swa_metadata, attn_metadata, swa_only,
+    output)``; ours answers it with mla_dispatch: the sliding-window cache as the main cache (its indices cut by
+    ``decode_swa_lens``), a C128A layer's compressed cache as the extra one (the indices and lengths vLLM's builder
+    precomputed in ``DeepseekV4FlashMLAMetadata``), the per-head sink, q and output at vLLM's padded head count
+    with only the rank's heads computed. vLLM's own metadata classes carry the arguments; the layer is made
+    without vLLM's constructor (it needs the model's weights and workspaces) and the method contract is checked
+    against vLLM's class. Outputs NaN-poisoned, checked against float64; the padding heads' rows must be 0."""
+    import inspect
+    import types
+
+    from vllm.models.deepseek_v4.nvidia.flashmla import DeepseekV4FlashMLAAttention
+    from vllm.models.deepseek_v4.sparse_mla import DeepseekV4FlashMLAMetadata
+    from vllm.v1.attention.backends.mla.sparse_swa import DeepseekSparseSWAMetadata
+
+    from mla_dispatch.integrations.vllm_v4 import MLADispatchDeepseekV4Attention
+    from mla_dispatch.numerics.cases import make_case
+
+    theirs = list(inspect.signature(DeepseekV4FlashMLAAttention._forward_decode).parameters)
+    assert list(inspect.signature(MLADispatchDeepseekV4Attention._forward_decode).parameters) == theirs
+    swa_only = compress_ratio == 1
+    t = 5  # decode tokens, one query position each (vLLM's convention for DeepSeek-V4)
+    case = make_case(t, 1, h, 200, page_size=64, topk=window, topk_length=True, attn_sink=True,
+                     extra_topk=extra_topk, extra_page_size=None if swa_only else 2,
+                     extra_topk_length=not swa_only, head_dim_qk=512, head_dim_v=512, kv_format="fp8_ds_v4",
+                     generator=gen)
+    layer = object.__new__(MLADispatchDeepseekV4Attention)
+    torch.nn.Module.__init__(layer)
+    layer.n_local_heads, layer.scale, layer.compress_ratio, layer.topk_indices_buffer = h, case.softmax_scale, \
+        compress_ratio, None
+    sink = torch.randn(padded, generator=gen)  # vLLM's sink has the padded heads; the real ones come first
+    sink[:h] = case.attn_sink
+    layer.attn_sink = sink
+    layer.swa_cache_layer = types.SimpleNamespace(kv_cache=case.kv_cache.squeeze(2))  # [blocks, 64, 584] bytes
+    q = torch.zeros(t, padded, 512, dtype=case.q.dtype)  # vLLM's fused q kernel zero-fills the padding heads
+    q[:, :h] = case.q[:, 0]
+    swa_md = DeepseekSparseSWAMetadata(block_table=None, slot_mapping=None, block_size=64, num_decodes=t,
+                                       num_decode_tokens=t, decode_swa_indices=case.indices,
+                                       decode_swa_lens=case.topk_length,
+                                       is_valid_token=torch.ones(t, dtype=torch.bool))
+    attn_md, extra_cache = None, None
+    if not swa_only:
+        attn_md = DeepseekV4FlashMLAMetadata(
+            num_reqs=t, max_query_len=1, max_seq_len=200, num_actual_tokens=t, query_start_loc=None,
+            slot_mapping=None, block_table=None, req_id_per_token=None, block_size=2 * compress_ratio,
+            topk_tokens=extra_topk, c128a_global_decode_topk_indices=case.extra_indices,
+            c128a_decode_topk_lens=case.extra_topk_length)
+        extra_cache = case.extra_kv_cache.squeeze(2)
+    want_out, want_lse = naive_attention(case)
+    for _ in range(2):  # the second step reuses the plan of the first
+        output = torch.full((t, padded, 512), float("nan"), dtype=case.q.dtype)
+        layer._forward_decode(q, extra_cache, swa_md, attn_md, swa_only, output)
+        report = compare_outputs(output[:, None, :h], None, want_out.float(), None, TOL)
+        assert report, report.message
+        assert bool((output[:, h:] == 0).all())
+    assert len(layer._mla_dispatch_plans) == 1
