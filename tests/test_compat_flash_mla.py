@@ -956,6 +956,17 @@ def test_run_and_pth_finder_step_aside_for_an_installed_flash_mla(tmp_path):
                           str(tmp_path / "other")], capture_output=True, text=True, env=env)
     assert res.returncode == 1 and "was not written" in res.stderr
 
+    # --shadow-installed: written although a real flash_mla is installed, and every process gets the alias
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    res = subprocess.run([sys.executable, "-m", "mla_dispatch.compat.flash_mla", "install-pth", "--shadow-installed",
+                          "--site-dir", str(shadow)], capture_output=True, text=True, env=env)
+    assert res.returncode == 0 and res.stdout.count("wrote ") == 2, res.stderr
+    code = f"import site; site.addsitedir({str(shadow)!r}); {show}"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert res.stdout.split() == ["False", "current"] and "steps aside" not in res.stderr
+    assert len(fm.uninstall_pth(str(shadow))) == 2 and not list(shadow.iterdir())
+
 
 @pytest.mark.parametrize("argv,expected", [
     (["run", "{tmp}/missing.py"], "script '{tmp}/missing.py' does not exist"),
@@ -979,3 +990,15 @@ def test_run_command_mistakes_are_one_line_and_exit_2(argv, expected, tmp_path, 
     (tmp_path / "pkg" / "__main__.py").write_text("import flash_mla\nprint('ran', flash_mla.MLA_DISPATCH_ALIAS)\n")
     assert fm.main(["run", str(tmp_path / "pkg")]) == 0  # a folder with __main__.py runs, as under python
     assert "ran current" in capsys.readouterr().out
+
+
+def test_megaattention_is_named_and_refused(no_flash_mla_imported):
+    """sgl-flash-mla's MegaAttention submodule exists under the alias (SGLang's FlashMLA module imports it at load)
+    and each of its functions raises NotImplementedError saying what to use."""
+    alias = fm.install_flash_mla_alias()
+    from flash_mla import fused_norm_rope_attn_rope_cast as mega
+
+    assert mega is alias.fused_norm_rope_attn_rope_cast is fm.fused_norm_rope_attn_rope_cast
+    for name in ("prefill", "decode"):
+        with pytest.raises(NotImplementedError, match=f"fused_norm_rope_attn_rope_cast.{name}.*flashmla_mega"):
+            getattr(mega, name)(q=None)

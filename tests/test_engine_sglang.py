@@ -446,3 +446,79 @@ def test_dsa_hook_leaves_other_caches_to_sglang(monkeypatch):
     args = (torch.zeros(2, HEADS, D), torch.zeros(128, 1, D), LORA, SCALE, object(), object(), torch.zeros(2, 8))
     assert impl._forward_flashmla_kv(*args) == "sglang's"
     assert len(seen) == 1 and all(a is b for a, b in zip(seen[0], args))
+
+
+# -- DeepSeek-V4 (SGLang's dsv4 backend) through the flash_mla alias -------------------------------------------
+
+_DSV4_CHILD = r'''
+import functools, json, os, sys, warnings
+import torch
+sys.path.insert(0, TESTS_DIR)
+from mla_dispatch.compat.flash_mla import FlashMLAShadowWarning, install_flash_mla_alias
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", FlashMLAShadowWarning)  # sgl-flash-mla is installed (it cannot load here)
+    install_flash_mla_alias("current", shadow_installed=True)
+from sglang.kernels.ops.attention import flash_mla_interface as fi
+import mla_dispatch
+from mla_dispatch.numerics.cases import make_case
+from mla_dispatch.numerics.tolerance import compare_outputs
+from oracle64 import naive_attention
+
+tol = mla_dispatch.get_backend("reference").TOLERANCE
+records = [{"alias": getattr(fi.flash_mla, "MLA_DISPATCH_ALIAS", None)}]
+gen = torch.Generator().manual_seed(SEED)
+# (h_q, SWA window, compressed top-k and its page size (0: an SWA-only layer), tokens); pages of 256 (SGLang's)
+for h_q, window, extra_topk, extra_page, tokens in ((64, 128, 0, 0, 4), (16, 128, 512, 2, 3), (64, 64, 96, 64, 5)):
+    case = make_case(tokens, 1, h_q, 600, page_size=256, topk=window, topk_length=True, attn_sink=True,
+                     extra_topk=extra_topk, extra_page_size=extra_page or None, extra_topk_length=bool(extra_topk),
+                     head_dim_qk=512, head_dim_v=512, kv_format="fp8_ds_v4", generator=gen)
+    # DeepseekV4AttnBackend.__init__: functools.partial(flash_mla_interface.flash_mla_with_kvcache,
+    # use_legacy=not interleaved), the V4 cache is not interleaved; its decode call (forward, sparse branch):
+    call = functools.partial(fi.flash_mla_with_kvcache, use_legacy=True)
+    meta = fi.get_mla_metadata()[0]  # DSV4AttnMetadata.init_flashmla_related: one per layer type and step
+    want_out, want_lse = naive_attention(case)
+    for layer in range(2):  # a second layer of the same type reuses the step's metadata
+        o = call(q=case.q, k_cache=case.kv_cache, head_dim_v=512, block_table=None, cache_seqlens=None,
+                 tile_scheduler_metadata=meta, softmax_scale=case.softmax_scale, is_fp8_kvcache=True,
+                 indices=case.indices, topk_length=case.topk_length, attn_sink=case.attn_sink,
+                 extra_k_cache=case.extra_kv_cache, extra_indices_in_kvcache=case.extra_indices,
+                 extra_topk_length=case.extra_topk_length)[0]
+        rep = compare_outputs(o.float(), None, want_out.float(), None, tol)
+        records.append({"h_q": h_q, "extra": extra_topk, "layer": layer, "ok": bool(rep), "why": rep.message})
+try:
+    fi.flash_mla_mega_decode(case.q[:, 0], case.kv_cache, case.indices, torch.zeros(tokens, dtype=torch.int64),
+                             torch.zeros(8, 64), case.softmax_scale)
+    records.append({"mega": "returned"})
+except NotImplementedError as exc:
+    records.append({"mega": str(exc)})
+print("RECORDS " + json.dumps(records))
+'''
+
+
+def test_dsv4_decode_through_sglangs_flash_mla_module():
+    """SGLang's DeepSeek-V4 backend (``dsv4``, ``DeepseekV4AttnBackend``) decodes through its own FlashMLA module,
+    ``sglang/kernels/ops/attention/flash_mla_interface.py``, which imports ``flash_mla`` (sgl-flash-mla). With
+    mla_dispatch's alias in its place (``python -m mla_dispatch.compat.flash_mla install-pth --shadow-installed``, or
+    in-process as here), that module imports and its ``flash_mla_with_kvcache`` runs the backend's exact V4 decode
+    call (``use_legacy=True`` for the V4 cache, no table or lengths, a ``FlashMLASchedMeta`` per layer type and step
+    reused by the next layer, indices with per-token lengths, the sink, the compressed cache as the extra one), checked
+    against float64 on the reference backend; MegaAttention (``--dsv4-attn-backend flashmla_mega``) raises
+    ``NotImplementedError``. In a child process: the alias replaces ``flash_mla`` for the whole process."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import SEED
+
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    code = _DSV4_CHILD.replace("TESTS_DIR", repr(tests_dir)).replace("SEED", str(SEED))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(tests_dir), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RECORDS ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    records = json.loads(lines[-1][len("RECORDS "):])
+    assert records[0] == {"alias": "current"}
+    checked = [r for r in records if "ok" in r]
+    assert len(checked) == 6 and all(r["ok"] for r in checked), checked
+    assert "MegaAttention" in records[-1]["mega"], records[-1]

@@ -57,7 +57,8 @@ rest of the batch, on the backends that declare it). Any page size works and the
 
 **Prefill** (:mod:`.prefill`): :func:`flash_mla_sparse_fwd` is computed by an fp32 PyTorch reference path
 (correct, not fast); ``flash_attn_varlen_func`` and its packed forms (dense MHA prefill) are not provided and
-raise ``NotImplementedError`` saying what to use.
+raise ``NotImplementedError`` saying what to use. sgl-flash-mla's MegaAttention (``fused_norm_rope_attn_rope_cast``,
+:mod:`.mega`) is there by name, so SGLang's FlashMLA module imports; its functions raise ``NotImplementedError``.
 
 **Making ``import flash_mla`` resolve here** (opt-in; importing mla_dispatch never does it; a real installed
 ``flash_mla`` is never hidden silently, see :mod:`.alias`):
@@ -87,6 +88,7 @@ from mla_dispatch.compat.flash_mla.prefill import (
     flash_attn_varlen_qkvpacked_func,
     flash_mla_sparse_fwd,
 )
+from mla_dispatch.compat.flash_mla.mega import fused_norm_rope_attn_rope_cast
 from mla_dispatch.compat.flash_mla.alias import (
     FlashMLAShadowWarning,
     find_installed_flash_mla,
@@ -110,6 +112,7 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_varlen_kvpacked_func",
+    "fused_norm_rope_attn_rope_cast",
     "find_installed_flash_mla",
     "install_flash_mla_alias",
     "uninstall_flash_mla_alias",

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Optional
 
 from mla_dispatch.compat.flash_mla.decode import flash_mla_with_kvcache
+from mla_dispatch.compat.flash_mla.mega import fused_norm_rope_attn_rope_cast
 from mla_dispatch.compat.flash_mla.metadata import (
     FlashMLASchedMeta,
     get_mla_decoding_metadata,
@@ -118,6 +119,7 @@ def _alias_module(api: str) -> types.ModuleType:
         "flash_attn_varlen_qkvpacked_func": flash_attn_varlen_qkvpacked_func,
         "flash_attn_varlen_kvpacked_func": flash_attn_varlen_kvpacked_func,
         "has_legacy": has_legacy,
+        "fused_norm_rope_attn_rope_cast": fused_norm_rope_attn_rope_cast,
     }
     for name, value in exported.items():
         setattr(module, name, value)
@@ -192,11 +194,13 @@ def _pth_paths(site_dir: str | None) -> tuple[Path, Path]:
     return base / f"{_PTH_NAME}.pth", base / f"{_PTH_NAME}.py"
 
 
-def _finder_source(api: str) -> str:
+def _finder_source(api: str, shadow_installed: bool = False) -> str:
     # Imported at interpreter start by the .pth file: it must stay cheap, so it only installs a finder;
     # mla_dispatch (and torch) load when flash_mla is imported. It defers to any other finder that has a real
-    # flash_mla (a package with an origin), with a warning, so installing FlashMLA later is never hidden.
-    return f'''"""Written by `python -m mla_dispatch.compat.flash_mla install-pth`; remove with uninstall-pth."""
+    # flash_mla (a package with an origin), with a warning, so installing FlashMLA later is never hidden; unless
+    # written with shadow_installed=True (install-pth --shadow-installed), which the file says in its first line.
+    how = "--shadow-installed: hides any real flash_mla" if shadow_installed else "steps aside for a real flash_mla"
+    return f'''"""Written by `python -m mla_dispatch.compat.flash_mla install-pth` ({how}); remove with uninstall-pth."""
 import importlib.abc
 import importlib.util
 import sys
@@ -220,7 +224,7 @@ class _FlashMLAAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def find_spec(self, name, path=None, target=None):
         if name == "flash_mla":
-            real = self._real_flash_mla(path, target)
+            real = None if {shadow_installed!r} else self._real_flash_mla(path, target)
             if real is not None:
                 warnings.warn("flash_mla is installed at " + real + ": the mla_dispatch alias written by "
                               "`python -m mla_dispatch.compat.flash_mla install-pth` steps aside for it "
@@ -244,10 +248,13 @@ sys.meta_path.insert(0, _FlashMLAAlias())
 '''
 
 
-def install_pth(api: str = "current", site_dir: str | None = None) -> tuple[Path, ...]:
+def install_pth(api: str = "current", site_dir: str | None = None, *,
+                shadow_installed: bool = False) -> tuple[Path, ...]:
     """Write ``<site-packages>/mla_dispatch_flash_mla_alias.{pth,py}``: every Python process of this environment
     then resolves ``import flash_mla`` here, as long as no real ``flash_mla`` is installed (the finder steps
-    aside for one, with a warning).
+    aside for one, with a warning). With ``shadow_installed=True`` the alias is written even where a real
+    ``flash_mla`` is installed and hides it in every process (SGLang 0.5.23 depends on sgl-flash-mla, whose CUDA
+    extension loads only where it was built for: to serve through mla_dispatch there, or on other hardware).
 
     Returns
     -------
@@ -261,13 +268,13 @@ def install_pth(api: str = "current", site_dir: str | None = None) -> tuple[Path
     """
     _alias_module(api)  # validates api
     real = find_installed_flash_mla()
-    if real is not None:
+    if real is not None and not shadow_installed:
         warnings.warn(f"flash_mla is installed at {real}: the .pth alias was not written (it would step aside "
-                      "for it anyway); call mla_dispatch.compat.flash_mla directly", FlashMLAShadowWarning,
-                      stacklevel=2)
+                      "for it anyway); call mla_dispatch.compat.flash_mla directly, or pass shadow_installed=True "
+                      "(--shadow-installed) to hide it in every process", FlashMLAShadowWarning, stacklevel=2)
         return ()
     pth, py = _pth_paths(site_dir)
-    py.write_text(_finder_source(api))
+    py.write_text(_finder_source(api, shadow_installed))
     pth.write_text(f"import {_PTH_NAME}\n")
     return pth, py
 
@@ -330,13 +337,16 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("target", nargs=argparse.REMAINDER, help="script path (or module arguments) and its arguments")
     inst = sub.add_parser("install-pth", help="alias flash_mla in every Python process of this environment")
     inst.add_argument("--legacy", action="store_true")
+    inst.add_argument("--shadow-installed", action="store_true",
+                      help="write it even where a real flash_mla is installed, and hide that one in every process")
     inst.add_argument("--site-dir", help="site-packages directory (default: this interpreter's purelib)")
     uninst = sub.add_parser("uninstall-pth", help="remove what install-pth wrote")
     uninst.add_argument("--site-dir")
     args = parser.parse_args(argv)
 
     if args.command == "install-pth":
-        written = install_pth("legacy" if args.legacy else "current", args.site_dir)
+        written = install_pth("legacy" if args.legacy else "current", args.site_dir,
+                              shadow_installed=args.shadow_installed)
         for path in written:
             print(f"wrote {path}")
         return 0 if written else 1
