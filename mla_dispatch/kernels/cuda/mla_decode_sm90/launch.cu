@@ -5,7 +5,7 @@
 // so CI can compile this translation unit with nvcc alone.
 #include <cuda_runtime.h>
 
-#include "combine.cuh"
+#include "common/combine.cuh"
 #include "params.h"
 
 namespace mla_sm90 {

@@ -14,7 +14,7 @@
 #include <unordered_map>
 #include <utility>
 
-#include "combine.cuh"
+#include "common/combine.cuh"
 #include "mainloop_etap.cuh"
 #include "mainloop_fp8t.cuh"
 #include "mainloop_seesaw.cuh"

@@ -31,12 +31,12 @@
 #include <cstdint>
 #include <cuda.h>
 
-#include "combine.cuh"
-#include "epilogue.cuh"
-#include "loads.cuh"
-#include "ptx.cuh"
-#include "traits.cuh"
-#include "wgmma.cuh"
+#include "common/combine.cuh"
+#include "common/epilogue.cuh"
+#include "common/loads.cuh"
+#include "common/ptx.cuh"
+#include "common/traits.cuh"
+#include "common/wgmma.cuh"
 
 namespace mla_sm90 {
 

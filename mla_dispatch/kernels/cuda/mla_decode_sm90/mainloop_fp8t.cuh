@@ -66,13 +66,13 @@
 #include <cuda.h>
 #include <type_traits>
 
-#include "combine.cuh"
-#include "epilogue.cuh"
-#include "fp8.cuh"
-#include "loads.cuh"
-#include "ptx.cuh"
-#include "traits.cuh"
-#include "wgmma.cuh"
+#include "common/combine.cuh"
+#include "common/epilogue.cuh"
+#include "common/fp8.cuh"
+#include "common/loads.cuh"
+#include "common/ptx.cuh"
+#include "common/traits.cuh"
+#include "common/wgmma.cuh"
 
 namespace mla_sm90 {
 

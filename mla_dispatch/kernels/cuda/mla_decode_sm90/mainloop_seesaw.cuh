@@ -56,12 +56,12 @@
 #include <cstdint>
 #include <cuda.h>
 
-#include "epilogue.cuh"
-#include "fp8.cuh"
-#include "loads.cuh"
-#include "ptx.cuh"
-#include "traits.cuh"
-#include "wgmma.cuh"
+#include "common/epilogue.cuh"
+#include "common/fp8.cuh"
+#include "common/loads.cuh"
+#include "common/ptx.cuh"
+#include "common/traits.cuh"
+#include "common/wgmma.cuh"
 
 namespace mla_sm90 {
 
