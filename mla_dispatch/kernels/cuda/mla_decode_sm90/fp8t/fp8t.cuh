@@ -1,5 +1,6 @@
 // [notes]: docs/notes/cuda_sm90.md, the development history these comments cite
-// SM90 MLA decode, mainloops v7 (Mainloop::kFp8Convert) and v8 (kFp8Regs): fp8_e4m3 caches with at most 32 query
+// SM90 MLA decode, the body shared by mainloops fp8t_convert (v7, Mainloop::kFp8tConvert; fp8t_convert.cuh) and
+// fp8t_regs (v8, kFp8tRegs; fp8t_regs.cuh): fp8_e4m3 caches with at most 32 query
 // rows per KV head (the memory-bound decode of 16-32 heads), in three warpgroups.
 //
 // v6 (mainloop_etap.cuh) puts KV tokens on the 64-row side of wgmma (FlashMLA-ETAP's orientation, Dege et al.
@@ -72,7 +73,7 @@
 #include "common/loads.cuh"
 #include "common/ptx.cuh"
 #include "common/traits.cuh"
-#include "common/wgmma.cuh"
+#include "common/gmma.cuh"
 
 namespace mla_sm90 {
 
@@ -869,17 +870,6 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
     regs_dec<Fp8t::kRegsLaunch>();
   }
   if (p.fuse_combine) combine_in_grid<T, Fp8t::kThreads>(p, reinterpret_cast<int*>(smem_base));
-}
-
-template <typename T, int kN>
-__global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const __grid_constant__ DecodeParams p) {
-  fp8t_decode<T, kN, false>(p, nullptr);
-}
-
-template <typename T, int kN>
-__global__ void __launch_bounds__(Fp8t::kThreads, 1)
-    mla_decode_kernel_v8(const __grid_constant__ DecodeParams p, const __grid_constant__ CUtensorMap kv_map) {
-  fp8t_decode<T, kN, true>(p, &kv_map);
 }
 
 }  // namespace mla_sm90

@@ -1,5 +1,5 @@
 // [notes]: docs/notes/cuda_sm90.md, the development history these comments cite
-// SM90 MLA decode, mainloops v5 (Mainloop::kSeesaw) and v9 (kSeesawFp8): two KV tiles in flight, one per
+// SM90 MLA decode, mainloop seesaw (Mainloop::kSeesaw; v5 in the history): two KV tiles in flight, one per
 // warpgroup, with the softmax of one warpgroup running while the other's GEMMs occupy the tensor cores
 // (the "seesaw" schedule of FlashMLA's SM90 kernel, described in DeepSeek's
 // "A Deep-Dive into the New Flash MLA Kernel", 2025, and csrc/sm90/kernels/
@@ -32,10 +32,10 @@
 // faster on the FlashMLA grid. Multicasting each KV box to both CTAs of the pair was tried and not kept
 // ([notes], "Eighteenth session").
 // A 64-token tile must sit in one page, so this variant needs page_size % 64 == 0 and
-// a bf16/fp16 cache (v9: fp8_e4m3) that a tensor map describes; the binding refuses other
+// a bf16/fp16 cache that a tensor map describes (seesaw_fp8: fp8_e4m3); the binding refuses other
 // caches (binding.cpp, check_config).
 //
-// Shared memory is v2's: Q [64 x 576], two K stages, one P tile (sP0). sP1 lives in
+// Shared memory (common/seesaw_pair.cuh) is wgmma's: Q [64 x 576], two K stages, one P tile (sP0). sP1 lives in
 // stage 1's column block 8 (K_b's RoPE part, dead once S_b is done; P V reads only
 // blocks 0..7). FlashMLA puts it in Q's RoPE block and keeps that block of Q in
 // registers; here those 16 registers were the difference between spilling or not.
@@ -47,47 +47,20 @@
 //
 // Bad block ids (docs/design.md §1): the thread that issues a tile's TMA boxes checks its page (loads.cuh, page_ok),
 // loads block 0 in its place and sets the item's flag in shared memory (sBad[0], cleared by thread 0 when the item
-// starts, read by every thread after the epilogue's barrier), so the item ends with NaN row sums, out and lse. In v9
-// the converter, which may run an item ahead, sets a flag per stage (sBad[1 + stage]) before the tile's full
-// barriers, and the warpgroup that owns the tile (warpgroup 0 for stage 0, 1 for stage 1) moves it into sBad[0]
-// when it releases the stage's early part (release), after which the converter may rewrite it.
+// starts, read by every thread after the epilogue's barrier), so the item ends with NaN row sums, out and lse.
 #pragma once
 #include <cmath>
 #include <cstdint>
 #include <cuda.h>
 
 #include "common/epilogue.cuh"
-#include "common/fp8.cuh"
 #include "common/loads.cuh"
 #include "common/ptx.cuh"
+#include "common/seesaw_pair.cuh"
 #include "common/traits.cuh"
-#include "common/wgmma.cuh"
+#include "common/gmma.cuh"
 
 namespace mla_sm90 {
-
-struct Seesaw {
-  static constexpr int kBlocks = Cfg::kHeadDimQK / 64;  // column blocks of a tile, one mbarrier each
-  // the steady-state pair leaves its tiles unmasked: query lengths up to kSeesawMaxQLen (config.h)
-  static constexpr int kMaxQLen = kSeesawMaxQLen;
-  // named barriers (0 = __syncthreads)
-  static constexpr int kBarScale0 = 1, kBarScale1 = 2, kBarP0 = 3, kBarP1 = 4, kBarWg = 5;  // 5, 6: per warpgroup
-  // v9 (kFp8, fp8_e4m3 caches): a third warpgroup converts the tiles (seesaw_fp8_converter); barriers 7 (the two
-  // consumer warpgroups, in place of __syncthreads) and 8 (the converter). setmaxnreg moves registers between the
-  // warpgroups (it adds none: 2 x 232 + 40 = 3 x 168, the launch's share of 384 threads); v5 itself uses 255 at 256
-  // threads, and ptxas spilled 28 bytes of the unpaired kernel at 232 (4 at 240; no converter fits in 24)
-  static constexpr int kThreadsFp8 = 384;
-  static constexpr int kBarConsumers = 7, kBarConv = 8;
-  static constexpr int kRegsConsumer = 232, kRegsConv = 40, kRegsLaunch = 168;
-  static_assert(2 * kRegsConsumer + kRegsConv == 3 * kRegsLaunch, "setmaxnreg moves registers, adds none");
-  // mbarriers: full [stage][column block]; v9 also empty [stage][early, late], raw [stage] (the raw TMA copy of
-  // blocks 0..7) and rope [stage] (of block 8)
-  static constexpr int kBars = 2 * kBlocks + 8;
-  // after the mbarriers, int flags of bad block ids: [0] the current item's, [1 + stage] v9's per tile in the stage
-  static constexpr int kBadFlags = 4;
-  static constexpr int kSmemBytes = 2 * (Cfg::kQElems + Cfg::kStages * Cfg::kKElems + Cfg::kPElems) +
-                                    7 * Cfg::kBlockM * (int)sizeof(float) + kBars * 8 + kBadFlags * 4 + 1024;
-  static_assert(kSmemBytes <= 227 * 1024, "shared memory over the SM90 per-block limit");
-};
 
 // The page of the 64 tokens from t0 of request `req`, for tma_tile: a bad block id is block 0, and *bad_flag = 1.
 __device__ __forceinline__ int tile_page(const DecodeParams& p, int req, int t0, int* bad_flag) {
@@ -110,147 +83,11 @@ __device__ __forceinline__ void tma_tile(const DecodeParams& p, const CUtensorMa
   }
 }
 
-// v9's converter (warpgroup 2 of mla_decode_kernel_v5<T, false, true>): fills the two K stages with each tile of
-// the CTA's items in turn, converted from fp8_e4m3 into T, unscaled (the kernel folds the per-tensor scale into the
-// softmax scale and the output, as v2 does). Tile j goes to stage j % 2, as in v5.
-//
-// No room for a raw staging buffer beside Q and the two 72 KB stages, so the raw tile lands in the stage it is
-// converted into. v5's readers free a stage in two steps (the refill points of v5): an early part, 32 KB (stage 0:
-// column blocks 0..3, once warpgroup 0 is done with P_a V_aL and S_a; stage 1: blocks 4..7, once warpgroup 1 is done
-// with P_b V_bR), and the rest later. Raw column blocks 0..7 (64 tokens x 64 bytes each) go into the early part by
-// TMA as soon as it is free (raw block c at 4c KB in stage 0, at 32 + 4c KB in stage 1), with an L2 prefetch of the
-// RoPE columns (block 8), which are copied by TMA to 64 KB once the rest is free too. Then the blocks are converted in
-// place in groups, a barrier of the warpgroup before each group's stores where they overwrite raw bytes (every raw
-// block read into registers before any store over it):
-//   stage 0: 7, 6, 5, 4 (over nothing raw) | read 3, 2; barrier; store | read 1, 0; barrier; store | read 8; b.; store
-//   stage 1: 0, 1, 2, 3 (over nothing raw) | read 4, 5; barrier; store | read 6, 7; barrier; store | read 8; b.; store
-// The consumers' S takes the blocks in the same order. Each converted pair of blocks is fenced for the async proxy
-// once and signalled on the blocks' full barriers (128 arrivals each); rows past the item's end are stored as zeros
-// (what v5's fix_partial does for V, for K too). Thread t converts rows t / 4 and t / 4 + 32, 16 bytes (chunk t % 4)
-// of each raw block row: a warp reads 8 whole 64-byte rows, free of bank conflicts.
-//
-// The converter runs its tiles in order, but a stage-0 tile j waits for its late part only after it has started the
-// raw copy of tile j + 1 (stage 1): warpgroup 1 frees the early part of stage 1 (after P_b V_bR) before the late part
-// of stage 0 (after sP0 V_aR), so the wait costs nothing and tile j + 1's bytes fly while tile j is converted. (The
-// other way round would wait for the next pair's P V.)
-// A first version (a barrier and a fence per block, the RoPE block first by register loads; commit c6a2525) measured
-// as slow as v2; register loads of the RoPE block held through the conversion spilled 144 bytes here.
-// sBad: the kernel's flags (Seesaw::kBadFlags); the converter writes sBad[1 + s], whether the page of the tile it
-// starts in stage s is a bad block id (the tile then copies block 0), before any full barrier of the tile.
-template <typename T>
-__device__ __forceinline__ void seesaw_fp8_converter(const DecodeParams& p, const CUtensorMap* map, T* sK, uint64_t* bars,
-                                                     int* sBad, int part, int kvh, int tid_c) {
-  uint64_t* full = bars;
-  uint64_t* empty = bars + 2 * Seesaw::kBlocks;  // [stage][early, late]
-  uint64_t* raw_bar = empty + 4;                  // [stage]
-  uint64_t* rope_bar = raw_bar + 2;               // [stage]
-  const int r0 = tid_c / 4, q = tid_c % 4;
-  const uint4 zero = make_uint4(0, 0, 0, 0);
-  uint32_t fills0 = 0, fills1 = 0;  // tiles started in each stage so far (the phases of its barriers)
-  // the raw copy of tile t0.. of request `req` into stage s (its early part free), and the RoPE rows asked of L2
-  auto start_tile = [&](int s, int req, int t0) {
-    const uint32_t k = s == 0 ? fills0++ : fills1++;
-    if (k > 0) mbar_wait(empty + 2 * s, (k - 1) & 1u);  // (the stage's last flag was read before this release)
-    int page = p.block_table[(int64_t)req * p.bt_stride + t0 / p.page_size];
-    if (tid_c == 0) {
-      const bool ok = page_ok(p, page);
-      page = ok ? page : 0;
-      sBad[1 + s] = !ok;
-      uint8_t* raw = reinterpret_cast<uint8_t*>(sK + s * Cfg::kKElems) + (s == 0 ? 0 : 32768);
-      mbar_arrive_expect_tx(raw_bar + s, 8 * 4096);
-#pragma unroll
-      for (int c = 0; c < 8; ++c) tma_load_4d(raw + 4096 * c, map, raw_bar + s, 64 * c, kvh, t0 % p.page_size, page);
-      // the RoPE box asked of L2 (inline: a ptx.cuh wrapper of this asm moved one instruction of the kernel)
-      asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global [%0, {%1, %2, %3, %4}];\n" ::"l"(
-                       reinterpret_cast<uint64_t>(map)),
-                   "r"(512), "r"(kvh), "r"(t0 % p.page_size), "r"(page)
-                   : "memory");
-    }
-    return k;
-  };
-  const int item_end = p.part_offsets[part + 1];
-  for (int item = p.part_offsets[part]; item < item_end; ++item) {
-    const WorkItem w = load_item(p, item);
-    if (w.req < 0) continue;
-    const int num_tiles = (w.tok_end - w.tok_begin + Cfg::kBlockN - 1) / Cfg::kBlockN;
-    auto t0_of = [&](int j) { return w.tok_begin + j * Cfg::kBlockN; };
-    auto valid_of = [&](int j) { return min(Cfg::kBlockN, w.tok_end - t0_of(j)); };
-    uint32_t k_next = 0;  // the fill of tile j when tile j - 1 started it
-    for (int j = 0; j < num_tiles; ++j) {
-      const int s = j & 1;
-      const int t0 = t0_of(j), valid = valid_of(j);
-      const uint32_t k = (s == 1) ? k_next : start_tile(0, w.req, t0);
-      if (s == 0 && j + 1 < num_tiles) k_next = start_tile(1, w.req, t0_of(j + 1));
-      T* st = sK + s * Cfg::kKElems;
-      const uint8_t* raw = reinterpret_cast<const uint8_t*>(st) + (s == 0 ? 0 : 32768);
-      if (k > 0) mbar_wait(empty + 2 * s + 1, (k - 1) & 1u);
-      if (tid_c == 0) {  // the RoPE block, asked of L2 when the tile started, to 64 KB (free now)
-        int page = p.block_table[(int64_t)w.req * p.bt_stride + t0 / p.page_size];
-        page = page_ok(p, page) ? page : 0;  // (start_tile flagged it)
-        mbar_arrive_expect_tx(rope_bar + s, 4096);
-        tma_load_4d(reinterpret_cast<uint8_t*>(st) + 65536, map, rope_bar + s, 512, kvh, t0 % p.page_size, page);
-      }
-      mbar_wait(raw_bar + s, k & 1u);
-      auto read = [&](int c, uint4 (&v)[2]) {  // raw block c (8: the RoPE block at 64 KB)
-        const uint8_t* src = c == 8 ? reinterpret_cast<const uint8_t*>(st) + 65536 : raw + 4096 * c;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = r0 + 32 * h;
-          v[h] = row < valid ? *reinterpret_cast<const uint4*>(src + 64 * row + 16 * q) : zero;
-        }
-      };
-      auto store = [&](int c, const uint4 (&v)[2]) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) store_e4m3x16(st, r0 + 32 * h, 64 * c + 16 * q, v[h]);
-      };
-      auto signal = [&](int c0, int c1) {  // blocks c0 and c1 of this tile are in place
-        fence_proxy_async_smem();
-        mbar_arrive(full + s * Seesaw::kBlocks + c0);
-        mbar_arrive(full + s * Seesaw::kBlocks + c1);
-      };
-      // group 1: four blocks whose places hold no raw bytes (stage 0: 7..4 over [32, 64) KB; stage 1: 0..3)
-#pragma unroll 1
-      for (int i = 0; i < 4; i += 2) {
-        const int c0 = s == 0 ? 7 - i : i, c1 = s == 0 ? 6 - i : i + 1;
-        uint4 v0[2], v1[2];
-        read(c0, v0);
-        read(c1, v1);
-        store(c0, v0);
-        store(c1, v1);
-        signal(c0, c1);
-      }
-      // groups 2 and 3: over raw bytes read before the barrier
-#pragma unroll 1
-      for (int g = 0; g < 2; ++g) {
-        const int c0 = s == 0 ? 3 - 2 * g : 4 + 2 * g, c1 = s == 0 ? 2 - 2 * g : 5 + 2 * g;
-        uint4 v0[2], v1[2];
-        read(c0, v0);
-        read(c1, v1);
-        named_barrier(Seesaw::kBarConv, 128);
-        store(c0, v0);
-        store(c1, v1);
-        signal(c0, c1);
-      }
-      // the RoPE block last: its copy (an L2 hit) had the whole conversion to land
-      mbar_wait(rope_bar + s, k & 1u);
-      uint4 v8[2];
-      read(8, v8);
-      named_barrier(Seesaw::kBarConv, 128);
-      store(8, v8);
-      fence_proxy_async_smem();
-      mbar_arrive(full + s * Seesaw::kBlocks + 8);
-    }
-  }
-}
-
-// kPaired: launched in clusters of two row-tile CTAs of a part (grid y, launch.cu); a cluster barrier
-// ends each item, so the pair starts the next one together.
-// kFp8 (variant 9): an fp8_e4m3 cache, 384 threads, the tiles converted by warpgroup 2 (seesaw_fp8_converter) and
-// `kv_map` the cache's raw bytes in 64-column boxes (launch.cu); never paired.
-template <typename T, bool kPaired, bool kFp8 = false>
-__global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
-    mla_decode_kernel_v5(const __grid_constant__ DecodeParams p, const __grid_constant__ CUtensorMap kv_map) {
-  static_assert(!(kPaired && kFp8), "v9 runs its CTAs alone: the converter does not join the cluster barriers");
+// kPaired: launched in clusters of two row-tile CTAs of a part (grid y, seesaw/launch.cuh); a cluster barrier
+// ends each item, so the pair starts the next one together. kv_map: the cache's tensor map (64 x 64 boxes).
+template <typename T, bool kPaired>
+__global__ void __launch_bounds__(Cfg::kThreads, 1)
+    mla_decode_seesaw(const __grid_constant__ DecodeParams p, const __grid_constant__ CUtensorMap kv_map) {
   using TT = TypeTraits<T>;
   using L = Gmma128Tile64;
   using SS = Gmma<T>;
@@ -269,53 +106,21 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
   float* sScale1 = sScale0 + 2 * Cfg::kBlockM;                 // [2][64]
   float* sSum = sScale1 + 2 * Cfg::kBlockM;                    // [2][64]
   uint64_t* bars = reinterpret_cast<uint64_t*>(sSum + 2 * Cfg::kBlockM);  // [stage][column block]
-  int* sBad = reinterpret_cast<int*>(bars + Seesaw::kBars);              // [Seesaw::kBadFlags]
+  int* sBad = reinterpret_cast<int*>(bars + SeesawPair::kBars);              // [SeesawPair::kBadFlags]
 
   const int part = blockIdx.x, row_tile = blockIdx.y, kvh = blockIdx.z;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int rg = warp % Cfg::kRowGroups, wg = warp / Cfg::kRowGroups, tid_wg = tid % 128;
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr float kLn2 = 0.6931471805599453f;
-  float out_scale = 1.f;  // v9: the cache's per-tensor scale, applied to the scores and the output
-  if constexpr (kFp8) out_scale = *p.kv_scale;
+  float out_scale = 1.f;
   const float score_scale = p.softmax_scale * out_scale * kLog2e;
 
   if (tid == 0) {
-    for (int i = 0; i < 2 * Seesaw::kBlocks; ++i) mbar_init(bars + i, kFp8 ? 128 : 1);
-    if constexpr (kFp8) {
-      for (int i = 0; i < 4; ++i) mbar_init(bars + 2 * Seesaw::kBlocks + i, 128);  // empty: a consumer warpgroup
-      for (int i = 4; i < 8; ++i) mbar_init(bars + 2 * Seesaw::kBlocks + i, 1);    // raw, rope: TMA copies
-    }
+    for (int i = 0; i < 2 * SeesawPair::kBlocks; ++i) mbar_init(bars + i, 1);
     fence_mbar_init();
   }
   __syncthreads();
-  if constexpr (kFp8) {
-    if (wg == 2) {
-      regs_dec<Seesaw::kRegsConv>();
-      seesaw_fp8_converter<T>(p, &kv_map, sK, bars, sBad, part, kvh, tid - 256);
-      return;
-    }
-    regs_inc<Seesaw::kRegsConsumer>();
-  }
-  // the two consumer warpgroups' barrier over the CTA (v9's converter does not take part)
-  auto consumers_sync = [] {
-    if constexpr (kFp8) named_barrier(Seesaw::kBarConsumers, 256);
-    else __syncthreads();
-  };
-  // v9: warpgroup `wg` is done reading part `which` (0 early, 1 late) of the stage of tile j. The early part's release
-  // is the tile's owner's (warpgroup 0 for stage 0, 1 for stage 1), which has waited for the tile's full barriers:
-  // first the converter's bad-id flag of the tile goes into the item's (a load by every thread, a store by one, so no
-  // branch; placed at the head of each pair instead, it made ptxas duplicate a masked softmax)
-  auto release = [&](int j, int which) {
-    if constexpr (kFp8) {
-      if (which == 0) {
-        const int bad = sBad[1 + (j & 1)];
-        if (bad != 0 && tid_wg == 0) sBad[0] = 1;
-      }
-      mbar_arrive(bars + 2 * Seesaw::kBlocks + 2 * (j & 1) + which);
-    }
-  };
-
   int row_local[2], row_i[2], row_head[2];
   bool row_ok[2];
   acc_rows(p, row_tile, kvh, rg, lane, row_local, row_i, row_head, row_ok);
@@ -336,7 +141,7 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
     auto parity_of = [&](int j) { return (loads_done[j & 1] + (uint32_t)(j >> 1)) & 1u; };
     auto valid_of = [&](int j) { return min(Cfg::kBlockN, tok_end - t0_of(j)); };
     uint64_t* bars0 = bars;
-    uint64_t* bars1 = bars + Seesaw::kBlocks;
+    uint64_t* bars1 = bars + SeesawPair::kBlocks;
     // stage 1, blocks 0..3 and 8 (refilled together: WG0 reads them last)
     auto tma_stage1_lo = [&](int page, int t0) {
       tma_tile<0, 4>(p, &kv_map, stage_of(1), bars1, page, kvh, t0);
@@ -349,22 +154,18 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
     // -- first two tiles (TMA), Q (cp.async), sM, issued in the order S needs them: tile 0 and Q (S of tile 0),
     // then tile 1. Issuing tile 1 ahead of Q measured 0-1% slower where v5 runs (b = 32..96, h_q = 128;
     // [notes], "Seventeenth session"), which also has the per-column-block Q wait that was tried instead.
-    if constexpr (!kFp8) {
-      if (tid == 0 && num_tiles > 0) tma_tile<0, 9>(p, &kv_map, stage_of(0), bars0, page_of(0), kvh, t0_of(0));
-    }
+    if (tid == 0 && num_tiles > 0) tma_tile<0, 9>(p, &kv_map, stage_of(0), bars0, page_of(0), kvh, t0_of(0));
     load_q_tile_async<T, L>(p, sQ, req, row_tile, kvh);
     cp_async_commit();
-    if constexpr (!kFp8) {
-      if (tid == 0 && num_tiles > 1) {
-        const int page = page_of(1);
-        tma_tile<4, 8>(p, &kv_map, stage_of(1), bars1, page, kvh, t0_of(1));
-        tma_stage1_lo(page, t0_of(1));
-      }
+    if (tid == 0 && num_tiles > 1) {
+      const int page = page_of(1);
+      tma_tile<4, 8>(p, &kv_map, stage_of(1), bars1, page, kvh, t0_of(1));
+      tma_stage1_lo(page, t0_of(1));
     }
     if (tid < Cfg::kBlockM) sM[tid] = -INFINITY;
     cp_async_wait_all();
     fence_proxy_async_smem();
-    consumers_sync();
+    __syncthreads();
 
     float acc_o[128], acc_s[32];
 #pragma unroll
@@ -392,31 +193,27 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
       a = __shfl_sync(0xffffffff, a, 0);  // warp-uniform: the descriptor math runs in uniform registers
       return gmma_desc_sw128_addr(a, 64 * 64 * 2, 1024);
     };
-    // S = Q K^T of tile j over column blocks [B0, B1), in ascending order or, with kDesc, descending (v9's stage 0:
-    // the converter's order), each block issued as soon as its TMA box has landed (a wgmma.fence after every wait:
-    // ptxas would otherwise inject one on the wait loop's divergent path and serialise the wgmmas, C7520)
-    auto issue_s_dir = [&](int j, auto b0, auto b1, bool first, auto desc_c) {
+    // S = Q K^T of tile j over column blocks [B0, B1), each block issued as soon as its TMA box has landed (a
+    // wgmma.fence after every wait: ptxas would otherwise inject one on the wait loop's divergent path and serialise
+    // the wgmmas, C7520)
+    auto issue_s = [&](int j, auto b0, auto b1, bool first) {
       constexpr int B0 = decltype(b0)::value, B1 = decltype(b1)::value;
-      constexpr bool kDesc = decltype(desc_c)::value;
       const T* st = stage_of(j);
       uint64_t* sb = (j & 1) ? bars1 : bars0;
       const uint32_t par = parity_of(j);
       const uint64_t dq = desc(sQ), dk = desc(st);
 #pragma unroll
-      for (int it = B0; it < B1; ++it) {
-        const int blk = kDesc ? B0 + B1 - 1 - it : it;
+      for (int blk = B0; blk < B1; ++blk) {
         mbar_wait(sb + blk, par);
         cute::warpgroup_arrive();
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk) {
           const uint64_t off = (uint64_t)(((blk * 64 * 64 + kk * 16) * (int)sizeof(T)) >> 4);
-          gmma_call<typename SS::QK64>(dq + off, dk + off, acc_s, !(first && it == B0 && kk == 0),
+          gmma_call<typename SS::QK64>(dq + off, dk + off, acc_s, !(first && blk == B0 && kk == 0),
                                        std::make_index_sequence<32>{});
         }
       }
     };
-    auto issue_s = [&](int j, auto b0, auto b1, bool first) { issue_s_dir(j, b0, b1, first, std::false_type{}); };
-    auto issue_s_desc = [&](int j, auto b0, auto b1, bool first) { issue_s_dir(j, b0, b1, first, std::true_type{}); };
     // column blocks [B0, B1) of tile j have landed (a V half read by the warpgroup that did not load them)
     auto wait_blocks = [&](int j, int b0, int b1) {
       uint64_t* sb = (j & 1) ? bars1 : bars0;
@@ -520,12 +317,11 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
     };
     // zero this warpgroup's V columns of the rows past a partial tile's end, then sync the warpgroup
     auto fix_partial = [&](int j) {
-      if constexpr (kFp8) return;  // v9's converter stores the rows past the end as zeros
       const int valid = valid_of(j);
       if (valid < Cfg::kBlockN) {
         zero_v_rows(stage_of(j), valid, wg, tid_wg);
         fence_proxy_async_smem();
-        named_barrier(Seesaw::kBarWg + wg, 128);
+        named_barrier(SeesawPair::kBarWg + wg, 128);
       }
     };
     const float kOne[2] = {1.f, 1.f};
@@ -534,12 +330,7 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
       // ================= warpgroup 0: tiles 0, 2, 4, ...; O[:, 0:256)
       if (num_tiles > 0) {
         fence_regs<32>(acc_s);
-        if constexpr (kFp8) {  // the converter's order for stage 0: 7..0, then 8
-          issue_s_desc(0, I0{}, I8{}, true);
-          issue_s(0, I8{}, I9{}, false);
-        } else {
-          issue_s(0, I0{}, I9{}, true);
-        }
+        issue_s(0, I0{}, I9{}, true);
         cute::warpgroup_commit_batch();
         cute::warpgroup_wait<0>();
         fence_regs<32>(acc_s);
@@ -560,7 +351,7 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
           row_sum[h] = row_sum[h] * sc0[h] + psum[h];
           if (lane % 4 == 0) sScale0[buf + row_local[h]] = sc0[h];
         }
-        named_barrier_arrive(Seesaw::kBarScale0, 256);
+        named_barrier_arrive(SeesawPair::kBarScale0, 256);
         uint32_t rp[16];
         pack_p(rp, kOne);
         if constexpr (!kHasB) fix_partial(a);  // only the last tile can be partial
@@ -571,12 +362,10 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
         cute::warpgroup_commit_batch();
         cute::warpgroup_wait<0>();
         fence_regs<128>(acc_o);
-        if constexpr (kFp8) {
-          release(a, 0);  // stage 0, blocks 0..3 (and 8, dead since S_a)
-        } else if constexpr (kNextA) {  // stage 0, blocks 0..3: WG0 was the last reader
+        if constexpr (kNextA) {  // stage 0, blocks 0..3: WG0 was the last reader
           if (tid_wg == 0) tma_tile<0, 4>(p, &kv_map, stage_of(a), bars0, page_of(a + 2), kvh, t0_of(a + 2));
         }
-        named_barrier(Seesaw::kBarScale1, 256);  // WG1's softmax of tile b: sM, sScale1
+        named_barrier(SeesawPair::kBarScale1, 256);  // WG1's softmax of tile b: sM, sScale1
         float sc1[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) sc1[h] = sScale1[buf + row_local[h]];
@@ -594,11 +383,11 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
         }
         store_p(sP0, rp);
         fence_proxy_async_smem();
-        named_barrier_arrive(Seesaw::kBarP0, 256);
+        named_barrier_arrive(SeesawPair::kBarP0, 256);
         scale_o(sc1);
         row_sum[0] *= sc1[0];
         row_sum[1] *= sc1[1];
-        named_barrier(Seesaw::kBarP1, 256);  // sP1 in place (or no tile b)
+        named_barrier(SeesawPair::kBarP1, 256);  // sP1 in place (or no tile b)
         fence_regs<128>(acc_o);
         if constexpr (kHasB) {
           wait_blocks(b, 0, 4);
@@ -608,17 +397,7 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
           pv_ss(sP1, stage_of(b));
           cute::warpgroup_commit_batch();
         }
-        if constexpr (kNextA && kFp8) {
-          // S_{a+2} in the converter's order: blocks 7..4, then 3..0 and 8
-          fence_regs<32>(acc_s);
-          issue_s_desc(a + 2, I4{}, I8{}, true);
-          cute::warpgroup_commit_batch();
-          cute::warpgroup_wait<1>();  // sP1 V_bL done (tile b exists: a + 2 does)
-          release(b, 1);              // stage 1, blocks 0..3 and 8 (sP1)
-          issue_s_desc(a + 2, I0{}, I4{}, false);
-          issue_s(a + 2, I8{}, I9{}, false);
-          cute::warpgroup_commit_batch();
-        } else if constexpr (kNextA) {
+        if constexpr (kNextA) {
           // S_{a+2}: blocks 0..3 (refilled above), then 4..8 (refilled by WG1)
           fence_regs<32>(acc_s);
           issue_s(a + 2, I0{}, I4{}, true);
@@ -633,7 +412,6 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
         cute::warpgroup_wait<0>();
         fence_regs<128>(acc_o);
         fence_regs<32>(acc_s);
-        if constexpr (kFp8 && kHasB && !kNextA) release(b, 1);
       };
       using T_ = std::true_type;
       using F_ = std::false_type;
@@ -647,13 +425,9 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
       // ================= warpgroup 1: tiles 1, 3, 5, ...; O[:, 256:512)
       if (num_tiles > 1) {
         fence_regs<32>(acc_s);
-        if constexpr (kFp8) {  // the converter's order for stage 1: 0..7, then 8
-          issue_s(1, I0{}, I9{}, true);
-        } else {
-          issue_s(1, I4{}, I8{}, true);
-          issue_s(1, I0{}, I4{}, false);
-          issue_s(1, I8{}, I9{}, false);
-        }
+        issue_s(1, I4{}, I8{}, true);
+        issue_s(1, I0{}, I4{}, false);
+        issue_s(1, I8{}, I9{}, false);
         cute::warpgroup_commit_batch();
         cute::warpgroup_wait<0>();
         fence_regs<32>(acc_s);
@@ -663,7 +437,7 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
                        kNextB = decltype(next_b_c)::value;
         const int b = a + 1;
         const int buf = ((a >> 1) & 1) * Cfg::kBlockM;  // this pair's sScale0 / sScale1 buffer
-        named_barrier(Seesaw::kBarScale0, 256);  // WG0's softmax of tile a: sM, sScale0
+        named_barrier(SeesawPair::kBarScale0, 256);  // WG0's softmax of tile a: sM, sScale0
         float sc0[2], sc1[2] = {1.f, 1.f}, psum[2] = {0.f, 0.f};
 #pragma unroll
         for (int h = 0; h < 2; ++h) sc0[h] = sScale0[buf + row_local[h]];
@@ -675,7 +449,7 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
           row_sum[h] = row_sum[h] * both[h] + psum[h];
           if (lane % 4 == 0) sScale1[buf + row_local[h]] = sc1[h];
         }
-        named_barrier_arrive(Seesaw::kBarScale1, 256);
+        named_barrier_arrive(SeesawPair::kBarScale1, 256);
         scale_o(both);
         uint32_t rp[16];
         if constexpr (kHasB) {
@@ -683,7 +457,7 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
           store_p(sP1, rp);
           fence_proxy_async_smem();
         }
-        named_barrier_arrive(Seesaw::kBarP1, 256);
+        named_barrier_arrive(SeesawPair::kBarP1, 256);
         fence_regs<128>(acc_o);
         if constexpr (kHasB) {
           if constexpr (!kNextA) fix_partial(b);
@@ -692,34 +466,23 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
           pv_rs(rp, stage_of(b));
           cute::warpgroup_commit_batch();
         }
-        named_barrier(Seesaw::kBarP0, 256);  // sP0 in place
+        named_barrier(SeesawPair::kBarP0, 256);  // sP0 in place
         wait_blocks(a, 4, 8);
         if constexpr (!kHasB) fix_partial(a);
         // O_R += P_a V_aR
         cute::warpgroup_arrive();
         pv_ss(sP0, stage_of(a));
         cute::warpgroup_commit_batch();
-        if constexpr (kFp8 && kHasB) {
-          cute::warpgroup_wait<1>();  // P_b V_bR done
-          release(b, 0);              // stage 1, blocks 4..7
-        } else if constexpr (kNextB) {
+        if constexpr (kNextB) {
           cute::warpgroup_wait<1>();  // P_b V_bR done: stage 1, blocks 4..7 are free
           if (tid_wg == 0) tma_tile<4, 8>(p, &kv_map, stage_of(b), bars1, page_of(b + 2), kvh, t0_of(b + 2));
         }
         cute::warpgroup_wait<0>();
         fence_regs<128>(acc_o);
-        if constexpr (kFp8) {
-          release(a, 1);  // stage 0, blocks 4..8
-        } else if constexpr (kNextA) {  // stage 0, blocks 4..8: WG1 was the last reader
+        if constexpr (kNextA) {  // stage 0, blocks 4..8: WG1 was the last reader
           if (tid_wg == 0) tma_tile<4, 9>(p, &kv_map, stage_of(a), bars0, page_of(a + 2), kvh, t0_of(a + 2));
         }
-        if constexpr (kNextB && kFp8) {
-          fence_regs<32>(acc_s);
-          issue_s(b + 2, I0{}, I9{}, true);  // the converter's order for stage 1: 0..7, then 8
-          cute::warpgroup_commit_batch();
-          cute::warpgroup_wait<0>();
-          fence_regs<32>(acc_s);
-        } else if constexpr (kNextB) {
+        if constexpr (kNextB) {
           fence_regs<32>(acc_s);
           issue_s(b + 2, I4{}, I8{}, true);
           issue_s(b + 2, I0{}, I4{}, false);
@@ -748,7 +511,7 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
       row_sum[h] += __shfl_xor_sync(0xffffffff, row_sum[h], 2);
       if (lane % 4 == 0) sSum[wg * Cfg::kBlockM + row_local[h]] = row_sum[h];
     }
-    consumers_sync();
+    __syncthreads();
     const bool poisoned = sBad[0] != 0;  // the item met a bad block id
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -763,7 +526,7 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
     }
     // sQ, sK, sM, sSum are reused by the next item
     if constexpr (kPaired) cluster_sync();
-    else consumers_sync();
+    else __syncthreads();
   }
 }
 

@@ -36,7 +36,7 @@
 #include "common/loads.cuh"
 #include "common/ptx.cuh"
 #include "common/traits.cuh"
-#include "common/wgmma.cuh"
+#include "common/gmma.cuh"
 
 namespace mla_sm90 {
 
@@ -97,7 +97,7 @@ __device__ __forceinline__ void load_kv_async_paged(const DecodeParams& p, T* sK
 // The block-table entries of a tile are prefetched into shared memory two tiles ahead of its load.
 template <typename T, int kN, bool kTma, int KvFmt = kKvSameAsQ>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
-    mla_decode_kernel_v6(const __grid_constant__ DecodeParams p, const __grid_constant__ CUtensorMap kv_map) {
+    mla_decode_etap(const __grid_constant__ DecodeParams p, const __grid_constant__ CUtensorMap kv_map) {
   static_assert(kN == 16 || kN == 32, "16 or 32 query rows");
   static_assert(KvFmt == kKvSameAsQ || !kTma, "fp8 caches are loaded through registers");
   constexpr bool kFp8 = KvFmt != kKvSameAsQ;

@@ -33,12 +33,12 @@
 #include "common/loads.cuh"
 #include "common/ptx.cuh"
 #include "common/traits.cuh"
-#include "common/wgmma.cuh"
+#include "common/gmma.cuh"
 
 namespace mla_sm90 {
 
 template <typename T, int KvFmt, bool kSparse>
-__global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const __grid_constant__ DecodeParams p) {
+__global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_wgmma(const __grid_constant__ DecodeParams p) {
   using TT = TypeTraits<T>;
   using L = Gmma128Tile64;
   extern __shared__ __align__(128) uint8_t smem_raw[];
