@@ -159,7 +159,7 @@ void check_call(const at::Tensor& q, const at::Tensor& kv, const c10::optional<a
   MLA_CHECK(aligned(out, 3, 4), "out rows must start at 4-byte boundaries (even strides)");
   if (kv_format != mla_sm90::kKvFp8DsV4)  // (fp8_ds_v4: its blocks, checked above)
     MLA_CHECK(aligned16(kv, 3), "kv_cache tokens must start at 16-byte boundaries");
-  // a tensor map of the cache (launch.cu, make_kv_map): the same 16-byte rule, and strides below 2^40 bytes
+  // a tensor map of the cache (common/launch.cuh, make_kv_map): the same 16-byte rule, and strides below 2^40 bytes
   if (tma_loads)
     MLA_CHECK(kv.stride(0) * kv.element_size() < (int64_t(1) << 40),
               "tma_loads=true needs kv_cache block strides below 2^40 bytes, got ", kv.stride(0) * kv.element_size());

@@ -38,11 +38,12 @@ enum Mainloop : int {
   kSeesawFp8 = 9,    // seesaw_fp8/: seesaw's schedule for fp8_e4m3, a converting warpgroup
 };
 
-// seesaw and seesaw_fp8 leave their steady-state tiles unmasked, which needs every causal limit within the last 65 tokens of a
-// request: query lengths up to 64.
+// seesaw and seesaw_fp8 leave their steady-state tiles unmasked, which needs every causal limit within the last 65
+// tokens of a request: query lengths up to 64.
 constexpr int kSeesawMaxQLen = 64;
 // Query rows per KV head the tokens-on-M mainloops take: etap with a bf16/fp16 cache, etap with an fp8 cache (its
-// register-staged tile does not fit beside 32 rows' accumulators), fp8t_convert and fp8t_regs. Their CTA tile has 16 or 32 rows.
+// register-staged tile does not fit beside 32 rows' accumulators), fp8t_convert and fp8t_regs. Their CTA tile has 16
+// or 32 rows.
 constexpr int kEtapMaxRows = 32;
 constexpr int kEtapFp8MaxRows = 16;
 constexpr int kFp8tMaxRows = 32;

@@ -1,5 +1,5 @@
-// SM90 MLA decode, mainloop v6 (Mainloop::kEtap): KV tokens on the 64-row side of wgmma, query rows on the
-// narrow side, for shapes with at most 32 query rows per KV head (s_q * h_q / h_kv <= 32:
+// SM90 MLA decode, mainloop etap (Mainloop::kEtap; v6 in the history): KV tokens on the 64-row side of wgmma, query
+// rows on the narrow side, for shapes with at most 32 query rows per KV head (s_q * h_q / h_kv <= 32:
 // the memory-bound decode of 16-32 heads). The orientation is FlashMLA-ETAP's (Dege et al.,
 // "FlashMLA-ETAP: Efficient Transpose Attention Pipeline for Accelerating MLA Inference on
 // NVIDIA H20 GPUs", 2025): with 16 query rows, v2's m64 tiles are three quarters padding, so

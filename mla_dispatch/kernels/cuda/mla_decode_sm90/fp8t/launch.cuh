@@ -36,7 +36,8 @@ int launch_fp8t_convert(const DecodeParams& p, const LaunchConfig& cfg, cudaStre
 template <typename T, int KvFmt>
 int launch_fp8t_regs(const DecodeParams& p, const LaunchConfig& cfg, cudaStream_t stream) {
   static_assert(KvFmt == kKvFp8E4M3, "fp8t_regs reads fp8_e4m3 caches");
-  return cfg.tile_rows == 16 ? launch_fp8t_regs_rows<T, 16>(p, cfg, stream) : launch_fp8t_regs_rows<T, 32>(p, cfg, stream);
+  return cfg.tile_rows == 16 ? launch_fp8t_regs_rows<T, 16>(p, cfg, stream)
+                             : launch_fp8t_regs_rows<T, 32>(p, cfg, stream);
 }
 
 }  // namespace mla_sm90

@@ -204,8 +204,7 @@ __global__ void __launch_bounds__(SeesawFp8::kThreads, 1)
   const int rg = warp % Cfg::kRowGroups, wg = warp / Cfg::kRowGroups, tid_wg = tid % 128;
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr float kLn2 = 0.6931471805599453f;
-  float out_scale = 1.f;  // the cache's per-tensor scale, applied to the scores and the output
-  out_scale = *p.kv_scale;
+  const float out_scale = *p.kv_scale;  // the cache's per-tensor scale, applied to the scores and the output
   const float score_scale = p.softmax_scale * out_scale * kLog2e;
 
   if (tid == 0) {

@@ -1,9 +1,9 @@
-// SM90 MLA decode, mainloop v2 (Mainloop::kWgmma): a persistent CTA per (split-KV part, 64-row query tile, KV head)
-// walks its items of the split-KV schedule (mla_dispatch/metadata/schedule.py), streams each item's KV tokens in
-// 64-token tiles through a two-stage shared-memory ring (cp.async for bf16/fp16 caches; fp8 caches loaded into
-// registers one tile ahead and dequantised while being stored), and keeps an online softmax in fp32 (base-2
-// exponents, FlashMLA's trick). V is the first 512 channels of K, so one tile feeds both GEMMs (the MQA-mode
-// absorption of FlashMLA and FlashMLA-ETAP).
+// SM90 MLA decode, mainloop wgmma (Mainloop::kWgmma; v2 in the history): a persistent CTA per (split-KV part,
+// 64-row query tile, KV head) walks its items of the split-KV schedule (mla_dispatch/metadata/schedule.py), streams
+// each item's KV tokens in 64-token tiles through a two-stage shared-memory ring (cp.async for bf16/fp16 caches; fp8
+// caches loaded into registers one tile ahead and dequantised while being stored), and keeps an online softmax in
+// fp32 (base-2 exponents, FlashMLA's trick). V is the first 512 channels of K, so one tile feeds both GEMMs (the
+// MQA-mode absorption of FlashMLA and FlashMLA-ETAP).
 //
 // Two consumer warpgroups (FlashMLA's split of the 512-wide output), both GEMMs on wgmma from shared memory:
 //   S = Q K^T : warpgroup g computes S[:, 32g .. 32g+32) with m64n32k16 (A = Q,
