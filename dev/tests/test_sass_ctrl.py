@@ -62,7 +62,7 @@ def test_decode_control_fields_round_trip(stall, yield_flag, wb, rb, wait, reuse
 def test_cli_filters_by_function_and_text(tmp_path, capsys):
     f = tmp_path / "x.sass"
     f.write_text(FIXTURE)
-    assert sass_ctrl.main([str(f), "--function", "kernel_v6", "--grep", "LDG"]) == 0
+    assert sass_ctrl.main([str(f), "--function", "decode_etap", "--grep", "LDG"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("== _ZN8mla_sm90") and len(out) == 2 and "LDG.E.64" in out[1]
-    assert sass_ctrl.main([str(f), "--function", "kernel_v5"]) == 1
+    assert sass_ctrl.main([str(f), "--function", "decode_seesaw"]) == 1
