@@ -91,7 +91,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   using TT = TypeTraits<T>;
   using L = Gmma128Tile64;
   using SS = Gmma<T>;
-  using RS = GmmaRS<T>;
   extern __shared__ __align__(128) uint8_t smem_raw[];
   uint8_t* smem_base = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   T* sQ = reinterpret_cast<T*>(smem_base);
@@ -178,21 +177,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     fence_regs<32>(acc_s);
     float row_sum[2] = {0.f, 0.f};
 
-    // Descriptor bases go through an empty asm per use: the operand addresses are loop
-    // invariant, and ptxas would otherwise keep every k-step's 64-bit descriptor live
-    // across the loop ([notes], v4) and spill.
-    auto desc = [](const void* base) {
-      uint32_t a = smem_u32(base);
-      asm volatile("" : "+r"(a));
-      a = __shfl_sync(0xffffffff, a, 0);  // warp-uniform: the descriptor math runs in uniform registers
-      return gmma_desc_sw128_addr(a, 16, 1024);
-    };
-    auto desc_v = [](const void* base) {
-      uint32_t a = smem_u32(base);
-      asm volatile("" : "+r"(a));
-      a = __shfl_sync(0xffffffff, a, 0);  // warp-uniform: the descriptor math runs in uniform registers
-      return gmma_desc_sw128_addr(a, 64 * 64 * 2, 1024);
-    };
+    // the descriptor of a K-major operand block (common/seesaw_pair.cuh)
+    auto desc = [](const void* base) { return seesaw_desc(base); };
     // S = Q K^T of tile j over column blocks [B0, B1), each block issued as soon as its TMA box has landed (a
     // wgmma.fence after every wait: ptxas would otherwise inject one on the wait loop's divergent path and serialise
     // the wgmmas, C7520)
@@ -224,97 +210,16 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     using I8 = std::integral_constant<int, 8>;
     using I9 = std::integral_constant<int, 9>;
 
-    // softmax of the S tile of tile j against the running max in sM; returns this thread's
-    // per-row scale for the old accumulators; acc_s becomes P (fp32, base-2 exponent).
-    // kMask (template): tokens past the item's end or a causal row's limit become -inf. A tile
-    // followed by at least 65 more tokens of the item needs no mask (q_len <= kMaxQLen), so
-    // the steady-state pair skips it, as FlashMLA's kernel does for all but the last tiles.
-    // The maximum is taken over raw scores (score_scale > 0) and the scale folded into the
-    // exponent's FFMA: p = 2^(s * scale - m).
+    // this warpgroup's steps of a pair over its registers (common/seesaw_pair.cuh)
     auto softmax = [&](int j, auto mask_c, float (&scale)[2], float (&psum)[2]) {
-      constexpr bool kMask = decltype(mask_c)::value;
-      float tile_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int n = 0; n < 8; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int h = e >> 1;
-          float& s = acc_s[4 * n + e];
-          if constexpr (kMask) {
-            const int t = t0_of(j) + n * 8 + (lane % 4) * 2 + (e & 1);
-            s = (t < tok_end && t <= limit[h]) ? s : -INFINITY;
-          }
-          tile_max[h] = fmaxf(tile_max[h], s);
-        }
-      }
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffff, tile_max[h], 1));
-        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffff, tile_max[h], 2));
-        const float m_old = sM[row_local[h]];
-        const float m_new = fmaxf(m_old, tile_max[h] * score_scale);
-        const float m_use = m_new == -INFINITY ? 0.f : m_new;
-        scale[h] = exp2_ftz(m_old - m_use);
-        psum[h] = 0.f;
-#pragma unroll
-        for (int n = 0; n < 8; ++n) {
-#pragma unroll
-          for (int e = 2 * h; e < 2 * h + 2; ++e) {
-            acc_s[4 * n + e] = exp2_ftz(fmaf(acc_s[4 * n + e], score_scale, -m_use));
-            psum[h] += acc_s[4 * n + e];
-          }
-        }
-        __syncwarp();  // every lane of the quad has read sM before it moves
-        if (lane % 4 == 0) sM[row_local[h]] = m_new;
-      }
+      seesaw_softmax<decltype(mask_c)::value>(acc_s, sM, row_local, lane, tok_begin, j, tok_end, limit, score_scale,
+                                              scale, psum);
     };
-    // (skipped by a warp whose 16 rows all kept their maximum: most pairs once a row has seen many tokens)
-    auto scale_o = [&](const float (&s)[2]) {
-      if (!__any_sync(0xffffffff, s[0] != 1.f || s[1] != 1.f)) return;
-#pragma unroll
-      for (int n = 0; n < 32; ++n) {
-        acc_o[4 * n + 0] *= s[0];
-        acc_o[4 * n + 1] *= s[0];
-        acc_o[4 * n + 2] *= s[1];
-        acc_o[4 * n + 3] *= s[1];
-      }
-    };
-    // P (acc_s, times per-row factors) as wgmma A fragments: k-step kt = accumulators 8kt .. 8kt+8.
-    auto pack_p = [&](uint32_t (&rp)[16], const float (&f)[2]) {
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const float fi = f[(i & 1)];
-        typename TT::T2 v = TT::from_float2(acc_s[2 * i] * fi, acc_s[2 * i + 1] * fi);
-        rp[i] = *reinterpret_cast<uint32_t*>(&v);
-      }
-    };
-    // the same P into a [64 x 64] K-major swizzled tile (A operand of the other warpgroup)
-    auto store_p = [&](T* sP, const uint32_t (&rp)[16]) {
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const int n = i / 2, h = i & 1;
-        const int col = n * 8 + (lane % 4) * 2;
-        *reinterpret_cast<uint32_t*>(sP + L::offset(row_local[h], col)) = rp[i];
-      }
-    };
-    // O += P V over this warpgroup's 256 channels (column blocks 4 wg .. 4 wg + 3) of stage `st`
-    auto pv_rs = [&](const uint32_t (&rp)[16], const T* st) {
-      const uint64_t dv = desc_v(st + (4 * wg) * 64 * 64);
-#pragma unroll
-      for (int kt = 0; kt < 4; ++kt) {
-        const uint64_t off = (uint64_t)((kt * 16 * 64 * (int)sizeof(T)) >> 4);
-        gmma_rs_call<typename RS::PV>(rp + 4 * kt, dv + off, acc_o, true, std::make_index_sequence<128>{});
-      }
-    };
-    auto pv_ss = [&](const T* sP, const T* st) {
-      const uint64_t dp = desc(sP), dv = desc_v(st + (4 * wg) * 64 * 64);
-#pragma unroll
-      for (int kt = 0; kt < 4; ++kt) {
-        const uint64_t off_p = (uint64_t)((kt * 16 * (int)sizeof(T)) >> 4);
-        const uint64_t off_v = (uint64_t)((kt * 16 * 64 * (int)sizeof(T)) >> 4);
-        gmma_call<typename SS::PV>(dp + off_p, dv + off_v, acc_o, true, std::make_index_sequence<128>{});
-      }
-    };
+    auto scale_o = [&](const float (&s)[2]) { seesaw_scale_o(acc_o, s); };
+    auto pack_p = [&](uint32_t (&rp)[16], const float (&f)[2]) { seesaw_pack_p<T>(acc_s, rp, f); };
+    auto store_p = [&](T* sP, const uint32_t (&rp)[16]) { seesaw_store_p<T>(sP, rp, row_local, lane); };
+    auto pv_rs = [&](const uint32_t (&rp)[16], const T* st) { seesaw_pv_rs<T>(acc_o, rp, st, wg); };
+    auto pv_ss = [&](const T* sP, const T* st) { seesaw_pv_ss<T>(acc_o, sP, st, wg); };
     // zero this warpgroup's V columns of the rows past a partial tile's end, then sync the warpgroup
     auto fix_partial = [&](int j) {
       const int valid = valid_of(j);
