@@ -4,8 +4,8 @@
     compute-sanitizer --tool racecheck python ci/sm90_sanitize.py --variants 5
     compute-sanitizer --tool memcheck python ci/sm90_sanitize.py --variants 2,6 --combine fused
     compute-sanitizer --tool memcheck python ci/sm90_sanitize.py --variants 0 --kv-format fp8_ds_mla --sparse 256
-    ncu --section WarpStateStats -k regex:kernel_v5 -c 1 python ci/sm90_sanitize.py --variants 5 --big
-    ncu ... -k regex:kernel_v6 -c 1 python ci/sm90_sanitize.py --variants 6 --big --big-heads 16 --kv-format fp8_e4m3
+    ncu --section WarpStateStats -k mla_decode_seesaw -c 1 python ci/sm90_sanitize.py --variants 5 --big
+    ncu ... -k mla_decode_etap -c 1 python ci/sm90_sanitize.py --variants 6 --big --big-heads 16 --kv-format fp8_e4m3
 
 Small shapes with odd and even tile counts, a partial last tile, split requests and a
 zero-length request, so every code path of the mainloops runs once under the tool.

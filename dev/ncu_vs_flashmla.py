@@ -1,12 +1,13 @@
 """One config, FlashMLA's decode kernel and ours on the same inputs, for Nsight Compute to profile side by side.
 
     ncu --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section InstructionStats \\
-        --section MemoryWorkloadAnalysis --section Occupancy -k regex:"flash_fwd_splitkv_mla|mla_decode_kernel" \\
+        --section MemoryWorkloadAnalysis --section Occupancy \\
+        -k regex:"flash_fwd_splitkv_mla|mla_decode_(wgmma|seesaw|etap|fp8t)" \\
         -c 4 --csv --page details python dev/ncu_vs_flashmla.py --config 128,1,128,8192
 
 Runs FlashMLA's call twice (the first fills its schedule), then ours twice: with `-c 4` ncu profiles two launches
 of each decode kernel. Needs FlashMLA importable (ci/flashmla_peer.sh). ``--topk N`` profiles sparse decode instead
-(fp8_ds_mla cache, FlashMLA's SM90 sparse kernel: regex "flash_fwd_splitkv_mla_fp8_sparse|mla_decode_kernel").
+(fp8_ds_mla cache, FlashMLA's SM90 sparse kernel: regex "flash_fwd_splitkv_mla_fp8_sparse|mla_decode_wgmma").
 ``--kv-format fp8_e4m3|fp8_ds_mla`` (dense) profiles ours on that cache alone: FlashMLA's dense kernel takes 16-bit
 caches only (profile its bf16 twin with the same --config and no --kv-format).
 """

@@ -5,7 +5,7 @@
 //   compute-sanitizer --tool racecheck /tmp/rnb syncthreads # __syncthreads for the CTA-wide points, as v6 had them
 //   compute-sanitizer --tool racecheck /tmp/rnb named nowgbar  # the tile loop without its per-warpgroup barriers
 //
-// The cuda_sm90 kernel v6 (kernels/cuda/mla_decode_sm90/mainloop_etap.cuh) gets racecheck reports of a write just
+// The cuda_sm90 kernel etap (v6; kernels/cuda/mla_decode_sm90/etap/etap.cuh) gets racecheck reports of a write just
 // before a CTA-wide barrier against a read just after it, from different warpgroups (docs/notes/cuda_sm90.md, fifteenth
 // session). This kernel has v6's barrier structure and nothing else: two warpgroups, each walking every other tile
 // with its own 128-thread named barrier (ids 1, 2; trip counts differ by one where the tile count is odd, and

@@ -15,7 +15,7 @@ is how v6's fp8 rows came to arrive one DRAM latency apart
 (docs/notes/cuda_sm90.md, "Fifth session: fp8 loads").
 
     cuobjdump -sass build/x.cubin > x.sass      # cuobjdump: CUDA toolkit, or the nvidia-cuda-cuobjdump wheel
-    python dev/sass_ctrl.py x.sass --function 'kernel_v6.*Li1EE' --grep LDG
+    python dev/sass_ctrl.py x.sass --function 'decode_etap.*Li1EE' --grep LDG
 """
 
 from __future__ import annotations

@@ -171,7 +171,7 @@ V5_GRID = [c for c in GRID if c[5] % 64 == 0] + [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("cfg", V5_GRID, ids=[_grid_id(c) for c in V5_GRID])
 def test_variant5_matches_reference(cfg, dtype, gen):
-    """v5 (mainloop_seesaw.cuh) on the page sizes it takes (multiples of 64): odd and even tile counts per item,
+    """v5, seesaw (seesaw/) on the page sizes it takes (multiples of 64): odd and even tile counts per item,
     partial last tiles, split requests, causal MTP, zero-length requests, h_kv > 1; q_len > 64 is refused."""
     b, s_q, h_q, h_kv, L, ps, causal, zero = cfg
     case = make_case(b, s_q, h_q, L, num_heads_kv=h_kv, page_size=ps, dtype=dtype, causal=causal,
@@ -182,7 +182,7 @@ def test_variant5_matches_reference(cfg, dtype, gen):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("cfg", V5_GRID, ids=[_grid_id(c) for c in V5_GRID])
 def test_variant9_fp8_matches_reference(cfg, dtype, gen):
-    """v9 (v5's schedule for fp8_e4m3 caches, a warpgroup converting each tile in place; mainloop_seesaw.cuh, kFp8)
+    """v9, seesaw_fp8 (v5's schedule for fp8_e4m3 caches, a warpgroup converting each tile in place; seesaw_fp8/)
     on v5's grid: odd and even tile counts, partial last tiles (rows past the end stored as zeros), split requests,
     causal MTP, zero-length requests, h_kv > 1, several items per CTA (the converter running an item ahead), and
     q_len > 64 (refused). Two launches of the configured kernel."""
@@ -210,9 +210,9 @@ def test_variant5_runs_row_tile_pairs_as_clusters(s_q, h_q, paired, gen):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         plan = _run_variant(case, 5)
     assert (plan.state.launch.paired, plan.state.bound.paired) == (paired, paired)
-    names = {e.name for e in prof.events() if "mla_decode_kernel_v5" in e.name}
+    names = {e.name for e in prof.events() if "mla_decode_seesaw<" in e.name}
     assert len(names) == 1, names
-    assert (", true, false>" in names.pop()) == paired  # <T, kPaired, kFp8>
+    assert (", true>" in names.pop()) == paired  # <T, kPaired>
 
 
 V6_GRID = [c for c in GRID if c[1] * c[2] // c[3] <= 32] + [
@@ -226,7 +226,7 @@ V6_GRID = [c for c in GRID if c[1] * c[2] // c[3] <= 32] + [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("cfg", V6_GRID, ids=[_grid_id(c) for c in V6_GRID])
 def test_variant6_matches_reference(cfg, dtype, gen):
-    """v6 (mainloop_etap.cuh, tokens on M) on the shapes it takes (<= 32 query rows per KV head, any page size):
+    """v6, etap (etap/, tokens on M) on the shapes it takes (<= 32 query rows per KV head, any page size):
     one and two warpgroups' worth of tiles, partial tiles, split requests, causal MTP, zero-length requests,
     h_kv > 1; a 64-row shape is refused."""
     b, s_q, h_q, h_kv, L, ps, causal, zero = cfg
@@ -277,10 +277,10 @@ V7_GRID = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("cfg", V7_GRID, ids=[_grid_id(c) for c in V7_GRID])
 def test_variant7_fp8_matches_reference(cfg, dtype, variant, gen):
-    """v7 (mainloop_fp8t.cuh: a converter, a scorer and an accumulator warpgroup) and v8 (bulk copies of the raw rows,
-    the conversion in the consumers' registers) on fp8_e4m3 caches with <= 32 query rows per KV head: every page size
-    (v8: multiples of 64; the plan refuses others), partial tiles, split requests, causal MTP, zero-length requests,
-    h_kv > 1; a 64-row shape is refused."""
+    """v7, fp8t_convert (fp8t/: a converter, a scorer and an accumulator warpgroup) and v8, fp8t_regs (bulk copies of
+    the raw rows, the conversion in the consumers' registers) on fp8_e4m3 caches with <= 32 query rows per KV head:
+    every page size (v8: multiples of 64; the plan refuses others), partial tiles, split requests, causal MTP,
+    zero-length requests, h_kv > 1; a 64-row shape is refused."""
     b, s_q, h_q, h_kv, L, ps, causal, zero = cfg
     case = make_case(b, s_q, h_q, L, num_heads_kv=h_kv, page_size=ps, dtype=dtype, causal=causal,
                      zero_len_rows=zero, kv_format="fp8_e4m3", device="cuda", generator=gen)

@@ -4,6 +4,7 @@ what it supports."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import shutil
 import subprocess
@@ -15,12 +16,14 @@ from mla_dispatch.kernels.cuda import build
 
 
 def test_kernel_sources_compile_for_sm90a(tmp_path):
-    """The kernel translation units compile for sm_90a; the units compile in parallel, as the extension build does.
+    """The kernel translation units compile for sm_90a; the units compile in parallel (as many at once as the machine
+    has cores), as the extension build does.
 
-    All nine to sm_90a objects take ~160 s of a 2-core CI machine, most of the test command's budget, and most of it is
-    NVVM's optimiser and ptxas. So by default the launcher goes all the way to an object and every instance file
-    through nvcc's front end to sm_90a PTX with NVVM's optimiser off (``-Xcicc -O0``: every template instantiated and
-    checked, ~5 s a file); ptxas on the optimised code runs in every extension build on the GPU machine.
+    Every unit to an sm_90a object takes minutes of a 2-core CI machine (~160 s when they were nine), most of the
+    test command's budget, and most of it is NVVM's optimiser and ptxas. So by default the launcher goes all the way
+    to an object and every instance file through nvcc's front end to sm_90a PTX with NVVM's optimiser off
+    (``-Xcicc -O0``: every template instantiated and checked, ~5 s a file); ptxas on the optimised code runs in every
+    extension build on the GPU machine.
     ``MLA_COMPILE_ALL=1`` compiles every unit to an optimised object, as the build does."""
     import os
 
@@ -33,17 +36,21 @@ def test_kernel_sources_compile_for_sm90a(tmp_path):
     flags = build.nvcc_flags()
     ptx_flags = ["-arch=compute_90a", "--ptx", "-Xcicc", "-O0",
                  *(f for f in flags if not f.startswith("-gencode") and f not in ("-O3", "-lineinfo"))]
-    jobs = []
-    for source in build.SM90_KERNEL_SOURCES:
+
+    def compile_unit(source):
         full = everything or source == "launch.cu"
         obj = tmp_path / (source.replace("/", "_") + (".o" if full else ".ptx"))
         cmd = [nvcc, *(["-c"] if full else []), str(build.SM90_SOURCE_DIR / source), "-o", str(obj),
                "-I", str(build.SM90_SOURCE_DIR), "-I", include,
                *(["-Xptxas=-warn-spills", *flags] if full else ptx_flags)]
-        jobs.append((source, obj, full, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                                         text=True)))
-    for source, obj, full, proc in jobs:
-        output, _ = proc.communicate(timeout=900)
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=900)
+        return source, obj, full, proc
+
+    # one unit per mainloop and (q dtype, cache format): a few dozen, so no more at once than there are cores
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1)) as pool:
+        results = list(pool.map(compile_unit, build.SM90_KERNEL_SOURCES))
+    for source, obj, full, proc in results:
+        output = proc.stdout
         assert proc.returncode == 0, f"nvcc failed on {source}:\n{output}"
         assert obj.stat().st_size > 0
         cuobjdump = shutil.which("cuobjdump")

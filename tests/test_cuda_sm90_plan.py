@@ -49,12 +49,20 @@ def test_plan_constants_match_config_h():
         KV_FORMAT_CODES["bf16"], KV_FORMAT_CODES["fp8_e4m3"], KV_FORMAT_CODES["fp8_ds_mla"],
         KV_FORMAT_CODES["fp8_ds_v4"])
     assert KV_FORMAT_CODES["fp16"] == enums["kKvSameAsQ"]
-    mainloops = {name: enums[name] for name in ("kWgmma", "kSeesaw", "kEtap", "kFp8Convert", "kFp8Regs", "kSeesawFp8")}
-    assert tuple(mainloops.values()) == (cuda_sm90.WGMMA, cuda_sm90.SEESAW, cuda_sm90.ETAP, cuda_sm90.FP8_CONVERT,
-                                         cuda_sm90.FP8_REGS, cuda_sm90.SEESAW_FP8)
-    assert set(cuda_sm90.MAINLOOPS) == set(mainloops.values()) == set(CudaSM90Backend.OPTIONS["variant"].values)
-    for m in cuda_sm90.MAINLOOPS.values():  # each mainloop's header is in the family
-        assert (SM90_SOURCE_DIR / m.header).is_file()
+    # the Mainloop enum: one member per entry of MAINLOOPS, its name the entry's in camel case, its number the variant
+    mainloop_enum = text[text.index("enum Mainloop"):]
+    mainloop_enum = dict(re.findall(r"^\s+(k\w+) = (\d+),", mainloop_enum[:mainloop_enum.index("};")], re.MULTILINE))
+    assert {int(v): k for k, v in mainloop_enum.items()} == {
+        m.variant: "k" + "".join(w.capitalize() for w in m.name.split("_")) for m in cuda_sm90.MAINLOOPS.values()}
+    assert (cuda_sm90.WGMMA, cuda_sm90.SEESAW, cuda_sm90.ETAP, cuda_sm90.FP8T_CONVERT, cuda_sm90.FP8T_REGS,
+            cuda_sm90.SEESAW_FP8) == tuple(int(mainloop_enum[k]) for k in (
+                "kWgmma", "kSeesaw", "kEtap", "kFp8tConvert", "kFp8tRegs", "kSeesawFp8"))
+    assert set(cuda_sm90.MAINLOOPS) == set(CudaSM90Backend.OPTIONS["variant"].values)
+    for m in cuda_sm90.MAINLOOPS.values():  # one name: its folder (the fp8t pair: its header), its kernel, its launcher
+        header = SM90_SOURCE_DIR / m.header
+        assert header.is_file() and (header.parent.name == m.name or header.stem == m.name), m
+        assert re.search(rf"__global__ void .*\n?\s*mla_decode_{m.name}\(", header.read_text()), m
+        assert (header.parent / "launch.cuh").read_text().count(f"int launch_{m.name}(") == 1, m
 
 
 @pytest.mark.parametrize("p,want", [
@@ -91,7 +99,7 @@ def test_options_override_the_plans_choices():
 
 
 @pytest.mark.parametrize("p,options,match", [
-    (problem(kv_format="bf16"), dict(variant=7), r"variant'\]=7 \(mainloop_fp8t.cuh\) cannot run this problem: "
+    (problem(kv_format="bf16"), dict(variant=7), r"variant'\]=7 \(fp8t_convert\) cannot run this problem: "
                                                  r"kv_format='bf16' \(supported: fp8_e4m3\)"),
     (problem(kv_format="fp8_e4m3"), dict(variant=5), r"variant'\]=5 .*kv_format='fp8_e4m3' \(supported: bf16, fp16\)"),
     (problem(h_q=64), dict(variant=6), r"64 query rows per KV head \(s_q \* h_q / h_kv; supported: <= 32\)"),

@@ -1,7 +1,8 @@
 """dev/sass_ctrl.py decodes the scheduling bits of real sm_90a SASS consistently.
 
-The fixture is four instructions that `cuobjdump -sass` printed for this repository's v6 kernel
-(bf16 q, 16 rows, fp8_e4m3; nvcc 13.0, sm_90a). Among them is an 8-byte global load of R96:R97 and
+The fixture is four instructions that `cuobjdump -sass` printed for this repository's etap kernel
+(v6; bf16 q, 16 rows, fp8_e4m3; nvcc 13.0, sm_90a; the symbol renamed from mla_decode_kernel_v6, whose SASS is
+unchanged). Among them is an 8-byte global load of R96:R97 and
 the first instruction that reads R97. If the bit layout the tool assumes were wrong, the load's
 write barrier and the reader's wait mask would not line up.
 """
@@ -19,7 +20,7 @@ sys.modules.setdefault("sass_ctrl", sass_ctrl)  # dataclasses look their module 
 _spec.loader.exec_module(sass_ctrl)
 
 FIXTURE = """
-\t\tFunction : _ZN8mla_sm9020mla_decode_kernel_v6I13__nv_bfloat16Li16ELb0ELi1EEEvNS_12DecodeParamsE14CUtensorMap_st
+\t\tFunction : _ZN8mla_sm9015mla_decode_etapI13__nv_bfloat16Li16ELb0ELi1EEEvNS_12DecodeParamsE14CUtensorMap_st
 \t.headerflags\t@"EF_CUDA_ACCELERATORS EF_CUDA_SM90 EF_CUDA_VIRTUAL_SM(EF_CUDA_SM90)"
         /*0000*/                   LDC R1, c[0x0][0x28] ;                                              /* 0x00000a00ff017b82 */
                                                                                                        /* 0x000fe20000000800 */
@@ -35,7 +36,7 @@ FIXTURE = """
 def test_parse_reads_every_instruction_with_its_function():
     ins = sass_ctrl.parse_sass(FIXTURE)
     assert [i.address for i in ins] == [0x0, 0x10, 0x77E0, 0xA640]
-    assert all("mla_decode_kernel_v6" in i.function for i in ins)
+    assert all("mla_decode_etap" in i.function for i in ins)
     assert ins[2].text.startswith("LDG.E.64.CONSTANT R96")
 
 
@@ -61,7 +62,7 @@ def test_decode_control_fields_round_trip(stall, yield_flag, wb, rb, wait, reuse
 def test_cli_filters_by_function_and_text(tmp_path, capsys):
     f = tmp_path / "x.sass"
     f.write_text(FIXTURE)
-    assert sass_ctrl.main([str(f), "--function", "kernel_v6", "--grep", "LDG"]) == 0
+    assert sass_ctrl.main([str(f), "--function", "decode_etap", "--grep", "LDG"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("== _ZN8mla_sm90") and len(out) == 2 and "LDG.E.64" in out[1]
-    assert sass_ctrl.main([str(f), "--function", "kernel_v5"]) == 1
+    assert sass_ctrl.main([str(f), "--function", "decode_seesaw"]) == 1

@@ -51,8 +51,8 @@ __all__ = ["CudaSM90Backend", "Mainloop", "MAINLOOPS", "Sm90Launch", "choose_var
 # tests/test_cuda_sm90_plan.py::test_plan_constants_match_config_h reads that file and compares ----
 BLOCK_M = 64  # kBlockM: query rows of a CTA tile of the 64-row mainloops
 BLOCK_N = 64  # kBlockN: KV tokens per mainloop step = split-KV chunk size
-DS_V4_HEAD_DIM = 512  # kDsV4HeadDim: D_qk = D_v of the fp8_ds_v4 cache (DeepSeek-V4), v2's sparse instance only
-WGMMA, SEESAW, ETAP, FP8_CONVERT, FP8_REGS, SEESAW_FP8 = 2, 5, 6, 7, 8, 9  # Mainloop
+DS_V4_HEAD_DIM = 512  # kDsV4HeadDim: D_qk = D_v of the fp8_ds_v4 cache (DeepSeek-V4), wgmma's sparse instance only
+WGMMA, SEESAW, ETAP, FP8T_CONVERT, FP8T_REGS, SEESAW_FP8 = 2, 5, 6, 7, 8, 9  # Mainloop (MAINLOOPS has their names)
 SEESAW_MAX_Q_LEN = 64  # kSeesawMaxQLen
 ETAP_MAX_ROWS, ETAP_FP8_MAX_ROWS, FP8T_MAX_ROWS = 32, 16, 32  # kEtapMaxRows, kEtapFp8MaxRows, kFp8tMaxRows
 FUSED_MAX_SPLITS = 1024  # kFusedMaxSplits
@@ -84,6 +84,10 @@ class Mainloop:
     """What one mainloop of the kernel family runs (the binding checks the same rules; binding.cpp, check_config)."""
 
     variant: int
+    #: the mainloop's one name: the enum member of config.h in snake case (kSeesawFp8: seesaw_fp8), its kernel
+    #: ``mla_decode_<name>``, its folder of mla_decode_sm90/ (the fp8t pair: its header in fp8t/)
+    name: str
+    #: the header of its kernel, relative to kernels/cuda/mla_decode_sm90/
     header: str
     kv_formats: frozenset[str]
     #: query rows per KV head, None: any (64-row tiles, as many as the rows need); ``max_rows_fp8`` with fp8 caches
@@ -120,13 +124,14 @@ class Mainloop:
 
 #: the mainloops a plan can pick, by variant number (kernels/cuda/mla_decode_sm90/config.h, Mainloop)
 MAINLOOPS = MappingProxyType({m.variant: m for m in (
-    Mainloop(WGMMA, "mainloop_wgmma.cuh", _ANY_CACHE | {"fp8_ds_v4"}, sparse=True),
-    Mainloop(SEESAW, "mainloop_seesaw.cuh", _16BIT_CACHE, whole_tile_pages=True, max_q_len=SEESAW_MAX_Q_LEN,
-             combine_tail=False),
-    Mainloop(ETAP, "mainloop_etap.cuh", _ANY_CACHE, max_rows=ETAP_MAX_ROWS, max_rows_fp8=ETAP_FP8_MAX_ROWS),
-    Mainloop(FP8_CONVERT, "mainloop_fp8t.cuh", frozenset({"fp8_e4m3"}), max_rows=FP8T_MAX_ROWS),
-    Mainloop(FP8_REGS, "mainloop_fp8t.cuh", frozenset({"fp8_e4m3"}), max_rows=FP8T_MAX_ROWS, whole_tile_pages=True),
-    Mainloop(SEESAW_FP8, "mainloop_seesaw.cuh", frozenset({"fp8_e4m3"}), whole_tile_pages=True,
+    Mainloop(WGMMA, "wgmma", "wgmma/wgmma.cuh", _ANY_CACHE | {"fp8_ds_v4"}, sparse=True),
+    Mainloop(SEESAW, "seesaw", "seesaw/seesaw.cuh", _16BIT_CACHE, whole_tile_pages=True,
+             max_q_len=SEESAW_MAX_Q_LEN, combine_tail=False),
+    Mainloop(ETAP, "etap", "etap/etap.cuh", _ANY_CACHE, max_rows=ETAP_MAX_ROWS, max_rows_fp8=ETAP_FP8_MAX_ROWS),
+    Mainloop(FP8T_CONVERT, "fp8t_convert", "fp8t/fp8t_convert.cuh", frozenset({"fp8_e4m3"}), max_rows=FP8T_MAX_ROWS),
+    Mainloop(FP8T_REGS, "fp8t_regs", "fp8t/fp8t_regs.cuh", frozenset({"fp8_e4m3"}), max_rows=FP8T_MAX_ROWS,
+             whole_tile_pages=True),
+    Mainloop(SEESAW_FP8, "seesaw_fp8", "seesaw_fp8/seesaw_fp8.cuh", frozenset({"fp8_e4m3"}), whole_tile_pages=True,
              max_q_len=SEESAW_MAX_Q_LEN, combine_tail=False),
 )})
 
@@ -196,7 +201,7 @@ def choose_variant(problem: DecodeProblem, num_parts: int, max_chunks: int) -> i
     p = problem
     rows = rows_per_kv_head(p)
     if p.kv_format == "fp8_e4m3" and rows <= FP8T_MAX_ROWS and max_chunks >= v7_min_chunks_per_part(rows) * num_parts:
-        return FP8_REGS if p.page_size % BLOCK_N == 0 else FP8_CONVERT
+        return FP8T_REGS if p.page_size % BLOCK_N == 0 else FP8T_CONVERT
     if max_chunks >= v6_min_chunks_per_part(rows, p.kv_format) * num_parts:
         return ETAP
     v5_rows = rows > BLOCK_M or (rows > 16 and p.kv_format in ("bf16", "fp16"))
@@ -215,7 +220,7 @@ def invariant_variant(problem: DecodeProblem) -> int:
     p, rows = problem, rows_per_kv_head(problem)
     whole_tiles = p.page_size % BLOCK_N == 0
     if p.kv_format == "fp8_e4m3" and rows <= FP8T_MAX_ROWS:
-        return FP8_REGS if whole_tiles else FP8_CONVERT
+        return FP8T_REGS if whole_tiles else FP8T_CONVERT
     if rows <= 16:
         return ETAP
     if (p.kv_format in ("bf16", "fp16", "fp8_e4m3") and whole_tiles and rows > BLOCK_M
@@ -303,7 +308,7 @@ def launch_config(problem: DecodeProblem, num_parts: int, max_chunks: int, num_s
         variant = invariant_variant(p) if p.batch_invariant else choose_variant(p, num_parts, max_chunks)
     mainloop = MAINLOOPS[variant]
     if reasons := mainloop.reasons(problem):
-        raise ValueError(f"backend_options['variant']={variant} ({mainloop.header}) cannot run this problem: "
+        raise ValueError(f"backend_options['variant']={variant} ({mainloop.name}) cannot run this problem: "
                          + "; ".join(reasons))
     if mainloop.max_rows is None:
         tile_rows, row_tiles = BLOCK_M, math.ceil(rows / BLOCK_M)
@@ -464,8 +469,9 @@ class CudaSM90Backend(MLABackend):
     ARCH_SUPPORT = (ArchSupport("sm90", "Hopper (sm_90a)", notes="our native CUDA kernel", run_here="yes: H100, H200"),)
     OPTIONS = MappingProxyType({
         "variant": BackendOption(tuple(MAINLOOPS), "the mainloop, instead of the plan's choice (choose_variant): 2 "
-                                 "wgmma, 5 two tiles in flight, 6 tokens on M, 7 / 8 tokens on M for fp8_e4m3, 9 v5 "
-                                 "for fp8_e4m3; it must suit the problem (Mainloop.reasons)"),
+                                 "wgmma, 5 seesaw (two tiles in flight), 6 etap (tokens on M), 7 fp8t_convert / 8 "
+                                 "fp8t_regs (tokens on M for fp8_e4m3), 9 seesaw_fp8 (seesaw for fp8_e4m3); it must "
+                                 "suit the problem (Mainloop.reasons)"),
         "fuse_combine": BackendOption((False, True), "merge split rows inside the decode launch (True) or in a second "
                                       "kernel (False), instead of the plan's choice (choose_fuse_combine)"),
         "split_tokens": BackendOption(SPLIT_TOKENS_CHOICES, "tokens per piece of a batch_invariant=True plan "

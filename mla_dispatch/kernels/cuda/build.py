@@ -1,6 +1,7 @@
 """Just-in-time build of the native CUDA kernels (``python -m mla_dispatch build``).
 
-The SM90 MLA decode family lives in ``mla_decode_sm90/`` next to this file. It is
+The SM90 MLA decode family lives in ``mla_decode_sm90/`` next to this file (one folder per mainloop, shared device
+code in ``common/``; docs/notes/cuda_sm90.md has the layout). It is
 compiled with :func:`torch.utils.cpp_extension.load` for ``sm_90a`` against the
 CUTLASS/CuTe headers of the ``nvidia-cutlass`` pip package
 (``cutlass_library/source/include``). The extension name carries a hash of every
@@ -27,10 +28,11 @@ __all__ = ["KernelBuildError", "SM90_SOURCE_DIR", "SM90_KERNEL_SOURCES", "nvcc_p
            "load_sm90"]
 
 SM90_SOURCE_DIR = pathlib.Path(__file__).resolve().parent / "mla_decode_sm90"
-#: The kernel translation units (no torch): the launcher, the split-KV schedule of a plan, and one file per (q dtype,
-#: cache format) of kernel instances (instantiations/), which the build compiles in parallel.
+#: The kernel translation units (no torch): the launcher, the split-KV schedule of a plan, and each mainloop's kernel
+#: instances, one file per (q dtype, cache format) it takes in its folder (``<mainloop>/*.cu``; the build compiles
+#: them in parallel). The shared device code in ``common/`` is headers only.
 SM90_KERNEL_SOURCES = ("launch.cu", "schedule.cu",
-                       *sorted(f"instantiations/{f.name}" for f in (SM90_SOURCE_DIR / "instantiations").glob("*.cu")))
+                       *sorted(f.relative_to(SM90_SOURCE_DIR).as_posix() for f in SM90_SOURCE_DIR.glob("*/*.cu")))
 _SM90_SOURCES = ("binding.cpp", *SM90_KERNEL_SOURCES)
 SM90_GENCODE = "-gencode=arch=compute_90a,code=sm_90a"
 

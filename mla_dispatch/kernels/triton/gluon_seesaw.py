@@ -6,7 +6,7 @@ The Gluon kernel of :mod:`.gluon_sm90` computes a tile's S, softmax and P V in s
 between them by tokens, the row maximum exchanged through shared memory): on FlashMLA's grid (128 query rows, near the
 ridge) a 64-token tile costs ~3.0 us per program where the tensor work is ~1.7 us (docs/notes/triton.md). This kernel
 runs FlashMLA's SM90 schedule (DeepSeek, "A Deep-Dive into the New Flash MLA Kernel", 2025; our CUDA backend's v5,
-kernels/cuda/mla_decode_sm90/mainloop_seesaw.cuh) with Gluon's warp specialisation: the tiles of an item go in pairs
+kernels/cuda/mla_decode_sm90/seesaw/seesaw.cuh) with Gluon's warp specialisation: the tiles of an item go in pairs
 (a = 2i in stage 0, b = 2i + 1 in stage 1),
 
 * warpgroup 0 (the default partition) computes S_a = Q K_a^T over all 64 tokens and owns O[:, 0:256),

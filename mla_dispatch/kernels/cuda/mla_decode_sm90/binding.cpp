@@ -159,7 +159,7 @@ void check_call(const at::Tensor& q, const at::Tensor& kv, const c10::optional<a
   MLA_CHECK(aligned(out, 3, 4), "out rows must start at 4-byte boundaries (even strides)");
   if (kv_format != mla_sm90::kKvFp8DsV4)  // (fp8_ds_v4: its blocks, checked above)
     MLA_CHECK(aligned16(kv, 3), "kv_cache tokens must start at 16-byte boundaries");
-  // a tensor map of the cache (launch.cu, make_kv_map): the same 16-byte rule, and strides below 2^40 bytes
+  // a tensor map of the cache (common/launch.cuh, make_kv_map): the same 16-byte rule, and strides below 2^40 bytes
   if (tma_loads)
     MLA_CHECK(kv.stride(0) * kv.element_size() < (int64_t(1) << 40),
               "tma_loads=true needs kv_cache block strides below 2^40 bytes, got ", kv.stride(0) * kv.element_size());
@@ -177,13 +177,13 @@ struct Geometry {
 void check_config(const mla_sm90::LaunchConfig& c, const Geometry& g) {
   using namespace mla_sm90;
   const int64_t m = c.mainloop, rows = g.q_len * (g.heads_q / g.heads_kv);
-  MLA_CHECK(m == kWgmma || m == kSeesaw || m == kEtap || m == kFp8Convert || m == kFp8Regs || m == kSeesawFp8,
+  MLA_CHECK(m == kWgmma || m == kSeesaw || m == kEtap || m == kFp8tConvert || m == kFp8tRegs || m == kSeesawFp8,
             "variant must be 2 (wgmma), 5 (two tiles in flight), 6 (tokens on M), 7 (tokens on M, fp8_e4m3, a "
             "converting warpgroup), 8 (tokens on M, fp8_e4m3 converted in registers) or 9 (5 for fp8_e4m3), got ", m);
-  const bool seesaw = m == kSeesaw || m == kSeesawFp8, on_m = m == kEtap || m == kFp8Convert || m == kFp8Regs;
+  const bool seesaw = m == kSeesaw || m == kSeesawFp8, on_m = m == kEtap || m == kFp8tConvert || m == kFp8tRegs;
   const bool fp8 = g.kv_format != kKvSameAsQ;
   if (m == kSeesaw) MLA_CHECK(!fp8, "variant 5 needs a bf16/fp16 cache (kv_format 0), got kv_format ", g.kv_format);
-  if (m == kSeesawFp8 || m == kFp8Convert || m == kFp8Regs)
+  if (m == kSeesawFp8 || m == kFp8tConvert || m == kFp8tRegs)
     MLA_CHECK(g.kv_format == kKvFp8E4M3, "variant ", m, " needs an fp8_e4m3 cache (kv_format 1), got kv_format ",
               g.kv_format);
   if (seesaw) MLA_CHECK(g.q_len <= kSeesawMaxQLen, "variant ", m, " needs s_q <= ", kSeesawMaxQLen, ", got ", g.q_len);
@@ -199,7 +199,7 @@ void check_config(const mla_sm90::LaunchConfig& c, const Geometry& g) {
     MLA_CHECK(c.tile_rows == kBlockM, "tile_rows must be ", kBlockM, " for variant ", m, ", got ", c.tile_rows);
   }
   // tma_loads: boxes of one page per 64-token tile
-  const bool tma = seesaw || m == kFp8Regs;
+  const bool tma = seesaw || m == kFp8tRegs;
   if (m == kEtap && c.tma_loads)
     MLA_CHECK(!fp8, "tma_loads must be false for variant 6 with an fp8 cache (kv_format ", g.kv_format, ")");
   else if (m != kEtap)

@@ -23,24 +23,27 @@ enum KvFormat : int {
   kKvSameAsQ = 0,   // bf16 or fp16, same dtype as q
   kKvFp8E4M3 = 1,   // float8_e4m3fn, one per-tensor fp32 scale (kv_scale)
   kKvFp8DsMla = 2,  // kDsMlaTokenBytes per token
-  kKvFp8DsV4 = 3,   // DeepSeek-V4's per-block layout (kDsV4*); v2's sparse instance only
+  kKvFp8DsV4 = 3,   // DeepSeek-V4's per-block layout (kDsV4*); wgmma's sparse instance only
 };
 
-// The mainloops a plan can pick (its `variant`), by header.
+// The mainloops a plan can pick (its `variant`). Each has one name, the enum member's in snake case: its folder
+// (or, for the fp8t pair, its header in fp8t/), its kernel `mla_decode_<name>` and its entry of the Python table
+// (backends/cuda_sm90.py, MAINLOOPS; tests/test_cuda_sm90_plan.py checks they agree). The numbers are the plans'.
 enum Mainloop : int {
-  kWgmma = 2,       // mainloop_wgmma.cuh: 64-row tiles, S -> softmax -> P V per tile in both warpgroups
-  kSeesaw = 5,      // mainloop_seesaw.cuh: 64-row tiles, two tiles in flight (bf16/fp16 caches)
-  kEtap = 6,        // mainloop_etap.cuh: KV tokens on the wgmma M side, 16 or 32 query rows
-  kFp8Convert = 7,  // mainloop_fp8t.cuh: tokens on M for fp8_e4m3, a converting warpgroup
-  kFp8Regs = 8,     // mainloop_fp8t.cuh: tokens on M for fp8_e4m3, the tile converted in registers
-  kSeesawFp8 = 9,   // mainloop_seesaw.cuh: v5's schedule for fp8_e4m3, a converting warpgroup
+  kWgmma = 2,        // wgmma/: 64-row tiles, S -> softmax -> P V per tile in both warpgroups
+  kSeesaw = 5,       // seesaw/: 64-row tiles, two tiles in flight (bf16/fp16 caches)
+  kEtap = 6,         // etap/: KV tokens on the wgmma M side, 16 or 32 query rows
+  kFp8tConvert = 7,  // fp8t/fp8t_convert.cuh: tokens on M for fp8_e4m3, a converting warpgroup
+  kFp8tRegs = 8,     // fp8t/fp8t_regs.cuh: tokens on M for fp8_e4m3, the tile converted in registers
+  kSeesawFp8 = 9,    // seesaw_fp8/: seesaw's schedule for fp8_e4m3, a converting warpgroup
 };
 
-// v5 / v9 leave their steady-state tiles unmasked, which needs every causal limit within the last 65 tokens of a
-// request: query lengths up to 64.
+// seesaw and seesaw_fp8 leave their steady-state tiles unmasked, which needs every causal limit within the last 65
+// tokens of a request: query lengths up to 64.
 constexpr int kSeesawMaxQLen = 64;
-// Query rows per KV head the tokens-on-M mainloops take: v6 with a bf16/fp16 cache, v6 with an fp8 cache (its
-// register-staged tile does not fit beside 32 rows' accumulators), v7 and v8. Their CTA tile has 16 or 32 rows.
+// Query rows per KV head the tokens-on-M mainloops take: etap with a bf16/fp16 cache, etap with an fp8 cache (its
+// register-staged tile does not fit beside 32 rows' accumulators), fp8t_convert and fp8t_regs. Their CTA tile has 16
+// or 32 rows.
 constexpr int kEtapMaxRows = 32;
 constexpr int kEtapFp8MaxRows = 16;
 constexpr int kFp8tMaxRows = 32;

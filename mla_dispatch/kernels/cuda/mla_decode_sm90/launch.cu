@@ -1,18 +1,42 @@
-// Host launchers of the SM90 MLA decode family: the kernel instance of the plan's launch config (params.h,
-// LaunchConfig) for (q dtype, kv format), and the split-KV combine. A config the kernels do not take is the
-// binding's to refuse (binding.cpp, check_config); nothing here chooses another kernel. The instances themselves
-// are compiled one (q dtype, kv format) per translation unit (instantiations/, launch_mainloop.cuh). No torch here,
-// so CI can compile this translation unit with nvcc alone.
+// Host launchers of the SM90 MLA decode family: the plan's launch config (params.h, LaunchConfig) on its mainloop's
+// launcher (mainloops.h: one folder per mainloop, its kernel instances compiled one (q dtype, kv format) per
+// translation unit), and the split-KV combine. A config the kernels do not take is the binding's to refuse
+// (binding.cpp, check_config); nothing here chooses another kernel. No torch here, so CI can compile this
+// translation unit with nvcc alone.
 #include <cuda_runtime.h>
 
-#include "combine.cuh"
+#include "common/combine.cuh"
+#include "mainloops.h"
 #include "params.h"
 
 namespace mla_sm90 {
 
-// Defined in launch_mainloop.cuh, instantiated in instantiations/*.cu.
+// cfg's mainloop for q dtype T and cache format KvFmt: the pairs each mainloop takes (its folder's instantiation
+// files); any other ends in cudaErrorInvalidValue.
 template <typename T, int KvFmt>
-int launch_mainloop(const DecodeParams& p, const LaunchConfig& cfg, cudaStream_t stream);
+static int launch_mainloop(const DecodeParams& p, const LaunchConfig& cfg, cudaStream_t stream) {
+  constexpr bool k16Bit = KvFmt == kKvSameAsQ, kE4M3 = KvFmt == kKvFp8E4M3;
+  switch (cfg.mainloop) {
+    case kWgmma:
+      return launch_wgmma<T, KvFmt>(p, cfg, stream);
+    case kSeesaw:
+      if constexpr (k16Bit) return launch_seesaw<T, KvFmt>(p, cfg, stream);
+      break;
+    case kEtap:
+      if constexpr (KvFmt != kKvFp8DsV4) return launch_etap<T, KvFmt>(p, cfg, stream);
+      break;
+    case kFp8tConvert:
+      if constexpr (kE4M3) return launch_fp8t_convert<T, KvFmt>(p, cfg, stream);
+      break;
+    case kFp8tRegs:
+      if constexpr (kE4M3) return launch_fp8t_regs<T, KvFmt>(p, cfg, stream);
+      break;
+    case kSeesawFp8:
+      if constexpr (kE4M3) return launch_seesaw_fp8<T, KvFmt>(p, cfg, stream);
+      break;
+  }
+  return cudaErrorInvalidValue;
+}
 
 template <typename T>
 static int launch_format(const DecodeParams& p, const LaunchConfig& cfg, cudaStream_t stream) {

@@ -1,8 +1,9 @@
 // [notes]: docs/notes/cuda_sm90.md, the development history these comments cite
-// SM90 MLA decode, mainloops v7 (Mainloop::kFp8Convert) and v8 (kFp8Regs): fp8_e4m3 caches with at most 32 query
+// SM90 MLA decode, the body shared by mainloops fp8t_convert (v7, Mainloop::kFp8tConvert; fp8t_convert.cuh) and
+// fp8t_regs (v8, kFp8tRegs; fp8t_regs.cuh): fp8_e4m3 caches with at most 32 query
 // rows per KV head (the memory-bound decode of 16-32 heads), in three warpgroups.
 //
-// v6 (mainloop_etap.cuh) puts KV tokens on the 64-row side of wgmma (FlashMLA-ETAP's orientation, Dege et al.
+// v6 (etap/etap.cuh) puts KV tokens on the 64-row side of wgmma (FlashMLA-ETAP's orientation, Dege et al.
 // 2025), but with an fp8 cache each of its warpgroups runs load wait -> dequantise -> S^T -> softmax -> P V in series
 // on its one stage: 1.25x the bf16 throughput against the 1.6-1.7x the bytes allow ([notes], fifth and eleventh
 // sessions). This kernel is the design the Triton backend measured at 1.59x (kernels/triton/gluon_fp8.py): the same
@@ -49,7 +50,7 @@
 // (Fp8t::kPrefetchAhead). Ablation builds ([notes], twenty-sixth session) put the rest of the gap in the converter's
 // round trip: its register loads and its fp16 stores.
 //
-// Version 8 (kRS; mla_decode_kernel_v8) drops that round trip. One thread issues each tile as five tensor copies of
+// Version 8 (kRS; mla_decode_fp8t_regs) drops that round trip. One thread issues each tile as five tensor copies of
 // 128-column boxes (128-byte swizzle, the page's raw fp8 bytes; whole-tile pages only, the plan picks v7 on others)
 // into three stages, and the two consumers convert their operands in registers and feed wgmma's register-A form: the
 // scorer K (ldmatrix, fp8rs_gemm_s), the accumulator V^T (transposed ldmatrix and a byte permute, fp8rs_load_v).
@@ -66,13 +67,13 @@
 #include <cuda.h>
 #include <type_traits>
 
-#include "combine.cuh"
-#include "epilogue.cuh"
-#include "fp8.cuh"
-#include "loads.cuh"
-#include "ptx.cuh"
-#include "traits.cuh"
-#include "wgmma.cuh"
+#include "common/combine.cuh"
+#include "common/epilogue.cuh"
+#include "common/fp8.cuh"
+#include "common/loads.cuh"
+#include "common/ptx.cuh"
+#include "common/traits.cuh"
+#include "common/gmma.cuh"
 
 namespace mla_sm90 {
 
@@ -345,7 +346,7 @@ __device__ __forceinline__ void fp8t_rows_out(const DecodeParams& p, const float
   }
 }
 
-// v7 (kRS = false) and v8 (kRS = true; kv_map: the cache's tensor map with 128-column boxes, launch.cu make_kv_map).
+// v7 (kRS = false) and v8 (kRS = true; kv_map: the cache's tensor map with 128-column boxes, common/launch.cuh make_kv_map).
 template <typename T, int kN, bool kRS>
 __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtensorMap* kv_map) {
   static_assert(kN == 16 || kN == 32, "16 or 32 query rows");
@@ -869,17 +870,6 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
     regs_dec<Fp8t::kRegsLaunch>();
   }
   if (p.fuse_combine) combine_in_grid<T, Fp8t::kThreads>(p, reinterpret_cast<int*>(smem_base));
-}
-
-template <typename T, int kN>
-__global__ void __launch_bounds__(Fp8t::kThreads, 1) mla_decode_kernel_v7(const __grid_constant__ DecodeParams p) {
-  fp8t_decode<T, kN, false>(p, nullptr);
-}
-
-template <typename T, int kN>
-__global__ void __launch_bounds__(Fp8t::kThreads, 1)
-    mla_decode_kernel_v8(const __grid_constant__ DecodeParams p, const __grid_constant__ CUtensorMap kv_map) {
-  fp8t_decode<T, kN, true>(p, &kv_map);
 }
 
 }  // namespace mla_sm90

@@ -128,7 +128,7 @@ __device__ __forceinline__ void store_acc_row(const DecodeParams& p, const float
 // ch % 16 / 4, scaled by one power of two per quarter row). For a split item the calling warp's 32 lanes must hold one
 // quarter row (consecutive ch, the same row), since they agree on its scale by shuffles. v6 and v7 write rows so.
 // store_row_quad's stores: v, the four values of position ch (out's channels ch .. + 3, or a partial row's order),
-// times inv; m, the largest |value| of the quarter row, sets a partial row's scale. fp8t_rows_out (mainloop_fp8t.cuh)
+// times inv; m, the largest |value| of the quarter row, sets a partial row's scale. fp8t_rows_out (fp8t/fp8t.cuh)
 // calls it after reading and reducing several rows at once.
 template <typename T>
 __device__ __forceinline__ void store_quad(const DecodeParams& p, float4 v, float m, int ch, float inv, int req,

@@ -1,5 +1,5 @@
-// SM90 MLA decode, mainloop v6 (Mainloop::kEtap): KV tokens on the 64-row side of wgmma, query rows on the
-// narrow side, for shapes with at most 32 query rows per KV head (s_q * h_q / h_kv <= 32:
+// SM90 MLA decode, mainloop etap (Mainloop::kEtap; v6 in the history): KV tokens on the 64-row side of wgmma, query
+// rows on the narrow side, for shapes with at most 32 query rows per KV head (s_q * h_q / h_kv <= 32:
 // the memory-bound decode of 16-32 heads). The orientation is FlashMLA-ETAP's (Dege et al.,
 // "FlashMLA-ETAP: Efficient Transpose Attention Pipeline for Accelerating MLA Inference on
 // NVIDIA H20 GPUs", 2025): with 16 query rows, v2's m64 tiles are three quarters padding, so
@@ -31,12 +31,12 @@
 #include <cstdint>
 #include <cuda.h>
 
-#include "combine.cuh"
-#include "epilogue.cuh"
-#include "loads.cuh"
-#include "ptx.cuh"
-#include "traits.cuh"
-#include "wgmma.cuh"
+#include "common/combine.cuh"
+#include "common/epilogue.cuh"
+#include "common/loads.cuh"
+#include "common/ptx.cuh"
+#include "common/traits.cuh"
+#include "common/gmma.cuh"
 
 namespace mla_sm90 {
 
@@ -97,7 +97,7 @@ __device__ __forceinline__ void load_kv_async_paged(const DecodeParams& p, T* sK
 // The block-table entries of a tile are prefetched into shared memory two tiles ahead of its load.
 template <typename T, int kN, bool kTma, int KvFmt = kKvSameAsQ>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
-    mla_decode_kernel_v6(const __grid_constant__ DecodeParams p, const __grid_constant__ CUtensorMap kv_map) {
+    mla_decode_etap(const __grid_constant__ DecodeParams p, const __grid_constant__ CUtensorMap kv_map) {
   static_assert(kN == 16 || kN == 32, "16 or 32 query rows");
   static_assert(KvFmt == kKvSameAsQ || !kTma, "fp8 caches are loaded through registers");
   constexpr bool kFp8 = KvFmt != kKvSameAsQ;

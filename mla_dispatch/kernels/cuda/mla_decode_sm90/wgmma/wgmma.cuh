@@ -1,9 +1,9 @@
-// SM90 MLA decode, mainloop v2 (Mainloop::kWgmma): a persistent CTA per (split-KV part, 64-row query tile, KV head)
-// walks its items of the split-KV schedule (mla_dispatch/metadata/schedule.py), streams each item's KV tokens in
-// 64-token tiles through a two-stage shared-memory ring (cp.async for bf16/fp16 caches; fp8 caches loaded into
-// registers one tile ahead and dequantised while being stored), and keeps an online softmax in fp32 (base-2
-// exponents, FlashMLA's trick). V is the first 512 channels of K, so one tile feeds both GEMMs (the MQA-mode
-// absorption of FlashMLA and FlashMLA-ETAP).
+// SM90 MLA decode, mainloop wgmma (Mainloop::kWgmma; v2 in the history): a persistent CTA per (split-KV part,
+// 64-row query tile, KV head) walks its items of the split-KV schedule (mla_dispatch/metadata/schedule.py), streams
+// each item's KV tokens in 64-token tiles through a two-stage shared-memory ring (cp.async for bf16/fp16 caches; fp8
+// caches loaded into registers one tile ahead and dequantised while being stored), and keeps an online softmax in
+// fp32 (base-2 exponents, FlashMLA's trick). V is the first 512 channels of K, so one tile feeds both GEMMs (the
+// MQA-mode absorption of FlashMLA and FlashMLA-ETAP).
 //
 // Two consumer warpgroups (FlashMLA's split of the 512-wide output), both GEMMs on wgmma from shared memory:
 //   S = Q K^T : warpgroup g computes S[:, 32g .. 32g+32) with m64n32k16 (A = Q,
@@ -28,17 +28,17 @@
 #include <cmath>
 #include <cstdint>
 
-#include "combine.cuh"
-#include "epilogue.cuh"
-#include "loads.cuh"
-#include "ptx.cuh"
-#include "traits.cuh"
-#include "wgmma.cuh"
+#include "common/combine.cuh"
+#include "common/epilogue.cuh"
+#include "common/loads.cuh"
+#include "common/ptx.cuh"
+#include "common/traits.cuh"
+#include "common/gmma.cuh"
 
 namespace mla_sm90 {
 
 template <typename T, int KvFmt, bool kSparse>
-__global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_kernel_v2(const __grid_constant__ DecodeParams p) {
+__global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_wgmma(const __grid_constant__ DecodeParams p) {
   using TT = TypeTraits<T>;
   using L = Gmma128Tile64;
   extern __shared__ __align__(128) uint8_t smem_raw[];

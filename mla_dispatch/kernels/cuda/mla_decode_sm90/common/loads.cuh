@@ -1,6 +1,6 @@
 // Loads of the SM90 decode mainloops: the split-KV work items, the query tile, and KV tiles into the 128-byte-swizzled
 // stages (cp.async for bf16/fp16 caches; fp8 caches through registers, dequantised while being stored). The TMA loads
-// of whole-tile pages are the mainloops' own (a tensor map per cache, launch.cu).
+// of whole-tile pages are the mainloops' own (a tensor map per cache, common/launch.cuh).
 #pragma once
 #include <cstdint>
 
@@ -188,7 +188,7 @@ __device__ __forceinline__ void store_kv_fp8_8b(T* stage, const Fp8Stage8B<Cfg::
 // ---- sparse decode (params.h, DecodeParams::sparse): v2's loaders for its sparse instance -------------------
 // The table holds cache token ids (block * sparse_page + offset, FlashMLA's sparse indices), one per token; an id of
 // -1 is a skipped top-k slot: its row is zero-filled like a row past the end (never read, so NaN poison in the cache
-// cannot reach P V) and its score is masked (mainloop_wgmma.cuh). Any other id outside [0, block_ids) is a bad id, as
+// cannot reach P V) and its score is masked (wgmma/wgmma.cuh). Any other id outside [0, block_ids) is a bad id, as
 // in a dense launch (checked_page; block_ids counts tokens here). Separate from the dense loaders above, whose code
 // (and SASS) the sparse instance leaves as it was.
 __device__ __forceinline__ int sparse_id(const DecodeParams& p, int req, int t) {

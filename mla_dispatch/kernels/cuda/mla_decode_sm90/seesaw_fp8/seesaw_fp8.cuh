@@ -1,116 +1,47 @@
 // [notes]: docs/notes/cuda_sm90.md, the development history these comments cite
-// SM90 MLA decode, mainloops v5 (Mainloop::kSeesaw) and v9 (kSeesawFp8): two KV tiles in flight, one per
-// warpgroup, with the softmax of one warpgroup running while the other's GEMMs occupy the tensor cores
-// (the "seesaw" schedule of FlashMLA's SM90 kernel, described in DeepSeek's
-// "A Deep-Dive into the New Flash MLA Kernel", 2025, and csrc/sm90/kernels/
-// splitkv_mla.cu of deepseek-ai/FlashMLA). Our own code; the schedule is theirs.
+// SM90 MLA decode, mainloop seesaw_fp8 (Mainloop::kSeesawFp8; v9 in the history): the schedule of mainloop seesaw
+// (seesaw/seesaw.cuh, which describes it: two KV tiles in flight, one per consumer warpgroup, each softmax overlapping
+// the other warpgroup's GEMMs; its constants and shared memory in common/seesaw_pair.cuh) over an fp8_e4m3 cache,
+// with a third warpgroup that converts each tile into the K stages in place (seesaw_fp8_converter). The consumers
+// take S's column blocks in the converter's order and free each stage in two parts (release), where seesaw refills
+// it by TMA.
 //
-// Why ([notes]): v2 runs S -> softmax -> P V of one 64-token tile serially in both
-// warpgroups, so the tensor cores idle through every softmax and barrier. Here the
-// tiles of an item go in pairs (a = 2i in stage 0, b = 2i+1 in stage 1):
-//   warpgroup 0 (WG0) owns S_a = Q K_a^T (m64n64k16, all 64 tokens) and O[:, 0:256);
-//   warpgroup 1 (WG1) owns S_b and O[:, 256:512).
-// Per pair, with m the running row maximum in shared memory (sM):
-//   WG0: softmax(S_a) against m  -> P_a, scale0     | WG1: (S_b of the last pair done)
-//   WG0: O_L = O_L*scale0 + P_a V_aL (P_a in regs)  | WG1: softmax(S_b) -> P_b, scale1;
-//                                                   |      O_R *= scale0*scale1
-//   WG0: P_a *= scale1 -> sP0                        | WG1: P_b -> sP1; O_R += P_b V_bR
-//   WG0: O_L *= scale1; O_L += sP1 V_bL             | WG1: O_R += sP0 V_aR
-//   WG0: S_{a+2} (K blocks 0..3, then 4..8)         | WG1: S_{b+2}
-// so each softmax overlaps the other warpgroup's GEMMs.
+// A 64-token tile must sit in one page (page_size % 64 == 0), and the cache must be one a tensor map describes; the
+// binding refuses other caches (binding.cpp, check_config). Query lengths up to kSeesawMaxQLen, as seesaw.
 //
-// Loads: TMA (cp.async.bulk.tensor, 128-byte swizzle = the Swizzle<3,4,3> layout of
-// traits.cuh), one 64x64 box per column block, 9 per tile, each on its own mbarrier (S
-// starts on a block as soon as it lands, as FlashMLA does), refilled by the warpgroup that
-// reads it last:
-//   stage 0: blocks 0..3 (V_L)        by WG0 after P_a V_aL,
-//            blocks 4..8              by WG1 after sP0 V_aR;
-//   stage 1: blocks 0..3 and 8        by WG0 after sP1 V_bL (sP1 is block 8, below),
-//            blocks 4..7 (V_R)        by WG1 after P_b V_bR.
-// Where a part's row tiles come in pairs (128 or 256 query rows per KV head), the plan runs each
-// pair as a cluster of two CTAs (kPaired; LaunchConfig::paired) that start every item together: 1-6%
-// faster on the FlashMLA grid. Multicasting each KV box to both CTAs of the pair was tried and not kept
-// ([notes], "Eighteenth session").
-// A 64-token tile must sit in one page, so this variant needs page_size % 64 == 0 and
-// a bf16/fp16 cache (v9: fp8_e4m3) that a tensor map describes; the binding refuses other
-// caches (binding.cpp, check_config).
-//
-// Shared memory is v2's: Q [64 x 576], two K stages, one P tile (sP0). sP1 lives in
-// stage 1's column block 8 (K_b's RoPE part, dead once S_b is done; P V reads only
-// blocks 0..7). FlashMLA puts it in Q's RoPE block and keeps that block of Q in
-// registers; here those 16 registers were the difference between spilling or not.
-//
-// Masking: S of tokens past the item's end or past a causal row's limit is -inf; V
-// rows past the end of a partial tile (unused cache slots, possibly NaN) are zeroed
-// in shared memory before the P V that reads them. Both only in the last pairs of an
-// item: a tile with >= 65 more tokens of the item after it needs neither (q_len <= 64).
-//
-// Bad block ids (docs/design.md §1): the thread that issues a tile's TMA boxes checks its page (loads.cuh, page_ok),
-// loads block 0 in its place and sets the item's flag in shared memory (sBad[0], cleared by thread 0 when the item
-// starts, read by every thread after the epilogue's barrier), so the item ends with NaN row sums, out and lse. In v9
-// the converter, which may run an item ahead, sets a flag per stage (sBad[1 + stage]) before the tile's full
-// barriers, and the warpgroup that owns the tile (warpgroup 0 for stage 0, 1 for stage 1) moves it into sBad[0]
-// when it releases the stage's early part (release), after which the converter may rewrite it.
+// Bad block ids (docs/design.md §1): the converter, which may run an item ahead, sets a flag per stage
+// (sBad[1 + stage]) before the tile's full barriers, and the warpgroup that owns the tile (warpgroup 0 for stage 0,
+// 1 for stage 1) moves it into the item's flag sBad[0] (cleared by thread 0 when the item starts, read by every
+// thread after the epilogue's barrier) when it releases the stage's early part (release), after which the converter
+// may rewrite it; the item then ends with NaN row sums, out and lse.
 #pragma once
 #include <cmath>
 #include <cstdint>
 #include <cuda.h>
 
-#include "epilogue.cuh"
-#include "fp8.cuh"
-#include "loads.cuh"
-#include "ptx.cuh"
-#include "traits.cuh"
-#include "wgmma.cuh"
+#include "common/epilogue.cuh"
+#include "common/fp8.cuh"
+#include "common/loads.cuh"
+#include "common/ptx.cuh"
+#include "common/seesaw_pair.cuh"
+#include "common/traits.cuh"
+#include "common/gmma.cuh"
 
 namespace mla_sm90 {
 
-struct Seesaw {
-  static constexpr int kBlocks = Cfg::kHeadDimQK / 64;  // column blocks of a tile, one mbarrier each
-  // the steady-state pair leaves its tiles unmasked: query lengths up to kSeesawMaxQLen (config.h)
-  static constexpr int kMaxQLen = kSeesawMaxQLen;
-  // named barriers (0 = __syncthreads)
-  static constexpr int kBarScale0 = 1, kBarScale1 = 2, kBarP0 = 3, kBarP1 = 4, kBarWg = 5;  // 5, 6: per warpgroup
-  // v9 (kFp8, fp8_e4m3 caches): a third warpgroup converts the tiles (seesaw_fp8_converter); barriers 7 (the two
-  // consumer warpgroups, in place of __syncthreads) and 8 (the converter). setmaxnreg moves registers between the
-  // warpgroups (it adds none: 2 x 232 + 40 = 3 x 168, the launch's share of 384 threads); v5 itself uses 255 at 256
-  // threads, and ptxas spilled 28 bytes of the unpaired kernel at 232 (4 at 240; no converter fits in 24)
-  static constexpr int kThreadsFp8 = 384;
+// seesaw_fp8's own constants (the schedule's are SeesawPair's): a third warpgroup converts the tiles
+// (seesaw_fp8_converter); barriers 7 (the two consumer warpgroups, in place of __syncthreads) and 8 (the converter).
+// setmaxnreg moves registers between the warpgroups (it adds none: 2 x 232 + 40 = 3 x 168, the launch's share of 384
+// threads); seesaw itself uses 255 at 256 threads, and ptxas spilled 28 bytes of the unpaired kernel at 232 (4 at
+// 240; no converter fits in 24)
+struct SeesawFp8 {
+  static constexpr int kThreads = 384;
   static constexpr int kBarConsumers = 7, kBarConv = 8;
   static constexpr int kRegsConsumer = 232, kRegsConv = 40, kRegsLaunch = 168;
   static_assert(2 * kRegsConsumer + kRegsConv == 3 * kRegsLaunch, "setmaxnreg moves registers, adds none");
-  // mbarriers: full [stage][column block]; v9 also empty [stage][early, late], raw [stage] (the raw TMA copy of
-  // blocks 0..7) and rope [stage] (of block 8)
-  static constexpr int kBars = 2 * kBlocks + 8;
-  // after the mbarriers, int flags of bad block ids: [0] the current item's, [1 + stage] v9's per tile in the stage
-  static constexpr int kBadFlags = 4;
-  static constexpr int kSmemBytes = 2 * (Cfg::kQElems + Cfg::kStages * Cfg::kKElems + Cfg::kPElems) +
-                                    7 * Cfg::kBlockM * (int)sizeof(float) + kBars * 8 + kBadFlags * 4 + 1024;
-  static_assert(kSmemBytes <= 227 * 1024, "shared memory over the SM90 per-block limit");
 };
 
-// The page of the 64 tokens from t0 of request `req`, for tma_tile: a bad block id is block 0, and *bad_flag = 1.
-__device__ __forceinline__ int tile_page(const DecodeParams& p, int req, int t0, int* bad_flag) {
-  const int page = p.block_table[(int64_t)req * p.bt_stride + t0 / p.page_size];
-  if (page_ok(p, page)) return page;
-  *bad_flag = 1;
-  return 0;
-}
-
-// The 64 tokens from t0 (in block `page`, tile_page) of KV head kvh: the TMA boxes of column blocks [B0, B1) into
-// `stage`, block b signalled on bars[b]. One thread calls this.
-template <int B0, int B1, typename T>
-__device__ __forceinline__ void tma_tile(const DecodeParams& p, const CUtensorMap* map, T* stage, uint64_t* bars,
-                                         int page, int kvh, int t0) {
-  const int in_page = t0 % p.page_size;
-#pragma unroll
-  for (int b = B0; b < B1; ++b) {
-    mbar_arrive_expect_tx(bars + b, 64 * 64 * (int)sizeof(T));
-    tma_load_4d(stage + b * 64 * 64, map, bars + b, 64 * b, kvh, in_page, page);
-  }
-}
-
-// v9's converter (warpgroup 2 of mla_decode_kernel_v5<T, false, true>): fills the two K stages with each tile of
+// The converter (warpgroup 2 of mla_decode_seesaw_fp8): fills the two K stages with each tile of
 // the CTA's items in turn, converted from fp8_e4m3 into T, unscaled (the kernel folds the per-tensor scale into the
 // softmax scale and the output, as v2 does). Tile j goes to stage j % 2, as in v5.
 //
@@ -135,13 +66,13 @@ __device__ __forceinline__ void tma_tile(const DecodeParams& p, const CUtensorMa
 // other way round would wait for the next pair's P V.)
 // A first version (a barrier and a fence per block, the RoPE block first by register loads; commit c6a2525) measured
 // as slow as v2; register loads of the RoPE block held through the conversion spilled 144 bytes here.
-// sBad: the kernel's flags (Seesaw::kBadFlags); the converter writes sBad[1 + s], whether the page of the tile it
+// sBad: the kernel's flags (SeesawPair::kBadFlags); the converter writes sBad[1 + s], whether the page of the tile it
 // starts in stage s is a bad block id (the tile then copies block 0), before any full barrier of the tile.
 template <typename T>
 __device__ __forceinline__ void seesaw_fp8_converter(const DecodeParams& p, const CUtensorMap* map, T* sK, uint64_t* bars,
                                                      int* sBad, int part, int kvh, int tid_c) {
   uint64_t* full = bars;
-  uint64_t* empty = bars + 2 * Seesaw::kBlocks;  // [stage][early, late]
+  uint64_t* empty = bars + 2 * SeesawPair::kBlocks;  // [stage][early, late]
   uint64_t* raw_bar = empty + 4;                  // [stage]
   uint64_t* rope_bar = raw_bar + 2;               // [stage]
   const int r0 = tid_c / 4, q = tid_c % 4;
@@ -205,8 +136,8 @@ __device__ __forceinline__ void seesaw_fp8_converter(const DecodeParams& p, cons
       };
       auto signal = [&](int c0, int c1) {  // blocks c0 and c1 of this tile are in place
         fence_proxy_async_smem();
-        mbar_arrive(full + s * Seesaw::kBlocks + c0);
-        mbar_arrive(full + s * Seesaw::kBlocks + c1);
+        mbar_arrive(full + s * SeesawPair::kBlocks + c0);
+        mbar_arrive(full + s * SeesawPair::kBlocks + c1);
       };
       // group 1: four blocks whose places hold no raw bytes (stage 0: 7..4 over [32, 64) KB; stage 1: 0..3)
 #pragma unroll 1
@@ -226,7 +157,7 @@ __device__ __forceinline__ void seesaw_fp8_converter(const DecodeParams& p, cons
         uint4 v0[2], v1[2];
         read(c0, v0);
         read(c1, v1);
-        named_barrier(Seesaw::kBarConv, 128);
+        named_barrier(SeesawFp8::kBarConv, 128);
         store(c0, v0);
         store(c1, v1);
         signal(c0, c1);
@@ -235,26 +166,22 @@ __device__ __forceinline__ void seesaw_fp8_converter(const DecodeParams& p, cons
       mbar_wait(rope_bar + s, k & 1u);
       uint4 v8[2];
       read(8, v8);
-      named_barrier(Seesaw::kBarConv, 128);
+      named_barrier(SeesawFp8::kBarConv, 128);
       store(8, v8);
       fence_proxy_async_smem();
-      mbar_arrive(full + s * Seesaw::kBlocks + 8);
+      mbar_arrive(full + s * SeesawPair::kBlocks + 8);
     }
   }
 }
 
-// kPaired: launched in clusters of two row-tile CTAs of a part (grid y, launch.cu); a cluster barrier
-// ends each item, so the pair starts the next one together.
-// kFp8 (variant 9): an fp8_e4m3 cache, 384 threads, the tiles converted by warpgroup 2 (seesaw_fp8_converter) and
-// `kv_map` the cache's raw bytes in 64-column boxes (launch.cu); never paired.
-template <typename T, bool kPaired, bool kFp8 = false>
-__global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
-    mla_decode_kernel_v5(const __grid_constant__ DecodeParams p, const __grid_constant__ CUtensorMap kv_map) {
-  static_assert(!(kPaired && kFp8), "v9 runs its CTAs alone: the converter does not join the cluster barriers");
+// An fp8_e4m3 cache, 384 threads, the tiles converted by warpgroup 2 (seesaw_fp8_converter) and `kv_map` the cache's
+// raw bytes in 64-column boxes (seesaw_fp8/launch.cuh). Never paired: the converter does not join cluster barriers.
+template <typename T>
+__global__ void __launch_bounds__(SeesawFp8::kThreads, 1)
+    mla_decode_seesaw_fp8(const __grid_constant__ DecodeParams p, const __grid_constant__ CUtensorMap kv_map) {
   using TT = TypeTraits<T>;
   using L = Gmma128Tile64;
   using SS = Gmma<T>;
-  using RS = GmmaRS<T>;
   extern __shared__ __align__(128) uint8_t smem_raw[];
   uint8_t* smem_base = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   T* sQ = reinterpret_cast<T*>(smem_base);
@@ -269,51 +196,41 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
   float* sScale1 = sScale0 + 2 * Cfg::kBlockM;                 // [2][64]
   float* sSum = sScale1 + 2 * Cfg::kBlockM;                    // [2][64]
   uint64_t* bars = reinterpret_cast<uint64_t*>(sSum + 2 * Cfg::kBlockM);  // [stage][column block]
-  int* sBad = reinterpret_cast<int*>(bars + Seesaw::kBars);              // [Seesaw::kBadFlags]
+  int* sBad = reinterpret_cast<int*>(bars + SeesawPair::kBars);              // [SeesawPair::kBadFlags]
 
   const int part = blockIdx.x, row_tile = blockIdx.y, kvh = blockIdx.z;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int rg = warp % Cfg::kRowGroups, wg = warp / Cfg::kRowGroups, tid_wg = tid % 128;
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr float kLn2 = 0.6931471805599453f;
-  float out_scale = 1.f;  // v9: the cache's per-tensor scale, applied to the scores and the output
-  if constexpr (kFp8) out_scale = *p.kv_scale;
+  const float out_scale = *p.kv_scale;  // the cache's per-tensor scale, applied to the scores and the output
   const float score_scale = p.softmax_scale * out_scale * kLog2e;
 
   if (tid == 0) {
-    for (int i = 0; i < 2 * Seesaw::kBlocks; ++i) mbar_init(bars + i, kFp8 ? 128 : 1);
-    if constexpr (kFp8) {
-      for (int i = 0; i < 4; ++i) mbar_init(bars + 2 * Seesaw::kBlocks + i, 128);  // empty: a consumer warpgroup
-      for (int i = 4; i < 8; ++i) mbar_init(bars + 2 * Seesaw::kBlocks + i, 1);    // raw, rope: TMA copies
-    }
+    for (int i = 0; i < 2 * SeesawPair::kBlocks; ++i) mbar_init(bars + i, 128);
+    for (int i = 0; i < 4; ++i) mbar_init(bars + 2 * SeesawPair::kBlocks + i, 128);  // empty: a consumer warpgroup
+    for (int i = 4; i < 8; ++i) mbar_init(bars + 2 * SeesawPair::kBlocks + i, 1);    // raw, rope: TMA copies
     fence_mbar_init();
   }
   __syncthreads();
-  if constexpr (kFp8) {
-    if (wg == 2) {
-      regs_dec<Seesaw::kRegsConv>();
-      seesaw_fp8_converter<T>(p, &kv_map, sK, bars, sBad, part, kvh, tid - 256);
-      return;
-    }
-    regs_inc<Seesaw::kRegsConsumer>();
+  if (wg == 2) {
+    regs_dec<SeesawFp8::kRegsConv>();
+    seesaw_fp8_converter<T>(p, &kv_map, sK, bars, sBad, part, kvh, tid - 256);
+    return;
   }
-  // the two consumer warpgroups' barrier over the CTA (v9's converter does not take part)
-  auto consumers_sync = [] {
-    if constexpr (kFp8) named_barrier(Seesaw::kBarConsumers, 256);
-    else __syncthreads();
-  };
-  // v9: warpgroup `wg` is done reading part `which` (0 early, 1 late) of the stage of tile j. The early part's release
+  regs_inc<SeesawFp8::kRegsConsumer>();
+  // the two consumer warpgroups' barrier over the CTA (the converter does not take part)
+  auto consumers_sync = [] { named_barrier(SeesawFp8::kBarConsumers, 256); };
+  // warpgroup `wg` is done reading part `which` (0 early, 1 late) of the stage of tile j. The early part's release
   // is the tile's owner's (warpgroup 0 for stage 0, 1 for stage 1), which has waited for the tile's full barriers:
   // first the converter's bad-id flag of the tile goes into the item's (a load by every thread, a store by one, so no
   // branch; placed at the head of each pair instead, it made ptxas duplicate a masked softmax)
   auto release = [&](int j, int which) {
-    if constexpr (kFp8) {
-      if (which == 0) {
-        const int bad = sBad[1 + (j & 1)];
-        if (bad != 0 && tid_wg == 0) sBad[0] = 1;
-      }
-      mbar_arrive(bars + 2 * Seesaw::kBlocks + 2 * (j & 1) + which);
+    if (which == 0) {
+      const int bad = sBad[1 + (j & 1)];
+      if (bad != 0 && tid_wg == 0) sBad[0] = 1;
     }
+    mbar_arrive(bars + 2 * SeesawPair::kBlocks + 2 * (j & 1) + which);
   };
 
   int row_local[2], row_i[2], row_head[2];
@@ -336,31 +253,13 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
     auto parity_of = [&](int j) { return (loads_done[j & 1] + (uint32_t)(j >> 1)) & 1u; };
     auto valid_of = [&](int j) { return min(Cfg::kBlockN, tok_end - t0_of(j)); };
     uint64_t* bars0 = bars;
-    uint64_t* bars1 = bars + Seesaw::kBlocks;
-    // stage 1, blocks 0..3 and 8 (refilled together: WG0 reads them last)
-    auto tma_stage1_lo = [&](int page, int t0) {
-      tma_tile<0, 4>(p, &kv_map, stage_of(1), bars1, page, kvh, t0);
-      tma_tile<8, 9>(p, &kv_map, stage_of(1), bars1, page, kvh, t0);
-    };
-    auto page_of = [&](int j) { return tile_page(p, req, t0_of(j), sBad); };
+    uint64_t* bars1 = bars + SeesawPair::kBlocks;
     // the item's bad-id flag: its last readers passed the previous item's closing barrier; its writers are thread 0
     // (program order) and thread 128 (after the barrier below)
     if (tid == 0) sBad[0] = 0;
-    // -- first two tiles (TMA), Q (cp.async), sM, issued in the order S needs them: tile 0 and Q (S of tile 0),
-    // then tile 1. Issuing tile 1 ahead of Q measured 0-1% slower where v5 runs (b = 32..96, h_q = 128;
-    // [notes], "Seventeenth session"), which also has the per-column-block Q wait that was tried instead.
-    if constexpr (!kFp8) {
-      if (tid == 0 && num_tiles > 0) tma_tile<0, 9>(p, &kv_map, stage_of(0), bars0, page_of(0), kvh, t0_of(0));
-    }
+    // -- Q (cp.async), sM (the converter fills the K stages)
     load_q_tile_async<T, L>(p, sQ, req, row_tile, kvh);
     cp_async_commit();
-    if constexpr (!kFp8) {
-      if (tid == 0 && num_tiles > 1) {
-        const int page = page_of(1);
-        tma_tile<4, 8>(p, &kv_map, stage_of(1), bars1, page, kvh, t0_of(1));
-        tma_stage1_lo(page, t0_of(1));
-      }
-    }
     if (tid < Cfg::kBlockM) sM[tid] = -INFINITY;
     cp_async_wait_all();
     fence_proxy_async_smem();
@@ -377,23 +276,10 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
     fence_regs<32>(acc_s);
     float row_sum[2] = {0.f, 0.f};
 
-    // Descriptor bases go through an empty asm per use: the operand addresses are loop
-    // invariant, and ptxas would otherwise keep every k-step's 64-bit descriptor live
-    // across the loop ([notes], v4) and spill.
-    auto desc = [](const void* base) {
-      uint32_t a = smem_u32(base);
-      asm volatile("" : "+r"(a));
-      a = __shfl_sync(0xffffffff, a, 0);  // warp-uniform: the descriptor math runs in uniform registers
-      return gmma_desc_sw128_addr(a, 16, 1024);
-    };
-    auto desc_v = [](const void* base) {
-      uint32_t a = smem_u32(base);
-      asm volatile("" : "+r"(a));
-      a = __shfl_sync(0xffffffff, a, 0);  // warp-uniform: the descriptor math runs in uniform registers
-      return gmma_desc_sw128_addr(a, 64 * 64 * 2, 1024);
-    };
-    // S = Q K^T of tile j over column blocks [B0, B1), in ascending order or, with kDesc, descending (v9's stage 0:
-    // the converter's order), each block issued as soon as its TMA box has landed (a wgmma.fence after every wait:
+    // the descriptor of a K-major operand block (common/seesaw_pair.cuh)
+    auto desc = [](const void* base) { return seesaw_desc(base); };
+    // S = Q K^T of tile j over column blocks [B0, B1), in ascending order or, with kDesc, descending (stage 0: the
+    // converter's order), each block issued as soon as its TMA box has landed (a wgmma.fence after every wait:
     // ptxas would otherwise inject one on the wait loop's divergent path and serialise the wgmmas, C7520)
     auto issue_s_dir = [&](int j, auto b0, auto b1, bool first, auto desc_c) {
       constexpr int B0 = decltype(b0)::value, B1 = decltype(b1)::value;
@@ -427,119 +313,26 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
     using I8 = std::integral_constant<int, 8>;
     using I9 = std::integral_constant<int, 9>;
 
-    // softmax of the S tile of tile j against the running max in sM; returns this thread's
-    // per-row scale for the old accumulators; acc_s becomes P (fp32, base-2 exponent).
-    // kMask (template): tokens past the item's end or a causal row's limit become -inf. A tile
-    // followed by at least 65 more tokens of the item needs no mask (q_len <= kMaxQLen), so
-    // the steady-state pair skips it, as FlashMLA's kernel does for all but the last tiles.
-    // The maximum is taken over raw scores (score_scale > 0) and the scale folded into the
-    // exponent's FFMA: p = 2^(s * scale - m).
+    // this warpgroup's steps of a pair over its registers (common/seesaw_pair.cuh)
     auto softmax = [&](int j, auto mask_c, float (&scale)[2], float (&psum)[2]) {
-      constexpr bool kMask = decltype(mask_c)::value;
-      float tile_max[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-      for (int n = 0; n < 8; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int h = e >> 1;
-          float& s = acc_s[4 * n + e];
-          if constexpr (kMask) {
-            const int t = t0_of(j) + n * 8 + (lane % 4) * 2 + (e & 1);
-            s = (t < tok_end && t <= limit[h]) ? s : -INFINITY;
-          }
-          tile_max[h] = fmaxf(tile_max[h], s);
-        }
-      }
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffff, tile_max[h], 1));
-        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffff, tile_max[h], 2));
-        const float m_old = sM[row_local[h]];
-        const float m_new = fmaxf(m_old, tile_max[h] * score_scale);
-        const float m_use = m_new == -INFINITY ? 0.f : m_new;
-        scale[h] = exp2_ftz(m_old - m_use);
-        psum[h] = 0.f;
-#pragma unroll
-        for (int n = 0; n < 8; ++n) {
-#pragma unroll
-          for (int e = 2 * h; e < 2 * h + 2; ++e) {
-            acc_s[4 * n + e] = exp2_ftz(fmaf(acc_s[4 * n + e], score_scale, -m_use));
-            psum[h] += acc_s[4 * n + e];
-          }
-        }
-        __syncwarp();  // every lane of the quad has read sM before it moves
-        if (lane % 4 == 0) sM[row_local[h]] = m_new;
-      }
+      seesaw_softmax<decltype(mask_c)::value>(acc_s, sM, row_local, lane, tok_begin, j, tok_end, limit, score_scale,
+                                              scale, psum);
     };
-    // (skipped by a warp whose 16 rows all kept their maximum: most pairs once a row has seen many tokens)
-    auto scale_o = [&](const float (&s)[2]) {
-      if (!__any_sync(0xffffffff, s[0] != 1.f || s[1] != 1.f)) return;
-#pragma unroll
-      for (int n = 0; n < 32; ++n) {
-        acc_o[4 * n + 0] *= s[0];
-        acc_o[4 * n + 1] *= s[0];
-        acc_o[4 * n + 2] *= s[1];
-        acc_o[4 * n + 3] *= s[1];
-      }
-    };
-    // P (acc_s, times per-row factors) as wgmma A fragments: k-step kt = accumulators 8kt .. 8kt+8.
-    auto pack_p = [&](uint32_t (&rp)[16], const float (&f)[2]) {
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const float fi = f[(i & 1)];
-        typename TT::T2 v = TT::from_float2(acc_s[2 * i] * fi, acc_s[2 * i + 1] * fi);
-        rp[i] = *reinterpret_cast<uint32_t*>(&v);
-      }
-    };
-    // the same P into a [64 x 64] K-major swizzled tile (A operand of the other warpgroup)
-    auto store_p = [&](T* sP, const uint32_t (&rp)[16]) {
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const int n = i / 2, h = i & 1;
-        const int col = n * 8 + (lane % 4) * 2;
-        *reinterpret_cast<uint32_t*>(sP + L::offset(row_local[h], col)) = rp[i];
-      }
-    };
-    // O += P V over this warpgroup's 256 channels (column blocks 4 wg .. 4 wg + 3) of stage `st`
-    auto pv_rs = [&](const uint32_t (&rp)[16], const T* st) {
-      const uint64_t dv = desc_v(st + (4 * wg) * 64 * 64);
-#pragma unroll
-      for (int kt = 0; kt < 4; ++kt) {
-        const uint64_t off = (uint64_t)((kt * 16 * 64 * (int)sizeof(T)) >> 4);
-        gmma_rs_call<typename RS::PV>(rp + 4 * kt, dv + off, acc_o, true, std::make_index_sequence<128>{});
-      }
-    };
-    auto pv_ss = [&](const T* sP, const T* st) {
-      const uint64_t dp = desc(sP), dv = desc_v(st + (4 * wg) * 64 * 64);
-#pragma unroll
-      for (int kt = 0; kt < 4; ++kt) {
-        const uint64_t off_p = (uint64_t)((kt * 16 * (int)sizeof(T)) >> 4);
-        const uint64_t off_v = (uint64_t)((kt * 16 * 64 * (int)sizeof(T)) >> 4);
-        gmma_call<typename SS::PV>(dp + off_p, dv + off_v, acc_o, true, std::make_index_sequence<128>{});
-      }
-    };
-    // zero this warpgroup's V columns of the rows past a partial tile's end, then sync the warpgroup
-    auto fix_partial = [&](int j) {
-      if constexpr (kFp8) return;  // v9's converter stores the rows past the end as zeros
-      const int valid = valid_of(j);
-      if (valid < Cfg::kBlockN) {
-        zero_v_rows(stage_of(j), valid, wg, tid_wg);
-        fence_proxy_async_smem();
-        named_barrier(Seesaw::kBarWg + wg, 128);
-      }
-    };
+    auto scale_o = [&](const float (&s)[2]) { seesaw_scale_o(acc_o, s); };
+    auto pack_p = [&](uint32_t (&rp)[16], const float (&f)[2]) { seesaw_pack_p<T>(acc_s, rp, f); };
+    auto store_p = [&](T* sP, const uint32_t (&rp)[16]) { seesaw_store_p<T>(sP, rp, row_local, lane); };
+    auto pv_rs = [&](const uint32_t (&rp)[16], const T* st) { seesaw_pv_rs<T>(acc_o, rp, st, wg); };
+    auto pv_ss = [&](const T* sP, const T* st) { seesaw_pv_ss<T>(acc_o, sP, st, wg); };
+    // (no V rows to zero past a partial tile's end: the converter stores them as zeros)
     const float kOne[2] = {1.f, 1.f};
 
     if (wg == 0) {
       // ================= warpgroup 0: tiles 0, 2, 4, ...; O[:, 0:256)
       if (num_tiles > 0) {
         fence_regs<32>(acc_s);
-        if constexpr (kFp8) {  // the converter's order for stage 0: 7..0, then 8
-          issue_s_desc(0, I0{}, I8{}, true);
-          issue_s(0, I8{}, I9{}, false);
-        } else {
-          issue_s(0, I0{}, I9{}, true);
-        }
+        // the converter's order for stage 0: 7..0, then 8
+        issue_s_desc(0, I0{}, I8{}, true);
+        issue_s(0, I8{}, I9{}, false);
         cute::warpgroup_commit_batch();
         cute::warpgroup_wait<0>();
         fence_regs<32>(acc_s);
@@ -560,10 +353,9 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
           row_sum[h] = row_sum[h] * sc0[h] + psum[h];
           if (lane % 4 == 0) sScale0[buf + row_local[h]] = sc0[h];
         }
-        named_barrier_arrive(Seesaw::kBarScale0, 256);
+        named_barrier_arrive(SeesawPair::kBarScale0, 256);
         uint32_t rp[16];
         pack_p(rp, kOne);
-        if constexpr (!kHasB) fix_partial(a);  // only the last tile can be partial
         // O_L += P_a V_aL
         fence_regs<128>(acc_o);
         cute::warpgroup_arrive();
@@ -571,12 +363,8 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
         cute::warpgroup_commit_batch();
         cute::warpgroup_wait<0>();
         fence_regs<128>(acc_o);
-        if constexpr (kFp8) {
-          release(a, 0);  // stage 0, blocks 0..3 (and 8, dead since S_a)
-        } else if constexpr (kNextA) {  // stage 0, blocks 0..3: WG0 was the last reader
-          if (tid_wg == 0) tma_tile<0, 4>(p, &kv_map, stage_of(a), bars0, page_of(a + 2), kvh, t0_of(a + 2));
-        }
-        named_barrier(Seesaw::kBarScale1, 256);  // WG1's softmax of tile b: sM, sScale1
+        release(a, 0);  // stage 0, blocks 0..3 (and 8, dead since S_a)
+        named_barrier(SeesawPair::kBarScale1, 256);  // WG1's softmax of tile b: sM, sScale1
         float sc1[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) sc1[h] = sScale1[buf + row_local[h]];
@@ -594,21 +382,20 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
         }
         store_p(sP0, rp);
         fence_proxy_async_smem();
-        named_barrier_arrive(Seesaw::kBarP0, 256);
+        named_barrier_arrive(SeesawPair::kBarP0, 256);
         scale_o(sc1);
         row_sum[0] *= sc1[0];
         row_sum[1] *= sc1[1];
-        named_barrier(Seesaw::kBarP1, 256);  // sP1 in place (or no tile b)
+        named_barrier(SeesawPair::kBarP1, 256);  // sP1 in place (or no tile b)
         fence_regs<128>(acc_o);
         if constexpr (kHasB) {
           wait_blocks(b, 0, 4);
-          if constexpr (!kNextA) fix_partial(b);
           // O_L += P_b V_bL
           cute::warpgroup_arrive();
           pv_ss(sP1, stage_of(b));
           cute::warpgroup_commit_batch();
         }
-        if constexpr (kNextA && kFp8) {
+        if constexpr (kNextA) {
           // S_{a+2} in the converter's order: blocks 7..4, then 3..0 and 8
           fence_regs<32>(acc_s);
           issue_s_desc(a + 2, I4{}, I8{}, true);
@@ -618,22 +405,11 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
           issue_s_desc(a + 2, I0{}, I4{}, false);
           issue_s(a + 2, I8{}, I9{}, false);
           cute::warpgroup_commit_batch();
-        } else if constexpr (kNextA) {
-          // S_{a+2}: blocks 0..3 (refilled above), then 4..8 (refilled by WG1)
-          fence_regs<32>(acc_s);
-          issue_s(a + 2, I0{}, I4{}, true);
-          cute::warpgroup_commit_batch();
-          if constexpr (kNextB) {
-            cute::warpgroup_wait<1>();  // sP1 V_bL done: stage 1, blocks 0..3 and 8 (sP1) are free
-            if (tid_wg == 0) tma_stage1_lo(page_of(b + 2), t0_of(b + 2));
-          }
-          issue_s(a + 2, I4{}, I9{}, false);
-          cute::warpgroup_commit_batch();
         }
         cute::warpgroup_wait<0>();
         fence_regs<128>(acc_o);
         fence_regs<32>(acc_s);
-        if constexpr (kFp8 && kHasB && !kNextA) release(b, 1);
+        if constexpr (kHasB && !kNextA) release(b, 1);
       };
       using T_ = std::true_type;
       using F_ = std::false_type;
@@ -647,13 +423,7 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
       // ================= warpgroup 1: tiles 1, 3, 5, ...; O[:, 256:512)
       if (num_tiles > 1) {
         fence_regs<32>(acc_s);
-        if constexpr (kFp8) {  // the converter's order for stage 1: 0..7, then 8
-          issue_s(1, I0{}, I9{}, true);
-        } else {
-          issue_s(1, I4{}, I8{}, true);
-          issue_s(1, I0{}, I4{}, false);
-          issue_s(1, I8{}, I9{}, false);
-        }
+        issue_s(1, I0{}, I9{}, true);  // the converter's order for stage 1: 0..7, then 8
         cute::warpgroup_commit_batch();
         cute::warpgroup_wait<0>();
         fence_regs<32>(acc_s);
@@ -663,7 +433,7 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
                        kNextB = decltype(next_b_c)::value;
         const int b = a + 1;
         const int buf = ((a >> 1) & 1) * Cfg::kBlockM;  // this pair's sScale0 / sScale1 buffer
-        named_barrier(Seesaw::kBarScale0, 256);  // WG0's softmax of tile a: sM, sScale0
+        named_barrier(SeesawPair::kBarScale0, 256);  // WG0's softmax of tile a: sM, sScale0
         float sc0[2], sc1[2] = {1.f, 1.f}, psum[2] = {0.f, 0.f};
 #pragma unroll
         for (int h = 0; h < 2; ++h) sc0[h] = sScale0[buf + row_local[h]];
@@ -675,7 +445,7 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
           row_sum[h] = row_sum[h] * both[h] + psum[h];
           if (lane % 4 == 0) sScale1[buf + row_local[h]] = sc1[h];
         }
-        named_barrier_arrive(Seesaw::kBarScale1, 256);
+        named_barrier_arrive(SeesawPair::kBarScale1, 256);
         scale_o(both);
         uint32_t rp[16];
         if constexpr (kHasB) {
@@ -683,47 +453,30 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
           store_p(sP1, rp);
           fence_proxy_async_smem();
         }
-        named_barrier_arrive(Seesaw::kBarP1, 256);
+        named_barrier_arrive(SeesawPair::kBarP1, 256);
         fence_regs<128>(acc_o);
         if constexpr (kHasB) {
-          if constexpr (!kNextA) fix_partial(b);
           // O_R += P_b V_bR
           cute::warpgroup_arrive();
           pv_rs(rp, stage_of(b));
           cute::warpgroup_commit_batch();
         }
-        named_barrier(Seesaw::kBarP0, 256);  // sP0 in place
+        named_barrier(SeesawPair::kBarP0, 256);  // sP0 in place
         wait_blocks(a, 4, 8);
-        if constexpr (!kHasB) fix_partial(a);
         // O_R += P_a V_aR
         cute::warpgroup_arrive();
         pv_ss(sP0, stage_of(a));
         cute::warpgroup_commit_batch();
-        if constexpr (kFp8 && kHasB) {
+        if constexpr (kHasB) {
           cute::warpgroup_wait<1>();  // P_b V_bR done
           release(b, 0);              // stage 1, blocks 4..7
-        } else if constexpr (kNextB) {
-          cute::warpgroup_wait<1>();  // P_b V_bR done: stage 1, blocks 4..7 are free
-          if (tid_wg == 0) tma_tile<4, 8>(p, &kv_map, stage_of(b), bars1, page_of(b + 2), kvh, t0_of(b + 2));
         }
         cute::warpgroup_wait<0>();
         fence_regs<128>(acc_o);
-        if constexpr (kFp8) {
-          release(a, 1);  // stage 0, blocks 4..8
-        } else if constexpr (kNextA) {  // stage 0, blocks 4..8: WG1 was the last reader
-          if (tid_wg == 0) tma_tile<4, 9>(p, &kv_map, stage_of(a), bars0, page_of(a + 2), kvh, t0_of(a + 2));
-        }
-        if constexpr (kNextB && kFp8) {
+        release(a, 1);  // stage 0, blocks 4..8
+        if constexpr (kNextB) {
           fence_regs<32>(acc_s);
           issue_s(b + 2, I0{}, I9{}, true);  // the converter's order for stage 1: 0..7, then 8
-          cute::warpgroup_commit_batch();
-          cute::warpgroup_wait<0>();
-          fence_regs<32>(acc_s);
-        } else if constexpr (kNextB) {
-          fence_regs<32>(acc_s);
-          issue_s(b + 2, I4{}, I8{}, true);
-          issue_s(b + 2, I0{}, I4{}, false);
-          issue_s(b + 2, I8{}, I9{}, false);
           cute::warpgroup_commit_batch();
           cute::warpgroup_wait<0>();
           fence_regs<32>(acc_s);
@@ -762,8 +515,7 @@ __global__ void __launch_bounds__(kFp8 ? Seesaw::kThreadsFp8 : Cfg::kThreads, 1)
                        wg == 0 && lane % 4 == 0);
     }
     // sQ, sK, sM, sSum are reused by the next item
-    if constexpr (kPaired) cluster_sync();
-    else consumers_sync();
+    consumers_sync();
   }
 }
 

@@ -102,7 +102,7 @@ template <int kN> struct GmmaFp8RS {  // A (K or V^T) from registers, B (Q or P^
 
 // ---- tokens on M (v6, v7) ---------------------------------------------------------------
 // The two GEMMs of a 64-token tile with tokens on the wgmma M side (FlashMLA-ETAP's orientation), shared by v6
-// (mainloop_etap.cuh) and v7 (mainloop_fp8t.cuh). Operands are 16-bit, in nine [rows][64] column blocks with the
+// (etap/etap.cuh) and v7 (fp8t/fp8t.cuh). Operands are 16-bit, in nine [rows][64] column blocks with the
 // 128-byte swizzle.
 // S^T = K Q^T: 9 column blocks x 4 k-steps of G::KQ (m64 x kN x k16) into `acc`, K at `dk` (blocks of 64 x 64), Q at
 // `dq` (blocks kQBlock elements apart); `block_ready(blk)` runs before the wgmmas of block blk (v6's TMA waits, with

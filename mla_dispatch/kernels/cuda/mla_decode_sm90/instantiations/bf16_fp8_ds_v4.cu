@@ -1,6 +1,0 @@
-// The decode kernel of q dtype bf16 over an fp8_ds_v4 cache (DeepSeek-V4; launch_mainloop.cuh: v2's sparse instance).
-#include "../launch_mainloop.cuh"
-
-namespace mla_sm90 {
-MLA_SM90_INSTANTIATE_LAUNCH(__nv_bfloat16, kKvFp8DsV4)
-}  // namespace mla_sm90

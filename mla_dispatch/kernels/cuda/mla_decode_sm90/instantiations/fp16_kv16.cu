@@ -1,6 +1,0 @@
-// The decode kernels of q dtype fp16 over an fp16 cache (launch_mainloop.cuh).
-#include "../launch_mainloop.cuh"
-
-namespace mla_sm90 {
-MLA_SM90_INSTANTIATE_LAUNCH(__half, kKvSameAsQ)
-}  // namespace mla_sm90

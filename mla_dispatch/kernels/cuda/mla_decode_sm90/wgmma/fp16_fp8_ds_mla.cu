@@ -1,0 +1,6 @@
+// The wgmma kernel instances of q dtype fp16 over an fp8_ds_mla cache (wgmma/launch.cuh).
+#include "wgmma/launch.cuh"
+
+namespace mla_sm90 {
+template int launch_wgmma<__half, kKvFp8DsMla>(const DecodeParams&, const LaunchConfig&, cudaStream_t);
+}  // namespace mla_sm90

@@ -1,0 +1,6 @@
+// The wgmma kernel instances of q dtype fp16 over an fp8_e4m3 cache (wgmma/launch.cuh).
+#include "wgmma/launch.cuh"
+
+namespace mla_sm90 {
+template int launch_wgmma<__half, kKvFp8E4M3>(const DecodeParams&, const LaunchConfig&, cudaStream_t);
+}  // namespace mla_sm90
