@@ -248,3 +248,13 @@ def test_backends_help_says_what_runs_by_default_on_a_cpu():
     gpu = bench.default_backends(torch.device("cuda"))
     others = [n for n in importable if n != "reference"]
     assert gpu == (["auto"] + others if len(others) > 1 else others)
+
+
+def test_only_keeps_the_configs_whose_label_contains_a_text(capsys):
+    assert bench.main(["--grid", "hopper,latency", "--only", "causal, b1-", "--list"]) == 0
+    listed = capsys.readouterr().out.split()
+    every = [c.label for g in ("hopper", "latency") for c in bench.grid_configs(g)]
+    assert listed == [label for label in every if "causal" in label or "b1-" in label] and listed
+    for bad in ("nothing-has-this", " , "):
+        assert bench.main(["--grid", "hopper", "--only", bad, "--list"]) == 2
+        assert "argument --only" in capsys.readouterr().err

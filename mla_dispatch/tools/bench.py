@@ -786,9 +786,26 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--from-json", action="append", default=None, metavar="BENCH_JSON",
                    help="with --check-auto: check a saved run (bench-<grids>.json) instead of running; repeat it to "
                         "check several")
+    p.add_argument("--only", default=None, metavar="TEXT",
+                   help="run only the configs whose label contains one of these comma-separated texts (e.g. "
+                        "'causal' or 'b1-,b8-'; --list shows the labels)")
     p.add_argument("--list", action="store_true", help="print the grid's configs and exit")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
+
+
+def only_configs(configs: Sequence[BenchConfig], text: str | None) -> list[BenchConfig]:
+    """The configs whose label contains one of the comma-separated ``text`` (all of them for None). Raises
+    UsageError for an empty filter or one that matches nothing."""
+    if text is None:
+        return list(configs)
+    parts = [t.strip() for t in text.split(",") if t.strip()]
+    if not parts:
+        raise UsageError(f"argument --only: expected comma-separated texts of config labels, got {text!r}")
+    kept = [c for c in configs if any(t in c.label for t in parts)]
+    if not kept:
+        raise UsageError(f"argument --only: {text!r} matches none of the {len(configs)} configs (see --list)")
+    return kept
 
 
 def grid_names(text: str, option: str = "--grid") -> list[str]:
@@ -847,7 +864,7 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
                 raise UsageError(f"argument --from-json: {exc}") from None
         return _check_auto(rows, args.check_auto)
     grids = grid_names(args.grid)
-    configs = [c for g in grids for c in grid_configs(g)]
+    configs = only_configs([c for g in grids for c in grid_configs(g)], args.only)
     if args.list:
         print("\n".join(c.label for c in configs))
         return 0
