@@ -29,6 +29,9 @@ Contract implemented: vLLM 0.33.0 (PyPI), read from its installed sources:
 cache [blocks, block, 584] uint8) or None, swa_metadata: DeepseekSparseSWAMetadata, attn_metadata:
 DeepseekV4FlashMLAMetadata or None, swa_only: bool, output [t, padded_heads, 512]) -> None``, writing
 ``output``. Prefill keeps FlashMLA's kernels, so this layer needs what vLLM's FlashMLA layer needs on the device.
+CUDA graphs: vLLM's builders declare full graphs for this layer; before capturing a size, vLLM warms it up with
+attention metadata (``gpu_model_runner.py``: ``force_attention`` for ``CUDAGraphMode.FULL``), so the plan of each
+captured shape is made in the warm-up and kept for good at the capture (:class:`PlanCache`).
 This module imports vLLM; nothing else in mla_dispatch does except the other engine modules.
 """
 
