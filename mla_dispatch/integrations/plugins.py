@@ -84,7 +84,10 @@ class _WrapAfterImport(importlib.abc.MetaPathFinder):
         for finder in sys.meta_path:
             if isinstance(finder, _WrapAfterImport) or not hasattr(finder, "find_spec"):
                 continue
-            spec = finder.find_spec(name, path, target)
+            try:
+                spec = finder.find_spec(name, path, target)
+            except (ImportError, ValueError, AttributeError):  # a finder that cannot answer: ask the next
+                continue
             if spec is not None:
                 break
         else:

@@ -253,8 +253,9 @@ def install_pth(api: str = "current", site_dir: str | None = None, *,
     """Write ``<site-packages>/mla_dispatch_flash_mla_alias.{pth,py}``: every Python process of this environment
     then resolves ``import flash_mla`` here, as long as no real ``flash_mla`` is installed (the finder steps
     aside for one, with a warning). With ``shadow_installed=True`` the alias is written even where a real
-    ``flash_mla`` is installed and hides it in every process (SGLang 0.5.23 depends on sgl-flash-mla, whose CUDA
-    extension loads only where it was built for: to serve through mla_dispatch there, or on other hardware).
+    ``flash_mla`` is installed and hides it in every process: SGLang 0.5.23 installs sgl-flash-mla as a dependency,
+    so this is how its DeepSeek-V4 decode runs on mla_dispatch (on Hopper, or where sgl-flash-mla's kernels do not
+    load).
 
     Returns
     -------
