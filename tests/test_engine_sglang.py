@@ -451,7 +451,7 @@ def test_dsa_hook_leaves_other_caches_to_sglang(monkeypatch):
 # -- DeepSeek-V4 (SGLang's dsv4 backend) through the flash_mla alias -------------------------------------------
 
 _DSV4_CHILD = r'''
-import functools, json, os, sys, warnings
+import functools, json, sys, warnings
 import torch
 sys.path.insert(0, TESTS_DIR)
 from mla_dispatch.compat.flash_mla import FlashMLAShadowWarning, install_flash_mla_alias
