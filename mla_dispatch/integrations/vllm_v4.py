@@ -69,7 +69,7 @@ class MLADispatchDeepseekV4Attention(DeepseekV4FlashMLAAttention):
             return attn_metadata.c128a_global_decode_topk_indices, attn_metadata.c128a_decode_topk_lens
         raise ValueError(f"compress_ratio must be 1, 4 or 128 for a DeepSeek-V4 layer, got {self.compress_ratio}")
 
-    def _v4_plan(self, q: torch.Tensor, swa_cache: torch.Tensor, sparse: dict) -> DecodePlan:
+    def _v4_plan(self, q: torch.Tensor, swa_cache: torch.Tensor, indices: torch.Tensor, sparse: dict) -> DecodePlan:
         """The plan for this step's shapes (:class:`~mla_dispatch.integrations.plan_cache.PlanCache`, per layer:
         made on a shape's first call, kept for good once a CUDA graph captured it). A sparse plan depends on shapes
         alone: the indices and lengths are arguments of every run."""
@@ -80,10 +80,10 @@ class MLADispatchDeepseekV4Attention(DeepseekV4FlashMLAAttention):
         def shape(t):
             return None if t is None else (tuple(t.shape), t.dtype)
 
-        key = (shape(q), tuple(swa_cache.shape[1:]), tuple(swa_cache.stride()), q.device,
+        key = (shape(q), tuple(swa_cache.shape[1:]), tuple(swa_cache.stride()), q.device, shape(indices),
                tuple((name, shape(t), None if t is None or t.dim() < 4 else tuple(t.stride()))
                      for name, t in sorted(sparse.items())))
-        return plans.get(key, lambda: plan_decode(q, swa_cache, None, None, head_dim_v=512,
+        return plans.get(key, lambda: plan_decode(q, swa_cache, None, None, indices=indices, head_dim_v=512,
                                                   softmax_scale=self.scale, kv_format="fp8_ds_v4", **sparse),
                          q.device)
 
@@ -101,16 +101,15 @@ class MLADispatchDeepseekV4Attention(DeepseekV4FlashMLAAttention):
         h = self.n_local_heads
         q_real = q.unsqueeze(1)[:, :, :h]  # [t, 1, h, 512]: the rank's own heads, not vLLM's padding
         swa_cache = self.swa_cache_layer.kv_cache.unsqueeze(-2)  # [blocks, block, 1, 584], the strides kept
-        sparse = dict(indices=swa_metadata.decode_swa_indices, topk_length=swa_metadata.decode_swa_lens,
-                      attn_sink=self.attn_sink[:h])
+        indices = swa_metadata.decode_swa_indices
+        sparse = dict(topk_length=swa_metadata.decode_swa_lens, attn_sink=self.attn_sink[:h])
         if not swa_only:
             if kv_cache is None:
                 raise ValueError("kv_cache (the layer's compressed cache) is None on a layer that is not SWA-only")
             extra_indices, extra_lengths = self._compressed_topk(swa_metadata, attn_metadata, t)
             sparse.update(extra_kv_cache=kv_cache.unsqueeze(-2), extra_indices=extra_indices,
                           extra_topk_length=extra_lengths)
-        plan = self._v4_plan(q_real, swa_cache, sparse)
-        indices = sparse.pop("indices")
+        plan = self._v4_plan(q_real, swa_cache, indices, sparse)
         out = output.unsqueeze(1)
         plan.run(q_real, swa_cache, indices=indices, out=out[:, :, :h], **sparse)
         if h < out.shape[2]:

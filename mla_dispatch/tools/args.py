@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["UsageError", "CommandParser", "positive_int", "nonnegative_int", "positive_float", "nonnegative_float",
-           "int_list", "seed_int",
+           "int_list", "seed_int", "comma_items",
            "parse_device", "backend_names", "backend_spec", "writable_file", "writable_dir", "usage_error"]
 
 
@@ -171,6 +171,11 @@ def backend_spec(spec: str) -> tuple[str, dict[str, object]]:
     return name, options
 
 
+def comma_items(text: str) -> list[str]:
+    """The non-empty items of a comma-separated option value, stripped (``" a, ,b"`` -> ``["a", "b"]``)."""
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
 def backend_names(text: str | None, option: str = "--backends", also: tuple[str, ...] = (),
                   specs: bool = False) -> list[str] | None:
     """Comma-separated backend names, each checked against the registry (and ``also``, names the command takes
@@ -183,7 +188,7 @@ def backend_names(text: str | None, option: str = "--backends", also: tuple[str,
 
     if text is None:
         return None
-    names = [n.strip() for n in text.split(",") if n.strip()]
+    names = comma_items(text)
     known = tuple(also) + registered_names()
     if not names:
         raise UsageError(f"argument {option}: expected comma-separated backend names ({', '.join(known)}), "

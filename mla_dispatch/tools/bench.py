@@ -68,8 +68,9 @@ from mla_dispatch.tools.peers import (PEER_FA3, PEER_FLASHMLA, fa3_peer_availabl
 from mla_dispatch.tools.roofline import Ceilings, decode_work, measure_ceilings, time_fn, timer_name
 from mla_dispatch.numerics.cases import UNUSED_BLOCK_ID, DecodeCase
 from mla_dispatch.numerics.tolerance import compare_outputs
-from mla_dispatch.tools.args import (CommandParser, UsageError, backend_names, backend_spec, nonnegative_float,
-                                     parse_device, positive_float, positive_int, seed_int, usage_error, writable_dir)
+from mla_dispatch.tools.args import (CommandParser, UsageError, backend_names, backend_spec, comma_items,
+                                     nonnegative_float, parse_device, positive_float, positive_int, seed_int,
+                                     usage_error, writable_dir)
 
 __all__ = ["BenchConfig", "BenchRow", "GRIDS", "grid_configs", "make_bench_case", "run_bench", "default_backends",
            "environment", "main"]
@@ -799,7 +800,7 @@ def only_configs(configs: Sequence[BenchConfig], text: str | None) -> list[Bench
     UsageError for an empty filter or one that matches nothing."""
     if text is None:
         return list(configs)
-    parts = [t.strip() for t in text.split(",") if t.strip()]
+    parts = comma_items(text)
     if not parts:
         raise UsageError(f"argument --only: expected comma-separated texts of config labels, got {text!r}")
     kept = [c for c in configs if any(t in c.label for t in parts)]
@@ -810,7 +811,7 @@ def only_configs(configs: Sequence[BenchConfig], text: str | None) -> list[Bench
 
 def grid_names(text: str, option: str = "--grid") -> list[str]:
     """Comma-separated grid names, each checked against :data:`GRIDS`. Raises UsageError otherwise."""
-    names = [n.strip() for n in text.split(",") if n.strip()]
+    names = comma_items(text)
     if not names:
         raise UsageError(f"argument {option}: expected comma-separated grid names ({', '.join(GRIDS)}), got {text!r}")
     for name in names:
@@ -871,7 +872,7 @@ def _run(args: argparse.Namespace, argv: list[str] | None) -> int:
     device = parse_device(args.device)
     timings = TIMINGS
     if args.times is not None:
-        timings = frozenset(t.strip() for t in args.times.split(",") if t.strip())
+        timings = frozenset(comma_items(args.times))
         if not timings or not timings <= TIMINGS:
             raise UsageError(f"argument --times: expected comma-separated names of {', '.join(sorted(TIMINGS))}, "
                              f"got {args.times!r}")
