@@ -53,8 +53,23 @@ def test_shards_merge_to_the_whole_cache(world, interleave, kv_format, gen):
     got = merge_shards([o for o, _ in results], [l for _, l in results], out=out, lse=lse)
     assert got[0] is out and got[1] is lse
     want_out, want_lse = naive_attention(case)
-    report = compare_outputs(out, lse, want_out.float(), want_lse.float(), TOL)
-    assert report, report.message
+    assert check_close("lse", lse, want_lse.float(), TOL.lse_atol, TOL.lse_rtol)
+    # Each shard's out reaches the merge rounded to its dtype (bf16: relative error <= 2^-8), and shards of opposite
+    # sign cancel, so the merged out can be off by sum_j w_j |o_j| 2^-8 beyond the one-kernel tolerance, w_j the
+    # merge weight exp(lse_j - lse): a bound on the inputs, not a looser tolerance (seeds 2762 and 2911 of the
+    # 3-shard fp8_e4m3 case reach 4 bf16 ulps of a small merged value).
+    outs = torch.stack([o for o, _ in results]).double()
+    lses = torch.stack([l for _, l in results]).double()
+    live = torch.isfinite(lses) & torch.isfinite(want_lse)                         # an empty shard (+inf) weighs 0
+    weights = torch.where(live, torch.exp(lses - want_lse.double()), 0.0)          # (shards, b, h, s_q)
+    carried = (weights.permute(0, 1, 3, 2)[..., None] * outs.abs()).sum(0) * 2.0 ** -8
+    bound = torch.maximum(torch.full_like(carried, TOL.out_atol), TOL.out_rtol * want_out.abs()) + carried
+    err = (out.double() - want_out).abs()
+    assert bool((err <= bound).all()), f"out: {int((err > bound).sum())} elements beyond the derived bound"
+    for shard, (o, l) in zip(shards, results):                          # and each shard alone, at the tolerance
+        if int(shard.cache_seqlens.sum()):
+            report = compare_outputs(o, l, *(t.float() for t in naive_attention(shard)), TOL)
+            assert report, report.message
     assert torch.isposinf(lse[5]).all() and (out[5] == 0).all()
 
 
