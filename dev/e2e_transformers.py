@@ -107,6 +107,52 @@ def prompts(batch: int, length: int, vocab: int, *, left_pad: bool, seed: int, d
     return ids.to(device), mask.to(device)
 
 
+class _HostTimer:
+    """Host time of each attention module's forward in decode steps (one new token per sequence), through forward
+    hooks (they wrap whatever forward the module has: stock, or the integration's). No device synchronisation is
+    taken, so the figure is what the layer costs the host while the GPU works through its queue: transformers' own
+    per-layer work (projections, RoPE, its cache update) plus, with mla_dispatch enabled, the integration's."""
+
+    def __init__(self, model):
+        self.samples: list[float] = []
+        self._start: dict[int, float] = {}
+        self._hooks = []
+        for module in model.modules():
+            if type(module).__name__.endswith("Attention") and hasattr(module, "kv_a_proj_with_mqa"):
+                self._hooks.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
+                self._hooks.append(module.register_forward_hook(self._post, with_kwargs=True))
+
+    def _pre(self, module, args, kwargs):
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        if hidden is not None and hidden.shape[1] == 1:
+            self._start[id(module)] = time.perf_counter()
+
+    def _post(self, module, args, kwargs, output):
+        start = self._start.pop(id(module), None)
+        if start is not None:
+            self.samples.append(time.perf_counter() - start)
+
+    def take(self) -> list[float]:
+        samples, self.samples = self.samples, []
+        return samples
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+
+def _set_stock_attention(model, backend: str) -> str | None:
+    """``stock:eager`` / ``stock:sdpa``: transformers' own attention with that implementation (``stock``: the model's
+    default); returns the implementation set, or None for a mla_dispatch backend."""
+    if backend == "stock":
+        return None
+    if backend.startswith("stock:"):
+        impl = backend.split(":", 1)[1]
+        model.set_attn_implementation(impl)
+        return impl
+    return None
+
+
 def bench(args, model, device: torch.device) -> list[dict]:
     from mla_dispatch.integrations import transformers as mla_tf
 
@@ -122,11 +168,17 @@ def bench(args, model, device: torch.device) -> list[dict]:
         stock_tokens = None
         for backend in args.backends:
             row = {"backend": backend, "batch": batch, "prompt": args.prompt, "decode_steps": args.new}
-            handle = None
+            handle = timer = None
+            default_impl = model.config._attn_implementation
             try:
-                if backend != "stock":
+                stock = backend == "stock" or backend.startswith("stock:")
+                if stock:
+                    row["attn_implementation"] = _set_stock_attention(model, backend) or default_impl
+                else:
                     handle = mla_tf.enable(model, backend=backend, page_size=args.page_size)
                 run_once(model, warm_ids, warm_mask, 2, device)  # builds / JIT-compiles what the run needs
+                if args.host_time:
+                    timer = _HostTimer(model)
                 bar = (tqdm(total=args.repeats * (args.new + 1), desc=f"b={batch} {backend}", leave=False)
                        if tqdm is not None else None)
                 runs = [run_once(model, ids, mask, args.new, device, bar) for _ in range(args.repeats)]
@@ -135,27 +187,39 @@ def bench(args, model, device: torch.device) -> list[dict]:
                 if handle is not None:
                     row["backend_used"] = handle.last_backend
                     row["decode_steps_through_mla_dispatch"] = handle.stats["decode_steps"]
+                    row["plans_made"] = handle.stats["plans_made"]
+                if timer is not None:
+                    samples = timer.take()
+                    row["host_samples"] = len(samples)
+                    row["host_us_per_layer_step"] = 1e6 * statistics.median(samples) if samples else None
+                    row["host_us_per_layer_step_p90"] = (1e6 * sorted(samples)[int(0.9 * (len(samples) - 1))]
+                                                         if samples else None)
             except Exception as exc:  # a backend that cannot run is reported, the others still run
                 row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
                 rows.append(row)
                 print(f"  b={batch} {backend}: {row['error']}", file=sys.stderr)
                 continue
             finally:
+                if timer is not None:
+                    timer.remove()
                 if handle is not None:
                     handle.disable()
+                model.set_attn_implementation(default_impl)
             decode_s = statistics.median(r["decode_s"] for r in runs)
             tokens = runs[0]["tokens"]
             row.update(prefill_ms=1e3 * statistics.median(r["prefill_s"] for r in runs),
                        decode_ms=1e3 * decode_s, ms_per_step=1e3 * decode_s / args.new,
                        decode_tokens_per_s=batch * args.new / decode_s,
                        decode_s_runs=[r["decode_s"] for r in runs], peak_mib=runs[0]["peak_mib"])
-            if backend == "stock":
-                stock_tokens = tokens
+            if backend == "stock" or backend.startswith("stock:"):
+                if stock_tokens is None:
+                    stock_tokens = tokens
             elif stock_tokens is not None:
                 row["tokens_differing_from_stock"] = int((tokens != stock_tokens).sum())
                 row["tokens_compared"] = tokens.numel()
             rows.append(row)
-        stock = next((r for r in rows if r["batch"] == batch and r["backend"] == "stock" and "error" not in r), None)
+        stock = next((r for r in rows if r["batch"] == batch and (r["backend"] == "stock" or r["backend"].startswith(
+            "stock:")) and "error" not in r), None)
         for r in rows:
             if r["batch"] == batch and stock is not None and "error" not in r:
                 r["speedup_vs_stock"] = r["decode_tokens_per_s"] / stock["decode_tokens_per_s"]
@@ -189,7 +253,7 @@ def environment(args, device: torch.device, config) -> dict:
 
 def format_table(rows: list[dict]) -> str:
     head = (f"{'backend':>12} {'used':>10} {'batch':>5} {'prefill ms':>10} {'ms/step':>8} {'tok/s':>9} "
-            f"{'x stock':>7} {'differ':>7}")
+            f"{'x stock':>7} {'differ':>7} {'host us/layer':>13}")
     lines = [head, "-" * len(head)]
     for r in rows:
         if "error" in r:
@@ -197,8 +261,11 @@ def format_table(rows: list[dict]) -> str:
             continue
         differ = f"{r['tokens_differing_from_stock']}/{r['tokens_compared']}" if "tokens_compared" in r else ""
         speed = f"{r['speedup_vs_stock']:.2f}" if "speedup_vs_stock" in r else ""
-        lines.append(f"{r['backend']:>12} {r.get('backend_used') or '':>10} {r['batch']:>5} {r['prefill_ms']:>10.1f} "
-                     f"{r['ms_per_step']:>8.2f} {r['decode_tokens_per_s']:>9.1f} {speed:>7} {differ:>7}")
+        host = r.get("host_us_per_layer_step")
+        used = r.get("backend_used") or r.get("attn_implementation") or ""
+        lines.append(f"{r['backend']:>12} {used:>10} {r['batch']:>5} {r['prefill_ms']:>10.1f} "
+                     f"{r['ms_per_step']:>8.2f} {r['decode_tokens_per_s']:>9.1f} {speed:>7} {differ:>7} "
+                     f"{'' if host is None else f'{host:.0f}':>13}")
     return "\n".join(lines)
 
 
@@ -208,7 +275,8 @@ def _ints(text: str) -> list[int]:
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--backends", default=None, help="comma list: stock and mla_dispatch backends "
+    p.add_argument("--backends", default=None, help="comma list: stock (the model's default attention), "
+                   "stock:eager, stock:sdpa and mla_dispatch backends "
                    "(default: stock,auto; --tiny: stock,reference)")
     p.add_argument("--batch", type=_ints, default=None, help="comma list of batch sizes (default 1,8; --tiny 1,2)")
     p.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 1024; --tiny 64)")
@@ -224,6 +292,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="a CPU-sized model and run (smoke test)")
+    p.add_argument("--host-time", action="store_true", help="also the host time of each attention layer's "
+                   "forward in decode steps (forward hooks, no synchronisation): median and p90 per layer and step")
     p.add_argument("--json", type=Path, default=None, help="write the environment and every row here")
     return p
 

@@ -20,7 +20,8 @@ _spec.loader.exec_module(e2e)
 def test_tiny_run_writes_consistent_rows(tmp_path, seed, monkeypatch):
     out = tmp_path / "run.json"
     argv = ["--tiny", "--batch", "1,2", "--prompt", "24", "--new", "5", "--repeats", "2", "--left-pad",
-            "--backends", "stock,reference,no_such_backend", "--seed", str(seed % 1000), "--json", str(out)]
+            "--backends", "stock:eager,reference,no_such_backend", "--seed", str(seed % 1000), "--host-time",
+            "--json", str(out)]
     monkeypatch.setattr(sys, "argv", ["e2e_transformers.py", *argv])
     assert e2e.main(argv) == 1  # the unknown backend is reported as an error row, the others still run
     doc = json.loads(out.read_text())
@@ -30,10 +31,11 @@ def test_tiny_run_writes_consistent_rows(tmp_path, seed, monkeypatch):
     assert env["model"]["kv_lora_rank"] == 512 and env["model"]["qk_rope_head_dim"] == 64
     assert "--tiny" in env["command"]
     rows = {(r["batch"], r["backend"]): r for r in doc["rows"]}
-    assert set(rows) == {(b, n) for b in (1, 2) for n in ("stock", "reference", "no_such_backend")}
+    assert set(rows) == {(b, n) for b in (1, 2) for n in ("stock:eager", "reference", "no_such_backend")}
     for batch in (1, 2):
         assert "unknown backend 'no_such_backend'" in rows[batch, "no_such_backend"]["error"]
-        stock, ours = rows[batch, "stock"], rows[batch, "reference"]
+        stock, ours = rows[batch, "stock:eager"], rows[batch, "reference"]
+        assert stock["attn_implementation"] == "eager"
         assert ours["backend_used"] == "reference"
         # warm-up (2 + 1 tokens) and repeats (5 + 1 tokens each): every step after the prefill decodes through us
         assert ours["decode_steps_through_mla_dispatch"] == 2 + 2 * 5
@@ -44,6 +46,10 @@ def test_tiny_run_writes_consistent_rows(tmp_path, seed, monkeypatch):
             assert row["ms_per_step"] == pytest.approx(row["decode_ms"] / 5)
         assert stock["speedup_vs_stock"] == 1.0
         assert ours["speedup_vs_stock"] == pytest.approx(ours["decode_tokens_per_s"] / stock["decode_tokens_per_s"])
+        # host time: one sample per layer (2) and decode step (5) of each repeat (2), the p90 at least the median
+        for row in (stock, ours):
+            assert row["host_samples"] == 2 * 5 * 2
+            assert 0 < row["host_us_per_layer_step"] <= row["host_us_per_layer_step_p90"]
 
 
 def _median(values):
