@@ -6,7 +6,8 @@
 #     git archive wip/hidden-nan-folders | tar -x -C .gpu_stage/hidden-nan
 # It checks at once main's kernel-folder reorganisation (never run on a GPU; SASS-identical on the CPU), the
 # DeepSeek-V4 hooks' GPU side and the branch's fix (test_causal_tail with every mainloop forced, no strict xfails).
-# Then dev/compile_probe.py (issue 59's torch.compile xfail).
+# Its first run (main 7496772's branch) found every cuda_sm90 test failing: the extension did not build (two
+# instance files of one name, fixed on main bf77e6c); this is the re-run on the fixed main, without the compile probe.
 SECONDS=0
 stamp() { echo "[n1 ${SECONDS}s] $*"; }
 L=/tmp/logs; mkdir -p $L
@@ -22,12 +23,9 @@ PYTEST_LIVE_LOG=$L/live_sm90.log timeout 220 python -m pytest -q -rfE --tb=short
   -p pytest_live_log tests/test_cuda_sm90.py tests/test_causal_tail.py > $L/sm90.log 2>&1
 echo "sm90 exit $?"; tail -n 2 $L/sm90.log; grep -E "^(FAILED|ERROR) " $L/live_sm90.log | head -20
 stamp "the rest of the GPU suite"
-PYTEST_LIVE_LOG=$L/live.log timeout $((510 - SECONDS)) python -m pytest -q -rfE --tb=short -m gpu -n 8 \
+PYTEST_LIVE_LOG=$L/live.log timeout $((555 - SECONDS)) python -m pytest -q -rfE --tb=short -m gpu -n 8 \
   --dist loadgroup -p no:cacheprovider -p pytest_live_log -k "not grid_gpu and not nccl" \
   --ignore tests/test_cuda_sm90.py --ignore tests/test_causal_tail.py tests > $L/gpu_suite.log 2>&1
 echo "suite exit $?"; tail -n 2 $L/gpu_suite.log; grep -E "^(FAILED|ERROR) " $L/live.log | head -30
-stamp "compile probe"
-timeout $((565 - SECONDS)) python dev/compile_probe.py > $L/compile_probe.log 2>&1; echo "probe exit $?"
-cut -c1-400 $L/compile_probe.log
 stamp "end"
 tar -czf $OUT/n1.tar.gz -C /tmp logs 2>/dev/null; ls -l $OUT

@@ -11,24 +11,24 @@ L=/tmp/logs; mkdir -p $L /tmp/host_cost /tmp/e2e
 source ci/gpu_setup.sh; source ci/flashmla_peer.sh
 python -m mla_dispatch build > $L/ext_main.log 2>&1; echo "main build exit $?"; tail -n 1 $L/ext_main.log
 stamp "host cost"
-timeout 150 python dev/host_cost.py --reps 30 --out /tmp/host_cost > $L/host_cost.log 2>&1; echo "host cost exit $?"
+timeout 120 python dev/host_cost.py --reps 20 --out /tmp/host_cost > $L/host_cost.log 2>&1; echo "host cost exit $?"
 tail -n 16 $L/host_cost.log
 for prompt in 1024 8192; do
   stamp "transformers e2e, prompt $prompt"
-  timeout 110 python dev/e2e_transformers.py --backends stock:eager,stock:sdpa,cuda_sm90,triton --batch 1,8 \
+  timeout 100 python dev/e2e_transformers.py --backends stock:eager,stock:sdpa,cuda_sm90,triton --batch 1,8 \
     --prompt $prompt --new 32 --repeats 3 --host-time --json /tmp/e2e/e2e-$prompt.json > $L/e2e-$prompt.log 2>&1
   echo "e2e $prompt exit $?"; grep -v "it/s\]" $L/e2e-$prompt.log | tail -n 12
 done
 stamp "bench causal configs on main"
-timeout 90 python -m mla_dispatch bench --grid hopper --backends cuda_sm90,triton --times graph --rep-ms 30 --quiet \
+timeout 70 python -m mla_dispatch bench --grid hopper --backends cuda_sm90,triton --times graph --rep-ms 20 --quiet \
   --only causal --out /tmp/bench_main > $L/bench_main.log 2>&1; echo "bench main exit $?"; tail -n 12 $L/bench_main.log
 cd .gpu_stage/hidden-nan || { echo "no staged branch"; exit 1; }
 export PYTHONPATH=$PWD:$PWD/dev:$PYTHONPATH
 python -c "import mla_dispatch; print('package:', mla_dispatch.__file__)"
 python -m mla_dispatch build > $L/ext_branch.log 2>&1; echo "branch build exit $?"; tail -n 1 $L/ext_branch.log
 stamp "bench causal configs on the branch"
-timeout $((560 - SECONDS)) python -m mla_dispatch bench --grid hopper --backends cuda_sm90,triton --times graph \
-  --rep-ms 30 --quiet --only causal --out /tmp/bench_branch > $L/bench_branch.log 2>&1; echo "bench branch exit $?"
+timeout $((545 - SECONDS)) python -m mla_dispatch bench --grid hopper --backends cuda_sm90,triton --times graph \
+  --rep-ms 20 --quiet --only causal --out /tmp/bench_branch > $L/bench_branch.log 2>&1; echo "bench branch exit $?"
 tail -n 12 $L/bench_branch.log
 stamp "end"
 tar -czf $OUT/n2.tar.gz -C /tmp logs host_cost e2e bench_main bench_branch 2>/dev/null; ls -l $OUT
