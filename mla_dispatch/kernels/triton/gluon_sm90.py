@@ -189,11 +189,12 @@ if GLUON_API:
         causal mask hides from some row of the tile, whose p is 0 for them, where 0 * NaN in P V would reach its out
         (the rows that see such a key get NaN from its score already: V is the first D_v channels of K; decode.py's
         _hide_from_rows_that_do_not_see is the same rule). Rows past the item's end are zeros already (the masked
-        copy of the partial tile). 16 rows a pass, from the pass holding row ``hidden``; the caller fences and syncs."""
-        for i in gl.static_range(TILE_N // 16):
-            if hidden < (i + 1) * 16:
-                part = kbuf.slice(i * 16, 16, dim=0)
-                rows = (i * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, layout)))[:, None]
+        copy of the partial tile). 8 rows a pass (few registers: acc is live), from the pass holding row ``hidden``;
+        the caller fences and syncs."""
+        for i in gl.static_range(TILE_N // 8):
+            if hidden < (i + 1) * 8:
+                part = kbuf.slice(i * 8, 8, dim=0)
+                rows = (i * 8 + gl.arange(0, 8, layout=gl.SliceLayout(1, layout)))[:, None]
                 x = part.load(layout)
                 keep = (rows < hidden) | (gl.abs(x.to(gl.float32)) < float("inf"))
                 part.store(gl.where(keep, x, gl.zeros_like(x)))
@@ -435,7 +436,8 @@ if GLUON_API:
                 _cta_barrier()  # both halves of P are in shared memory (and every S read of kbuf is done)
                 if CAUSAL:
                     if start + TILE_N > first_hidden:  # keys some row of the tile does not see: out of its P V
-                        _clean_hidden(kbuf, first_hidden - start, TILE_N, cp_layout)
+                        _clean_hidden(kbuf, first_hidden - start, TILE_N,
+                                      gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0]))
                         fence_async_shared()
                         _cta_barrier()
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
