@@ -71,7 +71,8 @@ def check_case(case_id, make_kw, plan_kw, *, dtype, backend, device, seed) -> tu
         return False, "no request was poisoned"
     want_out, want_lse = naive_attention(case)
     on = dataclasses.replace(case, **{f: getattr(case, f).to(device) for f in ("q", "kv_cache", "block_table",
-                                                                               "cache_seqlens")})
+                                                                               "cache_seqlens", "kv_scale")
+                                      if getattr(case, f) is not None})
     state_kw = {k: plan_kw[k] for k in ("config", "num_parts", "overhead") if k in plan_kw}
     plan = plan_decode(*on.args(), **on.kwargs(), backend=backend,
                        **{k: v for k, v in plan_kw.items() if k not in state_kw})
@@ -86,7 +87,7 @@ def check_case(case_id, make_kw, plan_kw, *, dtype, backend, device, seed) -> tu
     b, s, h, _ = case.q.shape
     out = torch.full((b, s, h, case.head_dim_v), float("nan"), dtype=case.q.dtype, device=device)
     lse = torch.full((b, h, s), float("nan"), device=device)
-    plan.run(on.q, on.kv_cache, out=out, lse=lse)
+    plan.run(on.q, on.kv_cache, kv_scale=on.kv_scale, out=out, lse=lse)
     out, lse = out.cpu(), lse.cpu()
     first = out[:, 0]
     if not torch.isfinite(first[list(poisoned)]).all():
@@ -115,17 +116,14 @@ def test_triton_interpreter_keeps_hidden_keys_out(interpreter_results, case_id):
     assert rec["ok"], rec["message"]
 
 
-#: (case id, backend) measured failing on the H200 (2026-11-29, main d421359 and 0d1e798, both dtypes;
-#: benchmarks/RESULTS.md): the GPU kernels give a query the key p = 0 for a hidden key but still multiply its NaN V row
-#: into P V (the reference and the Triton interpreter's generic kernel leave hidden keys out): cuda_sm90's mainloops,
-#: and triton's Gluon kernels (gluon_sm90 on small pages, seesaw on pages of 64). Strict: a fixed kernel turns these
-#: red, so the mark comes off with the fix. The other GPU cases hold the rule and stay plain assertions.
-KNOWN_GPU_FAILURES = {
-    ("b2xs2xh8-ps1", "cuda_sm90"), ("b2xs4xh2-ps64-hkv2", "cuda_sm90"), ("b3xs3xh4-ps16", "cuda_sm90"),
-    ("b3xs3xh4-ps16-invariant", "cuda_sm90"), ("b2xs2xh8-ps1", "triton"), ("b3xs3xh4-ps16", "triton"),
-    ("b3xs3xh4-ps16-invariant", "triton"), ("b4xs2xh128-ps64", "cuda_sm90"), ("b4xs4xh16-ps64", "cuda_sm90"),
-    ("b4xs2xh128-ps64", "triton"), ("b4xs4xh16-ps64", "triton"),
-}
+#: Every mainloop of cuda_sm90 forced on a causal tail (backend_options["variant"]): 16 query rows per KV head on pages
+#: of 64, so each variant can run it: v2 (wgmma), v5 (seesaw, 16-bit caches), v6 (etap), v7 / v8 (fp8t, fp8_e4m3)
+#: and v9 (seesaw_fp8). (id, make_case kwargs, plan_decode kwargs)
+CUDA_SM90_VARIANT_CASES = [
+    (f"v{v}-{fmt}", dict(batch=3, q_len=2, num_heads_q=8, seqlen=300, page_size=64, kv_format=fmt),
+     dict(backend_options={"variant": v}))
+    for fmt, variants in (("bf16", (2, 5, 6)), ("fp8_e4m3", (2, 6, 7, 8, 9))) for v in variants
+]
 
 
 @pytest.mark.gpu
@@ -135,17 +133,26 @@ KNOWN_GPU_FAILURES = {
     ("b4xs2xh128-ps64", dict(batch=4, q_len=2, num_heads_q=128, seqlen=2000, page_size=64), {}),
     ("b4xs4xh16-ps64", dict(batch=4, q_len=4, num_heads_q=16, seqlen=700, page_size=64), {}),
 ], ids=lambda c: c[0])
-def test_gpu_backends_keep_hidden_keys_out(request, case, backend, dtype, seed):
+def test_gpu_backends_keep_hidden_keys_out(case, backend, dtype, seed):
     from mla_dispatch import NoBackendError
-
-    if (case[0], backend) in KNOWN_GPU_FAILURES:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="measured on the H200: a hidden NaN key reaches P V "
-                                                                  "in this GPU kernel (KNOWN_GPU_FAILURES)"))
 
     try:
         ok, msg = check_case(*case, dtype=dtype, backend=backend, device="cuda", seed=seed)
     except NoBackendError as exc:
         pytest.skip(str(exc)[:300])
+    assert ok, msg
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CUDA_SM90_VARIANT_CASES, ids=[c[0] for c in CUDA_SM90_VARIANT_CASES])
+def test_every_cuda_sm90_mainloop_keeps_hidden_keys_out(case, seed):
+    """Each mainloop cleans the hidden keys' V on its own tail path: forced, not left to the plan's choice."""
+    case_id, make_kw, plan_kw = case
+    make_kw = dict(make_kw)
+    if make_kw["kv_format"] == "bf16":
+        del make_kw["kv_format"]
+    ok, msg = check_case(case_id, make_kw, plan_kw, dtype=torch.bfloat16, backend="cuda_sm90", device="cuda",
+                         seed=seed)
     assert ok, msg
 
 

@@ -117,6 +117,25 @@ if _g.GLUON_API:
         return warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
 
     @gluon.jit
+    def _clean_rows(vbuf, hidden, valid, layout: gl.constexpr):
+        """In a ``[64, 256]`` V half in shared memory: rows ``[valid, 64)`` set to 0 (unused cache slots of a partial
+        tile, possibly NaN: P is 0 there, but 0 * NaN is not), and the non-finite values of rows ``[hidden, valid)``
+        set to 0 (keys the causal mask hides from some row of the tile: that row's p is 0 for them, and 0 * NaN would
+        reach its out; the rows that see such a key get NaN from its score already, V being the first 512 channels
+        of K; the same rule as decode.py's _hide_from_rows_that_do_not_see). 8 rows at a time (few registers: the
+        accumulator is live), from the first 8-row slice holding row ``hidden``; then fence and sync the warpgroup.
+        ``hidden == valid`` (no causal mask): the partial tile's zeroing only."""
+        for i in gl.static_range(_N // 8):
+            if hidden < (i + 1) * 8:
+                part = vbuf.slice(i * 8, 8, dim=0)
+                rows = (i * 8 + gl.arange(0, 8, layout=gl.SliceLayout(1, layout)))[:, None]
+                x = part.load(layout)
+                keep = (rows < hidden) | ((rows < valid) & (gl.abs(x.to(gl.float32)) < float("inf")))
+                part.store(gl.where(keep, x, gl.zeros_like(x)))
+        fence_async_shared()
+        _cta_barrier()
+
+    @gluon.jit
     def _zero_rows(vbuf, valid, layout: gl.constexpr):
         """Zero rows ``[valid, 64)`` of a ``[64, 256]`` V half in shared memory (unused cache slots of a partial tile,
         possibly NaN: P is 0 there, but 0 * NaN is not), 16 rows at a time; then fence and sync the warpgroup."""
@@ -240,6 +259,9 @@ if _g.GLUON_API:
                 limit = gl.minimum(seqlen - q_len + 1 + q_tok_s, tok_end)
             else:
                 limit = gl.minimum(seqlen, tok_end) + q_tok_s * 0
+            # the first key of the item some row of this tile does not see (tok_end where they all see every key):
+            # V rows from there on are cleaned before P V (_clean_rows)
+            first_hidden = gl.min(limit, 0)
             m_i = gl.full([_M], float("-inf"), gl.float32, layout=row_s)
             l_i = gl.zeros([_M], gl.float32, layout=row_s)
             acc = gl.zeros([_M, _H], gl.float32, layout=o_layout)
@@ -301,9 +323,11 @@ if _g.GLUON_API:
                     mbarrier.arrive(a_ready)
                     # -- O_L = O_L * sc0 + P_a V_aL
                     acc = acc * gl.convert_layout(sc0, row_o)[:, None]
-                    if not has_b:  # (only the last tile can be partial)
-                        if start_a + _N > tok_end:
-                            _zero_rows(v_own0, tok_end - start_a, z_layout)
+                    if CAUSAL:  # a partial tile (the last), or keys some row does not see
+                        if start_a + _N > first_hidden:
+                            _clean_rows(v_own0, first_hidden - start_a, tok_end - start_a, z_layout)
+                    elif start_a + _N > tok_end:  # (a partial tile: the last)
+                        _zero_rows(v_own0, tok_end - start_a, z_layout)
                     acc = warpgroup_mma(gl.convert_layout(p16, a_layout), v_own0, acc, is_async=True)
                     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                     if next_a:  # stage 0's first half: warpgroup 0 read it last
@@ -317,9 +341,11 @@ if _g.GLUON_API:
                     acc = acc * gl.convert_layout(sc1, row_o)[:, None]
                     if has_b:
                         mbarrier.wait(bars.index(2), ph_b)  # stage 1's first half (V_bL; P_b's block)
-                        if not next_a:
-                            if start_b + _N > tok_end:
-                                _zero_rows(v_own1, tok_end - start_b, z_layout)
+                        if CAUSAL:
+                            if start_b + _N > first_hidden:
+                                _clean_rows(v_own1, first_hidden - start_b, tok_end - start_b, z_layout)
+                        elif start_b + _N > tok_end:  # (a partial tile: the last)
+                            _zero_rows(v_own1, tok_end - start_b, z_layout)
                         acc = warpgroup_mma(r1, v_own1, acc, is_async=True)
                         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                         if next_b:  # stage 1's first half and RoPE block (P_b): warpgroup 0 read them last
@@ -336,9 +362,11 @@ if _g.GLUON_API:
                     l_i = l_i * sc0
                     acc = acc * gl.convert_layout(sc0, row_o)[:, None]
                     mbarrier.wait(bars.index(1), ph_a)  # V_aR landed (warpgroup 0 waited for it, for S_a)
-                    if not has_b:
-                        if start_a + _N > tok_end:
-                            _zero_rows(v_own0, tok_end - start_a, z_layout)
+                    if CAUSAL:
+                        if start_a + _N > first_hidden:
+                            _clean_rows(v_own0, first_hidden - start_a, tok_end - start_a, z_layout)
+                    elif start_a + _N > tok_end:  # (a partial tile: the last)
+                        _zero_rows(v_own0, tok_end - start_a, z_layout)
                     acc = warpgroup_mma(p0_smem, v_own0, acc, is_async=True)
                     # -- softmax of tile b against m_a; P_b (into stage 1's RoPE block, which S_b no longer needs) and
                     # m_b out
@@ -368,9 +396,11 @@ if _g.GLUON_API:
                     # -- O_R = O_R * sc1 + P_b V_bR
                     acc = acc * gl.convert_layout(sc1, row_o)[:, None]
                     if has_b:
-                        if not next_a:
-                            if start_b + _N > tok_end:
-                                _zero_rows(v_own1, tok_end - start_b, z_layout)
+                        if CAUSAL:
+                            if start_b + _N > first_hidden:
+                                _clean_rows(v_own1, first_hidden - start_b, tok_end - start_b, z_layout)
+                        elif start_b + _N > tok_end:  # (a partial tile: the last)
+                            _zero_rows(v_own1, tok_end - start_b, z_layout)
                         acc = warpgroup_mma(gl.convert_layout(p16, a_layout), v_own1, acc, is_async=True)
                         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
                         if next_b:  # stage 1's second half: warpgroup 1 read it last

@@ -184,6 +184,22 @@ if GLUON_API:
         return bad
 
     @gluon.jit
+    def _clean_hidden(kbuf, hidden, TILE_N: gl.constexpr, layout: gl.constexpr):
+        """The non-finite values of rows ``[hidden, TILE_N)`` of the latent tile ``kbuf`` (its V) set to 0: keys the
+        causal mask hides from some row of the tile, whose p is 0 for them, where 0 * NaN in P V would reach its out
+        (the rows that see such a key get NaN from its score already: V is the first D_v channels of K; decode.py's
+        _hide_from_rows_that_do_not_see is the same rule). Rows past the item's end are zeros already (the masked
+        copy of the partial tile). 8 rows a pass (few registers: acc is live), from the pass holding row ``hidden``;
+        the caller fences and syncs."""
+        for i in gl.static_range(TILE_N // 8):
+            if hidden < (i + 1) * 8:
+                part = kbuf.slice(i * 8, 8, dim=0)
+                rows = (i * 8 + gl.arange(0, 8, layout=gl.SliceLayout(1, layout)))[:, None]
+                x = part.load(layout)
+                keep = (rows < hidden) | (gl.abs(x.to(gl.float32)) < float("inf"))
+                part.store(gl.where(keep, x, gl.zeros_like(x)))
+
+    @gluon.jit
     def _dequant_tile(k8, r8, kbuf, rbuf, TILE_N: gl.constexpr, D_V: gl.constexpr, D_ROPE: gl.constexpr):
         """Convert a gathered fp8_e4m3 tile (``k8`` latent / ``r8`` RoPE, shared memory) to fp16 into ``kbuf`` /
         ``rbuf``, the operands of the wgmma, 16 token rows at a time (32 values per thread, so the conversion fits
@@ -340,6 +356,7 @@ if GLUON_API:
                 limit = gl.minimum(seqlen - q_len + 1 + q_tok_s, tok_end)
             else:
                 limit = gl.minimum(seqlen, tok_end) + q_tok_s * 0
+            first_hidden = gl.min(limit, 0)  # the first key some row of the tile does not see (causal: cleaned V)
             next_pages, bad = _tile_pages(bt_row, tok_begin + TILE_N, tok_end, num_blocks, PAGE_SIZE, TILE_N, GATHER,
                                           row_cp)
             poison = poison | bad
@@ -416,7 +433,13 @@ if GLUON_API:
                 m_i = m_new
                 p_smem.store(p.to(cdt))
                 fence_async_shared()
-                _cta_barrier()  # both halves of P are in shared memory
+                _cta_barrier()  # both halves of P are in shared memory (and every S read of kbuf is done)
+                if CAUSAL:
+                    if start + TILE_N > first_hidden:  # keys some row of the tile does not see: out of its P V
+                        _clean_hidden(kbuf, first_hidden - start, TILE_N,
+                                      gl.BlockedLayout([1, 8], [1, 32], [8, 1], [1, 0]))
+                        fence_async_shared()
+                        _cta_barrier()
                 acc = acc * gl.convert_layout(alpha, row_o)[:, None]
                 acc = warpgroup_mma(p_smem, kbuf, acc, is_async=True)
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))

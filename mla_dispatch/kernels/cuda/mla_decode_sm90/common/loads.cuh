@@ -303,4 +303,35 @@ __device__ __forceinline__ void zero_v_rows(T* stage, int valid, int half, int t
   }
 }
 
+// Rows [row_begin, row_end) of a K tile in shared memory (64 tokens x 576 channels in 64x64 blocks, 128-byte
+// swizzled: a token's 64 channels of a block fill one 128-byte line whatever the swizzle), their V channels (blocks
+// 0-7): every non-finite value set to 0. For keys the causal mask hides from some row of the tile: that row's p is 0
+// for them, but 0 * NaN in P V is NaN; the rows that see such a key get NaN from its score already (V is the first
+// 512 channels of K), so only the rows that must not see it change (the rule of the Triton kernel's
+// _hide_from_rows_that_do_not_see, kernels/triton/decode.py). Blocks [blk_begin, blk_begin + blocks) of the eight
+// (a warpgroup's half: 4 * half, 4). 16-byte vectors over `threads` threads; the caller fences (generic -> async
+// proxy) and syncs before the P V wgmma reads the tile.
+template <typename T>
+__device__ __forceinline__ void clean_hidden_rows(T* tile, int row_begin, int row_end, int tid, int threads,
+                                                  int blk_begin = 0, int blocks = 8) {
+  constexpr uint32_t kExp = TypeTraits<T>::kIsBf16 ? 0x7f80u : 0x7c00u;  // exponent bits: all ones = inf or NaN
+  const int per_row = blocks * 8;                                        // 16-byte vectors of a token row
+  const int vectors = (row_end - row_begin) * per_row;
+  // a loop of few registers: it runs on causal tail tiles only, and unrolled it took registers v9's consumers (232
+  // by setmaxnreg) did not have (ptxas: spills 48 / 76 bytes against 32 / 36)
+#pragma unroll 1
+  for (int v = tid; v < vectors; v += threads) {
+    const int row = row_begin + v / per_row, blk = blk_begin + (v % per_row) / 8, chunk = v % 8;
+    uint4* at = reinterpret_cast<uint4*>(tile + blk * 64 * 64 + row * 64 + chunk * 8);
+    uint4 x = *at;
+    uint32_t* w = reinterpret_cast<uint32_t*>(&x);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if ((w[i] & kExp) == kExp) w[i] &= 0xffff0000u;                  // the low half
+      if (((w[i] >> 16) & kExp) == kExp) w[i] &= 0x0000ffffu;          // the high half
+    }
+    *at = x;
+  }
+}
+
 }  // namespace mla_sm90

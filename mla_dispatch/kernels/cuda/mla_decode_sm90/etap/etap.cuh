@@ -293,6 +293,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           zero_v_rows(stage, valid, 1, tid_wg);
         }
       }
+      if (p.causal && t0 + Cfg::kBlockN > unmasked_end)  // keys some column (query row) does not see: out of P V
+        clean_hidden_rows<T>(stage, max(unmasked_end - t0, 0), min(tok_end - t0, Cfg::kBlockN), tid_wg, 128);
       fence_proxy_async_smem();
       named_barrier(bar, 128);  // P^T complete (and V rows zeroed); every warp has read red
 

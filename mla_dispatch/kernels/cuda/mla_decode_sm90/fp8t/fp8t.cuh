@@ -272,10 +272,16 @@ __device__ __forceinline__ int fp8rs_q_col(int c) {
 // The fp16 A fragments of V^T for O^T's 64-channel block mb (4 k-steps of 16 tokens) from a raw stage: two ldmatrix
 // (x4, transposed) per thread, bytes regrouped by channel (prmt), converted. Warp w's fragment rows g and g + 8 are the
 // stage's channels 64 mb + 16 w + 2g and + 1 (the epilogue maps them back: fp8rs_channel). kMask: tokens at or past
-// `nv` (a partial tile; the stage holds stale or uninitialised bytes there) are zeros.
-template <bool kMask>
+// `nv` (a partial tile; the stage holds stale or uninitialised bytes there) are zeros. kHide (with kMask; causal
+// launches, a tile holding keys some query row does not see): the NaN bytes of tokens at or past `nh` are zeros too.
+// The scorer gives such a row p = 0 for the key, but 0 * NaN in P V is NaN; the rows that see the key get NaN from its
+// score already (the scorer converts its own K from the raw stage, V being K's first 512 channels), so only the rows
+// that must not see it change: the rule of the Triton kernel's _hide_from_rows_that_do_not_see
+// (kernels/triton/decode.py). On the raw bytes, in registers: the stage itself stays as loaded.
+template <bool kMask, bool kHide = false>
 __device__ __forceinline__ void fp8rs_load_v(uint32_t (&f)[16], const uint8_t* stage, int mb, int nv, int warp,
-                                             int lane) {
+                                             int lane, int nh = Cfg::kBlockN) {
+  static_assert(kMask || !kHide, "kHide is a mask of the masked form");
   // matrix i = lane / 8 of an x4: tokens 16 (i / 2) + 8 (i % 2) .. + 8 of the two k-steps, the warp's 16 channels
   const int row = 16 * (lane / 16) + 8 * ((lane / 8) % 2) + lane % 8;
 #pragma unroll
@@ -287,7 +293,15 @@ __device__ __forceinline__ void fp8rs_load_v(uint32_t (&f)[16], const uint8_t* s
       // r[i]: tokens 2t, 2t + 1 (+ 8 for odd i) of k-step 2h + i / 2, each with channels 2g, 2g + 1
       if (kMask) {
         const int tok = 32 * h + 16 * (i / 2) + 8 * (i % 2) + 2 * (lane % 4);
-        r[i] &= tok >= nv ? 0u : (tok + 1 >= nv ? 0xFFFFu : ~0u);
+        uint32_t keep = tok >= nv ? 0u : (tok + 1 >= nv ? 0xFFFFu : ~0u);
+        if (kHide) {
+          // e4m3 NaN is S.1111.111 (e4m3 has no inf): + 1 on the low 7 bits carries into bit 7 of exactly those
+          // bytes (never across bytes), and (bit 7) * 0xff spreads it over the byte
+          const uint32_t nan = ((((r[i] & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u) >> 7) * 0xffu;
+          const uint32_t hidden = tok >= nh ? ~0u : (tok + 1 >= nh ? 0xFFFF0000u : 0u);
+          keep &= ~(nan & hidden);
+        }
+        r[i] &= keep;
       }
       const uint2 v = e4m3x4_to_f16x4(__byte_perm(r[i], 0, 0x3120));  // (channel 2g: both tokens, 2g + 1: both)
       uint32_t* q = f + 4 * (2 * h + i / 2) + 2 * (i % 2);
@@ -779,6 +793,9 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
       const int req = w.req, tok_begin = w.tok_begin, tok_end = w.tok_end, slot = w.slot;
       if (req < 0) continue;
       const int n_tiles = (tok_end - tok_begin + Cfg::kBlockN - 1) / Cfg::kBlockN;
+      // causal: the keys from here on are hidden from some query row (the scorer's unmasked_end; the CTA's tile holds
+      // every row of the KV head, query token 0's among them), so their non-finite V values are cleaned before P V
+      const int unmasked_end = p.causal ? min(tok_end, p.cache_seqlens[req] - p.q_len + 1) : tok_end;
       float acc_o[8][kAcc];
       etap_zero_acc_o(acc_o);
       for (int j = 0; j < n_tiles; ++j, ++it) {
@@ -798,10 +815,15 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
         };
         // ---- O^T += V^T P^T (etap_gemm_pv; v8: register A fragments, two 64-channel blocks in flight, block 0
         // converted before P is ready)
+        const int t0 = tok_begin + j * Cfg::kBlockN;
+        const bool hide = p.causal && t0 + Cfg::kBlockN > unmasked_end;  // a causal tail tile (only such tiles pay)
         if constexpr (kRS) {
-          const int nv = min(Cfg::kBlockN, tok_end - (tok_begin + j * Cfg::kBlockN));
+          const int nv = min(Cfg::kBlockN, tok_end - t0);
+          // v8: the hidden keys' NaN bytes zeroed in the V^T fragments (fp8rs_load_v, kHide)
           auto load_v = [&](uint32_t(&f)[16], int mb) {
-            if (nv < Cfg::kBlockN)
+            if (hide)
+              fp8rs_load_v<true, true>(f, stage_bytes(st), mb, nv, warp, lane, max(unmasked_end - t0, 0));
+            else if (nv < Cfg::kBlockN)
               fp8rs_load_v<true>(f, stage_bytes(st), mb, nv, warp, lane);
             else
               fp8rs_load_v<false>(f, stage_bytes(st), mb, nv, warp, lane);
@@ -830,6 +852,16 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
           for (int mb = 0; mb < 8; ++mb) fence_regs<kAcc>(acc_o[mb]);
         } else {
           wait_p();
+          // v7: the hidden keys' V rows of the fp16 stage, non-finite values to 0 (loads.cuh, clean_hidden_rows; the
+          // rule of decode.py's _hide_from_rows_that_do_not_see). Here, not in the converter: the scorer's S^T must
+          // still read the NaN (the rows that see the key get NaN from its score), and p_ready says all four scorer
+          // warps are done with the stage. The converter rewrites it only after this warpgroup's empty arrive.
+          if (hide) {
+            clean_hidden_rows<__half>(sK + st * (S::kStageBytes / 2), max(unmasked_end - t0, 0),
+                                      min(tok_end - t0, Cfg::kBlockN), tid_wg, 128);
+            fence_proxy_async_smem();
+            named_barrier(Fp8t::kBarAcc, 128);  // every thread's cleaning before any warp's wgmma reads the stage
+          }
           etap_gemm_pv<G>(sK + st * (S::kStageBytes / 2), desc(sP + st * (S::kPBytes / 2)), acc_o);
         }
         __syncwarp();

@@ -247,6 +247,8 @@ __global__ void __launch_bounds__(SeesawFp8::kThreads, 1)
     int limit[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) limit[h] = p.causal ? seqlen - p.q_len + row_i[h] : seqlen - 1;
+    // tokens below this are visible to every row of the tile (causal: the later ones are cleaned, fix_hidden)
+    const int unmasked_end = min(tok_end, p.causal ? seqlen - p.q_len + 1 : seqlen);
     const int num_tiles = (tok_end - tok_begin + Cfg::kBlockN - 1) / Cfg::kBlockN;
     auto t0_of = [&](int j) { return tok_begin + j * Cfg::kBlockN; };
     auto stage_of = [&](int j) { return sK + (j & 1) * Cfg::kKElems; };
@@ -324,6 +326,24 @@ __global__ void __launch_bounds__(SeesawFp8::kThreads, 1)
     auto pv_rs = [&](const uint32_t (&rp)[16], const T* st) { seesaw_pv_rs<T>(acc_o, rp, st, wg); };
     auto pv_ss = [&](const T* sP, const T* st) { seesaw_pv_ss<T>(acc_o, sP, st, wg); };
     // (no V rows to zero past a partial tile's end: the converter stores them as zeros)
+    // causal: this warpgroup's V columns of the keys some row of tile j does not see, non-finite values to 0
+    // (loads.cuh, clean_hidden_rows), then sync the warpgroup; the tile's S is done (its own, or the other
+    // warpgroup's before the P barrier this follows). On the converted tile (an e4m3 NaN is a NaN of T there):
+    // not in the converter, whose tile S must still read with its NaN (the rows that see the key get NaN from its
+    // score); the converter rewrites the columns only after this warpgroup's release of them (after its P V).
+    // kMask (template, the softmax's): a tile followed by tile j + 2 has >= 65 tokens of the item after it, so none of
+    // its keys is hidden (q_len <= kMaxQLen): the steady-state pair holds no cleaning code (ptxas, the consumers at
+    // 232 registers: spills 20 / 16 bytes without any cleaning, 56 / 92 with it in every pair, 48 / 76 in the tail
+    // pairs only, 32 / 36 with the cleaning loop not unrolled; the reloads are in the item's epilogue)
+    auto fix_hidden = [&](int j, auto mask_c) {
+      if constexpr (!decltype(mask_c)::value) return;
+      const int t0 = t0_of(j);
+      if (p.causal && t0 + Cfg::kBlockN > unmasked_end) {
+        clean_hidden_rows<T>(stage_of(j), max(unmasked_end - t0, 0), valid_of(j), tid_wg, 128, 4 * wg, 4);
+        fence_proxy_async_smem();
+        named_barrier(SeesawPair::kBarWg + wg, 128);
+      }
+    };
     const float kOne[2] = {1.f, 1.f};
 
     if (wg == 0) {
@@ -356,6 +376,7 @@ __global__ void __launch_bounds__(SeesawFp8::kThreads, 1)
         named_barrier_arrive(SeesawPair::kBarScale0, 256);
         uint32_t rp[16];
         pack_p(rp, kOne);
+        fix_hidden(a, std::bool_constant<!kNextA>{});
         // O_L += P_a V_aL
         fence_regs<128>(acc_o);
         cute::warpgroup_arrive();
@@ -390,6 +411,7 @@ __global__ void __launch_bounds__(SeesawFp8::kThreads, 1)
         fence_regs<128>(acc_o);
         if constexpr (kHasB) {
           wait_blocks(b, 0, 4);
+          fix_hidden(b, std::bool_constant<!kNextB>{});
           // O_L += P_b V_bL
           cute::warpgroup_arrive();
           pv_ss(sP1, stage_of(b));
@@ -456,6 +478,7 @@ __global__ void __launch_bounds__(SeesawFp8::kThreads, 1)
         named_barrier_arrive(SeesawPair::kBarP1, 256);
         fence_regs<128>(acc_o);
         if constexpr (kHasB) {
+          fix_hidden(b, std::bool_constant<!kNextB>{});
           // O_R += P_b V_bR
           cute::warpgroup_arrive();
           pv_rs(rp, stage_of(b));
@@ -463,6 +486,7 @@ __global__ void __launch_bounds__(SeesawFp8::kThreads, 1)
         }
         named_barrier(SeesawPair::kBarP0, 256);  // sP0 in place
         wait_blocks(a, 4, 8);
+        fix_hidden(a, std::bool_constant<!kNextA>{});
         // O_R += P_a V_aR
         cute::warpgroup_arrive();
         pv_ss(sP0, stage_of(a));

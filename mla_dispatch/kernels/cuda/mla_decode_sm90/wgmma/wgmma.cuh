@@ -234,7 +234,13 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_wgmma(const __gri
         }
       }
       fence_proxy_async_smem();
-      __syncthreads();  // both halves of P are in place
+      __syncthreads();  // both halves of P are in place (and both warpgroups' S reads of the tile are done)
+      if (!kSparse && p.causal && t0 + Cfg::kBlockN > unmasked_end) {  // keys some row of the tile does not see
+        clean_hidden_rows<T>(sK + (j & 1) * Cfg::kKElems, max(unmasked_end - t0, 0), min(tok_end - t0, Cfg::kBlockN),
+                             tid, Cfg::kThreads);
+        fence_proxy_async_smem();
+        __syncthreads();
+      }
 
       // -- O += P V, this warpgroup's 256 output channels
       fence_regs<128>(acc_o);
