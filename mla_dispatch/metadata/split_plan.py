@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 from typing import Callable
 
 import torch
@@ -97,6 +98,48 @@ class SplitKVLayout:
         return sum(self._int32_sizes)
 
 
+class _BufferPool:
+    """The buffers of dropped split-KV plans, for the next plan of the same layout on the same device and stream.
+
+    An engine makes a plan per decode step and drops the last one, and the three ``torch.empty`` of a plan were the
+    largest item of ``cuda_sm90``'s ``plan_decode`` on the H200 (benchmarks/RESULTS.md, "NVIDIA H200, 2026-11-29
+    (night)": 150 calls, 3 of 8 ms under the profiler). A plan gives its buffers back when it is collected
+    (:meth:`SplitKVPlan.__del__`); the next plan of its key takes them instead of allocating (their contents are
+    undefined either way: every field a kernel reads is rewritten by the plan's schedule). The key holds the stream
+    current when the plan was made: the new plan's schedule launch is ordered after the dropped plan's last kernels
+    only on that stream (a plan run on another stream than it was made on is the caller's to order, as with any
+    plan's buffers). At most ``keep`` wait per key. The lock is re-entrant: a collection while it is held may drop a
+    plan."""
+
+    def __init__(self, keep: int = 4) -> None:
+        self.keep = keep
+        self._free: dict[tuple, list] = {}
+        self._lock = threading.RLock()
+
+    @staticmethod
+    def key(layout: "SplitKVLayout", device: torch.device) -> tuple:
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        return layout, device, stream
+
+    def take(self, key: tuple):
+        with self._lock:
+            free = self._free.get(key)
+            return free.pop() if free else None
+
+    def give(self, key: tuple, buffers: tuple) -> None:
+        with self._lock:
+            free = self._free.setdefault(key, [])
+            if len(free) < self.keep:
+                free.append(buffers)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+
+_POOL = _BufferPool()
+
+
 class SplitKVPlan:
     """The buffers of one step's split-KV plan (see the module docstring), filled for ``cache_seqlens``.
 
@@ -133,22 +176,31 @@ class SplitKVPlan:
     """
 
     __slots__ = ("layout", "schedule", "first_slot", "lengths", "partial_out", "partial_lse", "workspace",
-                 "_refresh")
+                 "_refresh", "_pool_key", "_buffers")
 
     def __init__(self, layout: SplitKVLayout, cache_seqlens: torch.Tensor | None, device: torch.device, *,
                  native: NativeSchedule | None = None) -> None:
         lay = self.layout = layout
-        # three allocations, one per dtype: a mutated view of another dtype's buffer stops torch.compile over a run
-        # ("aot_autograd() does not yet handle input mutations on views with different dtypes", H200, 2026-11-29)
-        ints = torch.empty(lay._int32_total, dtype=torch.int32, device=device)
+        self._pool_key = None
+        if cache_seqlens is not None and device.index is None:
+            device = cache_seqlens.device  # (the pool's key names the device by its index)
+        key = _POOL.key(lay, device)
+        buffers = _POOL.take(key)
+        if buffers is None:
+            # three allocations, one per dtype: a mutated view of another dtype's buffer stops torch.compile over a
+            # run ("aot_autograd() does not yet handle input mutations on views with different dtypes", H200)
+            buffers = (torch.empty(lay._int32_total, dtype=torch.int32, device=device),
+                       torch.empty((lay.max_slots, *lay.partial_row), dtype=lay.partial_dtype, device=device),
+                       torch.empty((lay.max_slots, *lay.partial_row[:-1]), dtype=torch.float32, device=device))
+        self._buffers = buffers
+        self._pool_key = key  # set once the buffers are the plan's: __del__ gives them back
+        ints, self.partial_out, self.partial_lse = buffers
         items, self.workspace, part_offsets, num_splits, slot_req, self.first_slot, self.lengths = (
             ints.split_with_sizes(lay._int32_sizes))
         self.schedule = SplitKVSchedule(items=items.view(lay.max_items, 4), part_offsets=part_offsets,
                                         num_splits=num_splits, slot_req=slot_req, chunk_size=lay.chunk_size,
                                         num_parts=lay.num_parts, overhead=lay.overhead, capacity=lay.capacity,
                                         split_tokens=lay.split_tokens, workspace=self.workspace)
-        self.partial_out = torch.empty((lay.max_slots, *lay.partial_row), dtype=lay.partial_dtype, device=device)
-        self.partial_lse = torch.empty((lay.max_slots, *lay.partial_row[:-1]), dtype=torch.float32, device=device)
         if lay.fixed_length is not None:  # sparse: the schedule of topk positions per request, made once
             self.lengths.fill_(lay.fixed_length)
             self._refresh = None
@@ -162,6 +214,14 @@ class SplitKVPlan:
                              f"{cache_seqlens.dtype} {list(cache_seqlens.shape)} on {cache_seqlens.device}")
         self._refresh = self._refresh_with(self._torch_or_triton(cache_seqlens, native))
         self._refresh(cache_seqlens)
+
+    def __del__(self) -> None:
+        key = getattr(self, "_pool_key", None)
+        if key is not None:
+            try:
+                _POOL.give(key, self._buffers)
+            except Exception:  # interpreter shutdown: the pool may be gone already
+                pass
 
     def update(self, cache_seqlens: torch.Tensor) -> None:
         """Recompute the schedule, first slots and lengths in place for the values ``cache_seqlens`` holds now
