@@ -77,22 +77,31 @@ def test_sparse_plan_is_made_once_for_topk_positions():
 
 
 def test_a_dropped_plans_buffers_go_to_the_next_plan_of_its_layout(gen):
-    """A plan's buffers go back to the pool when it is collected; the next plan of the same layout, device and stream
-    takes them and computes its own schedule in them (nothing of the dropped plan's lengths is left); a plan made
-    while another is alive, or of another layout, gets buffers of its own; a plan that fails gives them back."""
+    """A plan's buffers go back to the pool as soon as the last reference to it goes (no reference cycle: the cycle
+    collector is turned off here), the next plan of the same layout, device and stream takes them and computes its
+    own schedule in them (nothing of the dropped plan's lengths is left); a plan made while another is alive, or of
+    another layout, gets buffers of its own; a plan that fails gives them back."""
     import gc
 
     from mla_dispatch.metadata.split_plan import _POOL
 
+    _POOL.clear()
+    gc.disable()
+    try:
+        _check_pool_reuse(gen)
+    finally:
+        gc.enable()
+        _POOL.clear()
+
+
+def _check_pool_reuse(gen) -> None:
     def same(a, b) -> bool:
         return all(x is y for x, y in zip(a, b, strict=True))
 
-    _POOL.clear()
     lay = layout(6, num_parts=9, chunk=8, overhead=3, capacity=700)
     first = SplitKVPlan(lay, lengths(gen, 6), torch.device("cpu"))
     held = first._buffers  # (the tensors themselves: memory a new allocation could not reuse)
     del first
-    gc.collect()
     lens = lengths(gen, 6)
     second = SplitKVPlan(lay, lens, torch.device("cpu"))
     assert same(second._buffers, held)
@@ -102,14 +111,11 @@ def test_a_dropped_plans_buffers_go_to_the_next_plan_of_its_layout(gen):
     third_buffers = third._buffers
     other = SplitKVPlan(layout(6, num_parts=10, chunk=8, overhead=3, capacity=700), lens, torch.device("cpu"))
     del third
-    gc.collect()
     assert not same(other._buffers, third_buffers)
     with pytest.raises(ValueError, match="cache_seqlens must be int32"):
         SplitKVPlan(lay, lens.long(), torch.device("cpu"))      # takes the third's buffers, fails, gives them back
-    gc.collect()
     fourth = SplitKVPlan(lay, lens, torch.device("cpu"))
     assert same(fourth._buffers, third_buffers) and mismatches(fourth, lens) == []
-    _POOL.clear()
 
 
 def test_plan_argument_errors():

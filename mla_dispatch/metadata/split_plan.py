@@ -204,7 +204,7 @@ class SplitKVPlan:
         if lay.fixed_length is not None:  # sparse: the schedule of topk positions per request, made once
             self.lengths.fill_(lay.fixed_length)
             self._refresh = None
-            self._refresh_with(self._torch_or_triton(self.lengths, native))(self.lengths)
+            self._refresh_with(self._torch_or_triton(self.lengths, native))(self, self.lengths)
             return
         if cache_seqlens is None:
             raise ValueError("cache_seqlens is required for a dense split-KV plan (int32 [batch])")
@@ -213,7 +213,7 @@ class SplitKVPlan:
             raise ValueError(f"cache_seqlens must be int32 [{lay.batch}] on {self.lengths.device}, got "
                              f"{cache_seqlens.dtype} {list(cache_seqlens.shape)} on {cache_seqlens.device}")
         self._refresh = self._refresh_with(self._torch_or_triton(cache_seqlens, native))
-        self._refresh(cache_seqlens)
+        self._refresh(self, cache_seqlens)
 
     def __del__(self) -> None:
         key = getattr(self, "_pool_key", None)
@@ -228,7 +228,7 @@ class SplitKVPlan:
         (int32 ``[batch]``, the tensor the plan was made with or one of the same shape); a sparse plan's does
         nothing. No allocation on a GPU, no host synchronisation."""
         if self._refresh is not None:
-            self._refresh(cache_seqlens)
+            self._refresh(self, cache_seqlens)
 
     # -- how the schedule is computed, chosen once ----------------------------------------------------------
 
@@ -244,28 +244,31 @@ class SplitKVPlan:
             return "torch"
         return "triton"
 
-    def _refresh_with(self, how: str | NativeSchedule) -> Callable[[torch.Tensor], None]:
+    def _refresh_with(self, how: str | NativeSchedule) -> Callable[["SplitKVPlan", torch.Tensor], None]:
+        """``fn(plan, cache_seqlens)``, kept as ``self._refresh``: it takes the plan as an argument and holds no
+        reference to it, so a dropped plan is freed (and its buffers pooled) at once, not by the cycle collector."""
         if how == "torch":
-            return self._refresh_torch
+            return SplitKVPlan._refresh_torch
         if how == "triton":
             return self._triton_refresh()
-        return lambda cache_seqlens: how(cache_seqlens, self)
+        return lambda plan, cache_seqlens: how(cache_seqlens, plan)
 
-    def _triton_refresh(self) -> Callable[[torch.Tensor], None]:
+    def _triton_refresh(self) -> Callable[["SplitKVPlan", torch.Tensor], None]:
         """One kept launch of the Triton schedule, which also writes first_slot and the lengths' copy; a call with
         another lengths tensor than the one it was made for rebuilds it (checks and all) once."""
         from mla_dispatch.metadata.schedule_triton import schedule_launch
 
         s, lay = self.schedule, self.layout
+        workspace, first_slot, lengths = self.workspace, self.first_slot, self.lengths
         made: dict[int, object] = {}
 
-        def refresh(cache_seqlens: torch.Tensor) -> None:
+        def refresh(plan: "SplitKVPlan", cache_seqlens: torch.Tensor) -> None:
             launch = made.get(id(cache_seqlens))
             if launch is None or launch[0] is not cache_seqlens:
                 launch = made[id(cache_seqlens)] = (cache_seqlens, schedule_launch(
-                    cache_seqlens, s.items, s.part_offsets, s.num_splits, s.slot_req, self.workspace,
+                    cache_seqlens, s.items, s.part_offsets, s.num_splits, s.slot_req, workspace,
                     num_parts=lay.num_parts, chunk_size=lay.chunk_size, overhead=lay.overhead,
-                    capacity=lay.capacity, first_slot=self.first_slot, lengths_out=self.lengths))
+                    capacity=lay.capacity, first_slot=first_slot, lengths_out=lengths))
                 while len(made) > 2:  # the plan's own tensor and one other at most
                     made.pop(next(iter(made)))
             launch[1]()
