@@ -94,6 +94,17 @@ def test_a_dropped_plans_buffers_go_to_the_next_plan_of_its_layout(gen):
         _POOL.clear()
 
 
+def test_nothing_is_pooled_during_cuda_graph_capture(monkeypatch):
+    """A plan made while a stream captures a CUDA graph takes no pooled buffers and gives none back (its own belong
+    to the graph's memory pool, which the graph's replays write): the pool's key is None then."""
+    from mla_dispatch.metadata.split_plan import _POOL
+
+    lay = layout(4)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert _POOL.key(lay, torch.device("cuda", 0)) is None
+    assert _POOL.key(lay, torch.device("cpu")) == (lay, torch.device("cpu"), 0)
+
+
 def _check_pool_reuse(gen) -> None:
     def same(a, b) -> bool:
         return all(x is y for x, y in zip(a, b, strict=True))

@@ -108,8 +108,8 @@ class _BufferPool:
     undefined either way: every field a kernel reads is rewritten by the plan's schedule). The key holds the stream
     current when the plan was made: the new plan's schedule launch is ordered after the dropped plan's last kernels
     only on that stream (a plan run on another stream than it was made on is the caller's to order, as with any
-    plan's buffers). At most ``keep`` wait per key. The lock is re-entrant: a collection while it is held may drop a
-    plan."""
+    plan's buffers). At most ``keep`` wait per key. Nothing is pooled while a CUDA graph is being captured
+    (:meth:`key`). The lock is re-entrant: a collection while it is held may drop a plan."""
 
     def __init__(self, keep: int = 4) -> None:
         self.keep = keep
@@ -117,9 +117,15 @@ class _BufferPool:
         self._lock = threading.RLock()
 
     @staticmethod
-    def key(layout: "SplitKVLayout", device: torch.device) -> tuple:
-        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-        return layout, device, stream
+    def key(layout: "SplitKVLayout", device: torch.device) -> tuple | None:
+        """The pool's key for a plan made now, or None (no pooling) while the stream is capturing a CUDA graph: a
+        buffer allocated in the capture belongs to the graph's memory pool and its replays may write it, so it must
+        not outlive the plan in another plan's hands, and a plan captured with pooled buffers must not give them on."""
+        if device.type != "cuda":
+            return layout, device, 0
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        return layout, device, torch.cuda.current_stream(device).cuda_stream
 
     def take(self, key: tuple):
         with self._lock:
@@ -185,7 +191,7 @@ class SplitKVPlan:
         if cache_seqlens is not None and device.index is None:
             device = cache_seqlens.device  # (the pool's key names the device by its index)
         key = _POOL.key(lay, device)
-        buffers = _POOL.take(key)
+        buffers = None if key is None else _POOL.take(key)
         if buffers is None:
             # three allocations, one per dtype: a mutated view of another dtype's buffer stops torch.compile over a
             # run ("aot_autograd() does not yet handle input mutations on views with different dtypes", H200)
