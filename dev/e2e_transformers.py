@@ -165,7 +165,7 @@ def bench(args, model, device: torch.device) -> list[dict]:
         ids, mask = prompts(batch, args.prompt, args.vocab, left_pad=args.left_pad, seed=args.seed + batch,
                             device=device)
         warm_ids, warm_mask = ids[:, -min(32, args.prompt):], mask[:, -min(32, args.prompt):]
-        stock_tokens = None
+        stock_tokens, stock_name = None, None
         for backend in args.backends:
             row = {"backend": backend, "batch": batch, "prompt": args.prompt, "decode_steps": args.new}
             handle = timer = None
@@ -213,16 +213,18 @@ def bench(args, model, device: torch.device) -> list[dict]:
                        decode_s_runs=[r["decode_s"] for r in runs], peak_mib=runs[0]["peak_mib"])
             if backend == "stock" or backend.startswith("stock:"):
                 if stock_tokens is None:
-                    stock_tokens = tokens
+                    stock_tokens, stock_name = tokens, backend
             elif stock_tokens is not None:
                 row["tokens_differing_from_stock"] = int((tokens != stock_tokens).sum())
                 row["tokens_compared"] = tokens.numel()
+                row["tokens_compared_with"] = stock_name
             rows.append(row)
         stock = next((r for r in rows if r["batch"] == batch and (r["backend"] == "stock" or r["backend"].startswith(
             "stock:")) and "error" not in r), None)
         for r in rows:
             if r["batch"] == batch and stock is not None and "error" not in r:
                 r["speedup_vs_stock"] = r["decode_tokens_per_s"] / stock["decode_tokens_per_s"]
+                r["speedup_baseline"] = stock["backend"]  # the first stock row that ran (another if it failed)
     return rows
 
 

@@ -167,7 +167,8 @@ class DecodePlan:
     def planned_lengths(self) -> torch.Tensor | None:
         """The lengths every :meth:`run` computes with: a copy of ``cache_seqlens`` as of :func:`plan_decode` or the
         last :meth:`update` (docs/design.md §2, "Stale plans"); None for a sparse plan or one made without
-        ``cache_seqlens``."""
+        ``cache_seqlens``. A view of the plan's own buffers, like :attr:`state`'s tensors: valid while the plan lives
+        (a dropped plan's buffers go to the next plan of their sizes)."""
         if self._sparse or self.cache_seqlens is None or not self.problem.batch:
             return None
         return self._snapshot if self._snapshot is not None else self._state.lengths

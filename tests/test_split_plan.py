@@ -102,7 +102,7 @@ def test_nothing_is_pooled_during_cuda_graph_capture(monkeypatch):
     lay = layout(4)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert _POOL.key(lay, torch.device("cuda", 0)) is None
-    assert _POOL.key(lay, torch.device("cpu")) == (lay, torch.device("cpu"), 0)
+    assert _POOL.key(lay, torch.device("cpu"))[1:] == (torch.device("cpu"), 0)
 
 
 def _check_pool_reuse(gen) -> None:
@@ -127,6 +127,44 @@ def _check_pool_reuse(gen) -> None:
         SplitKVPlan(lay, lens.long(), torch.device("cpu"))      # takes the third's buffers, fails, gives them back
     fourth = SplitKVPlan(lay, lens, torch.device("cpu"))
     assert same(fourth._buffers, third_buffers) and mismatches(fourth, lens) == []
+    # a layout of the same buffer sizes (a wider table: another capacity) takes them too
+    fourth_buffers = fourth._buffers
+    del fourth
+    wider = SplitKVPlan(layout(6, num_parts=9, chunk=8, overhead=3, capacity=764), lens, torch.device("cpu"))
+    assert same(wider._buffers, fourth_buffers) and mismatches(wider, lens) == []
+
+
+def test_the_pool_holds_at_most_its_byte_budget(monkeypatch):
+    """Dropped plans of many sizes (an engine's batch sizes) leave at most ``max_bytes`` pooled, the oldest given
+    back first to the allocator; at most ``keep`` sets per key."""
+    from mla_dispatch.metadata import split_plan
+
+    pool = split_plan._BufferPool(keep=2, max_bytes=1 << 30)
+    monkeypatch.setattr(split_plan, "_POOL", pool)
+    cpu = torch.device("cpu")
+
+    def plan(batch: int) -> SplitKVPlan:
+        return SplitKVPlan(layout(batch), torch.zeros(batch, dtype=torch.int32), cpu)
+
+    same_size = [plan(3) for _ in range(4)]
+    size3 = split_plan._nbytes(same_size[0]._buffers)
+    while same_size:
+        same_size.pop()
+    assert pool.pooled_bytes == 2 * size3                   # keep = 2 sets of one key
+    pool.clear()
+    p3, p5, p7 = plan(3), plan(5), plan(7)
+    k3, k5, k7 = (split_plan._POOL.key(p.layout, cpu) for p in (p3, p5, p7))
+    s5, s7 = split_plan._nbytes(p5._buffers), split_plan._nbytes(p7._buffers)
+    pool.max_bytes = s5 + s7
+    del p3
+    del p5
+    assert pool.pooled_bytes == size3 + s5
+    del p7                                                   # over the budget: the oldest (batch 3) goes
+    assert list(pool._free) == [k5, k7] and pool.pooled_bytes == s5 + s7
+    pool.max_bytes = s7 - 1                                  # a set larger than the whole budget is not kept
+    big = plan(7)
+    del big
+    assert pool.pooled_bytes <= s7 - 1
 
 
 def test_plan_argument_errors():

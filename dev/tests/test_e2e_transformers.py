@@ -36,6 +36,7 @@ def test_tiny_run_writes_consistent_rows(tmp_path, seed, monkeypatch):
         assert "unknown backend 'no_such_backend'" in rows[batch, "no_such_backend"]["error"]
         stock, ours = rows[batch, "stock:eager"], rows[batch, "reference"]
         assert stock["attn_implementation"] == "eager"
+        assert ours["tokens_compared_with"] == "stock:eager" and ours["speedup_baseline"] == "stock:eager"
         assert ours["backend_used"] == "reference"
         # warm-up (2 + 1 tokens) and repeats (5 + 1 tokens each): every step after the prefill decodes through us
         assert ours["decode_steps_through_mla_dispatch"] == 2 + 2 * 5

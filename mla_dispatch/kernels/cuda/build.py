@@ -145,7 +145,7 @@ def load_sm90(verbose: bool = False):
                 name=name,
                 sources=[str(SM90_SOURCE_DIR / s) for s in _SM90_SOURCES],
                 extra_include_paths=[str(SM90_SOURCE_DIR), include],
-                # binding.cpp takes torch's own language standard (C++17 up to torch 2.13, C++20 from 2.14, whose
+                # binding.cpp takes torch's own language standard (C++17 in torch 2.11, C++20 from 2.13; 2.14's
                 # headers refuse anything older); the .cu units include no torch header (nvcc_flags: C++17)
                 extra_cflags=["-O3"],
                 extra_cuda_cflags=nvcc_flags(),
