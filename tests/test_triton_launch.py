@@ -55,6 +55,15 @@ class FakeKernel:
         return launch
 
 
+@pytest.fixture(autouse=True)
+def _own_shared_cache(monkeypatch):
+    """Each test with a cache of compiled kernels of its own: the process-wide one is keyed by ``id(kernel)``, and a
+    FakeKernel of an earlier test, collected, can leave its id to this test's, whose first launch would then find
+    the earlier kernel's compiled one (and log into the earlier test's list: a failure that came and went with the
+    order of the tests in an xdist worker)."""
+    monkeypatch.setattr(triton_launch, "_SHARED", {})
+
+
 @pytest.fixture
 def on_gpu0(monkeypatch):
     """The CUDA device and stream queries CachedLaunch makes, as on a GPU whose current device is 0."""
