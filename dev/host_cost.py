@@ -238,6 +238,14 @@ def main() -> int:
         env["triton"] = triton.__version__
     except ImportError:
         pass
+    def save(rows: list[dict]) -> None:
+        """The JSON as it stands and the newest row's line: a run cut short (a device call's timeout) keeps what it
+        measured."""
+        (args.out / "host_cost.json").write_text(json.dumps({"environment": env, "checked": checked, "rows": rows,
+                                                             "complete": False}, indent=2) + "\n")
+        if rows:
+            print(table_text(rows[-1:]).splitlines()[-1], flush=True)
+
     for i, cfg in enumerate(args.configs.split(",")):
         b, length = cfg.split("-")
         varlen = length.endswith("v")
@@ -256,6 +264,7 @@ def main() -> int:
                 rows.append({"config": cfg, "backend": name, "error": f"{type(exc).__name__}: {exc}"})
                 traceback.print_exc()
             print(f"host_cost: {cfg} {name} done in {time.perf_counter() - t0:.1f} s", flush=True)
+            save(rows)
         for peer in ("flashmla", "flashinfer"):
             try:
                 if peer == "flashmla":
@@ -265,10 +274,11 @@ def main() -> int:
                     rows.append(measure_flashinfer_plan(cfg, q, kv, table, lens, scale, args.reps))
             except Exception as exc:
                 rows.append({"config": cfg, "backend": f"{peer} (direct)", "error": f"{type(exc).__name__}: {exc}"})
+            save(rows)
         del q, kv, table, lens
         torch.cuda.empty_cache()
-    (args.out / "host_cost.json").write_text(json.dumps({"environment": env, "checked": checked, "rows": rows},
-                                                        indent=2) + "\n")
+    (args.out / "host_cost.json").write_text(json.dumps({"environment": env, "checked": checked, "rows": rows,
+                                                         "complete": True}, indent=2) + "\n")
     print(json.dumps(env))
     print("checked against the reference (first config):", json.dumps(checked))
     print("host µs per call (wall clock + device sync, median); run's kernel µs (CUDA-graph replay) in brackets")
