@@ -10,7 +10,12 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1 || echo "gpu_setup: wheel install failed"
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || { echo "gpu_setup: editable install failed"; python3 -m pip install --no-deps --no-build-isolation -e . ; }
+if ! python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1; then
+  # (e.g. an image whose setuptools predates 77, which reads no SPDX license string): the package from the tree
+  echo "gpu_setup: editable install failed, importing mla_dispatch from $PWD instead:"
+  python3 -m pip install --no-deps --no-build-isolation -e . 2>&1 | tail -n 3 || true
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
 python3 -c "import torch, mla_dispatch; print('gpu_setup:', torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no cuda')"
 export MLA_GPU_SETUP_DONE=1
 set +e
