@@ -97,12 +97,12 @@ def test_a_dropped_plans_buffers_go_to_the_next_plan_of_its_layout(gen):
 def test_nothing_is_pooled_during_cuda_graph_capture(monkeypatch):
     """A plan made while a stream captures a CUDA graph takes no pooled buffers and gives none back (its own belong
     to the graph's memory pool, which the graph's replays write): the pool's key is None then."""
-    from mla_dispatch.metadata.split_plan import _POOL
+    from mla_dispatch.metadata.split_plan import _pool_key
 
     lay = layout(4)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert _POOL.key(lay, torch.device("cuda", 0)) is None
-    assert _POOL.key(lay, torch.device("cpu"))[1:] == (torch.device("cpu"), 0)
+    assert _pool_key(lay, torch.device("cuda", 0)) is None
+    assert _pool_key(lay, torch.device("cpu"))[1:] == (torch.device("cpu"), 0)
 
 
 def _check_pool_reuse(gen) -> None:
@@ -138,8 +138,9 @@ def test_the_pool_holds_at_most_its_byte_budget(monkeypatch):
     """Dropped plans of many sizes (an engine's batch sizes) leave at most ``max_bytes`` pooled, the oldest given
     back first to the allocator; at most ``keep`` sets per key."""
     from mla_dispatch.metadata import split_plan
+    from mla_dispatch.metadata.reuse import ReusePool
 
-    pool = split_plan._BufferPool(keep=2, max_bytes=1 << 30)
+    pool = ReusePool(keep=2, max_bytes=1 << 30, size=split_plan._nbytes)
     monkeypatch.setattr(split_plan, "_POOL", pool)
     cpu = torch.device("cpu")
 
@@ -153,7 +154,7 @@ def test_the_pool_holds_at_most_its_byte_budget(monkeypatch):
     assert pool.pooled_bytes == 2 * size3                   # keep = 2 sets of one key
     pool.clear()
     p3, p5, p7 = plan(3), plan(5), plan(7)
-    k3, k5, k7 = (split_plan._POOL.key(p.layout, cpu) for p in (p3, p5, p7))
+    k3, k5, k7 = (split_plan._pool_key(p.layout, cpu) for p in (p3, p5, p7))
     s5, s7 = split_plan._nbytes(p5._buffers), split_plan._nbytes(p7._buffers)
     pool.max_bytes = s5 + s7
     del p3

@@ -35,7 +35,6 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-import threading
 import weakref
 
 import torch
@@ -44,6 +43,7 @@ from mla_dispatch.dispatch.backend import ArchSupport, BackendState, CGSupport, 
 from mla_dispatch.numerics.tolerance import Tolerance
 from mla_dispatch.metadata.conversions import repage_block_table
 from mla_dispatch.metadata.page_lists import PageLists
+from mla_dispatch.metadata.reuse import ReusePool, stream_of
 from mla_dispatch.dispatch.platform import Platform
 from mla_dispatch.dispatch.problem import DecodeProblem
 
@@ -102,46 +102,18 @@ def _signature_has(func_qualname: str, param: str) -> bool:
     return param in inspect.signature(obj).parameters
 
 
-class _WrapperPool:
-    """``BatchMLAPagedAttentionWrapper`` objects of plans that were dropped, for the next plans on the same device and
-    stream.
-
-    Constructing one allocates its int workspace and a pinned host buffer of the same size (FlashInfer 0.6's
-    ``__init__``), which dominated the adapter's ``plan_decode`` on the H200 (benchmarks/RESULTS.md, "NVIDIA H200,
-    2026-11-29 (afternoon)"). A wrapper is meant to be planned again and again (FlashInfer's engines keep one and
-    re-plan it every step), so an eager plan takes a dropped plan's wrapper where there is one; the plan's state gives
-    it back when it is collected (``weakref.finalize``). The key holds the stream the plan was made on: a re-plan
-    writes the wrapper's workspace on the current stream, so a wrapper is reused only on the stream its last plan
-    ordered its work on (a plan run on another stream than it was made on is the caller's to order, as with any
-    plan's buffers). At most ``keep`` wait per key. CUDA-graph plans keep their own (their buffers are captured).
-    The lock is re-entrant: a collection inside ``take`` may run a finalizer that calls ``give``."""
-
-    def __init__(self, keep: int = 8) -> None:
-        self.keep = keep
-        self._free: dict[tuple, list] = {}
-        self._lock = threading.RLock()
-
-    @staticmethod
-    def key(device: torch.device, cls) -> tuple:
-        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-        return device.type, device.index, stream, cls
-
-    def take(self, key: tuple, make):
-        """A free wrapper under ``key`` (:meth:`key`), else ``make()``."""
-        with self._lock:
-            free = self._free.get(key)
-            if free:
-                return free.pop()
-        return make()
-
-    def give(self, key: tuple, wrapper) -> None:
-        with self._lock:
-            free = self._free.setdefault(key, [])
-            if len(free) < self.keep:
-                free.append(wrapper)
+#: ``BatchMLAPagedAttentionWrapper`` objects of plans that were dropped, for the next eager plans on the same device
+#: and stream (metadata/reuse.py), at most 8 per key. Constructing one allocates its int workspace and a pinned host
+#: buffer of the same size (FlashInfer 0.6's ``__init__``), which dominated the adapter's ``plan_decode`` on the H200
+#: (benchmarks/RESULTS.md, "NVIDIA H200, 2026-11-29 (afternoon)"). A wrapper is meant to be planned again and again
+#: (FlashInfer's engines keep one and re-plan it every step); the plan's state gives it back when it is collected
+#: (``weakref.finalize``). A re-plan writes the wrapper's workspace on the current stream, hence the stream in the
+#: key (:func:`_wrapper_key`). CUDA-graph plans keep their own (their buffers are captured).
+_WRAPPERS = ReusePool(keep=8)
 
 
-_WRAPPERS = _WrapperPool()
+def _wrapper_key(device: torch.device, cls) -> tuple:
+    return device.type, device.index, stream_of(device), cls
 
 
 def _parse_version(text: str) -> tuple[int, ...]:
@@ -273,13 +245,15 @@ class FlashInferBackend(MLABackend):
         else:
             graph_indices = None
             make = flashinfer.mla.BatchMLAPagedAttentionWrapper
-            pool_key = _WRAPPERS.key(device, make)
-            wrapper = _WRAPPERS.take(pool_key, lambda: make(cls._workspace(device)))
+            pool_key = _wrapper_key(device, make)
+            wrapper = _WRAPPERS.take(pool_key)
+            if wrapper is None:
+                wrapper = make(cls._workspace(device))
         state = BackendState(kind="wrapper", wrapper=wrapper, qo_indptr=qo_indptr, softmax_scale=softmax_scale,
                              problem=p, lse_buf=torch.empty(n, p.num_heads_q, dtype=torch.float32, device=device),
                              lse_base_e=_signature_has("mla.BatchMLAPagedAttentionWrapper.run", "return_lse_base_on_e"),
                              graph_indices=graph_indices, lists=lists, page_pos=lists.page_pos, indices_buf=None)
-        if not p.cuda_graph:  # the wrapper goes back to the pool when the plan is dropped (_WrapperPool)
+        if not p.cuda_graph:  # the wrapper goes back to the pool when the plan is dropped (_WRAPPERS)
             weakref.finalize(state, _WRAPPERS.give, pool_key, wrapper)
         cls._replan_wrapper(state, block_table, cache_seqlens, lists_fresh=True)
         return state

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import threading
 from typing import Callable
 
 import torch
 
 from mla_dispatch.metadata.combine import first_slots
+from mla_dispatch.metadata.reuse import ReusePool, stream_of
 from mla_dispatch.metadata.schedule import (TRITON_SCHEDULE_MAX_BATCH, SplitKVSchedule, _check_schedule_args,
                                            fixed_split_schedule, split_kv_schedule, workspace_numel)
 
@@ -98,87 +98,32 @@ class SplitKVLayout:
         return sum(self._int32_sizes)
 
 
-class _BufferPool:
-    """The buffers of dropped split-KV plans, for the next plan of the same buffer sizes on the same device and stream.
-
-    An engine makes a plan per decode step and drops the last one, and the three ``torch.empty`` of a plan were the
-    largest item of ``cuda_sm90``'s ``plan_decode`` on the H200 (benchmarks/RESULTS.md, "NVIDIA H200, 2026-11-29
-    (night)": 150 calls, 3 of 8 ms under the profiler). A plan gives its buffers back when it is collected
-    (:meth:`SplitKVPlan.__del__`); the next plan of its key takes them instead of allocating (their contents are
-    undefined either way: every field a kernel reads is rewritten by the plan's schedule).
-
-    The key is the buffers' sizes and dtypes, not the layout (a table one column wider, a new ``capacity``, leaves
-    them as they are), the device and the stream current when the plan was made: the new plan's schedule launch is
-    ordered after the dropped plan's last kernels only on that stream (a plan run on another stream than it was made
-    on is the caller's to order, as with any plan's buffers). The pool holds at most ``max_bytes`` (the oldest given
-    back go first, to the caching allocator) and ``keep`` sets per key; :meth:`clear` empties it. Nothing is pooled
-    while a CUDA graph is being captured (:meth:`key`). The lock is re-entrant: a collection while it is held may drop
-    a plan."""
-
-    def __init__(self, keep: int = 2, max_bytes: int = 256 << 20) -> None:
-        self.keep = keep
-        self.max_bytes = max_bytes
-        self._free: dict[tuple, list] = {}  # insertion order: the oldest key first
-        self._bytes = 0
-        self._lock = threading.RLock()
-
-    @staticmethod
-    def key(layout: "SplitKVLayout", device: torch.device) -> tuple | None:
-        """The pool's key for a plan made now, or None (no pooling) while the stream is capturing a CUDA graph: a
-        buffer allocated in the capture belongs to the graph's memory pool and its replays may write it, so it must
-        not outlive the plan in another plan's hands, and a plan captured with pooled buffers must not give them on."""
-        sizes = (layout._int32_total, layout.max_slots, layout.partial_row, layout.partial_dtype)
-        if device.type != "cuda":
-            return sizes, device, 0
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        return sizes, device, torch.cuda.current_stream(device).cuda_stream
-
-    def take(self, key: tuple):
-        with self._lock:
-            free = self._free.get(key)
-            if not free:
-                return None
-            buffers = free.pop()
-            self._bytes -= _nbytes(buffers)
-            if not free:
-                del self._free[key]
-            return buffers
-
-    def give(self, key: tuple, buffers: tuple) -> None:
-        size = _nbytes(buffers)
-        with self._lock:
-            free = self._free.setdefault(key, [])
-            if len(free) >= self.keep or size > self.max_bytes:
-                if not free:
-                    del self._free[key]
-                return
-            free.append(buffers)
-            self._bytes += size
-            while self._bytes > self.max_bytes:  # the oldest key's sets go first
-                oldest = next(iter(self._free))
-                dropped = self._free[oldest].pop(0)
-                self._bytes -= _nbytes(dropped)
-                if not self._free[oldest]:
-                    del self._free[oldest]
-
-    def clear(self) -> None:
-        with self._lock:
-            self._free.clear()
-            self._bytes = 0
-
-    @property
-    def pooled_bytes(self) -> int:
-        return self._bytes
+def _pool_key(layout: "SplitKVLayout", device: torch.device) -> tuple | None:
+    """The pool key of a plan made now: the buffers' sizes and dtypes, not the layout (a table one column wider, a
+    new ``capacity``, leaves them as they are), the device and its current stream (:mod:`.reuse`); None (no pooling)
+    while the stream captures a CUDA graph: a buffer allocated in the capture belongs to the graph's memory pool and
+    its replays may write it, so it must not outlive the plan in another plan's hands, and a plan captured with pooled
+    buffers must not give them on."""
+    sizes = (layout._int32_total, layout.max_slots, layout.partial_row, layout.partial_dtype)
+    if device.type != "cuda":
+        return sizes, device, 0
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return sizes, device, stream_of(device)
 
 
 def _nbytes(buffers: tuple) -> int:
     return sum(t.numel() * t.element_size() for t in buffers)
 
 
-_POOL = _BufferPool()
+#: The buffers of dropped split-KV plans (:meth:`SplitKVPlan.__del__`), for the next plan of their key
+#: (:func:`_pool_key`): an engine makes a plan per decode step and drops the last one, and the three ``torch.empty``
+#: of a plan were the largest item of ``cuda_sm90``'s ``plan_decode`` on the H200 (benchmarks/RESULTS.md, "NVIDIA
+#: H200, 2026-11-29 (night)": 150 calls, 3 of 8 ms under the profiler). Their contents are undefined either way:
+#: every field a kernel reads is rewritten by the plan's schedule. At most 2 sets per key and 256 MiB in all.
+_POOL = ReusePool(keep=2, max_bytes=256 << 20, size=_nbytes)
 
 
 class SplitKVPlan:
@@ -225,7 +170,7 @@ class SplitKVPlan:
         self._pool_key = None
         if cache_seqlens is not None and device.index is None:
             device = cache_seqlens.device  # (the pool's key names the device by its index)
-        key = _POOL.key(lay, device)
+        key = _pool_key(lay, device)
         buffers = None if key is None else _POOL.take(key)
         if buffers is None:
             # three allocations, one per dtype: a mutated view of another dtype's buffer stops torch.compile over a
