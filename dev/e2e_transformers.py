@@ -141,16 +141,19 @@ class _HostTimer:
             hook.remove()
 
 
+def is_stock(backend: str) -> bool:
+    """``stock`` (the model's default attention) or ``stock:<implementation>``: transformers' own, not mla_dispatch."""
+    return backend == "stock" or backend.startswith("stock:")
+
+
 def _set_stock_attention(model, backend: str) -> str | None:
     """``stock:eager`` / ``stock:sdpa``: transformers' own attention with that implementation (``stock``: the model's
-    default); returns the implementation set, or None for a mla_dispatch backend."""
-    if backend == "stock":
+    default); returns the implementation set, or None for ``stock`` and a mla_dispatch backend."""
+    if not backend.startswith("stock:"):
         return None
-    if backend.startswith("stock:"):
-        impl = backend.split(":", 1)[1]
-        model.set_attn_implementation(impl)
-        return impl
-    return None
+    impl = backend.split(":", 1)[1]
+    model.set_attn_implementation(impl)
+    return impl
 
 
 def bench(args, model, device: torch.device) -> list[dict]:
@@ -171,8 +174,7 @@ def bench(args, model, device: torch.device) -> list[dict]:
             handle = timer = None
             default_impl = model.config._attn_implementation
             try:
-                stock = backend == "stock" or backend.startswith("stock:")
-                if stock:
+                if is_stock(backend):
                     row["attn_implementation"] = _set_stock_attention(model, backend) or default_impl
                 else:
                     handle = mla_tf.enable(model, backend=backend, page_size=args.page_size)
@@ -211,7 +213,7 @@ def bench(args, model, device: torch.device) -> list[dict]:
                        decode_ms=1e3 * decode_s, ms_per_step=1e3 * decode_s / args.new,
                        decode_tokens_per_s=batch * args.new / decode_s,
                        decode_s_runs=[r["decode_s"] for r in runs], peak_mib=runs[0]["peak_mib"])
-            if backend == "stock" or backend.startswith("stock:"):
+            if is_stock(backend):
                 if stock_tokens is None:
                     stock_tokens, stock_name = tokens, backend
             elif stock_tokens is not None:
@@ -219,8 +221,7 @@ def bench(args, model, device: torch.device) -> list[dict]:
                 row["tokens_compared"] = tokens.numel()
                 row["tokens_compared_with"] = stock_name
             rows.append(row)
-        stock = next((r for r in rows if r["batch"] == batch and (r["backend"] == "stock" or r["backend"].startswith(
-            "stock:")) and "error" not in r), None)
+        stock = next((r for r in rows if r["batch"] == batch and is_stock(r["backend"]) and "error" not in r), None)
         for r in rows:
             if r["batch"] == batch and stock is not None and "error" not in r:
                 r["speedup_vs_stock"] = r["decode_tokens_per_s"] / stock["decode_tokens_per_s"]

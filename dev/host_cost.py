@@ -238,12 +238,12 @@ def main() -> int:
         env["triton"] = triton.__version__
     except ImportError:
         pass
-    def save(rows: list[dict]) -> None:
-        """The JSON as it stands and the newest row's line: a run cut short (a device call's timeout) keeps what it
-        measured."""
+    def save(rows: list[dict], complete: bool = False) -> None:
+        """The JSON as it stands and, while measuring, the newest row's line: a run cut short (a device call's
+        timeout) keeps what it measured."""
         (args.out / "host_cost.json").write_text(json.dumps({"environment": env, "checked": checked, "rows": rows,
-                                                             "complete": False}, indent=2) + "\n")
-        if rows:
+                                                             "complete": complete}, indent=2) + "\n")
+        if rows and not complete:
             print(table_text(rows[-1:]).splitlines()[-1], flush=True)
 
     for i, cfg in enumerate(args.configs.split(",")):
@@ -277,8 +277,7 @@ def main() -> int:
             save(rows)
         del q, kv, table, lens
         torch.cuda.empty_cache()
-    (args.out / "host_cost.json").write_text(json.dumps({"environment": env, "checked": checked, "rows": rows,
-                                                         "complete": True}, indent=2) + "\n")
+    save(rows, complete=True)
     print(json.dumps(env))
     print("checked against the reference (first config):", json.dumps(checked))
     print("host µs per call (wall clock + device sync, median); run's kernel µs (CUDA-graph replay) in brackets")

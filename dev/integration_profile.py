@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     default_impl = model.config._attn_implementation
     for backend in backends:
         handle = None
-        if backend.startswith("stock"):
+        if e2e.is_stock(backend):
             e2e._set_stock_attention(model, backend)
         else:
             handle = mla_tf.enable(model, backend=backend, page_size=64)
