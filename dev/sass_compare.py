@@ -56,8 +56,9 @@ def cuobjdump() -> str:
     raise SystemExit("sass_compare: no cuobjdump (neither CUDA's nor triton's)")
 
 
-def build(tree: pathlib.Path, out: pathlib.Path) -> int:
-    """Compile every kernel unit of ``tree`` into ``out``: ``<unit>.o``, ``<unit>.o.sass``, ``<unit>.o.ptxas.txt``."""
+def build(tree: pathlib.Path, out: pathlib.Path, only: list[str] | None = None) -> int:
+    """Compile every kernel unit of ``tree`` (or those whose path contains one of ``only``) into ``out``:
+    ``<unit>.o``, ``<unit>.o.sass``, ``<unit>.o.ptxas.txt``."""
     from torch.utils import cpp_extension
 
     b = _build_module(tree)
@@ -70,6 +71,8 @@ def build(tree: pathlib.Path, out: pathlib.Path) -> int:
     dump = cuobjdump()
     failed = 0
     for unit in b.SM90_KERNEL_SOURCES:
+        if only and not any(text in unit for text in only):
+            continue
         obj = out / (unit.replace("/", "_") + ".o")
         cmd = [nvcc, *(f"-I{p}" for p in include), *(a for p in system for a in ("-isystem", p)),
                "--compiler-options", "-fPIC", *b.nvcc_flags(), "-Xptxas", "-v", "-c", str(b.SM90_SOURCE_DIR / unit),
@@ -168,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     pb = sub.add_parser("build", help="compile every kernel unit of a tree and disassemble it")
     pb.add_argument("tree", type=pathlib.Path)
     pb.add_argument("out", type=pathlib.Path)
+    pb.add_argument("--only", default=None, metavar="TEXT",
+                    help="only the units whose path contains one of these comma-separated texts (e.g. 'seesaw')")
     pc = sub.add_parser("compare", help="compare two build folders kernel by kernel")
     pc.add_argument("old", type=pathlib.Path)
     pc.add_argument("new", type=pathlib.Path)
@@ -175,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="a rename of demangled names, applied to both sides (repeatable, in order)")
     args = p.parse_args(argv)
     if args.command == "build":
-        return build(args.tree.resolve(), args.out.resolve())
+        return build(args.tree.resolve(), args.out.resolve(),
+                     None if args.only is None else [t.strip() for t in args.only.split(",") if t.strip()])
     renames = []
     for text in args.rename:
         if "=>" not in text:
