@@ -7,7 +7,8 @@
 For each config (h_q 128, s_q 1, page 64, bf16; ``v``: lengths drawn around L as FlashMLA's benchmark draws them)
 and backend: the wall clock of ``plan_decode``, ``DecodePlan.update()``, ``DecodePlan.run`` (out and lse given) and
 the one-shot ``mla_decode``, each followed by a device synchronisation, median of ``--reps`` (docs/design.md §6,
-"Host cost"); the kernel time of the same run (one CUDA-graph replay, median of 30) beside ``run``; the CUDA launches
+"Host cost"); the same calls' host cost alone (``*_host_us``: timed while the GPU works through a queued sleep, so
+no launch waits and no synchronisation is in the span; the bare synchronisation's cost is ``sync_floor_us``); the kernel time of the same run (one CUDA-graph replay, median of 30) beside ``run``; the CUDA launches
 and torch ops one call issues (torch.profiler); and FlashMLA's own whole call (``get_mla_metadata()`` and
 ``flash_mla_with_kvcache``, as its users call it per layer) and FlashInfer's own ``plan`` for the targets that
 compare with them. Each backend's output is checked against the reference at the first config before it is timed.
@@ -68,6 +69,23 @@ def host_us(fn, reps: int) -> float:
         fn()
         torch.cuda.synchronize()
         samples.append(time.perf_counter() - t0)
+    return statistics.median(samples) * 1e6
+
+
+def busy_us(fn, reps: int) -> float:
+    """Median µs the host spends in ``fn()`` while the GPU is busy with a queued ~1 ms sleep kernel: nothing the call
+    launches waits for the device and no synchronisation follows inside the timed span, so this is the call's host
+    cost alone (a call that synchronises with the device shows the sleep: ~1000 µs)."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(reps):
+        torch.cuda._sleep(2_000_000)  # ~1 ms at the H200's ~2 GHz
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
     return statistics.median(samples) * 1e6
 
 
@@ -145,6 +163,7 @@ def measure_backend(name: str, cfg: str, q, kv, table, lens, scale: float, reps:
     row = {"config": cfg, "backend": name, "plan_object": repr(plan)}
     for call, fn in fns.items():
         row[f"{call}_us"] = host_us(fn, reps)
+        row[f"{call}_host_us"] = busy_us(fn, reps)
     graph_plan = plan_decode(q, kv, table, lens, **kw, cuda_graph=True)
     row["kernel_us"] = graph_us(lambda: graph_plan.run(q, kv, out=out, lse=lse))
     for call, fn in fns.items():
@@ -171,7 +190,8 @@ def measure_flashmla(cfg: str, q, kv, table, lens, scale: float, reps: int, out_
         return flash_mla.flash_mla_with_kvcache(q, kv, table, lens, D_V, meta, None, softmax_scale=scale)
 
     row = {"config": cfg, "backend": "FlashMLA (direct)", "call_us": host_us(whole, reps),
-           "run_us": host_us(reused, reps), "version": getattr(flash_mla, "__version__", "?")}
+           "run_us": host_us(reused, reps), "call_host_us": busy_us(whole, reps), "run_host_us": busy_us(reused, reps),
+           "version": getattr(flash_mla, "__version__", "?")}
     row["call_launches"], row["call_ops"] = launches_and_ops(whole)
     row["kernel_us"] = graph_us(reused)
     if profile:
@@ -196,7 +216,7 @@ def measure_flashinfer_plan(cfg: str, q, kv, table, lens, scale: float, reps: in
                      q.dtype, q.dtype)
 
     return {"config": cfg, "backend": "FlashInfer plan (direct)", "plan_us": host_us(plan, reps),
-            "version": getattr(flashinfer, "__version__", "?")}
+            "plan_host_us": busy_us(plan, reps), "version": getattr(flashinfer, "__version__", "?")}
 
 
 def fmt(x, spec=".0f") -> str:
@@ -219,6 +239,16 @@ def table_text(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def host_table_text(rows: list[dict]) -> str:
+    """The host cost alone (:func:`busy_us`: the GPU kept busy, no synchronisation in the timed span)."""
+    lines = ["| config | backend | plan | update | run | one-shot call |", "|---|---|---:|---:|---:|---:|"]
+    for r in rows:
+        if "error" not in r:
+            lines.append(f"| {r['config']} | {r['backend']} | "
+                         + " | ".join(fmt(r.get(f"{c}_host_us")) for c in CALLS) + " |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--configs", default="b1-L4096,b128-L8192v")
@@ -238,6 +268,7 @@ def main() -> int:
         env["triton"] = triton.__version__
     except ImportError:
         pass
+    env["sync_floor_us"] = host_us(lambda: None, 200)  # what the synchronisation alone adds to every host_us
     def save(rows: list[dict], complete: bool = False) -> None:
         """The JSON as it stands and, while measuring, the newest row's line: a run cut short (a device call's
         timeout) keeps what it measured."""
@@ -282,6 +313,9 @@ def main() -> int:
     print("checked against the reference (first config):", json.dumps(checked))
     print("host µs per call (wall clock + device sync, median); run's kernel µs (CUDA-graph replay) in brackets")
     print(table_text(rows))
+    print(f"host µs per call with the GPU kept busy (no synchronisation in the span; a bare synchronisation took "
+          f"{env['sync_floor_us']:.1f} µs in the table above)")
+    print(host_table_text(rows))
     return 0
 
 

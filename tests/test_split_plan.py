@@ -132,6 +132,7 @@ def _check_pool_reuse(gen) -> None:
     del fourth
     wider = SplitKVPlan(layout(6, num_parts=9, chunk=8, overhead=3, capacity=764), lens, torch.device("cpu"))
     assert same(wider._buffers, fourth_buffers) and mismatches(wider, lens) == []
+    assert wider.schedule.capacity == 764                   # its own schedule object over the pooled views
 
 
 def test_the_pool_holds_at_most_its_byte_budget(monkeypatch):
@@ -140,7 +141,7 @@ def test_the_pool_holds_at_most_its_byte_budget(monkeypatch):
     from mla_dispatch.metadata import split_plan
     from mla_dispatch.metadata.reuse import ReusePool
 
-    pool = ReusePool(keep=2, max_bytes=1 << 30, size=split_plan._nbytes)
+    pool = ReusePool(keep=2, max_bytes=1 << 30, size=lambda pooled: pooled.nbytes)
     monkeypatch.setattr(split_plan, "_POOL", pool)
     cpu = torch.device("cpu")
 
@@ -149,6 +150,7 @@ def test_the_pool_holds_at_most_its_byte_budget(monkeypatch):
 
     same_size = [plan(3) for _ in range(4)]
     size3 = split_plan._nbytes(same_size[0]._buffers)
+    assert same_size[0].layout._nbytes == size3               # what the pool counts is what the plan holds
     while same_size:
         same_size.pop()
     assert pool.pooled_bytes == 2 * size3                   # keep = 2 sets of one key
@@ -213,3 +215,16 @@ def test_gpu_plan_matches_torch_without_host_sync(native, gen):
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert mismatches(plan, lens) == [] and buffer_ptrs(plan) == ptrs, lay
+
+
+@pytest.mark.gpu
+def test_gpu_pool_key_names_the_current_stream():
+    """The pool key's stream is the raw handle of the device's current stream (reuse.stream_of reads it without a
+    Stream object): on the default stream and inside another stream's context, with and without a device index."""
+    from mla_dispatch.metadata.reuse import stream_of
+
+    for device in (torch.device("cuda"), torch.device("cuda", torch.cuda.current_device())):
+        assert stream_of(device) == torch.cuda.current_stream(device).cuda_stream
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            assert stream_of(device) == side.cuda_stream != torch.cuda.default_stream().cuda_stream

@@ -382,6 +382,19 @@ def load_module():
     return load_sm90()
 
 
+_EXTENSION_CALLS: list = []  # [(module, its calls)]: the last module's
+
+
+def _extension_calls() -> tuple:
+    """``(native schedule, op, module function)`` of the loaded extension, made once per module (a plan's host
+    path took three loader calls and a new closure per plan)."""
+    module = load_module()
+    if not _EXTENSION_CALLS or _EXTENSION_CALLS[0][0] is not module:
+        _EXTENSION_CALLS[:] = [(module, (native_schedule(module), load_ops().cuda_sm90_decode.default,
+                                         module.cuda_sm90_decode))]
+    return _EXTENSION_CALLS[0][1]
+
+
 def load_ops():
     """Build/load the extension and return ``torch.ops.mla_dispatch``.
 
@@ -565,10 +578,9 @@ class CudaSM90Backend(MLABackend):
         sms = (platform.num_compute_units if platform is not None
                else torch.cuda.get_device_properties(device).multi_processor_count)
         layout, launch = _shape_plan(problem, sms, tuple(sorted(options.items())))
-        module = load_module()
+        native, op, direct = _extension_calls()
         # sparse: every query position attends to its topk slots (-1 ones are masked in the kernel), lengths unread
-        split = SplitKVPlan(layout, None if problem.sparse else cache_seqlens, device,
-                            native=native_schedule(module))
+        split = SplitKVPlan(layout, None if problem.sparse else cache_seqlens, device, native=native)
         sparse_lse = None
         if problem.sparse and problem.q_len > 1:
             sparse_lse = torch.empty(view.batch, view.num_heads_q, 1, dtype=torch.float32, device=device)
@@ -591,8 +603,8 @@ class CudaSM90Backend(MLABackend):
             extra=extra,
             lengths=split.lengths,
             sparse_lse=sparse_lse,
-            op=load_ops().cuda_sm90_decode.default,
-            direct=module.cuda_sm90_decode,
+            op=op,
+            direct=direct,
             schedule=split.schedule,
             first_slot=split.first_slot,
             # one 2048-byte row per (slot, query row); the kernels store fp16 rows with per-quarter shifts in them

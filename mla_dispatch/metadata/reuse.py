@@ -21,7 +21,10 @@ __all__ = ["ReusePool", "stream_of"]
 
 def stream_of(device: torch.device) -> int:
     """The handle of ``device``'s current stream (0 off CUDA): the part of a pool key that orders reuse."""
-    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    if device.type != "cuda":
+        return 0
+    # the raw handle without a Stream object (torch.cuda.current_stream builds one: a few µs on a plan's host path)
+    return torch._C._cuda_getCurrentRawStream(torch.cuda.current_device() if device.index is None else device.index)
 
 
 class ReusePool:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Callable
 
 import torch
@@ -97,14 +98,25 @@ class SplitKVLayout:
     def _int32_total(self) -> int:
         return sum(self._int32_sizes)
 
+    @functools.cached_property
+    def _pool_sizes(self) -> tuple:
+        """What a pooled set of buffers must match (:func:`_pool_key`): the int32 buffer's cuts and the partials'."""
+        return self._int32_sizes, self.max_slots, self.partial_row, self.partial_dtype
+
+    @functools.cached_property
+    def _nbytes(self) -> int:
+        """Bytes of a plan's three buffers."""
+        rows = self.max_slots * math.prod(self.partial_row[:-1])
+        return 4 * self._int32_total + rows * self.partial_row[-1] * self.partial_dtype.itemsize + 4 * rows
+
 
 def _pool_key(layout: "SplitKVLayout", device: torch.device) -> tuple | None:
-    """The pool key of a plan made now: the buffers' sizes and dtypes, not the layout (a table one column wider, a
-    new ``capacity``, leaves them as they are), the device and its current stream (:mod:`.reuse`); None (no pooling)
-    while the stream captures a CUDA graph: a buffer allocated in the capture belongs to the graph's memory pool and
-    its replays may write it, so it must not outlive the plan in another plan's hands, and a plan captured with pooled
-    buffers must not give them on."""
-    sizes = (layout._int32_total, layout.max_slots, layout.partial_row, layout.partial_dtype)
+    """The pool key of a plan made now: the buffers' sizes and dtypes and how the int32 one is cut (not the layout: a
+    table one column wider, a new ``capacity``, leaves them as they are), the device and its current stream
+    (:mod:`.reuse`); None (no pooling) while the stream captures a CUDA graph: a buffer allocated in the capture
+    belongs to the graph's memory pool and its replays may write it, so it must not outlive the plan in another
+    plan's hands, and a plan captured with pooled buffers must not give them on."""
+    sizes = layout._pool_sizes
     if device.type != "cuda":
         return sizes, device, 0
     if torch.cuda.is_current_stream_capturing():
@@ -118,12 +130,35 @@ def _nbytes(buffers: tuple) -> int:
     return sum(t.numel() * t.element_size() for t in buffers)
 
 
-#: The buffers of dropped split-KV plans (:meth:`SplitKVPlan.__del__`), for the next plan of their key
-#: (:func:`_pool_key`): an engine makes a plan per decode step and drops the last one, and the three ``torch.empty``
-#: of a plan were the largest item of ``cuda_sm90``'s ``plan_decode`` on the H200 (benchmarks/RESULTS.md, "NVIDIA
-#: H200, 2026-11-29 (night)": 150 calls, 3 of 8 ms under the profiler). Their contents are undefined either way:
-#: every field a kernel reads is rewritten by the plan's schedule. At most 2 sets per key and 256 MiB in all.
-_POOL = ReusePool(keep=2, max_bytes=256 << 20, size=_nbytes)
+class _Pooled:
+    """What a dropped plan gives the pool: its three buffers (``buffers``), their views as a plan cuts them
+    (``views``: items as ``[max_items, 4]``, workspace, part offsets, splits, slot owners, first slots, lengths),
+    their bytes, and the schedule object over those views with the layout it was made for (a plan of the same
+    layout takes it as it is). The views and the schedule cost more host time to make than the plan's other work
+    (benchmarks/RESULTS.md, "2026-11-29 (evening)")."""
+
+    __slots__ = ("buffers", "views", "nbytes", "layout", "schedule")
+
+    def __init__(self, layout: "SplitKVLayout", device: torch.device) -> None:
+        # three allocations, one per dtype: a mutated view of another dtype's buffer stops torch.compile over a
+        # run ("aot_autograd() does not yet handle input mutations on views with different dtypes", H200)
+        ints = torch.empty(layout._int32_total, dtype=torch.int32, device=device)
+        self.buffers = (ints,
+                        torch.empty((layout.max_slots, *layout.partial_row), dtype=layout.partial_dtype, device=device),
+                        torch.empty((layout.max_slots, *layout.partial_row[:-1]), dtype=torch.float32, device=device))
+        items, *rest = ints.split_with_sizes(layout._int32_sizes)
+        self.views = (items.view(layout.max_items, 4), *rest)
+        self.nbytes = layout._nbytes
+        self.layout = self.schedule = None
+
+
+#: What dropped split-KV plans leave (:meth:`SplitKVPlan.__del__`), for the next plan of their key (:func:`_pool_key`):
+#: an engine makes a plan per decode step and drops the last one, and the three ``torch.empty`` of a plan were the
+#: largest item of ``cuda_sm90``'s ``plan_decode`` on the H200 (benchmarks/RESULTS.md, "NVIDIA H200, 2026-11-29
+#: (night)": 150 calls, 3 of 8 ms under the profiler), then their views and schedule object (the evening's CPU
+#: profile). The buffers' contents are undefined either way: every field a kernel reads is rewritten by the plan's
+#: schedule. At most 2 sets per key and 256 MiB in all.
+_POOL = ReusePool(keep=2, max_bytes=256 << 20, size=lambda pooled: pooled.nbytes)
 
 
 class SplitKVPlan:
@@ -162,7 +197,7 @@ class SplitKVPlan:
     """
 
     __slots__ = ("layout", "schedule", "first_slot", "lengths", "partial_out", "partial_lse", "workspace",
-                 "_refresh", "_pool_key", "_buffers")
+                 "_refresh", "_pool_key", "_pooled")
 
     def __init__(self, layout: SplitKVLayout, cache_seqlens: torch.Tensor | None, device: torch.device, *,
                  native: NativeSchedule | None = None) -> None:
@@ -171,22 +206,20 @@ class SplitKVPlan:
         if cache_seqlens is not None and device.index is None:
             device = cache_seqlens.device  # (the pool's key names the device by its index)
         key = _pool_key(lay, device)
-        buffers = None if key is None else _POOL.take(key)
-        if buffers is None:
-            # three allocations, one per dtype: a mutated view of another dtype's buffer stops torch.compile over a
-            # run ("aot_autograd() does not yet handle input mutations on views with different dtypes", H200)
-            buffers = (torch.empty(lay._int32_total, dtype=torch.int32, device=device),
-                       torch.empty((lay.max_slots, *lay.partial_row), dtype=lay.partial_dtype, device=device),
-                       torch.empty((lay.max_slots, *lay.partial_row[:-1]), dtype=torch.float32, device=device))
-        self._buffers = buffers
+        pooled = None if key is None else _POOL.take(key)
+        if pooled is None:
+            pooled = _Pooled(lay, device)
+        self._pooled = pooled
         self._pool_key = key  # set once the buffers are the plan's: __del__ gives them back
-        ints, self.partial_out, self.partial_lse = buffers
-        items, self.workspace, part_offsets, num_splits, slot_req, self.first_slot, self.lengths = (
-            ints.split_with_sizes(lay._int32_sizes))
-        self.schedule = SplitKVSchedule(items=items.view(lay.max_items, 4), part_offsets=part_offsets,
-                                        num_splits=num_splits, slot_req=slot_req, chunk_size=lay.chunk_size,
-                                        num_parts=lay.num_parts, overhead=lay.overhead, capacity=lay.capacity,
-                                        split_tokens=lay.split_tokens, workspace=self.workspace)
+        _, self.partial_out, self.partial_lse = pooled.buffers
+        items, self.workspace, part_offsets, num_splits, slot_req, self.first_slot, self.lengths = pooled.views
+        if pooled.layout is not lay and pooled.layout != lay:  # (frozen: equal layouts, equal schedules)
+            pooled.schedule = SplitKVSchedule(items=items, part_offsets=part_offsets, num_splits=num_splits,
+                                              slot_req=slot_req, chunk_size=lay.chunk_size, num_parts=lay.num_parts,
+                                              overhead=lay.overhead, capacity=lay.capacity,
+                                              split_tokens=lay.split_tokens, workspace=self.workspace)
+            pooled.layout = lay
+        self.schedule = pooled.schedule
         if lay.fixed_length is not None:  # sparse: the schedule of topk positions per request, made once
             self.lengths.fill_(lay.fixed_length)
             self._refresh = None
@@ -205,9 +238,14 @@ class SplitKVPlan:
         key = getattr(self, "_pool_key", None)
         if key is not None:
             try:
-                _POOL.give(key, self._buffers)
+                _POOL.give(key, self._pooled)
             except Exception:  # interpreter shutdown: the pool may be gone already
                 pass
+
+    @property
+    def _buffers(self) -> tuple:
+        """The plan's three buffers (int32, partial rows, partial LSE)."""
+        return self._pooled.buffers
 
     def update(self, cache_seqlens: torch.Tensor) -> None:
         """Recompute the schedule, first slots and lengths in place for the values ``cache_seqlens`` holds now
