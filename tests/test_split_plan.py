@@ -228,3 +228,42 @@ def test_gpu_pool_key_names_the_current_stream():
         side = torch.cuda.Stream()
         with torch.cuda.stream(side):
             assert stream_of(device) == side.cuda_stream != torch.cuda.default_stream().cuda_stream
+
+
+@pytest.mark.gpu
+def test_gpu_bound_native_schedule_follows_pooled_buffers_and_layouts(gen):
+    """The extension's schedule is bound once per pooled buffer set and layout (PlannedSchedule): a plan of another
+    capacity on the same buffers binds again and computes its own schedule; the unbound call writes the same; the
+    bound run checks the lengths it is given and names them."""
+    import gc
+
+    from mla_dispatch.backends import cuda_sm90
+    from mla_dispatch.metadata.split_plan import _POOL
+
+    if cuda_sm90.CudaSM90Backend.availability_reasons():
+        pytest.skip(f"cuda_sm90 unavailable: {cuda_sm90.CudaSM90Backend.availability_reasons()[0]}")
+    from mla_dispatch.kernels.cuda.schedule import native_schedule
+
+    fn = native_schedule(cuda_sm90.load_module())
+    assert hasattr(fn, "bind") and fn is native_schedule(cuda_sm90.load_module())
+    _POOL.clear()
+    gc.disable()
+    try:
+        lens = lengths(gen, 8, "cuda", high=4200)
+        first = SplitKVPlan(layout(8, num_parts=132, chunk=64, overhead=5, capacity=4096), lens, lens.device,
+                            native=fn)
+        assert mismatches(first, lens) == []
+        held = first._buffers
+        del first
+        lens = lengths(gen, 8, "cuda", high=8300)
+        second = SplitKVPlan(layout(8, num_parts=132, chunk=64, overhead=5, capacity=8192), lens, lens.device,
+                             native=fn)
+        assert all(x is y for x, y in zip(second._buffers, held)) and mismatches(second, lens) == []
+        lens.copy_(lengths(gen, 8, "cuda", high=8300))
+        fn(lens, second)  # unbound: binds and runs in one call
+        assert mismatches(second, lens) == []
+        with pytest.raises(ValueError, match=r"cache_seqlens must be a contiguous int32 tensor of shape \[8\]"):
+            second.update(lens.long())
+    finally:
+        gc.enable()
+        _POOL.clear()

@@ -34,7 +34,8 @@ __all__ = ["SplitKVLayout", "SplitKVPlan", "NativeSchedule"]
 
 #: A backend's own schedule launch: ``fn(cache_seqlens, plan)`` writes ``plan.schedule``'s items, part offsets,
 #: splits and slot owners, ``plan.first_slot`` and ``plan.lengths`` (a copy of ``cache_seqlens``) for a balanced
-#: schedule (:func:`.schedule.split_kv_schedule`'s contract, bit for bit), with ``plan.workspace`` as scratch.
+#: schedule (:func:`.schedule.split_kv_schedule`'s contract, bit for bit), with ``plan.workspace`` as scratch. One
+#: with a ``bind(plan)`` method returning ``run(cache_seqlens)`` is bound once per set of pooled buffers and layout.
 NativeSchedule = Callable[[torch.Tensor, "SplitKVPlan"], None]
 
 
@@ -133,11 +134,11 @@ def _nbytes(buffers: tuple) -> int:
 class _Pooled:
     """What a dropped plan gives the pool: its three buffers (``buffers``), their views as a plan cuts them
     (``views``: items as ``[max_items, 4]``, workspace, part offsets, splits, slot owners, first slots, lengths),
-    their bytes, and the schedule object over those views with the layout it was made for (a plan of the same
-    layout takes it as it is). The views and the schedule cost more host time to make than the plan's other work
+    their bytes, and the schedule object over those views with the layout it was made for and the native schedule
+    launches bound to them (a plan of the same layout takes them as they are). The views and the schedule cost more host time to make than the plan's other work
     (benchmarks/RESULTS.md, "2026-11-29 (evening)")."""
 
-    __slots__ = ("buffers", "views", "nbytes", "layout", "schedule")
+    __slots__ = ("buffers", "views", "nbytes", "layout", "schedule", "bound")
 
     def __init__(self, layout: "SplitKVLayout", device: torch.device) -> None:
         # three allocations, one per dtype: a mutated view of another dtype's buffer stops torch.compile over a
@@ -150,6 +151,7 @@ class _Pooled:
         self.views = (items.view(layout.max_items, 4), *rest)
         self.nbytes = layout._nbytes
         self.layout = self.schedule = None
+        self.bound: dict = {}  # native schedule -> its launch bound to these buffers and ``layout`` (SplitKVPlan)
 
 
 #: What dropped split-KV plans leave (:meth:`SplitKVPlan.__del__`), for the next plan of their key (:func:`_pool_key`):
@@ -219,6 +221,7 @@ class SplitKVPlan:
                                               overhead=lay.overhead, capacity=lay.capacity,
                                               split_tokens=lay.split_tokens, workspace=self.workspace)
             pooled.layout = lay
+            pooled.bound = {}
         self.schedule = pooled.schedule
         if lay.fixed_length is not None:  # sparse: the schedule of topk positions per request, made once
             self.lengths.fill_(lay.fixed_length)
@@ -275,7 +278,17 @@ class SplitKVPlan:
             return SplitKVPlan._refresh_torch
         if how == "triton":
             return self._triton_refresh()
-        return lambda plan, cache_seqlens: how(cache_seqlens, plan)
+        bind = getattr(how, "bind", None)
+        if bind is None:
+            return lambda plan, cache_seqlens: how(cache_seqlens, plan)
+        # bound to the buffers once: kept with them in the pool, for the next plan of this layout on them
+        bound = self._pooled.bound
+        run = bound.get(how)
+        if run is None:
+            if len(bound) >= 4:  # (natives of unloaded extensions: at most a few per process)
+                bound.clear()
+            run = bound[how] = bind(self)
+        return lambda plan, cache_seqlens: run(cache_seqlens)
 
     def _triton_refresh(self) -> Callable[["SplitKVPlan", torch.Tensor], None]:
         """One kept launch of the Triton schedule, which also writes first_slot and the lengths' copy; a call with

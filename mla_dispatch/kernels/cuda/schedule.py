@@ -6,24 +6,55 @@ everywhere else, ROCm included)."""
 
 from __future__ import annotations
 
+from typing import Callable
+
+import torch
+
 from mla_dispatch.metadata.split_plan import NativeSchedule, SplitKVPlan
 
 __all__ = ["native_schedule", "loaded_native_schedule"]
 
 
-def native_schedule(module) -> NativeSchedule | None:
-    """``module``'s (the loaded extension's) schedule launch as :class:`SplitKVPlan` takes it, or None where the module
-    has none (a build older than schedule.cu)."""
-    fn = getattr(module, "split_kv_schedule", None)
-    if fn is None:
-        return None
+class _ExtensionSchedule:
+    """The extension's schedule as :class:`SplitKVPlan` takes it: called as ``fn(cache_seqlens, plan)``, or bound
+    once to a plan's buffers (:meth:`bind`: the extension's ``PlannedSchedule``, whose run checks only the lengths;
+    a split-KV plan keeps the binding with its pooled buffers, so a plan or update made on them is one launch)."""
 
-    def native(cache_seqlens, plan: SplitKVPlan) -> None:
+    __slots__ = ("_planned", "_fn")
+
+    def __init__(self, module) -> None:
+        self._planned = getattr(module, "PlannedSchedule", None)  # (a build older than the bound schedule: None)
+        self._fn = module.split_kv_schedule
+
+    def _args(self, plan: SplitKVPlan) -> tuple:
         s, lay = plan.schedule, plan.layout
-        fn(cache_seqlens, s.items, s.part_offsets, s.num_splits, s.slot_req, plan.first_slot, plan.lengths,
-           plan.workspace, lay.chunk_size, lay.overhead, -1 if lay.capacity is None else lay.capacity)
+        return (s.items, s.part_offsets, s.num_splits, s.slot_req, plan.first_slot, plan.lengths, plan.workspace,
+                lay.chunk_size, lay.overhead, -1 if lay.capacity is None else lay.capacity)
 
-    return native
+    def __call__(self, cache_seqlens: torch.Tensor, plan: SplitKVPlan) -> None:
+        self._fn(cache_seqlens, *self._args(plan))
+
+    def bind(self, plan: SplitKVPlan) -> Callable[[torch.Tensor], None]:
+        """``run(cache_seqlens)`` over ``plan``'s buffers and layout; it holds the buffers, not the plan."""
+        args = self._args(plan)
+        if self._planned is None:
+            fn = self._fn
+            return lambda cache_seqlens: fn(cache_seqlens, *args)
+        return self._planned(*args).run
+
+
+_MADE: dict[int, tuple] = {}  # id(module) -> (module, its schedule): one per loaded extension
+
+
+def native_schedule(module) -> NativeSchedule | None:
+    """``module``'s (the loaded extension's) schedule launch as :class:`SplitKVPlan` takes it (the same object for
+    the same module), or None where the module has none (a build older than schedule.cu)."""
+    if getattr(module, "split_kv_schedule", None) is None:
+        return None
+    made = _MADE.get(id(module))
+    if made is None or made[0] is not module:
+        made = _MADE[id(module)] = (module, _ExtensionSchedule(module))
+    return made[1]
 
 
 def loaded_native_schedule(capability) -> NativeSchedule | None:

@@ -448,11 +448,9 @@ class PlannedDecode {
 
 // A plan's split-KV schedule (schedule.cu) written into its buffers (mla_dispatch/metadata/split_plan.py): one
 // launch on the current stream, no allocation, no host synchronisation (so it can run between CUDA-graph replays,
-// or be captured). capacity < 0: no bound.
-void split_kv_schedule(const at::Tensor& cache_seqlens, const at::Tensor& items, const at::Tensor& part_offsets,
-                       const at::Tensor& num_splits, const at::Tensor& slot_req, const at::Tensor& first_slot,
-                       const at::Tensor& lengths, const at::Tensor& workspace, int64_t chunk_size, int64_t overhead,
-                       int64_t capacity) {
+// or be captured). capacity < 0: no bound. The buffers and parameters are checked and packed once, when a plan's
+// buffers are bound (PlannedSchedule); each run checks only the lengths it reads (a plan_decode or update of
+// cuda_sm90 is this run and little else).
 #define SCHED_CHECK(cond, ...)                                             \
   do {                                                                     \
     if (!(cond)) {                                                         \
@@ -460,52 +458,87 @@ void split_kv_schedule(const at::Tensor& cache_seqlens, const at::Tensor& items,
       TORCH_CHECK_VALUE(false, msg_);                                      \
     }                                                                      \
   } while (0)
-  SCHED_CHECK(cache_seqlens.is_cuda(), "cache_seqlens must be a CUDA tensor, got device ",
-              dev_str(cache_seqlens.device()));
-  const at::Device dev = cache_seqlens.device();
-  const int64_t B = cache_seqlens.size(0), P = items.size(0) - B;
-  SCHED_CHECK(B >= 1 && B <= mla_sm90::kScheduleMaxBatch, "batch must be in [1, ", mla_sm90::kScheduleMaxBatch,
-              "], got ", B);
-  SCHED_CHECK(P >= 1 && P <= mla_sm90::kScheduleMaxParts, "items must have batch + num_parts rows with num_parts in [1, ",
-              mla_sm90::kScheduleMaxParts, "], got ", items.size(0), " rows for batch ", B);
-  const std::pair<const at::Tensor*, std::pair<const char*, std::vector<int64_t>>> expected[] = {
-      {&cache_seqlens, {"cache_seqlens", {B}}}, {&items, {"items", {B + P, 4}}},
-      {&part_offsets, {"part_offsets", {P + 1}}}, {&num_splits, {"num_splits", {B}}},
-      {&slot_req, {"slot_req", {B + P}}}, {&first_slot, {"first_slot", {B}}}, {&lengths, {"lengths", {B}}}};
-  for (const auto& [t, want] : expected) {
-    if (t->device() == dev && t->scalar_type() == at::kInt && t->is_contiguous() &&
-        t->sizes().equals(at::IntArrayRef(want.second)))
-      continue;
-    std::string shape = "[";
-    for (size_t i = 0; i < want.second.size(); ++i) shape += (i ? ", " : "") + std::to_string(want.second[i]);
-    SCHED_CHECK(false, want.first, " must be a contiguous int32 tensor of shape ", shape, "] on ", dev_str(dev),
-                ", got ", shape_str(*t), " ", dtype_str(t->scalar_type()), " on ", dev_str(t->device()));
+
+class PlannedSchedule {
+ public:
+  PlannedSchedule(at::Tensor items, at::Tensor part_offsets, at::Tensor num_splits, at::Tensor slot_req,
+                  at::Tensor first_slot, at::Tensor lengths, at::Tensor workspace, int64_t chunk_size,
+                  int64_t overhead, int64_t capacity)
+      : items_(std::move(items)), part_offsets_(std::move(part_offsets)), num_splits_(std::move(num_splits)),
+        slot_req_(std::move(slot_req)), first_slot_(std::move(first_slot)), lengths_(std::move(lengths)),
+        workspace_(std::move(workspace)), dev_(lengths_.device()) {
+    SCHED_CHECK(dev_.is_cuda(), "lengths must be a CUDA tensor, got device ", dev_str(dev_));
+    SCHED_CHECK(lengths_.dim() == 1, "lengths must be 1-D, got ", shape_str(lengths_));
+    const int64_t B = lengths_.size(0), P = items_.size(0) - B;
+    SCHED_CHECK(B >= 1 && B <= mla_sm90::kScheduleMaxBatch, "batch must be in [1, ", mla_sm90::kScheduleMaxBatch,
+                "], got ", B);
+    SCHED_CHECK(P >= 1 && P <= mla_sm90::kScheduleMaxParts,
+                "items must have batch + num_parts rows with num_parts in [1, ", mla_sm90::kScheduleMaxParts,
+                "], got ", items_.size(0), " rows for batch ", B);
+    const std::pair<const at::Tensor*, std::pair<const char*, std::vector<int64_t>>> expected[] = {
+        {&items_, {"items", {B + P, 4}}}, {&part_offsets_, {"part_offsets", {P + 1}}},
+        {&num_splits_, {"num_splits", {B}}}, {&slot_req_, {"slot_req", {B + P}}},
+        {&first_slot_, {"first_slot", {B}}}, {&lengths_, {"lengths", {B}}}};
+    for (const auto& [t, want] : expected) {
+      if (t->device() == dev_ && t->scalar_type() == at::kInt && t->is_contiguous() &&
+          t->sizes().equals(at::IntArrayRef(want.second)))
+        continue;
+      std::string shape = "[";
+      for (size_t i = 0; i < want.second.size(); ++i) shape += (i ? ", " : "") + std::to_string(want.second[i]);
+      SCHED_CHECK(false, want.first, " must be a contiguous int32 tensor of shape ", shape, "] on ", dev_str(dev_),
+                  ", got ", shape_str(*t), " ", dtype_str(t->scalar_type()), " on ", dev_str(t->device()));
+    }
+    SCHED_CHECK(workspace_.device() == dev_ && workspace_.scalar_type() == at::kInt && workspace_.is_contiguous() &&
+                    workspace_.numel() >= 5 * B + 2 * P &&
+                    reinterpret_cast<uintptr_t>(workspace_.data_ptr()) % 8 == 0,
+                "workspace must be a contiguous 8-byte aligned int32 tensor of >= ", 5 * B + 2 * P,
+                " elements on ", dev_str(dev_));
+    SCHED_CHECK(chunk_size >= 1 && overhead >= 1, "chunk_size and overhead must be >= 1, got ", chunk_size, " and ",
+                overhead);
+    p_.items = items_.data_ptr<int32_t>();
+    p_.part_offsets = part_offsets_.data_ptr<int32_t>();
+    p_.num_splits = num_splits_.data_ptr<int32_t>();
+    p_.slot_req = slot_req_.data_ptr<int32_t>();
+    p_.first_slot = first_slot_.data_ptr<int32_t>();
+    p_.lengths = lengths_.data_ptr<int32_t>();
+    p_.workspace = workspace_.data_ptr<int32_t>();
+    p_.batch = static_cast<int>(B);
+    p_.num_parts = static_cast<int>(P);
+    p_.chunk_size = static_cast<int>(std::min<int64_t>(chunk_size, INT32_MAX));
+    p_.overhead = static_cast<int>(std::min<int64_t>(overhead, INT32_MAX));
+    p_.capacity = capacity < 0 ? INT32_MAX : std::min<int64_t>(capacity, INT32_MAX);
   }
-  SCHED_CHECK(workspace.device() == dev && workspace.scalar_type() == at::kInt && workspace.is_contiguous() &&
-                  workspace.numel() >= 5 * B + 2 * P &&
-                  reinterpret_cast<uintptr_t>(workspace.data_ptr()) % 8 == 0,
-              "workspace must be a contiguous 8-byte aligned int32 tensor of >= ", 5 * B + 2 * P, " elements on ",
-              dev_str(dev));
-  SCHED_CHECK(chunk_size >= 1 && overhead >= 1, "chunk_size and overhead must be >= 1, got ", chunk_size, " and ",
-              overhead);
+
+  // The schedule of the lengths cache_seqlens holds (int32 [batch] on the buffers' device; the buffers' own lengths
+  // copy may be passed too), on the current stream.
+  void run(const at::Tensor& cache_seqlens) const {
+    if (!(cache_seqlens.device() == dev_ && cache_seqlens.scalar_type() == at::kInt && cache_seqlens.dim() == 1 &&
+          cache_seqlens.size(0) == p_.batch && cache_seqlens.is_contiguous()))
+      SCHED_CHECK(false, "cache_seqlens must be a contiguous int32 tensor of shape [", p_.batch, "] on ",
+                  dev_str(dev_), ", got ", shape_str(cache_seqlens), " ", dtype_str(cache_seqlens.scalar_type()),
+                  " on ", dev_str(cache_seqlens.device()));
+    mla_sm90::ScheduleParams p = p_;
+    p.seqlens = cache_seqlens.data_ptr<int32_t>();
+    const c10::cuda::CUDAGuard guard(dev_);
+    const int err = mla_sm90::launch_split_kv_schedule(p, at::cuda::getCurrentCUDAStream(dev_.index()).stream());
+    TORCH_CHECK(err == 0, "split_kv_schedule: launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
+  }
+
+ private:
+  at::Tensor items_, part_offsets_, num_splits_, slot_req_, first_slot_, lengths_, workspace_;
+  at::Device dev_;
+  mla_sm90::ScheduleParams p_{};
+};
 #undef SCHED_CHECK
-  mla_sm90::ScheduleParams p{};
-  p.seqlens = cache_seqlens.data_ptr<int32_t>();
-  p.items = items.data_ptr<int32_t>();
-  p.part_offsets = part_offsets.data_ptr<int32_t>();
-  p.num_splits = num_splits.data_ptr<int32_t>();
-  p.slot_req = slot_req.data_ptr<int32_t>();
-  p.first_slot = first_slot.data_ptr<int32_t>();
-  p.lengths = lengths.data_ptr<int32_t>();
-  p.workspace = workspace.data_ptr<int32_t>();
-  p.batch = static_cast<int>(B);
-  p.num_parts = static_cast<int>(P);
-  p.chunk_size = static_cast<int>(std::min<int64_t>(chunk_size, INT32_MAX));
-  p.overhead = static_cast<int>(std::min<int64_t>(overhead, INT32_MAX));
-  p.capacity = capacity < 0 ? INT32_MAX : std::min<int64_t>(capacity, INT32_MAX);
-  const c10::cuda::CUDAGuard guard(dev);
-  const int err = mla_sm90::launch_split_kv_schedule(p, at::cuda::getCurrentCUDAStream(dev.index()).stream());
-  TORCH_CHECK(err == 0, "split_kv_schedule: launch failed: ", cudaGetErrorString(static_cast<cudaError_t>(err)));
+
+// The same, bound and run in one call (tests, and any caller without a plan's buffers kept).
+void split_kv_schedule(const at::Tensor& cache_seqlens, const at::Tensor& items, const at::Tensor& part_offsets,
+                       const at::Tensor& num_splits, const at::Tensor& slot_req, const at::Tensor& first_slot,
+                       const at::Tensor& lengths, const at::Tensor& workspace, int64_t chunk_size, int64_t overhead,
+                       int64_t capacity) {
+  PlannedSchedule(items, part_offsets, num_splits, slot_req, first_slot, lengths, workspace, chunk_size, overhead,
+                  capacity)
+      .run(cache_seqlens);
 }
 
 }  // namespace
@@ -532,6 +565,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("split_kv_schedule", &split_kv_schedule,
         "split_kv_schedule(cache_seqlens, items, part_offsets, num_splits, slot_req, first_slot, lengths, workspace, "
         "chunk_size, overhead, capacity): a plan's split-KV schedule in one launch (schedule.cu)");
+  pybind11::class_<PlannedSchedule>(m, "PlannedSchedule",
+                                    "a plan's split-KV schedule buffers and parameters, checked and packed once")
+      .def(pybind11::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t,
+                          int64_t, int64_t>(),
+           pybind11::arg("items"), pybind11::arg("part_offsets"), pybind11::arg("num_splits"),
+           pybind11::arg("slot_req"), pybind11::arg("first_slot"), pybind11::arg("lengths"),
+           pybind11::arg("workspace"), pybind11::arg("chunk_size"), pybind11::arg("overhead"),
+           pybind11::arg("capacity"))
+      .def("run", &PlannedSchedule::run, "run(cache_seqlens): the schedule of these lengths, one launch");
   pybind11::class_<PlannedDecode>(m, "PlannedDecode",
                                   "one plan's decode: schedule, workspace and launch config bound once")
       .def(pybind11::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
