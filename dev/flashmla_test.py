@@ -2,7 +2,7 @@
 ``tests/test_flash_mla_sparse_decoding.py``) through our FlashMLA API on one of our backends.
 
     python dev/flashmla_test.py {dense,sparse} FLASHMLA_SRC/tests [--backend cuda_sm90] [--limit N] [--json FILE]
-                                [--model {all,v32,model1}] [--sample N] [--shard K/N]
+                                [--model {all,v32,model1}] [--sample N] [--shard K/N] [--cases JSON,...]
 
 ``import flash_mla`` resolves to :mod:`mla_dispatch.compat.flash_mla` (a real FlashMLA on the path is hidden for
 this process), ``backend="auto"`` may choose only ``--backend``, and FlashMLA's own ``test_flash_mla`` runs each of
@@ -16,7 +16,8 @@ trace, and ``bench`` times ours.
   MODEL1's (``d_qk=512``: DeepSeek-V4's ``fp8_ds_v4`` cache, extra caches, ``topk_length``; all with
   ``attn_sink``), or only one model's (``--model``), or a random sample of ``--sample`` of them (the same
   for a given ``--seed``); the counts are reported per model. ``--shard K/N`` takes every N-th case from the K-th
-  (N processes side by side on one GPU: the cases' data generation and reference are host-bound).
+  (N processes side by side on one GPU: the cases' data generation and reference are host-bound); ``--cases`` only
+  those an earlier run's JSON files list as failed (``taken[k::n]`` of a shard, re-run alone).
 - ``--reuse-meta`` (dense): FlashMLA's contract lets a ``FlashMLASchedMeta`` be reused while the shapes and the
   lengths stay the same, and reads ``block_table`` and the cache on every call. So before each of its calls on a
   fresh meta, the same meta is first filled by a call on another table: the cache's blocks moved to a random
@@ -99,6 +100,16 @@ def _sparse(fm_test, args, torch, tqdm) -> dict:
             not_run[reason] = not_run.get(reason, 0) + 1
             continue
         taken.append(dataclasses.replace(c, num_runs=0, check_correctness=True))
+    if args.cases:
+        import glob
+
+        wanted = set()
+        for pattern in args.cases.split(","):
+            for path in sorted(glob.glob(pattern)):
+                with open(path) as f:
+                    wanted |= {x["case"] for x in json.load(f).get("failures", [])}
+        not_run["not in --cases"] = sum(repr(c) not in wanted for c in taken)
+        taken = [c for c in taken if repr(c) in wanted]
     if args.shard:
         k, n = (int(x) for x in args.shard.split("/"))
         not_run[f"other shards of {n}"] = len(taken) - len(taken[k::n])
@@ -143,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sample", type=int, default=0, help="sparse: a random sample of N of the cases taken (0: all)")
     ap.add_argument("--seed", type=int, default=0, help="the sample's seed")
     ap.add_argument("--shard", help="sparse: K/N, every N-th case from the K-th (0 <= K < N)")
+    ap.add_argument("--cases", help="sparse: only the cases that failed in these earlier --json files (comma-separated "
+                                    "paths or a glob: each file's 'failures' list names its cases)")
     args = ap.parse_args(argv)
 
     import torch

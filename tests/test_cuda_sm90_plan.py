@@ -243,3 +243,41 @@ def test_batch_invariant_workspace_is_bounded(monkeypatch):
     assert state.schedule.max_items == 256 * 40
     too_many = dataclasses.replace(problem(batch=70000, max_blocks=1), batch_invariant=True)
     assert any("70000 requests" in str(r) for r in CudaSM90Backend.extra_reasons(too_many, None))
+
+
+@pytest.mark.parametrize("requests,topk,extra_topk,parts", [(4, 64, 2048, 66), (12, 2048, 64, 132), (1, 576, 576, 7),
+                                                            (300, 128, 512, 132)])
+def test_two_key_lists_share_one_slot_layout(requests, topk, extra_topk, parts):
+    """A sparse plan with an extra cache merges both lists in one combine (_TwoLists): every piece of either schedule
+    writes a partial row; request r's pieces hold exactly slots first[r] .. first[r] + n_main[r] + n_extra[r] - 1,
+    each once, the main cache's first and in their schedule's order; the first launch's combine sees one slot per
+    request (it merges nothing), the second's the merged counts; padding rows stay padding."""
+    from mla_dispatch.backends.cuda_sm90 import _TwoLists
+    from mla_dispatch.metadata.split_plan import SplitKVLayout, SplitKVPlan
+
+    def plan(length: int) -> SplitKVPlan:
+        lay = SplitKVLayout(batch=requests, num_parts=parts, chunk_size=64, overhead=5, capacity=length,
+                            partial_row=(1, 8, 512), partial_dtype=torch.float32, fixed_length=length)
+        return SplitKVPlan(lay, None, torch.device("cpu"))
+
+    main, extra = plan(topk), plan(extra_topk)
+    merged = _TwoLists(main, extra)
+    items_main, ones, first, partial_out, partial_lse = merged.first
+    items_extra, counts, first2, partial_out2, partial_lse2 = merged.second
+    assert first is first2 and partial_out is partial_out2 and partial_lse is partial_lse2
+    assert ones.tolist() == [1] * requests
+    n_main, n_extra = main.schedule.num_splits, extra.schedule.num_splits
+    assert counts.tolist() == (n_main + n_extra).tolist() and min(counts.tolist()) >= 2
+    assert partial_out.shape[0] >= max(items_main.shape[0], items_extra.shape[0]) and partial_out.shape[1:] == (1, 8, 512)
+    seen: dict[int, list[int]] = {r: [] for r in range(requests)}
+    for rewritten, original in ((items_main, main.schedule.items), (items_extra, extra.schedule.items)):
+        assert torch.equal(rewritten[:, :3], original[:, :3])  # the same pieces, only their slots moved
+        for (req, begin, end, slot), old in zip(rewritten.tolist(), original.tolist()):
+            if req < 0:
+                assert slot == -1 and old[3] == -1
+                continue
+            seen[req].append(slot)
+    for r in range(requests):
+        f = int(first[r])
+        assert seen[r] == list(range(f, f + int(counts[r]))), r  # each slot once, main's pieces first, in order
+    assert int(first[-1] + counts[-1]) <= partial_out.shape[0]

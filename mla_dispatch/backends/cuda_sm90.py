@@ -424,32 +424,67 @@ class Sm90State(BackendState):
     the plan's own copy of the lengths that every run reads; topk for every query position of a sparse plan's
     flattened view), the frozen :class:`Sm90Launch` (``launch``) and the extension's call bound to them (``bound``,
     :meth:`CudaSM90Backend.bind`). Sparse plans with s_q > 1 also hold the LSE of their flattened view
-    (``sparse_lse``, ``[B * s_q, h_q, 1]``: the kernel writes it per query position, run transposes it into lse)."""
+    (``sparse_lse``, ``[B * s_q, h_q, 1]``: the kernel writes it per query position, run transposes it into lse); with an
+    extra cache, its state (``extra``) and the slots that merge both lists in one combine (``merged``)."""
 
     bound = None
     lengths = None
     sparse_lse = None
+    extra = None  # a sparse plan's second key list (extra_kv_cache): its own state, and
+    merged = None  # the slot layout that merges the two lists (_TwoLists)
 
 
-def merge_with_sink(out: torch.Tensor, lse: torch.Tensor, out2: torch.Tensor, lse2: torch.Tensor,
-                    attn_sink: torch.Tensor | None) -> None:
-    """Merge the attention over a second key list (``out2`` ``[B, s_q, h_q, D_v]``, ``lse2`` ``[B, h_q, s_q]``) into
-    ``out`` / ``lse``, in place: the LSE-weighted sum (a list without keys has lse +inf and weight 0; both empty: out
-    0, lse +inf), then the sink's factor ``exp(lse) / (exp(lse) + exp(sink))`` on out. Torch ops (they allocate
-    temporaries)."""
-    l1 = torch.where(torch.isposinf(lse), float("-inf"), lse)
-    l2 = torch.where(torch.isposinf(lse2), float("-inf"), lse2)
-    total = torch.logaddexp(l1, l2)
-    empty = torch.isneginf(total)
-    safe = torch.where(empty, 0.0, total)
-    w1 = torch.exp(l1 - safe).transpose(1, 2)[..., None]
-    w2 = torch.exp(l2 - safe).transpose(1, 2)[..., None]
-    merged = out.float() * w1 + out2.float() * w2
-    if attn_sink is not None:  # sigmoid(lse - sink); a row without keys stays 0
-        factor = torch.where(empty, 0.0, torch.sigmoid(total - attn_sink[None, :, None]))
-        merged = merged * factor.transpose(1, 2)[..., None]
-    out.copy_(torch.where(empty.transpose(1, 2)[..., None], 0.0, merged))
-    lse.copy_(torch.where(empty, float("inf"), total))
+#: ``(items, num_splits, first_slot, partial_out, partial_lse)`` of one launch (CudaSM90Backend._launch)
+_Slots = tuple
+
+
+def _two_list_launch(launch: Sm90Launch) -> Sm90Launch:
+    """The launch of each list of a two-list sparse plan: the combine in its own kernel, one block row per request
+    (the fused tail and the per-boundary combine assume one schedule's slots)."""
+    return dataclasses.replace(launch, fuse_combine=False, fixed_splits=True)
+
+
+class _TwoLists:
+    """The slot layout that merges a sparse plan's two key lists (the main cache's and the extra cache's, each a
+    split-KV plan of its own over the same ``R = B * s_q`` flattened requests) in the combine kernel.
+
+    Every item of both schedules writes a partial row (its slot rewritten; none writes out): request ``r``'s main
+    pieces take slots ``first[r] ...``, its extra pieces the ``n_extra[r]`` slots after them, ``num_splits = n_main +
+    n_extra``. The first launch runs with one slot per request (its combine merges nothing); the second with the merged
+    counts, so its combine reads both lists' partial rows (fp16 with per-quarter shifts: ~11 bits), applies the sink
+    and rounds to q's dtype once. Merging the two launches' bf16 outputs instead put 11 of FlashMLA's 4,502 MODEL1 test
+    cases 0.1-1% past its cosine bound (benchmarks/RESULTS.md, 2026-11-29 evening). Made once per plan (a sparse
+    plan's schedules depend on ``topk`` only): a few torch ops."""
+
+    __slots__ = ("first", "second")
+
+    def __init__(self, main: SplitKVPlan, extra: SplitKVPlan) -> None:
+        n_main, n_extra = main.schedule.num_splits.long(), extra.schedule.num_splits.long()
+        counts = n_main + n_extra
+        first = torch.cumsum(counts, 0) - counts
+        slots = int(main.schedule.items.shape[0] + extra.schedule.items.shape[0])
+        device = counts.device
+        partial_out = torch.empty(slots, *main.partial_out.shape[1:], dtype=main.partial_out.dtype, device=device)
+        partial_lse = torch.empty(slots, *main.partial_lse.shape[1:], dtype=torch.float32, device=device)
+        num_splits, first_slot = counts.to(torch.int32), first.to(torch.int32)
+        items_main = self._rewritten(main, first)
+        items_extra = self._rewritten(extra, first + n_main)
+        ones = torch.ones_like(num_splits)
+        self.first = (items_main, ones, first_slot, partial_out, partial_lse)
+        self.second = (items_extra, num_splits, first_slot, partial_out, partial_lse)
+
+    @staticmethod
+    def _rewritten(plan: SplitKVPlan, base: torch.Tensor) -> torch.Tensor:
+        """``plan``'s items with each piece's slot at ``base[req]`` + its rank within its request (padding rows
+        kept)."""
+        items = plan.schedule.items
+        req, slot = items[:, 0].long(), items[:, 3].long()
+        valid = req >= 0
+        r = req.clamp_min(0)
+        rank = torch.where(slot >= 0, slot - plan.first_slot.long()[r], 0)
+        out = items.clone()
+        out[:, 3] = torch.where(valid, base[r] + rank, -1).to(torch.int32)
+        return out
 
 
 class CudaSM90Backend(MLABackend):
@@ -584,20 +619,19 @@ class CudaSM90Backend(MLABackend):
         sparse_lse = None
         if problem.sparse and problem.q_len > 1:
             sparse_lse = torch.empty(view.batch, view.num_heads_q, 1, dtype=torch.float32, device=device)
-        extra = None
+        extra = merged = None
         if problem.extra_topk:
             # the extra cache: its own flattened view (extra_topk tokens, its page size), launched after the main one
-            # into out / lse buffers of its own, then merged (_run_sparse)
+            # over the same query rows; both launches write partial rows only and the second one's combine merges
+            # both lists per request (_TwoLists)
             extra_problem = dataclasses.replace(problem, topk=problem.extra_topk, page_size=problem.extra_page_size,
                                                 cache_numel=problem.extra_cache_numel, extra_topk=0,
                                                 kv_block_stride=problem.extra_block_stride, extra_block_stride=0,
                                                 extra_page_size=0, extra_cache_numel=0, topk_length=False,
                                                 extra_topk_length=False, attn_sink=False)
             extra = cls.plan(extra_problem, platform, None, None, softmax_scale=softmax_scale, options=options)
-            extra.out = torch.empty(problem.batch, problem.q_len, problem.num_heads_q, problem.head_dim_v,
-                                    dtype=problem.q_dtype, device=device)
-            extra.lse = torch.empty(problem.batch, problem.num_heads_q, problem.q_len, dtype=torch.float32,
-                                    device=device)
+            launch = extra.launch = _two_list_launch(launch)
+            merged = _TwoLists(split, extra.split)
         return Sm90State(
             split=split,
             extra=extra,
@@ -613,6 +647,7 @@ class CudaSM90Backend(MLABackend):
             partial_lse=split.partial_lse,
             kv_format_code=KV_FORMAT_CODES[view.kv_format],
             launch=launch,
+            merged=merged,
         )
 
     @classmethod
@@ -640,42 +675,55 @@ class CudaSM90Backend(MLABackend):
             softmax_scale: float, kv_scale, indices, out, lse, topk_length=None, attn_sink=None, extra_kv_cache=None,
             extra_indices=None, extra_topk_length=None) -> None:
         if problem.sparse:
-            extra = state.extra
-            # with an extra cache the sink is applied once both lists are merged, not by the kernels
+            merged = state.merged
+            if merged is None:
+                cls._run_sparse(state, q, kv_cache, indices, problem=problem, softmax_scale=softmax_scale,
+                                kv_scale=kv_scale, out=out, lse=lse, topk_length=topk_length, attn_sink=attn_sink)
+                return
+            # two key lists: the first launch writes its partial rows (its combine sees one slot per request and
+            # merges nothing), the second writes its own and merges both lists, the sink applied there
             cls._run_sparse(state, q, kv_cache, indices, problem=problem, softmax_scale=softmax_scale,
-                            kv_scale=kv_scale, out=out, lse=lse, topk_length=topk_length,
-                            attn_sink=attn_sink if extra is None else None)
-            if extra is not None:
-                cls._run_sparse(extra, q, extra_kv_cache, extra_indices,
-                                problem=dataclasses.replace(problem, topk=problem.extra_topk), softmax_scale=softmax_scale,
-                                kv_scale=None, out=extra.out, lse=extra.lse, topk_length=extra_topk_length)
-                merge_with_sink(out, lse, extra.out, extra.lse, attn_sink)
+                            kv_scale=kv_scale, out=out, lse=lse, topk_length=topk_length, slots=merged.first,
+                            finish=False)
+            cls._run_sparse(state.extra, q, extra_kv_cache, extra_indices,
+                            problem=dataclasses.replace(problem, topk=problem.extra_topk), softmax_scale=softmax_scale,
+                            kv_scale=None, out=out, lse=lse, topk_length=extra_topk_length, attn_sink=attn_sink,
+                            slots=merged.second)
             return
         cls._launch(state, q, kv_cache, block_table, state.lengths, kv_scale, out, lse, softmax_scale, problem.causal,
                     False)
 
     @staticmethod
     def _launch(state: Sm90State, q, kv_cache, block_table, cache_seqlens, kv_scale, out, lse, softmax_scale: float,
-                causal: bool, sparse: bool, attn_sink=None) -> None:
-        """The extension's decode (and combine) on these tensors with the plan's schedule, workspace and launch."""
+                causal: bool, sparse: bool, attn_sink=None, slots: "_Slots | None" = None) -> None:
+        """The extension's decode (and combine) on these tensors with the plan's schedule, workspace and launch
+        (``slots``: another slot layout over the plan's items, :class:`_TwoLists`)."""
         s, c = state.schedule, state.launch
+        if slots is None:
+            items, num_splits, first_slot, partial_out, partial_lse = (s.items, s.num_splits, state.first_slot,
+                                                                       state.partial_out, state.partial_lse)
+        else:
+            items, num_splits, first_slot, partial_out, partial_lse = slots
         # Eager calls on plain tensors skip the dispatcher (binding.cpp; on the H100 host of 2026-11-22 the op
         # took 15.2-16.1 us of host time per call, the module function 8.2-8.9); under torch.compile, fake
         # tensors, functionalization or any other TorchDispatchMode the op runs, so it is traced.
         (state.direct if untraced_eager(q) else state.op)(
-            q, kv_cache, block_table, cache_seqlens, s.items, s.part_offsets,
-            kv_scale if state.kv_format_code == 1 else None, out, lse, state.partial_out, state.partial_lse,
-            s.num_splits, state.first_slot, softmax_scale, causal, state.kv_format_code, c.variant,
+            q, kv_cache, block_table, cache_seqlens, items, s.part_offsets,
+            kv_scale if state.kv_format_code == 1 else None, out, lse, partial_out, partial_lse,
+            num_splits, first_slot, softmax_scale, causal, state.kv_format_code, c.variant,
             c.tile_rows, c.tma_loads, c.paired, c.fuse_combine, c.fixed_splits, sparse, attn_sink)
 
     @classmethod
     def _run_sparse(cls, state: Sm90State, q, kv_cache, indices, *, problem: DecodeProblem, softmax_scale: float,
-                    kv_scale, out, lse, topk_length=None, attn_sink=None) -> None:
+                    kv_scale, out, lse, topk_length=None, attn_sink=None, slots: "_Slots | None" = None,
+                    finish: bool = True) -> None:
         """A sparse run on the flattened view (:func:`sparse_view`): views of q, out and indices (no copy where
         their strides allow one; copies otherwise), the cache as it is (the kernel reads token id ``block *
         page_size + offset`` from its blocks, whatever their stride), the LSE through ``state.sparse_lse`` when
         s_q > 1. ``topk_length`` becomes the view's lengths (written in place: the kernel ends each item there, so
-        entries past it are never read); ``attn_sink`` goes to the kernel."""
+        entries past it are never read); ``attn_sink`` goes to the kernel. ``slots``: as :meth:`_launch`; ``finish``
+        False: a launch whose out and lse another launch writes (the copies into a strided out and the LSE's
+        transposition are left to that one)."""
         p = problem
         if topk_length is not None:  # every query position of request b reads its first clamp(topk_length[b]) ids
             state.lengths.view(p.batch, p.q_len).copy_(topk_length[:, None]).clamp_(0, p.topk)
@@ -689,7 +737,9 @@ class CudaSM90Backend(MLABackend):
                     else torch.empty(rows, 1, p.num_heads_q, p.head_dim_v, dtype=out.dtype, device=out.device))
         lse_flat = lse if state.sparse_lse is None else state.sparse_lse
         cls._launch(state, q_flat, kv_cache, table, state.lengths, kv_scale, out_flat, lse_flat, softmax_scale, False,
-                    True, attn_sink)
+                    True, attn_sink, slots)
+        if not finish:
+            return
         if not flat_out:
             out.copy_(out_flat.view(p.batch, p.q_len, p.num_heads_q, p.head_dim_v))
         if state.sparse_lse is not None:  # [B * s_q, h_q, 1] -> [B, h_q, s_q]
