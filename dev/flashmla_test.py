@@ -103,11 +103,12 @@ def _sparse(fm_test, args, torch, tqdm) -> dict:
     if args.cases:
         import glob
 
-        wanted = set()
-        for pattern in args.cases.split(","):
-            for path in sorted(glob.glob(pattern)):
-                with open(path) as f:
-                    wanted |= {x["case"] for x in json.load(f).get("failures", [])}
+        wanted, paths = set(), [p for pattern in args.cases.split(",") for p in sorted(glob.glob(pattern))]
+        if not paths:
+            raise SystemExit(f"--cases {args.cases}: no such file")
+        for path in paths:
+            with open(path) as f:
+                wanted |= {x["case"] for x in json.load(f).get("failures", [])}
         not_run["not in --cases"] = sum(repr(c) not in wanted for c in taken)
         taken = [c for c in taken if repr(c) in wanted]
     if args.shard:
@@ -136,7 +137,7 @@ def _sparse(fm_test, args, torch, tqdm) -> dict:
             failures.append({"case": repr(c), "note": note})
             print(f"FAIL {c}\n{note}", file=sys.stderr)
     return {"taken": len(taken), "passed": len(taken) - len(failures), "failed": len(failures), "not_run": not_run,
-            "per_model": per_model, "failures": failures[:20]}
+            "per_model": per_model, "failures": failures[:1000]}  # (--cases re-runs them)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -606,8 +606,8 @@ def _v4_case(cfg, gen):
 @pytest.mark.parametrize("cfg", V4_GRID, ids=[_v4_id(c) for c in V4_GRID])
 def test_sparse_v4_and_optional_arguments(cfg, gen):
     """DeepSeek-V4's cache and FlashMLA's topk_length / attn_sink / extra cache on mainloop v2 (the extra cache by a
-    second launch merged in the adapter), twice into fresh poison; forced splits with the combine inside and after the
-    decode launch."""
+    second launch whose combine merges both lists), twice into fresh poison; forced splits with the combine inside and
+    after the decode launch (a plan with an extra cache merges in the second kernel whatever fuse_combine says)."""
     case = _v4_case(cfg, gen)
     for options in ({}, {"fuse_combine": True, "min_chunks_per_part": 1}, {"fuse_combine": False}):
         plan = _plan(case, **options)

@@ -252,16 +252,16 @@ def test_two_key_lists_share_one_slot_layout(requests, topk, extra_topk, parts):
     writes a partial row; request r's pieces hold exactly slots first[r] .. first[r] + n_main[r] + n_extra[r] - 1,
     each once, the main cache's first and in their schedule's order; the first launch's combine sees one slot per
     request (it merges nothing), the second's the merged counts; padding rows stay padding."""
-    from mla_dispatch.backends.cuda_sm90 import _TwoLists
+    from mla_dispatch.backends.cuda_sm90 import _TwoLists, _without_partials
     from mla_dispatch.metadata.split_plan import SplitKVLayout, SplitKVPlan
 
-    def plan(length: int) -> SplitKVPlan:
-        lay = SplitKVLayout(batch=requests, num_parts=parts, chunk_size=64, overhead=5, capacity=length,
-                            partial_row=(1, 8, 512), partial_dtype=torch.float32, fixed_length=length)
-        return SplitKVPlan(lay, None, torch.device("cpu"))
+    def layout(length: int) -> SplitKVLayout:
+        return SplitKVLayout(batch=requests, num_parts=parts, chunk_size=64, overhead=5, capacity=length,
+                             partial_row=(1, 8, 512), partial_dtype=torch.float32, fixed_length=length)
 
-    main, extra = plan(topk), plan(extra_topk)
-    merged = _TwoLists(main, extra)
+    main, extra = (SplitKVPlan(_without_partials(layout(n)), None, torch.device("cpu")) for n in (topk, extra_topk))
+    assert main.partial_out.numel() == extra.partial_out.numel() == 0  # the lists hold no rows of their own
+    merged = _TwoLists(main, extra, layout(topk))
     items_main, ones, first, partial_out, partial_lse = merged.first
     items_extra, counts, first2, partial_out2, partial_lse2 = merged.second
     assert first is first2 and partial_out is partial_out2 and partial_lse is partial_lse2
@@ -281,3 +281,24 @@ def test_two_key_lists_share_one_slot_layout(requests, topk, extra_topk, parts):
         f = int(first[r])
         assert seen[r] == list(range(f, f + int(counts[r]))), r  # each slot once, main's pieces first, in order
     assert int(first[-1] + counts[-1]) <= partial_out.shape[0]
+
+
+def test_a_two_list_plan_holds_one_set_of_partial_rows(monkeypatch):
+    """A sparse plan with an extra cache (DeepSeek-V4) is two lists whose pieces all write partial rows: the lists'
+    own plans hold none, _TwoLists holds one row set per piece of either list; both launches run the combine in its
+    own kernel, per request (no fused tail); a batch past the per-request combine's grid is a reason at plan time."""
+    p = sparse_problem(batch=4, q_len=2, h_q=64, topk=64, kv_format="fp8_ds_v4", page_size=64, head_dim_qk=512,
+                       extra_topk=2048, extra_page_size=2, extra_cache_numel=10, attn_sink=True)
+    state = _cpu_plan(monkeypatch, p, torch.zeros(4, dtype=torch.int32))  # (read for its device only)
+    extra = state.extra
+    assert state.partial_out.numel() == extra.partial_out.numel() == 0
+    items_main, ones, first, partial_out, partial_lse = state.merged.first
+    assert state.merged.second[0].shape == extra.schedule.items.shape and items_main.shape == state.schedule.items.shape
+    assert partial_out.shape == (items_main.shape[0] + extra.schedule.items.shape[0], 1, 64, 512)
+    assert partial_lse.shape == partial_out.shape[:-1] and partial_out.dtype == torch.float32
+    for s in (state, extra):
+        assert (s.launch.fuse_combine, s.launch.fixed_splits, s.launch.variant) == (False, True, 2)
+    assert state.sparse_lse.shape == (8, 64, 1) and extra.sparse_lse.shape == (8, 64, 1)
+    too_many = dataclasses.replace(p, batch=40000)
+    assert any("extra_kv_cache with 80000 requests" in str(r) for r in CudaSM90Backend.extra_reasons(too_many, None))
+    assert not CudaSM90Backend.extra_reasons(dataclasses.replace(p, batch=30000), None)

@@ -232,9 +232,9 @@ def test_gpu_pool_key_names_the_current_stream():
 
 @pytest.mark.gpu
 def test_gpu_bound_native_schedule_follows_pooled_buffers_and_layouts(gen):
-    """The extension's schedule is bound once per pooled buffer set and layout (PlannedSchedule): a plan of another
-    capacity on the same buffers binds again and computes its own schedule; the unbound call writes the same; the
-    bound run checks the lengths it is given and names them."""
+    """The extension's schedule is bound once per pooled buffer set and layout (PlannedSchedule): a plan of the same
+    layout on the same buffers takes the binding as it is, one of another capacity binds again and computes its own
+    schedule; the unbound call writes the same; the bound run checks the lengths it is given and names them."""
     import gc
 
     from mla_dispatch.backends import cuda_sm90
@@ -250,11 +250,14 @@ def test_gpu_bound_native_schedule_follows_pooled_buffers_and_layouts(gen):
     gc.disable()
     try:
         lens = lengths(gen, 8, "cuda", high=4200)
-        first = SplitKVPlan(layout(8, num_parts=132, chunk=64, overhead=5, capacity=4096), lens, lens.device,
-                            native=fn)
-        assert mismatches(first, lens) == []
-        held = first._buffers
+        lay = layout(8, num_parts=132, chunk=64, overhead=5, capacity=4096)
+        first = SplitKVPlan(lay, lens, lens.device, native=fn)
+        bound = first._pooled.bound[fn]
         del first
+        again = SplitKVPlan(lay, lens, lens.device, native=fn)  # the same layout: the same binding, not a new one
+        assert again._pooled.bound[fn] is bound and mismatches(again, lens) == []
+        held = again._buffers
+        del again
         lens = lengths(gen, 8, "cuda", high=8300)
         second = SplitKVPlan(layout(8, num_parts=132, chunk=64, overhead=5, capacity=8192), lens, lens.device,
                              native=fn)

@@ -424,8 +424,8 @@ class Sm90State(BackendState):
     the plan's own copy of the lengths that every run reads; topk for every query position of a sparse plan's
     flattened view), the frozen :class:`Sm90Launch` (``launch``) and the extension's call bound to them (``bound``,
     :meth:`CudaSM90Backend.bind`). Sparse plans with s_q > 1 also hold the LSE of their flattened view
-    (``sparse_lse``, ``[B * s_q, h_q, 1]``: the kernel writes it per query position, run transposes it into lse); with an
-    extra cache, its state (``extra``) and the slots that merge both lists in one combine (``merged``)."""
+    (``sparse_lse``, ``[B * s_q, h_q, 1]``: the kernel writes it per query position, run transposes it into lse);
+    with an extra cache, its state (``extra``) and the slots that merge both lists in one combine (``merged``)."""
 
     bound = None
     lengths = None
@@ -436,6 +436,12 @@ class Sm90State(BackendState):
 
 #: ``(items, num_splits, first_slot, partial_out, partial_lse)`` of one launch (CudaSM90Backend._launch)
 _Slots = tuple
+
+
+def _without_partials(layout: SplitKVLayout) -> SplitKVLayout:
+    """``layout`` whose plans hold no partial rows (zero rows per slot): a list of a two-list plan, whose pieces write
+    into the rows of :class:`_TwoLists`."""
+    return dataclasses.replace(layout, partial_row=(0, *layout.partial_row[1:]))
 
 
 def _two_list_launch(launch: Sm90Launch) -> Sm90Launch:
@@ -458,14 +464,15 @@ class _TwoLists:
 
     __slots__ = ("first", "second")
 
-    def __init__(self, main: SplitKVPlan, extra: SplitKVPlan) -> None:
+    def __init__(self, main: SplitKVPlan, extra: SplitKVPlan, rows: SplitKVLayout) -> None:
         n_main, n_extra = main.schedule.num_splits.long(), extra.schedule.num_splits.long()
         counts = n_main + n_extra
         first = torch.cumsum(counts, 0) - counts
         slots = int(main.schedule.items.shape[0] + extra.schedule.items.shape[0])
         device = counts.device
-        partial_out = torch.empty(slots, *main.partial_out.shape[1:], dtype=main.partial_out.dtype, device=device)
-        partial_lse = torch.empty(slots, *main.partial_lse.shape[1:], dtype=torch.float32, device=device)
+        # a partial row as the lists' layouts would have it (``rows``: the main list's, before _without_partials)
+        partial_out = torch.empty(slots, *rows.partial_row, dtype=rows.partial_dtype, device=device)
+        partial_lse = torch.empty(slots, *rows.partial_row[:-1], dtype=torch.float32, device=device)
         num_splits, first_slot = counts.to(torch.int32), first.to(torch.int32)
         items_main = self._rewritten(main, first)
         items_extra = self._rewritten(extra, first + n_main)
@@ -507,7 +514,7 @@ class CudaSM90Backend(MLABackend):
     # sparse (top-k) decode: the flattened view of sparse_view on mainloop v2, which skips -1 slots
     SUPPORTS_SPARSE = True
     # topk_length: the lengths of the flattened view (the kernel ends a sparse item there); attn_sink: v2's epilogue
-    # and the combine; the extra cache: a second launch over its own view, merged here (_run_sparse)
+    # and the combine; the extra cache: a second launch over its own view, both lists merged by its combine (_TwoLists)
     SPARSE_EXTRAS = frozenset({"topk_length", "attn_sink", "extra_kv_cache", "extra_topk_length"})
     # batch_invariant=True: fixed-size pieces (fixed_split_schedule), one mainloop per shape (invariant_variant), the
     # per-request combine kernel
@@ -521,7 +528,8 @@ class CudaSM90Backend(MLABackend):
                                  "fp8t_regs (tokens on M for fp8_e4m3), 9 seesaw_fp8 (seesaw for fp8_e4m3); it must "
                                  "suit the problem (Mainloop.reasons)"),
         "fuse_combine": BackendOption((False, True), "merge split rows inside the decode launch (True) or in a second "
-                                      "kernel (False), instead of the plan's choice (choose_fuse_combine)"),
+                                      "kernel (False), instead of the plan's choice (choose_fuse_combine); a sparse "
+                                      "plan with an extra cache merges its two lists in a second kernel either way"),
         "split_tokens": BackendOption(SPLIT_TOKENS_CHOICES, "tokens per piece of a batch_invariant=True plan "
                                       f"(default {BATCH_INVARIANT_SPLIT_TOKENS})"),
         "min_chunks_per_part": BackendOption(tuple(range(1, 65)), "fewest 64-token chunks a split-KV part gets, "
@@ -570,9 +578,10 @@ class CudaSM90Backend(MLABackend):
         if problem.batch_invariant and problem.extra_topk:
             reasons.append(Reason(ReasonCode.FEATURE, "batch_invariant=True with extra_kv_cache (supported: without)"))
         requests = sparse_view(problem).batch  # sparse: one request per query position
-        if problem.batch_invariant and requests > 65535:  # the per-request combine's grid y (launch.cu)
-            reasons.append(Reason(ReasonCode.FEATURE, f"batch_invariant=True with {requests} requests (batch * s_q "
-                                                      "for sparse; supported: <= 65535)"))
+        if (problem.batch_invariant or problem.extra_topk) and requests > 65535:  # the per-request combine's grid y
+            what = "batch_invariant=True" if problem.batch_invariant else "extra_kv_cache"  # (launch.cu)
+            reasons.append(Reason(ReasonCode.FEATURE, f"{what} with {requests} requests (batch * s_q for sparse; "
+                                                      "supported: <= 65535)"))
         return reasons
 
     @classmethod
@@ -607,34 +616,43 @@ class CudaSM90Backend(MLABackend):
     @classmethod
     def plan(cls, problem: DecodeProblem, platform: Platform, block_table, cache_seqlens, *,
              softmax_scale: float, options: dict[str, object]) -> BackendState:
-        view = sparse_view(problem)  # the problem itself unless sparse
         device = (cache_seqlens.device if cache_seqlens is not None
                   else torch.device("cuda", torch.cuda.current_device()))
         sms = (platform.num_compute_units if platform is not None
                else torch.cuda.get_device_properties(device).multi_processor_count)
+        if not problem.extra_topk:
+            return cls._list_state(problem, cache_seqlens, device, sms, options)
+        # DeepSeek-V4's extra cache: a second list of its own flattened view (extra_topk tokens, its page size),
+        # launched after the main one over the same query rows. Both launches write partial rows only, into the
+        # buffers of _TwoLists (the lists' own plans hold none), and the second one's combine merges both lists
+        extra_problem = dataclasses.replace(problem, topk=problem.extra_topk, page_size=problem.extra_page_size,
+                                            cache_numel=problem.extra_cache_numel, extra_topk=0,
+                                            kv_block_stride=problem.extra_block_stride, extra_block_stride=0,
+                                            extra_page_size=0, extra_cache_numel=0, topk_length=False,
+                                            extra_topk_length=False, attn_sink=False)
+        state = cls._list_state(problem, None, device, sms, options, two_lists=True)
+        state.extra = cls._list_state(extra_problem, None, device, sms, options, two_lists=True)
+        rows = _shape_plan(problem, sms, tuple(sorted(options.items())))[0]  # (the partial row of the lists' layout)
+        state.merged = _TwoLists(state.split, state.extra.split, rows)
+        return state
+
+    @classmethod
+    def _list_state(cls, problem: DecodeProblem, cache_seqlens, device: torch.device, sms: int,
+                    options: dict[str, object], two_lists: bool = False) -> Sm90State:
+        """The state of one key list: its split-KV plan (no partial rows of its own for a list of a two-list plan,
+        whose launches take _TwoLists' buffers), its frozen launch and the extension's calls."""
+        view = sparse_view(problem)  # the problem itself unless sparse
         layout, launch = _shape_plan(problem, sms, tuple(sorted(options.items())))
+        if two_lists:
+            layout, launch = _without_partials(layout), _two_list_launch(launch)
         native, op, direct = _extension_calls()
         # sparse: every query position attends to its topk slots (-1 ones are masked in the kernel), lengths unread
         split = SplitKVPlan(layout, None if problem.sparse else cache_seqlens, device, native=native)
         sparse_lse = None
         if problem.sparse and problem.q_len > 1:
             sparse_lse = torch.empty(view.batch, view.num_heads_q, 1, dtype=torch.float32, device=device)
-        extra = merged = None
-        if problem.extra_topk:
-            # the extra cache: its own flattened view (extra_topk tokens, its page size), launched after the main one
-            # over the same query rows; both launches write partial rows only and the second one's combine merges
-            # both lists per request (_TwoLists)
-            extra_problem = dataclasses.replace(problem, topk=problem.extra_topk, page_size=problem.extra_page_size,
-                                                cache_numel=problem.extra_cache_numel, extra_topk=0,
-                                                kv_block_stride=problem.extra_block_stride, extra_block_stride=0,
-                                                extra_page_size=0, extra_cache_numel=0, topk_length=False,
-                                                extra_topk_length=False, attn_sink=False)
-            extra = cls.plan(extra_problem, platform, None, None, softmax_scale=softmax_scale, options=options)
-            launch = extra.launch = _two_list_launch(launch)
-            merged = _TwoLists(split, extra.split)
         return Sm90State(
             split=split,
-            extra=extra,
             lengths=split.lengths,
             sparse_lse=sparse_lse,
             op=op,
@@ -647,7 +665,6 @@ class CudaSM90Backend(MLABackend):
             partial_lse=split.partial_lse,
             kv_format_code=KV_FORMAT_CODES[view.kv_format],
             launch=launch,
-            merged=merged,
         )
 
     @classmethod

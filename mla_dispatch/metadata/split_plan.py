@@ -135,8 +135,8 @@ class _Pooled:
     """What a dropped plan gives the pool: its three buffers (``buffers``), their views as a plan cuts them
     (``views``: items as ``[max_items, 4]``, workspace, part offsets, splits, slot owners, first slots, lengths),
     their bytes, and the schedule object over those views with the layout it was made for and the native schedule
-    launches bound to them (a plan of the same layout takes them as they are). The views and the schedule cost more host time to make than the plan's other work
-    (benchmarks/RESULTS.md, "2026-11-29 (evening)")."""
+    launches bound to them (a plan of the same layout takes them as they are). The views and the schedule cost more
+    host time to make than the plan's other work (benchmarks/RESULTS.md, "2026-11-29 (evening)")."""
 
     __slots__ = ("buffers", "views", "nbytes", "layout", "schedule", "bound")
 
