@@ -246,8 +246,11 @@ def test_disable_restores_stock(seed, gen):
         assert handle.stats["decode_steps"] == 2
 
 
-def test_paged_cache_mirrors_transformers_cache(seed, gen):
-    """Our pages hold, per sequence, exactly transformers' cached latents of its real (unpadded) tokens."""
+@pytest.mark.parametrize("python_slots", [256, 0], ids=["slots-python", "slots-torch"])
+def test_paged_cache_mirrors_transformers_cache(python_slots, seed, gen, monkeypatch):
+    """Our pages hold, per sequence, exactly transformers' cached latents of its real (unpadded) tokens, whichever
+    way the new tokens' slots are computed (plain Python for a step's few tokens, torch ops for many)."""
+    monkeypatch.setattr(mla_tf, "_PYTHON_SLOTS", python_slots)
     model = build(v3_config(), seed)
     ids, mask = prompts(gen, 3, 21, model.config.vocab_size, left_pad=True)
     with mla_tf.enable(model, backend="reference", page_size=8) as handle:

@@ -95,30 +95,47 @@ _MODEL_DTYPES = (torch.bfloat16, torch.float16)
 # --------------------------------------------------------------------------------------
 
 
-def _rope_rotate_half(x: torch.Tensor, position_embeddings) -> torch.Tensor:
+# Each RoPE variant is a pair: the tables made from the model's position embeddings once per forward (the same object
+# reaches every layer; _Step.rope keeps them) and the rotation of a ``[B, S, heads, r]`` tensor with them (q's heads, or
+# the key's one). Per layer that leaves the rotation's own ops (four fewer per tensor for the interleaved variant).
+
+
+def _tables_rotate_half(position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = position_embeddings
+    return cos.unsqueeze(2), sin.unsqueeze(2)
+
+
+def _rope_rotate_half(x: torch.Tensor, tables) -> torch.Tensor:
     """DeepSeek-V3, ``rope_interleave=False``: ``x*cos + rotate_half(x)*sin``; ``cos``, ``sin`` ``[B, S, r]``.
 
     (modeling_deepseek_v3.py ``apply_rotary_pos_emb``.)
     """
-    cos, sin = position_embeddings
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    cos, sin = tables
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return (x * cos) + (rotated * sin)
 
 
-def _rope_interleaved(x: torch.Tensor, position_embeddings) -> torch.Tensor:
+def _tables_interleaved(position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = position_embeddings
+    half = cos.shape[-1] // 2
+    return cos[..., :half].unsqueeze(2), sin[..., :half].unsqueeze(2)
+
+
+def _rope_interleaved(x: torch.Tensor, tables) -> torch.Tensor:
     """DeepSeek-V3, ``rope_interleave=True``: pairs ``(x[2i], x[2i+1])`` rotated, output de-interleaved.
 
     The result is ``[even*cos - odd*sin | odd*cos + even*sin]``: keys and queries get the same
     permutation, so their dot products are those of the interleaved pairs
     (modeling_deepseek_v3.py ``apply_rotary_pos_emb_interleave``).
     """
-    cos, sin = position_embeddings
-    half = cos.shape[-1] // 2
-    cos, sin = cos[..., :half].unsqueeze(2), sin[..., :half].unsqueeze(2)
+    cos, sin = tables
     even, odd = x[..., 0::2], x[..., 1::2]
     return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
+
+
+def _tables_complex(freqs_cis: torch.Tensor) -> torch.Tensor:
+    return freqs_cis.unsqueeze(2)
 
 
 def _rope_complex(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
@@ -127,13 +144,17 @@ def _rope_complex(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     (modeling_deepseek_v2.py ``apply_rotary_emb``.)
     """
     pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-    freqs_cis = freqs_cis.unsqueeze(2).to(pairs.device)
-    return torch.view_as_real(pairs * freqs_cis).flatten(-2).type_as(x)
+    return torch.view_as_real(pairs * freqs_cis.to(pairs.device)).flatten(-2).type_as(x)
 
 
 # --------------------------------------------------------------------------------------
 # The paged latent cache: one block table for all layers, one page tensor per layer
 # --------------------------------------------------------------------------------------
+
+
+#: at most this many new tokens get their slots in plain Python (a decode step's: five torch ops per row otherwise, a
+#: few µs each on a GPU host, per step); a prefill's take the vectorised path
+_PYTHON_SLOTS = 256
 
 
 class _LatentPages:
@@ -182,6 +203,11 @@ class _LatentPages:
 
     def slots(self, starts: list[int], counts: list[int]) -> torch.Tensor:
         """int64 ``[sum(counts)]`` on the device: row ``b``'s tokens ``starts[b] ..`` in row order."""
+        ps = self.page_size
+        if sum(counts) <= _PYTHON_SLOTS:  # a decode step's few tokens: integer arithmetic, one host tensor
+            flat = [blocks[pos // ps] * ps + pos % ps for blocks, start, count in zip(self.blocks, starts, counts)
+                    for pos in range(start, start + count)]
+            return self._to_device(torch.tensor(flat, dtype=torch.int64))
         parts = []
         for blocks, start, count in zip(self.blocks, starts, counts):
             if count:
@@ -252,6 +278,7 @@ class _Step:
     past_slots: torch.Tensor | None = None  # their slots (made when a layer must be copied again)
     past_select: torch.Tensor | None = None  # bool [B, past]: which cached tokens are real (None: all of them)
     plans: dict = dataclasses.field(default_factory=dict)  # softmax_scale -> DecodePlan
+    rope: tuple | None = None  # (position embeddings, table maker, tables): RoPE tables made once per forward
 
 
 @dataclasses.dataclass
@@ -542,11 +569,11 @@ def _make_forward(handle: TransformersMLAHandle, module, rope: str):
              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
     layer_idx = module.layer_idx
     if rope == "complex":
-        apply_rope = _rope_complex
+        apply_rope = (_tables_complex, _rope_complex)
     elif module.config.rope_interleave:
-        apply_rope = _rope_interleaved
+        apply_rope = (_tables_interleaved, _rope_interleaved)
     else:
-        apply_rope = _rope_rotate_half
+        apply_rope = (_tables_rotate_half, _rope_rotate_half)
 
     def forward(*args, **kwargs):
         step = handle._step
@@ -606,8 +633,11 @@ def _absorbed_decode(handle: TransformersMLAHandle, step: _Step, module, apply_r
     compressed = module.kv_a_proj_with_mqa(hidden_states)
     c_kv, k_pe = torch.split(compressed, [latent, rope_dim], dim=-1)
     c_kv = module.kv_a_layernorm(c_kv)  # [B, S, L]
-    q_pe = apply_rope(q_pe, position_embeddings)  # [B, S, H, r]
-    k_pe = apply_rope(k_pe.unsqueeze(2), position_embeddings).squeeze(2)  # [B, S, r]
+    tables_of, rotate = apply_rope
+    if step.rope is None or step.rope[0] is not position_embeddings or step.rope[1] is not tables_of:
+        step.rope = (position_embeddings, tables_of, tables_of(position_embeddings))  # the forward's first layer
+    q_pe = rotate(q_pe, step.rope[2])  # [B, S, H, r]
+    k_pe = rotate(k_pe.unsqueeze(2), step.rope[2]).squeeze(2)  # [B, S, r]
 
     # transformers' cache stays complete (its layout: [B, 1, S, D]); ours gets the same tokens
     cache.update(c_kv.unsqueeze(1), k_pe.unsqueeze(1), module.layer_idx)
