@@ -71,22 +71,33 @@ def test_sm90_plan_once_run_per_layer_and_update(monkeypatch, fake, gen):
 
 
 def test_sm90_eager_plans_reuse_dropped_wrappers_never_live_ones(monkeypatch, fake, gen):
-    """An eager plan takes the wrapper of a plan that was dropped (building one allocates a pinned host buffer); two
-    live plans never share one, and a plan made from a reused wrapper is right."""
+    """An eager plan takes the wrapper of a plan that was dropped (building one allocates a pinned host buffer), and
+    its page lists, query offsets and LSE buffer where the shapes are the same; two live plans never share them, a
+    plan of other shapes makes its own, and a plan made from reused ones is right."""
     simulate(monkeypatch, H100, FlashInferBackend)
     case = make_case(2, 1, 16, 40, page_size=16, varlen=False, generator=gen)
     first = mla_dispatch.plan_decode(*case.args(), backend="flashinfer", **case.kwargs())
     second = mla_dispatch.plan_decode(*case.args(), backend="flashinfer", **case.kwargs())
-    assert first.state.wrapper is not second.state.wrapper
+    assert first.state.wrapper is not second.state.wrapper and first.state.lists is not second.state.lists
     dropped = id(first.state.wrapper)
+    dropped_buffers = [id(first.state.lists), id(first.state.qo_indptr), id(first.state.lse_buf)]
     del first
     gc.collect()
     third = mla_dispatch.plan_decode(*case.args(), backend="flashinfer", **case.kwargs())
     assert id(third.state.wrapper) == dropped and third.state.wrapper is not second.state.wrapper
+    assert [id(third.state.lists), id(third.state.qo_indptr), id(third.state.lse_buf)] == dropped_buffers
+    other = make_case(3, 1, 16, 40, page_size=16, varlen=False, generator=gen)
+    second_wrapper = second.state.wrapper
+    del second
+    gc.collect()
+    wider = mla_dispatch.plan_decode(*other.args(), backend="flashinfer", **other.kwargs())  # another batch
+    assert wider.state.lists.shape == (3, other.block_table.shape[1]) and wider.state.lse_buf.shape[0] == 3
+    out, lse = wider.run(other.q, other.kv_cache)
+    assert compare_outputs(out, lse, *case_reference(other, other.cache_seqlens), FlashInferBackend.TOLERANCE)
     out, lse = third.run(case.q, case.kv_cache)
     assert compare_outputs(out, lse, *case_reference(case, case.cache_seqlens), FlashInferBackend.TOLERANCE)
     graphed = mla_dispatch.plan_decode(*case.args(), backend="flashinfer", cuda_graph=True, **case.kwargs())
-    assert graphed.state.wrapper not in (second.state.wrapper, third.state.wrapper)  # its own, captured buffers
+    assert graphed.state.wrapper not in (second_wrapper, third.state.wrapper)  # its own, captured buffers
 
 
 @pytest.mark.parametrize("page_size,h_q,q_len", [(64, 16, 1), (32, 24, 1), (128, 96, 2), (64, 5, 1)])

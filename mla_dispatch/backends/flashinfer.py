@@ -116,6 +116,21 @@ def _wrapper_key(device: torch.device, cls) -> tuple:
     return device.type, device.index, stream_of(device), cls
 
 
+#: The other per-plan objects of dropped eager plans, by shapes (batch, s_q, table width, page size, h_q) on the
+#: wrapper's key: the query offsets, the page lists with their kept launch (metadata/page_lists.py) and the LSE
+#: buffer, at most 2 sets per key. Making them was most of what the adapter's ``plan_decode`` added to FlashInfer's own
+#: plan after the wrappers were pooled (benchmarks/RESULTS.md, "NVIDIA H200, 2026-11-29 (evening)": +170 µs at b=1).
+#: Nothing is pooled while the stream captures a CUDA graph (what is allocated there belongs to the graph's pool).
+_BUFFERS = ReusePool(keep=2)
+
+
+def _give_back(wrapper_key: tuple, wrapper, buffers_key: tuple | None, buffers: tuple) -> None:
+    """A dropped eager plan's wrapper and buffers, to the pools (``weakref.finalize`` of its state)."""
+    _WRAPPERS.give(wrapper_key, wrapper)
+    if buffers_key is not None:
+        _BUFFERS.give(buffers_key, buffers)
+
+
 def _parse_version(text: str) -> tuple[int, ...]:
     parts = []
     for piece in text.split("+")[0].split(".")[:3]:
@@ -232,8 +247,15 @@ class FlashInferBackend(MLABackend):
 
         device = block_table.device
         n = p.batch * p.q_len
-        qo_indptr = torch.arange(0, n + 1, p.q_len, dtype=torch.int32, device=device)
-        lists = PageLists(p.batch, p.max_blocks, p.page_size, device)
+        buffers_key = buffers = None
+        if not p.cuda_graph and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            buffers_key = (*_wrapper_key(device, None), p.batch, p.q_len, p.max_blocks, p.page_size, p.num_heads_q)
+            buffers = _BUFFERS.take(buffers_key)
+        if buffers is None:
+            buffers = (torch.arange(0, n + 1, p.q_len, dtype=torch.int32, device=device),
+                       PageLists(p.batch, p.max_blocks, p.page_size, device),
+                       torch.empty(n, p.num_heads_q, dtype=torch.float32, device=device))
+        qo_indptr, lists, lse_buf = buffers
         lists.update(block_table, cache_seqlens)
         if p.cuda_graph:
             # the wrapper's own buffers, read by a captured run and refilled in place by its plan()
@@ -250,11 +272,11 @@ class FlashInferBackend(MLABackend):
             if wrapper is None:
                 wrapper = make(cls._workspace(device))
         state = BackendState(kind="wrapper", wrapper=wrapper, qo_indptr=qo_indptr, softmax_scale=softmax_scale,
-                             problem=p, lse_buf=torch.empty(n, p.num_heads_q, dtype=torch.float32, device=device),
+                             problem=p, lse_buf=lse_buf,
                              lse_base_e=_signature_has("mla.BatchMLAPagedAttentionWrapper.run", "return_lse_base_on_e"),
                              graph_indices=graph_indices, lists=lists, page_pos=lists.page_pos, indices_buf=None)
-        if not p.cuda_graph:  # the wrapper goes back to the pool when the plan is dropped (_WRAPPERS)
-            weakref.finalize(state, _WRAPPERS.give, pool_key, wrapper)
+        if not p.cuda_graph:  # the wrapper and buffers go back to the pools when the plan is dropped
+            weakref.finalize(state, _give_back, pool_key, wrapper, buffers_key, buffers)
         cls._replan_wrapper(state, block_table, cache_seqlens, lists_fresh=True)
         return state
 
