@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Next session, device call 3 (nvidia-h200; carry [".whl", ".peer", ".gpu_stage"]; <= 9.5 minutes): issue 57 item 1,
-# FlashMLA's own tests/test_flash_mla_sparse_decoding.py, every case (its 246 DeepSeek-V3.2 and 4,502 MODEL1 /
-# DeepSeek-V4 ones, never all run), through mla_dispatch.compat.flash_mla on cuda_sm90: 16 shards side by side on
+# 2026-11-29 evening, device call C, run as next-session-call3.sh (nvidia-h200; carry [".whl", ".peer",
+# ".gpu_stage"]; <= 9.5 minutes): issue 57 item 1, FlashMLA's own tests/test_flash_mla_sparse_decoding.py, every
+# case (its 246 DeepSeek-V3.2 and 4,502 MODEL1 / DeepSeek-V4 ones, never all run), through
+# mla_dispatch.compat.flash_mla on cuda_sm90: 16 shards side by side on
 # the one GPU (the cases' data and FlashMLA's reference are host-bound), each under SHARD_TIMEOUT. A shard that runs
 # out reports what it took; its count tells how to split the next call.
 SECONDS=0
