@@ -17,7 +17,7 @@ PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout $((450 - SECONDS)) pyth
   --json /tmp/sparse_alone/rerun.json > $L/sparse_alone.log 2>&1; echo "alone exit $?"; tail -n 1 $L/sparse_alone.log
 stamp "a sample on triton"
 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout $((555 - SECONDS)) python dev/flashmla_test.py sparse \
-  .peer/flashmla/tests --backend triton --sample 120 --json /tmp/sparse_triton/sample.json > $L/sparse_triton.log 2>&1
+  .peer/flashmla/tests --backend triton --sample 60 --json /tmp/sparse_triton/sample.json > $L/sparse_triton.log 2>&1
 echo "triton exit $?"; tail -n 1 $L/sparse_triton.log
 stamp "end"
 tar -czf $OUT/next2.tar.gz -C /tmp logs sparse sparse_alone sparse_triton 2>/dev/null; ls -l $OUT
