@@ -64,6 +64,12 @@ def spec_key(value: Any):
     return value
 
 
+def _address(value):
+    """A tensor's address (``data_ptr()``), anything else as it is: a launch argument as the kept kernel's launcher
+    takes it (:class:`CachedLaunch`)."""
+    return value.data_ptr() if isinstance(value, torch.Tensor) else value
+
+
 _runtime_knobs: list = []  # [triton.knobs.runtime] once resolved ([None]: this Triton has no knobs)
 
 
@@ -113,7 +119,7 @@ class CachedLaunch:
     """
 
     __slots__ = ("kernel", "grid", "options", "device_index", "_names", "_template", "_slots", "_slot_of",
-                 "_compiled", "_grid3", "_fixed_key")
+                 "_compiled", "_grid3", "_fixed_key", "_addresses")
 
     def __init__(self, kernel, grid: Sequence[int], args: dict[str, Any], varying: Sequence[str],
                  options: dict[str, Any] | None = None, device_index: int | None = None) -> None:
@@ -143,6 +149,11 @@ class CachedLaunch:
                              "varying and has no default")
         self._names = names
         self._template = template
+        # what the kept kernel's launcher is given: each tensor as its address. Triton's generated launcher calls a
+        # tensor argument's data_ptr() and asks the driver about that address (cuPointerGetAttribute, triton 3.6-3.9
+        # driver getPointer) on every launch; an int it takes as the address as it is. The fixed tensors' addresses
+        # are taken here (a plan's buffers keep theirs), the varying ones' per call.
+        self._addresses = [_address(v) for v in template]
         self._slot_of = dict(zip(varying, self._slots))
         self._compiled: dict[tuple, Any] = {}
         self._fixed_key = None
@@ -193,8 +204,11 @@ class CachedLaunch:
             self.slow(*values)
             return
         g0, g1, g2 = self._grid3
+        args = self._addresses.copy()
+        for slot, value in zip(self._slots, values):
+            args[slot] = _address(value)
         compiled.run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(self.device_index), compiled.function,
-                     compiled.packed_metadata, None, None, None, *self._bound(values))
+                     compiled.packed_metadata, None, None, None, *args)
 
     def call(self, values: dict) -> None:
         """:meth:`__call__` with the varying arguments by name (every name of ``varying``; KeyError for a missing
