@@ -82,8 +82,9 @@ def test_second_call_launches_the_kept_kernel_with_the_same_arguments(on_gpu0):
     launch(out, 17, 64)
     (slow, fast) = k.log
     assert slow == ("slow", (3, 2), {"num_warps": 4}, [x, out, 17, 0.5, 64, 32, False])
-    # the same arguments, each tensor as its address (Triton's launcher then asks the driver about none of them)
-    assert fast == ("fast", (3, 2, 1), 1000, [x.data_ptr(), out.data_ptr(), 17, 0.5, 64, 32, False])
+    # the same arguments (a CUDA tensor would go as its address: the GPU test; a host one stays a tensor, for
+    # Triton's launcher to refuse with its own message)
+    assert fast == ("fast", (3, 2, 1), 1000, slow[3])
     assert launch.compiled_variants == 1
 
 
@@ -152,11 +153,14 @@ def test_kept_launch_computes_what_kernel_grid_computes():
     want = torch.empty_like(x)
     axpy[(8,)](x, y, want, 2.0, 1000, BLOCK=128)
     launch = CachedLaunch(axpy, (8,), dict(X=x, Y=y, a=2.0, n=1000, BLOCK=128), ("Out",), {}, x.device.index)
+    assert launch._addresses[:2] == [x.data_ptr(), y.data_ptr()]  # the kept kernel's launcher gets addresses
     for _ in range(3):  # slow, then the kept kernel
         got = torch.full_like(x, float("nan"))
         launch(got)
         assert torch.equal(got, want)
     assert launch.compiled_variants == 1
+    with pytest.raises(ValueError, match="cpu tensor"):  # a host tensor still meets Triton's own check
+        launch(torch.zeros(1000))
 
 
 def test_rebased_descriptor_equals_a_fresh_one():

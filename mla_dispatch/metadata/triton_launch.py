@@ -65,9 +65,10 @@ def spec_key(value: Any):
 
 
 def _address(value):
-    """A tensor's address (``data_ptr()``), anything else as it is: a launch argument as the kept kernel's launcher
-    takes it (:class:`CachedLaunch`)."""
-    return value.data_ptr() if isinstance(value, torch.Tensor) else value
+    """A CUDA tensor's address (``data_ptr()``), anything else as it is: a launch argument as the kept kernel's
+    launcher takes it (:class:`CachedLaunch`). A host tensor stays a tensor: Triton's launcher then says what is wrong
+    with it, as for any launch (an address would reach the kernel unchecked)."""
+    return value.data_ptr() if isinstance(value, torch.Tensor) and value.is_cuda else value
 
 
 _runtime_knobs: list = []  # [triton.knobs.runtime] once resolved ([None]: this Triton has no knobs)
@@ -149,7 +150,7 @@ class CachedLaunch:
                              "varying and has no default")
         self._names = names
         self._template = template
-        # what the kept kernel's launcher is given: each tensor as its address. Triton's generated launcher calls a
+        # what the kept kernel's launcher is given: each CUDA tensor as its address. Triton's generated launcher calls a
         # tensor argument's data_ptr() and asks the driver about that address (cuPointerGetAttribute, triton 3.6-3.9
         # driver getPointer) on every launch; an int it takes as the address as it is. The fixed tensors' addresses
         # are taken here (a plan's buffers keep theirs), the varying ones' per call.
