@@ -135,6 +135,11 @@ def _check_pool_reuse(gen) -> None:
     assert wider.schedule.capacity == 764                   # its own schedule object over the pooled views
 
 
+def nbytes(buffers: tuple) -> int:
+    """What a plan's buffers hold, counted from the tensors themselves."""
+    return sum(t.numel() * t.element_size() for t in buffers)
+
+
 def test_the_pool_holds_at_most_its_byte_budget(monkeypatch):
     """Dropped plans of many sizes (an engine's batch sizes) leave at most ``max_bytes`` pooled, the oldest given
     back first to the allocator; at most ``keep`` sets per key."""
@@ -149,7 +154,7 @@ def test_the_pool_holds_at_most_its_byte_budget(monkeypatch):
         return SplitKVPlan(layout(batch), torch.zeros(batch, dtype=torch.int32), cpu)
 
     same_size = [plan(3) for _ in range(4)]
-    size3 = split_plan._nbytes(same_size[0]._buffers)
+    size3 = nbytes(same_size[0]._buffers)
     assert same_size[0].layout._nbytes == size3               # what the pool counts is what the plan holds
     while same_size:
         same_size.pop()
@@ -157,7 +162,7 @@ def test_the_pool_holds_at_most_its_byte_budget(monkeypatch):
     pool.clear()
     p3, p5, p7 = plan(3), plan(5), plan(7)
     k3, k5, k7 = (split_plan._pool_key(p.layout, cpu) for p in (p3, p5, p7))
-    s5, s7 = split_plan._nbytes(p5._buffers), split_plan._nbytes(p7._buffers)
+    s5, s7 = nbytes(p5._buffers), nbytes(p7._buffers)
     pool.max_bytes = s5 + s7
     del p3
     del p5

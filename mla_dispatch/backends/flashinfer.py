@@ -43,7 +43,7 @@ from mla_dispatch.dispatch.backend import ArchSupport, BackendState, CGSupport, 
 from mla_dispatch.numerics.tolerance import Tolerance
 from mla_dispatch.metadata.conversions import repage_block_table
 from mla_dispatch.metadata.page_lists import PageLists
-from mla_dispatch.metadata.reuse import ReusePool, stream_of
+from mla_dispatch.metadata.reuse import ReusePool, reuse_key, stream_of
 from mla_dispatch.dispatch.platform import Platform
 from mla_dispatch.dispatch.problem import DecodeProblem
 
@@ -120,7 +120,7 @@ def _wrapper_key(device: torch.device, cls) -> tuple:
 #: wrapper's key: the query offsets, the page lists with their kept launch (metadata/page_lists.py) and the LSE
 #: buffer, at most 2 sets per key. Making them was most of what the adapter's ``plan_decode`` added to FlashInfer's own
 #: plan after the wrappers were pooled (benchmarks/RESULTS.md, "NVIDIA H200, 2026-11-29 (evening)": +170 µs at b=1).
-#: Nothing is pooled while the stream captures a CUDA graph (what is allocated there belongs to the graph's pool).
+#: Nothing is pooled while the stream captures a CUDA graph (:func:`~mla_dispatch.metadata.reuse.reuse_key`).
 _BUFFERS = ReusePool(keep=2)
 
 
@@ -248,9 +248,9 @@ class FlashInferBackend(MLABackend):
         device = block_table.device
         n = p.batch * p.q_len
         buffers_key = buffers = None
-        if not p.cuda_graph and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-            buffers_key = (*_wrapper_key(device, None), p.batch, p.q_len, p.max_blocks, p.page_size, p.num_heads_q)
-            buffers = _BUFFERS.take(buffers_key)
+        if not p.cuda_graph:
+            buffers_key = reuse_key(device, p.batch, p.q_len, p.max_blocks, p.page_size, p.num_heads_q)
+            buffers = None if buffers_key is None else _BUFFERS.take(buffers_key)
         if buffers is None:
             buffers = (torch.arange(0, n + 1, p.q_len, dtype=torch.int32, device=device),
                        PageLists(p.batch, p.max_blocks, p.page_size, device),

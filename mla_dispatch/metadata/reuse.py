@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["ReusePool", "stream_of"]
+__all__ = ["ReusePool", "reuse_key", "stream_of"]
 
 
 def stream_of(device: torch.device) -> int:
@@ -25,6 +25,20 @@ def stream_of(device: torch.device) -> int:
         return 0
     # the raw handle without a Stream object (torch.cuda.current_stream builds one: a few µs on a plan's host path)
     return torch._C._cuda_getCurrentRawStream(torch.cuda.current_device() if device.index is None else device.index)
+
+
+def reuse_key(device: torch.device, *what) -> tuple | None:
+    """``(*what, device, stream)``: the key objects made now for ``device`` are pooled under (the device named by its
+    index, its current stream: :func:`stream_of`); None, pool nothing, while that stream captures a CUDA graph: what
+    is allocated in a capture belongs to the graph's memory pool and its replays may write it, so it must not outlive
+    its plan in another plan's hands, and a plan captured with pooled objects must not give them on."""
+    if device.type != "cuda":
+        return (*what, device, 0)
+    if torch.cuda.is_current_stream_capturing():
+        return None
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return (*what, device, stream_of(device))
 
 
 class ReusePool:

@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 from mla_dispatch.metadata.combine import first_slots
-from mla_dispatch.metadata.reuse import ReusePool, stream_of
+from mla_dispatch.metadata.reuse import ReusePool, reuse_key
 from mla_dispatch.metadata.schedule import (TRITON_SCHEDULE_MAX_BATCH, SplitKVSchedule, _check_schedule_args,
                                            fixed_split_schedule, split_kv_schedule, workspace_numel)
 
@@ -112,23 +112,10 @@ class SplitKVLayout:
 
 
 def _pool_key(layout: "SplitKVLayout", device: torch.device) -> tuple | None:
-    """The pool key of a plan made now: the buffers' sizes and dtypes and how the int32 one is cut (not the layout: a
-    table one column wider, a new ``capacity``, leaves them as they are), the device and its current stream
-    (:mod:`.reuse`); None (no pooling) while the stream captures a CUDA graph: a buffer allocated in the capture
-    belongs to the graph's memory pool and its replays may write it, so it must not outlive the plan in another
-    plan's hands, and a plan captured with pooled buffers must not give them on."""
-    sizes = layout._pool_sizes
-    if device.type != "cuda":
-        return sizes, device, 0
-    if torch.cuda.is_current_stream_capturing():
-        return None
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return sizes, device, stream_of(device)
-
-
-def _nbytes(buffers: tuple) -> int:
-    return sum(t.numel() * t.element_size() for t in buffers)
+    """The pool key of a plan made now (:func:`.reuse.reuse_key`): the buffers' sizes and dtypes and how the int32 one
+    is cut (not the layout: a table one column wider, a new ``capacity``, leaves them as they are), the device and
+    its current stream; None while the stream captures a CUDA graph."""
+    return reuse_key(device, layout._pool_sizes)
 
 
 class _Pooled:

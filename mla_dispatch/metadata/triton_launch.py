@@ -159,10 +159,12 @@ class CachedLaunch:
         self._compiled: dict[tuple, Any] = {}
         self._fixed_key = None
 
-    def _bound(self, values: Iterable[Any]) -> list:
-        bound = self._template.copy()
+    def _bound(self, values: Iterable[Any], addresses: bool = False) -> list:
+        """Every argument, the varying ``values`` in their slots; ``addresses``: as the kept kernel's launcher takes
+        them (CUDA tensors as their addresses, :func:`_address`)."""
+        bound = (self._addresses if addresses else self._template).copy()
         for slot, value in zip(self._slots, values):
-            bound[slot] = value
+            bound[slot] = _address(value) if addresses else value
         return bound
 
     def _shared_key(self, key: tuple) -> tuple:
@@ -205,11 +207,8 @@ class CachedLaunch:
             self.slow(*values)
             return
         g0, g1, g2 = self._grid3
-        args = self._addresses.copy()
-        for slot, value in zip(self._slots, values):
-            args[slot] = _address(value)
         compiled.run(g0, g1, g2, torch._C._cuda_getCurrentRawStream(self.device_index), compiled.function,
-                     compiled.packed_metadata, None, None, None, *args)
+                     compiled.packed_metadata, None, None, None, *self._bound(values, addresses=True))
 
     def call(self, values: dict) -> None:
         """:meth:`__call__` with the varying arguments by name (every name of ``varying``; KeyError for a missing
