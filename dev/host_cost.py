@@ -13,12 +13,14 @@ and torch ops one call issues (torch.profiler); and FlashMLA's own whole call (`
 ``flash_mla_with_kvcache``, as its users call it per layer) and FlashInfer's own ``plan`` for the targets that
 compare with them. Each backend's output is checked against the reference at the first config before it is timed.
 A cProfile of each call (50 calls, top functions by own time) goes to ``DIR/profile-<config>-<backend>-<call>.txt``;
-the table is printed last and written with everything else to ``DIR/host_cost.json``.
+the table is printed last and written with everything else to ``DIR/host_cost.json``. A backend may carry
+``backend_options``: ``--backends triton/launch_graphs=False`` (``name/option=value/...``, values as Python literals).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import cProfile
 import io
 import json
@@ -140,19 +142,45 @@ def profile_to(path: pathlib.Path, fn, calls: int = 50) -> None:
     path.write_text(text.getvalue())
 
 
-def check(name: str, q, kv, table, lens, scale: float) -> str:
+def check(spec: str, q, kv, table, lens, scale: float) -> str:
+    """The one-shot call and a plan's third run on the same tensors (a replayed graph where the plan keeps them),
+    outputs poisoned first, against the reference."""
     from mla_dispatch.dispatch.registry import get_backend
     from mla_dispatch.numerics.oracle import reference_attention
     from mla_dispatch.numerics.tolerance import compare_outputs
 
-    out, lse = mla_decode(q, kv, table, lens, softmax_scale=scale, backend=name)
+    name, options = backend_spec(spec)
+    kw = dict(softmax_scale=scale, backend=name, backend_options=options or None)
     ref = reference_attention(q, kv, table, lens, softmax_scale=scale)
-    return compare_outputs(out, lse, *ref, get_backend(name).TOLERANCE).message
+    tol = get_backend(name).TOLERANCE
+    one_shot = compare_outputs(*mla_decode(q, kv, table, lens, **kw), *ref, tol)
+    if not one_shot:
+        return f"one-shot: {one_shot.message}"
+    plan = plan_decode(q, kv, table, lens, **kw)
+    out = torch.empty(q.shape[0], 1, q.shape[2], D_V, dtype=q.dtype, device="cuda")
+    lse = torch.empty(q.shape[0], q.shape[2], 1, device="cuda")
+    for _ in range(3):
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+        plan.run(q, kv, out=out, lse=lse)
+    return compare_outputs(out, lse, *ref, tol).message
 
 
-def measure_backend(name: str, cfg: str, q, kv, table, lens, scale: float, reps: int, out_dir: pathlib.Path,
+def backend_spec(spec: str) -> tuple[str, dict]:
+    """``"name"`` or ``"name/option=value/..."`` (values as Python literals: ``triton/launch_graphs=False``) ->
+    ``(name, backend_options)``."""
+    name, *pairs = spec.split("/")
+    options = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        options[key] = ast.literal_eval(value)
+    return name, options
+
+
+def measure_backend(spec: str, cfg: str, q, kv, table, lens, scale: float, reps: int, out_dir: pathlib.Path,
                     profile: bool) -> dict:
-    kw = dict(softmax_scale=scale, backend=name)
+    name, options = backend_spec(spec)
+    kw = dict(softmax_scale=scale, backend=name, backend_options=options or None)
     plan = plan_decode(q, kv, table, lens, **kw)
     out = torch.empty(q.shape[0], 1, q.shape[2], D_V, dtype=q.dtype, device="cuda")
     lse = torch.empty(q.shape[0], q.shape[2], 1, device="cuda")
@@ -160,7 +188,7 @@ def measure_backend(name: str, cfg: str, q, kv, table, lens, scale: float, reps:
            "update": lambda: plan.update(),
            "run": lambda: plan.run(q, kv, out=out, lse=lse),
            "call": lambda: mla_decode(q, kv, table, lens, **kw, out=out)}
-    row = {"config": cfg, "backend": name, "plan_object": repr(plan)}
+    row = {"config": cfg, "backend": spec, "plan_object": repr(plan)}
     for call, fn in fns.items():
         row[f"{call}_us"] = host_us(fn, reps)
         row[f"{call}_host_us"] = busy_us(fn, reps)
@@ -169,7 +197,7 @@ def measure_backend(name: str, cfg: str, q, kv, table, lens, scale: float, reps:
     for call, fn in fns.items():
         row[f"{call}_launches"], row[f"{call}_ops"] = launches_and_ops(fn)
         if profile:
-            profile_to(out_dir / f"profile-{cfg}-{name}-{call}.txt", fn)
+            profile_to(out_dir / f"profile-{cfg}-{spec.replace('/', '-')}-{call}.txt", fn)
     state = plan.state
     if hasattr(state, "launch"):
         row["launch"] = repr(state.launch)

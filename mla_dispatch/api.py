@@ -95,7 +95,7 @@ class DecodePlan:
     """
 
     __slots__ = ("backend", "problem", "platform", "softmax_scale", "backend_options", "block_table", "cache_seqlens",
-                 "_cls", "_state", "_q_shape", "_kv_tail", "_kv_dtype", "_q_dtype", "_out_shape", "_lse_shape",
+                 "_cls", "_st", "_q_shape", "_kv_tail", "_kv_dtype", "_q_dtype", "_out_shape", "_lse_shape",
                  "_fp8_scale", "_sparse", "_run", "_fast", "_lse_scratch", "_scales", "_any_out_strides", "_snapshot",
                  "_lens", "_extra_tail", "_sparse_args")
 
@@ -114,7 +114,7 @@ class DecodePlan:
         self._snapshot = snapshot
         self._lens = cache_seqlens if snapshot is None else snapshot
         self._cls = backend_cls
-        self._state = state
+        self._st = state
         self._q_shape = q_shape
         self._kv_tail = kv_tail
         self._kv_dtype = kv_dtype
@@ -128,12 +128,8 @@ class DecodePlan:
         self._sparse_args = problem.sparse_extras  # the optional sparse arguments every run must pass
         self._run = backend_cls.run
         self._any_out_strides = backend_cls.ANY_OUT_STRIDES
-        # the backend's one-call eager path (MLABackend.bind), and where it writes an LSE nobody asked for
-        self._fast = None if problem.sparse or not problem.batch else backend_cls.bind(
-            state, problem, kv_dtype, block_table, self._lens, softmax_scale=softmax_scale)
         self._lse_scratch = None
-        if self._fast is not None and not problem.return_lse:
-            self._lse_scratch = torch.empty(self._lse_shape, dtype=torch.float32, device=cache_seqlens.device)
+        self._bind_fast()
         # float kv_scale -> its fp32 [1] tensor on the plan's device: made once (plan_decode's scale here, a layer's
         # own on its first run), so run() copies nothing from the host (CUDA-graph capture forbids it)
         self._scales: dict[float, torch.Tensor] = {}
@@ -157,6 +153,26 @@ class DecodePlan:
         return (f"DecodePlan(backend={self.backend!r}, q=[{p.batch}, {p.q_len}, {p.num_heads_q}, {p.head_dim_qk}], "
                 f"page_size={p.page_size}, h_kv={p.num_heads_kv}, kv_format={p.kv_format!r}, causal={p.causal}, "
                 f"topk={p.topk}{options})")
+
+    def _bind_fast(self) -> None:
+        """The backend's one-call eager path for the current state (MLABackend.bind), and where it writes an LSE
+        nobody asked for."""
+        p = self.problem
+        self._fast = None if p.sparse or not p.batch else self._cls.bind(
+            self._st, p, self._kv_dtype, self.block_table, self._lens, softmax_scale=self.softmax_scale)
+        if self._fast is not None and not p.return_lse and self._lse_scratch is None:
+            self._lse_scratch = torch.empty(self._lse_shape, dtype=torch.float32, device=self.cache_seqlens.device)
+
+    @property
+    def _state(self) -> BackendState:
+        return self._st
+
+    @_state.setter
+    def _state(self, state: BackendState) -> None:
+        """A new backend state (tests and benchmarks force a config this way): the eager path is bound to it again,
+        so no run takes the old state's launch."""
+        self._st = state
+        self._bind_fast()
 
     @property
     def state(self) -> BackendState:

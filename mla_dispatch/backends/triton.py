@@ -148,6 +148,9 @@ class TritonBackend(MLABackend):
                                 "choice (kernels/triton/launch.py): the plain kernel with gathered tiles or TMA tiles, "
                                 "the Gluon sm_90 kernel, its seesaw schedule (16-bit pages of whole tiles), the "
                                 "tokens-on-M fp8_e4m3 kernel; it must suit the problem"),
+        "launch_graphs": BackendOption((True, False), "replay an eager run's launches as a CUDA graph where its tensors "
+                                       "repeat (True, the default: metadata/launch_graphs.py), or launch through "
+                                       "Triton's launcher every time (False)"),
     })
 
     @classmethod
@@ -178,12 +181,14 @@ class TritonBackend(MLABackend):
     def plan(cls, problem: DecodeProblem, platform: Platform, block_table, cache_seqlens, *,
              softmax_scale: float, options: dict[str, object]) -> BackendState:
         return cls.make_state(problem, platform, cache_seqlens, split_tokens=options.get("split_tokens"),
-                              kernel=options.get("kernel"), block_table=block_table, softmax_scale=softmax_scale)
+                              kernel=options.get("kernel"), block_table=block_table, softmax_scale=softmax_scale,
+                              launch_graphs=options.get("launch_graphs", True))
 
     @classmethod
     def make_state(cls, problem: DecodeProblem, platform: Platform, cache_seqlens, *, config=None,
                    num_parts: int | None = None, overhead: int | None = None, split_tokens: int | None = None,
-                   kernel: str | None = None, block_table=None, softmax_scale: float | None = None) -> BackendState:
+                   kernel: str | None = None, block_table=None, softmax_scale: float | None = None,
+                   launch_graphs: bool = False) -> BackendState:
         """:meth:`plan` with its choices exposed (tests force splits; the benchmark compares configs).
 
         ``config`` a :class:`~mla_dispatch.kernels.triton.decode.KernelConfig` (default: the
@@ -192,7 +197,9 @@ class TritonBackend(MLABackend):
         schedule's fixed cost per item, in chunks; ``split_tokens`` the piece size of a batch-invariant plan;
         ``kernel`` the kernel family (:data:`~mla_dispatch.kernels.triton.launch.KERNELS`, default: the plan's
         choice). ``block_table`` and ``softmax_scale`` bind the plan's eager launch (without them, a state for
-        :meth:`run`'s registered op only: tests that call the op themselves).
+        :meth:`run`'s registered op only: tests that call the op themselves); ``launch_graphs``: :meth:`bind`'s fast
+        path replays that launch as CUDA graphs where its tensors repeat (:mod:`~mla_dispatch.metadata.launch_graphs`;
+        :meth:`plan` defaults it to True).
 
         Raises
         ------
@@ -218,8 +225,50 @@ class TritonBackend(MLABackend):
                                schedule=split.schedule, first_slot=split.first_slot, partial_out=split.partial_out,
                                partial_lse=split.partial_lse, softmax_scale=softmax_scale, device=device)
         return BackendState(op=torch.ops.mla_dispatch.triton_decode.default, cfg=launch.cfg, launch=launch,
-                            prepared=prepared, split=split, schedule=split.schedule, lengths=split.lengths,
+                            prepared=prepared, launch_graphs=launch_graphs, split=split, schedule=split.schedule,
+                            lengths=split.lengths,
                             first_slot=split.first_slot, partial_out=split.partial_out, partial_lse=split.partial_lse)
+
+    @classmethod
+    def bind(cls, state: BackendState, problem: DecodeProblem, kv_dtype: torch.dtype, block_table, cache_seqlens, *,
+             softmax_scale: float):
+        """Dense eager calls over a 16-bit cache on a GPU: the plan's frozen launch with no further checks than
+        :func:`~mla_dispatch.dispatch.backend.dense_call_matcher`'s and contiguous ``out`` / ``lse``, replayed as a
+        CUDA graph where its tensors repeat (``launch_graphs``; :class:`~mla_dispatch.metadata.launch_graphs.
+        LaunchGraphs`). Anything else (fp8 caches, strided outputs, the interpreter) takes the checked path."""
+        from mla_dispatch.dispatch.backend import dense_call_matcher
+        from mla_dispatch.metadata.launch_graphs import LaunchGraphs
+
+        prepared = state.prepared
+        device = cache_seqlens.device if cache_seqlens is not None else None
+        if prepared is None or problem.sparse or device is None or device.type != "cuda":
+            return None
+        p = problem
+        matches = dense_call_matcher(p, kv_dtype)
+        out_shape, lse_shape = (p.batch, p.q_len, p.num_heads_q, p.head_dim_v), (p.batch, p.num_heads_q, p.q_len)
+        graphs = state.graphs = LaunchGraphs(device.index) if state.launch_graphs else None
+
+        def fast(q, kv, kv_scale, out, lse):
+            if not matches(q, kv, kv_scale, out, lse) or q.device != device:
+                return None
+            if out is None:
+                out = torch.empty(out_shape, dtype=q.dtype, device=device)
+            elif not out.is_contiguous():
+                return None  # the checked path: its overlap check, then the same launch
+            if lse is None:
+                lse = torch.empty(lse_shape, dtype=torch.float32, device=device)
+            elif not lse.is_contiguous():
+                return None
+            if graphs is None:
+                prepared(q, kv, None, None, out, lse)
+            else:
+                # everything the launch reads from its arguments: addresses, the cache's blocks and strides, q's
+                # strides (out and lse are contiguous, of the planned shapes)
+                graphs((q.data_ptr(), q.stride(), kv.data_ptr(), kv.shape[0], kv.stride(), out.data_ptr(),
+                        lse.data_ptr()), lambda: prepared(q, kv, None, None, out, lse))
+            return out, lse
+
+        return fast
 
     @classmethod
     def update(cls, state: BackendState, block_table, cache_seqlens) -> None:
