@@ -6,7 +6,7 @@ as in its config.json) but only ``--layers`` layers, each with a small dense MLP
 fits one GPU. For each batch size the same random prompts go through ``model.generate`` (greedy,
 ``--new`` + 1 tokens, no early stop) once per backend: ``stock`` is transformers' own attention, any other name is
 :func:`mla_dispatch.integrations.transformers.enable` with that ``backend`` (``auto``, ``cuda_sm90``, ``triton``,
-``flashmla``, ``reference``...). A stopping criterion stamps the clock (after a device synchronisation) when the
+``flashmla``, ``reference``...; ``<name>+graphs``: with ``cuda_graphs=True``). A stopping criterion stamps the clock (after a device synchronisation) when the
 prefill's token is out; generate's end is stamped the same way. Decode tokens/s = batch * new / (end - first
 token), the median over ``--repeats`` runs after one warm-up run per backend (Triton and CUDA kernels build on
 first use: run ``python -m mla_dispatch build`` beforehand). Tokens that differ from stock's are counted (random
@@ -176,8 +176,9 @@ def bench(args, model, device: torch.device) -> list[dict]:
             try:
                 if is_stock(backend):
                     row["attn_implementation"] = _set_stock_attention(model, backend) or default_impl
-                else:
-                    handle = mla_tf.enable(model, backend=backend, page_size=args.page_size)
+                else:  # "<backend>+graphs": enable(cuda_graphs=True)
+                    name, graphs = backend.removesuffix("+graphs"), backend.endswith("+graphs")
+                    handle = mla_tf.enable(model, backend=name, page_size=args.page_size, cuda_graphs=graphs)
                 run_once(model, warm_ids, warm_mask, 2, device)  # builds / JIT-compiles what the run needs
                 if args.host_time:
                     timer = _HostTimer(model)
@@ -190,6 +191,9 @@ def bench(args, model, device: torch.device) -> list[dict]:
                     row["backend_used"] = handle.last_backend
                     row["decode_steps_through_mla_dispatch"] = handle.stats["decode_steps"]
                     row["plans_made"] = handle.stats["plans_made"]
+                    if handle.cuda_graphs:
+                        row["graph_captures"] = handle.stats["graph_captures"]
+                        row["graph_replays"] = handle.stats["graph_replays"]
                 if timer is not None:
                     samples = timer.take()
                     row["host_samples"] = len(samples)
@@ -279,7 +283,7 @@ def _ints(text: str) -> list[int]:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backends", default=None, help="comma list: stock (the model's default attention), "
-                   "stock:eager, stock:sdpa and mla_dispatch backends "
+                   "stock:eager, stock:sdpa and mla_dispatch backends (<name>+graphs: with cuda_graphs=True) "
                    "(default: stock,auto; --tiny: stock,reference)")
     p.add_argument("--batch", type=_ints, default=None, help="comma list of batch sizes (default 1,8; --tiny 1,2)")
     p.add_argument("--prompt", type=int, default=None, help="prompt tokens (default 1024; --tiny 64)")

@@ -162,8 +162,14 @@ def check_against_stock(model, ids, mask, new_tokens, *, backend, page_size, **e
         # table width share a plan, updated step after step (issue 55)
         stats = dict(handle.stats)
         plans_made = stats.pop("plans_made")
+        captures, replays = stats.pop("graph_captures", None), stats.pop("graph_replays", None)
         assert stats == {"decode_steps": new_tokens - 1, "other_steps": 1, "cache_copies": 0}, handle.stats
         assert 1 <= plans_made < new_tokens - 1, handle.stats
+        if enable_kwargs.get("cuda_graphs"):
+            # each layer: its first decode with a plan eager, the second captured, the rest replayed
+            layers = model.config.num_hidden_layers
+            assert handle.cuda_graphs, "a capture failed (see the RuntimeWarning)"
+            assert captures >= layers and replays >= layers * (new_tokens - 1 - 2 * plans_made), handle.stats
         assert backend == "auto" or handle.last_backend == backend
         assert handle.last_plan.softmax_scale == model.model.layers[0].self_attn.scaling
         ours_tokens, _ = generate(model, ids, mask, new_tokens)
@@ -391,6 +397,10 @@ def test_enable_rejects_what_it_cannot_run(seed):
         mla_tf.enable(model, decode_max_query_len=17)
     with pytest.raises(ValueError, match="backend_options=.* need a named backend"):
         mla_tf.enable(model, backend_options={"variant": "x"})
+    with pytest.raises(ValueError, match="cuda_graphs=True needs the model on a CUDA device, it is on cpu"):
+        mla_tf.enable(model, backend="reference", cuda_graphs=True)
+    with pytest.raises(ValueError, match="cuda_graphs must be True or False, got 1"):
+        mla_tf.enable(model, backend="reference", cuda_graphs=1)
     with pytest.raises(ValueError, match="unknown backend 'no_such'"):
         mla_tf.enable(model, backend="no_such")
     # a named backend that cannot run here raises in enable(), not during generation
@@ -477,7 +487,26 @@ def test_gpu_greedy_decode_matches_stock(case, backend, seed, gen):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cuda_sm90", "triton"])
-def test_gpu_decode_step_makes_one_host_synchronisation(backend, seed, gen):
+@pytest.mark.parametrize("case", ["v3-h16-b4-leftpad", "v3-h128-dsdims-b2-leftpad", "v2-h16-b4-leftpad"])
+def test_gpu_decode_in_cuda_graphs_matches_stock(case, backend, seed, gen):
+    """enable(cuda_graphs=True): every attention layer's decode replayed from its graph, logits and tokens as stock's
+    (check_against_stock also counts the captures and replays)."""
+    from mla_dispatch import NoBackendError
+
+    make_config, batch, length, left_pad = GPU_CASES[case]
+    model = build(make_config(), seed, device="cuda")
+    ids, mask = prompts(gen, batch, length, model.config.vocab_size, left_pad=left_pad, device="cuda")
+    try:
+        mla_tf.enable(model, backend=backend).disable()
+    except NoBackendError as exc:
+        pytest.skip(f"{backend} cannot run here: {exc}")
+    check_against_stock(model, ids, mask, 16, backend=backend, page_size=64, cuda_graphs=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cuda_graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize("backend", ["cuda_sm90", "triton"])
+def test_gpu_decode_step_makes_one_host_synchronisation(backend, cuda_graphs, seed, gen):
     """A forward through the integration makes the host wait for the GPU at most once (reading the attention mask's
     counts, prefill included), so the host can queue a decode step's layers while the GPU runs: the slots and the
     block table go from pinned memory (dev/integration_profile.py on the H200, 2026-11-29: 4 such calls per step
@@ -492,11 +521,11 @@ def test_gpu_decode_step_makes_one_host_synchronisation(backend, seed, gen):
     model = build(v3_config(), seed, device="cuda")
     ids, mask = prompts(gen, 2, 40, model.config.vocab_size, left_pad=False, device="cuda")
     try:
-        handle = mla_tf.enable(model, backend=backend)
+        handle = mla_tf.enable(model, backend=backend, cuda_graphs=cuda_graphs)
     except NoBackendError as exc:
         pytest.skip(f"{backend} cannot run here: {exc}")
     with handle:
-        generate(model, ids, mask, 3)  # builds, compiles and plans what the run needs
+        generate(model, ids, mask, 3)  # builds, compiles, plans (and captures) what the run needs
         before = handle.stats["decode_steps"], handle.stats["other_steps"]
         ours: list[str] = []
 
@@ -519,3 +548,5 @@ def test_gpu_decode_step_makes_one_host_synchronisation(backend, seed, gen):
         forwards = steps + handle.stats["other_steps"] - before[1]
     assert steps == 6 and forwards == 7
     assert len(ours) <= forwards, ours
+    if cuda_graphs:  # the second generate's decode steps replay the first one's graphs (same batch, same plan)
+        assert handle.stats["graph_replays"] >= 6 * model.config.num_hidden_layers, handle.stats

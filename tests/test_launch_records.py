@@ -192,6 +192,10 @@ INTERPRETER_CASES = [
                                              topk_length=True, attn_sink=True, extra_topk=16, extra_page_size=3,
                                              extra_topk_length=True, head_dim_qk=512, head_dim_v=512,
                                              kv_format="fp8_ds_v4"), {}),
+    # pages of 576 tokens, as FlashMLA's DeepSeek-V4 tests make them (past the dense kernels' 256)
+    ("gather-v4-b2xs1xh4-topk32-ps576", dict(batch=2, q_len=1, num_heads_q=4, seqlen=700, page_size=576, topk=32,
+                                            attn_sink=True, head_dim_qk=512, head_dim_v=512, kv_format="fp8_ds_v4"),
+     {}),
     ("gather-v4-b2xs1xh4-topk48-split", dict(batch=2, q_len=1, num_heads_q=4, seqlen=60, page_size=16, topk=48,
                                              topk_length=True, attn_sink=True, head_dim_qk=512, head_dim_v=512,
                                              kv_format="fp8_ds_v4"), dict(num_parts=6, overhead=1)),

@@ -69,6 +69,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import warnings
 import weakref
 from collections.abc import Mapping
 
@@ -279,6 +280,35 @@ class _Step:
     past_select: torch.Tensor | None = None  # bool [B, past]: which cached tokens are real (None: all of them)
     plans: dict = dataclasses.field(default_factory=dict)  # softmax_scale -> DecodePlan
     rope: tuple | None = None  # (position embeddings, table maker, tables): RoPE tables made once per forward
+    serial: int = 0  # the handle's count of forwards when this one began
+
+
+@dataclasses.dataclass
+class _GraphInputs:
+    """What every layer's CUDA graph reads besides its hidden states: copies of a forward's RoPE tables and its new
+    tokens' slots, rewritten (in place) once per forward."""
+
+    key: tuple  # (batch, new tokens, table form and shapes): other values need other copies (and other graphs)
+    tables: tuple  # the tables' copies (one tensor for DeepSeek-V2's complex form, cos and sin otherwise)
+    slots: torch.Tensor
+    tuple_form: bool
+    serial: int  # the forward whose values they hold
+
+    def as_rope_tables(self):
+        return self.tables if self.tuple_form else self.tables[0]
+
+
+@dataclasses.dataclass
+class _LayerGraph:
+    """One attention layer's decode captured in a CUDA graph, valid for one plan, one page tensor and one set of
+    inputs; ``hidden`` is its input, rewritten before each replay, ``outputs`` its ``(o, c_kv, k_pe)``."""
+
+    graph: torch.cuda.CUDAGraph
+    plan: DecodePlan
+    kv: torch.Tensor
+    inputs: _GraphInputs
+    hidden: torch.Tensor
+    outputs: tuple
 
 
 @dataclasses.dataclass
@@ -303,17 +333,30 @@ class TransformersMLAHandle:
         Counters: ``decode_steps`` (model forwards whose attention went through mla_dispatch),
         ``other_steps`` (forwards with a cache that ran transformers' attention: prefill, long
         chunks, masked new tokens), ``cache_copies`` (times transformers' cache was copied into
-        ours in full, e.g. after a beam-search reorder or a crop).
+        ours in full, e.g. after a beam-search reorder or a crop), ``plans_made``, and with
+        ``cuda_graphs`` ``graph_captures`` / ``graph_replays`` (attention layers captured / replayed).
+    cuda_graphs : bool
+        Whether decode steps replay each attention layer's CUDA graph (:func:`enable`); turned off,
+        with a warning, if a capture fails.
     """
 
     def __init__(self, model, base_model, attentions, *, backend: str, page_size: int, decode_max_query_len: int,
-                 backend_options: Mapping[str, object] | None, dynamic_cache_cls, dynamic_layer_cls):
+                 backend_options: Mapping[str, object] | None, dynamic_cache_cls, dynamic_layer_cls,
+                 cuda_graphs: bool = False):
         self.model = model
         self.backend = backend
         self.page_size = page_size
         self.decode_max_query_len = decode_max_query_len
         self.backend_options = dict(backend_options) if backend_options else None
+        self.cuda_graphs = cuda_graphs
         self.stats = {"decode_steps": 0, "other_steps": 0, "cache_copies": 0, "plans_made": 0}
+        if cuda_graphs:
+            self.stats.update(graph_captures=0, graph_replays=0)
+        self._graphs: dict[int, _LayerGraph] = {}  # layer -> its captured decode
+        self._graph_seen: dict[int, tuple] = {}  # layer -> (plan, pages, inputs) of its last eager decode
+        self._graph_inputs: _GraphInputs | None = None
+        self._template: torch.Tensor | None = None  # a query of the step's shape, to plan before q exists
+        self._serial = 0
         self.last_plan: DecodePlan | None = None
         # decode plans kept per shape across steps: a step of the same batch and table width updates one
         self._plans = PlanCache()
@@ -325,6 +368,7 @@ class TransformersMLAHandle:
         self._latent_dim = first.kv_lora_rank
         self._head_dim = first.kv_lora_rank + first.qk_rope_head_dim
         self._device = first.kv_b_proj.weight.device
+        self._heads = first.num_heads
         self._dtype = first.kv_b_proj.weight.dtype
         self._mask_param = _positional_index(type(base_model).forward, "attention_mask")
         self._step: _Step | None = None
@@ -384,6 +428,7 @@ class TransformersMLAHandle:
         self._pages = None
         self._layers.clear()
         self._cache_ref = None
+        self._drop_graphs()
         self._enabled = False
 
     def __enter__(self) -> "TransformersMLAHandle":
@@ -394,8 +439,9 @@ class TransformersMLAHandle:
 
     def __repr__(self) -> str:
         state = "enabled" if self._enabled else "disabled"
+        graphs = ", cuda_graphs=True" if self.cuda_graphs else ""
         return (f"TransformersMLAHandle({type(self.model).__name__}, backend={self.backend!r}, "
-                f"page_size={self.page_size}, {len(self._attentions)} layers, {state}, stats={self.stats})")
+                f"page_size={self.page_size}{graphs}, {len(self._attentions)} layers, {state}, stats={self.stats})")
 
     # -- what tests and tools may read ---------------------------------------------------
 
@@ -431,7 +477,8 @@ class TransformersMLAHandle:
                      f"mla_dispatch's decode, got {shape}: a 4-D or custom mask cannot say which cached tokens "
                      "a sequence may see")
             mask = None
-        self._step = _Step(mask=mask, mask_error=error)
+        self._serial += 1
+        self._step = _Step(mask=mask, mask_error=error, serial=self._serial)
 
     def _end_step(self, module, args, kwargs, output) -> None:
         self._step = None
@@ -542,6 +589,82 @@ class TransformersMLAHandle:
         return plan
 
 
+    # -- CUDA graphs of the attention layers (enable(cuda_graphs=True)) -------------------------
+
+    def _query_template(self, batch: int, query_len: int) -> torch.Tensor:
+        """A query tensor of the step's shape (uninitialised): what a plan is made from before the layer's q exists."""
+        t = self._template
+        if t is None or t.shape[:2] != (batch, query_len):
+            t = self._template = torch.empty(batch, query_len, self._heads, self._head_dim, dtype=self._dtype,
+                                             device=self._device)
+        return t
+
+    def _inputs_for(self, step: _Step) -> _GraphInputs:
+        """The graphs' shared inputs holding this forward's RoPE tables and new slots (copied once per forward)."""
+        tables = step.rope[2]
+        tuple_form = isinstance(tables, tuple)
+        parts = tables if tuple_form else (tables,)
+        key = (step.batch, step.query_len, tuple_form, tuple((tuple(t.shape), t.dtype) for t in parts),
+               tuple(step.new_slots.shape))
+        inputs = self._graph_inputs
+        if inputs is None or inputs.key != key:
+            inputs = self._graph_inputs = _GraphInputs(key, tuple(t.clone() for t in parts), step.new_slots.clone(),
+                                                       tuple_form, step.serial)
+        elif inputs.serial != step.serial:
+            for dst, src in zip(inputs.tables, parts):
+                dst.copy_(src)
+            inputs.slots.copy_(step.new_slots)
+            inputs.serial = step.serial
+        return inputs
+
+    def _layer_graph(self, step: _Step, module, rotate, hidden_states: torch.Tensor, plan: DecodePlan,
+                     kv: torch.Tensor) -> _LayerGraph | None:
+        """The layer's decode replayed from its CUDA graph (its outputs then hold this step's values), or None: run it
+        eagerly. A layer's graph is captured on its second decode with the same plan, pages and inputs (the first
+        runs eagerly: kernels compile and load outside any capture) and replayed while they stay; a plan made anew
+        (a new batch, a wider block table), grown pages or new input shapes mean a new capture."""
+        layer = module.layer_idx
+        inputs = self._inputs_for(step)
+        record = self._graphs.get(layer)
+        if record is not None:
+            if record.plan is plan and record.kv is kv and record.inputs is inputs:
+                record.hidden.copy_(hidden_states)
+                record.graph.replay()
+                self.stats["graph_replays"] += 1
+                return record
+            del self._graphs[layer]  # stale: let its plan and pages go
+        sighting = (plan, kv, inputs)
+        seen = self._graph_seen.get(layer)
+        if seen is None or any(a is not b for a, b in zip(seen, sighting)):
+            self._graph_seen[layer] = sighting
+            return None
+        del self._graph_seen[layer]
+        hidden = hidden_states.clone()
+        from mla_dispatch.metadata.launch_graphs import capture_graph
+
+        try:
+            graph, outputs = capture_graph(
+                lambda: _absorbed_layer(self, step, module, rotate, hidden, inputs.as_rope_tables(), inputs.slots, kv),
+                kv.device.index)
+        except Exception as exc:  # noqa: BLE001 (an op that cannot be captured: eager from now on, as before)
+            warnings.warn(f"mla_dispatch's transformers integration could not capture layer {layer}'s decode in a CUDA "
+                          f"graph ({type(exc).__name__}: {exc}); decode steps run eagerly from now on",
+                          RuntimeWarning, stacklevel=4)
+            self.cuda_graphs = False
+            self._drop_graphs()
+            return None
+        record = self._graphs[layer] = _LayerGraph(graph, plan, kv, inputs, hidden, outputs)
+        graph.replay()
+        self.stats["graph_captures"] += 1
+        self.stats["graph_replays"] += 1
+        return record
+
+    def _drop_graphs(self) -> None:
+        self._graphs.clear()
+        self._graph_seen.clear()
+        self._graph_inputs = None
+
+
 # --------------------------------------------------------------------------------------
 # The attention forward
 # --------------------------------------------------------------------------------------
@@ -609,7 +732,34 @@ def _make_forward(handle: TransformersMLAHandle, module, rope: str):
 
 def _absorbed_decode(handle: TransformersMLAHandle, step: _Step, module, apply_rope, cache,
                      hidden_states: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, None]:
-    """One layer's decode attention in the absorbed form; returns ``(o_proj output [B, S, hidden], None)``.
+    """One layer's decode attention in the absorbed form (:func:`_absorbed_layer`), eager or as the layer's CUDA graph
+    (``enable(cuda_graphs=True)``: :meth:`TransformersMLAHandle._layer_graph`); the new tokens' latents are appended to
+    transformers' cache (outside any graph: its cache grows by concatenation). Returns ``(o_proj output [B, S,
+    hidden], None)``."""
+    batch, query_len = hidden_states.shape[:2]
+    tables_of, rotate = apply_rope
+    if step.rope is None or step.rope[0] is not position_embeddings or step.rope[1] is not tables_of:
+        step.rope = (position_embeddings, tables_of, tables_of(position_embeddings))  # the forward's first layer
+    layer_idx = module.layer_idx
+    kv = handle._pages.kv[layer_idx]
+    record = None
+    if handle.cuda_graphs and kv.is_cuda and not torch.cuda.is_current_stream_capturing():
+        plan = handle._plan(step, handle._query_template(batch, query_len), kv, float(module.scaling))
+        record = handle._layer_graph(step, module, rotate, hidden_states, plan, kv)
+    if record is not None:
+        o, c_kv, k_pe = record.outputs
+    else:
+        o, c_kv, k_pe = _absorbed_layer(handle, step, module, rotate, hidden_states, step.rope[2], step.new_slots, kv)
+    # transformers' cache stays complete (its layout: [B, 1, S, D]); ours got the same tokens (_absorbed_layer)
+    cache.update(c_kv.unsqueeze(1), k_pe.unsqueeze(1), layer_idx)
+    return o, None
+
+
+def _absorbed_layer(handle: TransformersMLAHandle, step: _Step, module, rotate, hidden_states: torch.Tensor, tables,
+                    new_slots: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layer's decode attention on the device, nothing on the host that a CUDA graph could not hold: returns
+    ``(o_proj output [B, S, hidden], c_kv [B, S, L], rotated k_pe [B, S, r])`` and writes the new tokens' latents to
+    our pages at ``new_slots``.
 
     Shapes (H heads, n = qk_nope_head_dim, r = qk_rope_head_dim, L = kv_lora_rank, v = v_head_dim)::
 
@@ -633,27 +783,20 @@ def _absorbed_decode(handle: TransformersMLAHandle, step: _Step, module, apply_r
     compressed = module.kv_a_proj_with_mqa(hidden_states)
     c_kv, k_pe = torch.split(compressed, [latent, rope_dim], dim=-1)
     c_kv = module.kv_a_layernorm(c_kv)  # [B, S, L]
-    tables_of, rotate = apply_rope
-    if step.rope is None or step.rope[0] is not position_embeddings or step.rope[1] is not tables_of:
-        step.rope = (position_embeddings, tables_of, tables_of(position_embeddings))  # the forward's first layer
-    q_pe = rotate(q_pe, step.rope[2])  # [B, S, H, r]
-    k_pe = rotate(k_pe.unsqueeze(2), step.rope[2]).squeeze(2)  # [B, S, r]
-
-    # transformers' cache stays complete (its layout: [B, 1, S, D]); ours gets the same tokens
-    cache.update(c_kv.unsqueeze(1), k_pe.unsqueeze(1), module.layer_idx)
-    handle._store_new(step, module.layer_idx, torch.cat([c_kv, k_pe], dim=-1))
+    q_pe = rotate(q_pe, tables)  # [B, S, H, r]
+    k_pe = rotate(k_pe.unsqueeze(2), tables).squeeze(2)  # [B, S, r]
+    handle._pages.write(module.layer_idx, new_slots, torch.cat([c_kv, k_pe], dim=-1))  # (decode: every token real)
 
     w = module.kv_b_proj.weight.view(heads, nope + v_dim, latent)
     q_latent = torch.bmm(q_nope.reshape(batch * query_len, heads, nope).transpose(0, 1), w[:, :nope])  # [H, BS, L]
     query = torch.cat([q_latent.transpose(0, 1).reshape(batch, query_len, heads, latent), q_pe], dim=-1)
 
-    kv = handle._pages.kv[module.layer_idx]
     plan = handle._plan(step, query, kv, float(module.scaling))
     out, _ = plan.run(query, kv)  # [B, S, H, L]
 
     o = torch.bmm(out.reshape(batch * query_len, heads, latent).transpose(0, 1), w[:, nope:].transpose(1, 2))
     o = o.transpose(0, 1).reshape(batch, query_len, heads * v_dim)
-    return module.o_proj(o), None
+    return module.o_proj(o), c_kv, k_pe
 
 
 # --------------------------------------------------------------------------------------
@@ -662,7 +805,7 @@ def _absorbed_decode(handle: TransformersMLAHandle, step: _Step, module, apply_r
 
 
 def enable(model, *, backend: str = "auto", page_size: int = 64, decode_max_query_len: int = 1,
-           backend_options: Mapping[str, object] | None = None) -> TransformersMLAHandle:
+           backend_options: Mapping[str, object] | None = None, cuda_graphs: bool = False) -> TransformersMLAHandle:
     """Route a DeepSeek-V2/V3 model's decode attention through mla_dispatch.
 
     Parameters
@@ -681,6 +824,14 @@ def enable(model, *, backend: str = "auto", page_size: int = 64, decode_max_quer
         attention. Above 1, decode is causal (token ``i`` of ``S`` sees the cache up to itself).
     backend_options : Mapping, optional
         Passed to :func:`~mla_dispatch.plan_decode` (needs a named ``backend``).
+    cuda_graphs : bool
+        Replay each attention layer's decode from a CUDA graph (a model on a CUDA device): the
+        layer's ~90 operations become one copy of its input and one graph launch, so a decode step's
+        host time no longer grows with them. A layer is captured on its second decode step with
+        the same plan (plans are kept per batch and block-table width, so a generation recaptures
+        each time its table grows by a page) and replayed while the plan, our pages and the step's
+        shapes stay; transformers' own cache is still appended outside the graph. A capture that
+        fails turns this off with a RuntimeWarning (decode then runs eagerly, as without it).
 
     Returns
     -------
@@ -693,7 +844,8 @@ def enable(model, *, backend: str = "auto", page_size: int = 64, decode_max_quer
         ``model`` is not a supported DeepSeek model, is not bfloat16/float16, is spread over
         several devices, has a ``kv_b_proj`` that is not a plain floating-point ``nn.Linear``
         (e.g. quantised), or is already enabled; ``page_size`` or ``decode_max_query_len`` out of
-        range; ``backend_options`` without a named backend.
+        range; ``backend_options`` without a named backend; ``cuda_graphs=True`` for a model that
+        is not on a CUDA device.
     ImportError
         transformers is not installed (``pip install "mla-dispatch[transformers]"``).
     NoBackendError
@@ -723,9 +875,16 @@ def enable(model, *, backend: str = "auto", page_size: int = 64, decode_max_quer
     for module, _ in attentions:
         _check_attention(module, attentions[0][0])
 
+    if not isinstance(cuda_graphs, bool):
+        raise ValueError(f"cuda_graphs must be True or False, got {cuda_graphs!r}")
+    device = attentions[0][0].kv_b_proj.weight.device
+    if cuda_graphs and device.type != "cuda":
+        raise ValueError(f"cuda_graphs=True needs the model on a CUDA device, it is on {device}")
+
     handle = TransformersMLAHandle(model, base_model, attentions, backend=backend, page_size=page_size,
                                    decode_max_query_len=decode_max_query_len, backend_options=backend_options,
-                                   dynamic_cache_cls=DynamicCache, dynamic_layer_cls=DynamicLayer)
+                                   dynamic_cache_cls=DynamicCache, dynamic_layer_cls=DynamicLayer,
+                                   cuda_graphs=cuda_graphs)
     _probe(handle, attentions[0][0])
     handle._install()
     return handle

@@ -21,11 +21,11 @@ cannot be captured) turns graphs off for the plan and runs the launch plainly, s
 
 from __future__ import annotations
 
-from typing import Callable, Hashable
+from typing import Callable, Hashable, TypeVar
 
 import torch
 
-__all__ = ["LaunchGraphs", "MAX_GRAPHS", "CAPTURE_AFTER"]
+__all__ = ["LaunchGraphs", "MAX_GRAPHS", "CAPTURE_AFTER", "capture_graph"]
 
 #: graphs a plan keeps (one per layer and q / out address set of a model's step); past it they are all dropped
 MAX_GRAPHS = 256
@@ -33,6 +33,37 @@ MAX_GRAPHS = 256
 CAPTURE_AFTER = 2
 
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}  # device index -> the side stream graphs are captured on
+T = TypeVar("T")
+
+
+def capture_graph(fn: Callable[[], T], device_index: int) -> tuple[torch.cuda.CUDAGraph, T]:
+    """``(graph, fn()'s result)``: ``fn()``'s work on ``device_index`` captured in a new CUDA graph (in a memory pool
+    of its own, which holds the tensors ``fn`` allocates: its result stays valid, rewritten by each replay). The
+    captured work runs only when the graph is replayed; ``fn`` runs once before, on the side stream the capture uses
+    (ordered after the current stream's work, which then waits for it), so that stream's lazily made state (cuBLAS'
+    handle and workspace) exists before the capture, as PyTorch's CUDA-graph notes ask. Its work must give the same
+    result twice. Captured in ``thread_local`` mode: other threads' launches are untouched.
+
+    Raises
+    ------
+    Exception
+        Whatever ``fn`` or the capture raised (an operation that cannot be captured); nothing is left capturing.
+    """
+    stream = _CAPTURE_STREAMS.get(device_index)
+    if stream is None:
+        stream = _CAPTURE_STREAMS[device_index] = torch.cuda.Stream(device_index)
+    graph = torch.cuda.CUDAGraph()
+    current = torch.cuda.current_stream(device_index)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        fn()  # the warm-up
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            result = fn()
+        finally:
+            graph.capture_end()
+    current.wait_stream(stream)
+    return graph, result
 
 
 class LaunchGraphs:
@@ -98,19 +129,10 @@ class LaunchGraphs:
         self.replays += 1
 
     def _capture(self, launch: Callable[[], None]) -> torch.cuda.CUDAGraph | None:
-        """A graph of ``launch()`` captured on a side stream (nothing runs), or None where capture failed."""
-        stream = _CAPTURE_STREAMS.get(self.device_index)
-        if stream is None:
-            stream = _CAPTURE_STREAMS[self.device_index] = torch.cuda.Stream(self.device_index)
-        graph = torch.cuda.CUDAGraph()
+        """A graph of ``launch()`` (:func:`capture_graph`: the launch runs once as its warm-up), or None where capture
+        failed."""
         try:
-            with torch.cuda.stream(stream):
-                # thread_local: another thread's launches during this capture are not an error of that thread's
-                graph.capture_begin(capture_error_mode="thread_local")
-                try:
-                    launch()
-                finally:
-                    graph.capture_end()
+            graph, _ = capture_graph(launch, self.device_index)
         except Exception:  # noqa: BLE001 (capture refused or invalidated: run plainly, which raises a real error)
             return None
         self.captures += 1
