@@ -15,11 +15,13 @@ lengths, the workspace of partial rows) and freezes its launch (``kernels/triton
 kernel family, its config and the fallbacks for calls whose q or cache layout the kernel cannot take, decided once,
 ``backend_options={"kernel": ...}`` to override), bound to the plan's buffers. An eager
 :meth:`TritonBackend.run` launches that (decode and combine, each a kept compiled kernel:
-``metadata/triton_launch.py``); a traced one (torch.compile, fake tensors) calls the registered op
-``torch.ops.mla_dispatch.triton_decode`` (``kernels/triton/ops.py``). Neither allocates nor syncs, so a run can be
-captured in a CUDA graph. Kernels compile on the first run: run once before capturing. After capture, change the
-values of ``cache_seqlens`` / ``block_table`` and call ``DecodePlan.update`` (which recomputes the schedule in place)
-before replaying.
+``metadata/triton_launch.py``), and a dense one over a 16-bit cache goes through :meth:`TritonBackend.bind`'s fast
+path, which replays those launches as one CUDA graph where the call's tensors repeat (``metadata/launch_graphs.py``;
+``backend_options={"launch_graphs": False}`` turns that off); a traced one (torch.compile, fake tensors) calls the
+registered op ``torch.ops.mla_dispatch.triton_decode`` (``kernels/triton/ops.py``). Neither allocates nor syncs, so
+a run can be captured in a CUDA graph. Kernels compile on the first run: run once before capturing. After capture,
+change the values of ``cache_seqlens`` / ``block_table`` and call ``DecodePlan.update`` (which recomputes the schedule
+in place) before replaying.
 """
 
 from __future__ import annotations
