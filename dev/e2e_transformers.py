@@ -96,6 +96,24 @@ def run_once(model, ids, mask, new: int, device: torch.device, progress=None) ->
             "peak_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None}
 
 
+def _kernel_us(model, ids, mask, new: int, device: torch.device) -> float:
+    """The GPU's kernel time (µs, summed over kernels: torch.profiler's CUDA activity, graph replays' kernels
+    included) of one greedy generation of ``new`` tokens."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        _sync(device)
+    return sum(e.self_device_time_total for e in prof.key_averages())
+
+
+def gpu_ms_per_step(model, ids, mask, new: int, device: torch.device) -> float:
+    """The GPU's busy time per decode step (ms): kernel time of ``new + 1`` tokens less that of 1 (the prefill and
+    its token), over ``new``. Beside ms/step it says whether a step waits for the host (ms/step above it) or for the
+    GPU (ms/step at it)."""
+    return (_kernel_us(model, ids, mask, new + 1, device) - _kernel_us(model, ids, mask, 1, device)) / new / 1e3
+
+
 def prompts(batch: int, length: int, vocab: int, *, left_pad: bool, seed: int, device: torch.device):
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocab, (batch, length), generator=gen)
@@ -200,6 +218,8 @@ def bench(args, model, device: torch.device) -> list[dict]:
                     row["host_us_per_layer_step"] = 1e6 * statistics.median(samples) if samples else None
                     row["host_us_per_layer_step_p90"] = (1e6 * sorted(samples)[int(0.9 * (len(samples) - 1))]
                                                          if samples else None)
+                if args.gpu_time and device.type == "cuda":  # after the host samples were taken (profiled runs)
+                    row["gpu_ms_per_step"] = gpu_ms_per_step(model, ids, mask, args.new, device)
             except Exception as exc:  # a backend that cannot run is reported, the others still run
                 row["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
                 rows.append(row)
@@ -260,7 +280,7 @@ def environment(args, device: torch.device, config) -> dict:
 
 def format_table(rows: list[dict]) -> str:
     head = (f"{'backend':>12} {'used':>10} {'batch':>5} {'prefill ms':>10} {'ms/step':>8} {'tok/s':>9} "
-            f"{'x stock':>7} {'differ':>7} {'host us/layer':>13}")
+            f"{'x stock':>7} {'differ':>7} {'host us/layer':>13} {'GPU ms/step':>11}")
     lines = [head, "-" * len(head)]
     for r in rows:
         if "error" in r:
@@ -272,7 +292,7 @@ def format_table(rows: list[dict]) -> str:
         used = r.get("backend_used") or r.get("attn_implementation") or ""
         lines.append(f"{r['backend']:>12} {used:>10} {r['batch']:>5} {r['prefill_ms']:>10.1f} "
                      f"{r['ms_per_step']:>8.2f} {r['decode_tokens_per_s']:>9.1f} {speed:>7} {differ:>7} "
-                     f"{'' if host is None else f'{host:.0f}':>13}")
+                     f"{'' if host is None else f'{host:.0f}':>13} {r.get('gpu_ms_per_step', float('nan')):>11.2f}")
     return "\n".join(lines)
 
 
@@ -301,6 +321,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tiny", action="store_true", help="a CPU-sized model and run (smoke test)")
     p.add_argument("--host-time", action="store_true", help="also the host time of each attention layer's "
                    "forward in decode steps (forward hooks, no synchronisation): median and p90 per layer and step")
+    p.add_argument("--gpu-time", action="store_true", help="also the GPU's kernel time per decode step (two more "
+                   "generations under torch.profiler): a step whose ms/step is at it waits for the GPU, not the host")
     p.add_argument("--json", type=Path, default=None, help="write the environment and every row here")
     return p
 

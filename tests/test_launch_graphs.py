@@ -149,6 +149,9 @@ def test_triton_replays_match_the_reference_across_updates(num_heads_q, q_len, g
         rep = compare_outputs(out, lse, *case_reference(case), TritonBackend.TOLERANCE)
         assert rep, f"step {step}: {rep.message}"
     assert graphs.captures == 1 and graphs.replays == 4
+    allocations = torch.cuda.memory_stats()["allocation.all.allocated"]  # a replay allocates nothing
+    plan.run(case.q, case.kv_cache, out=out, lse=lse)
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == allocations and graphs.replays == 5
     # another q tensor: another key, launched plainly, then captured on its second run
     q2 = case.q.clone()
     out2, lse2 = poisoned_outputs(case)
