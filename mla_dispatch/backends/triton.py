@@ -118,9 +118,9 @@ class TritonBackend(MLABackend):
     KV_FORMATS = frozenset({"bf16", "fp16", "fp8_e4m3", "fp8_ds_mla", "fp8_ds_v4"})
     # D_v must be a power of two (a tile width); the RoPE part D_qk - D_v is 0 or 64.
     HEAD_DIMS = frozenset({(576, 512), (512, 512), (320, 256), (192, 128)})
-    #: dense decoding's largest page (the pages the GPU tests run); sparse decoding takes any page size (its kernel
-    #: turns each index into a block and an offset: FlashMLA's DeepSeek-V4 tests use pages of 576 tokens)
-    MAX_DENSE_PAGE_SIZE = 256
+    # dense decoding's largest page (the pages the GPU tests run); sparse decoding takes any page size (its kernel turns
+    # each index into a block and an offset: FlashMLA's DeepSeek-V4 tests use pages of 576 tokens)
+    MAX_PAGE_SIZE = 256
     MAX_HEADS_Q = 128
     MAX_Q_LEN = 16
     SUPPORTS_CAUSAL = True
@@ -170,9 +170,6 @@ class TritonBackend(MLABackend):
         if platform.kind == "cpu" and not _interpreting():
             reasons.append(Reason(ReasonCode.DEVICE, "platform=cpu needs TRITON_INTERPRET=1 set before triton is "
                                                      "imported (Triton's interpreter; for tests)"))
-        if not problem.sparse and problem.page_size > cls.MAX_DENSE_PAGE_SIZE:
-            reasons.append(Reason(ReasonCode.PAGE_SIZE, f"page_size={problem.page_size} with dense decoding (supported: "
-                                                        f"<= {cls.MAX_DENSE_PAGE_SIZE}; sparse decoding: any)"))
         if problem.kv_format == "fp8_ds_v4" and not problem.sparse:
             reasons.append(Reason(ReasonCode.FEATURE, "kv_format=fp8_ds_v4 with dense decoding (supported: sparse "
                                                       "indices, as DeepSeek-V4 decodes)"))

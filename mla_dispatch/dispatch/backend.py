@@ -185,8 +185,8 @@ def _table_reasons(get, p: DecodeProblem) -> list[tuple[str, Reason]]:
     page_sizes, max_page = get("PAGE_SIZES"), get("MAX_PAGE_SIZE")
     if page_sizes is not None and p.page_size not in page_sizes and not p.sparse:
         add("PAGE_SIZES", R.PAGE_SIZE, f"page_size={p.page_size} (supported: {_fmt_set(page_sizes)})")
-    if max_page is not None and p.page_size > max_page:
-        add("MAX_PAGE_SIZE", R.PAGE_SIZE, f"page_size={p.page_size} (supported: <= {max_page})")
+    if max_page is not None and p.page_size > max_page and not p.sparse:
+        add("MAX_PAGE_SIZE", R.PAGE_SIZE, f"page_size={p.page_size} (supported: <= {max_page} for dense decoding)")
     page_multiple = get("PAGE_SIZE_MULTIPLE")
     if page_multiple is not None and p.page_size % page_multiple and not p.sparse:
         add("PAGE_SIZE_MULTIPLE", R.PAGE_SIZE, f"page_size={p.page_size} (supported: multiples of {page_multiple}, "
@@ -245,6 +245,8 @@ class MLABackend:
     KV_FORMATS: ClassVar[frozenset[str]] = frozenset({"bf16", "fp16"})
     #: allowed (D_qk, D_v) pairs
     HEAD_DIMS: ClassVar[frozenset[tuple[int, int]] | None] = None
+    #: the page sizes, the largest page and the page multiple below bound dense decoding only: a sparse kernel reads
+    #: tokens by index, whatever the page
     PAGE_SIZES: ClassVar[frozenset[int] | None] = None
     MAX_PAGE_SIZE: ClassVar[int | None] = None
     #: dense page sizes must be multiples of this (the adapter re-views such a cache as the pages its kernel takes)

@@ -83,12 +83,13 @@ def _what_it_runs(get, notes: str) -> str:
     parts.append("cache " + ", ".join(formats))
     dims = get("HEAD_DIMS")
     parts.append("D " + (", ".join(f"{a}/{b}" for a, b in sorted(dims, reverse=True)) if dims is not None else "any"))
+    dense_only = " (dense; sparse: any)" if get("SUPPORTS_SPARSE") else ""  # (the page bounds are dense decoding's)
     if get("PAGE_SIZES") is not None:
-        parts.append("page " + "/".join(map(str, sorted(get("PAGE_SIZES")))))
+        parts.append("page " + "/".join(map(str, sorted(get("PAGE_SIZES")))) + dense_only)
     elif get("PAGE_SIZE_MULTIPLE") is not None:
-        parts.append(f"page a multiple of {get('PAGE_SIZE_MULTIPLE')}")
+        parts.append(f"page a multiple of {get('PAGE_SIZE_MULTIPLE')}{dense_only}")
     elif get("MAX_PAGE_SIZE") is not None:
-        parts.append(f"page <= {get('MAX_PAGE_SIZE')}")
+        parts.append(f"page <= {get('MAX_PAGE_SIZE')}{dense_only}")
     else:
         parts.append("any page size")
     if get("NUM_HEADS_Q") is not None:
