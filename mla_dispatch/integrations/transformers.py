@@ -588,7 +588,6 @@ class TransformersMLAHandle:
             self.last_plan = plan
         return plan
 
-
     # -- CUDA graphs of the attention layers (enable(cuda_graphs=True)) -------------------------
 
     def _query_template(self, batch: int, query_len: int) -> torch.Tensor:

@@ -137,8 +137,3 @@ class LaunchGraphs:
             return None
         self.captures += 1
         return graph
-
-    def clear(self) -> None:
-        """Drop every graph and sighting."""
-        self.graphs.clear()
-        self._seen.clear()
