@@ -1,30 +1,25 @@
 #!/usr/bin/env bash
-# Next session, device call 1 (nvidia-h200; carry [".whl", ".peer", ".gpu_stage"]; <= 9.5 minutes): what the
-# 2026-11-29 evening session built after its last device call, on the GPU (main d213379 and later):
-#   - the two-list merge's review fixes (the lists' own plans hold no partial rows; a reason past 65,535 requests),
-#     the flashinfer adapter's pooled page lists / offsets / LSE buffer, the transformers integration's RoPE tables
-#     per forward and Python slots: their GPU tests, then the rest of the GPU suite (no test_causal_tail);
-#   - FlashMLA's whole sparse test through compat on cuda_sm90 again on this source (16 shards, failures alone) is
-#     next-session-call2.sh.
+# Next session, device call 1 (nvidia-h200; carry [".whl", ".peer"]; <= 9.5 minutes): the evidence issues 54 and 57
+# ask for before their designs, on main as the 2026-11-29 late-night session left it (GPU suite 685 passed there):
+#   - issue 54: ncu of FlashMLA's dense kernel and ours on the same inputs at the rows furthest from it on the H200
+#     (b=64 L=8K h_q=64, b=8 L=8K h_q=128, b=128 L-bar 8K h_q=128): instructions, DRAM throughput, stall reasons;
+#   - issue 57: the dsv32 grid (its item 2 table, V3.2 rows) beside FlashMLA's sparse kernel, CUDA-graph times.
+# ncu with --clock-control none (the device notes: HOPPER.md), two launches of each kernel (-c 4).
 SECONDS=0
 stamp() { echo "[next1 ${SECONDS}s] $*"; }
-L=/tmp/logs; mkdir -p $L
-tar -xJf .gpu_stage/fa3_built.tar.xz -C .peer/flash-attention/hopper
-source ci/gpu_setup.sh
-python -m mla_dispatch build > $L/ext_build.log 2>&1; echo "build exit $?"; tail -n 2 $L/ext_build.log
-source ci/flashmla_peer.sh; source ci/fa3_peer.sh
-export PYTHONPATH=dev:$PYTHONPATH
-stamp "GPU tests of the evening's last changes"
-PYTEST_LIVE_LOG=$L/live_changed.log timeout 150 python -m pytest -q -rfE --tb=short -m gpu -n 8 -p no:cacheprovider \
-  -p pytest_live_log tests/test_ds_v4.py tests/test_vendor_flashinfer.py tests/test_page_lists.py \
-  tests/test_integrations_transformers.py tests/test_split_plan.py tests/test_cuda_sm90.py -k "sparse or v4 or not variant" \
-  > $L/changed.log 2>&1
-echo "changed exit $?"; tail -n 2 $L/changed.log; grep -E "^(FAILED|ERROR) " $L/live_changed.log | head -20
-stamp "the rest of the GPU suite"
-PYTEST_LIVE_LOG=$L/live.log timeout $((520 - SECONDS)) python -m pytest -q -rfE --tb=short -m gpu -n 8 \
-  --dist loadgroup -p no:cacheprovider -p pytest_live_log -k "not grid_gpu and not nccl" \
-  --ignore tests/test_causal_tail.py --ignore tests/test_ds_v4.py --ignore tests/test_vendor_flashinfer.py \
-  --ignore tests/test_cuda_sm90.py tests > $L/gpu_suite.log 2>&1
-echo "suite exit $?"; tail -n 2 $L/gpu_suite.log; grep -E "^(FAILED|ERROR|XPASS)" $L/live.log | head -30
+L=/tmp/logs; mkdir -p $L /tmp/ncu /tmp/bench
+source ci/gpu_setup.sh; source ci/flashmla_peer.sh
+python -m mla_dispatch build > $L/ext_build.log 2>&1; echo "build exit $?"; tail -n 1 $L/ext_build.log
+for cfg in 64,1,64,8192 8,1,128,8192 128,1,128,8192; do
+  stamp "ncu $cfg"
+  timeout 110 ncu --clock-control none --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+    --section InstructionStats --section MemoryWorkloadAnalysis --section Occupancy \
+    -k regex:"flash_fwd_splitkv_mla|mla_decode_(wgmma|seesaw|etap|fp8t)" -c 4 --csv --page details \
+    python dev/ncu_vs_flashmla.py --config $cfg > /tmp/ncu/ncu-${cfg//,/-}.csv 2> $L/ncu-${cfg//,/-}.log
+  echo "ncu exit $?"; wc -l < /tmp/ncu/ncu-${cfg//,/-}.csv
+done
+stamp "dsv32 grid"
+timeout $((540 - SECONDS)) python -m mla_dispatch bench --grid dsv32 --backends cuda_sm90,triton,flashmla --times graph \
+  --out /tmp/bench --quiet > $L/bench.log 2>&1; echo "bench exit $?"; tail -n 12 $L/bench.log
 stamp "end"
-tar -czf $OUT/next1.tar.gz -C /tmp logs 2>/dev/null; ls -l $OUT
+tar -czf $OUT/next1.tar.gz -C /tmp logs ncu bench 2>/dev/null; ls -l $OUT

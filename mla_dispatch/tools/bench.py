@@ -132,6 +132,12 @@ def _flashmla_grid() -> list[BenchConfig]:
             for causal in ((False,) if s_q == 1 else (False, True))]
 
 
+def _dsv32_grid() -> list[BenchConfig]:
+    # issue 57's table (FlashMLA's sparse kernel runs h_q 64 and 128; 16 and 32 are ours alone)
+    rows = [(64, 1, 64), (64, 2, 128), (128, 2, 128), (2, 2, 128), (128, 2, 16), (128, 2, 32)]
+    return [BenchConfig(b, s_q, h_q, 32768, kv_format="fp8_ds_mla", topk=2048) for b, s_q, h_q in rows]
+
+
 def _hopper_grid() -> list[BenchConfig]:
     # docs/design.md §6's side-by-side table (issue 54's configs): FlashMLA's grid at s_q=1 and s_q=2 causal, head
     # counts at b=64, TP8 with MTP, small batches
@@ -213,6 +219,8 @@ GRIDS = {
     "sparse": ("sparse (top-k 2048) decode over varlen L-bar 32K: FlashMLA's sparse shapes (b=128 h_q=128 s_q=2, "
                "b=64 h_q=64, fp8_ds_mla) and what it does not run (h_q 16/32, a bf16 cache, pages 1/16)",
                _sparse_grid),
+    "dsv32": ("DeepSeek-V3.2's sparse decode (top-k 2048 of L 32K, fp8_ds_mla), issue 57's rows: b=64 h_q=64 s_q=1, "
+              "b=64 / 128 / 2 h_q=128 s_q=2, b=128 h_q=16 / 32 s_q=2", _dsv32_grid),
     "quick": ("a handful of small configs (seconds on a CPU with the reference backend)", _quick_grid),
 }
 
