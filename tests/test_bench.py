@@ -144,13 +144,15 @@ def test_unsupported_config_reports_the_backends_reason(registered):
     bench.BenchConfig(5, 2, 16, 150, varlen=True, causal=True, page_size=16),
     bench.BenchConfig(3, 1, 16, 100, varlen=True, page_size=64, kv_format="fp8_e4m3"),
     bench.BenchConfig(4, 2, 16, 90, varlen=True, page_size=1, kv_format="fp8_ds_mla", topk=32),
+    bench.BenchConfig(3, 2, 16, 150, varlen=True, page_size=64, kv_format="fp8_ds_v4", topk=48, head_dim_qk=512,
+                      head_dim_v=512),
 ], ids=lambda c: c.label)
 def test_generated_case_honours_the_data_contract(cfg, seed):
     """docs/design.md §5 data: lengths >= s_q, NaN in every unused slot, unused table entries, valid sparse ids."""
     case = bench.make_bench_case(cfg, seed=seed)
     nb, ps, hkv, _ = case.kv_cache.shape
     lens = case.cache_seqlens.long()
-    assert case.q.shape == (cfg.batch, cfg.q_len, cfg.num_heads_q, 576) and bool((lens >= cfg.q_len).all())
+    assert case.q.shape == (cfg.batch, cfg.q_len, cfg.num_heads_q, cfg.head_dim_qk) and bool((lens >= cfg.q_len).all())
     used = torch.zeros(nb, ps, dtype=torch.bool)
     for b in range(cfg.batch):
         n = int(lens[b])
@@ -158,9 +160,12 @@ def test_generated_case_honours_the_data_contract(cfg, seed):
         assert bool((case.block_table[b, nblk:] == UNUSED_BLOCK_ID).all())
         for j in range(n):
             used[case.block_table[b, j // ps], j % ps] = True
-    from mla_dispatch.kvcache.formats import dequantize_tokens
+    from mla_dispatch.kvcache.formats import dequantize_tokens, unpack_ds_v4
 
-    values = dequantize_tokens(case.kv_cache, case.kv_format, case.kv_scale)
+    if case.kv_format == "fp8_ds_v4":  # laid out per block: its tokens are not rows of the tensor
+        values = unpack_ds_v4(case.kv_cache)
+    else:
+        values = dequantize_tokens(case.kv_cache, case.kv_format, case.kv_scale)
     assert bool(values[~used].isnan().all()), "an unused slot is not poisoned"
     assert bool(values[used].isfinite().all()) and float(values[used].abs().max()) <= 1.0 + 1e-6
     if cfg.topk:
@@ -169,7 +174,8 @@ def test_generated_case_honours_the_data_contract(cfg, seed):
             live = idx[b][idx[b] >= 0]
             assert bool(used.view(-1)[live].all()), "a sparse index points at an unused slot"
     out, lse = reference_attention(case.q, case.kv_cache, case.block_table, case.cache_seqlens, causal=case.causal,
-                                   kv_format=case.kv_format, kv_scale=case.kv_scale, indices=case.indices)
+                                   head_dim_v=cfg.head_dim_v, kv_format=case.kv_format, kv_scale=case.kv_scale,
+                                   indices=case.indices)
     assert bool(out.isfinite().all())
 
 

@@ -3,7 +3,7 @@
 # ask for before their designs, on main as the 2026-11-29 late-night session left it (GPU suite 685 passed there):
 #   - issue 54: ncu of FlashMLA's dense kernel and ours on the same inputs at the rows furthest from it on the H200
 #     (b=64 L=8K h_q=64, b=8 L=8K h_q=128, b=128 L-bar 8K h_q=128): instructions, DRAM throughput, stall reasons;
-#   - issue 57: the dsv32 grid (its item 2 table, V3.2 rows) beside FlashMLA's sparse kernel, CUDA-graph times.
+#   - issue 57: the dsv32 and dsv4 grids (its item 2 table: V3.2 rows, V4 rows) beside FlashMLA's sparse kernels.
 # ncu with --clock-control none (the device notes: HOPPER.md), two launches of each kernel (-c 4).
 SECONDS=0
 stamp() { echo "[next1 ${SECONDS}s] $*"; }
@@ -19,7 +19,7 @@ for cfg in 64,1,64,8192 8,1,128,8192 128,1,128,8192; do
   echo "ncu exit $?"; wc -l < /tmp/ncu/ncu-${cfg//,/-}.csv
 done
 stamp "dsv32 grid"
-timeout $((540 - SECONDS)) python -m mla_dispatch bench --grid dsv32 --backends cuda_sm90,triton,flashmla --times graph \
+timeout $((540 - SECONDS)) python -m mla_dispatch bench --grid dsv32,dsv4 --backends cuda_sm90,triton,flashmla --times graph \
   --out /tmp/bench --quiet > $L/bench.log 2>&1; echo "bench exit $?"; tail -n 12 $L/bench.log
 stamp "end"
 tar -czf $OUT/next1.tar.gz -C /tmp logs ncu bench 2>/dev/null; ls -l $OUT

@@ -57,7 +57,7 @@ import torch
 
 from mla_dispatch.api import mla_decode, plan_decode
 from mla_dispatch.dispatch.backend import CGSupport
-from mla_dispatch.kvcache.formats import pack_ds_mla, quantize_fp8_e4m3
+from mla_dispatch.kvcache.formats import empty_ds_v4_cache, pack_ds_mla, quantize_fp8_e4m3, write_ds_v4
 from mla_dispatch.dispatch.platform import platform_for
 from mla_dispatch.dispatch.problem import DecodeProblem, describe_inputs
 from mla_dispatch.dispatch.registry import get_backend, registered_names
@@ -136,6 +136,12 @@ def _dsv32_grid() -> list[BenchConfig]:
     # issue 57's table (FlashMLA's sparse kernel runs h_q 64 and 128; 16 and 32 are ours alone)
     rows = [(64, 1, 64), (64, 2, 128), (128, 2, 128), (2, 2, 128), (128, 2, 16), (128, 2, 32)]
     return [BenchConfig(b, s_q, h_q, 32768, kv_format="fp8_ds_mla", topk=2048) for b, s_q, h_q in rows]
+
+
+def _dsv4_grid() -> list[BenchConfig]:
+    # DeepSeek-V4's sparse decode (FlashMLA's MODEL1): D_qk = D_v = 512, the fp8_ds_v4 cache (one key list, no sink)
+    return [BenchConfig(b, s_q, h_q, 32768, kv_format="fp8_ds_v4", topk=2048, head_dim_qk=512, head_dim_v=512)
+            for b, s_q, h_q in ((64, 1, 64), (128, 2, 128), (2, 2, 128), (128, 2, 16))]
 
 
 def _hopper_grid() -> list[BenchConfig]:
@@ -221,6 +227,8 @@ GRIDS = {
                _sparse_grid),
     "dsv32": ("DeepSeek-V3.2's sparse decode (top-k 2048 of L 32K, fp8_ds_mla), issue 57's rows: b=64 h_q=64 s_q=1, "
               "b=64 / 128 / 2 h_q=128 s_q=2, b=128 h_q=16 / 32 s_q=2", _dsv32_grid),
+    "dsv4": ("DeepSeek-V4's sparse decode (FlashMLA's MODEL1: D 512/512, fp8_ds_v4, top-k 2048 of L 32K, one key "
+             "list): b=64 h_q=64 s_q=1, b=128 / 2 h_q=128 s_q=2, b=128 h_q=16 s_q=2", _dsv4_grid),
     "quick": ("a handful of small configs (seconds on a CPU with the reference backend)", _quick_grid),
 }
 
@@ -261,28 +269,43 @@ def make_bench_case(cfg: BenchConfig, *, dtype: torch.dtype = torch.bfloat16, de
     block_table = torch.full((B, max_blocks), UNUSED_BLOCK_ID, dtype=torch.int64)
     block_table[live] = perm[:total]  # row-major: request b's blocks in order
 
-    # Values, generated chunk by chunk in fp32 on the device and stored in the format.
-    width = 656 if kv_format == "fp8_ds_mla" else D
-    store = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn,
-             "fp8_ds_mla": torch.uint8}[kv_format]
-    kv = torch.empty(num_blocks, ps, hkv, width, dtype=store, device=device)
+    # Values, generated chunk by chunk in fp32 on the device and stored in the format. fp8_ds_v4 is laid out per
+    # block (every token's data, then every token's scales: kvcache/formats.py), written through its two views.
+    v4 = kv_format == "fp8_ds_v4"
+    if v4:
+        if hkv != 1 or D != 512:
+            raise ValueError(f"kv_format='fp8_ds_v4' takes one KV head and D_qk 512, got h_kv={hkv}, D_qk={D}")
+        kv = empty_ds_v4_cache(num_blocks, ps, device=device, fill=None)
+    else:
+        width = 656 if kv_format == "fp8_ds_mla" else D
+        store = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn,
+                 "fp8_ds_mla": torch.uint8}[kv_format]
+        kv = torch.empty(num_blocks, ps, hkv, width, dtype=store, device=device)
     kv_scale = torch.tensor([1.25 / 448.0], dtype=torch.float32, device=device) if kv_format == "fp8_e4m3" else None
     chunk = max(1, (64 << 20) // (ps * hkv * D))
     for s in range(0, num_blocks, chunk):
         vals = (torch.randn(min(chunk, num_blocks - s), ps, hkv, D, generator=gen, device=device) / 10).clamp(-1, 1)
-        kv[s:s + chunk] = _encode(vals, kv_format, kv_scale)
+        if v4:  # (flat slots block * ps + offset: the chunk's blocks, token after token)
+            write_ds_v4(kv, torch.arange(s * ps, s * ps + vals.shape[0] * ps, device=device), vals.reshape(-1, D))
+        else:
+            kv[s:s + chunk] = _encode(vals, kv_format, kv_scale)
     # Poison every slot no request uses: the junk blocks and the tail of each last block.
     # (Written through byte views: index_put has no float8 kernel on every device.)
-    nan = _encode(torch.full((D,), float("nan"), device=device), kv_format, kv_scale).view(torch.uint8)
-    raw = kv.view(torch.uint8)
-    raw[perm[total:].to(device)] = nan
     has = nblk > 0
     last = block_table[has, nblk[has] - 1]
     used_in_last = lens[has] - (nblk[has] - 1) * ps
     tail = torch.arange(ps)[None, :] >= used_in_last[:, None]
     rows, offs = tail.nonzero(as_tuple=True)
-    if rows.numel():
-        raw[last[rows].to(device), offs.to(device)] = nan
+    if v4:
+        junk = perm[total:]
+        slots = torch.cat([(junk[:, None] * ps + torch.arange(ps)[None, :]).reshape(-1), last[rows] * ps + offs])
+        write_ds_v4(kv, slots.to(device), torch.full((slots.numel(), D), float("nan"), device=device))
+    else:
+        nan = _encode(torch.full((D,), float("nan"), device=device), kv_format, kv_scale).view(torch.uint8)
+        raw = kv.view(torch.uint8)
+        raw[perm[total:].to(device)] = nan
+        if rows.numel():
+            raw[last[rows].to(device), offs.to(device)] = nan
 
     indices = None
     if cfg.topk:

@@ -55,13 +55,16 @@ def flashmla_peer_available() -> str | None:
 def flashmla_runs(case: DecodeCase) -> bool:
     """Whether FlashMLA takes ``case`` as it is (no re-viewing). Dense: page 64, one KV head, a 16-bit cache of q's
     dtype, D_qk 576 or 512 with D_v 512. Sparse (its SM90 kernel, ``csrc/api/sparse_decode.h``): a DeepSeek-V3.2
-    ``fp8_ds_mla`` cache (656 bytes per token) of one KV head, bf16 q with D_qk 576, h_q 64 or 128, any page size."""
+    ``fp8_ds_mla`` cache (656 bytes per token) of one KV head, bf16 q with D_qk 576, h_q 64 or 128, any page size;
+    or DeepSeek-V4's ``fp8_ds_v4`` (FlashMLA's MODEL1) with D_qk 512, one key list (no sink, no extra cache: the
+    bench's cases have neither)."""
     kv, q = case.kv_cache, case.q
     if not q.is_cuda or kv.dim() != 4 or kv.shape[2] != 1 or case.head_dim_v != 512:
         return False
-    if case.indices is not None:
-        return (case.kv_format == "fp8_ds_mla" and q.dtype == torch.bfloat16 and q.shape[-1] == 576
-                and q.shape[2] in (64, 128))
+    if case.indices is not None:  # DeepSeek-V3.2's token (D_qk 576) or V4's (MODEL1, D_qk 512)
+        formats = {"fp8_ds_mla": 576, "fp8_ds_v4": 512}
+        return (formats.get(case.kv_format) == q.shape[-1] and q.dtype == torch.bfloat16 and q.shape[2] in (64, 128)
+                and case.attn_sink is None and case.extra_kv_cache is None and case.topk_length is None)
     return (kv.shape[1] == 64 and kv.dtype == q.dtype and q.dtype in (torch.bfloat16, torch.float16)
             and q.shape[-1] in (576, 512))
 

@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from mla_dispatch.kvcache.formats import DS_MLA_TOKEN_BYTES
+from mla_dispatch.kvcache.formats import DS_MLA_TOKEN_BYTES, DS_V4_TOKEN_BYTES
 
 __all__ = ["Work", "Ceilings", "decode_work", "kv_bytes_per_token", "measure_ceilings", "time_fn", "timer_name"]
 
@@ -55,7 +55,9 @@ def kv_bytes_per_token(kv_format: str, head_dim_qk: int) -> int:
         return head_dim_qk
     if kv_format == "fp8_ds_mla":
         return DS_MLA_TOKEN_BYTES
-    raise ValueError(f"kv_format={kv_format!r} (supported: bf16, fp16, fp8_e4m3, fp8_ds_mla)")
+    if kv_format == "fp8_ds_v4":
+        return DS_V4_TOKEN_BYTES
+    raise ValueError(f"kv_format={kv_format!r} (supported: bf16, fp16, fp8_e4m3, fp8_ds_mla, fp8_ds_v4)")
 
 
 def decode_work(*, batch: int, q_len: int, num_heads_q: int, num_heads_kv: int, head_dim_qk: int,
