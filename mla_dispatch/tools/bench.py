@@ -270,7 +270,7 @@ def make_bench_case(cfg: BenchConfig, *, dtype: torch.dtype = torch.bfloat16, de
     block_table[live] = perm[:total]  # row-major: request b's blocks in order
 
     # Values, generated chunk by chunk in fp32 on the device and stored in the format. fp8_ds_v4 is laid out per
-    # block (every token's data, then every token's scales: kvcache/formats.py), written through its two views.
+    # block (every token's data, then every token's scales: kvcache/formats.py), written by flat slot (write_ds_v4).
     v4 = kv_format == "fp8_ds_v4"
     if v4:
         if hkv != 1 or D != 512:
@@ -289,8 +289,8 @@ def make_bench_case(cfg: BenchConfig, *, dtype: torch.dtype = torch.bfloat16, de
             write_ds_v4(kv, torch.arange(s * ps, s * ps + vals.shape[0] * ps, device=device), vals.reshape(-1, D))
         else:
             kv[s:s + chunk] = _encode(vals, kv_format, kv_scale)
-    # Poison every slot no request uses: the junk blocks and the tail of each last block.
-    # (Written through byte views: index_put has no float8 kernel on every device.)
+    # Poison every slot no request uses: the junk blocks and the tail of each last block (the other formats through
+    # byte views: index_put has no float8 kernel on every device).
     has = nblk > 0
     last = block_table[has, nblk[has] - 1]
     used_in_last = lens[has] - (nblk[has] - 1) * ps
