@@ -473,6 +473,11 @@ GPU_CASES = {
 @pytest.mark.parametrize("backend", ["cuda_sm90", "triton"])
 @pytest.mark.parametrize("case", list(GPU_CASES))
 def test_gpu_greedy_decode_matches_stock(case, backend, seed, gen):
+    _gpu_check_against_stock(case, backend, seed, gen)
+
+
+def _gpu_check_against_stock(case: str, backend: str, seed, gen, **enable_kwargs) -> None:
+    """GPU_CASES[case] on the GPU through ``backend`` (skipped where it cannot run): check_against_stock."""
     from mla_dispatch import NoBackendError
 
     make_config, batch, length, left_pad = GPU_CASES[case]
@@ -482,7 +487,7 @@ def test_gpu_greedy_decode_matches_stock(case, backend, seed, gen):
         mla_tf.enable(model, backend=backend).disable()
     except NoBackendError as exc:
         pytest.skip(f"{backend} cannot run here: {exc}")
-    check_against_stock(model, ids, mask, 16, backend=backend, page_size=64)
+    check_against_stock(model, ids, mask, 16, backend=backend, page_size=64, **enable_kwargs)
 
 
 @pytest.mark.gpu
@@ -491,16 +496,7 @@ def test_gpu_greedy_decode_matches_stock(case, backend, seed, gen):
 def test_gpu_decode_in_cuda_graphs_matches_stock(case, backend, seed, gen):
     """enable(cuda_graphs=True): every attention layer's decode replayed from its graph, logits and tokens as stock's
     (check_against_stock also counts the captures and replays)."""
-    from mla_dispatch import NoBackendError
-
-    make_config, batch, length, left_pad = GPU_CASES[case]
-    model = build(make_config(), seed, device="cuda")
-    ids, mask = prompts(gen, batch, length, model.config.vocab_size, left_pad=left_pad, device="cuda")
-    try:
-        mla_tf.enable(model, backend=backend).disable()
-    except NoBackendError as exc:
-        pytest.skip(f"{backend} cannot run here: {exc}")
-    check_against_stock(model, ids, mask, 16, backend=backend, page_size=64, cuda_graphs=True)
+    _gpu_check_against_stock(case, backend, seed, gen, cuda_graphs=True)
 
 
 @pytest.mark.gpu

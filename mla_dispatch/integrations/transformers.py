@@ -600,16 +600,18 @@ class TransformersMLAHandle:
 
     def _inputs_for(self, step: _Step) -> _GraphInputs:
         """The graphs' shared inputs holding this forward's RoPE tables and new slots (copied once per forward)."""
+        inputs = self._graph_inputs
+        if inputs is not None and inputs.serial == step.serial:  # this forward's first layer filled them
+            return inputs
         tables = step.rope[2]
         tuple_form = isinstance(tables, tuple)
         parts = tables if tuple_form else (tables,)
         key = (step.batch, step.query_len, tuple_form, tuple((tuple(t.shape), t.dtype) for t in parts),
                tuple(step.new_slots.shape))
-        inputs = self._graph_inputs
         if inputs is None or inputs.key != key:
             inputs = self._graph_inputs = _GraphInputs(key, tuple(t.clone() for t in parts), step.new_slots.clone(),
                                                        tuple_form, step.serial)
-        elif inputs.serial != step.serial:
+        else:
             for dst, src in zip(inputs.tables, parts):
                 dst.copy_(src)
             inputs.slots.copy_(step.new_slots)
