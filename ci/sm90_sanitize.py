@@ -4,6 +4,7 @@
     compute-sanitizer --tool racecheck python ci/sm90_sanitize.py --variants 5
     compute-sanitizer --tool memcheck python ci/sm90_sanitize.py --variants 2,6 --combine fused
     compute-sanitizer --tool memcheck python ci/sm90_sanitize.py --variants 0 --kv-format fp8_ds_mla --sparse 256
+    compute-sanitizer --tool memcheck python ci/sm90_sanitize.py --variants 2,6 --kv-format fp8_ds_v4 --sparse 128
     ncu --section WarpStateStats -k mla_decode_seesaw -c 1 python ci/sm90_sanitize.py --variants 5 --big
     ncu ... -k mla_decode_etap -c 1 python ci/sm90_sanitize.py --variants 6 --big --big-heads 16 --kv-format fp8_e4m3
 
@@ -22,7 +23,7 @@ from mla_dispatch.numerics.cases import make_case
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--variants", default="2,5,6", help="mainloops to force (0: the plan's own choice)")
-    parser.add_argument("--kv-format", default="bf16", help="bf16, fp8_e4m3 or fp8_ds_mla")
+    parser.add_argument("--kv-format", default="bf16", help="bf16, fp8_e4m3, fp8_ds_mla or fp8_ds_v4 (sparse only)")
     parser.add_argument("--shape", default=None, help="one call of shape B,S_Q,H_Q,L (page 64, equal lengths) instead")
     parser.add_argument("--combine", default="auto", help="auto (the plan's choice), fused (the combine as the "
                         "decode kernel's tail, cooperative launch) or separate (a second kernel)")
@@ -45,10 +46,11 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     for variant in (int(v) for v in args.variants.split(",")):
         for b, s_q, h_q, L, causal, page_size in shapes:
+            dims = dict(head_dim_qk=512, head_dim_v=512) if args.kv_format == "fp8_ds_v4" else {}
             case = make_case(b, s_q, h_q, L, page_size=page_size, causal=causal and not args.sparse,
                              kv_format=args.kv_format, topk=args.sparse,
                              zero_len_rows=0 if args.shape else 1, varlen=not args.shape, device="cuda",
-                             generator=gen)
+                             generator=gen, **dims)
             options = {"variant": variant} if variant else {}
             if args.combine != "auto":
                 options["fuse_combine"] = args.combine == "fused"

@@ -469,6 +469,8 @@ SPARSE_GRID = [
     (2, 2, 128, 1, 1200, 32, 256, "fp8_e4m3", 0),
     (2, 1, 32, 2, 800, 64, 300, "bf16", 0),
     (1, 1, 128, 1, 40000, 64, 8192, "fp8_ds_mla", 0),
+    (3, 2, 32, 1, 2000, 64, 1024, "fp8_ds_mla", 0),
+    (2, 1, 24, 1, 1500, 16, 512, "fp8_e4m3", 1),
 ]
 
 
@@ -484,15 +486,26 @@ def _sparse_case(cfg, gen):
                      kv_format=None if fmt in ("bf16", "fp16") else fmt, device="cuda", generator=gen)
 
 
+def _sparse_variants(case):
+    """The plan's mainloop for a sparse case first, then the other sparse mainloop where it takes the case."""
+    chosen = cuda_sm90.choose_sparse_variant(cuda_sm90.sparse_view(_plan(case).problem))
+    other = cuda_sm90.ETAP if chosen == cuda_sm90.WGMMA else cuda_sm90.WGMMA
+    return [chosen] + ([other] if not _refusal(case, other) else [])
+
+
 @pytest.mark.parametrize("cfg", SPARSE_GRID, ids=[_sparse_id(c) for c in SPARSE_GRID])
 def test_sparse_matches_reference(cfg, gen):
-    """Top-k decode on the flattened view (mainloop v2), checked over two runs with fresh poison each; query
+    """Top-k decode on the flattened view, on the plan's mainloop (etap for <= 32 heads over an fp8 cache, in row
+    tiles of 16; wgmma otherwise) and on the other where it runs, checked over two runs with fresh poison each; query
     positions whose slots are all -1 give out 0 and lse +inf as the reference does."""
     case = _sparse_case(cfg, gen)
-    plan = _plan(case)
-    assert plan.backend == "cuda_sm90" and plan.state.launch.variant == cuda_sm90.WGMMA
-    for _ in range(2):
-        _run_and_check(plan, case)
+    variants = _sparse_variants(case)
+    assert _plan(case).state.launch.variant == variants[0]
+    for variant in variants:
+        plan = _plan(case, variant=variant)
+        assert plan.backend == "cuda_sm90" and plan.state.launch.variant == variant
+        for _ in range(2):
+            _run_and_check(plan, case)
 
 
 @pytest.mark.parametrize("fuse_combine", [True, False], ids=["fused", "separate"])
@@ -509,10 +522,11 @@ def test_sparse_refuses_other_mainloops(gen):
         _plan(case, variant=cuda_sm90.ETAP)
 
 
-def test_sparse_bad_index_poisons_its_query_position_only(gen):
+@pytest.mark.parametrize("h_q", [64, 16], ids=["wgmma", "etap"])
+def test_sparse_bad_index_poisons_its_query_position_only(h_q, gen):
     """An index outside [-1, num_blocks * page_size) is a bad id (NaN out and lse for that query position, nothing
     read outside the cache); -1 stays a skipped slot; other positions are bitwise unchanged."""
-    case = _sparse_case((3, 2, 64, 1, 900, 16, 256, "fp8_ds_mla", 0), gen)
+    case = _sparse_case((3, 2, h_q, 1, 900, 16, 256, "fp8_ds_mla", 0), gen)
     tokens = case.kv_cache.shape[0] * case.kv_cache.shape[1]
     bad = case.indices.clone()
     bad[1, 0, 5] = tokens
@@ -521,8 +535,8 @@ def test_sparse_bad_index_poisons_its_query_position_only(gen):
     def run(indices):
         plan = plan_decode(*dataclasses.replace(case, indices=indices).args(), backend="cuda_sm90",
                            validate=False, **dataclasses.replace(case, indices=indices).kwargs())
-        out = torch.full((3, 2, 64, 512), 1024.0, dtype=case.q.dtype, device="cuda")
-        lse = torch.full((3, 64, 2), 1024.0, dtype=torch.float32, device="cuda")
+        out = torch.full((3, 2, h_q, 512), 1024.0, dtype=case.q.dtype, device="cuda")
+        lse = torch.full((3, h_q, 2), 1024.0, dtype=torch.float32, device="cuda")
         plan.run(case.q, case.kv_cache, indices=indices, out=out, lse=lse)
         torch.cuda.synchronize()
         return out, lse
@@ -605,13 +619,18 @@ def _v4_case(cfg, gen):
 
 @pytest.mark.parametrize("cfg", V4_GRID, ids=[_v4_id(c) for c in V4_GRID])
 def test_sparse_v4_and_optional_arguments(cfg, gen):
-    """DeepSeek-V4's cache and FlashMLA's topk_length / attn_sink / extra cache on mainloop v2 (the extra cache by a
-    second launch whose combine merges both lists), twice into fresh poison; forced splits with the combine inside and
-    after the decode launch (a plan with an extra cache merges in the second kernel whatever fuse_combine says)."""
+    """DeepSeek-V4's cache and FlashMLA's topk_length / attn_sink / extra cache on the plan's mainloop and on the other
+    sparse one where it runs (the extra cache by a second launch whose combine merges both lists), twice into fresh
+    poison; forced splits with the combine inside and after the decode launch (a plan with an extra cache merges in
+    the second kernel whatever fuse_combine says)."""
     case = _v4_case(cfg, gen)
-    for options in ({}, {"fuse_combine": True, "min_chunks_per_part": 1}, {"fuse_combine": False}):
+    variants = _sparse_variants(case)
+    runs = [({}, variants[0]), ({"fuse_combine": True, "min_chunks_per_part": 1}, variants[0]),
+            ({"fuse_combine": False}, variants[0])] + [({"variant": v, "min_chunks_per_part": 1}, v)
+                                                        for v in variants[1:]]
+    for options, variant in runs:
         plan = _plan(case, **options)
-        assert plan.backend == "cuda_sm90" and plan.state.launch.variant == cuda_sm90.WGMMA
+        assert plan.backend == "cuda_sm90" and plan.state.launch.variant == variant
         for _ in range(2):
             out, lse = poisoned_outputs(case)
             plan.run(case.q, case.kv_cache, indices=case.indices, out=out, lse=lse, **case.sparse_extras())

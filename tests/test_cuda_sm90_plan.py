@@ -135,32 +135,56 @@ def sparse_problem(batch=128, q_len=2, h_q=128, topk=2048, page_size=64, kv_form
 
 
 def sparse_launch(p, **options) -> Sm90Launch:
-    """What CudaSM90Backend.plan freezes for a sparse ``p``: the parts of its flattened view."""
-    num_parts, max_chunks = split_parts(cuda_sm90.sparse_view(p), H100_SMS, CudaSM90Backend.MIN_CHUNKS_PER_PART)
-    return launch_config(p, num_parts, max_chunks, H100_SMS, CudaSM90Backend.check_options(options))
+    """What CudaSM90Backend.plan freezes for a sparse ``p`` (the parts of its flattened view)."""
+    return cuda_sm90._shape_plan(p, H100_SMS, tuple(CudaSM90Backend.check_options(options).items()))[1]
 
 
 def test_sparse_runs_as_its_flattened_view():
-    """A top-k problem runs as B * s_q requests of one query token, each a table of topk token ids, on v2 (the
-    mainloop that masks -1 slots) whatever the heads; a dense problem is its own view."""
+    """A top-k problem runs as B * s_q requests of one query token, each a table of topk token ids, on a mainloop
+    that masks -1 slots; a dense problem is its own view."""
     p = sparse_problem()
     view = cuda_sm90.sparse_view(p)
     assert (view.batch, view.q_len, view.num_heads_q, view.page_size, view.max_blocks, view.topk, view.causal) == (
         256, 1, 128, 1, 2048, 0, False)
     assert cuda_sm90.sparse_view(problem()) == problem()
     assert sparse_launch(p) == Sm90Launch(cuda_sm90.WGMMA, 64, False, False, False)
-    # 16 heads: dense would take v6 (tokens on M); sparse stays on v2
-    assert plan_launch(problem(batch=64, h_q=16)).variant == cuda_sm90.ETAP
-    assert sparse_launch(sparse_problem(batch=64, q_len=1, h_q=16)).variant == cuda_sm90.WGMMA
     assert sparse_launch(sparse_problem(batch=1, q_len=1, h_q=64)).fuse_combine  # one request: merged in the launch
-    assert CudaSM90Backend.SUPPORTS_SPARSE and cuda_sm90.MAINLOOPS[cuda_sm90.WGMMA].sparse
-    assert [v for v, m in cuda_sm90.MAINLOOPS.items() if m.sparse] == [cuda_sm90.WGMMA]
+    assert CudaSM90Backend.SUPPORTS_SPARSE
+    assert [v for v, m in cuda_sm90.MAINLOOPS.items() if m.sparse_formats] == [cuda_sm90.WGMMA, cuda_sm90.ETAP]
 
 
-@pytest.mark.parametrize("variant", [5, 6, 9])
+@pytest.mark.parametrize("h_q,kv_format,variant", [
+    (16, "fp8_ds_mla", cuda_sm90.ETAP), (16, "fp8_ds_v4", cuda_sm90.ETAP), (8, "fp8_e4m3", cuda_sm90.ETAP),
+    (3, "fp8_ds_v4", cuda_sm90.ETAP), (32, "fp8_ds_mla", cuda_sm90.ETAP), (24, "fp8_ds_v4", cuda_sm90.ETAP),
+    (64, "fp8_ds_v4", cuda_sm90.WGMMA), (128, "fp8_ds_mla", cuda_sm90.WGMMA), (16, "bf16", cuda_sm90.WGMMA),
+    (16, "fp16", cuda_sm90.WGMMA),
+])
+@pytest.mark.parametrize("batch,invariant", [(1, False), (128, False), (4, True)])
+def test_sparse_mainloop_follows_heads_and_format(h_q, kv_format, variant, batch, invariant):
+    """etap (tokens on M, row tiles of 16) takes a sparse view of <= 32 heads per KV head over an fp8 cache, at any
+    batch and for a batch-invariant plan too (the choice reads heads and format only); wgmma takes the rest. The
+    split counts etap's row tiles: one CTA per SM over parts x row tiles."""
+    dims = dict(head_dim_qk=512, head_dim_v=512) if kv_format == "fp8_ds_v4" else {}
+    p = sparse_problem(batch=batch, q_len=2, h_q=h_q, kv_format=kv_format, batch_invariant=invariant, **dims)
+    launch = sparse_launch(p)
+    assert launch.variant == variant
+    tile = 16 if variant == cuda_sm90.ETAP else 64
+    assert launch.tile_rows == tile and not launch.tma_loads
+    assert cuda_sm90.tile_shape(variant, p) == (tile, -(-h_q // tile))
+    layout, _ = cuda_sm90._shape_plan(p, H100_SMS, ())
+    assert layout.num_parts * -(-h_q // tile) <= H100_SMS
+
+
+@pytest.mark.parametrize("variant", [5, 9])
 def test_sparse_refuses_mainloops_that_do_not_mask_slots(variant):
     with pytest.raises(ValueError, match=r"sparse indices \(topk=2048; supported: dense block_table only\)"):
         sparse_launch(sparse_problem(kv_format="fp8_e4m3" if variant == 9 else "bf16"), variant=variant)
+
+
+def test_sparse_etap_refuses_16_bit_caches():
+    with pytest.raises(ValueError, match=r"sparse indices over a kv_format='bf16' cache \(supported: fp8_ds_mla, "
+                                         r"fp8_ds_v4, fp8_e4m3\)"):
+        sparse_launch(sparse_problem(h_q=16, kv_format="bf16"), variant=cuda_sm90.ETAP)
 
 
 def test_sparse_batch_invariant_counts_query_positions():

@@ -6,8 +6,8 @@ the ``nvidia-cutlass`` headers). One registered op,
 ``torch.ops.mla_dispatch.cuda_sm90_decode``, runs a persistent grid over the
 shared split-KV schedule (:func:`mla_dispatch.metadata.schedule.split_kv_schedule`) and
 then the combine of split requests. A sparse (top-k) problem runs as its flattened dense view
-(:func:`sparse_view`: one request per query position, ``indices`` as the block table) on mainloop v2's sparse
-instance, which skips -1 slots.
+(:func:`sparse_view`: one request per query position, ``indices`` as the block table) on a mainloop that skips
+-1 slots: etap (tokens on M) for <= 16 heads per KV head over an fp8 cache, wgmma otherwise.
 
 The plan owns every choice of the launch: it computes the schedule, picks the
 mainloop (:func:`choose_variant`), the CTA tile, the load path and where split
@@ -51,14 +51,17 @@ __all__ = ["CudaSM90Backend", "Mainloop", "MAINLOOPS", "Sm90Launch", "choose_var
 # tests/test_cuda_sm90_plan.py::test_plan_constants_match_config_h reads that file and compares ----
 BLOCK_M = 64  # kBlockM: query rows of a CTA tile of the 64-row mainloops
 BLOCK_N = 64  # kBlockN: KV tokens per mainloop step = split-KV chunk size
-DS_V4_HEAD_DIM = 512  # kDsV4HeadDim: D_qk = D_v of the fp8_ds_v4 cache (DeepSeek-V4), wgmma's sparse instance only
+DS_V4_HEAD_DIM = 512  # kDsV4HeadDim: D_qk = D_v of the fp8_ds_v4 cache (DeepSeek-V4), decoded sparse only
 WGMMA, SEESAW, ETAP, FP8T_CONVERT, FP8T_REGS, SEESAW_FP8 = 2, 5, 6, 7, 8, 9  # Mainloop (MAINLOOPS has their names)
 SEESAW_MAX_Q_LEN = 64  # kSeesawMaxQLen
 ETAP_MAX_ROWS, ETAP_FP8_MAX_ROWS, FP8T_MAX_ROWS = 32, 16, 32  # kEtapMaxRows, kEtapFp8MaxRows, kFp8tMaxRows
 FUSED_MAX_SPLITS = 1024  # kFusedMaxSplits
+#: the most query rows per KV head of a sparse view that etap takes (choose_sparse_variant); not a kernel limit
+SPARSE_ETAP_MAX_ROWS = 32
 
 _ANY_CACHE = frozenset(KV_FORMAT_CODES) - {"fp8_ds_v4"}
 _16BIT_CACHE = frozenset({"bf16", "fp16"})
+_FP8_CACHE = frozenset(f for f in KV_FORMAT_CODES if f.startswith("fp8"))
 
 
 def rows_per_kv_head(problem: DecodeProblem) -> int:
@@ -98,8 +101,12 @@ class Mainloop:
     max_q_len: int | None = None
     #: can merge the split rows itself, after a grid-wide barrier (fuse_combine)
     combine_tail: bool = True
-    #: runs sparse (top-k) decode: masks the -1 slots of its flattened view (params.h, DecodeParams::sparse)
-    sparse: bool = False
+    #: the cache formats of the sparse (top-k) decode it runs, masking the -1 slots of its flattened view (params.h,
+    #: DecodeParams::sparse); empty: dense only
+    sparse_formats: frozenset[str] = frozenset()
+    #: a sparse view runs in row tiles of this many rows, whatever its rows (etap: 16; the rows limits are dense
+    #: ones), else None (as dense)
+    sparse_tile_rows: int | None = None
 
     def rows_limit(self, kv_format: str) -> int | None:
         return self.max_rows_fp8 if self.max_rows_fp8 is not None and kv_format.startswith("fp8") else self.max_rows
@@ -107,12 +114,16 @@ class Mainloop:
     def reasons(self, problem: DecodeProblem) -> list[str]:
         """What this mainloop needs that ``problem`` lacks (empty: it can run it); a sparse problem is judged by its
         flattened view (:func:`sparse_view`)."""
-        out = [] if self.sparse or not problem.sparse else [
-            f"sparse indices (topk={problem.topk}; supported: dense block_table only)"]
+        out = []
         p = sparse_view(problem)
+        if problem.sparse and not self.sparse_formats:
+            out.append(f"sparse indices (topk={problem.topk}; supported: dense block_table only)")
+        elif problem.sparse and p.kv_format not in self.sparse_formats:
+            out.append(f"sparse indices over a kv_format={p.kv_format!r} cache (supported: "
+                       f"{', '.join(sorted(self.sparse_formats))})")
         if p.kv_format not in self.kv_formats:
             out.append(f"kv_format={p.kv_format!r} (supported: {', '.join(sorted(self.kv_formats))})")
-        limit = self.rows_limit(p.kv_format)
+        limit = None if problem.sparse and self.sparse_tile_rows else self.rows_limit(p.kv_format)
         if limit is not None and rows_per_kv_head(p) > limit:
             out.append(f"{rows_per_kv_head(p)} query rows per KV head (s_q * h_q / h_kv; supported: <= {limit})")
         if self.whole_tile_pages and p.page_size % BLOCK_N:
@@ -124,10 +135,11 @@ class Mainloop:
 
 #: the mainloops a plan can pick, by variant number (kernels/cuda/mla_decode_sm90/config.h, Mainloop)
 MAINLOOPS = MappingProxyType({m.variant: m for m in (
-    Mainloop(WGMMA, "wgmma", "wgmma/wgmma.cuh", _ANY_CACHE | {"fp8_ds_v4"}, sparse=True),
+    Mainloop(WGMMA, "wgmma", "wgmma/wgmma.cuh", _ANY_CACHE | {"fp8_ds_v4"}, sparse_formats=_ANY_CACHE | {"fp8_ds_v4"}),
     Mainloop(SEESAW, "seesaw", "seesaw/seesaw.cuh", _16BIT_CACHE, whole_tile_pages=True,
              max_q_len=SEESAW_MAX_Q_LEN, combine_tail=False),
-    Mainloop(ETAP, "etap", "etap/etap.cuh", _ANY_CACHE, max_rows=ETAP_MAX_ROWS, max_rows_fp8=ETAP_FP8_MAX_ROWS),
+    Mainloop(ETAP, "etap", "etap/etap.cuh", _ANY_CACHE | {"fp8_ds_v4"}, max_rows=ETAP_MAX_ROWS,
+             max_rows_fp8=ETAP_FP8_MAX_ROWS, sparse_formats=_FP8_CACHE | {"fp8_ds_v4"}, sparse_tile_rows=16),
     Mainloop(FP8T_CONVERT, "fp8t_convert", "fp8t/fp8t_convert.cuh", frozenset({"fp8_e4m3"}), max_rows=FP8T_MAX_ROWS),
     Mainloop(FP8T_REGS, "fp8t_regs", "fp8t/fp8t_regs.cuh", frozenset({"fp8_e4m3"}), max_rows=FP8T_MAX_ROWS,
              whole_tile_pages=True),
@@ -211,6 +223,29 @@ def choose_variant(problem: DecodeProblem, num_parts: int, max_chunks: int) -> i
     return WGMMA
 
 
+def choose_sparse_variant(view: DecodeProblem) -> int:
+    """The mainloop of a sparse problem's flattened view (:func:`sparse_view`): etap (tokens on the wgmma M side, row
+    tiles of 16) for at most SPARSE_ETAP_MAX_ROWS heads per KV head over an fp8 cache (:attr:`Mainloop.sparse_formats`),
+    so a 64-token tile costs the tensor time of 16 rows, not of wgmma's 64-row tile (three quarters padding at
+    h_q = 16, issue 57); wgmma otherwise. Chosen from the heads and the cache format alone, so it holds for a
+    batch-invariant plan too (the choice never follows the batch)."""
+    if view.kv_format in MAINLOOPS[ETAP].sparse_formats and rows_per_kv_head(view) <= SPARSE_ETAP_MAX_ROWS:
+        return ETAP
+    return WGMMA
+
+
+def tile_shape(variant: int, problem: DecodeProblem) -> tuple[int, int]:
+    """``(tile_rows, row_tiles)`` of mainloop ``variant`` for ``problem`` (a sparse one: its flattened view): 64-row
+    tiles, as many as the rows need; one tile of 16 or 32 rows that holds them all (tokens on M, dense); or a sparse
+    view's row tiles (:attr:`Mainloop.sparse_tile_rows`)."""
+    rows, mainloop = rows_per_kv_head(sparse_view(problem)), MAINLOOPS[variant]
+    if mainloop.max_rows is None:
+        return BLOCK_M, math.ceil(rows / BLOCK_M)
+    if problem.sparse and mainloop.sparse_tile_rows:
+        return mainloop.sparse_tile_rows, math.ceil(rows / mainloop.sparse_tile_rows)
+    return (16 if rows <= 16 else 32), 1
+
+
 def invariant_variant(problem: DecodeProblem) -> int:
     """The mainloop of a ``batch_invariant`` plan: chosen from the rows per KV head, the cache format and the page
     size only (never the batch or the table's width, which :func:`choose_variant` weighs), since two mainloops round
@@ -263,11 +298,13 @@ class Sm90Launch:
     fixed_splits: bool = False
 
 
-def split_parts(problem: DecodeProblem, num_sms: int, min_chunks_per_part: int) -> tuple[int, int]:
-    """``(num_parts, max_chunks)``: split-KV parts (one CTA per SM over the 64-row tiles of all KV heads) and the work
-    bound from shapes alone, every request at the table's width in chunks of BLOCK_N (no host sync)."""
+def split_parts(problem: DecodeProblem, num_sms: int, min_chunks_per_part: int,
+                row_tiles: int | None = None) -> tuple[int, int]:
+    """``(num_parts, max_chunks)``: split-KV parts (one CTA per SM over the row tiles of all KV heads: ``row_tiles``
+    per KV head where given, else 64-row tiles) and the work bound from shapes alone, every request at the table's
+    width in chunks of BLOCK_N (no host sync)."""
     p = problem
-    tiles = p.num_heads_kv * math.ceil(rows_per_kv_head(p) / BLOCK_M)
+    tiles = p.num_heads_kv * (row_tiles or math.ceil(rows_per_kv_head(p) / BLOCK_M))
     max_chunks = p.batch * math.ceil(p.max_blocks * p.page_size / BLOCK_N)
     return max(min(num_sms // tiles, math.ceil(max_chunks / min_chunks_per_part)), 1), max_chunks
 
@@ -299,21 +336,17 @@ def launch_config(problem: DecodeProblem, num_parts: int, max_chunks: int, num_s
         what is required and what was given.
     """
     p = sparse_view(problem)  # a sparse problem runs as its flattened dense view
-    rows = rows_per_kv_head(p)
     if "variant" in options:
         variant = options["variant"]
     elif problem.sparse:
-        variant = WGMMA  # the one mainloop that masks skipped top-k slots (Mainloop.sparse)
+        variant = choose_sparse_variant(p)
     else:
         variant = invariant_variant(p) if p.batch_invariant else choose_variant(p, num_parts, max_chunks)
     mainloop = MAINLOOPS[variant]
     if reasons := mainloop.reasons(problem):
         raise ValueError(f"backend_options['variant']={variant} ({mainloop.name}) cannot run this problem: "
                          + "; ".join(reasons))
-    if mainloop.max_rows is None:
-        tile_rows, row_tiles = BLOCK_M, math.ceil(rows / BLOCK_M)
-    else:
-        tile_rows, row_tiles = (16 if rows <= 16 else 32), 1
+    tile_rows, row_tiles = tile_shape(variant, problem)
     tma_loads = mainloop.whole_tile_pages or (
         variant == ETAP and p.kv_format in _16BIT_CACHE and p.page_size % BLOCK_N == 0)
     grid = (num_parts, row_tiles, p.num_heads_kv)
@@ -344,8 +377,10 @@ def _shape_plan(problem: DecodeProblem, num_sms: int, options: tuple) -> tuple[S
     """
     options = dict(options)
     p = sparse_view(problem)
+    # a sparse view's mainloop follows its shape alone, so its row tiles are known before the split (etap's of 16)
+    row_tiles = tile_shape(options.get("variant") or choose_sparse_variant(p), problem)[1] if problem.sparse else None
     num_parts, max_chunks = split_parts(p, num_sms, options.get("min_chunks_per_part",
-                                                                 CudaSM90Backend.MIN_CHUNKS_PER_PART))
+                                                                 CudaSM90Backend.MIN_CHUNKS_PER_PART), row_tiles)
     launch = launch_config(problem, num_parts, max_chunks, num_sms, options)
     if "split_tokens" in options and not p.batch_invariant:
         raise ValueError(f"backend_options['split_tokens']={options['split_tokens']} applies to "
@@ -511,9 +546,9 @@ class CudaSM90Backend(MLABackend):
     MAX_Q_LEN = None
     SUPPORTS_CAUSAL = True
     SUPPORTS_LSE = True
-    # sparse (top-k) decode: the flattened view of sparse_view on mainloop v2, which skips -1 slots
+    # sparse (top-k) decode: the flattened view of sparse_view on a mainloop that skips -1 slots (choose_sparse_variant)
     SUPPORTS_SPARSE = True
-    # topk_length: the lengths of the flattened view (the kernel ends a sparse item there); attn_sink: v2's epilogue
+    # topk_length: the lengths of the flattened view (the kernel ends a sparse item there); attn_sink: the epilogue
     # and the combine; the extra cache: a second launch over its own view, both lists merged by its combine (_TwoLists)
     SPARSE_EXTRAS = frozenset({"topk_length", "attn_sink", "extra_kv_cache", "extra_topk_length"})
     # batch_invariant=True: fixed-size pieces (fixed_split_schedule), one mainloop per shape (invariant_variant), the

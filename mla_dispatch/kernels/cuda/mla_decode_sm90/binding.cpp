@@ -187,8 +187,12 @@ void check_config(const mla_sm90::LaunchConfig& c, const Geometry& g) {
     MLA_CHECK(g.kv_format == kKvFp8E4M3, "variant ", m, " needs an fp8_e4m3 cache (kv_format 1), got kv_format ",
               g.kv_format);
   if (seesaw) MLA_CHECK(g.q_len <= kSeesawMaxQLen, "variant ", m, " needs s_q <= ", kSeesawMaxQLen, ", got ", g.q_len);
-  // tile_rows: one tile of 16 or 32 rows per KV head (tokens on M), else row tiles of kBlockM
-  if (on_m) {
+  // tile_rows: one tile of 16 or 32 rows per KV head (tokens on M; a sparse v6 launch: row tiles of 16), else row
+  // tiles of kBlockM
+  const bool on_m_tiles = g.sparse && m == kEtap;
+  if (on_m_tiles) {
+    MLA_CHECK(c.tile_rows == 16, "tile_rows must be 16 for a sparse launch of variant 6, got ", c.tile_rows);
+  } else if (on_m) {
     const int64_t max_rows = m != kEtap ? kFp8tMaxRows : fp8 ? kEtapFp8MaxRows : kEtapMaxRows;
     MLA_CHECK(rows <= max_rows, "variant ", m, " needs <= ", max_rows,
               " query rows per KV head (s_q * h_q / h_kv), got ", rows);
@@ -208,13 +212,15 @@ void check_config(const mla_sm90::LaunchConfig& c, const Geometry& g) {
     MLA_CHECK(g.page_size % kBlockN == 0, "tma_loads=true (variant ", m, ") needs page_size % ", kBlockN,
               " == 0, got ", g.page_size);
   // paired: v5's row tiles in clusters of two
-  const int64_t row_tiles = on_m ? 1 : (rows + kBlockM - 1) / kBlockM;
+  const int64_t row_tiles = on_m_tiles ? (rows + 15) / 16 : on_m ? 1 : (rows + kBlockM - 1) / kBlockM;
   if (c.paired)
     MLA_CHECK(m == kSeesaw && row_tiles % 2 == 0, "paired=true needs variant 5 and an even number of ", kBlockM,
               "-row tiles per KV head, got variant ", m, " and ", row_tiles);
-  // sparse: the flattened view of a top-k decode (params.h, DecodeParams::sparse), which v2 alone masks
+  // sparse: the flattened view of a top-k decode (params.h, DecodeParams::sparse), which v2 masks, and v6 over an fp8
+  // cache
   if (g.sparse) {
-    MLA_CHECK(m == kWgmma, "sparse=true needs variant 2 (the mainloop that skips -1 top-k slots), got variant ", m);
+    MLA_CHECK(m == kWgmma || (m == kEtap && fp8), "sparse=true needs variant 2, or variant 6 with an fp8 cache (the "
+              "mainloops that skip -1 top-k slots), got variant ", m, " and kv_format ", g.kv_format);
     MLA_CHECK(g.q_len == 1, "sparse=true runs the flattened view: s_q 1 (one request per query position), got s_q ",
               g.q_len);
   }
@@ -355,7 +361,7 @@ void cuda_sm90_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tenso
   MLA_CHECK(!sparse || !causal, "sparse=true cannot be causal (the top-k indexer chose the keys)");
   MLA_CHECK(sparse || kv_format != mla_sm90::kKvFp8DsV4, "kv_format 3 (fp8_ds_v4) needs sparse=true");
   if (attn_sink.has_value()) {
-    MLA_CHECK(sparse, "attn_sink needs sparse=true (v2's sparse instance applies it)");
+    MLA_CHECK(sparse, "attn_sink needs sparse=true (the sparse instances apply it)");
     MLA_CHECK(attn_sink->device() == q.device() && attn_sink->scalar_type() == at::kFloat && attn_sink->dim() == 1 &&
                   attn_sink->size(0) == q.size(2) && attn_sink->stride(0) == 1,
               "attn_sink must be a contiguous float32 [h_q=", q.size(2), "] tensor on ", dev_str(q.device()), ", got ",

@@ -23,8 +23,7 @@ static int launch_mainloop(const DecodeParams& p, const LaunchConfig& cfg, cudaS
       if constexpr (k16Bit) return launch_seesaw<T, KvFmt>(p, cfg, stream);
       break;
     case kEtap:
-      if constexpr (KvFmt != kKvFp8DsV4) return launch_etap<T, KvFmt>(p, cfg, stream);
-      break;
+      return launch_etap<T, KvFmt>(p, cfg, stream);
     case kFp8tConvert:
       if constexpr (kE4M3) return launch_fp8t_convert<T, KvFmt>(p, cfg, stream);
       break;

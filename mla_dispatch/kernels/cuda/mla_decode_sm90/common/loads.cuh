@@ -185,7 +185,7 @@ __device__ __forceinline__ void store_kv_fp8_8b(T* stage, const Fp8Stage8B<Cfg::
   }
 }
 
-// ---- sparse decode (params.h, DecodeParams::sparse): v2's loaders for its sparse instance -------------------
+// ---- sparse decode (params.h, DecodeParams::sparse): the loaders of the sparse instances (wgmma, etap) ----------
 // The table holds cache token ids (block * sparse_page + offset, FlashMLA's sparse indices), one per token; an id of
 // -1 is a skipped top-k slot: its row is zero-filled like a row past the end (never read, so NaN poison in the cache
 // cannot reach P V) and its score is masked (wgmma/wgmma.cuh). Any other id outside [0, block_ids) is a bad id, as
@@ -236,17 +236,19 @@ __device__ __forceinline__ void load_ds_v4_token(Fp8Stage8B<kPasses>& st, int pa
   st.scale[pass] = make_uint4(s.x, s.y, 0u, 0u);
 }
 
-// load_kv_fp8_8b of a sparse launch (the whole CTA; store_kv_fp8_8b stores it).
-template <int KvFmt>
-__device__ __forceinline__ void load_kv_fp8_8b_sparse(const DecodeParams& p, Fp8Stage8B<2>& st, int req, int kvh,
-                                                      int t0, int t_end, int tid, uint32_t& max_id) {
-  constexpr int kLoaders = Cfg::kThreads;
+// load_kv_fp8_8b of a sparse launch (store_kv_fp8_8b stores it), by kLoaders threads (tid < kLoaders: the whole CTA of
+// wgmma, or one warpgroup of etap); the ids from `sids` (the tile's table entries prefetched into shared memory,
+// etap's prefetch_pages) where it is given, else from the table. A row whose id is -1 (or past t_end) is not valid.
+template <int KvFmt, int kLoaders = Cfg::kThreads>
+__device__ __forceinline__ void load_kv_fp8_8b_sparse(const DecodeParams& p, Fp8Stage8B<Cfg::kBlockN * 8 / kLoaders>& st,
+                                                      int req, int kvh, int t0, int t_end, int tid, uint32_t& max_id,
+                                                      const int* sids = nullptr) {
   const int c = tid % 8;
 #pragma unroll
   for (int pass = 0; pass < Cfg::kBlockN * 8 / kLoaders; ++pass) {
     const int row = tid / 8 + kLoaders / 8 * pass;
     const int t = t0 + row;
-    const int id = t < t_end ? sparse_id(p, req, t) : -1;
+    const int id = t < t_end ? (sids != nullptr ? sids[row] : sparse_id(p, req, t)) : -1;
     st.valid[pass] = id != -1;
     if (id == -1) continue;
     if constexpr (KvFmt == kKvFp8DsV4) {  // one KV head; the token's bytes and its scales are apart in its block
@@ -264,18 +266,20 @@ __device__ __forceinline__ void load_kv_fp8_8b_sparse(const DecodeParams& p, Fp8
   }
 }
 
-// The item's Q tile [64 x 576] into sQ by cp.async (committed by the caller); rows past
-// rows_per_kv_head are zero-filled, and the chunks of 8 values from kQChunks on (a q of D_qk 512, fp8_ds_v4: 64).
-// 8 threads per row, 32 rows per pass, 2 passes.
+// The item's Q tile [64 x 576] into sQ by cp.async (committed by the caller): query rows row_tile * tile_m + i of the
+// KV head for i < tile_m (etap's row tiles have 16 rows); rows past rows_per_kv_head or the tile are zero-filled, and
+// the chunks of 8 values from kQChunks on (a q of D_qk 512, fp8_ds_v4: 64). 8 threads per row, 32 rows per pass, 2
+// passes.
 template <typename T, class Layout, int kQChunks = Cfg::kChunksQK>
-__device__ __forceinline__ void load_q_tile_async(const DecodeParams& p, T* sQ, int req, int row_tile, int kvh) {
+__device__ __forceinline__ void load_q_tile_async(const DecodeParams& p, T* sQ, int req, int row_tile, int kvh,
+                                                  int tile_m = Cfg::kBlockM) {
   const int tid = threadIdx.x;
   const int heads_per_kv = p.heads_q / p.heads_kv;
 #pragma unroll
   for (int pass = 0; pass < 2; ++pass) {
     const int row = tid / 8 + 32 * pass;
-    const int r = row_tile * Cfg::kBlockM + row;
-    const bool valid = r < p.rows_per_kv_head;
+    const int r = row_tile * tile_m + row;
+    const bool valid = r < p.rows_per_kv_head && row < tile_m;
     const int rc = valid ? r : 0;
     const T* src = reinterpret_cast<const T*>(p.q) + (int64_t)req * p.q_stride_b +
                    (int64_t)(rc / heads_per_kv) * p.q_stride_s +

@@ -22,6 +22,14 @@
 // cache slots never reaches P V) and get S = -inf; causal columns mask tokens past
 // L - s_q + i.
 //
+// Sparse launches (kSparse; params.h, DecodeParams::sparse): the flattened view of a top-k decode over an fp8 cache
+// (fp8_ds_mla, fp8_e4m3, and DeepSeek-V4's fp8_ds_v4 with D_qk 512), the tokens-on-M orientation for <= 16 heads per
+// KV head, where wgmma's 64-row tiles are three quarters padding (issue 57: b=128 h_q=16 s_q=2 took 304 us against
+// ~81 us of bytes). The table's entries are token ids, prefetched into shared memory as the dense pages are; a -1 id
+// (a skipped top-k slot) is zero-filled like a row past the end, and the warpgroup keeps each tile's "id is not -1"
+// flags in shared memory (sOk) to mask those tokens' scores in every tile. The sink of a whole request's rows
+// (attn_sink, DeepSeek-V4) is applied in the epilogue, as in wgmma's.
+//
 // Bad block ids as v2: each thread that turns a page into an address checks it (loads.cuh, checked_page; with TMA
 // the issuing thread) and keeps the largest id it read for the item; the merge's barrier ORs "that id is bad" over
 // the CTA, and an item that met a bad id ends with NaN column sums, so NaN out and lse in every row
@@ -48,7 +56,7 @@ struct Etap {
   static constexpr int kBlocks = Cfg::kHeadDimQK / 64;  // column blocks of a tile: one mbarrier each (TMA)
   static constexpr int kSmemBytes = 2 * (Cfg::kQElems + Cfg::kStages * Cfg::kKElems + Cfg::kPElems) +
                                     kRedFloats * (int)sizeof(float) + 2 * Cfg::kBlockN * (int)sizeof(int) +
-                                    2 * kBlocks * 8 + 1024;
+                                    2 * kBlocks * 8 + 2 * Cfg::kBlockN + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory over the SM90 per-block limit");
   static_assert(kMaxRows * kOStride * (int)sizeof(float) <= Cfg::kStages * Cfg::kKElems * 2,
                 "the merge buffer lives in the KV stages");
@@ -95,12 +103,14 @@ __device__ __forceinline__ void load_kv_async_paged(const DecodeParams& p, T* sK
 // into its stage after P V, as v2 does for the whole CTA (store_kv_fp8_8b: fp8_e4m3 unscaled, the
 // per-tensor scale folded into the softmax scale and the output; fp8_ds_mla times its tile scales).
 // The block-table entries of a tile are prefetched into shared memory two tiles ahead of its load.
-template <typename T, int kN, bool kTma, int KvFmt = kKvSameAsQ>
+template <typename T, int kN, bool kTma, int KvFmt = kKvSameAsQ, bool kSparse = false>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     mla_decode_etap(const __grid_constant__ DecodeParams p, const __grid_constant__ CUtensorMap kv_map) {
   static_assert(kN == 16 || kN == 32, "16 or 32 query rows");
   static_assert(KvFmt == kKvSameAsQ || !kTma, "fp8 caches are loaded through registers");
   constexpr bool kFp8 = KvFmt != kKvSameAsQ;
+  static_assert(kFp8 || !kSparse, "the sparse instances read fp8 caches");
+  static_assert(KvFmt != kKvFp8DsV4 || kSparse, "fp8_ds_v4 caches are decoded sparse");
   using TT = TypeTraits<T>;
   using L = Gmma128Tile64;
   using G = GmmaEtap<T, kN>;
@@ -114,8 +124,11 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   float* sRed = reinterpret_cast<float*>(sP + Cfg::kPElems);
   int* sPage = reinterpret_cast<int*>(sRed + Etap::kRedFloats);  // [warpgroup][64]: pages of its next tile
   uint64_t* sBar = reinterpret_cast<uint64_t*>(sPage + 2 * Cfg::kBlockN);  // [warpgroup][column block] (kTma)
+  uint8_t* sOk = reinterpret_cast<uint8_t*>(sBar + 2 * Etap::kBlocks);       // [warpgroup][64] (kSparse)
 
-  const int part = blockIdx.x, kvh = blockIdx.z;  // one row tile (blockIdx.y = 0)
+  // row tiles (blockIdx.y) of kN rows each: one for a dense launch (its rows fit), ceil(rows / kN) for a sparse one
+  const int part = blockIdx.x, row_tile = blockIdx.y, kvh = blockIdx.z;
+  const int row0 = row_tile * kN;  // the tile's first query row of the KV head
   const int tid = threadIdx.x, lane = tid % 32, tid_wg = tid % 128, warp = (tid / 32) % 4;
   // warpgroup index through a shuffle from lane 0, so the compiler knows it is warp-uniform and keeps the
   // stage-dependent wgmma descriptors in uniform registers (CUTLASS's canonical_warp_group_idx does the same)
@@ -124,6 +137,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   T* const sPw = sP + wg * 32 * 64;         // its P^T [kN x 64 tokens] (rows 32 wg.., 1024-byte aligned)
   float* const red = sRed + wg * 4 * Etap::kMaxRows;
   int* const spage = sPage + wg * Cfg::kBlockN;
+  uint8_t* const ok = sOk + wg * Cfg::kBlockN;  // kSparse: whether each token of this warpgroup's tile has an id
   uint64_t* const bars = sBar + wg * Etap::kBlocks;
   uint32_t loads_done = 0;  // TMA loads into this warpgroup's stage consumed so far (mbarrier phase)
   uint32_t max_id = 0;      // the largest block id this thread read for the current item, as unsigned (loads.cuh)
@@ -156,16 +170,38 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   auto acc_row = [&](int i) { return 16 * warp + lane / 4 + 8 * ((i % 4) / 2); };
   auto acc_col = [](int i) { return 2 * (i / 4) + (i % 2); };
   auto desc = [](const void* base) { return gmma_desc_sw128_addr(smem_u32(base), 16, 1024); };
+  // kFp8: this warpgroup's tile from t0 into registers (the sparse ids from spage where `paged`, prefetch_pages)
+  auto load_fp8 = [&](Fp8Stage8B<4>& st, int req, int t0, int t_end, bool paged) {
+    if constexpr (kSparse)
+      load_kv_fp8_8b_sparse<KvFmt, 128>(p, st, req, kvh, t0, t_end, tid_wg, max_id, paged ? spage : nullptr);
+    else if (paged)
+      load_kv_fp8_8b<KvFmt, 128, true>(p, st, spage, req, kvh, t0, t_end, tid_wg, max_id);
+    else
+      load_kv_fp8_8b<KvFmt, 128, false>(p, st, nullptr, req, kvh, t0, t_end, tid_wg, max_id);
+  };
+  // kFp8: the registers into this warpgroup's stage (kSparse: and the tokens' "has an id" flags into ok)
+  auto store_fp8 = [&](const Fp8Stage8B<4>& st) {
+    store_kv_fp8_8b<T, KvFmt, 128>(stage, st, tid_wg);
+    if constexpr (kSparse) {
+      if (tid_wg % 8 == 0) {
+#pragma unroll
+        for (int pass = 0; pass < 4; ++pass) ok[tid_wg / 8 + 16 * pass] = st.valid[pass];
+      }
+    }
+  };
 
   const int item_begin = p.part_offsets[part], item_end = p.part_offsets[part + 1];
   for (int item = item_begin; item < item_end; ++item) {
     const WorkItem w = load_item(p, item);
-    const int req = w.req, tok_begin = w.tok_begin, tok_end = w.tok_end, slot = w.slot;
+    const int req = w.req, tok_begin = w.tok_begin, slot = w.slot;
     if (req < 0) continue;
     const int seqlen = p.cache_seqlens[req];
+    // a sparse launch's length is its list's (topk_length: entries past it are never read, tiles past it skipped)
+    const int tok_end = kSparse ? min(w.tok_end, max(seqlen, tok_begin)) : w.tok_end;
     int limit[kCols];
 #pragma unroll
-    for (int k = 0; k < kCols; ++k) limit[k] = p.causal ? seqlen - p.q_len + col_of(k) / heads_per_kv : seqlen - 1;
+    for (int k = 0; k < kCols; ++k)
+      limit[k] = p.causal ? seqlen - p.q_len + (row0 + col_of(k)) / heads_per_kv : seqlen - 1;
     // tokens below this are visible to every query column (tiles entirely below it skip the mask)
     const int unmasked_end = min(tok_end, p.causal ? seqlen - p.q_len + 1 : seqlen);
     const int num_tiles = (tok_end - tok_begin + Cfg::kBlockN - 1) / Cfg::kBlockN;
@@ -175,9 +211,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     max_id = 0;
     if constexpr (kFp8) {
       if (wg < num_tiles) {
-        load_kv_fp8_8b<KvFmt, 128, false>(p, fp8_next, nullptr, req, kvh, tok_begin + wg * Cfg::kBlockN, tok_end,
-                                          tid_wg, max_id);
-        store_kv_fp8_8b<T, KvFmt, 128>(stage, fp8_next, tid_wg);
+        load_fp8(fp8_next, req, tok_begin + wg * Cfg::kBlockN, tok_end, false);
+        store_fp8(fp8_next);
       }
       // pages of this warpgroup's second tile (landed by the wait below)
       if (wg + 2 < num_tiles) prefetch_pages(p, spage, req, tok_begin + (wg + 2) * Cfg::kBlockN, tok_end, tid_wg);
@@ -189,7 +224,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     } else if (wg < num_tiles) {
       load_kv_async<T, L, 128>(p, stage, req, kvh, tok_begin + wg * Cfg::kBlockN, tok_end, max_id, tid_wg);
     }
-    load_q_tile_async<T, L>(p, sQ, req, 0, kvh);
+    load_q_tile_async<T, L, KvFmt == kKvFp8DsV4 ? kDsV4HeadDim / 8 : Cfg::kChunksQK>(p, sQ, req, row_tile, kvh, kN);
     cp_async_commit();
     cp_async_wait_all();
     fence_proxy_async_smem();
@@ -208,10 +243,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       if constexpr (kFp8) {
         // the next tile into registers now, so the loads fly during this tile's GEMMs (issued after
         // the S^T wgmmas instead, as v2 does, measured 6% slower: 241 vs 228 us at b=64 h16 L=8K)
-        if (has_next) {
-          load_kv_fp8_8b<KvFmt, 128, true>(p, fp8_next, spage, req, kvh, t0 + 2 * Cfg::kBlockN, tok_end, tid_wg,
-                                           max_id);
-        }
+        if (has_next) load_fp8(fp8_next, req, t0 + 2 * Cfg::kBlockN, tok_end, true);
       } else if constexpr (kTma) {
         if (has_next && tid_wg == 0) next_page = table_row[(t0 + 2 * Cfg::kBlockN) / p.page_size];
       } else if (has_next) {  // pages of the next tile (read by other threads after the barrier before its load)
@@ -233,12 +265,14 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
 #pragma unroll
       for (int k = 0; k < kCols; ++k) cmax[k] = -INFINITY;
       // raw scores: the maximum times score_scale (> 0) is the scaled maximum, and the scale goes into
-      // the exponent's FFMA below; only tiles reaching past unmasked_end are masked (as in v2 / v5)
-      if (t0 + Cfg::kBlockN > unmasked_end) {
+      // the exponent's FFMA below; only tiles reaching past unmasked_end are masked (as in v2 / v5), and every tile of
+      // a sparse launch (its -1 slots: ok, written with the tile's stage)
+      if (kSparse || t0 + Cfg::kBlockN > unmasked_end) {
 #pragma unroll
         for (int i = 0; i < kAcc; ++i) {
           const int t = t0 + acc_row(i);
-          if (!(t < tok_end && t <= limit[acc_col(i)])) acc_s[i] = -INFINITY;
+          const bool seen = kSparse ? t < tok_end && ok[acc_row(i)] : t < tok_end && t <= limit[acc_col(i)];
+          if (!seen) acc_s[i] = -INFINITY;
         }
       }
 #pragma unroll
@@ -307,7 +341,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         if (has_next) {
           cp_async_wait_all();      // this thread's page entries of the tile after next
           named_barrier(bar, 128);  // every warp's wgmmas have read the stage; spage complete
-          store_kv_fp8_8b<T, KvFmt, 128>(stage, fp8_next, tid_wg);
+          store_fp8(fp8_next);  // (ok: every warp read it before the barrier after the column maxima)
           fence_proxy_async_smem();
           named_barrier(bar, 128);
         }
@@ -371,7 +405,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
     // ---- rows out: 4 channels per thread and step, coalesced
     for (int idx = tid; idx < kN * (Cfg::kHeadDimV / 4); idx += Cfg::kThreads) {
       const int c = idx / (Cfg::kHeadDimV / 4), ch = 4 * (idx % (Cfg::kHeadDimV / 4));
-      if (c >= p.rows_per_kv_head) break;  // idx grows with c
+      if (row0 + c >= p.rows_per_kv_head) break;  // idx grows with c
       const float m0 = sM[c], m1 = sM[kN + c];
       const float mf = fmaxf(m0, m1);
       const float mu = mf == -INFINITY ? 0.f : mf;
@@ -381,9 +415,12 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       for (int w = 0; w < 4; ++w) total += f0 * sL[w * kN + c] + f1 * sL[(4 + w) * kN + c];
       total = poison_sum(total, poisoned);
       const bool has_keys = total != 0.f;
-      const float inv = has_keys ? out_scale / total : 0.f;
+      const int qi = (row0 + c) / heads_per_kv, head = kvh * heads_per_kv + (row0 + c) % heads_per_kv;
+      // a whole request's row with a sink s: 1 / (total + 2^(s log2 e - max)) (wgmma's epilogue; s = +inf: 0); a split
+      // request's rows take it in the combine
+      const float sink = kSparse && slot < 0 && p.attn_sink != nullptr ? exp2f(p.attn_sink[head] * kLog2e - mu) : 0.f;
+      const float inv = has_keys ? out_scale / (total + sink) : 0.f;
       const float lse_val = has_keys ? (mu + log2f(total)) * kLn2 : (slot < 0 ? INFINITY : -INFINITY);
-      const int qi = c / heads_per_kv, head = kvh * heads_per_kv + c % heads_per_kv;
       // a warp holds one quarter row (its 32 lanes: c and slot shared), as store_row_quad asks
       store_row_quad<T>(p, sO + c * Etap::kOStride, ch, ch, inv, req, qi, head, slot);
       if (ch == 0) store_item_lse(p, req, slot, qi, head, lse_val);
