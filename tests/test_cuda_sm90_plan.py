@@ -155,15 +155,14 @@ def test_sparse_runs_as_its_flattened_view():
 
 @pytest.mark.parametrize("h_q,kv_format,variant", [
     (16, "fp8_ds_mla", cuda_sm90.ETAP), (16, "fp8_ds_v4", cuda_sm90.ETAP), (8, "fp8_e4m3", cuda_sm90.ETAP),
-    (3, "fp8_ds_v4", cuda_sm90.ETAP), (32, "fp8_ds_mla", cuda_sm90.ETAP), (24, "fp8_ds_v4", cuda_sm90.ETAP),
+    (3, "fp8_ds_v4", cuda_sm90.ETAP), (32, "fp8_ds_mla", cuda_sm90.WGMMA), (24, "fp8_ds_v4", cuda_sm90.WGMMA),
     (64, "fp8_ds_v4", cuda_sm90.WGMMA), (128, "fp8_ds_mla", cuda_sm90.WGMMA), (16, "bf16", cuda_sm90.WGMMA),
     (16, "fp16", cuda_sm90.WGMMA),
 ])
 @pytest.mark.parametrize("batch,invariant", [(1, False), (128, False), (4, True)])
 def test_sparse_mainloop_follows_heads_and_format(h_q, kv_format, variant, batch, invariant):
-    """etap (tokens on M, row tiles of 16) takes a sparse view of <= 32 heads per KV head over an fp8 cache, at any
-    batch and for a batch-invariant plan too (the choice reads heads and format only); wgmma takes the rest. The
-    split counts etap's row tiles: one CTA per SM over parts x row tiles."""
+    """etap (tokens on M, one 16-row tile) takes a sparse view of <= 16 heads per KV head over an fp8 cache, at any
+    batch and for a batch-invariant plan too (the choice reads heads and format only); wgmma takes the rest."""
     dims = dict(head_dim_qk=512, head_dim_v=512) if kv_format == "fp8_ds_v4" else {}
     p = sparse_problem(batch=batch, q_len=2, h_q=h_q, kv_format=kv_format, batch_invariant=invariant, **dims)
     launch = sparse_launch(p)
@@ -171,8 +170,17 @@ def test_sparse_mainloop_follows_heads_and_format(h_q, kv_format, variant, batch
     tile = 16 if variant == cuda_sm90.ETAP else 64
     assert launch.tile_rows == tile and not launch.tma_loads
     assert cuda_sm90.tile_shape(variant, p) == (tile, -(-h_q // tile))
-    layout, _ = cuda_sm90._shape_plan(p, H100_SMS, ())
-    assert layout.num_parts * -(-h_q // tile) <= H100_SMS
+
+
+@pytest.mark.parametrize("h_q", [24, 32, 64])
+def test_sparse_etap_forced_runs_row_tiles_of_16(h_q):
+    """etap forced on more heads than one tile holds runs them in row tiles of 16, and the split counts them: one CTA
+    per SM over parts x row tiles."""
+    p = sparse_problem(h_q=h_q)
+    launch = sparse_launch(p, variant=cuda_sm90.ETAP)
+    assert (launch.variant, launch.tile_rows) == (cuda_sm90.ETAP, 16)
+    layout, _ = cuda_sm90._shape_plan(p, H100_SMS, (("variant", cuda_sm90.ETAP),))
+    assert 0 < layout.num_parts * -(-h_q // 16) <= H100_SMS
 
 
 @pytest.mark.parametrize("variant", [5, 9])

@@ -57,7 +57,7 @@ SEESAW_MAX_Q_LEN = 64  # kSeesawMaxQLen
 ETAP_MAX_ROWS, ETAP_FP8_MAX_ROWS, FP8T_MAX_ROWS = 32, 16, 32  # kEtapMaxRows, kEtapFp8MaxRows, kFp8tMaxRows
 FUSED_MAX_SPLITS = 1024  # kFusedMaxSplits
 #: the most query rows per KV head of a sparse view that etap takes (choose_sparse_variant); not a kernel limit
-SPARSE_ETAP_MAX_ROWS = 32
+SPARSE_ETAP_MAX_ROWS = 16
 
 _ANY_CACHE = frozenset(KV_FORMAT_CODES) - {"fp8_ds_v4"}
 _16BIT_CACHE = frozenset({"bf16", "fp16"})
@@ -224,11 +224,16 @@ def choose_variant(problem: DecodeProblem, num_parts: int, max_chunks: int) -> i
 
 
 def choose_sparse_variant(view: DecodeProblem) -> int:
-    """The mainloop of a sparse problem's flattened view (:func:`sparse_view`): etap (tokens on the wgmma M side, row
-    tiles of 16) for at most SPARSE_ETAP_MAX_ROWS heads per KV head over an fp8 cache (:attr:`Mainloop.sparse_formats`),
+    """The mainloop of a sparse problem's flattened view (:func:`sparse_view`): etap (tokens on the wgmma M side, one
+    16-row tile) for at most SPARSE_ETAP_MAX_ROWS heads per KV head over an fp8 cache (:attr:`Mainloop.sparse_formats`),
     so a 64-token tile costs the tensor time of 16 rows, not of wgmma's 64-row tile (three quarters padding at
     h_q = 16, issue 57); wgmma otherwise. Chosen from the heads and the cache format alone, so it holds for a
-    batch-invariant plan too (the choice never follows the batch)."""
+    batch-invariant plan too (the choice never follows the batch).
+
+    Measured on the H200 (benchmarks/RESULTS.md, 2026-11-29 session 4; top-k 2048 of L-bar 32K, b=128 s_q=2, CUDA-graph
+    replay): h_q=16 etap 247.6 / wgmma 291.1 us (fp8_ds_mla), 247.9 / 291.0 (fp8_ds_v4); h_q=32 etap in two row tiles
+    445.8 / wgmma 300.4; h_q=64 (b=64 s_q=1) 231.3 / 98.0. etap's extra row tiles each gather the tokens again, so
+    it takes one tile's worth of heads; it runs more (backend_options variant=6) for tests and measurements."""
     if view.kv_format in MAINLOOPS[ETAP].sparse_formats and rows_per_kv_head(view) <= SPARSE_ETAP_MAX_ROWS:
         return ETAP
     return WGMMA
