@@ -22,7 +22,7 @@ timeout 150 python -m mla_dispatch bench --grid hopper --backends cuda_sm90,cuda
   --times graph --out /tmp/bench/hopper --quiet > $L/bench_hopper.log 2>&1; echo "bench hopper exit $?"
 stamp "ncu stall reasons"
 timeout 90 ncu --clock-control none --section WarpStateStats --section SourceCounters \
-  -k regex:"flash_fwd_splitkv_mla|mla_decode_seesaw" -c 2 --csv --page raw \
+  -k regex:"flash_fwd_splitkv_mla|mla_decode_seesaw" -c 4 --csv --page raw \
   python dev/ncu_vs_flashmla.py --config 128,1,128,8192 > /tmp/ncu/ncu-stalls-128-1-128-8192.csv 2> $L/ncu.log
 echo "ncu exit $?"
 stamp "end"
