@@ -495,9 +495,9 @@ def _sparse_variants(case):
 
 @pytest.mark.parametrize("cfg", SPARSE_GRID, ids=[_sparse_id(c) for c in SPARSE_GRID])
 def test_sparse_matches_reference(cfg, gen):
-    """Top-k decode on the flattened view, on the plan's mainloop (etap for <= 32 heads over an fp8 cache, in row
-    tiles of 16; wgmma otherwise) and on the other where it runs, checked over two runs with fresh poison each; query
-    positions whose slots are all -1 give out 0 and lse +inf as the reference does."""
+    """Top-k decode on the flattened view, on the plan's mainloop (etap for <= 16 heads over an fp8 cache, wgmma
+    otherwise) and on the other where it runs (etap in row tiles of 16 above 16 heads), checked over two runs with
+    fresh poison each; query positions whose slots are all -1 give out 0 and lse +inf as the reference does."""
     case = _sparse_case(cfg, gen)
     variants = _sparse_variants(case)
     assert _plan(case).state.launch.variant == variants[0]

@@ -139,7 +139,7 @@ MAINLOOPS = MappingProxyType({m.variant: m for m in (
     Mainloop(SEESAW, "seesaw", "seesaw/seesaw.cuh", _16BIT_CACHE, whole_tile_pages=True,
              max_q_len=SEESAW_MAX_Q_LEN, combine_tail=False),
     Mainloop(ETAP, "etap", "etap/etap.cuh", _ANY_CACHE | {"fp8_ds_v4"}, max_rows=ETAP_MAX_ROWS,
-             max_rows_fp8=ETAP_FP8_MAX_ROWS, sparse_formats=_FP8_CACHE | {"fp8_ds_v4"}, sparse_tile_rows=16),
+             max_rows_fp8=ETAP_FP8_MAX_ROWS, sparse_formats=_FP8_CACHE, sparse_tile_rows=16),
     Mainloop(FP8T_CONVERT, "fp8t_convert", "fp8t/fp8t_convert.cuh", frozenset({"fp8_e4m3"}), max_rows=FP8T_MAX_ROWS),
     Mainloop(FP8T_REGS, "fp8t_regs", "fp8t/fp8t_regs.cuh", frozenset({"fp8_e4m3"}), max_rows=FP8T_MAX_ROWS,
              whole_tile_pages=True),
