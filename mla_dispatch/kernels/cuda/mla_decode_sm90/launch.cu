@@ -63,25 +63,14 @@ int launch_combine(const CombineParams& p, void* stream) {
   // one block row per request, or per part boundary where there are fewer boundaries (combine.cuh; a balanced
   // schedule only)
   const bool by_boundary = !p.fixed_splits && p.num_parts - 1 < p.batch;
-  // programmatic stream serialization: the launch may begin while the decode kernel before it runs (each decode
-  // kernel allows it at its start; the combine waits for the decode's end and writes first: common/ptx.cuh)
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t launch{};
-  launch.gridDim = dim3(rows, by_boundary ? p.num_parts - 1 : p.batch);
-  launch.blockDim = dim3(kCombineThreads);
-  launch.stream = s;
-  launch.attrs = attr;
-  launch.numAttrs = 1;
-  cudaError_t e;
+  dim3 grid(rows, by_boundary ? p.num_parts - 1 : p.batch);
   if (p.q_is_bf16)
-    e = by_boundary ? cudaLaunchKernelEx(&launch, mla_combine_kernel<__nv_bfloat16, true>, p)
-                    : cudaLaunchKernelEx(&launch, mla_combine_kernel<__nv_bfloat16, false>, p);
+    by_boundary ? mla_combine_kernel<__nv_bfloat16, true><<<grid, kCombineThreads, 0, s>>>(p)
+                : mla_combine_kernel<__nv_bfloat16, false><<<grid, kCombineThreads, 0, s>>>(p);
   else
-    e = by_boundary ? cudaLaunchKernelEx(&launch, mla_combine_kernel<__half, true>, p)
-                    : cudaLaunchKernelEx(&launch, mla_combine_kernel<__half, false>, p);
-  return static_cast<int>(e);
+    by_boundary ? mla_combine_kernel<__half, true><<<grid, kCombineThreads, 0, s>>>(p)
+                : mla_combine_kernel<__half, false><<<grid, kCombineThreads, 0, s>>>(p);
+  return static_cast<int>(cudaGetLastError());
 }
 
 }  // namespace mla_sm90

@@ -107,7 +107,6 @@ __device__ __forceinline__ void combine_row_part(const CombineParams& p, int b, 
 // the combine waits on its loads, and blocks per SM, not loads per thread, is what it has ([notes], small batches).
 template <typename T, bool kByBoundary>
 __global__ void __launch_bounds__(kCombineThreads, 16) mla_combine_kernel(const __grid_constant__ CombineParams p) {
-  wait_for_prerequisite_grids();  // launched early behind the decode (launch.cu): its partials are complete after this
   int b = blockIdx.y;
   if constexpr (kByBoundary) {
     const int part = blockIdx.y + 1;

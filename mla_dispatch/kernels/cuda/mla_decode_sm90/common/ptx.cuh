@@ -56,17 +56,6 @@ __device__ __forceinline__ float fmax_nan(float a, float b) {
   return r;
 }
 
-// Programmatic dependent launch (PTX griddepcontrol, sm_90): a decode kernel lets the launch of the kernel after it
-// in the stream (the combine, launched with programmatic stream serialization: launch.cu) begin at once, so that
-// kernel's launch and block scheduling overlap the decode's last items instead of following its end; the combine waits
-// for the decode's completion, and the visibility of all its writes, before it reads anything. FlashMLA's SM90 decode
-// and combine kernels do the same (csrc/sm90/decode/dense/splitkv_mla.cuh, cudaTriggerProgrammaticLaunchCompletion;
-// csrc/smxx/decode/combine/combine.cu, cudaGridDependencySynchronize). Both are no-ops without the launch attribute.
-__device__ __forceinline__ void allow_dependent_launch() {
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-}
-__device__ __forceinline__ void wait_for_prerequisite_grids() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
-
 // Barrier over `threads` threads (a multiple of 32) with id `id` (1..15; 0 is __syncthreads).
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");

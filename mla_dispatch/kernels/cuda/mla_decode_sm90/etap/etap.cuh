@@ -106,7 +106,6 @@ __device__ __forceinline__ void load_kv_async_paged(const DecodeParams& p, T* sK
 template <typename T, int kN, bool kTma, int KvFmt = kKvSameAsQ, bool kSparse = false>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     mla_decode_etap(const __grid_constant__ DecodeParams p, const __grid_constant__ CUtensorMap kv_map) {
-  allow_dependent_launch();  // the combine's launch may begin (common/ptx.cuh)
   static_assert(kN == 16 || kN == 32, "16 or 32 query rows");
   static_assert(KvFmt == kKvSameAsQ || !kTma, "fp8 caches are loaded through registers");
   constexpr bool kFp8 = KvFmt != kKvSameAsQ;

@@ -364,7 +364,6 @@ __device__ __forceinline__ void fp8t_rows_out(const DecodeParams& p, const float
 template <typename T, int kN, bool kRS>
 __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtensorMap* kv_map) {
   static_assert(kN == 16 || kN == 32, "16 or 32 query rows");
-  allow_dependent_launch();  // the combine's launch may begin (common/ptx.cuh)
   using L = Gmma128Tile64;
   using G = GmmaEtap<__half, kN>;
   using S = Fp8tSmem<kRS>;

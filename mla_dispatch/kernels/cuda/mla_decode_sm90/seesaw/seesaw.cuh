@@ -88,7 +88,6 @@ __device__ __forceinline__ void tma_tile(const DecodeParams& p, const CUtensorMa
 template <typename T, bool kPaired>
 __global__ void __launch_bounds__(Cfg::kThreads, 1)
     mla_decode_seesaw(const __grid_constant__ DecodeParams p, const __grid_constant__ CUtensorMap kv_map) {
-  allow_dependent_launch();  // the combine's launch may begin (common/ptx.cuh)
   using TT = TypeTraits<T>;
   using L = Gmma128Tile64;
   using SS = Gmma<T>;

@@ -179,7 +179,6 @@ __device__ __forceinline__ void seesaw_fp8_converter(const DecodeParams& p, cons
 template <typename T>
 __global__ void __launch_bounds__(SeesawFp8::kThreads, 1)
     mla_decode_seesaw_fp8(const __grid_constant__ DecodeParams p, const __grid_constant__ CUtensorMap kv_map) {
-  allow_dependent_launch();  // the combine's launch may begin (common/ptx.cuh)
   using TT = TypeTraits<T>;
   using L = Gmma128Tile64;
   using SS = Gmma<T>;

@@ -39,7 +39,6 @@ namespace mla_sm90 {
 
 template <typename T, int KvFmt, bool kSparse>
 __global__ void __launch_bounds__(Cfg::kThreads, 1) mla_decode_wgmma(const __grid_constant__ DecodeParams p) {
-  allow_dependent_launch();  // the combine's launch may begin (common/ptx.cuh)
   using TT = TypeTraits<T>;
   using L = Gmma128Tile64;
   extern __shared__ __align__(128) uint8_t smem_raw[];
