@@ -264,3 +264,12 @@ def test_only_keeps_the_configs_whose_label_contains_a_text(capsys):
     for bad in ("nothing-has-this", " , "):
         assert bench.main(["--grid", "hopper", "--only", bad, "--list"]) == 2
         assert "argument --only" in capsys.readouterr().err
+
+
+def test_flashmla_sparse_peer_pads_heads_as_engines_do():
+    """FlashMLA's SM90 sparse kernel runs 64 or 128 heads: the peer pads fewer to the smallest that holds them (as
+    vLLM's FLASHMLA_SPARSE backend pads DeepSeek-V3.2's 16 heads per GPU at TP8 to 64), and runs no more than 128."""
+    from mla_dispatch.tools.peers import sparse_padded_heads
+
+    assert [sparse_padded_heads(h) for h in (1, 16, 32, 64, 65, 96, 128, 129, 256)] == [64, 64, 64, 64, 128, 128,
+                                                                                       128, 0, 0]

@@ -52,18 +52,27 @@ def flashmla_peer_available() -> str | None:
     return str(getattr(flash_mla, "__version__", "unknown"))
 
 
+def sparse_padded_heads(h_q: int) -> int:
+    """The head count FlashMLA's SM90 sparse kernel runs ``h_q`` query heads at: 64 or 128 (its only two), the
+    smallest that holds them, as engines pad q for it (vLLM's FLASHMLA_SPARSE backend pads fewer heads to 64, e.g.
+    DeepSeek-V3.2's 16 per GPU at TP8); 0 above 128."""
+    return 64 if h_q <= 64 else 128 if h_q <= 128 else 0
+
+
 def flashmla_runs(case: DecodeCase) -> bool:
-    """Whether FlashMLA takes ``case`` as it is (no re-viewing). Dense: page 64, one KV head, a 16-bit cache of q's
-    dtype, D_qk 576 or 512 with D_v 512. Sparse (its SM90 kernel, ``csrc/api/sparse_decode.h``): a DeepSeek-V3.2
-    ``fp8_ds_mla`` cache (656 bytes per token) of one KV head, bf16 q with D_qk 576, h_q 64 or 128, any page size;
+    """Whether FlashMLA takes ``case`` (no re-viewing of the cache). Dense: page 64, one KV head, a 16-bit cache of
+    q's dtype, D_qk 576 or 512 with D_v 512. Sparse (its SM90 kernel, ``csrc/api/sparse_decode.h``): a
+    DeepSeek-V3.2 ``fp8_ds_mla`` cache (656 bytes per token) of one KV head, bf16 q with D_qk 576, any page size;
     or DeepSeek-V4's ``fp8_ds_v4`` (FlashMLA's MODEL1) with D_qk 512, one key list (no sink, no extra cache: the
-    bench's cases have neither)."""
+    bench's cases have neither); up to 128 heads, q padded with zero heads to 64 or 128 where it has others
+    (:func:`sparse_padded_heads`, :func:`time_flashmla`)."""
     kv, q = case.kv_cache, case.q
     if not q.is_cuda or kv.dim() != 4 or kv.shape[2] != 1 or case.head_dim_v != 512:
         return False
     if case.indices is not None:  # DeepSeek-V3.2's token (D_qk 576) or V4's (MODEL1, D_qk 512)
         formats = {"fp8_ds_mla": 576, "fp8_ds_v4": 512}
-        return (formats.get(case.kv_format) == q.shape[-1] and q.dtype == torch.bfloat16 and q.shape[2] in (64, 128)
+        return (formats.get(case.kv_format) == q.shape[-1] and q.dtype == torch.bfloat16
+                and sparse_padded_heads(q.shape[2]) > 0
                 and case.attn_sink is None and case.extra_kv_cache is None and case.topk_length is None)
     return (kv.shape[1] == 64 and kv.dtype == q.dtype and q.dtype in (torch.bfloat16, torch.float16)
             and q.shape[-1] in (576, 512))
@@ -87,31 +96,48 @@ def host_us(fn: Callable[[], object], device: torch.device, *, reps: int = 50) -
 def time_flashmla(case: DecodeCase, ref: tuple[torch.Tensor, torch.Tensor], time_fn, *, rep_ms: float) -> dict:
     """FlashMLA's direct call on ``case``: checked against ``ref`` (docs/design.md §5 bounds), then timed.
 
+    A sparse case of other than 64 or 128 heads runs as engines run it: each call copies q into a buffer of
+    :func:`sparse_padded_heads` heads whose others are zero, and its outputs are the first ``h_q`` heads of
+    FlashMLA's (views); the copy is part of the timed call and of the captured graph, and ``note`` says so.
+
     Returns ``{"status", "note", "us_call", "us_graph", "host_call_us"}``; ``status`` is ``ok`` or ``wrong`` (not
     timed) or ``error``.
     """
     import flash_mla
 
     q, kv = case.q, case.kv_cache
+    h_q = q.shape[2]
+    padded = sparse_padded_heads(h_q) if case.indices is not None else h_q
+    q_in = q if padded == h_q else torch.zeros(*q.shape[:2], padded, q.shape[3], dtype=q.dtype, device=q.device)
     if case.indices is not None:  # sparse: no table, no lengths; the cache as FlashMLA's sparse call takes it
-        args = (q, kv, None, None, case.head_dim_v)
+        args = (q_in, kv, None, None, case.head_dim_v)
         kw = dict(softmax_scale=case.softmax_scale, causal=False, is_fp8_kvcache=True, indices=case.indices)
     else:
         args = (q, kv, case.block_table, case.cache_seqlens, case.head_dim_v)
         kw = dict(softmax_scale=case.softmax_scale, causal=case.causal)
 
+    def call(meta):
+        if padded == h_q:
+            return flash_mla.flash_mla_with_kvcache(*args, meta, None, **kw)
+        q_in[:, :, :h_q].copy_(q)
+        out, lse = flash_mla.flash_mla_with_kvcache(*args, meta, None, **kw)
+        return out[:, :, :h_q], lse[:, :h_q]
+
     def whole_call():
         meta, _ = flash_mla.get_mla_metadata()
-        return flash_mla.flash_mla_with_kvcache(*args, meta, None, **kw)
+        return call(meta)
 
     def graphed():  # one scheduling object, filled by the warm-up call before capture
         meta, _ = flash_mla.get_mla_metadata()
-        return lambda: flash_mla.flash_mla_with_kvcache(*args, meta, None, **kw)
+        return lambda: call(meta)
 
     def check(out, lse):
         return compare_outputs(out, lse, ref[0], ref[1], BF16_TOLERANCE)
 
-    return _check_and_time(whole_call, graphed, check, q.device, time_fn, rep_ms)
+    result = _check_and_time(whole_call, graphed, check, q.device, time_fn, rep_ms)
+    if padded != h_q and result["status"] == "ok":
+        result["note"] = f"h_q {h_q} padded to {padded} (q copied into zero heads each call, as engines do)"
+    return result
 
 
 def _check_and_time(whole_call, graphed, check, device, time_fn, rep_ms: float) -> dict:
