@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "common/gmma.cuh"
+#include "common/loads.cuh"
 #include "common/ptx.cuh"
 #include "common/traits.cuh"
 
@@ -155,6 +156,21 @@ __device__ inline void seesaw_pv_ss(float (&acc_o)[128], const T* sP, const T* s
     const uint64_t off_p = (uint64_t)((kt * 16 * (int)sizeof(T)) >> 4);
     const uint64_t off_v = (uint64_t)((kt * 16 * 64 * (int)sizeof(T)) >> 4);
     gmma_call<typename SS::PV>(dp + off_p, dv + off_v, acc_o, true, std::make_index_sequence<128>{});
+  }
+}
+
+// Causal: warpgroup wg's V columns (blocks 4 wg .. 4 wg + 4) of the keys some row of the tile at t0 (in `stage`; the
+// item's tokens end at tok_end) does not see, non-finite values to 0 (loads.cuh, clean_hidden_rows), then a sync of
+// the warpgroup; the tile's S must be done. kMask (the softmax's): a tile followed by tile j + 2 has >= 65 tokens of
+// the item after it, so none of its keys is hidden (q_len <= kMaxQLen): the steady-state pair holds no cleaning code.
+template <typename T, bool kMask>
+__device__ inline void seesaw_fix_hidden(T* stage, int t0, int tok_end, int unmasked_end, int causal, int tid_wg,
+                                         int wg) {
+  if constexpr (!kMask) return;
+  if (causal && t0 + Cfg::kBlockN > unmasked_end) {
+    clean_hidden_rows<T>(stage, max(unmasked_end - t0, 0), min(Cfg::kBlockN, tok_end - t0), tid_wg, 128, 4 * wg, 4);
+    fence_proxy_async_smem();
+    named_barrier(SeesawPair::kBarWg + wg, 128);
   }
 }
 

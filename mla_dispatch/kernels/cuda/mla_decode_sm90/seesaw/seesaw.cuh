@@ -231,19 +231,10 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         named_barrier(SeesawPair::kBarWg + wg, 128);
       }
     };
-    // causal: this warpgroup's V columns of the keys some row of tile j does not see, non-finite values to 0
-    // (loads.cuh, clean_hidden_rows), then sync the warpgroup; the tile's S is done (its own, or the other
-    // warpgroup's before the P barrier this follows).
-    // kMask (template, the softmax's): a tile followed by tile j + 2 has >= 65 tokens of the item after it, so none of
-    // its keys is hidden (q_len <= kMaxQLen): the steady-state pair holds no cleaning code
+    // causal: the keys of tile j some row does not see out of this warpgroup's V columns (common/seesaw_pair.cuh); the
+    // tile's S is done (its own, or the other warpgroup's before the P barrier this follows)
     auto fix_hidden = [&](int j, auto mask_c) {
-      if constexpr (!decltype(mask_c)::value) return;
-      const int t0 = t0_of(j);
-      if (p.causal && t0 + Cfg::kBlockN > unmasked_end) {
-        clean_hidden_rows<T>(stage_of(j), max(unmasked_end - t0, 0), valid_of(j), tid_wg, 128, 4 * wg, 4);
-        fence_proxy_async_smem();
-        named_barrier(SeesawPair::kBarWg + wg, 128);
-      }
+      seesaw_fix_hidden<T, decltype(mask_c)::value>(stage_of(j), t0_of(j), tok_end, unmasked_end, p.causal, tid_wg, wg);
     };
     const float kOne[2] = {1.f, 1.f};
 

@@ -253,7 +253,6 @@ __global__ void __launch_bounds__(SeesawFp8::kThreads, 1)
     auto t0_of = [&](int j) { return tok_begin + j * Cfg::kBlockN; };
     auto stage_of = [&](int j) { return sK + (j & 1) * Cfg::kKElems; };
     auto parity_of = [&](int j) { return (loads_done[j & 1] + (uint32_t)(j >> 1)) & 1u; };
-    auto valid_of = [&](int j) { return min(Cfg::kBlockN, tok_end - t0_of(j)); };
     uint64_t* bars0 = bars;
     uint64_t* bars1 = bars + SeesawPair::kBlocks;
     // the item's bad-id flag: its last readers passed the previous item's closing barrier; its writers are thread 0
@@ -326,23 +325,15 @@ __global__ void __launch_bounds__(SeesawFp8::kThreads, 1)
     auto pv_rs = [&](const uint32_t (&rp)[16], const T* st) { seesaw_pv_rs<T>(acc_o, rp, st, wg); };
     auto pv_ss = [&](const T* sP, const T* st) { seesaw_pv_ss<T>(acc_o, sP, st, wg); };
     // (no V rows to zero past a partial tile's end: the converter stores them as zeros)
-    // causal: this warpgroup's V columns of the keys some row of tile j does not see, non-finite values to 0
-    // (loads.cuh, clean_hidden_rows), then sync the warpgroup; the tile's S is done (its own, or the other
-    // warpgroup's before the P barrier this follows). On the converted tile (an e4m3 NaN is a NaN of T there):
-    // not in the converter, whose tile S must still read with its NaN (the rows that see the key get NaN from its
-    // score); the converter rewrites the columns only after this warpgroup's release of them (after its P V).
-    // kMask (template, the softmax's): a tile followed by tile j + 2 has >= 65 tokens of the item after it, so none of
-    // its keys is hidden (q_len <= kMaxQLen): the steady-state pair holds no cleaning code (ptxas, the consumers at
-    // 232 registers: spills 20 / 16 bytes without any cleaning, 56 / 92 with it in every pair, 48 / 76 in the tail
-    // pairs only, 32 / 36 with the cleaning loop not unrolled; the reloads are in the item's epilogue)
+    // causal: the keys of tile j some row does not see out of this warpgroup's V columns (common/seesaw_pair.cuh); the
+    // tile's S is done (its own, or the other warpgroup's before the P barrier this follows). On the converted tile
+    // (an e4m3 NaN is a NaN of T there): not in the converter, whose tile S must still read with its NaN (the rows that
+    // see the key get NaN from its score); the converter rewrites the columns only after this warpgroup's release of
+    // them (after its P V). Only in the tail pairs (ptxas, the consumers at 232 registers: spills 20 / 16 bytes without
+    // any cleaning, 56 / 92 with it in every pair, 48 / 76 in the tail pairs only, 32 / 36 with the cleaning loop not
+    // unrolled; the reloads are in the item's epilogue)
     auto fix_hidden = [&](int j, auto mask_c) {
-      if constexpr (!decltype(mask_c)::value) return;
-      const int t0 = t0_of(j);
-      if (p.causal && t0 + Cfg::kBlockN > unmasked_end) {
-        clean_hidden_rows<T>(stage_of(j), max(unmasked_end - t0, 0), valid_of(j), tid_wg, 128, 4 * wg, 4);
-        fence_proxy_async_smem();
-        named_barrier(SeesawPair::kBarWg + wg, 128);
-      }
+      seesaw_fix_hidden<T, decltype(mask_c)::value>(stage_of(j), t0_of(j), tok_end, unmasked_end, p.causal, tid_wg, wg);
     };
     const float kOne[2] = {1.f, 1.f};
 
