@@ -487,17 +487,18 @@ def _sparse_case(cfg, gen):
 
 
 def _sparse_variants(case):
-    """The plan's mainloop for a sparse case first, then the other sparse mainloop where it takes the case."""
+    """The plan's mainloop for a sparse case first, then every other sparse mainloop that takes the case."""
     chosen = cuda_sm90.choose_sparse_variant(cuda_sm90.sparse_view(_plan(case).problem))
-    other = cuda_sm90.ETAP if chosen == cuda_sm90.WGMMA else cuda_sm90.WGMMA
-    return [chosen] + ([other] if not _refusal(case, other) else [])
+    others = [v for v, m in cuda_sm90.MAINLOOPS.items() if m.sparse_formats and v != chosen]
+    return [chosen] + [v for v in others if not _refusal(case, v)]
 
 
 @pytest.mark.parametrize("cfg", SPARSE_GRID, ids=[_sparse_id(c) for c in SPARSE_GRID])
 def test_sparse_matches_reference(cfg, gen):
-    """Top-k decode on the flattened view, on the plan's mainloop (etap for <= 16 heads over an fp8 cache, wgmma
-    otherwise) and on the other where it runs (etap in row tiles of 16 above 16 heads), checked over two runs with
-    fresh poison each; query positions whose slots are all -1 give out 0 and lse +inf as the reference does."""
+    """Top-k decode on the flattened view, on the plan's mainloop (fp8t_convert for <= 32 heads over an fp8 cache,
+    wgmma otherwise) and on every other sparse one where it runs (etap in row tiles of 16 above 16 heads), checked over
+    two runs with fresh poison each; query positions whose slots are all -1 give out 0 and lse +inf as the reference
+    does."""
     case = _sparse_case(cfg, gen)
     variants = _sparse_variants(case)
     assert _plan(case).state.launch.variant == variants[0]
@@ -522,8 +523,9 @@ def test_sparse_refuses_other_mainloops(gen):
         _plan(case, variant=cuda_sm90.ETAP)
 
 
-@pytest.mark.parametrize("h_q", [64, 16], ids=["wgmma", "etap"])
-def test_sparse_bad_index_poisons_its_query_position_only(h_q, gen):
+@pytest.mark.parametrize("h_q,variant", [(64, cuda_sm90.WGMMA), (16, cuda_sm90.FP8T_CONVERT), (16, cuda_sm90.ETAP)],
+                         ids=["wgmma", "fp8t_convert", "etap"])
+def test_sparse_bad_index_poisons_its_query_position_only(h_q, variant, gen):
     """An index outside [-1, num_blocks * page_size) is a bad id (NaN out and lse for that query position, nothing
     read outside the cache); -1 stays a skipped slot; other positions are bitwise unchanged."""
     case = _sparse_case((3, 2, h_q, 1, 900, 16, 256, "fp8_ds_mla", 0), gen)
@@ -534,7 +536,9 @@ def test_sparse_bad_index_poisons_its_query_position_only(h_q, gen):
 
     def run(indices):
         plan = plan_decode(*dataclasses.replace(case, indices=indices).args(), backend="cuda_sm90",
-                           validate=False, **dataclasses.replace(case, indices=indices).kwargs())
+                           validate=False, backend_options={"variant": variant},
+                           **dataclasses.replace(case, indices=indices).kwargs())
+        assert plan.state.launch.variant == variant
         out = torch.full((3, 2, h_q, 512), 1024.0, dtype=case.q.dtype, device="cuda")
         lse = torch.full((3, h_q, 2), 1024.0, dtype=torch.float32, device="cuda")
         plan.run(case.q, case.kv_cache, indices=indices, out=out, lse=lse)

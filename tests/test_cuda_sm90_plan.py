@@ -150,24 +150,27 @@ def test_sparse_runs_as_its_flattened_view():
     assert sparse_launch(p) == Sm90Launch(cuda_sm90.WGMMA, 64, False, False, False)
     assert sparse_launch(sparse_problem(batch=1, q_len=1, h_q=64)).fuse_combine  # one request: merged in the launch
     assert CudaSM90Backend.SUPPORTS_SPARSE
-    assert [v for v, m in cuda_sm90.MAINLOOPS.items() if m.sparse_formats] == [cuda_sm90.WGMMA, cuda_sm90.ETAP]
+    assert [v for v, m in cuda_sm90.MAINLOOPS.items() if m.sparse_formats] == [
+        cuda_sm90.WGMMA, cuda_sm90.ETAP, cuda_sm90.FP8T_CONVERT]
 
 
 @pytest.mark.parametrize("h_q,kv_format,variant", [
-    (16, "fp8_ds_mla", cuda_sm90.ETAP), (16, "fp8_ds_v4", cuda_sm90.ETAP), (8, "fp8_e4m3", cuda_sm90.ETAP),
-    (3, "fp8_ds_v4", cuda_sm90.ETAP), (32, "fp8_ds_mla", cuda_sm90.WGMMA), (24, "fp8_ds_v4", cuda_sm90.WGMMA),
-    (64, "fp8_ds_v4", cuda_sm90.WGMMA), (128, "fp8_ds_mla", cuda_sm90.WGMMA), (16, "bf16", cuda_sm90.WGMMA),
-    (16, "fp16", cuda_sm90.WGMMA),
+    (16, "fp8_ds_mla", cuda_sm90.FP8T_CONVERT), (16, "fp8_ds_v4", cuda_sm90.FP8T_CONVERT),
+    (8, "fp8_e4m3", cuda_sm90.FP8T_CONVERT), (3, "fp8_ds_v4", cuda_sm90.FP8T_CONVERT),
+    (32, "fp8_ds_mla", cuda_sm90.FP8T_CONVERT), (24, "fp8_ds_v4", cuda_sm90.FP8T_CONVERT),
+    (33, "fp8_ds_mla", cuda_sm90.WGMMA), (64, "fp8_ds_v4", cuda_sm90.WGMMA), (128, "fp8_ds_mla", cuda_sm90.WGMMA),
+    (16, "bf16", cuda_sm90.WGMMA), (16, "fp16", cuda_sm90.WGMMA),
 ])
 @pytest.mark.parametrize("batch,invariant", [(1, False), (128, False), (4, True)])
 def test_sparse_mainloop_follows_heads_and_format(h_q, kv_format, variant, batch, invariant):
-    """etap (tokens on M, one 16-row tile) takes a sparse view of <= 16 heads per KV head over an fp8 cache, at any
-    batch and for a batch-invariant plan too (the choice reads heads and format only); wgmma takes the rest."""
+    """fp8t_convert (tokens on M, one tile of 16 or 32 rows) takes a sparse view of <= 32 heads per KV head over an
+    fp8 cache, at any batch and for a batch-invariant plan too (the choice reads heads and format only); wgmma takes
+    the rest."""
     dims = dict(head_dim_qk=512, head_dim_v=512) if kv_format == "fp8_ds_v4" else {}
     p = sparse_problem(batch=batch, q_len=2, h_q=h_q, kv_format=kv_format, batch_invariant=invariant, **dims)
     launch = sparse_launch(p)
     assert launch.variant == variant
-    tile = 16 if variant == cuda_sm90.ETAP else 64
+    tile = 64 if variant == cuda_sm90.WGMMA else 16 if h_q <= 16 else 32
     assert launch.tile_rows == tile and not launch.tma_loads
     assert cuda_sm90.tile_shape(variant, p) == (tile, -(-h_q // tile))
 

@@ -56,8 +56,8 @@ WGMMA, SEESAW, ETAP, FP8T_CONVERT, FP8T_REGS, SEESAW_FP8 = 2, 5, 6, 7, 8, 9  # M
 SEESAW_MAX_Q_LEN = 64  # kSeesawMaxQLen
 ETAP_MAX_ROWS, ETAP_FP8_MAX_ROWS, FP8T_MAX_ROWS = 32, 16, 32  # kEtapMaxRows, kEtapFp8MaxRows, kFp8tMaxRows
 FUSED_MAX_SPLITS = 1024  # kFusedMaxSplits
-#: the most query rows per KV head of a sparse view that etap takes (choose_sparse_variant); not a kernel limit
-SPARSE_ETAP_MAX_ROWS = 16
+#: the most query rows per KV head of a sparse view that fp8t_convert takes (choose_sparse_variant): its one tile
+SPARSE_FP8T_MAX_ROWS = FP8T_MAX_ROWS
 
 _ANY_CACHE = frozenset(KV_FORMAT_CODES) - {"fp8_ds_v4"}
 _16BIT_CACHE = frozenset({"bf16", "fp16"})
@@ -121,7 +121,7 @@ class Mainloop:
         elif problem.sparse and p.kv_format not in self.sparse_formats:
             out.append(f"sparse indices over a kv_format={p.kv_format!r} cache (supported: "
                        f"{', '.join(sorted(self.sparse_formats))})")
-        if p.kv_format not in self.kv_formats:
+        if not problem.sparse and p.kv_format not in self.kv_formats:
             out.append(f"kv_format={p.kv_format!r} (supported: {', '.join(sorted(self.kv_formats))})")
         limit = None if problem.sparse and self.sparse_tile_rows else self.rows_limit(p.kv_format)
         if limit is not None and rows_per_kv_head(p) > limit:
@@ -140,7 +140,8 @@ MAINLOOPS = MappingProxyType({m.variant: m for m in (
              max_q_len=SEESAW_MAX_Q_LEN, combine_tail=False),
     Mainloop(ETAP, "etap", "etap/etap.cuh", _ANY_CACHE | {"fp8_ds_v4"}, max_rows=ETAP_MAX_ROWS,
              max_rows_fp8=ETAP_FP8_MAX_ROWS, sparse_formats=_FP8_CACHE, sparse_tile_rows=16),
-    Mainloop(FP8T_CONVERT, "fp8t_convert", "fp8t/fp8t_convert.cuh", frozenset({"fp8_e4m3"}), max_rows=FP8T_MAX_ROWS),
+    Mainloop(FP8T_CONVERT, "fp8t_convert", "fp8t/fp8t_convert.cuh", frozenset({"fp8_e4m3"}), max_rows=FP8T_MAX_ROWS,
+             sparse_formats=_FP8_CACHE),
     Mainloop(FP8T_REGS, "fp8t_regs", "fp8t/fp8t_regs.cuh", frozenset({"fp8_e4m3"}), max_rows=FP8T_MAX_ROWS,
              whole_tile_pages=True),
     Mainloop(SEESAW_FP8, "seesaw_fp8", "seesaw_fp8/seesaw_fp8.cuh", frozenset({"fp8_e4m3"}), whole_tile_pages=True,
@@ -224,18 +225,20 @@ def choose_variant(problem: DecodeProblem, num_parts: int, max_chunks: int) -> i
 
 
 def choose_sparse_variant(view: DecodeProblem) -> int:
-    """The mainloop of a sparse problem's flattened view (:func:`sparse_view`): etap (tokens on the wgmma M side, one
-    16-row tile) for at most SPARSE_ETAP_MAX_ROWS heads per KV head over an fp8 cache (:attr:`Mainloop.sparse_formats`),
-    so a 64-token tile costs the tensor time of 16 rows, not of wgmma's 64-row tile (three quarters padding at
-    h_q = 16, issue 57); wgmma otherwise. Chosen from the heads and the cache format alone, so it holds for a
-    batch-invariant plan too (the choice never follows the batch).
+    """The mainloop of a sparse problem's flattened view (:func:`sparse_view`): fp8t_convert (tokens on the wgmma M
+    side in one tile of 16 or 32 rows, a warpgroup gathering and converting each tile while two others compute) for
+    at most SPARSE_FP8T_MAX_ROWS heads per KV head over an fp8 cache (:attr:`Mainloop.sparse_formats`), so a 64-token
+    tile costs the tensor time of its rows, not of wgmma's 64-row tile (three quarters padding at h_q = 16, issue 57);
+    wgmma otherwise. Chosen from the heads and the cache format alone, so it holds for a batch-invariant plan too (the
+    choice never follows the batch).
 
     Measured on the H200 (benchmarks/RESULTS.md, 2026-11-29 session 4; top-k 2048 of L-bar 32K, b=128 s_q=2, CUDA-graph
     replay): h_q=16 etap 247.6 / wgmma 291.1 us (fp8_ds_mla), 247.9 / 291.0 (fp8_ds_v4); h_q=32 etap in two row tiles
-    445.8 / wgmma 300.4; h_q=64 (b=64 s_q=1) 231.3 / 98.0. etap's extra row tiles each gather the tokens again, so
-    it takes one tile's worth of heads; it runs more (backend_options variant=6) for tests and measurements."""
-    if view.kv_format in MAINLOOPS[ETAP].sparse_formats and rows_per_kv_head(view) <= SPARSE_ETAP_MAX_ROWS:
-        return ETAP
+    445.8 / wgmma 300.4; h_q=64 (b=64 s_q=1) 231.3 / 98.0. etap (tokens on M with each warpgroup loading, converting
+    and computing its own tiles in turn) runs sparse views in row tiles of 16 when forced (backend_options variant=6)
+    for tests and measurements; each extra row tile gathers the tokens again."""
+    if view.kv_format in MAINLOOPS[FP8T_CONVERT].sparse_formats and rows_per_kv_head(view) <= SPARSE_FP8T_MAX_ROWS:
+        return FP8T_CONVERT
     return WGMMA
 
 

@@ -183,7 +183,7 @@ void check_config(const mla_sm90::LaunchConfig& c, const Geometry& g) {
   const bool seesaw = m == kSeesaw || m == kSeesawFp8, on_m = m == kEtap || m == kFp8tConvert || m == kFp8tRegs;
   const bool fp8 = g.kv_format != kKvSameAsQ;
   if (m == kSeesaw) MLA_CHECK(!fp8, "variant 5 needs a bf16/fp16 cache (kv_format 0), got kv_format ", g.kv_format);
-  if (m == kSeesawFp8 || m == kFp8tConvert || m == kFp8tRegs)
+  if (m == kSeesawFp8 || m == kFp8tRegs || (m == kFp8tConvert && !g.sparse))  // (a sparse variant 7: any fp8 cache)
     MLA_CHECK(g.kv_format == kKvFp8E4M3, "variant ", m, " needs an fp8_e4m3 cache (kv_format 1), got kv_format ",
               g.kv_format);
   if (seesaw) MLA_CHECK(g.q_len <= kSeesawMaxQLen, "variant ", m, " needs s_q <= ", kSeesawMaxQLen, ", got ", g.q_len);
@@ -216,11 +216,12 @@ void check_config(const mla_sm90::LaunchConfig& c, const Geometry& g) {
   if (c.paired)
     MLA_CHECK(m == kSeesaw && row_tiles % 2 == 0, "paired=true needs variant 5 and an even number of ", kBlockM,
               "-row tiles per KV head, got variant ", m, " and ", row_tiles);
-  // sparse: the flattened view of a top-k decode (params.h, DecodeParams::sparse), which v2 masks, and v6 over an fp8
-  // cache
+  // sparse: the flattened view of a top-k decode (params.h, DecodeParams::sparse), which v2 masks, and v6 and v7 over
+  // an fp8 cache
   if (g.sparse) {
-    MLA_CHECK(m == kWgmma || (m == kEtap && fp8), "sparse=true needs variant 2, or variant 6 with an fp8 cache (the "
-              "mainloops that skip -1 top-k slots), got variant ", m, " and kv_format ", g.kv_format);
+    MLA_CHECK(m == kWgmma || ((m == kEtap || m == kFp8tConvert) && fp8), "sparse=true needs variant 2, or variant "
+              "6 or 7 with an fp8 cache (the mainloops that skip -1 top-k slots), got variant ", m, " and kv_format ",
+              g.kv_format);
     MLA_CHECK(g.q_len == 1, "sparse=true runs the flattened view: s_q 1 (one request per query position), got s_q ",
               g.q_len);
   }

@@ -33,7 +33,7 @@ enum Mainloop : int {
   kWgmma = 2,        // wgmma/: 64-row tiles, S -> softmax -> P V per tile in both warpgroups
   kSeesaw = 5,       // seesaw/: 64-row tiles, two tiles in flight (bf16/fp16 caches)
   kEtap = 6,         // etap/: KV tokens on the wgmma M side, 16 or 32 query rows
-  kFp8tConvert = 7,  // fp8t/fp8t_convert.cuh: tokens on M for fp8_e4m3, a converting warpgroup
+  kFp8tConvert = 7,  // fp8t/fp8t_convert.cuh: tokens on M for fp8_e4m3 (sparse: any fp8), a converting warpgroup
   kFp8tRegs = 8,     // fp8t/fp8t_regs.cuh: tokens on M for fp8_e4m3, the tile converted in registers
   kSeesawFp8 = 9,    // seesaw_fp8/: seesaw's schedule for fp8_e4m3, a converting warpgroup
 };

@@ -24,8 +24,8 @@ static int launch_mainloop(const DecodeParams& p, const LaunchConfig& cfg, cudaS
       break;
     case kEtap:
       return launch_etap<T, KvFmt>(p, cfg, stream);
-    case kFp8tConvert:
-      if constexpr (kE4M3) return launch_fp8t_convert<T, KvFmt>(p, cfg, stream);
+    case kFp8tConvert:  // dense: fp8_e4m3; sparse: any fp8 cache
+      if constexpr (!k16Bit) return launch_fp8t_convert<T, KvFmt>(p, cfg, stream);
       break;
     case kFp8tRegs:
       if constexpr (kE4M3) return launch_fp8t_regs<T, KvFmt>(p, cfg, stream);

@@ -17,7 +17,7 @@ namespace mla_sm90 {
 MLA_SM90_DECLARE_LAUNCHER(launch_wgmma)         // wgmma/: any cache (fp8_ds_v4: its sparse instance only)
 MLA_SM90_DECLARE_LAUNCHER(launch_seesaw)        // seesaw/: bf16/fp16 caches
 MLA_SM90_DECLARE_LAUNCHER(launch_etap)          // etap/: any cache (fp8_ds_v4: sparse only; sparse: fp8 caches)
-MLA_SM90_DECLARE_LAUNCHER(launch_fp8t_convert)  // fp8t/: fp8_e4m3 caches
+MLA_SM90_DECLARE_LAUNCHER(launch_fp8t_convert)  // fp8t/: fp8_e4m3 caches (sparse: any fp8 cache)
 MLA_SM90_DECLARE_LAUNCHER(launch_fp8t_regs)     // fp8t/: fp8_e4m3 caches
 MLA_SM90_DECLARE_LAUNCHER(launch_seesaw_fp8)    // seesaw_fp8/: fp8_e4m3 caches
 

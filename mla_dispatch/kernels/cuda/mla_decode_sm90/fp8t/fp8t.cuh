@@ -102,6 +102,10 @@ struct Fp8t {
   // v8: the producer warpgroup (one issuing thread) gives its registers to the consumers, which hold A fragments
   static constexpr int kRegsProd = 40, kRegsScorerRS = 224, kRegsAccRS = 240;
   static_assert(kRegsConv + kRegsScorer + kRegsAcc == 3 * kRegsLaunch, "setmaxnreg moves registers, adds none");
+  // sparse fp8_ds_mla: the converter's two tiles of rows hold RoPE values and scales besides (2 x 89 registers; at
+  // 200 ptxas spilled), which the accumulator gives (at 168 none spilled at 16 or 32 rows)
+  static constexpr int kRegsConvDs = 224, kRegsAccDs = 168;
+  static_assert(kRegsConvDs + kRegsScorer + kRegsAccDs == 3 * kRegsLaunch, "setmaxnreg moves registers, adds none");
   static_assert(kRegsProd + kRegsScorerRS + kRegsAccRS == 3 * kRegsLaunch, "setmaxnreg moves registers, adds none");
 };
 
@@ -124,7 +128,8 @@ struct Fp8tSmem {
   static constexpr int kFloats = Fp8t::kMaxRows * (1 + kStages + 4 + 4 + 2 + 1);
   static constexpr int kOffFlag = kOffF + kFloats * 4;  // int [stages]: a tile's rescale flag
   static constexpr int kOffBad = kOffFlag + 16;          // int [stages]: a tile's bad-block-id flag (see above)
-  static constexpr int kOffBar = kOffBad + 16;
+  static constexpr int kOffOk = kOffBad + 16;            // uint64 [stages]: a sparse tile's rows that have an id
+  static constexpr int kOffBar = kOffOk + 8 * kStages;
   static constexpr int kBars = 3 * kStages + 4;  // full, empty, p_ready by stage; sums_full, sums_empty by item parity
   static constexpr int kSmemBytes = kOffBar + kBars * 8 + 1024;  // + alignment slack
   static_assert(kStageBytes % 1024 == 0 && kOffQ % 1024 == 0 && kOffP % 1024 == 0, "operand tiles 1024-aligned");
@@ -204,6 +209,142 @@ __device__ __forceinline__ void fp8t_store(__half* stage, Fp8tRows& x, int t0, i
       *reinterpret_cast<uint4*>(base + b * 64 * 64 + c1) = make_uint4(d.x, d.y, e.x, e.y);
     }
   }
+}
+
+// ---- v7's sparse launches (kSparse; params.h, DecodeParams::sparse): the flattened view of a top-k decode, whose
+// table holds one cache token id per token (-1: a skipped slot), over fp8_e4m3, fp8_ds_mla or fp8_ds_v4 caches. The
+// converter gathers each tile row by row (v7 loads rows from their own pages already), zero-fills the rows without
+// an id (-1, or past the item's end: nothing of them is read, so NaN poison in unused slots cannot reach P V) and
+// gives the scorer a bit per row with the stage (sOk), which masks the others' scores. The scaled formats are
+// dequantised as etap and wgmma do it (store_kv_fp8_8b: fp32 products of the fp8 values and their group's scale,
+// rounded once to the operand type), and their operands are q's own dtype: q is read as it is, with no per-row
+// scale, and only fp8_e4m3 keeps fp16 operands. The design FlashMLA's sparse fp8 decode uses for its heads (a
+// warpgroup that gathers and converts beside the ones that compute: csrc/sm90/decode/sparse_fp8), here at the 16
+// or 32 query rows of a tokens-on-M tile (issue 57).
+
+// A tile's rows held by one converter thread of a sparse launch (rows r0 and r0 + 32, the 16 bytes at 16 (lane % 4)
+// of each 64-byte fp8 column block, as Fp8tRows): fp8_e4m3 nine fp8 blocks; fp8_ds_mla eight NoPE blocks, the
+// thread's 16 RoPE values (bf16, two 16-byte pieces) and the row's four fp32 scales; fp8_ds_v4 seven NoPE blocks, its
+// RoPE values and the seven ue8m0 scale bytes (scale .x, .y). ok: bit `pass` set where that row has an id.
+template <int KvFmt>
+struct Fp8tSparseRows {
+  static constexpr int kFp8Blocks = KvFmt == kKvFp8E4M3 ? 9 : KvFmt == kKvFp8DsMla ? 8 : 7;
+  uint4 v[2][kFp8Blocks];
+  uint4 rope[2][2];
+  uint4 scale[2];
+  uint32_t ok;
+};
+
+// Bytes of a sparse row an L2 prefetch asks for (fp8_ds_v4: the token's data; its 8 scale bytes lie apart).
+template <int KvFmt>
+constexpr int fp8t_sparse_row_bytes() {
+  return KvFmt == kKvFp8DsMla ? kDsMlaTokenBytes : KvFmt == kKvFp8DsV4 ? kDsV4DataBytes : kHeadDimQK;
+}
+
+// The cache block and slot of sparse token `id` (pg: of the cache's page size, sparse_page) and the address of its
+// data (fp8_ds_v4: its 576 bytes in the block; else its row of KV head kvh).
+__device__ __forceinline__ const uint8_t* fp8t_sparse_row(const DecodeParams& p, const PageGeometry& pg, int id,
+                                                          int kvh, bool ds_v4) {
+  const uint8_t* block = reinterpret_cast<const uint8_t*>(p.kv) + (int64_t)pg.index(id) * p.kv_stride_block;
+  return ds_v4 ? block + (int64_t)pg.row(id) * kDsV4DataBytes
+               : block + (int64_t)pg.row(id) * p.kv_stride_tok + (int64_t)kvh * p.kv_stride_head;
+}
+// fp8_ds_v4: token `id`'s 8 scale bytes, behind its block's tokens.
+__device__ __forceinline__ const uint8_t* fp8t_ds_v4_scales(const DecodeParams& p, const PageGeometry& pg, int id) {
+  return reinterpret_cast<const uint8_t*>(p.kv) + (int64_t)pg.index(id) * p.kv_stride_block +
+         (int64_t)p.sparse_page * kDsV4DataBytes + 8 * pg.row(id);
+}
+
+// The thread's rows of a sparse tile into registers; ids: of its two rows (-1: none, whose loads are skipped); a bad
+// id reads token 0 in its place (checked_page: max_id keeps it for the item's NaN).
+template <int KvFmt>
+__device__ __forceinline__ void fp8t_load_sparse(const DecodeParams& p, const PageGeometry& pg,
+                                                 Fp8tSparseRows<KvFmt>& x, const int (&ids)[2], int kvh, int q4,
+                                                 uint32_t& max_id) {
+  constexpr bool kV4 = KvFmt == kKvFp8DsV4;
+  x.ok = 0;
+#pragma unroll
+  for (int pass = 0; pass < 2; ++pass) {
+    if (ids[pass] == -1) continue;
+    x.ok |= 1u << pass;
+    const int id = checked_page(p, ids[pass], max_id);
+    const uint8_t* src = fp8t_sparse_row(p, pg, id, kvh, kV4);
+#pragma unroll
+    for (int b = 0; b < Fp8tSparseRows<KvFmt>::kFp8Blocks; ++b) x.v[pass][b] = ld_stream_16(src + 64 * b + 16 * q4);
+    if constexpr (KvFmt != kKvFp8E4M3) {
+      const uint8_t* rope = src + (kV4 ? 448 : 528) + 32 * q4;  // fp8_ds_mla: behind the NoPE bytes and the scales
+      x.rope[pass][0] = ld_stream_16(rope);
+      x.rope[pass][1] = ld_stream_16(rope + 16);
+      if constexpr (kV4) {
+        const uint2 s = __ldg(reinterpret_cast<const uint2*>(fp8t_ds_v4_scales(p, pg, id)));
+        x.scale[pass] = make_uint4(s.x, s.y, 0u, 0u);
+      } else {
+        x.scale[pass] = __ldg(reinterpret_cast<const uint4*>(src + 512));
+      }
+    }
+  }
+}
+
+// The rows of fp8t_load_sparse into `stage` (Gmma128Tile64, operand type OT: fp16 for fp8_e4m3, else q's dtype),
+// dequantised as store_kv_fp8_8b does (fp8_e4m3 unscaled: its per-tensor scale goes to the scores and the output);
+// rows without an id as zeros. fp8_ds_v4 (D_qk 512): column block 7 holds the RoPE values and 8 zeros (q's are too).
+template <typename OT, int KvFmt>
+__device__ __forceinline__ void fp8t_store_sparse(OT* stage, const Fp8tSparseRows<KvFmt>& x, int r0, int q4) {
+  const uint4 zero = make_uint4(0, 0, 0, 0);
+#pragma unroll
+  for (int pass = 0; pass < 2; ++pass) {
+    const int row = r0 + 32 * pass;
+    OT* base = stage + row * 64;
+    const int c0 = ((2 * q4) ^ (row & 7)) << 3, c1 = ((2 * q4 + 1) ^ (row & 7)) << 3;
+    // the thread's 16 values of column block b: values 0-7 at chunk 2 q4, 8-15 at 2 q4 + 1 (swizzled by the row)
+    auto put = [&](int b, uint4 lo, uint4 hi) {
+      *reinterpret_cast<uint4*>(base + b * 64 * 64 + c0) = lo;
+      *reinterpret_cast<uint4*>(base + b * 64 * 64 + c1) = hi;
+    };
+    if (!((x.ok >> pass) & 1u)) {
+#pragma unroll
+      for (int b = 0; b < 9; ++b) put(b, zero, zero);
+      continue;
+    }
+    if constexpr (KvFmt == kKvFp8E4M3) {
+#pragma unroll
+      for (int b = 0; b < 9; ++b) {
+        const uint4 w = x.v[pass][b];
+        const uint2 a = e4m3x4_to_f16x4(w.x), c = e4m3x4_to_f16x4(w.y), d = e4m3x4_to_f16x4(w.z),
+                    e = e4m3x4_to_f16x4(w.w);
+        put(b, make_uint4(a.x, a.y, c.x, c.y), make_uint4(d.x, d.y, e.x, e.y));
+      }
+    } else {
+      const uint4 sc = x.scale[pass];
+#pragma unroll
+      for (int b = 0; b < Fp8tSparseRows<KvFmt>::kFp8Blocks; ++b) {
+        float s;
+        if constexpr (KvFmt == kKvFp8DsV4) {  // ue8m0: 2^(byte - 127), the fp32 of that biased exponent; 255 is NaN
+          const uint32_t e = ((b < 4 ? sc.x : sc.y) >> (8 * (b % 4))) & 0xffu;
+          s = e == 0xffu ? __uint_as_float(0x7fc00000u) : __uint_as_float(e << 23);
+        } else {  // fp8_ds_mla: column block b lies in scale group b / 2
+          s = __uint_as_float(b < 2 ? sc.x : b < 4 ? sc.y : b < 6 ? sc.z : sc.w);
+        }
+        const uint4 w = x.v[pass][b];
+        put(b,
+            make_uint4(fp8x2_to<OT, true>(w.x, s), fp8x2_to<OT, true>(w.x >> 16, s), fp8x2_to<OT, true>(w.y, s),
+                       fp8x2_to<OT, true>(w.y >> 16, s)),
+            make_uint4(fp8x2_to<OT, true>(w.z, s), fp8x2_to<OT, true>(w.z >> 16, s), fp8x2_to<OT, true>(w.w, s),
+                       fp8x2_to<OT, true>(w.w >> 16, s)));
+      }
+      constexpr int kRope = Fp8tSparseRows<KvFmt>::kFp8Blocks;  // the block after the NoPE ones
+      put(kRope, rope_as<OT>(x.rope[pass][0]), rope_as<OT>(x.rope[pass][1]));
+      if constexpr (kRope == 7) put(8, zero, zero);
+    }
+  }
+}
+
+// One bit per lane of a warp's ballot at lanes 0, 4, .., 28 (the q4 = 0 lane of each of its 8 rows), as a byte.
+__device__ __forceinline__ uint32_t fp8t_row_byte(uint32_t ballot) {
+  uint32_t m = ballot & 0x11111111u;         // bit 4i: row i
+  m = (m | (m >> 3)) & 0x03030303u;          // rows 2j, 2j + 1 at bits 8j, 8j + 1
+  m = (m | (m >> 6)) & 0x000f000fu;          // rows 4j .. 4j + 3 at bits 16j .. 16j + 3
+  return (m | (m >> 12)) & 0xffu;
 }
 
 // Offset of (row, col) in the kN-row query tile: nine [kN][64] blocks, 128-byte swizzle (K-major B of S^T).
@@ -361,11 +502,22 @@ __device__ __forceinline__ void fp8t_rows_out(const DecodeParams& p, const float
 }
 
 // v7 (kRS = false) and v8 (kRS = true; kv_map: the cache's tensor map with 128-column boxes, common/launch.cuh make_kv_map).
-template <typename T, int kN, bool kRS>
+// KvFmt, kSparse: v7's sparse launches (above); a dense launch reads fp8_e4m3.
+template <typename T, int kN, bool kRS, int KvFmt = kKvFp8E4M3, bool kSparse = false>
 __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtensorMap* kv_map) {
   static_assert(kN == 16 || kN == 32, "16 or 32 query rows");
+  static_assert(!kSparse || !kRS, "sparse launches run v7");
+  static_assert(kSparse ? KvFmt != kKvSameAsQ : KvFmt == kKvFp8E4M3, "dense: fp8_e4m3; sparse: any fp8 cache");
+  // the operands' type: fp16 for fp8_e4m3 (exact; q scaled per row), q's own dtype for the scaled formats
+  constexpr bool kQAsIs = KvFmt != kKvFp8E4M3;
+  using OT = std::conditional_t<kQAsIs, T, __half>;
+  constexpr int kQChunks = KvFmt == kKvFp8DsV4 ? kDsV4HeadDim / 8 : Cfg::kChunksQK;  // q's 8-value chunks
+  // registers of the converter and the accumulator (setmaxnreg; Fp8t)
+  constexpr bool kRegsDs = kSparse && KvFmt == kKvFp8DsMla;
+  constexpr int kRegsConv = kRegsDs ? Fp8t::kRegsConvDs : Fp8t::kRegsConv;
+  constexpr int kRegsAcc = kRegsDs ? Fp8t::kRegsAccDs : Fp8t::kRegsAcc;
   using L = Gmma128Tile64;
-  using G = GmmaEtap<__half, kN>;
+  using G = GmmaEtap<OT, kN>;
   using S = Fp8tSmem<kRS>;
   constexpr int kStages = S::kStages;
   using TT = TypeTraits<T>;
@@ -374,9 +526,9 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
   extern __shared__ __align__(128) uint8_t smem_raw[];
   uint8_t* smem_base = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   // v7: [2 stages][9 blocks][64][64] fp16; v8: [3 stages][5 boxes][64][128] fp8
-  __half* sK = reinterpret_cast<__half*>(smem_base);
-  __half* sQ = reinterpret_cast<__half*>(smem_base + S::kOffQ);
-  __half* sP = reinterpret_cast<__half*>(smem_base + S::kOffP);  // [stages][kMaxRows x 64]
+  OT* sK = reinterpret_cast<OT*>(smem_base);
+  OT* sQ = reinterpret_cast<OT*>(smem_base + S::kOffQ);
+  OT* sP = reinterpret_cast<OT*>(smem_base + S::kOffP);  // [stages][kMaxRows x 64]
   float* sO = reinterpret_cast<float*>(smem_base + S::kOffO);    // [kN][kOStride]
   float* sColScale = reinterpret_cast<float*>(smem_base + S::kOffF);  // [32] 2^-e of each query row
   float* sAlpha = sColScale + Fp8t::kMaxRows;                         // [stages][32]
@@ -386,6 +538,7 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
   float* sMax = sSum + 2 * Fp8t::kMaxRows;                               // [32] an item's row maxima
   int* sFlag = reinterpret_cast<int*>(smem_base + S::kOffFlag);          // [stages]
   int* sBad = reinterpret_cast<int*>(smem_base + S::kOffBad);            // [stages]
+  uint8_t* sOk = smem_base + S::kOffOk;  // kSparse: [stages][8 row groups], bit i of group g: row 8 g + i has an id
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem_base + S::kOffBar);
   uint64_t* full = bars;
   uint64_t* empty = bars + kStages;
@@ -414,7 +567,7 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
   __syncthreads();
   const int item_begin = p.part_offsets[part], item_end = p.part_offsets[part + 1];
   const int heads_per_kv = p.heads_q / p.heads_kv;
-  const float kv_scale = *p.kv_scale;
+  const float kv_scale = KvFmt == kKvFp8E4M3 ? *p.kv_scale : 1.f;
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr float kLn2 = 0.6931471805599453f;
   auto col_of = [&](int k) { return 8 * (k / 2) + 2 * (lane % 4) + (k % 2); };
@@ -479,22 +632,27 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
     regs_inc<Fp8t::kRegsLaunch>();
   } else if (wg == 0) {
     // ================= converter =================
-    regs_inc<Fp8t::kRegsConv>();
+    regs_inc<kRegsConv>();
     barrier_cta_unaligned(Fp8t::kBarRegs, Fp8t::kThreads);
     const int r0 = 8 * warp + lane / 4, q4 = lane % 4;
     // L2 prefetches: one bulk copy per tile where a tile is one contiguous range (whole-tile pages of a single-head
     // cache whose items start on 64-token chunks), else one per 576-byte row from threads 0..63; none where the
     // cache is not 16-byte aligned
+    // (kSparse: one per row, its token's data; fp8_ds_v4 rows lie at multiples of 576 bytes in their block)
     const bool pf_ok = (reinterpret_cast<uintptr_t>(p.kv) & 15) == 0 && p.kv_stride_block % 16 == 0 &&
-                       p.kv_stride_tok % 16 == 0 && p.kv_stride_head % 16 == 0;
-    const bool pf_whole = p.page_size % Cfg::kBlockN == 0 && p.kv_stride_tok == Cfg::kHeadDimQK;
+                       (KvFmt == kKvFp8DsV4 || (p.kv_stride_tok % 16 == 0 && p.kv_stride_head % 16 == 0));
+    const bool pf_whole = !kSparse && p.page_size % Cfg::kBlockN == 0 && p.kv_stride_tok == Cfg::kHeadDimQK;
     const uint8_t* kv = reinterpret_cast<const uint8_t*>(p.kv);
-    const PageGeometry pg = page_geometry(p.page_size);
+    // the table's pages; kSparse: the cache's, which its token ids count in (the table holds one id per token)
+    const PageGeometry pg = page_geometry(kSparse ? p.sparse_page : p.page_size);
+    using Rows = std::conditional_t<kSparse, Fp8tSparseRows<KvFmt>, Fp8tRows>;
     uint32_t it = 0;
     for (int item = item_begin; item < item_end; ++item) {
       const WorkItem w = load_item(p, item);
-      const int req = w.req, tok_begin = w.tok_begin, tok_end = w.tok_end;
+      const int req = w.req, tok_begin = w.tok_begin;
       if (req < 0) continue;
+      // a sparse item ends at its list's length (topk_length), as in the scorer and the accumulator
+      const int tok_end = kSparse ? min(w.tok_end, max(p.cache_seqlens[req], tok_begin)) : w.tok_end;
       const int n_tiles = (tok_end - tok_begin + Cfg::kBlockN - 1) / Cfg::kBlockN;
       const int32_t* table_row = p.block_table + (int64_t)req * p.bt_stride;
       // the largest block id this thread read for the item, as unsigned (loads.cuh; every page is read before its
@@ -506,16 +664,45 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
         const int page = t < tok_end ? table_row[pg.index(t)] : 0;
         return page_ok(p, page) ? page : 0;
       };
+      // kSparse: the token ids of the rows (-1: none, and past the item's end), checked when loaded
       auto rows_pages = [&](int t0, int (&pg)[2]) {
-        pg[0] = page_of(t0 + r0);
-        pg[1] = page_of(t0 + r0 + 32);
+        if constexpr (kSparse) {
+          pg[0] = t0 + r0 < tok_end ? table_row[t0 + r0] : -1;
+          pg[1] = t0 + r0 + 32 < tok_end ? table_row[t0 + r0 + 32] : -1;
+        } else {
+          pg[0] = page_of(t0 + r0);
+          pg[1] = page_of(t0 + r0 + 32);
+        }
       };
-      // the prefetch's page: of the tile (whole tiles: one page each) or of row tid_wg
+      auto load = [&](Rows& x, const int (&rows)[2], int t0) {
+        if constexpr (kSparse)
+          fp8t_load_sparse<KvFmt>(p, pg, x, rows, kvh, q4, max_id);
+        else
+          fp8t_load(p, pg, x, rows, t0, tok_end, kvh, r0, q4);
+      };
+      // the prefetch's page: of the tile (whole tiles: one page each) or of row tid_wg (kSparse: its id, -1 for none
+      // or a bad one)
       const bool whole = pf_whole && tok_begin % Cfg::kBlockN == 0;
-      auto pf_page = [&](int t0) { return pf_page_of(t0 + (whole ? 0 : tid_wg % Cfg::kBlockN)); };
+      auto pf_page = [&](int t0) {
+        if constexpr (kSparse) {
+          const int t = t0 + tid_wg % Cfg::kBlockN;
+          const int id = t < tok_end ? table_row[t] : -1;
+          return page_ok(p, id) ? id : -1;
+        } else {
+          return pf_page_of(t0 + (whole ? 0 : tid_wg % Cfg::kBlockN));
+        }
+      };
       auto prefetch = [&](int page, int t0) {
         if (!pf_ok || t0 >= tok_end) return;
-        if (whole) {
+        if constexpr (kSparse) {
+          if (tid_wg < Cfg::kBlockN && page >= 0) {
+            prefetch_l2_bulk(fp8t_sparse_row(p, pg, page, kvh, KvFmt == kKvFp8DsV4), fp8t_sparse_row_bytes<KvFmt>());
+            if constexpr (KvFmt == kKvFp8DsV4)  // the 16 bytes that hold its scale bytes
+              prefetch_l2_bulk(reinterpret_cast<const void*>(
+                                   reinterpret_cast<uintptr_t>(fp8t_ds_v4_scales(p, pg, page)) & ~uintptr_t(15)),
+                               16);
+          }
+        } else if (whole) {
           if (tid_wg == 0)
             prefetch_l2_bulk(kv + fp8t_row_offset(p, pg, page, t0, kvh), min(Cfg::kBlockN, tok_end - t0) * Cfg::kHeadDimQK);
         } else if (tid_wg < Cfg::kBlockN && t0 + tid_wg < tok_end) {
@@ -524,10 +711,20 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
       };
       // tile `it` of this CTA into stage it % 2 once both consumers released it (a fresh barrier's wait for the
       // previous phase passes), then the stage's full barrier (one arrive per warp)
-      auto put = [&](Fp8tRows& x, int t0) {
+      auto put = [&](Rows& x, int t0) {
         const uint32_t st = it & 1u;
         mbar_wait(empty + st, ((it >> 1) & 1u) ^ 1u);
-        fp8t_store(sK + st * (S::kStageBytes / 2), x, t0, tok_end, r0, q4);
+        if constexpr (kSparse) {
+          fp8t_store_sparse<OT, KvFmt>(sK + st * (S::kStageBytes / 2), x, r0, q4);
+          // the rows with an id, a byte per 8 rows: this warp's rows 8 warp .. + 8 and 32 + 8 warp .. + 8
+          const uint32_t ok0 = __ballot_sync(0xffffffffu, x.ok & 1u), ok1 = __ballot_sync(0xffffffffu, x.ok & 2u);
+          if (lane == 0) {  // published by its arrive below, as sBad
+            sOk[8 * st + warp] = fp8t_row_byte(ok0);
+            sOk[8 * st + 4 + warp] = fp8t_row_byte(ok1);
+          }
+        } else {
+          fp8t_store(sK + st * (S::kStageBytes / 2), x, t0, tok_end, r0, q4);
+        }
         const bool warp_bad = __any_sync(0xffffffffu, !page_ok(p, max_id));
         fence_proxy_async_smem();
         __syncwarp();
@@ -537,10 +734,10 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
         }
         ++it;
       };
-      Fp8tRows x, y;
+      Rows x, y;
       int pa[2], pb[2];
       rows_pages(tok_begin, pa);
-      fp8t_load(p, pg, x, pa, tok_begin, tok_end, kvh, r0, q4);
+      load(x, pa, tok_begin);
       // pages of tiles j + 1 / j + 2 for the register loads (pb / pa), of tiles j + A / j + A + 1 for the L2
       // prefetches (fa / fb; A = kPrefetchAhead): each read a whole iteration before its use
       constexpr int A = Fp8t::kPrefetchAhead;
@@ -552,15 +749,13 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
       for (int j = 0; j < n_tiles; j += 2) {
         const int t0 = tok_begin + j * Cfg::kBlockN;
         // tile j + 1 into y while tile j is stored; tile j + A into L2
-        if (j + 1 < n_tiles)
-          fp8t_load(p, pg, y, pb, t0 + Cfg::kBlockN, tok_end, kvh, r0, q4);
+        if (j + 1 < n_tiles) load(y, pb, t0 + Cfg::kBlockN);
         rows_pages(t0 + 3 * Cfg::kBlockN, pb);
         prefetch(fa, t0 + A * Cfg::kBlockN);
         fa = pf_page(t0 + (A + 2) * Cfg::kBlockN);
         put(x, t0);
         // tile j + 2 into x while tile j + 1 is stored; tile j + A + 1 into L2
-        if (j + 2 < n_tiles)
-          fp8t_load(p, pg, x, pa, t0 + 2 * Cfg::kBlockN, tok_end, kvh, r0, q4);
+        if (j + 2 < n_tiles) load(x, pa, t0 + 2 * Cfg::kBlockN);
         rows_pages(t0 + 4 * Cfg::kBlockN, pa);
         prefetch(fb, t0 + (A + 1) * Cfg::kBlockN);
         fb = pf_page(t0 + (A + 3) * Cfg::kBlockN);
@@ -579,11 +774,13 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
     uint32_t it = 0, n_items = 0;
     for (int item = item_begin; item < item_end; ++item) {
       const WorkItem w = load_item(p, item);
-      const int req = w.req, tok_begin = w.tok_begin, tok_end = w.tok_end, slot = w.slot;
+      const int req = w.req, tok_begin = w.tok_begin, slot = w.slot;
       if (req < 0) continue;
       const int seqlen = p.cache_seqlens[req];
+      const int tok_end = kSparse ? min(w.tok_end, max(seqlen, tok_begin)) : w.tok_end;  // as the converter's
       const int n_tiles = (tok_end - tok_begin + Cfg::kBlockN - 1) / Cfg::kBlockN;
-      // ---- the query tile in fp16: warp w takes rows w, w + 4, ...; lane the 16-byte chunks lane, lane + 32, ...
+      // ---- the query tile in fp16 (kQAsIs: as it is): warp w takes rows w, w + 4, ...; lane the 16-byte chunks
+      // lane, lane + 32, ...
       named_barrier(Fp8t::kBarScorer, 128);  // every warp's S^T of the previous item is done: sQ is free
       // every row's loads of a batch in flight before any is used (v8 at 32 rows: 167.7 -> 164.9 us at b=64 L=8K,
       // no change at 16; H100, [notes], twenty-eighth session). v8's scorer holds all its rows (kN / 4 x 12
@@ -602,14 +799,22 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
 #pragma unroll
           for (int k = 0; k < 3; ++k) {
             const int chunk = lane + 32 * k;
-            v[r][k] = valid && chunk < Cfg::kChunksQK
-                          ? *reinterpret_cast<const uint4*>(src + 8 * chunk)
-                          : make_uint4(0, 0, 0, 0);
+            v[r][k] = valid && chunk < kQChunks ? *reinterpret_cast<const uint4*>(src + 8 * chunk)
+                                                : make_uint4(0, 0, 0, 0);
           }
         }
 #pragma unroll
         for (int r = 0; r < kQBatch; ++r) {
           const int c = c0 + 4 * r;
+          if constexpr (kQAsIs) {  // (fp8_ds_v4: D_qk 512, q's column block 8 zeros, as the stages')
+#pragma unroll
+            for (int k = 0; k < 3; ++k) {
+              const int chunk = lane + 32 * k;
+              if (chunk < Cfg::kChunksQK) *reinterpret_cast<uint4*>(sQ + q_tile_offset<kN>(c, 8 * chunk)) = v[r][k];
+            }
+            if (lane == 0) sColScale[c] = 1.f;
+            continue;
+          }
           float mx = 0.f;
 #pragma unroll
           for (int k = 0; k < 3; ++k) {
@@ -667,6 +872,8 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
         const uint32_t st = it % kStages;
         mbar_wait(full + st, phase_of(it));
         bad_tiles |= sBad[st];  // read before this warp releases the stage (empty), after which it is rewritten
+        // kSparse: bit r set where token row r of the tile has an id (read before the release too)
+        const uint64_t ok_rows = kSparse ? *reinterpret_cast<const uint64_t*>(sOk + 8 * st) : 0;
         // ---- S^T = K Q^T (etap_gemm_s; v8: fp8rs_gemm_s)
         float acc_s[kAcc];
         if constexpr (kRS) {
@@ -677,13 +884,15 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
         __syncwarp();
         if (lane == 0) mbar_arrive(empty + st);  // this warp's share of the stage is read
 
-        // ---- scores in base 2; mask only tiles reaching past unmasked_end
+        // ---- scores in base 2; mask only tiles reaching past unmasked_end (kSparse: every tile, by its rows' ids)
         const bool masked = t0 + Cfg::kBlockN > unmasked_end;
         bool over = false;
 #pragma unroll
         for (int i = 0; i < kAcc; ++i) {
           const int k = acc_col(i), t = t0 + acc_row(i);
-          acc_s[i] = masked && !(t < tok_end && t <= limit[k]) ? -INFINITY : acc_s[i] * s_col[k];
+          const bool hidden =
+              kSparse ? !((ok_rows >> acc_row(i)) & 1u) : masked && !(t < tok_end && t <= limit[k]);
+          acc_s[i] = hidden ? -INFINITY : acc_s[i] * s_col[k];
           over |= acc_s[i] - m_run[k] > 8.f;  // NaN (both -inf) compares false; a first key gives +inf
         }
         // conditional rescaling (FlashAttention-4): the column maxima are taken only when some score passes its
@@ -731,9 +940,10 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
 #pragma unroll
         for (int k = 0; k < kCols; ++k) l_run[k] = l_run[k] * alpha[k] + psum[k];
         // the stage's P^T was last read by the accumulator for tile it - kStages, before it released the stage
-        __half* pw = sP + st * (S::kPBytes / 2);
+        OT* pw = sP + st * (S::kPBytes / 2);
 #pragma unroll
-        for (int i = 0; i < kAcc; ++i) pw[L::offset(col_of(acc_col(i)), acc_row(i))] = __float2half_rn(acc_s[i]);
+        for (int i = 0; i < kAcc; ++i)
+          pw[L::offset(col_of(acc_col(i)), acc_row(i))] = TypeTraits<OT>::from_float2(acc_s[i], 0.f).x;
         if (warp == 0) {
           if (fire && lane < 4) {
 #pragma unroll
@@ -767,11 +977,17 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
         const float total = poison_sum(sLRed[c] + sLRed[Fp8t::kMaxRows + c] + sLRed[2 * Fp8t::kMaxRows + c] +
                                            sLRed[3 * Fp8t::kMaxRows + c],
                                        bad_tiles != 0);
-        sSum[par * Fp8t::kMaxRows + c] = total;  // NaN for a poisoned item: the accumulator's rows NaN too
+        const int qi = c / heads_per_kv, head = kvh * heads_per_kv + c % heads_per_kv;
+        const bool has_keys = total != 0.f;
+        // what the accumulator divides the row by: the sum, and for a whole request's row with a sink s (sparse,
+        // DeepSeek-V4) 2^(s log2 e - max) besides (etap's epilogue; s = +inf: out 0); a split request's rows take
+        // the sink in the combine
+        float div = total;  // NaN for a poisoned item: the accumulator's rows NaN too
+        if (kSparse && slot < 0 && p.attn_sink != nullptr && has_keys && c < p.rows_per_kv_head)
+          div += exp2f(p.attn_sink[head] * kLog2e - sMax[c]);
+        sSum[par * Fp8t::kMaxRows + c] = div;
         if (c < p.rows_per_kv_head) {
-          const bool has_keys = total != 0.f;
           const float lse_val = has_keys ? (sMax[c] + log2f(total)) * kLn2 : (slot < 0 ? INFINITY : -INFINITY);
-          const int qi = c / heads_per_kv, head = kvh * heads_per_kv + c % heads_per_kv;
           store_item_lse(p, req, slot, qi, head, lse_val);
         }
       }
@@ -785,13 +1001,14 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
       regs_inc<Fp8t::kRegsLaunch>();
   } else {
     // ================= accumulator =================
-    regs_inc<kRS ? Fp8t::kRegsAccRS : Fp8t::kRegsAcc>();
+    regs_inc<kRS ? Fp8t::kRegsAccRS : kRegsAcc>();
     barrier_cta_unaligned(Fp8t::kBarRegs, Fp8t::kThreads);
     uint32_t it = 0, n_items = 0;
     for (int item = item_begin; item < item_end; ++item) {
       const WorkItem w = load_item(p, item);
-      const int req = w.req, tok_begin = w.tok_begin, tok_end = w.tok_end, slot = w.slot;
+      const int req = w.req, tok_begin = w.tok_begin, slot = w.slot;
       if (req < 0) continue;
+      const int tok_end = kSparse ? min(w.tok_end, max(p.cache_seqlens[req], tok_begin)) : w.tok_end;  // as above
       const int n_tiles = (tok_end - tok_begin + Cfg::kBlockN - 1) / Cfg::kBlockN;
       // causal: the keys from here on are hidden from some query row (the scorer's unmasked_end; the CTA's tile holds
       // every row of the KV head, query token 0's among them), so their non-finite V values are cleaned before P V
@@ -857,7 +1074,7 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
           // still read the NaN (the rows that see the key get NaN from its score), and p_ready says all four scorer
           // warps are done with the stage. The converter rewrites it only after this warpgroup's empty arrive.
           if (hide) {
-            clean_hidden_rows<__half>(sK + st * (S::kStageBytes / 2), max(unmasked_end - t0, 0),
+            clean_hidden_rows<OT>(sK + st * (S::kStageBytes / 2), max(unmasked_end - t0, 0),
                                       min(tok_end - t0, Cfg::kBlockN), tid_wg, 128);
             fence_proxy_async_smem();
             named_barrier(Fp8t::kBarAcc, 128);  // every thread's cleaning before any warp's wgmma reads the stage

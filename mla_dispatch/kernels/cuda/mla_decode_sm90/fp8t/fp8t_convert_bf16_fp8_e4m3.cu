@@ -1,4 +1,4 @@
-// The fp8t_convert kernel instances of q dtype bf16 over an fp8_e4m3 cache (fp8t/launch.cuh).
+// The fp8t_convert kernel instances of q dtype bf16 over an fp8_e4m3 cache (fp8t/launch.cuh), dense and sparse.
 #include "fp8t/launch.cuh"
 
 namespace mla_sm90 {
