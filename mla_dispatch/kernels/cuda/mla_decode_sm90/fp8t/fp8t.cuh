@@ -215,12 +215,18 @@ __device__ __forceinline__ void fp8t_store(__half* stage, Fp8tRows& x, int t0, i
 // table holds one cache token id per token (-1: a skipped slot), over fp8_e4m3, fp8_ds_mla or fp8_ds_v4 caches. The
 // converter gathers each tile row by row (v7 loads rows from their own pages already), zero-fills the rows without
 // an id (-1, or past the item's end: nothing of them is read, so NaN poison in unused slots cannot reach P V) and
-// gives the scorer a bit per row with the stage (sOk), which masks the others' scores. The scaled formats are
-// dequantised as etap and wgmma do it (store_kv_fp8_8b: fp32 products of the fp8 values and their group's scale,
-// rounded once to the operand type), and their operands are q's own dtype: q is read as it is, with no per-row
-// scale, and only fp8_e4m3 keeps fp16 operands. The design FlashMLA's sparse fp8 decode uses for its heads (a
-// warpgroup that gathers and converts beside the ones that compute: csrc/sm90/decode/sparse_fp8), here at the 16
-// or 32 query rows of a tokens-on-M tile (issue 57).
+// gives the scorer a bit per row with the stage (sOk), which masks the others' scores. The design FlashMLA's sparse
+// fp8 decode uses for its heads (a warpgroup that gathers and converts beside the ones that compute:
+// csrc/sm90/decode/sparse_fp8), here at the 16 or 32 query rows of a tokens-on-M tile (issue 57).
+//
+// Operands are fp16 for every format, q scaled per row as for fp8_e4m3. The scaled formats' values are the exact
+// fp16 of the fp8 value times the fp16 of its group's scale, one fp16 multiply per pair (HMUL2): within 2^-10 of the
+// product (two fp16 roundings; bf16, as etap and wgmma store it, 2^-9), exact for fp8_ds_v4's power-of-two scales. Its
+// range is fp16's: products below 2^-14 lose relative precision (absolute error <= 2^-25), and a group scale below
+// 2^-14 (fp8_ds_mla: a group whose largest magnitude is below ~0.027) is rounded in fp16's subnormal steps of 2^-24.
+// The converter is one warp per scheduler: at bf16, the fp32 product took six instructions per pair and bound the
+// kernel (H200, b=128 s_q=2 h_q=16, fp8_ds_mla: 287.5 us, 2.94 warps per scheduler with 0.31 eligible, against a
+// gather of the same rows in 107 us; benchmarks/RESULTS.md, session 5).
 
 // A tile's rows held by one converter thread of a sparse launch (rows r0 and r0 + 32, the 16 bytes at 16 (lane % 4)
 // of each 64-byte fp8 column block, as Fp8tRows): fp8_e4m3 nine fp8 blocks; fp8_ds_mla eight NoPE blocks, the
@@ -285,16 +291,16 @@ __device__ __forceinline__ void fp8t_load_sparse(const DecodeParams& p, const Pa
   }
 }
 
-// The rows of fp8t_load_sparse into `stage` (Gmma128Tile64, operand type OT: fp16 for fp8_e4m3, else q's dtype),
-// dequantised as store_kv_fp8_8b does (fp8_e4m3 unscaled: its per-tensor scale goes to the scores and the output);
-// rows without an id as zeros. fp8_ds_v4 (D_qk 512): column block 7 holds the RoPE values and 8 zeros (q's are too).
-template <typename OT, int KvFmt>
-__device__ __forceinline__ void fp8t_store_sparse(OT* stage, const Fp8tSparseRows<KvFmt>& x, int r0, int q4) {
+// The rows of fp8t_load_sparse into `stage` (Gmma128Tile64) as fp16: fp8_e4m3 unscaled (its per-tensor scale goes to
+// the scores and the output), the scaled formats times their group's scale in fp16 (above); rows without an id as
+// zeros. fp8_ds_v4 (D_qk 512): column block 7 holds the RoPE values and 8 zeros (q's are too).
+template <int KvFmt>
+__device__ __forceinline__ void fp8t_store_sparse(__half* stage, const Fp8tSparseRows<KvFmt>& x, int r0, int q4) {
   const uint4 zero = make_uint4(0, 0, 0, 0);
 #pragma unroll
   for (int pass = 0; pass < 2; ++pass) {
     const int row = r0 + 32 * pass;
-    OT* base = stage + row * 64;
+    __half* base = stage + row * 64;
     const int c0 = ((2 * q4) ^ (row & 7)) << 3, c1 = ((2 * q4 + 1) ^ (row & 7)) << 3;
     // the thread's 16 values of column block b: values 0-7 at chunk 2 q4, 8-15 at 2 q4 + 1 (swizzled by the row)
     auto put = [&](int b, uint4 lo, uint4 hi) {
@@ -306,14 +312,25 @@ __device__ __forceinline__ void fp8t_store_sparse(OT* stage, const Fp8tSparseRow
       for (int b = 0; b < 9; ++b) put(b, zero, zero);
       continue;
     }
+    // 16 fp8 values (w) as fp16 times s (both halves): two conversions and two multiplies per 4 values
+    auto conv16 = [&](int b, const uint4 w, __half2 s) {
+      uint32_t o[8];
+      const uint32_t in[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint2 h = e4m3x4_to_f16x4(in[i]);
+        if constexpr (KvFmt == kKvFp8E4M3) {
+          o[2 * i] = h.x, o[2 * i + 1] = h.y;
+        } else {
+          o[2 * i] = half2_bits(__hmul2(*reinterpret_cast<const __half2*>(&h.x), s));
+          o[2 * i + 1] = half2_bits(__hmul2(*reinterpret_cast<const __half2*>(&h.y), s));
+        }
+      }
+      put(b, make_uint4(o[0], o[1], o[2], o[3]), make_uint4(o[4], o[5], o[6], o[7]));
+    };
     if constexpr (KvFmt == kKvFp8E4M3) {
 #pragma unroll
-      for (int b = 0; b < 9; ++b) {
-        const uint4 w = x.v[pass][b];
-        const uint2 a = e4m3x4_to_f16x4(w.x), c = e4m3x4_to_f16x4(w.y), d = e4m3x4_to_f16x4(w.z),
-                    e = e4m3x4_to_f16x4(w.w);
-        put(b, make_uint4(a.x, a.y, c.x, c.y), make_uint4(d.x, d.y, e.x, e.y));
-      }
+      for (int b = 0; b < 9; ++b) conv16(b, x.v[pass][b], __half2());
     } else {
       const uint4 sc = x.scale[pass];
 #pragma unroll
@@ -325,15 +342,10 @@ __device__ __forceinline__ void fp8t_store_sparse(OT* stage, const Fp8tSparseRow
         } else {  // fp8_ds_mla: column block b lies in scale group b / 2
           s = __uint_as_float(b < 2 ? sc.x : b < 4 ? sc.y : b < 6 ? sc.z : sc.w);
         }
-        const uint4 w = x.v[pass][b];
-        put(b,
-            make_uint4(fp8x2_to<OT, true>(w.x, s), fp8x2_to<OT, true>(w.x >> 16, s), fp8x2_to<OT, true>(w.y, s),
-                       fp8x2_to<OT, true>(w.y >> 16, s)),
-            make_uint4(fp8x2_to<OT, true>(w.z, s), fp8x2_to<OT, true>(w.z >> 16, s), fp8x2_to<OT, true>(w.w, s),
-                       fp8x2_to<OT, true>(w.w >> 16, s)));
+        conv16(b, x.v[pass][b], __float2half2_rn(s));
       }
       constexpr int kRope = Fp8tSparseRows<KvFmt>::kFp8Blocks;  // the block after the NoPE ones
-      put(kRope, rope_as<OT>(x.rope[pass][0]), rope_as<OT>(x.rope[pass][1]));
+      put(kRope, rope_as<__half>(x.rope[pass][0]), rope_as<__half>(x.rope[pass][1]));
       if constexpr (kRope == 7) put(8, zero, zero);
     }
   }
@@ -508,16 +520,13 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
   static_assert(kN == 16 || kN == 32, "16 or 32 query rows");
   static_assert(!kSparse || !kRS, "sparse launches run v7");
   static_assert(kSparse ? KvFmt != kKvSameAsQ : KvFmt == kKvFp8E4M3, "dense: fp8_e4m3; sparse: any fp8 cache");
-  // the operands' type: fp16 for fp8_e4m3 (exact; q scaled per row), q's own dtype for the scaled formats
-  constexpr bool kQAsIs = KvFmt != kKvFp8E4M3;
-  using OT = std::conditional_t<kQAsIs, T, __half>;
   constexpr int kQChunks = KvFmt == kKvFp8DsV4 ? kDsV4HeadDim / 8 : Cfg::kChunksQK;  // q's 8-value chunks
   // registers of the converter and the accumulator (setmaxnreg; Fp8t)
   constexpr bool kRegsDs = kSparse && KvFmt == kKvFp8DsMla;
   constexpr int kRegsConv = kRegsDs ? Fp8t::kRegsConvDs : Fp8t::kRegsConv;
   constexpr int kRegsAcc = kRegsDs ? Fp8t::kRegsAccDs : Fp8t::kRegsAcc;
   using L = Gmma128Tile64;
-  using G = GmmaEtap<OT, kN>;
+  using G = GmmaEtap<__half, kN>;
   using S = Fp8tSmem<kRS>;
   constexpr int kStages = S::kStages;
   using TT = TypeTraits<T>;
@@ -526,9 +535,9 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
   extern __shared__ __align__(128) uint8_t smem_raw[];
   uint8_t* smem_base = smem_raw + ((1024 - (smem_u32(smem_raw) & 1023)) & 1023);
   // v7: [2 stages][9 blocks][64][64] fp16; v8: [3 stages][5 boxes][64][128] fp8
-  OT* sK = reinterpret_cast<OT*>(smem_base);
-  OT* sQ = reinterpret_cast<OT*>(smem_base + S::kOffQ);
-  OT* sP = reinterpret_cast<OT*>(smem_base + S::kOffP);  // [stages][kMaxRows x 64]
+  __half* sK = reinterpret_cast<__half*>(smem_base);
+  __half* sQ = reinterpret_cast<__half*>(smem_base + S::kOffQ);
+  __half* sP = reinterpret_cast<__half*>(smem_base + S::kOffP);  // [stages][kMaxRows x 64]
   float* sO = reinterpret_cast<float*>(smem_base + S::kOffO);    // [kN][kOStride]
   float* sColScale = reinterpret_cast<float*>(smem_base + S::kOffF);  // [32] 2^-e of each query row
   float* sAlpha = sColScale + Fp8t::kMaxRows;                         // [stages][32]
@@ -715,7 +724,7 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
         const uint32_t st = it & 1u;
         mbar_wait(empty + st, ((it >> 1) & 1u) ^ 1u);
         if constexpr (kSparse) {
-          fp8t_store_sparse<OT, KvFmt>(sK + st * (S::kStageBytes / 2), x, r0, q4);
+          fp8t_store_sparse<KvFmt>(sK + st * (S::kStageBytes / 2), x, r0, q4);
           // the rows with an id, a byte per 8 rows: this warp's rows 8 warp .. + 8 and 32 + 8 warp .. + 8
           const uint32_t ok0 = __ballot_sync(0xffffffffu, x.ok & 1u), ok1 = __ballot_sync(0xffffffffu, x.ok & 2u);
           if (lane == 0) {  // published by its arrive below, as sBad
@@ -779,8 +788,8 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
       const int seqlen = p.cache_seqlens[req];
       const int tok_end = kSparse ? min(w.tok_end, max(seqlen, tok_begin)) : w.tok_end;  // as the converter's
       const int n_tiles = (tok_end - tok_begin + Cfg::kBlockN - 1) / Cfg::kBlockN;
-      // ---- the query tile in fp16 (kQAsIs: as it is): warp w takes rows w, w + 4, ...; lane the 16-byte chunks
-      // lane, lane + 32, ...
+      // ---- the query tile in fp16: warp w takes rows w, w + 4, ...; lane the 16-byte chunks lane, lane + 32, ...
+      // (fp8_ds_v4: D_qk 512, q's column block 8 zeros, as the stages')
       named_barrier(Fp8t::kBarScorer, 128);  // every warp's S^T of the previous item is done: sQ is free
       // every row's loads of a batch in flight before any is used (v8 at 32 rows: 167.7 -> 164.9 us at b=64 L=8K,
       // no change at 16; H100, [notes], twenty-eighth session). v8's scorer holds all its rows (kN / 4 x 12
@@ -806,15 +815,6 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
 #pragma unroll
         for (int r = 0; r < kQBatch; ++r) {
           const int c = c0 + 4 * r;
-          if constexpr (kQAsIs) {  // (fp8_ds_v4: D_qk 512, q's column block 8 zeros, as the stages')
-#pragma unroll
-            for (int k = 0; k < 3; ++k) {
-              const int chunk = lane + 32 * k;
-              if (chunk < Cfg::kChunksQK) *reinterpret_cast<uint4*>(sQ + q_tile_offset<kN>(c, 8 * chunk)) = v[r][k];
-            }
-            if (lane == 0) sColScale[c] = 1.f;
-            continue;
-          }
           float mx = 0.f;
 #pragma unroll
           for (int k = 0; k < 3; ++k) {
@@ -940,10 +940,10 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
 #pragma unroll
         for (int k = 0; k < kCols; ++k) l_run[k] = l_run[k] * alpha[k] + psum[k];
         // the stage's P^T was last read by the accumulator for tile it - kStages, before it released the stage
-        OT* pw = sP + st * (S::kPBytes / 2);
+        __half* pw = sP + st * (S::kPBytes / 2);
 #pragma unroll
         for (int i = 0; i < kAcc; ++i)
-          pw[L::offset(col_of(acc_col(i)), acc_row(i))] = TypeTraits<OT>::from_float2(acc_s[i], 0.f).x;
+          pw[L::offset(col_of(acc_col(i)), acc_row(i))] = __float2half_rn(acc_s[i]);
         if (warp == 0) {
           if (fire && lane < 4) {
 #pragma unroll
@@ -1074,7 +1074,7 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
           // still read the NaN (the rows that see the key get NaN from its score), and p_ready says all four scorer
           // warps are done with the stage. The converter rewrites it only after this warpgroup's empty arrive.
           if (hide) {
-            clean_hidden_rows<OT>(sK + st * (S::kStageBytes / 2), max(unmasked_end - t0, 0),
+            clean_hidden_rows<__half>(sK + st * (S::kStageBytes / 2), max(unmasked_end - t0, 0),
                                       min(tok_end - t0, Cfg::kBlockN), tid_wg, 128);
             fence_proxy_async_smem();
             named_barrier(Fp8t::kBarAcc, 128);  // every thread's cleaning before any warp's wgmma reads the stage
