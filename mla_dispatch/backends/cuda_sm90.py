@@ -232,11 +232,12 @@ def choose_sparse_variant(view: DecodeProblem) -> int:
     wgmma otherwise. Chosen from the heads and the cache format alone, so it holds for a batch-invariant plan too (the
     choice never follows the batch).
 
-    Measured on the H200 (benchmarks/RESULTS.md, 2026-11-29 session 4; top-k 2048 of L-bar 32K, b=128 s_q=2, CUDA-graph
-    replay): h_q=16 etap 247.6 / wgmma 291.1 us (fp8_ds_mla), 247.9 / 291.0 (fp8_ds_v4); h_q=32 etap in two row tiles
-    445.8 / wgmma 300.4; h_q=64 (b=64 s_q=1) 231.3 / 98.0. etap (tokens on M with each warpgroup loading, converting
-    and computing its own tiles in turn) runs sparse views in row tiles of 16 when forced (backend_options variant=6)
-    for tests and measurements; each extra row tile gathers the tokens again."""
+    Measured on the H200 (benchmarks/RESULTS.md, 2026-11-29 session 5; top-k 2048 of L-bar 32K, b=128 s_q=2, CUDA-graph
+    replay), fp8t_convert / etap / wgmma us: h_q=16 234.8 / 247.3 / 291.0 (fp8_ds_mla), 240.3 / 247.9 / 291.4
+    (fp8_ds_v4); h_q=32 268.5 / 447.6 (etap in two row tiles) / 301.5. At 64 heads (b=64 s_q=1) etap in four row tiles
+    took 231.2 against wgmma's 97.9: each extra row tile gathers the tokens again. etap (each warpgroup loading,
+    converting and computing its own tiles in turn) runs sparse views in row tiles of 16 when forced (backend_options
+    variant=6), for tests and measurements."""
     if view.kv_format in MAINLOOPS[FP8T_CONVERT].sparse_formats and rows_per_kv_head(view) <= SPARSE_FP8T_MAX_ROWS:
         return FP8T_CONVERT
     return WGMMA

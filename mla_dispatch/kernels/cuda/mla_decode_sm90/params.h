@@ -69,7 +69,8 @@ struct DecodeParams {
   // The table then holds cache token ids, block * sparse_page + offset, one per token (page_size is 1 for the
   // table, block_ids counts tokens), read from the cache's own blocks (loads.cuh, sparse_token_elem); an id of -1
   // is a skipped top-k slot, masked out of the softmax and never read, not a bad id (loads.cuh,
-  // load_kv_async_sparse). wgmma's sparse instances, and etap's over fp8 caches (binding.cpp, check_config).
+  // load_kv_async_sparse). wgmma's sparse instances, and etap's and fp8t_convert's over fp8 caches (binding.cpp,
+  // check_config).
   int sparse;
   int sparse_page;  // sparse: the cache's page size (kv_cache.size(1))
   // sparse only, optional (nullptr): fp32 [h_q] attention sinks (DeepSeek-V4): a finished row is scaled by

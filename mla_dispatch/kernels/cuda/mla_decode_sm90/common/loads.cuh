@@ -185,7 +185,8 @@ __device__ __forceinline__ void store_kv_fp8_8b(T* stage, const Fp8Stage8B<Cfg::
   }
 }
 
-// ---- sparse decode (params.h, DecodeParams::sparse): the loaders of the sparse instances (wgmma, etap) ----------
+// ---- sparse decode (params.h, DecodeParams::sparse): the loaders of the sparse instances (wgmma, etap; fp8t has its
+// own, fp8t/fp8t.cuh) ---------------------------------------------------------------------------------------------
 // The table holds cache token ids (block * sparse_page + offset, FlashMLA's sparse indices), one per token; an id of
 // -1 is a skipped top-k slot: its row is zero-filled like a row past the end (never read, so NaN poison in the cache
 // cannot reach P V) and its score is masked (wgmma/wgmma.cuh). Any other id outside [0, block_ids) is a bad id, as
