@@ -104,8 +104,8 @@ class Mainloop:
     #: the cache formats of the sparse (top-k) decode it runs, masking the -1 slots of its flattened view (params.h,
     #: DecodeParams::sparse); empty: dense only
     sparse_formats: frozenset[str] = frozenset()
-    #: a sparse view runs in row tiles of this many rows, whatever its rows (etap: 16; the rows limits are dense
-    #: ones), else None (as dense)
+    #: a sparse view runs in row tiles of this many rows, whatever its rows (etap: its fp8 tile, ETAP_FP8_MAX_ROWS;
+    #: the rows limits are dense ones), else None (as dense)
     sparse_tile_rows: int | None = None
 
     def rows_limit(self, kv_format: str) -> int | None:
@@ -139,7 +139,8 @@ MAINLOOPS = MappingProxyType({m.variant: m for m in (
     Mainloop(SEESAW, "seesaw", "seesaw/seesaw.cuh", _16BIT_CACHE, whole_tile_pages=True,
              max_q_len=SEESAW_MAX_Q_LEN, combine_tail=False),
     Mainloop(ETAP, "etap", "etap/etap.cuh", _ANY_CACHE | {"fp8_ds_v4"}, max_rows=ETAP_MAX_ROWS,
-             max_rows_fp8=ETAP_FP8_MAX_ROWS, sparse_formats=_FP8_CACHE, sparse_tile_rows=16),
+             max_rows_fp8=ETAP_FP8_MAX_ROWS, sparse_formats=_FP8_CACHE,
+             sparse_tile_rows=ETAP_FP8_MAX_ROWS),
     Mainloop(FP8T_CONVERT, "fp8t_convert", "fp8t/fp8t_convert.cuh", frozenset({"fp8_e4m3"}), max_rows=FP8T_MAX_ROWS,
              sparse_formats=_FP8_CACHE),
     Mainloop(FP8T_REGS, "fp8t_regs", "fp8t/fp8t_regs.cuh", frozenset({"fp8_e4m3"}), max_rows=FP8T_MAX_ROWS,

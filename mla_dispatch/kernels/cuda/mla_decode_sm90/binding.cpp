@@ -187,11 +187,12 @@ void check_config(const mla_sm90::LaunchConfig& c, const Geometry& g) {
     MLA_CHECK(g.kv_format == kKvFp8E4M3, "variant ", m, " needs an fp8_e4m3 cache (kv_format 1), got kv_format ",
               g.kv_format);
   if (seesaw) MLA_CHECK(g.q_len <= kSeesawMaxQLen, "variant ", m, " needs s_q <= ", kSeesawMaxQLen, ", got ", g.q_len);
-  // tile_rows: one tile of 16 or 32 rows per KV head (tokens on M; a sparse v6 launch: row tiles of 16), else row
-  // tiles of kBlockM
+  // tile_rows: one tile of 16 or 32 rows per KV head (tokens on M; a sparse v6 launch: row tiles of its fp8 tile,
+  // kEtapFp8MaxRows rows), else row tiles of kBlockM
   const bool on_m_tiles = g.sparse && m == kEtap;
   if (on_m_tiles) {
-    MLA_CHECK(c.tile_rows == 16, "tile_rows must be 16 for a sparse launch of variant 6, got ", c.tile_rows);
+    MLA_CHECK(c.tile_rows == kEtapFp8MaxRows, "tile_rows must be ", kEtapFp8MaxRows,
+              " for a sparse launch of variant 6 (its fp8 tile), got ", c.tile_rows);
   } else if (on_m) {
     const int64_t max_rows = m != kEtap ? kFp8tMaxRows : fp8 ? kEtapFp8MaxRows : kEtapMaxRows;
     MLA_CHECK(rows <= max_rows, "variant ", m, " needs <= ", max_rows,
@@ -212,7 +213,8 @@ void check_config(const mla_sm90::LaunchConfig& c, const Geometry& g) {
     MLA_CHECK(g.page_size % kBlockN == 0, "tma_loads=true (variant ", m, ") needs page_size % ", kBlockN,
               " == 0, got ", g.page_size);
   // paired: v5's row tiles in clusters of two
-  const int64_t row_tiles = on_m_tiles ? (rows + 15) / 16 : on_m ? 1 : (rows + kBlockM - 1) / kBlockM;
+  const int64_t row_tiles =
+      on_m_tiles ? (rows + kEtapFp8MaxRows - 1) / kEtapFp8MaxRows : on_m ? 1 : (rows + kBlockM - 1) / kBlockM;
   if (c.paired)
     MLA_CHECK(m == kSeesaw && row_tiles % 2 == 0, "paired=true needs variant 5 and an even number of ", kBlockM,
               "-row tiles per KV head, got variant ", m, " and ", row_tiles);
