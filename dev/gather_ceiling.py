@@ -33,21 +33,21 @@ def _gather_rows(words, ids, out, n_ids, ROW_WORDS: tl.constexpr, ROWS: tl.const
     tl.store(out + pid, tl.sum(tl.sum(x, axis=1), axis=0))
 
 
-def measure(case, row_bytes: int, word_stride: int) -> tuple[float, float, int]:
-    """(gather us, sorted us, rows) of the case's valid top-k ids over its cache."""
+def measure(case, row_bytes: int) -> tuple[float, float, int]:
+    """(gather us, sorted us, rows) of the case's valid top-k ids over its cache, whose rows are ``row_bytes`` apart
+    (one KV head: token id = row)."""
     kv = case.kv_cache
     words = kv.view(torch.uint8).reshape(-1).view(torch.int32)
     ids = case.indices.reshape(-1)
     ids = ids[ids >= 0].to(torch.int32).contiguous()
-    rows_w = row_bytes // 4
-    cols = triton.next_power_of_2(rows_w)
+    row_words = row_bytes // 4
+    cols = triton.next_power_of_2(row_words)
     out = torch.empty(triton.cdiv(ids.numel(), 64), dtype=torch.int32, device=ids.device)
 
     def run(id_list):
-        return lambda: _gather_rows[(out.numel(),)](words, id_list, out, id_list.numel(), ROW_WORDS=word_stride,
+        return lambda: _gather_rows[(out.numel(),)](words, id_list, out, id_list.numel(), ROW_WORDS=row_words,
                                                     ROWS=64, COLS=cols, num_warps=8)
 
-    # the kernel reads words [0, ROW_WORDS) of row id; the row stride is the cache's token stride (word_stride)
     gather = triton.testing.do_bench(run(ids), warmup=25, rep=200)
     ordered = triton.testing.do_bench(run(torch.sort(ids).values.contiguous()), warmup=25, rep=200)
     return gather * 1e3, ordered * 1e3, ids.numel()
@@ -66,7 +66,7 @@ def main() -> None:
             row_bytes = 656
         else:
             raise SystemExit(f"{cfg.kv_format}: rows of one stride only (fp8_ds_mla)")
-        us, us_sorted, rows = measure(case, row_bytes, row_bytes // 4)
+        us, us_sorted, rows = measure(case, row_bytes)
         gbytes = rows * row_bytes / 1e9
         print(f"{cfg.label}: {rows} rows of {row_bytes} B ({gbytes * 1e3:.0f} MB): gather {us:.1f} us "
               f"({gbytes / us * 1e3:.2f} TB/s), same rows sorted {us_sorted:.1f} us ({gbytes / us_sorted * 1e3:.2f} TB/s)")

@@ -56,8 +56,6 @@ WGMMA, SEESAW, ETAP, FP8T_CONVERT, FP8T_REGS, SEESAW_FP8 = 2, 5, 6, 7, 8, 9  # M
 SEESAW_MAX_Q_LEN = 64  # kSeesawMaxQLen
 ETAP_MAX_ROWS, ETAP_FP8_MAX_ROWS, FP8T_MAX_ROWS = 32, 16, 32  # kEtapMaxRows, kEtapFp8MaxRows, kFp8tMaxRows
 FUSED_MAX_SPLITS = 1024  # kFusedMaxSplits
-#: the most query rows per KV head of a sparse view that fp8t_convert takes (choose_sparse_variant): its one tile
-SPARSE_FP8T_MAX_ROWS = FP8T_MAX_ROWS
 
 _ANY_CACHE = frozenset(KV_FORMAT_CODES) - {"fp8_ds_v4"}
 _16BIT_CACHE = frozenset({"bf16", "fp16"})
@@ -228,9 +226,9 @@ def choose_variant(problem: DecodeProblem, num_parts: int, max_chunks: int) -> i
 def choose_sparse_variant(view: DecodeProblem) -> int:
     """The mainloop of a sparse problem's flattened view (:func:`sparse_view`): fp8t_convert (tokens on the wgmma M
     side in one tile of 16 or 32 rows, a warpgroup gathering and converting each tile while two others compute) for
-    at most SPARSE_FP8T_MAX_ROWS heads per KV head over an fp8 cache (:attr:`Mainloop.sparse_formats`), so a 64-token
-    tile costs the tensor time of its rows, not of wgmma's 64-row tile (three quarters padding at h_q = 16, issue 57);
-    wgmma otherwise. Chosen from the heads and the cache format alone, so it holds for a batch-invariant plan too (the
+    at most FP8T_MAX_ROWS heads per KV head (its one tile) over an fp8 cache (:attr:`Mainloop.sparse_formats`), so a
+    64-token tile costs the tensor time of its rows, not of wgmma's 64-row tile (three quarters padding at h_q = 16,
+    issue 57); wgmma otherwise. Chosen from the heads and the cache format alone, so it holds for a batch-invariant plan too (the
     choice never follows the batch).
 
     Measured on the H200 (benchmarks/RESULTS.md, 2026-11-29 session 5; top-k 2048 of L-bar 32K, b=128 s_q=2, CUDA-graph
@@ -239,7 +237,7 @@ def choose_sparse_variant(view: DecodeProblem) -> int:
     took 231.2 against wgmma's 97.9: each extra row tile gathers the tokens again. etap (each warpgroup loading,
     converting and computing its own tiles in turn) runs sparse views in row tiles of 16 when forced (backend_options
     variant=6), for tests and measurements."""
-    if view.kv_format in MAINLOOPS[FP8T_CONVERT].sparse_formats and rows_per_kv_head(view) <= SPARSE_FP8T_MAX_ROWS:
+    if view.kv_format in MAINLOOPS[FP8T_CONVERT].sparse_formats and rows_per_kv_head(view) <= FP8T_MAX_ROWS:
         return FP8T_CONVERT
     return WGMMA
 
