@@ -247,13 +247,13 @@ constexpr int fp8t_sparse_row_bytes() {
   return KvFmt == kKvFp8DsMla ? kDsMlaTokenBytes : KvFmt == kKvFp8DsV4 ? kDsV4DataBytes : kHeadDimQK;
 }
 
-// The cache block and slot of sparse token `id` (pg: of the cache's page size, sparse_page) and the address of its
-// data (fp8_ds_v4: its 576 bytes in the block; else its row of KV head kvh).
+// The data of sparse token `id` (pg: of the cache's page size, sparse_page; the token is row `id` of block
+// pg.index(id)): fp8_ds_v4 its 576 bytes in the block, else its row of KV head kvh (fp8t_row_offset).
 __device__ __forceinline__ const uint8_t* fp8t_sparse_row(const DecodeParams& p, const PageGeometry& pg, int id,
                                                           int kvh, bool ds_v4) {
-  const uint8_t* block = reinterpret_cast<const uint8_t*>(p.kv) + (int64_t)pg.index(id) * p.kv_stride_block;
-  return ds_v4 ? block + (int64_t)pg.row(id) * kDsV4DataBytes
-               : block + (int64_t)pg.row(id) * p.kv_stride_tok + (int64_t)kvh * p.kv_stride_head;
+  const uint8_t* kv = reinterpret_cast<const uint8_t*>(p.kv);
+  return ds_v4 ? kv + (int64_t)pg.index(id) * p.kv_stride_block + (int64_t)pg.row(id) * kDsV4DataBytes
+               : kv + fp8t_row_offset(p, pg, pg.index(id), id, kvh);
 }
 // fp8_ds_v4: token `id`'s 8 scale bytes, behind its block's tokens.
 __device__ __forceinline__ const uint8_t* fp8t_ds_v4_scales(const DecodeParams& p, const PageGeometry& pg, int id) {
