@@ -231,8 +231,8 @@ def choose_sparse_variant(view: DecodeProblem) -> int:
     issue 57); wgmma otherwise. Chosen from the heads and the cache format alone, so it holds for a batch-invariant plan too (the
     choice never follows the batch).
 
-    Measured on the H200 (benchmarks/RESULTS.md, 2026-11-29 session 5; top-k 2048 of L-bar 32K, b=128 s_q=2, CUDA-graph
-    replay), fp8t_convert / etap / wgmma us: h_q=16 234.8 / 247.3 / 291.0 (fp8_ds_mla), 240.3 / 247.9 / 291.4
+    Measured on the H200 (benchmarks/RESULTS.md, 2026-11-29, "sparse decode of <= 32 heads"; top-k 2048 of L-bar 32K,
+    b=128 s_q=2, CUDA-graph replay), fp8t_convert / etap / wgmma us: h_q=16 234.8 / 247.3 / 291.0 (fp8_ds_mla), 240.3 / 247.9 / 291.4
     (fp8_ds_v4); h_q=32 268.5 / 447.6 (etap in two row tiles) / 301.5. At 64 heads (b=64 s_q=1) etap in four row tiles
     took 231.2 against wgmma's 97.9: each extra row tile gathers the tokens again. etap (each warpgroup loading,
     converting and computing its own tiles in turn) runs sparse views in row tiles of 16 when forced (backend_options

@@ -225,8 +225,9 @@ __device__ __forceinline__ void fp8t_store(__half* stage, Fp8tRows& x, int t0, i
 // range is fp16's: products below 2^-14 lose relative precision (absolute error <= 2^-25), and a group scale below
 // 2^-14 (fp8_ds_mla: a group whose largest magnitude is below ~0.027) is rounded in fp16's subnormal steps of 2^-24.
 // The converter is one warp per scheduler: bf16 operands through fp32 products (six instructions per pair) took
-// 287.5 us at H200, b=128 s_q=2 h_q=16, fp8_ds_mla, these 235 (benchmarks/RESULTS.md, session 5, where ncu puts
-// most of what is left in the wait for the gathered rows: a gather of the same rows alone takes 107 us).
+// 287.5 us at H200, b=128 s_q=2 h_q=16, fp8_ds_mla, these 235 (benchmarks/RESULTS.md, 2026-11-29, "sparse decode of
+// <= 32 heads", where ncu puts most of what is left in the wait for the gathered rows: a gather of the same rows alone
+// takes 107 us).
 
 // A tile's rows held by one converter thread of a sparse launch (rows r0 and r0 + 32, the 16 bytes at 16 (lane % 4)
 // of each 64-byte fp8 column block, as Fp8tRows): fp8_e4m3 nine fp8 blocks; fp8_ds_mla eight NoPE blocks, the
