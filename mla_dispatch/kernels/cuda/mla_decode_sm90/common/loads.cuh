@@ -185,8 +185,8 @@ __device__ __forceinline__ void store_kv_fp8_8b(T* stage, const Fp8Stage8B<Cfg::
   }
 }
 
-// ---- sparse decode (params.h, DecodeParams::sparse): the loaders of the sparse instances (wgmma, etap; fp8t has its
-// own, fp8t/fp8t.cuh) ---------------------------------------------------------------------------------------------
+// ---- sparse decode (params.h, DecodeParams::sparse): the loaders of the sparse instances (wgmma, etap; fp8t and
+// seesaw_fp8 have their own, on the row addresses below) ------------------------------------------------------
 // The table holds cache token ids (block * sparse_page + offset, FlashMLA's sparse indices), one per token; an id of
 // -1 is a skipped top-k slot: its row is zero-filled like a row past the end (never read, so NaN poison in the cache
 // cannot reach P V) and its score is masked (wgmma/wgmma.cuh). Any other id outside [0, block_ids) is a bad id, as
@@ -199,6 +199,48 @@ __device__ __forceinline__ int sparse_id(const DecodeParams& p, int req, int t) 
 __device__ __forceinline__ int64_t sparse_token_elem(const DecodeParams& p, int id, int kvh) {
   return (int64_t)(id / p.sparse_page) * p.kv_stride_block + (int64_t)(id % p.sparse_page) * p.kv_stride_tok +
          (int64_t)kvh * p.kv_stride_head;
+}
+
+// Token t's page-table column and its row in the page (the converters of fp8t and of sparse seesaw_fp8): shifts where
+// the page size is a power of two (every size the backend is tested with; a division by a runtime value is ~20
+// instructions, and the converter takes several per tile: ncu, H100), a division otherwise.
+struct PageGeometry {
+  int size, shift;
+  bool pow2;
+  __device__ __forceinline__ int index(int t) const { return pow2 ? t >> shift : t / size; }
+  __device__ __forceinline__ int row(int t) const { return pow2 ? t & (size - 1) : t % size; }
+};
+__device__ __forceinline__ PageGeometry page_geometry(int page_size) {
+  PageGeometry g;
+  g.size = page_size;
+  g.shift = __ffs(page_size) - 1;
+  g.pow2 = (page_size & (page_size - 1)) == 0;
+  return g;
+}
+// Byte offset of token t (in cache block `page`) of KV head kvh (kv_token_elem with PageGeometry).
+__device__ __forceinline__ int64_t paged_row_offset(const DecodeParams& p, const PageGeometry& pg, int page, int t,
+                                                    int kvh) {
+  return (int64_t)page * p.kv_stride_block + (int64_t)pg.row(t) * p.kv_stride_tok + (int64_t)kvh * p.kv_stride_head;
+}
+
+// Bytes of a sparse row an L2 prefetch asks for (fp8_ds_v4: the token's data; its 8 scale bytes lie apart).
+template <int KvFmt>
+constexpr int sparse_row_bytes() {
+  return KvFmt == kKvFp8DsMla ? kDsMlaTokenBytes : KvFmt == kKvFp8DsV4 ? kDsV4DataBytes : kHeadDimQK;
+}
+
+// The data of sparse token `id` (pg: of the cache's page size, sparse_page; the token is row `id` of block
+// pg.index(id)): fp8_ds_v4 its 576 bytes in the block, else its row of KV head kvh (paged_row_offset).
+__device__ __forceinline__ const uint8_t* sparse_row(const DecodeParams& p, const PageGeometry& pg, int id, int kvh,
+                                                     bool ds_v4) {
+  const uint8_t* kv = reinterpret_cast<const uint8_t*>(p.kv);
+  return ds_v4 ? kv + (int64_t)pg.index(id) * p.kv_stride_block + (int64_t)pg.row(id) * kDsV4DataBytes
+               : kv + paged_row_offset(p, pg, pg.index(id), id, kvh);
+}
+// fp8_ds_v4: token `id`'s 8 scale bytes, behind its block's tokens.
+__device__ __forceinline__ const uint8_t* ds_v4_scales(const DecodeParams& p, const PageGeometry& pg, int id) {
+  return reinterpret_cast<const uint8_t*>(p.kv) + (int64_t)pg.index(id) * p.kv_stride_block +
+         (int64_t)p.sparse_page * kDsV4DataBytes + 8 * pg.row(id);
 }
 
 // load_kv_async of a sparse launch (the whole CTA).

@@ -147,28 +147,6 @@ struct Fp8tRows {
   uint4 v[2][9];
 };
 
-// Token t's page-table column and its row in the page: shifts where the page size is a power of two (every size the
-// backend is tested with; a division by a runtime value is ~20 instructions, and the converter takes several per
-// tile: ncu, H100), a division otherwise.
-struct PageGeometry {
-  int size, shift;
-  bool pow2;
-  __device__ __forceinline__ int index(int t) const { return pow2 ? t >> shift : t / size; }
-  __device__ __forceinline__ int row(int t) const { return pow2 ? t & (size - 1) : t % size; }
-};
-__device__ __forceinline__ PageGeometry page_geometry(int page_size) {
-  PageGeometry g;
-  g.size = page_size;
-  g.shift = __ffs(page_size) - 1;
-  g.pow2 = (page_size & (page_size - 1)) == 0;
-  return g;
-}
-// Byte offset of token t (in cache block `page`) of KV head kvh (kv_token_elem with PageGeometry).
-__device__ __forceinline__ int64_t fp8t_row_offset(const DecodeParams& p, const PageGeometry& pg, int page, int t,
-                                                   int kvh) {
-  return (int64_t)page * p.kv_stride_block + (int64_t)pg.row(t) * p.kv_stride_tok + (int64_t)kvh * p.kv_stride_head;
-}
-
 // The tile at t0 into registers; `page` holds the pages of the thread's two rows (0 past t_end: such a row reads
 // page 0's first row of this head, in bounds, and is zeroed before the store, so nothing past a request is used).
 __device__ __forceinline__ void fp8t_load(const DecodeParams& p, const PageGeometry& pg, Fp8tRows& x,
@@ -177,8 +155,8 @@ __device__ __forceinline__ void fp8t_load(const DecodeParams& p, const PageGeome
 #pragma unroll
   for (int pass = 0; pass < 2; ++pass) {
     const int t = t0 + r0 + 32 * pass;
-    const uint8_t* src = kv + (t < t_end ? fp8t_row_offset(p, pg, page[pass], t, kvh) : (int64_t)kvh * p.kv_stride_head) +
-                         16 * q4;
+    const uint8_t* src =
+        kv + (t < t_end ? paged_row_offset(p, pg, page[pass], t, kvh) : (int64_t)kvh * p.kv_stride_head) + 16 * q4;
 #pragma unroll
     for (int b = 0; b < 9; ++b) x.v[pass][b] = ld_stream_16(src + 64 * b);
   }
@@ -242,26 +220,6 @@ struct Fp8tSparseRows {
   uint32_t ok;
 };
 
-// Bytes of a sparse row an L2 prefetch asks for (fp8_ds_v4: the token's data; its 8 scale bytes lie apart).
-template <int KvFmt>
-constexpr int fp8t_sparse_row_bytes() {
-  return KvFmt == kKvFp8DsMla ? kDsMlaTokenBytes : KvFmt == kKvFp8DsV4 ? kDsV4DataBytes : kHeadDimQK;
-}
-
-// The data of sparse token `id` (pg: of the cache's page size, sparse_page; the token is row `id` of block
-// pg.index(id)): fp8_ds_v4 its 576 bytes in the block, else its row of KV head kvh (fp8t_row_offset).
-__device__ __forceinline__ const uint8_t* fp8t_sparse_row(const DecodeParams& p, const PageGeometry& pg, int id,
-                                                          int kvh, bool ds_v4) {
-  const uint8_t* kv = reinterpret_cast<const uint8_t*>(p.kv);
-  return ds_v4 ? kv + (int64_t)pg.index(id) * p.kv_stride_block + (int64_t)pg.row(id) * kDsV4DataBytes
-               : kv + fp8t_row_offset(p, pg, pg.index(id), id, kvh);
-}
-// fp8_ds_v4: token `id`'s 8 scale bytes, behind its block's tokens.
-__device__ __forceinline__ const uint8_t* fp8t_ds_v4_scales(const DecodeParams& p, const PageGeometry& pg, int id) {
-  return reinterpret_cast<const uint8_t*>(p.kv) + (int64_t)pg.index(id) * p.kv_stride_block +
-         (int64_t)p.sparse_page * kDsV4DataBytes + 8 * pg.row(id);
-}
-
 // The thread's rows of a sparse tile into registers; ids: of its two rows (-1: none, whose loads are skipped); a bad
 // id reads token 0 in its place (checked_page: max_id keeps it for the item's NaN).
 template <int KvFmt>
@@ -275,7 +233,7 @@ __device__ __forceinline__ void fp8t_load_sparse(const DecodeParams& p, const Pa
     if (ids[pass] == -1) continue;
     x.ok |= 1u << pass;
     const int id = checked_page(p, ids[pass], max_id);
-    const uint8_t* src = fp8t_sparse_row(p, pg, id, kvh, kV4);
+    const uint8_t* src = sparse_row(p, pg, id, kvh, kV4);
 #pragma unroll
     for (int b = 0; b < Fp8tSparseRows<KvFmt>::kFp8Blocks; ++b) x.v[pass][b] = ld_stream_16(src + 64 * b + 16 * q4);
     if constexpr (KvFmt != kKvFp8E4M3) {
@@ -283,7 +241,7 @@ __device__ __forceinline__ void fp8t_load_sparse(const DecodeParams& p, const Pa
       x.rope[pass][0] = ld_stream_16(rope);
       x.rope[pass][1] = ld_stream_16(rope + 16);
       if constexpr (kV4) {
-        const uint2 s = __ldg(reinterpret_cast<const uint2*>(fp8t_ds_v4_scales(p, pg, id)));
+        const uint2 s = __ldg(reinterpret_cast<const uint2*>(ds_v4_scales(p, pg, id)));
         x.scale[pass] = make_uint4(s.x, s.y, 0u, 0u);
       } else {
         x.scale[pass] = __ldg(reinterpret_cast<const uint4*>(src + 512));
@@ -706,17 +664,18 @@ __device__ __forceinline__ void fp8t_decode(const DecodeParams& p, const CUtenso
         if (!pf_ok || t0 >= tok_end) return;
         if constexpr (kSparse) {
           if (tid_wg < Cfg::kBlockN && page >= 0) {
-            prefetch_l2_bulk(fp8t_sparse_row(p, pg, page, kvh, KvFmt == kKvFp8DsV4), fp8t_sparse_row_bytes<KvFmt>());
+            prefetch_l2_bulk(sparse_row(p, pg, page, kvh, KvFmt == kKvFp8DsV4), sparse_row_bytes<KvFmt>());
             if constexpr (KvFmt == kKvFp8DsV4)  // the 16 bytes that hold its scale bytes
               prefetch_l2_bulk(reinterpret_cast<const void*>(
-                                   reinterpret_cast<uintptr_t>(fp8t_ds_v4_scales(p, pg, page)) & ~uintptr_t(15)),
+                                   reinterpret_cast<uintptr_t>(ds_v4_scales(p, pg, page)) & ~uintptr_t(15)),
                                16);
           }
         } else if (whole) {
           if (tid_wg == 0)
-            prefetch_l2_bulk(kv + fp8t_row_offset(p, pg, page, t0, kvh), min(Cfg::kBlockN, tok_end - t0) * Cfg::kHeadDimQK);
+            prefetch_l2_bulk(kv + paged_row_offset(p, pg, page, t0, kvh),
+                             min(Cfg::kBlockN, tok_end - t0) * Cfg::kHeadDimQK);
         } else if (tid_wg < Cfg::kBlockN && t0 + tid_wg < tok_end) {
-          prefetch_l2_bulk(kv + fp8t_row_offset(p, pg, page, t0 + tid_wg, kvh), Cfg::kHeadDimQK);
+          prefetch_l2_bulk(kv + paged_row_offset(p, pg, page, t0 + tid_wg, kvh), Cfg::kHeadDimQK);
         }
       };
       // tile `it` of this CTA into stage it % 2 once both consumers released it (a fresh barrier's wait for the
