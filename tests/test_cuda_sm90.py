@@ -782,10 +782,14 @@ for over, pattern in [
     (dict(variant=5, tma_loads=True, paired=True), "paired=true needs variant 5 and an even number of 64-row tiles"),
     (dict(variant=5, tma_loads=True, fuse_combine=True), "fuse_combine must be false for variant 5 .it has no combine"),
     (dict(fuse_combine=True, fixed_splits=True), "fuse_combine must be false with fixed_splits=true"),
-    # sparse launches: etap in row tiles of its fp8 tile; fp8t_convert and etap over fp8 caches only
+    # sparse launches: etap in row tiles of its fp8 tile; fp8t_convert and etap over fp8 caches, seesaw_fp8 over the
+    # scaled ones only
     (dict(variant=6, tile_rows=32, sparse=True), "tile_rows must be 16 for a sparse launch of variant 6 .its fp8 tile., "
      "got 32"),
-    (dict(variant=7, tile_rows=16, sparse=True), "sparse=true needs variant 2, or variant 6 or 7 with an fp8 cache"),
+    (dict(variant=7, tile_rows=16, sparse=True), "sparse=true needs variant 2, variant 6 or 7 with an fp8 cache, or "
+     "variant 9 with an fp8_ds_mla or fp8_ds_v4 cache"),
+    (dict(variant=9, sparse=True), "sparse=true needs variant 2, variant 6 or 7 with an fp8 cache, or variant 9 with "
+     "an fp8_ds_mla or fp8_ds_v4 cache .the mainloops that skip -1 top-k slots., got variant 9 and kv_format 0"),
 ]:
     with pytest.raises(ValueError, match=pattern):
         call(**over)

@@ -151,7 +151,7 @@ def test_sparse_runs_as_its_flattened_view():
     assert sparse_launch(sparse_problem(batch=1, q_len=1, h_q=64)).fuse_combine  # one request: merged in the launch
     assert CudaSM90Backend.SUPPORTS_SPARSE
     assert [v for v, m in cuda_sm90.MAINLOOPS.items() if m.sparse_formats] == [
-        cuda_sm90.WGMMA, cuda_sm90.ETAP, cuda_sm90.FP8T_CONVERT]
+        cuda_sm90.WGMMA, cuda_sm90.ETAP, cuda_sm90.FP8T_CONVERT, cuda_sm90.SEESAW_FP8]
 
 
 @pytest.mark.parametrize("h_q,kv_format,variant", [
@@ -186,10 +186,26 @@ def test_sparse_etap_forced_runs_row_tiles_of_16(h_q):
     assert 0 < layout.num_parts * -(-h_q // 16) <= H100_SMS
 
 
-@pytest.mark.parametrize("variant", [5, 9])
-def test_sparse_refuses_mainloops_that_do_not_mask_slots(variant):
+def test_sparse_refuses_mainloops_that_do_not_mask_slots():
     with pytest.raises(ValueError, match=r"sparse indices \(topk=2048; supported: dense block_table only\)"):
-        sparse_launch(sparse_problem(kv_format="fp8_e4m3" if variant == 9 else "bf16"), variant=variant)
+        sparse_launch(sparse_problem(kv_format="bf16"), variant=cuda_sm90.SEESAW)
+
+
+@pytest.mark.parametrize("kv_format", ["fp8_e4m3", "bf16"])
+def test_sparse_seesaw_fp8_takes_the_scaled_caches_only(kv_format):
+    with pytest.raises(ValueError, match=rf"sparse indices over a kv_format='{kv_format}' cache \(supported: "
+                                         r"fp8_ds_mla, fp8_ds_v4\)"):
+        sparse_launch(sparse_problem(kv_format=kv_format), variant=cuda_sm90.SEESAW_FP8)
+
+
+@pytest.mark.parametrize("kv_format,page_size", [("fp8_ds_mla", 64), ("fp8_ds_v4", 576), ("fp8_ds_mla", 1)])
+def test_sparse_seesaw_fp8_gathers_rows_by_id(kv_format, page_size):
+    """seesaw_fp8 forced on a sparse view gathers its rows by id: no tensor map, any page size, 64-row tiles."""
+    dims = dict(head_dim_qk=512, head_dim_v=512) if kv_format == "fp8_ds_v4" else {}
+    p = sparse_problem(kv_format=kv_format, page_size=page_size, **dims)
+    launch = sparse_launch(p, variant=cuda_sm90.SEESAW_FP8)
+    assert (launch.variant, launch.tile_rows, launch.tma_loads, launch.paired, launch.fuse_combine) == (
+        cuda_sm90.SEESAW_FP8, 64, False, False, False)
 
 
 def test_sparse_etap_refuses_16_bit_caches():

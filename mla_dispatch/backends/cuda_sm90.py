@@ -124,7 +124,7 @@ class Mainloop:
         limit = None if problem.sparse and self.sparse_tile_rows else self.rows_limit(p.kv_format)
         if limit is not None and rows_per_kv_head(p) > limit:
             out.append(f"{rows_per_kv_head(p)} query rows per KV head (s_q * h_q / h_kv; supported: <= {limit})")
-        if self.whole_tile_pages and p.page_size % BLOCK_N:
+        if self.whole_tile_pages and p.page_size % BLOCK_N and not problem.sparse:  # (sparse: rows gathered by id)
             out.append(f"page_size={p.page_size} (supported: multiples of {BLOCK_N})")
         if self.max_q_len is not None and p.q_len > self.max_q_len:
             out.append(f"s_q={p.q_len} (supported: <= {self.max_q_len})")
@@ -144,7 +144,7 @@ MAINLOOPS = MappingProxyType({m.variant: m for m in (
     Mainloop(FP8T_REGS, "fp8t_regs", "fp8t/fp8t_regs.cuh", frozenset({"fp8_e4m3"}), max_rows=FP8T_MAX_ROWS,
              whole_tile_pages=True),
     Mainloop(SEESAW_FP8, "seesaw_fp8", "seesaw_fp8/seesaw_fp8.cuh", frozenset({"fp8_e4m3"}), whole_tile_pages=True,
-             max_q_len=SEESAW_MAX_Q_LEN, combine_tail=False),
+             max_q_len=SEESAW_MAX_Q_LEN, combine_tail=False, sparse_formats=frozenset({"fp8_ds_mla", "fp8_ds_v4"})),
 )})
 
 
@@ -355,7 +355,7 @@ def launch_config(problem: DecodeProblem, num_parts: int, max_chunks: int, num_s
         raise ValueError(f"backend_options['variant']={variant} ({mainloop.name}) cannot run this problem: "
                          + "; ".join(reasons))
     tile_rows, row_tiles = tile_shape(variant, problem)
-    tma_loads = mainloop.whole_tile_pages or (
+    tma_loads = (mainloop.whole_tile_pages and not problem.sparse) or (
         variant == ETAP and p.kv_format in _16BIT_CACHE and p.page_size % BLOCK_N == 0)
     grid = (num_parts, row_tiles, p.num_heads_kv)
     ctas = num_parts * row_tiles * p.num_heads_kv

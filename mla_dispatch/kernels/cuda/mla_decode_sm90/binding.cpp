@@ -183,7 +183,8 @@ void check_config(const mla_sm90::LaunchConfig& c, const Geometry& g) {
   const bool seesaw = m == kSeesaw || m == kSeesawFp8, on_m = m == kEtap || m == kFp8tConvert || m == kFp8tRegs;
   const bool fp8 = g.kv_format != kKvSameAsQ;
   if (m == kSeesaw) MLA_CHECK(!fp8, "variant 5 needs a bf16/fp16 cache (kv_format 0), got kv_format ", g.kv_format);
-  if (m == kSeesawFp8 || m == kFp8tRegs || (m == kFp8tConvert && !g.sparse))  // (a sparse variant 7: any fp8 cache)
+  // (sparse: variant 7 takes any fp8 cache, variant 9 fp8_ds_mla and fp8_ds_v4, below)
+  if (((m == kSeesawFp8 || m == kFp8tConvert) && !g.sparse) || m == kFp8tRegs)
     MLA_CHECK(g.kv_format == kKvFp8E4M3, "variant ", m, " needs an fp8_e4m3 cache (kv_format 1), got kv_format ",
               g.kv_format);
   if (seesaw) MLA_CHECK(g.q_len <= kSeesawMaxQLen, "variant ", m, " needs s_q <= ", kSeesawMaxQLen, ", got ", g.q_len);
@@ -203,8 +204,8 @@ void check_config(const mla_sm90::LaunchConfig& c, const Geometry& g) {
   } else {
     MLA_CHECK(c.tile_rows == kBlockM, "tile_rows must be ", kBlockM, " for variant ", m, ", got ", c.tile_rows);
   }
-  // tma_loads: boxes of one page per 64-token tile
-  const bool tma = seesaw || m == kFp8tRegs;
+  // tma_loads: boxes of one page per 64-token tile (a sparse launch gathers its rows by id)
+  const bool tma = (seesaw && !g.sparse) || m == kFp8tRegs;
   if (m == kEtap && c.tma_loads)
     MLA_CHECK(!fp8, "tma_loads must be false for variant 6 with an fp8 cache (kv_format ", g.kv_format, ")");
   else if (m != kEtap)
@@ -218,11 +219,13 @@ void check_config(const mla_sm90::LaunchConfig& c, const Geometry& g) {
   if (c.paired)
     MLA_CHECK(m == kSeesaw && row_tiles % 2 == 0, "paired=true needs variant 5 and an even number of ", kBlockM,
               "-row tiles per KV head, got variant ", m, " and ", row_tiles);
-  // sparse: the flattened view of a top-k decode (params.h, DecodeParams::sparse), which v2 masks, and v6 and v7 over
-  // an fp8 cache
+  // sparse: the flattened view of a top-k decode (params.h, DecodeParams::sparse), which v2 masks, v6 and v7 over
+  // an fp8 cache, and v9 over the scaled fp8 caches
   if (g.sparse) {
-    MLA_CHECK(m == kWgmma || ((m == kEtap || m == kFp8tConvert) && fp8), "sparse=true needs variant 2, or variant "
-              "6 or 7 with an fp8 cache (the mainloops that skip -1 top-k slots), got variant ", m, " and kv_format ",
+    const bool scaled = g.kv_format == kKvFp8DsMla || g.kv_format == kKvFp8DsV4;
+    MLA_CHECK(m == kWgmma || ((m == kEtap || m == kFp8tConvert) && fp8) || (m == kSeesawFp8 && scaled),
+              "sparse=true needs variant 2, variant 6 or 7 with an fp8 cache, or variant 9 with an fp8_ds_mla or "
+              "fp8_ds_v4 cache (the mainloops that skip -1 top-k slots), got variant ", m, " and kv_format ",
               g.kv_format);
     MLA_CHECK(g.q_len == 1, "sparse=true runs the flattened view: s_q 1 (one request per query position), got s_q ",
               g.q_len);

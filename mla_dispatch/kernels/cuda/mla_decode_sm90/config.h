@@ -23,7 +23,7 @@ enum KvFormat : int {
   kKvSameAsQ = 0,   // bf16 or fp16, same dtype as q
   kKvFp8E4M3 = 1,   // float8_e4m3fn, one per-tensor fp32 scale (kv_scale)
   kKvFp8DsMla = 2,  // kDsMlaTokenBytes per token
-  kKvFp8DsV4 = 3,   // DeepSeek-V4's per-block layout (kDsV4*); wgmma's sparse instance only
+  kKvFp8DsV4 = 3,   // DeepSeek-V4's per-block layout (kDsV4*); sparse only
 };
 
 // The mainloops a plan can pick (its `variant`). Each has one name, the enum member's in snake case: its folder
@@ -35,7 +35,7 @@ enum Mainloop : int {
   kEtap = 6,         // etap/: KV tokens on the wgmma M side, 16 or 32 query rows
   kFp8tConvert = 7,  // fp8t/fp8t_convert.cuh: tokens on M for fp8_e4m3 (sparse: any fp8), a converting warpgroup
   kFp8tRegs = 8,     // fp8t/fp8t_regs.cuh: tokens on M for fp8_e4m3, the tile converted in registers
-  kSeesawFp8 = 9,    // seesaw_fp8/: seesaw's schedule for fp8_e4m3, a converting warpgroup
+  kSeesawFp8 = 9,    // seesaw_fp8/: seesaw's schedule, fp8_e4m3 (sparse: fp8_ds_mla/_v4), a converting warpgroup
 };
 
 // seesaw and seesaw_fp8 leave their steady-state tiles unmasked, which needs every causal limit within the last 65

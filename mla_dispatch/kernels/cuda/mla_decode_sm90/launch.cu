@@ -30,8 +30,8 @@ static int launch_mainloop(const DecodeParams& p, const LaunchConfig& cfg, cudaS
     case kFp8tRegs:
       if constexpr (kE4M3) return launch_fp8t_regs<T, KvFmt>(p, cfg, stream);
       break;
-    case kSeesawFp8:
-      if constexpr (kE4M3) return launch_seesaw_fp8<T, KvFmt>(p, cfg, stream);
+    case kSeesawFp8:  // dense: fp8_e4m3; sparse: fp8_ds_mla, fp8_ds_v4
+      if constexpr (!k16Bit) return launch_seesaw_fp8<T, KvFmt>(p, cfg, stream);
       break;
   }
   return cudaErrorInvalidValue;

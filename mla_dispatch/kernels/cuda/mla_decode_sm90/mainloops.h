@@ -19,7 +19,7 @@ MLA_SM90_DECLARE_LAUNCHER(launch_seesaw)        // seesaw/: bf16/fp16 caches
 MLA_SM90_DECLARE_LAUNCHER(launch_etap)          // etap/: any cache (fp8_ds_v4: sparse only; sparse: fp8 caches)
 MLA_SM90_DECLARE_LAUNCHER(launch_fp8t_convert)  // fp8t/: fp8_e4m3 caches (sparse: any fp8 cache)
 MLA_SM90_DECLARE_LAUNCHER(launch_fp8t_regs)     // fp8t/: fp8_e4m3 caches
-MLA_SM90_DECLARE_LAUNCHER(launch_seesaw_fp8)    // seesaw_fp8/: fp8_e4m3 caches
+MLA_SM90_DECLARE_LAUNCHER(launch_seesaw_fp8)    // seesaw_fp8/: fp8_e4m3 caches (sparse: fp8_ds_mla, fp8_ds_v4)
 
 #undef MLA_SM90_DECLARE_LAUNCHER
 

@@ -52,13 +52,14 @@ __device__ __forceinline__ uint2 e4m3x4_to_f16x4(uint32_t w) {
   return r;
 }
 
-// 16 e4m3 values -> 16 values of T (unscaled), as the two 16-byte chunks of columns [col, col + 16) of row `row`.
-template <typename T>
-__device__ __forceinline__ void store_e4m3x16(T* st, int row, int col, uint4 raw) {
+// 16 e4m3 values -> 16 values of T (times `scale` where kScaled), as the two 16-byte chunks of columns
+// [col, col + 16) of row `row`.
+template <typename T, bool kScaled = false>
+__device__ __forceinline__ void store_e4m3x16(T* st, int row, int col, uint4 raw, float scale = 1.f) {
   const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
   uint32_t o[8];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) o[i] = fp8x2_to<T, false>(w[i / 2] >> (16 * (i % 2)), 1.f);
+  for (int i = 0; i < 8; ++i) o[i] = fp8x2_to<T, kScaled>(w[i / 2] >> (16 * (i % 2)), scale);
   *reinterpret_cast<uint4*>(st + Gmma128Tile64::offset(row, col)) = make_uint4(o[0], o[1], o[2], o[3]);
   *reinterpret_cast<uint4*>(st + Gmma128Tile64::offset(row, col + 8)) = make_uint4(o[4], o[5], o[6], o[7]);
 }

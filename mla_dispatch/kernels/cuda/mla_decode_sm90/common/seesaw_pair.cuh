@@ -26,8 +26,12 @@ struct SeesawPair {
   // after the mbarriers, int flags of bad block ids: [0] the current item's, [1 + stage] seesaw_fp8's per tile in the
   // stage
   static constexpr int kBadFlags = 4;
+  // then a sparse seesaw_fp8's tile words, 4 per stage: the tile's row mask (64 bits: row r holds a key) and a byte
+  // per converter warp, nonzero where the warp met a bad id
+  static constexpr int kTileWords = 8;
   static constexpr int kSmemBytes = 2 * (Cfg::kQElems + Cfg::kStages * Cfg::kKElems + Cfg::kPElems) +
-                                    7 * Cfg::kBlockM * (int)sizeof(float) + kBars * 8 + kBadFlags * 4 + 1024;
+                                    7 * Cfg::kBlockM * (int)sizeof(float) + kBars * 8 + kBadFlags * 4 +
+                                    kTileWords * 4 + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory over the SM90 per-block limit");
 };
 
@@ -63,10 +67,11 @@ __device__ inline uint64_t seesaw_desc_v(const void* base) {
 // the steady-state pair skips it, as FlashMLA's kernel does for all but the last tiles.
 // The maximum is taken over raw scores (score_scale > 0) and the scale folded into the
 // exponent's FFMA: p = 2^(s * scale - m).
-template <bool kMask>
+// kBits (sparse seesaw_fp8, in place of kMask): token n of the tile becomes -inf unless bit n of `bits` is set.
+template <bool kMask, bool kBits = false>
 __device__ inline void seesaw_softmax(float (&acc_s)[32], float* sM, const int (&row_local)[2], int lane,
                                       int tok_begin, int j, int tok_end, const int (&limit)[2], float score_scale,
-                                      float (&scale)[2], float (&psum)[2]) {
+                                      float (&scale)[2], float (&psum)[2], uint64_t bits = 0) {
   float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
   for (int n = 0; n < 8; ++n) {
@@ -74,7 +79,9 @@ __device__ inline void seesaw_softmax(float (&acc_s)[32], float* sM, const int (
     for (int e = 0; e < 4; ++e) {
       const int h = e >> 1;
       float& s = acc_s[4 * n + e];
-      if constexpr (kMask) {
+      if constexpr (kBits) {
+        s = (bits >> (n * 8 + (lane % 4) * 2 + (e & 1))) & 1u ? s : -INFINITY;
+      } else if constexpr (kMask) {
         const int t = tok_begin + j * Cfg::kBlockN + n * 8 + (lane % 4) * 2 + (e & 1);
         s = (t < tok_end && t <= limit[h]) ? s : -INFINITY;
       }

@@ -174,11 +174,236 @@ __device__ __forceinline__ void seesaw_fp8_converter(const DecodeParams& p, cons
   }
 }
 
+// ---- sparse launches (params.h, DecodeParams::sparse): fp8_ds_mla and fp8_ds_v4 caches, 64 heads or more per KV
+// head (the producer-warpgroup design of FlashMLA's sparse decode, csrc/sm90/decode/sparse_fp8/splitkv_mla.cuh, on
+// seesaw's schedule). The converter gathers each tile's rows by id instead of by TMA: its thread t copies bytes
+// [16 (t % 4), + 16) of every 64-byte NoPE block of rows t / 4 and t / 4 + 32 by cp.async into the raw layout of the
+// dense converter (raw block c at 4c KB of the stage's early part, 64 bytes per row), the copies counted on the
+// stage's raw mbarrier (cp_async_mbar_arrive), and later converts the same bytes, times the row's scale of the block,
+// in the dense converter's order. The RoPE values (bf16 in both caches) are asked of L2 when the tile starts and
+// copied by cp.async into block 8's place once the stage's late part is free: fp8_ds_mla reads them there (bf16 q: as
+// copied; fp16 q: converted in place by the thread that copied them); fp8_ds_v4, whose D_qk is 512, moves them to
+// block 7 (its NoPE has 7 blocks) and never reads block 8. A row without a key (a -1 id, or past the list's length)
+// is zero-filled by the copies and cleared in the stage's row mask, which the tile's softmax applies
+// (seesaw_softmax, kBits); a bad id reads token 0 in its place and sets its warp's byte in the stage's bad flags,
+// which the tile's owner moves into the item's flag as the dense flag is (release).
+template <int KvFmt>
+struct SeesawFp8Sparse {
+  static constexpr bool kV4 = KvFmt == kKvFp8DsV4;
+  static constexpr int kNope = kV4 ? 7 : 8;  // fp8 column blocks of a token
+  static constexpr int kRope = kV4 ? 7 : 8;  // the column block of its RoPE values, converted last
+  static constexpr int kRopeByte = kV4 ? 448 : 528;  // where they start in the token's bytes (sparse_row)
+};
+
+// `x`, opaque to the optimiser: the converter's shared-memory offsets derive from its row, made opaque inside its tile
+// loop, since hoisted out of it (one per row, block and stage) they did not fit its registers (ptxas spilled ~280
+// bytes of them)
+template <typename P>
+__device__ __forceinline__ P* opaque(P* x) {
+  asm volatile("" : "+l"(x));
+  return x;
+}
+__device__ __forceinline__ int opaque(int x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+
+// Bits 0, 4, .., 28 of a warp's ballot (the converter's rows 8w + i, four lanes each) as bits 0 .. 7.
+__device__ __forceinline__ uint32_t quad_bits(uint32_t b) {
+  b &= 0x11111111u;
+  b = (b | (b >> 3)) & 0x03030303u;
+  b = (b | (b >> 6)) & 0x000f000fu;
+  return (b | (b >> 12)) & 0xffu;
+}
+
+template <typename T, int KvFmt>
+__device__ __forceinline__ void seesaw_fp8_sparse_converter(const DecodeParams& p, T* sK, uint64_t* bars,
+                                                            uint32_t* sTile, int part, int kvh, int tid_c) {
+  using F = SeesawFp8Sparse<KvFmt>;
+  using L = Gmma128Tile64;
+  uint64_t* full = bars;
+  uint64_t* empty = bars + 2 * SeesawPair::kBlocks;  // [stage][early, late]
+  uint64_t* raw_bar = empty + 4;                     // [stage], 128 arrivals (cp_async_mbar_arrive)
+  uint64_t* rope_bar = raw_bar + 2;                  // [stage], the same
+  const int lane = tid_c % 32, warp = tid_c / 32;
+  const PageGeometry pg = page_geometry(p.sparse_page);
+  uint32_t fills0 = 0, fills1 = 0;  // tiles started in each stage so far (the phases of its barriers)
+  // row `row` of the tile at t0: its token's bytes and id (token 0 for a bad id or none); valid: it holds a key
+  auto row_src = [&](int req, int t0, int t_end, int row, bool& valid, bool& bad, int& id) {
+    const int t = t0 + row;
+    id = t < t_end ? sparse_id(p, req, t) : -1;
+    valid = id != -1;
+    bad = valid && !page_ok(p, id);
+    id = valid && !bad ? id : 0;
+    return sparse_row(p, pg, id, kvh, F::kV4);
+  };
+  // the raw NoPE copies of the tile at t0 into stage s (its early part free), its row mask and bad flags, and the
+  // L2 prefetch of the rows' RoPE values and scales
+  auto start_tile = [&](int s, int req, int t0, int t_end) {
+    const uint32_t k = s == 0 ? fills0++ : fills1++;
+    if (k > 0) mbar_wait(empty + 2 * s, (k - 1) & 1u);  // (the stage's last words were read before this release)
+    uint8_t* raw = reinterpret_cast<uint8_t*>(sK + s * Cfg::kKElems) + (s == 0 ? 0 : 32768);
+    const int r0 = opaque(tid_c / 4), q = tid_c % 4;
+    bool valid[2], bad[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = r0 + 32 * h;
+      int id;
+      const uint8_t* src = row_src(req, t0, t_end, row, valid[h], bad[h], id);
+#pragma unroll
+      for (int c = 0; c < F::kNope; ++c) cp_async_16(raw + 4096 * c + 64 * row + 16 * q, src + 64 * c + 16 * q, valid[h]);
+      if (valid[h] && q == 0) {
+        if constexpr (F::kV4) {
+          prefetch_l2_bulk(src + F::kRopeByte, 128);
+          prefetch_l2_bulk(
+              reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(ds_v4_scales(p, pg, id)) & ~uintptr_t(15)), 16);
+        } else {
+          prefetch_l2_bulk(src + 512, kDsMlaTokenBytes - 512);  // 4 fp32 scales, 64 bf16 RoPE values
+        }
+      }
+    }
+    cp_async_mbar_arrive(raw_bar + s);
+    const uint32_t v0 = __ballot_sync(~0u, valid[0]), v1 = __ballot_sync(~0u, valid[1]);
+    const bool any_bad = __any_sync(~0u, bad[0] || bad[1]);
+    if (lane == 0) {
+      uint8_t* words = reinterpret_cast<uint8_t*>(sTile + 4 * s);
+      words[warp] = static_cast<uint8_t>(quad_bits(v0));
+      words[4 + warp] = static_cast<uint8_t>(quad_bits(v1));
+      words[8 + warp] = any_bad ? 1 : 0;
+    }
+    return k;
+  };
+  // the tile at t0 in stage s, its k-th: RoPE copies and scales, then the blocks in the dense converter's order
+  auto convert_tile = [&](int s, uint32_t k, int req, int t0, int t_end) {
+    T* st = sK + s * Cfg::kKElems;
+    const uint8_t* raw = reinterpret_cast<const uint8_t*>(st) + (s == 0 ? 0 : 32768);
+    const int r0 = opaque(tid_c / 4), q = tid_c % 4;
+    const uint8_t* src[2];
+    bool valid[2];
+    uint4 scales[2];  // fp8_ds_mla: 4 fp32; fp8_ds_v4: 8 ue8m0 bytes (.x, .y)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      bool bad;
+      int id;
+      src[h] = row_src(req, t0, t_end, r0 + 32 * h, valid[h], bad, id);
+      scales[h] = make_uint4(0u, 0u, 0u, 0u);
+      if (valid[h]) {
+        if constexpr (F::kV4) {
+          const uint2 e = __ldg(reinterpret_cast<const uint2*>(ds_v4_scales(p, pg, id)));
+          scales[h] = make_uint4(e.x, e.y, 0u, 0u);
+        } else {
+          scales[h] = __ldg(reinterpret_cast<const uint4*>(src[h] + 512));
+        }
+      }
+    }
+    if (k > 0) mbar_wait(empty + 2 * s + 1, (k - 1) & 1u);
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int ch = q + 4 * i;  // 8 RoPE values
+        cp_async_16(st + L::offset(r0 + 32 * h, 512 + 8 * ch), src[h] + F::kRopeByte + 16 * ch, valid[h]);
+      }
+    cp_async_mbar_arrive(rope_bar + s);
+    // block c's scale of row h
+    auto scale_of = [&](int h, int c) {
+      if constexpr (F::kV4) {
+        const uint32_t e = ((c < 4 ? scales[h].x : scales[h].y) >> (8 * (c % 4))) & 0xffu;
+        return __uint_as_float(e << 23);  // ue8m0: 2^(e - 127)
+      } else {
+        const uint32_t w[4] = {scales[h].x, scales[h].y, scales[h].z, scales[h].w};
+        return __uint_as_float(w[c / 2]);  // one per 128 values
+      }
+    };
+    mbar_wait(raw_bar + s, k & 1u);
+    // block C: raw into registers, (after the converter's barrier where kSync) converted and stored, signalled. One
+    // block at a time, in the order below: stage 0 holds raw block c at 4c KB, stage 1 at 32 + 4c KB, and converted
+    // block c goes to 8c KB, so each store lands only where every raw block was read by all (a barrier after the
+    // reads it follows)
+    auto block = [&](auto c_c, auto sync_c) {
+      constexpr int C = decltype(c_c)::value;
+      uint4 v[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) v[h] = *reinterpret_cast<const uint4*>(raw + 4096 * C + 64 * (r0 + 32 * h) + 16 * q);
+      if constexpr (decltype(sync_c)::value) named_barrier(SeesawFp8::kBarConv, 128);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) store_e4m3x16<T, true>(st, r0 + 32 * h, 64 * C + 16 * q, v[h], scale_of(h, C));
+      fence_proxy_async_smem();
+      mbar_arrive(full + s * SeesawPair::kBlocks + C);
+    };
+    using Y = std::true_type;
+    using N = std::false_type;
+    using B0 = std::integral_constant<int, 0>;
+    using B1 = std::integral_constant<int, 1>;
+    using B2 = std::integral_constant<int, 2>;
+    using B3 = std::integral_constant<int, 3>;
+    using B4 = std::integral_constant<int, 4>;
+    using B5 = std::integral_constant<int, 5>;
+    using B6 = std::integral_constant<int, 6>;
+    using B7 = std::integral_constant<int, 7>;
+    if (s == 0) {
+      // 7 (fp8_ds_v4: 6) .. 4 over no raw bytes; 3, 2 over raw 4..7; 1 over raw 2, 3; 0 over raw 0, 1
+      if constexpr (!F::kV4) block(B7{}, N{});
+      block(B6{}, N{});
+      block(B5{}, N{});
+      block(B4{}, N{});
+      block(B3{}, Y{});
+      block(B2{}, N{});
+      block(B1{}, Y{});
+      block(B0{}, Y{});
+    } else {
+      // 0 .. 3 over no raw bytes; 4, 5 over raw 0..3; 6 over raw 4, 5; 7 over raw 6, 7 (fp8_ds_v4: the RoPE values'
+      // block 7 over raw 6, below)
+      block(B0{}, N{});
+      block(B1{}, N{});
+      block(B2{}, N{});
+      block(B3{}, N{});
+      block(B4{}, Y{});
+      block(B5{}, N{});
+      block(B6{}, Y{});
+      if constexpr (!F::kV4) block(B7{}, Y{});
+    }
+    // the RoPE values, each thread its own copies (fp8_ds_v4's block 7 over stage 1's raw 6, read by all once past
+    // the barrier)
+    mbar_wait(rope_bar + s, k & 1u);
+    if (F::kV4 && s == 1) named_barrier(SeesawFp8::kBarConv, 128);
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int row = r0 + 32 * h, ch = q + 4 * i;
+        uint4* at = reinterpret_cast<uint4*>(st + L::offset(row, 512 + 8 * ch));
+        if constexpr (F::kV4)
+          *reinterpret_cast<uint4*>(st + L::offset(row, 448 + 8 * ch)) = rope_as<T>(*at);
+        else if constexpr (!TypeTraits<T>::kIsBf16)
+          *at = rope_as<T>(*at);
+      }
+    fence_proxy_async_smem();
+    mbar_arrive(full + s * SeesawPair::kBlocks + F::kRope);
+  };
+  const int item_end = p.part_offsets[part + 1];
+  for (int item = p.part_offsets[part]; item < item_end; ++item) {
+    const WorkItem w = load_item(p, item);
+    if (w.req < 0) continue;
+    const int tok_end = min(w.tok_end, max(p.cache_seqlens[w.req], w.tok_begin));  // the list's length (wgmma's)
+    const int num_tiles = (tok_end - w.tok_begin + Cfg::kBlockN - 1) / Cfg::kBlockN;
+    uint32_t k_next = 0;  // the fill of tile j when tile j - 1 started it
+    for (int j = 0; j < num_tiles; ++j) {
+      const int s = j & 1, t0 = w.tok_begin + j * Cfg::kBlockN;
+      const uint32_t k = (s == 1) ? k_next : start_tile(0, w.req, t0, tok_end);
+      if (s == 0 && j + 1 < num_tiles) k_next = start_tile(1, w.req, t0 + Cfg::kBlockN, tok_end);
+      convert_tile(s, k, w.req, t0, tok_end);
+    }
+  }
+}
+
 // An fp8_e4m3 cache, 384 threads, the tiles converted by warpgroup 2 (seesaw_fp8_converter) and `kv_map` the cache's
-// raw bytes in 64-column boxes (seesaw_fp8/launch.cuh). Never paired: the converter does not join cluster barriers.
-template <typename T>
+// raw bytes in 64-column boxes (seesaw_fp8/launch.cuh); or a sparse launch over an fp8_ds_mla / fp8_ds_v4 cache
+// (seesaw_fp8_sparse_converter; kv_map unused). Never paired: the converter does not join cluster barriers.
+template <typename T, int KvFmt>
 __global__ void __launch_bounds__(SeesawFp8::kThreads, 1)
     mla_decode_seesaw_fp8(const __grid_constant__ DecodeParams p, const __grid_constant__ CUtensorMap kv_map) {
+  constexpr bool kSparse = KvFmt != kKvFp8E4M3, kV4 = KvFmt == kKvFp8DsV4;
   using TT = TypeTraits<T>;
   using L = Gmma128Tile64;
   using SS = Gmma<T>;
@@ -197,25 +422,31 @@ __global__ void __launch_bounds__(SeesawFp8::kThreads, 1)
   float* sSum = sScale1 + 2 * Cfg::kBlockM;                    // [2][64]
   uint64_t* bars = reinterpret_cast<uint64_t*>(sSum + 2 * Cfg::kBlockM);  // [stage][column block]
   int* sBad = reinterpret_cast<int*>(bars + SeesawPair::kBars);              // [SeesawPair::kBadFlags]
+  uint32_t* sTile = reinterpret_cast<uint32_t*>(sBad + SeesawPair::kBadFlags);  // [SeesawPair::kTileWords]
 
   const int part = blockIdx.x, row_tile = blockIdx.y, kvh = blockIdx.z;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int rg = warp % Cfg::kRowGroups, wg = warp / Cfg::kRowGroups, tid_wg = tid % 128;
   constexpr float kLog2e = 1.4426950408889634f;
   constexpr float kLn2 = 0.6931471805599453f;
-  const float out_scale = *p.kv_scale;  // the cache's per-tensor scale, applied to the scores and the output
+  // the cache's per-tensor scale, applied to the scores and the output (the sparse formats scale per group instead)
+  const float out_scale = kSparse ? 1.f : *p.kv_scale;
   const float score_scale = p.softmax_scale * out_scale * kLog2e;
 
   if (tid == 0) {
     for (int i = 0; i < 2 * SeesawPair::kBlocks; ++i) mbar_init(bars + i, 128);
     for (int i = 0; i < 4; ++i) mbar_init(bars + 2 * SeesawPair::kBlocks + i, 128);  // empty: a consumer warpgroup
-    for (int i = 4; i < 8; ++i) mbar_init(bars + 2 * SeesawPair::kBlocks + i, 1);    // raw, rope: TMA copies
+    // raw, rope: TMA copies (sparse: every converter thread's cp.async copies)
+    for (int i = 4; i < 8; ++i) mbar_init(bars + 2 * SeesawPair::kBlocks + i, kSparse ? 128 : 1);
     fence_mbar_init();
   }
   __syncthreads();
   if (wg == 2) {
     regs_dec<SeesawFp8::kRegsConv>();
-    seesaw_fp8_converter<T>(p, &kv_map, sK, bars, sBad, part, kvh, tid - 256);
+    if constexpr (kSparse)
+      seesaw_fp8_sparse_converter<T, KvFmt>(p, sK, bars, sTile, part, kvh, tid - 256);
+    else
+      seesaw_fp8_converter<T>(p, &kv_map, sK, bars, sBad, part, kvh, tid - 256);
     return;
   }
   regs_inc<SeesawFp8::kRegsConsumer>();
@@ -227,7 +458,7 @@ __global__ void __launch_bounds__(SeesawFp8::kThreads, 1)
   // branch; placed at the head of each pair instead, it made ptxas duplicate a masked softmax)
   auto release = [&](int j, int which) {
     if (which == 0) {
-      const int bad = sBad[1 + (j & 1)];
+      const int bad = kSparse ? sTile[4 * (j & 1) + 2] : sBad[1 + (j & 1)];
       if (bad != 0 && tid_wg == 0) sBad[0] = 1;
     }
     mbar_arrive(bars + 2 * SeesawPair::kBlocks + 2 * (j & 1) + which);
@@ -241,9 +472,11 @@ __global__ void __launch_bounds__(SeesawFp8::kThreads, 1)
   const int item_begin = p.part_offsets[part], item_end = p.part_offsets[part + 1];
   for (int item = item_begin; item < item_end; ++item) {
     const WorkItem w = load_item(p, item);
-    const int req = w.req, tok_begin = w.tok_begin, tok_end = w.tok_end, slot = w.slot;
+    const int req = w.req, tok_begin = w.tok_begin, slot = w.slot;
     if (req < 0) continue;
     const int seqlen = p.cache_seqlens[req];
+    // a sparse launch's length is its list's (topk_length), as the converter's
+    const int tok_end = kSparse ? min(w.tok_end, max(seqlen, tok_begin)) : w.tok_end;
     int limit[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) limit[h] = p.causal ? seqlen - p.q_len + row_i[h] : seqlen - 1;
@@ -259,7 +492,7 @@ __global__ void __launch_bounds__(SeesawFp8::kThreads, 1)
     // (program order) and thread 128 (after the barrier below)
     if (tid == 0) sBad[0] = 0;
     // -- Q (cp.async), sM (the converter fills the K stages)
-    load_q_tile_async<T, L>(p, sQ, req, row_tile, kvh);
+    load_q_tile_async<T, L, kV4 ? kDsV4HeadDim / 8 : Cfg::kChunksQK>(p, sQ, req, row_tile, kvh);
     cp_async_commit();
     if (tid < Cfg::kBlockM) sM[tid] = -INFINITY;
     cp_async_wait_all();
@@ -311,13 +544,18 @@ __global__ void __launch_bounds__(SeesawFp8::kThreads, 1)
     };
     using I0 = std::integral_constant<int, 0>;
     using I4 = std::integral_constant<int, 4>;
-    using I8 = std::integral_constant<int, 8>;
-    using I9 = std::integral_constant<int, 9>;
+    // the RoPE block, which the converter fills last (8; fp8_ds_v4, whose D_qk is 512: 7), and the end of S's blocks
+    using IRope = std::integral_constant<int, kV4 ? 7 : 8>;
+    using IEnd = std::integral_constant<int, kV4 ? 8 : 9>;
 
     // this warpgroup's steps of a pair over its registers (common/seesaw_pair.cuh)
     auto softmax = [&](int j, auto mask_c, float (&scale)[2], float (&psum)[2]) {
-      seesaw_softmax<decltype(mask_c)::value>(acc_s, sM, row_local, lane, tok_begin, j, tok_end, limit, score_scale,
-                                              scale, psum);
+      if constexpr (kSparse)  // every tile: the stage's row mask (written before the tile's full barriers)
+        seesaw_softmax<false, true>(acc_s, sM, row_local, lane, tok_begin, j, tok_end, limit, score_scale, scale, psum,
+                                    *reinterpret_cast<const uint64_t*>(sTile + 4 * (j & 1)));
+      else
+        seesaw_softmax<decltype(mask_c)::value>(acc_s, sM, row_local, lane, tok_begin, j, tok_end, limit, score_scale,
+                                                scale, psum);
     };
     auto scale_o = [&](const float (&s)[2]) { seesaw_scale_o(acc_o, s); };
     auto pack_p = [&](uint32_t (&rp)[16], const float (&f)[2]) { seesaw_pack_p<T>(acc_s, rp, f); };
@@ -332,8 +570,10 @@ __global__ void __launch_bounds__(SeesawFp8::kThreads, 1)
     // them (after its P V). Only in the tail pairs (ptxas, the consumers at 232 registers: spills 20 / 16 bytes without
     // any cleaning, 56 / 92 with it in every pair, 48 / 76 in the tail pairs only, 32 / 36 with the cleaning loop not
     // unrolled; the reloads are in the item's epilogue)
-    auto fix_hidden = [&](int j, auto mask_c) {
-      seesaw_fix_hidden<T, decltype(mask_c)::value>(stage_of(j), t0_of(j), tok_end, unmasked_end, p.causal, tid_wg, wg);
+    auto fix_hidden = [&](int j, auto mask_c) {  // (sparse launches are not causal)
+      if constexpr (!kSparse)
+        seesaw_fix_hidden<T, decltype(mask_c)::value>(stage_of(j), t0_of(j), tok_end, unmasked_end, p.causal, tid_wg,
+                                                      wg);
     };
     const float kOne[2] = {1.f, 1.f};
 
@@ -341,9 +581,9 @@ __global__ void __launch_bounds__(SeesawFp8::kThreads, 1)
       // ================= warpgroup 0: tiles 0, 2, 4, ...; O[:, 0:256)
       if (num_tiles > 0) {
         fence_regs<32>(acc_s);
-        // the converter's order for stage 0: 7..0, then 8
-        issue_s_desc(0, I0{}, I8{}, true);
-        issue_s(0, I8{}, I9{}, false);
+        // the converter's order for stage 0: 7..0, then 8 (fp8_ds_v4: 6..0, then 7)
+        issue_s_desc(0, I0{}, IRope{}, true);
+        issue_s(0, IRope{}, IEnd{}, false);
         cute::warpgroup_commit_batch();
         cute::warpgroup_wait<0>();
         fence_regs<32>(acc_s);
@@ -411,12 +651,12 @@ __global__ void __launch_bounds__(SeesawFp8::kThreads, 1)
         if constexpr (kNextA) {
           // S_{a+2} in the converter's order: blocks 7..4, then 3..0 and 8
           fence_regs<32>(acc_s);
-          issue_s_desc(a + 2, I4{}, I8{}, true);
+          issue_s_desc(a + 2, I4{}, IRope{}, true);
           cute::warpgroup_commit_batch();
           cute::warpgroup_wait<1>();  // sP1 V_bL done (tile b exists: a + 2 does)
           release(b, 1);              // stage 1, blocks 0..3 and 8 (sP1)
           issue_s_desc(a + 2, I0{}, I4{}, false);
-          issue_s(a + 2, I8{}, I9{}, false);
+          issue_s(a + 2, IRope{}, IEnd{}, false);
           cute::warpgroup_commit_batch();
         }
         cute::warpgroup_wait<0>();
@@ -436,7 +676,7 @@ __global__ void __launch_bounds__(SeesawFp8::kThreads, 1)
       // ================= warpgroup 1: tiles 1, 3, 5, ...; O[:, 256:512)
       if (num_tiles > 1) {
         fence_regs<32>(acc_s);
-        issue_s(1, I0{}, I9{}, true);  // the converter's order for stage 1: 0..7, then 8
+        issue_s(1, I0{}, IEnd{}, true);  // the converter's order for stage 1: 0..7, then 8
         cute::warpgroup_commit_batch();
         cute::warpgroup_wait<0>();
         fence_regs<32>(acc_s);
@@ -491,7 +731,7 @@ __global__ void __launch_bounds__(SeesawFp8::kThreads, 1)
         release(a, 1);  // stage 0, blocks 4..8
         if constexpr (kNextB) {
           fence_regs<32>(acc_s);
-          issue_s(b + 2, I0{}, I9{}, true);  // the converter's order for stage 1: 0..7, then 8
+          issue_s(b + 2, I0{}, IEnd{}, true);  // the converter's order for stage 1: 0..7, then 8
           cute::warpgroup_commit_batch();
           cute::warpgroup_wait<0>();
           fence_regs<32>(acc_s);
@@ -523,9 +763,13 @@ __global__ void __launch_bounds__(SeesawFp8::kThreads, 1)
       const float total = poison_sum(sSum[row_local[h]] + sSum[Cfg::kBlockM + row_local[h]], poisoned);
       const float row_max = sM[row_local[h]];
       const bool has_keys = total != 0.f;
-      const float inv = has_keys ? out_scale / total : 0.f;
+      float inv = has_keys ? out_scale / total : 0.f;
       const float lse_val = has_keys ? (row_max + log2f(total)) * kLn2 : (slot < 0 ? INFINITY : -INFINITY);
       if (!row_ok[h]) continue;
+      // a whole request's row with a sink s: times exp(lse) / (exp(lse) + exp(s)) (as wgmma's epilogue; a split
+      // request's rows take it in the combine)
+      if (kSparse && slot < 0 && p.attn_sink != nullptr && has_keys)
+        inv = out_scale / (total + exp2f(p.attn_sink[row_head[h]] * kLog2e - row_max));
       store_acc_row<T>(p, acc_o, h, wg * 256, inv, lse_val, req, slot, row_i[h], row_head[h],
                        wg == 0 && lane % 4 == 0);
     }

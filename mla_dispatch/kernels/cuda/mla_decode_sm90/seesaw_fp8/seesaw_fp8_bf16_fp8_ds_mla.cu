@@ -1,0 +1,6 @@
+// The seesaw_fp8 kernel instances of q dtype bf16 over an fp8_ds_mla cache, sparse only (seesaw_fp8/launch.cuh).
+#include "seesaw_fp8/launch.cuh"
+
+namespace mla_sm90 {
+template int launch_seesaw_fp8<__nv_bfloat16, kKvFp8DsMla>(const DecodeParams&, const LaunchConfig&, cudaStream_t);
+}  // namespace mla_sm90
