@@ -180,10 +180,11 @@ __device__ __forceinline__ void seesaw_fp8_converter(const DecodeParams& p, cons
 // [16 (t % 4), + 16) of every 64-byte NoPE block of rows t / 4 and t / 4 + 32 by cp.async into the raw layout of the
 // dense converter (raw block c at 4c KB of the stage's early part, 64 bytes per row), the copies counted on the
 // stage's raw mbarrier (cp_async_mbar_arrive), and later converts the same bytes, times the row's scale of the block,
-// in the dense converter's order. The RoPE values (bf16 in both caches) are asked of L2 when the tile starts and
-// copied by cp.async into block 8's place once the stage's late part is free: fp8_ds_mla reads them there (bf16 q: as
-// copied; fp16 q: converted in place by the thread that copied them); fp8_ds_v4, whose D_qk is 512, moves them to
-// block 7 (its NoPE has 7 blocks) and never reads block 8. A row without a key (a -1 id, or past the list's length)
+// in the dense converter's order. The RoPE values (bf16 in both caches) go by cp.async into block 8's place, with the
+// raw copies in stage 0 (whose block 8 is free with its early part) and once the late part is free in stage 1 (asked
+// of L2 when the tile starts): fp8_ds_mla reads them there (bf16 q: as copied; fp16 q: converted in place by the
+// thread that copied them); fp8_ds_v4, whose D_qk is 512, moves them to block 7 (its NoPE has 7 blocks) and never
+// reads block 8. A row without a key (a -1 id, or past the list's length)
 // is zero-filled by the copies and cleared in the stage's row mask, which the tile's softmax applies
 // (seesaw_softmax, kBits); a bad id reads token 0 in its place and sets its warp's byte in the stage's bad flags,
 // which the tile's owner moves into the item's flag as the dense flag is (release).
@@ -237,8 +238,19 @@ __device__ __forceinline__ void seesaw_fp8_sparse_converter(const DecodeParams& 
     id = valid && !bad ? id : 0;
     return sparse_row(p, pg, id, kvh, F::kV4);
   };
-  // the raw NoPE copies of the tile at t0 into stage s (its early part free), its row mask and bad flags, and the
-  // L2 prefetch of the rows' RoPE values and scales
+  // the RoPE values of row `row` (8 per thread and copy) into block 8's place of stage `st`: issued with the raw copies
+  // in stage 0 and once the late part is free in stage 1, and counted on the stage's rope mbarrier. (A stage-1 tile's
+  // copies at its conversion, behind the next tile's raw copies, would count those too: an arrival on an mbarrier
+  // waits for every earlier cp.async of the thread.)
+  auto rope_copy = [&](T* st, int row, const uint8_t* src, bool valid, int q) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int ch = q + 4 * i;
+      cp_async_16(st + L::offset(row, 512 + 8 * ch), src + F::kRopeByte + 16 * ch, valid);
+    }
+  };
+  // the raw NoPE copies of the tile at t0 into stage s (its early part free), stage 0's RoPE copies, its row mask and
+  // bad flags, and the L2 prefetch of the rows' RoPE values and scales
   auto start_tile = [&](int s, int req, int t0, int t_end) {
     const uint32_t k = s == 0 ? fills0++ : fills1++;
     if (k > 0) mbar_wait(empty + 2 * s, (k - 1) & 1u);  // (the stage's last words were read before this release)
@@ -252,6 +264,7 @@ __device__ __forceinline__ void seesaw_fp8_sparse_converter(const DecodeParams& 
       const uint8_t* src = row_src(req, t0, t_end, row, valid[h], bad[h], id);
 #pragma unroll
       for (int c = 0; c < F::kNope; ++c) cp_async_16(raw + 4096 * c + 64 * row + 16 * q, src + 64 * c + 16 * q, valid[h]);
+      if (s == 0) rope_copy(sK, row, src, valid[h], q);  // (stage 0's block 8 is free with its early part)
       if (valid[h] && q == 0) {
         if constexpr (F::kV4) {
           prefetch_l2_bulk(src + F::kRopeByte, 128);
@@ -263,6 +276,7 @@ __device__ __forceinline__ void seesaw_fp8_sparse_converter(const DecodeParams& 
       }
     }
     cp_async_mbar_arrive(raw_bar + s);
+    if (s == 0) cp_async_mbar_arrive(rope_bar);
     const uint32_t v0 = __ballot_sync(~0u, valid[0]), v1 = __ballot_sync(~0u, valid[1]);
     const bool any_bad = __any_sync(~0u, bad[0] || bad[1]);
     if (lane == 0) {
@@ -297,14 +311,11 @@ __device__ __forceinline__ void seesaw_fp8_sparse_converter(const DecodeParams& 
       }
     }
     if (k > 0) mbar_wait(empty + 2 * s + 1, (k - 1) & 1u);
+    if (s == 1) {  // (stage 1's block 8 is sP1, free with its late part)
 #pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const int ch = q + 4 * i;  // 8 RoPE values
-        cp_async_16(st + L::offset(r0 + 32 * h, 512 + 8 * ch), src[h] + F::kRopeByte + 16 * ch, valid[h]);
-      }
-    cp_async_mbar_arrive(rope_bar + s);
+      for (int h = 0; h < 2; ++h) rope_copy(st, r0 + 32 * h, src[h], valid[h], q);
+      cp_async_mbar_arrive(rope_bar + 1);
+    }
     // block c's scale of row h
     auto scale_of = [&](int h, int c) {
       if constexpr (F::kV4) {
