@@ -249,42 +249,59 @@ __device__ __forceinline__ void seesaw_fp8_sparse_converter(const DecodeParams& 
       cp_async_16(st + L::offset(row, 512 + 8 * ch), src + F::kRopeByte + 16 * ch, valid);
     }
   };
-  // the raw NoPE copies of the tile at t0 into stage s (its early part free), stage 0's RoPE copies, its row mask and
-  // bad flags, and the L2 prefetch of the rows' RoPE values and scales
-  auto start_tile = [&](int s, int req, int t0, int t_end) {
-    const uint32_t k = s == 0 ? fills0++ : fills1++;
-    if (k > 0) mbar_wait(empty + 2 * s, (k - 1) & 1u);  // (the stage's last words were read before this release)
-    uint8_t* raw = reinterpret_cast<uint8_t*>(sK + s * Cfg::kKElems) + (s == 0 ? 0 : 32768);
+  // The ids of the thread's two rows, a queue per stage of the stage's next two tiles ([0] the next, [1] the one
+  // after; -1 past the list): a tile's copies never wait for its ids, and the rows of the tile after it in the stage
+  // (two tiles ahead) are asked of L2 when it starts, so that more of the gather is in flight than the two stages hold
+  // (fp8t's converter asks L2 for its rows ahead the same way).
+  int queue0[2][2], queue1[2][2];
+  auto tile_ids = [&](int (&ids)[2], int req, int t0, int t_end) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int t = t0 + tid_c / 4 + 32 * h;
+      ids[h] = t < t_end ? sparse_id(p, req, t) : -1;
+    }
+  };
+  // the raw NoPE copies of the tile at t0 into stage S (its early part free), stage 0's RoPE copies, its row mask and
+  // bad flags, the L2 prefetch of the stage's next tile, and the queue moved on
+  auto start_tile = [&](auto stage_c, int req, int t0, int t_end) {
+    constexpr int S = decltype(stage_c)::value;
+    int (&queue)[2][2] = S == 0 ? queue0 : queue1;
+    const uint32_t k = S == 0 ? fills0++ : fills1++;
+    if (k > 0) mbar_wait(empty + 2 * S, (k - 1) & 1u);  // (the stage's last words were read before this release)
+    uint8_t* raw = reinterpret_cast<uint8_t*>(sK + S * Cfg::kKElems) + (S == 0 ? 0 : 32768);
     const int r0 = opaque(tid_c / 4), q = tid_c % 4;
     bool valid[2], bad[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = r0 + 32 * h;
-      int id;
-      const uint8_t* src = row_src(req, t0, t_end, row, valid[h], bad[h], id);
+      valid[h] = queue[0][h] != -1;
+      bad[h] = valid[h] && !page_ok(p, queue[0][h]);
+      const uint8_t* src = sparse_row(p, pg, valid[h] && !bad[h] ? queue[0][h] : 0, kvh, F::kV4);
 #pragma unroll
       for (int c = 0; c < F::kNope; ++c) cp_async_16(raw + 4096 * c + 64 * row + 16 * q, src + 64 * c + 16 * q, valid[h]);
-      if (s == 0) rope_copy(sK, row, src, valid[h], q);  // (stage 0's block 8 is free with its early part)
-      if (valid[h] && q == 0) {
-        if constexpr (F::kV4) {
-          prefetch_l2_bulk(src + F::kRopeByte, 128);
+      if (S == 0) rope_copy(sK, row, src, valid[h], q);  // (stage 0's block 8 is free with its early part)
+      const int ahead = queue[1][h];  // the row two tiles on, with its scales
+      if (q == 0 && ahead != -1 && page_ok(p, ahead)) {
+        prefetch_l2_bulk(sparse_row(p, pg, ahead, kvh, F::kV4), sparse_row_bytes<KvFmt>());
+        if constexpr (F::kV4)
           prefetch_l2_bulk(
-              reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(ds_v4_scales(p, pg, id)) & ~uintptr_t(15)), 16);
-        } else {
-          prefetch_l2_bulk(src + 512, kDsMlaTokenBytes - 512);  // 4 fp32 scales, 64 bf16 RoPE values
-        }
+              reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(ds_v4_scales(p, pg, ahead)) & ~uintptr_t(15)),
+              16);
       }
     }
-    cp_async_mbar_arrive(raw_bar + s);
-    if (s == 0) cp_async_mbar_arrive(rope_bar);
+    cp_async_mbar_arrive(raw_bar + S);
+    if (S == 0) cp_async_mbar_arrive(rope_bar);
     const uint32_t v0 = __ballot_sync(~0u, valid[0]), v1 = __ballot_sync(~0u, valid[1]);
     const bool any_bad = __any_sync(~0u, bad[0] || bad[1]);
     if (lane == 0) {
-      uint8_t* words = reinterpret_cast<uint8_t*>(sTile + 4 * s);
+      uint8_t* words = reinterpret_cast<uint8_t*>(sTile + 4 * S);
       words[warp] = static_cast<uint8_t>(quad_bits(v0));
       words[4 + warp] = static_cast<uint8_t>(quad_bits(v1));
       words[8 + warp] = any_bad ? 1 : 0;
     }
+#pragma unroll
+    for (int h = 0; h < 2; ++h) queue[0][h] = queue[1][h];
+    tile_ids(queue[1], req, t0 + 4 * Cfg::kBlockN, t_end);
     return k;
   };
   // the tile at t0 in stage s, its k-th: RoPE copies and scales, then the blocks in the dense converter's order
@@ -398,19 +415,21 @@ __device__ __forceinline__ void seesaw_fp8_sparse_converter(const DecodeParams& 
     if (w.req < 0) continue;
     const int tok_end = min(w.tok_end, max(p.cache_seqlens[w.req], w.tok_begin));  // the list's length (wgmma's)
     const int num_tiles = (tok_end - w.tok_begin + Cfg::kBlockN - 1) / Cfg::kBlockN;
-    uint32_t k_next = 0;  // the fill of tile j when tile j - 1 started it
-    for (int j = 0; j < num_tiles; ++j) {
-      const int s = j & 1, t0 = w.tok_begin + j * Cfg::kBlockN;
-      const uint32_t k = (s == 1) ? k_next : start_tile(0, w.req, t0, tok_end);
-      if (s == 0 && j + 1 < num_tiles) k_next = start_tile(1, w.req, t0 + Cfg::kBlockN, tok_end);
-      convert_tile(s, k, w.req, t0, tok_end);
+    auto t0_of = [&](int j) { return w.tok_begin + j * Cfg::kBlockN; };
+    tile_ids(queue0[0], w.req, t0_of(0), tok_end);
+    tile_ids(queue0[1], w.req, t0_of(2), tok_end);
+    tile_ids(queue1[0], w.req, t0_of(1), tok_end);
+    tile_ids(queue1[1], w.req, t0_of(3), tok_end);
+    for (int j = 0; j < num_tiles; j += 2) {  // tiles j (stage 0) and j + 1 (stage 1)
+      const uint32_t k0 = start_tile(std::integral_constant<int, 0>{}, w.req, t0_of(j), tok_end);
+      const bool has_b = j + 1 < num_tiles;
+      const uint32_t k1 = has_b ? start_tile(std::integral_constant<int, 1>{}, w.req, t0_of(j + 1), tok_end) : 0u;
+      convert_tile(0, k0, w.req, t0_of(j), tok_end);
+      if (has_b) convert_tile(1, k1, w.req, t0_of(j + 1), tok_end);
     }
   }
 }
 
-// An fp8_e4m3 cache, 384 threads, the tiles converted by warpgroup 2 (seesaw_fp8_converter) and `kv_map` the cache's
-// raw bytes in 64-column boxes (seesaw_fp8/launch.cuh); or a sparse launch over an fp8_ds_mla / fp8_ds_v4 cache
-// (seesaw_fp8_sparse_converter; kv_map unused). Never paired: the converter does not join cluster barriers.
 template <typename T, int KvFmt>
 __global__ void __launch_bounds__(SeesawFp8::kThreads, 1)
     mla_decode_seesaw_fp8(const __grid_constant__ DecodeParams p, const __grid_constant__ CUtensorMap kv_map) {
