@@ -333,63 +333,35 @@ __device__ __forceinline__ void seesaw_fp8_sparse_converter(const DecodeParams& 
       for (int h = 0; h < 2; ++h) rope_copy(st, r0 + 32 * h, src[h], valid[h], q);
       cp_async_mbar_arrive(rope_bar + 1);
     }
-    // block c's scale of row h
+    // block c's scale of row h (c runs in a loop: selects, not an indexed array, which would live in local memory)
     auto scale_of = [&](int h, int c) {
       if constexpr (F::kV4) {
         const uint32_t e = ((c < 4 ? scales[h].x : scales[h].y) >> (8 * (c % 4))) & 0xffu;
         return __uint_as_float(e << 23);  // ue8m0: 2^(e - 127)
       } else {
-        const uint32_t w[4] = {scales[h].x, scales[h].y, scales[h].z, scales[h].w};
-        return __uint_as_float(w[c / 2]);  // one per 128 values
+        const int g = c / 2;  // one per 128 values
+        return __uint_as_float(g == 0 ? scales[h].x : g == 1 ? scales[h].y : g == 2 ? scales[h].z : scales[h].w);
       }
     };
     mbar_wait(raw_bar + s, k & 1u);
-    // block C: raw into registers, (after the converter's barrier where kSync) converted and stored, signalled. One
-    // block at a time, in the order below: stage 0 holds raw block c at 4c KB, stage 1 at 32 + 4c KB, and converted
-    // block c goes to 8c KB, so each store lands only where every raw block was read by all (a barrier after the
-    // reads it follows)
-    auto block = [&](auto c_c, auto sync_c) {
-      constexpr int C = decltype(c_c)::value;
+    // The blocks one at a time: raw into registers, (after the converter's barrier where it must) converted, stored
+    // and signalled. Stage 0 holds raw block c at 4c KB, stage 1 at 32 + 4c KB, and converted block c goes to 8c KB,
+    // so stage 0 runs 7 (fp8_ds_v4: 6) .. 4 over no raw bytes, 3, 2 over raw 4..7, 1 over raw 2, 3, 0 over raw 0, 1,
+    // and stage 1 runs 0 .. 3 over no raw bytes, 4, 5 over raw 0..3, 6 over raw 4, 5, 7 over raw 6, 7: a barrier
+    // before the store of blocks 3, 1, 0 (stage 0) and 4, 6, 7 (stage 1), once every raw block it overwrites was
+    // read by all. A loop, not unrolled: unrolled, each block's addresses were hoisted out of the tile loop and
+    // spilled (the converter has 40 registers)
+#pragma unroll 1
+    for (int i = 0; i < F::kNope; ++i) {
+      const int c = s == 0 ? F::kNope - 1 - i : i;
       uint4 v[2];
 #pragma unroll
-      for (int h = 0; h < 2; ++h) v[h] = *reinterpret_cast<const uint4*>(raw + 4096 * C + 64 * (r0 + 32 * h) + 16 * q);
-      if constexpr (decltype(sync_c)::value) named_barrier(SeesawFp8::kBarConv, 128);
+      for (int h = 0; h < 2; ++h) v[h] = *reinterpret_cast<const uint4*>(raw + 4096 * c + 64 * (r0 + 32 * h) + 16 * q);
+      if (s == 0 ? c == 3 || c <= 1 : c == 4 || c >= 6) named_barrier(SeesawFp8::kBarConv, 128);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) store_e4m3x16<T, true>(st, r0 + 32 * h, 64 * C + 16 * q, v[h], scale_of(h, C));
+      for (int h = 0; h < 2; ++h) store_e4m3x16<T, true>(st, r0 + 32 * h, 64 * c + 16 * q, v[h], scale_of(h, c));
       fence_proxy_async_smem();
-      mbar_arrive(full + s * SeesawPair::kBlocks + C);
-    };
-    using Y = std::true_type;
-    using N = std::false_type;
-    using B0 = std::integral_constant<int, 0>;
-    using B1 = std::integral_constant<int, 1>;
-    using B2 = std::integral_constant<int, 2>;
-    using B3 = std::integral_constant<int, 3>;
-    using B4 = std::integral_constant<int, 4>;
-    using B5 = std::integral_constant<int, 5>;
-    using B6 = std::integral_constant<int, 6>;
-    using B7 = std::integral_constant<int, 7>;
-    if (s == 0) {
-      // 7 (fp8_ds_v4: 6) .. 4 over no raw bytes; 3, 2 over raw 4..7; 1 over raw 2, 3; 0 over raw 0, 1
-      if constexpr (!F::kV4) block(B7{}, N{});
-      block(B6{}, N{});
-      block(B5{}, N{});
-      block(B4{}, N{});
-      block(B3{}, Y{});
-      block(B2{}, N{});
-      block(B1{}, Y{});
-      block(B0{}, Y{});
-    } else {
-      // 0 .. 3 over no raw bytes; 4, 5 over raw 0..3; 6 over raw 4, 5; 7 over raw 6, 7 (fp8_ds_v4: the RoPE values'
-      // block 7 over raw 6, below)
-      block(B0{}, N{});
-      block(B1{}, N{});
-      block(B2{}, N{});
-      block(B3{}, N{});
-      block(B4{}, Y{});
-      block(B5{}, N{});
-      block(B6{}, Y{});
-      if constexpr (!F::kV4) block(B7{}, Y{});
+      mbar_arrive(full + s * SeesawPair::kBlocks + c);
     }
     // the RoPE values, each thread its own copies (fp8_ds_v4's block 7 over stage 1's raw 6, read by all once past
     // the barrier)
