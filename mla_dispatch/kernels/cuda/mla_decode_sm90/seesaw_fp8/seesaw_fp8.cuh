@@ -250,9 +250,8 @@ __device__ __forceinline__ void seesaw_fp8_sparse_converter(const DecodeParams& 
     }
   };
   // The ids of the thread's two rows, a queue per stage of the stage's next two tiles ([0] the next, [1] the one
-  // after; -1 past the list): a tile's copies never wait for its ids, and the rows of the tile after it in the stage
-  // (two tiles ahead) are asked of L2 when it starts, so that more of the gather is in flight than the two stages hold
-  // (fp8t's converter asks L2 for its rows ahead the same way).
+  // after; -1 past the list): a tile's copies never wait for its ids. (An L2 prefetch of the rows of the stage's next
+  // tile, as fp8t's converter asks for its rows ahead, was slower: benchmarks/RESULTS.md, 2026-11-29 session 6.)
   int queue0[2][2], queue1[2][2];
   auto tile_ids = [&](int (&ids)[2], int req, int t0, int t_end) {
 #pragma unroll
@@ -261,8 +260,8 @@ __device__ __forceinline__ void seesaw_fp8_sparse_converter(const DecodeParams& 
       ids[h] = t < t_end ? sparse_id(p, req, t) : -1;
     }
   };
-  // the raw NoPE copies of the tile at t0 into stage S (its early part free), stage 0's RoPE copies, its row mask and
-  // bad flags, the L2 prefetch of the stage's next tile, and the queue moved on
+  // the raw NoPE copies of the tile at t0 into stage S (its early part free), stage 0's RoPE copies (stage 1's RoPE
+  // values and scales asked of L2), its row mask and bad flags, and the queue moved on
   auto start_tile = [&](auto stage_c, int req, int t0, int t_end) {
     constexpr int S = decltype(stage_c)::value;
     int (&queue)[2][2] = S == 0 ? queue0 : queue1;
@@ -280,13 +279,16 @@ __device__ __forceinline__ void seesaw_fp8_sparse_converter(const DecodeParams& 
 #pragma unroll
       for (int c = 0; c < F::kNope; ++c) cp_async_16(raw + 4096 * c + 64 * row + 16 * q, src + 64 * c + 16 * q, valid[h]);
       if (S == 0) rope_copy(sK, row, src, valid[h], q);  // (stage 0's block 8 is free with its early part)
-      const int ahead = queue[1][h];  // the row two tiles on, with its scales
-      if (q == 0 && ahead != -1 && page_ok(p, ahead)) {
-        prefetch_l2_bulk(sparse_row(p, pg, ahead, kvh, F::kV4), sparse_row_bytes<KvFmt>());
-        if constexpr (F::kV4)
+      if (S == 1 && q == 0 && valid[h] && !bad[h]) {  // its RoPE values and scales, asked of L2 (copied / loaded later)
+        if constexpr (F::kV4) {
+          prefetch_l2_bulk(src + F::kRopeByte, 128);
           prefetch_l2_bulk(
-              reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(ds_v4_scales(p, pg, ahead)) & ~uintptr_t(15)),
+              reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(ds_v4_scales(p, pg, queue[0][h])) &
+                                            ~uintptr_t(15)),
               16);
+        } else {
+          prefetch_l2_bulk(src + 512, kDsMlaTokenBytes - 512);  // 4 fp32 scales, 64 bf16 RoPE values
+        }
       }
     }
     cp_async_mbar_arrive(raw_bar + S);
@@ -344,29 +346,38 @@ __device__ __forceinline__ void seesaw_fp8_sparse_converter(const DecodeParams& 
       }
     };
     mbar_wait(raw_bar + s, k & 1u);
-    // The blocks one at a time: raw into registers, (after the converter's barrier where it must) converted, stored
-    // and signalled. Stage 0 holds raw block c at 4c KB, stage 1 at 32 + 4c KB, and converted block c goes to 8c KB,
-    // so stage 0 runs 7 (fp8_ds_v4: 6) .. 4 over no raw bytes, 3, 2 over raw 4..7, 1 over raw 2, 3, 0 over raw 0, 1,
-    // and stage 1 runs 0 .. 3 over no raw bytes, 4, 5 over raw 0..3, 6 over raw 4, 5, 7 over raw 6, 7: a barrier
-    // before the store of blocks 3, 1, 0 (stage 0) and 4, 6, 7 (stage 1), once every raw block it overwrites was
-    // read by all. A loop, not unrolled: unrolled, each block's addresses were hoisted out of the tile loop and
-    // spilled (the converter has 40 registers)
+    // The blocks two at a time: raw into registers, (after the converter's barrier where it must) converted, stored,
+    // fenced once and signalled. Stage 0 holds raw block c at 4c KB, stage 1 at 32 + 4c KB, and converted block c
+    // goes to 8c KB, so stage 0 runs 7, 6 and 5, 4 over no raw bytes, then 3, 2 and 1, 0, and stage 1 runs 0, 1 and
+    // 2, 3 over no raw bytes, then 4, 5 and 6, 7, each of the last two pairs after a barrier once every raw block it
+    // overwrites was read by all (fp8_ds_v4, 7 blocks: stage 0 runs 6, 5 | 4, 3 | 2, 1 | 0 with the barrier from the
+    // second pair on, block 3 landing on raw 6; stage 1 0, 1 | 2, 3 | 4, 5 | 6). A loop, not unrolled: unrolled, each
+    // block's addresses were hoisted out of the tile loop and spilled (the converter has 40 registers)
+    constexpr int kPairs = (F::kNope + 1) / 2;
 #pragma unroll 1
-    for (int i = 0; i < F::kNope; ++i) {
-      const int c = s == 0 ? F::kNope - 1 - i : i;
-      uint4 v[2];
+    for (int pair = 0; pair < kPairs; ++pair) {
+      const int c0 = s == 0 ? F::kNope - 1 - 2 * pair : 2 * pair;
+      const bool two = 2 * pair + 1 < F::kNope;
+      const int c1 = s == 0 ? c0 - 1 : c0 + 1;
+      uint4 v0[2], v1[2];
 #pragma unroll
-      for (int h = 0; h < 2; ++h) v[h] = *reinterpret_cast<const uint4*>(raw + 4096 * c + 64 * (r0 + 32 * h) + 16 * q);
-      if (s == 0 ? c == 3 || c <= 1 : c == 4 || c >= 6) named_barrier(SeesawFp8::kBarConv, 128);
+      for (int h = 0; h < 2; ++h) {
+        v0[h] = *reinterpret_cast<const uint4*>(raw + 4096 * c0 + 64 * (r0 + 32 * h) + 16 * q);
+        v1[h] = two ? *reinterpret_cast<const uint4*>(raw + 4096 * c1 + 64 * (r0 + 32 * h) + 16 * q) : v0[h];
+      }
+      if (pair >= 2 || (F::kV4 && s == 0 && pair == 1)) named_barrier(SeesawFp8::kBarConv, 128);
 #pragma unroll
-      for (int h = 0; h < 2; ++h) store_e4m3x16<T, true>(st, r0 + 32 * h, 64 * c + 16 * q, v[h], scale_of(h, c));
+      for (int h = 0; h < 2; ++h) {
+        store_e4m3x16<T, true>(st, r0 + 32 * h, 64 * c0 + 16 * q, v0[h], scale_of(h, c0));
+        if (two) store_e4m3x16<T, true>(st, r0 + 32 * h, 64 * c1 + 16 * q, v1[h], scale_of(h, c1));
+      }
       fence_proxy_async_smem();
-      mbar_arrive(full + s * SeesawPair::kBlocks + c);
+      mbar_arrive(full + s * SeesawPair::kBlocks + c0);
+      if (two) mbar_arrive(full + s * SeesawPair::kBlocks + c1);
     }
-    // the RoPE values, each thread its own copies (fp8_ds_v4's block 7 over stage 1's raw 6, read by all once past
-    // the barrier)
+    // the RoPE values, each thread its own copies (fp8_ds_v4's block 7 lands on stage 1's raw 6, which every thread
+    // read before the last pair's barrier)
     mbar_wait(rope_bar + s, k & 1u);
-    if (F::kV4 && s == 1) named_barrier(SeesawFp8::kBarConv, 128);
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
