@@ -4,10 +4,11 @@
 // the other warpgroup's GEMMs; its constants and shared memory in common/seesaw_pair.cuh) over an fp8_e4m3 cache,
 // with a third warpgroup that converts each tile into the K stages in place (seesaw_fp8_converter). The consumers
 // take S's column blocks in the converter's order and free each stage in two parts (release), where seesaw refills
-// it by TMA.
+// it by TMA. Sparse launches over fp8_ds_mla / fp8_ds_v4 caches have a converter of their own, which gathers the rows
+// by id (seesaw_fp8_sparse_converter, below).
 //
-// A 64-token tile must sit in one page (page_size % 64 == 0), and the cache must be one a tensor map describes; the
-// binding refuses other caches (binding.cpp, check_config). Query lengths up to kSeesawMaxQLen, as seesaw.
+// A dense 64-token tile must sit in one page (page_size % 64 == 0), and the cache must be one a tensor map describes;
+// the binding refuses other caches (binding.cpp, check_config). Query lengths up to kSeesawMaxQLen, as seesaw.
 //
 // Bad block ids (docs/design.md §1): the converter, which may run an item ahead, sets a flag per stage
 // (sBad[1 + stage]) before the tile's full barriers, and the warpgroup that owns the tile (warpgroup 0 for stage 0,
@@ -184,10 +185,11 @@ __device__ __forceinline__ void seesaw_fp8_converter(const DecodeParams& p, cons
 // raw copies in stage 0 (whose block 8 is free with its early part) and once the late part is free in stage 1 (asked
 // of L2 when the tile starts): fp8_ds_mla reads them there (bf16 q: as copied; fp16 q: converted in place by the
 // thread that copied them); fp8_ds_v4, whose D_qk is 512, moves them to block 7 (its NoPE has 7 blocks) and never
-// reads block 8. A row without a key (a -1 id, or past the list's length)
-// is zero-filled by the copies and cleared in the stage's row mask, which the tile's softmax applies
-// (seesaw_softmax, kBits); a bad id reads token 0 in its place and sets its warp's byte in the stage's bad flags,
-// which the tile's owner moves into the item's flag as the dense flag is (release).
+// reads block 8. A row without a key (a -1 id, or past the list's length) is zero-filled by the copies and cleared in
+// the stage's row mask, which the tile's softmax applies (seesaw_softmax, kBits); a bad id reads token 0 in its place
+// and sets its warp's byte in the stage's bad flags, which the tile's owner moves into the item's flag as the dense
+// flag is (release). Measured slower than wgmma's sparse instances on the H200 (benchmarks/RESULTS.md, 2026-11-29
+// session 6), so the plan runs it only when backend_options force variant 9 (cuda_sm90.py, choose_sparse_variant).
 template <int KvFmt>
 struct SeesawFp8Sparse {
   static constexpr bool kV4 = KvFmt == kKvFp8DsV4;
@@ -277,7 +279,8 @@ __device__ __forceinline__ void seesaw_fp8_sparse_converter(const DecodeParams& 
       bad[h] = valid[h] && !page_ok(p, queue[0][h]);
       const uint8_t* src = sparse_row(p, pg, valid[h] && !bad[h] ? queue[0][h] : 0, kvh, F::kV4);
 #pragma unroll
-      for (int c = 0; c < F::kNope; ++c) cp_async_16(raw + 4096 * c + 64 * row + 16 * q, src + 64 * c + 16 * q, valid[h]);
+      for (int c = 0; c < F::kNope; ++c)
+        cp_async_16(raw + 4096 * c + 64 * row + 16 * q, src + 64 * c + 16 * q, valid[h]);
       if (S == 0) rope_copy(sK, row, src, valid[h], q);  // (stage 0's block 8 is free with its early part)
       if (S == 1 && q == 0 && valid[h] && !bad[h]) {  // its RoPE values and scales, asked of L2 (copied / loaded later)
         if constexpr (F::kV4) {
