@@ -8,12 +8,14 @@ reported and never timed.
 import csv
 import json
 import math
+from types import MappingProxyType
 
 import pytest
 import torch
 
 from mla_dispatch.tools import bench
 from mla_dispatch.backends.reference import ReferenceBackend
+from mla_dispatch.dispatch.backend import BackendOption, OptionNotSupported
 from mla_dispatch.numerics.oracle import reference_attention
 from mla_dispatch.tools.roofline import Ceilings
 from mla_dispatch.numerics.cases import UNUSED_BLOCK_ID
@@ -138,6 +140,35 @@ def test_unsupported_config_reports_the_backends_reason(registered):
     assert row.status == "unsupported"
     assert "page_size=16 (supported: {64})" in row.note
     assert row.us_run is None
+
+
+class ForcedSixteenHeads(ReferenceBackend):
+    """The reference with an option whose one value runs 16 heads only (as a forced mainloop takes some shapes)."""
+
+    NAME = "test_forced_heads"
+    OPTIONS = MappingProxyType({"heads": BackendOption((16,), "run as if only 16 heads were possible")})
+
+    @classmethod
+    def plan(cls, problem, platform, block_table, cache_seqlens, *, softmax_scale, options):
+        if options.get("heads") == 16 and problem.num_heads_q != 16:
+            raise OptionNotSupported(f"backend_options['heads']=16 cannot run this problem: "
+                                     f"h_q={problem.num_heads_q}")
+        return super().plan(problem, platform, block_table, cache_seqlens, softmax_scale=softmax_scale)
+
+
+def test_a_forced_option_that_cannot_run_a_config_is_unsupported_not_an_error(registered, tmp_path, monkeypatch):
+    """A sweep of forced options (``name:key=value``) reports the configs an option does not take as unsupported,
+    with the plan's reason, and exits 0: nothing was wrong."""
+    name = registered(ForcedSixteenHeads)
+    monkeypatch.setattr(bench, "measure_ceilings", lambda device: FIXED_CEILINGS)
+    monkeypatch.setattr(bench, "GRIDS", {"quick": ("two configs", lambda: [bench.BenchConfig(2, 1, 16, 64),
+                                                                           bench.BenchConfig(2, 1, 32, 64)])})
+    rc = bench.main(["--grid", "quick", "--backends", f"{name}:heads=16", "--out", str(tmp_path), "--quiet",
+                     "--rep-ms", "2", "--no-graph"])
+    assert rc == 0
+    rows = json.loads((tmp_path / "bench-quick.json").read_text())["rows"]
+    assert [r["status"] for r in rows] == ["ok", "unsupported"]
+    assert rows[1]["note"] == "backend_options['heads']=16 cannot run this problem: h_q=32"
 
 
 @pytest.mark.parametrize("cfg", [

@@ -14,6 +14,7 @@ import torch
 
 from mla_dispatch.backends import cuda_sm90
 from mla_dispatch.backends.cuda_sm90 import CudaSM90Backend, Sm90Launch, launch_config, split_parts
+from mla_dispatch.dispatch.backend import OptionNotSupported
 from mla_dispatch.dispatch.problem import DecodeProblem
 from mla_dispatch.kernels.cuda.build import SM90_SOURCE_DIR
 from mla_dispatch.kvcache.formats import KV_FORMAT_CODES
@@ -187,7 +188,9 @@ def test_sparse_etap_forced_runs_row_tiles_of_16(h_q):
 
 
 def test_sparse_refuses_mainloops_that_do_not_mask_slots():
-    with pytest.raises(ValueError, match=r"sparse indices \(topk=2048; supported: dense block_table only\)"):
+    """A forced mainloop that cannot run the problem is an OptionNotSupported (a ValueError), which bench reports as
+    unsupported."""
+    with pytest.raises(OptionNotSupported, match=r"sparse indices \(topk=2048; supported: dense block_table only\)"):
         sparse_launch(sparse_problem(kv_format="bf16"), variant=cuda_sm90.SEESAW)
 
 

@@ -90,6 +90,13 @@ class CGSupport(enum.Enum):
     ALWAYS = 1
 
 
+class OptionNotSupported(ValueError):
+    """A valid ``backend_options`` value that cannot run the problem (a forced kernel that does not take its shape):
+    raised by a backend's :meth:`MLABackend.plan`, with what the value needs and what the problem has. A ValueError,
+    so callers that catch those keep working; a sweep of forced options (``bench``) reports it as unsupported rather
+    than as an error."""
+
+
 @dataclasses.dataclass(frozen=True)
 class BackendOption:
     """One option of a backend's planning (``backend_options`` of :func:`mla_dispatch.plan_decode`): an explicit
@@ -400,7 +407,8 @@ class MLABackend:
     def check_options(cls, options: Mapping[str, object] | None) -> dict[str, object]:
         """``options`` (``backend_options`` as given, or None) checked against :attr:`OPTIONS`, as a new dict.
 
-        Whether a valid value suits the problem is the plan's to check (:meth:`plan` raises ValueError).
+        Whether a valid value suits the problem is the plan's to check (:meth:`plan` raises
+        :class:`OptionNotSupported`).
 
         Raises
         ------
@@ -434,8 +442,8 @@ class MLABackend:
         """Per-step work: schedules, workspaces, vendor plans. May allocate; should not sync.
 
         A backend that declares :attr:`OPTIONS` takes one more keyword, ``options``: the checked
-        ``backend_options`` (:meth:`check_options`; a dict, empty when none were given). It raises ValueError for an
-        option value that does not suit ``problem``.
+        ``backend_options`` (:meth:`check_options`; a dict, empty when none were given). It raises
+        :class:`OptionNotSupported` (a ValueError) for an option value that does not suit ``problem``.
         """
         return BackendState()
 

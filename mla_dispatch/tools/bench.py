@@ -56,7 +56,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from mla_dispatch.api import mla_decode, plan_decode
-from mla_dispatch.dispatch.backend import CGSupport
+from mla_dispatch.dispatch.backend import CGSupport, OptionNotSupported
 from mla_dispatch.kvcache.formats import empty_ds_v4_cache, pack_ds_mla, quantize_fp8_e4m3, write_ds_v4
 from mla_dispatch.dispatch.platform import platform_for
 from mla_dispatch.dispatch.problem import DecodeProblem, describe_inputs
@@ -359,8 +359,8 @@ class BenchRow:
     """One (config, backend) result. Times in µs; None where not measured.
 
     ``status``: ``ok`` (checked, then timed), ``wrong`` (failed the correctness
-    gate: not timed), ``error`` (raised), ``unsupported`` (the backend's reasons
-    in ``note``).
+    gate: not timed), ``error`` (raised), ``unsupported`` (the backend's reasons,
+    or why a forced option does not take the config, in ``note``).
     """
 
     config: str
@@ -455,6 +455,9 @@ def bench_backend(name: str, case: DecodeCase, ref: tuple[torch.Tensor, torch.Te
         lse = torch.empty(ref[1].shape, dtype=torch.float32, device=device)
         plan.run(case.q, case.kv_cache, **run_kw, out=out, lse=lse)
         report = _check(out, lse, ref, cls.TOLERANCE)
+    except OptionNotSupported as exc:  # a forced option that does not take this config (the plan says why)
+        row.status, row.note = "unsupported", str(exc).splitlines()[0][:300]
+        return row
     except Exception as exc:  # a crashing backend is a result, not the end of the run
         row.status, row.note = "error", f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
         return row

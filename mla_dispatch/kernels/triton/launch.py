@@ -26,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from mla_dispatch.dispatch.backend import OptionNotSupported
 from mla_dispatch.kernels.triton.decode import (CONFIGS, EXTRA_CACHE_ARGS, GLUON_CONFIG, SMALL_PAGE_CONFIGS,
                                                 TMA_CONFIGS, KernelConfig, _clip_splits, _rows_bucket, choose_config,
                                                 decode_kernel_call, decode_kernel_fixed, mla_decode_kernel,
@@ -158,13 +159,14 @@ def choose_launch(p, platform, cfg: KernelConfig | None = None, kernel: str | No
     Raises
     ------
     ValueError
-        ``kernel`` is not one of :data:`KERNELS`, or cannot run the problem (the message says what it needs).
+        ``kernel`` is not one of :data:`KERNELS`; :class:`~mla_dispatch.dispatch.backend.OptionNotSupported` (a
+        ValueError) where it cannot run the problem (the message says what it needs).
     """
     if kernel is not None:
         if kernel not in KERNELS:
             raise ValueError(f"backend_options['kernel']={kernel!r} (supported: {', '.join(KERNELS)})")
         if reasons := kernel_reasons(kernel, p, platform):
-            raise ValueError(f"backend_options['kernel']={kernel!r} cannot run this problem: it needs "
+            raise OptionNotSupported(f"backend_options['kernel']={kernel!r} cannot run this problem: it needs "
                              + "; ".join(reasons))
     cfg = cfg or _config_for(kernel, p, platform)
     v_split, qk_chunk = _clip_splits(cfg.v_split, cfg.qk_chunk, p.head_dim_v)
