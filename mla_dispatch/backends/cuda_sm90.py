@@ -35,8 +35,8 @@ from types import MappingProxyType
 
 import torch
 
-from mla_dispatch.dispatch.backend import (ArchSupport, BackendOption, BackendState, CGSupport, MLABackend, Reason,
-                                           ReasonCode, untraced_eager)
+from mla_dispatch.dispatch.backend import (ArchSupport, BackendOption, BackendState, CGSupport, MLABackend,
+                                           OptionNotSupported, Reason, ReasonCode, untraced_eager)
 from mla_dispatch.metadata.schedule import BATCH_INVARIANT_SPLIT_TOKENS, SPLIT_TOKENS_CHOICES, check_invariant_workspace
 from mla_dispatch.kernels.cuda.schedule import native_schedule
 from mla_dispatch.metadata.split_plan import SplitKVLayout, SplitKVPlan
@@ -236,7 +236,13 @@ def choose_sparse_variant(view: DecodeProblem) -> int:
     (fp8_ds_v4); h_q=32 268.5 / 447.6 (etap in two row tiles) / 301.5. At 64 heads (b=64 s_q=1) etap in four row tiles
     took 231.2 against wgmma's 97.9: each extra row tile gathers the tokens again. etap (each warpgroup loading,
     converting and computing its own tiles in turn) runs sparse views in row tiles of 16 when forced (backend_options
-    variant=6), for tests and measurements."""
+    variant=6), for tests and measurements.
+
+    seesaw_fp8 (a warpgroup gathering each tile's rows by id and converting them while two compute, on seesaw's
+    schedule: FlashMLA's producer-warpgroup design) takes the fp8_ds_mla / fp8_ds_v4 views when forced (variant=9),
+    but measured slower than wgmma above 32 heads (RESULTS.md, 2026-11-29 session 6; graph us, wgmma / seesaw_fp8 /
+    FlashMLA): b=64 h_q=64 s_q=1 97.1 / 115.8 / 81.2, b=128 h_q=128 s_q=2 581.3 / 614.5 / 351.7, b=2 h_q=128 29.6 /
+    34.3 / 23.3 (fp8_ds_mla); fp8_ds_v4 98.1 / 133.2 / 84.1 and 578.2 / 744.6 / 341.0, so the plan never picks it."""
     if view.kv_format in MAINLOOPS[FP8T_CONVERT].sparse_formats and rows_per_kv_head(view) <= FP8T_MAX_ROWS:
         return FP8T_CONVERT
     return WGMMA
@@ -339,9 +345,9 @@ def launch_config(problem: DecodeProblem, num_parts: int, max_chunks: int, num_s
 
     Raises
     ------
-    ValueError
-        A forced ``variant`` cannot run the problem, or a forced ``fuse_combine=True`` cannot run; the message says
-        what is required and what was given.
+    OptionNotSupported
+        A forced ``variant`` cannot run the problem, or a forced ``fuse_combine=True`` cannot run (a ValueError); the
+        message says what is required and what was given.
     """
     p = sparse_view(problem)  # a sparse problem runs as its flattened dense view
     if "variant" in options:
@@ -352,7 +358,7 @@ def launch_config(problem: DecodeProblem, num_parts: int, max_chunks: int, num_s
         variant = invariant_variant(p) if p.batch_invariant else choose_variant(p, num_parts, max_chunks)
     mainloop = MAINLOOPS[variant]
     if reasons := mainloop.reasons(problem):
-        raise ValueError(f"backend_options['variant']={variant} ({mainloop.name}) cannot run this problem: "
+        raise OptionNotSupported(f"backend_options['variant']={variant} ({mainloop.name}) cannot run this problem: "
                          + "; ".join(reasons))
     tile_rows, row_tiles = tile_shape(variant, problem)
     tma_loads = (mainloop.whole_tile_pages and not problem.sparse) or (
@@ -366,7 +372,7 @@ def launch_config(problem: DecodeProblem, num_parts: int, max_chunks: int, num_s
     if "fuse_combine" in options:
         fuse = bool(options["fuse_combine"])
         if fuse and cannot_fuse:
-            raise ValueError("backend_options['fuse_combine']=True cannot run: " + "; ".join(cannot_fuse))
+            raise OptionNotSupported("backend_options['fuse_combine']=True cannot run: " + "; ".join(cannot_fuse))
     else:
         fuse = not cannot_fuse and choose_fuse_combine(p, num_parts, ctas)
     return Sm90Launch(variant, tile_rows, tma_loads, paired, fuse, fixed_splits=p.batch_invariant)
