@@ -363,3 +363,25 @@ def test_gluon_kernel_gate():
     q = torch.zeros(2, 1, 64, 576, dtype=torch.bfloat16)
     kv = torch.zeros(3, 64, 1, 576, dtype=torch.bfloat16)
     assert not gluon_applies(q, kv, kv_format="bf16", sparse=False, head_dim_v=512, traced=False)
+
+
+def test_a_forced_kernel_that_cannot_run_the_problem_is_refused_with_its_reasons():
+    """backend_options={"kernel": ...} naming a kernel that cannot run the problem: OptionNotSupported (a ValueError,
+    which bench reports as unsupported) with what the kernel needs; the plan's own choice runs."""
+    pytest.importorskip("triton")
+    import torch
+
+    from mla_dispatch.backends.triton import _shape_plan
+    from mla_dispatch.dispatch.backend import OptionNotSupported
+    from mla_dispatch.dispatch.platform import Platform
+    from mla_dispatch.dispatch.problem import DecodeProblem
+
+    h100 = Platform("cuda", "NVIDIA H100 80GB HBM3", (9, 0), "sm_90", 132)
+    p = DecodeProblem(batch=4, q_len=1, num_heads_q=16, num_heads_kv=1, head_dim_qk=576, head_dim_v=512, page_size=64,
+                      max_blocks=8, q_dtype=torch.bfloat16, kv_format="bf16", causal=False, topk=0, return_lse=True,
+                      device_type="cuda")
+    with pytest.raises(OptionNotSupported, match=r"backend_options\['kernel'\]='fp8t' cannot run this problem: it "
+                                                 r"needs .*kv_format='bf16' \(supported: fp8_e4m3\)"):
+        _shape_plan(p, h100, None, "fp8t", None, None, None)
+    launch, _ = _shape_plan(p, h100, None, None, None, None, None)
+    assert launch is not None

@@ -33,8 +33,8 @@ import torch
 
 from types import MappingProxyType
 
-from mla_dispatch.dispatch.backend import (ArchSupport, BackendOption, BackendState, CGSupport, MLABackend, Reason,
-                                           ReasonCode)
+from mla_dispatch.dispatch.backend import (ArchSupport, BackendOption, BackendState, CGSupport, MLABackend,
+                                           OptionNotSupported, Reason, ReasonCode)
 from mla_dispatch.metadata.schedule import BATCH_INVARIANT_SPLIT_TOKENS, SPLIT_TOKENS_CHOICES, check_invariant_workspace
 from mla_dispatch.kernels.cuda.schedule import loaded_native_schedule
 from mla_dispatch.metadata.split_plan import SplitKVLayout, SplitKVPlan
@@ -56,9 +56,18 @@ def _interpreting() -> bool:
 def _shape_plan(p: DecodeProblem, platform: Platform, config, kernel: str | None, num_parts: int | None,
                 overhead: int | None, split_tokens: int | None):
     """What a plan decides from shapes alone, once per (problem, platform, choices): the frozen launch
-    (:func:`~mla_dispatch.kernels.triton.launch.choose_launch`) and the split-KV layout (:func:`_split_layout`)."""
-    from mla_dispatch.kernels.triton.launch import choose_launch
+    (:func:`~mla_dispatch.kernels.triton.launch.choose_launch`) and the split-KV layout (:func:`_split_layout`).
 
+    Raises
+    ------
+    OptionNotSupported
+        A forced ``kernel`` that cannot run ``p`` (a ValueError; the message says what it needs).
+    """
+    from mla_dispatch.kernels.triton.launch import choose_launch, kernel_reasons
+
+    if kernel is not None and (reasons := kernel_reasons(kernel, p, platform)):
+        raise OptionNotSupported(f"backend_options['kernel']={kernel!r} cannot run this problem: it needs "
+                                 + "; ".join(reasons))
     launch = choose_launch(p, platform, config, kernel)
     return launch, _split_layout(p, platform.num_compute_units, launch.cfg, num_parts, overhead, split_tokens)
 

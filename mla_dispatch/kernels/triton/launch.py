@@ -26,7 +26,6 @@ from typing import Callable
 
 import torch
 
-from mla_dispatch.dispatch.backend import OptionNotSupported
 from mla_dispatch.kernels.triton.decode import (CONFIGS, EXTRA_CACHE_ARGS, GLUON_CONFIG, SMALL_PAGE_CONFIGS,
                                                 TMA_CONFIGS, KernelConfig, _clip_splits, _rows_bucket, choose_config,
                                                 decode_kernel_call, decode_kernel_fixed, mla_decode_kernel,
@@ -154,20 +153,17 @@ def choose_launch(p, platform, cfg: KernelConfig | None = None, kernel: str | No
     tokens-on-M kernel for fp8_e4m3 with at most 32 query rows, the seesaw kernel on 16-bit pages of whole tiles, else
     gluon_sm90; a TMA config the plain kernel's TMA path; else gathered tiles), or ``kernel`` where given.
 
-    ``cfg`` a config of the caller's (tests, benchmarks), else the table's (:func:`_config_for`).
+    ``cfg`` a config of the caller's (tests, benchmarks), else the table's (:func:`_config_for`). A forced ``kernel``
+    must be one that can run ``p`` (:func:`kernel_reasons` empty): the backend refuses the others first, with their
+    reasons (backends/triton.py, _shape_plan).
 
     Raises
     ------
     ValueError
-        ``kernel`` is not one of :data:`KERNELS`; :class:`~mla_dispatch.dispatch.backend.OptionNotSupported` (a
-        ValueError) where it cannot run the problem (the message says what it needs).
+        ``kernel`` is not one of :data:`KERNELS`.
     """
-    if kernel is not None:
-        if kernel not in KERNELS:
-            raise ValueError(f"backend_options['kernel']={kernel!r} (supported: {', '.join(KERNELS)})")
-        if reasons := kernel_reasons(kernel, p, platform):
-            raise OptionNotSupported(f"backend_options['kernel']={kernel!r} cannot run this problem: it needs "
-                             + "; ".join(reasons))
+    if kernel is not None and kernel not in KERNELS:
+        raise ValueError(f"backend_options['kernel']={kernel!r} (supported: {', '.join(KERNELS)})")
     cfg = cfg or _config_for(kernel, p, platform)
     v_split, qk_chunk = _clip_splits(cfg.v_split, cfg.qk_chunk, p.head_dim_v)
     tma_ok = not _tma_reasons(p, platform, cfg)
