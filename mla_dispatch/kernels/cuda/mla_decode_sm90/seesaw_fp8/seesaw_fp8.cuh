@@ -201,11 +201,6 @@ struct SeesawFp8Sparse {
 // `x`, opaque to the optimiser: the converter's shared-memory offsets derive from its row, made opaque inside its tile
 // loop, since hoisted out of it (one per row, block and stage) they did not fit its registers (ptxas spilled ~280
 // bytes of them)
-template <typename P>
-__device__ __forceinline__ P* opaque(P* x) {
-  asm volatile("" : "+l"(x));
-  return x;
-}
 __device__ __forceinline__ int opaque(int x) {
   asm volatile("" : "+r"(x));
   return x;
@@ -665,7 +660,7 @@ __global__ void __launch_bounds__(SeesawFp8::kThreads, 1)
           cute::warpgroup_commit_batch();
         }
         if constexpr (kNextA) {
-          // S_{a+2} in the converter's order: blocks 7..4, then 3..0 and 8
+          // S_{a+2} in the converter's order: blocks 7..4, then 3..0 and 8 (fp8_ds_v4: 6..4, 3..0, 7)
           fence_regs<32>(acc_s);
           issue_s_desc(a + 2, I4{}, IRope{}, true);
           cute::warpgroup_commit_batch();
