@@ -226,10 +226,10 @@ __device__ __forceinline__ void seesaw_fp8_sparse_converter(const DecodeParams& 
   const int lane = tid_c % 32, warp = tid_c / 32;
   const PageGeometry pg = page_geometry(p.sparse_page);
   uint32_t fills0 = 0, fills1 = 0;  // tiles started in each stage so far (the phases of its barriers)
-  // row `row` of the tile at t0: its token's bytes and id (token 0 for a bad id or none); valid: it holds a key
-  auto row_src = [&](int req, int t0, int t_end, int row, bool& valid, bool& bad, int& id) {
-    const int t = t0 + row;
-    id = t < t_end ? sparse_id(p, req, t) : -1;
+  // the id of token t of the list (-1: none, or past t_end)
+  auto row_id = [&](int req, int t, int t_end) { return t < t_end ? sparse_id(p, req, t) : -1; };
+  // a row's id checked: its token's bytes, `id` the token read (token 0 for a bad id or none); valid: it holds a key
+  auto checked_row = [&](int& id, bool& valid, bool& bad) {
     valid = id != -1;
     bad = valid && !page_ok(p, id);
     id = valid && !bad ? id : 0;
@@ -252,10 +252,7 @@ __device__ __forceinline__ void seesaw_fp8_sparse_converter(const DecodeParams& 
   int queue0[2][2], queue1[2][2];
   auto tile_ids = [&](int (&ids)[2], int req, int t0, int t_end) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int t = t0 + tid_c / 4 + 32 * h;
-      ids[h] = t < t_end ? sparse_id(p, req, t) : -1;
-    }
+    for (int h = 0; h < 2; ++h) ids[h] = row_id(req, t0 + tid_c / 4 + 32 * h, t_end);
   };
   // the raw NoPE copies of the tile at t0 into stage S (its early part free), stage 0's RoPE copies (stage 1's RoPE
   // values and scales asked of L2), its row mask and bad flags, and the queue moved on
@@ -270,9 +267,8 @@ __device__ __forceinline__ void seesaw_fp8_sparse_converter(const DecodeParams& 
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = r0 + 32 * h;
-      valid[h] = queue[0][h] != -1;
-      bad[h] = valid[h] && !page_ok(p, queue[0][h]);
-      const uint8_t* src = sparse_row(p, pg, valid[h] && !bad[h] ? queue[0][h] : 0, kvh, F::kV4);
+      int id = queue[0][h];
+      const uint8_t* src = checked_row(id, valid[h], bad[h]);
 #pragma unroll
       for (int c = 0; c < F::kNope; ++c)
         cp_async_16(raw + 4096 * c + 64 * row + 16 * q, src + 64 * c + 16 * q, valid[h]);
@@ -315,8 +311,8 @@ __device__ __forceinline__ void seesaw_fp8_sparse_converter(const DecodeParams& 
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       bool bad;
-      int id;
-      src[h] = row_src(req, t0, t_end, r0 + 32 * h, valid[h], bad, id);
+      int id = row_id(req, t0 + r0 + 32 * h, t_end);
+      src[h] = checked_row(id, valid[h], bad);
       scales[h] = make_uint4(0u, 0u, 0u, 0u);
       if (valid[h]) {
         if constexpr (F::kV4) {
