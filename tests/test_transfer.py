@@ -73,10 +73,12 @@ def fakes():
 # -- the cost model -------------------------------------------------------------------------------------------------
 
 
-def _points(cost: Cost, gen: torch.Generator, n: int = 12):
-    """Buckets of varied size and arithmetic intensity, timed by ``cost``: (memory_us, compute_us, configs, us)."""
+def _points(cost: Cost, gen: torch.Generator, n: int = 12, intensity: tuple[float, float] = (0.1, 3.1)):
+    """Buckets of varied size and arithmetic intensity (compute over memory roofline time, uniform in
+    ``intensity``), timed by ``cost``: (memory_us, compute_us, configs, us)."""
     mem = 20 + 2000 * torch.rand(n, generator=gen, dtype=torch.float64)
-    intensity = 0.1 + 3 * torch.rand(n, generator=gen, dtype=torch.float64)  # compute over memory roofline time
+    low, high = intensity
+    intensity = low + (high - low) * torch.rand(n, generator=gen, dtype=torch.float64)
     configs = torch.randint(1, 4, (n,), generator=gen)
     return [(float(m), float(m * i), int(c), cost.us(float(m), float(m * i), int(c)))
             for m, i, c in zip(mem, intensity, configs)]
@@ -91,6 +93,17 @@ def test_fit_recovers_the_cost_that_made_the_times(gen):
     assert fitted.compute == pytest.approx(truth.compute, rel=0.03)
     for m, f, n, _ in _points(truth, gen, 5):  # buckets it never saw
         assert fitted.us(m, f, n) == pytest.approx(truth.us(m, f, n), rel=0.01)
+
+
+def test_fit_finds_the_memory_multiplier_when_every_bucket_is_compute_bound(gen):
+    """The error is flat along the memory multiplier and narrow across the compute one here: refining the coarse
+    grid's best cell alone returned a memory multiplier over 3% off for 61% of such draws (500 seeds)."""
+    truth = Cost(overhead_us=float(5 + 30 * torch.rand(1, generator=gen)),
+                 memory=float(0.9 + 0.3 * torch.rand(1, generator=gen)),
+                 compute=float(1.4 + 0.6 * torch.rand(1, generator=gen)))
+    fitted = fit_cost(_points(truth, gen, intensity=(1.0, 3.0)))
+    assert fitted.memory == pytest.approx(truth.memory, rel=0.03)
+    assert fitted.compute == pytest.approx(truth.compute, rel=0.03)
 
 
 def test_too_few_buckets_scale_with_the_roofline():
