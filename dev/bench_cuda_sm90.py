@@ -220,7 +220,7 @@ def host_overhead_us(n=200):
         st, s, c = plan.state, plan.state.schedule, plan.state.launch
         args = (q, kv, table, lens, s.items, s.part_offsets, None, out, lse, st.partial_out, st.partial_lse,
                 s.num_splits, st.first_slot, plan.softmax_scale, False, 0, c.variant, c.tile_rows, c.tma_loads,
-                c.paired, c.fuse_combine, c.fixed_splits, False, None, c.overlap_items)
+                c.paired, c.fuse_combine, c.fixed_splits)
         for _ in range(20):
             plan.run(q, kv, out=out, lse=lse)
             st.op(*args)

@@ -69,22 +69,20 @@ def _refusal(case, variant):
     return cuda_sm90.MAINLOOPS[variant].reasons(_plan(case).problem)
 
 
-def _run_variant(case, variant, runs=1, fuse_combine=None, tol=None, overlap_items=None):
-    """Plan with the backend forcing mainloop `variant` (and the combine's place when `fuse_combine` is given, v5's
-    item overlap when `overlap_items` is), and check `runs` launches (fresh poison each) at the backend's tolerance,
-    or `tol`. Returns the plan. Where the mainloop cannot run the case, check instead that the plan refuses it,
-    naming what is missing."""
+def _run_variant(case, variant, runs=1, fuse_combine=None, tol=None):
+    """Plan with the backend forcing mainloop `variant` (and the combine's place when `fuse_combine` is given),
+    and check `runs` launches (fresh poison each) at the backend's tolerance, or `tol`. Returns the plan. Where
+    the mainloop cannot run the case, check instead that the plan refuses it, naming what is missing."""
     if reasons := _refusal(case, variant):
         with pytest.raises(ValueError, match=re.escape(reasons[0])):
             _plan(case, variant=variant)
         return None
-    forced = dict(fuse_combine=fuse_combine, overlap_items=overlap_items)
-    options = {"variant": variant} | {k: v for k, v in forced.items() if v is not None}
+    options = {"variant": variant} if fuse_combine is None else {"variant": variant, "fuse_combine": fuse_combine}
     plan = _plan(case, **options)
     launch = plan.state.launch
     assert (launch.variant, plan.state.bound.variant) == (variant, variant)
-    for key, value in options.items():
-        assert getattr(launch, key) == getattr(plan.state.bound, key) == value, key
+    if fuse_combine is not None:
+        assert (launch.fuse_combine, plan.state.bound.fuse_combine) == (fuse_combine, fuse_combine)
     for _ in range(runs):
         _run_and_check(plan, case, tol)
     return plan
@@ -167,24 +165,22 @@ V5_GRID = [c for c in GRID if c[5] % 64 == 0] + [
     (3, 2, 128, 2, 700, 64, True, 1),  # two KV heads of two row tiles each: clusters of two along y, grid z = 2
     (2, 64, 2, 1, 900, 64, True, 0),  # q_len = 64, causal: the edge of v5's unmasked steady state
     (2, 80, 1, 1, 700, 64, True, 0),  # q_len > 64: v5 leaves steady-state tiles unmasked, so the plan refuses it
-    # several items per part, of 1 to 5 tiles (odd and even), zero-length requests among them: each item's Q and
-    # first tiles loaded under the one before (overlap_items)
+    # several items per part, of 1 to 5 tiles (odd and even), zero-length requests among them
     (64, 1, 128, 1, 300, 64, False, 3),
     (48, 2, 64, 1, 250, 128, True, 1),
 ]
 
 
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("cfg", V5_GRID, ids=[_grid_id(c) for c in V5_GRID])
-def test_variant5_matches_reference(cfg, dtype, overlap, gen):
+def test_variant5_matches_reference(cfg, dtype, gen):
     """v5, seesaw (seesaw/) on the page sizes it takes (multiples of 64): odd and even tile counts per item,
-    partial last tiles, split requests, causal MTP, zero-length requests, h_kv > 1, several items per part, with
-    and without the next item's loads under each item's tail; q_len > 64 is refused."""
+    partial last tiles, split requests, causal MTP, zero-length requests, h_kv > 1, several items per part; q_len > 64
+    is refused."""
     b, s_q, h_q, h_kv, L, ps, causal, zero = cfg
     case = make_case(b, s_q, h_q, L, num_heads_kv=h_kv, page_size=ps, dtype=dtype, causal=causal,
                      zero_len_rows=zero, device="cuda", generator=gen)
-    _run_variant(case, 5, runs=2, overlap_items=overlap)  # a second launch of the configured kernel
+    _run_variant(case, 5, runs=2)  # a second launch of the configured kernel
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -397,7 +393,7 @@ BAD_ID_GRID = [
     (2, "fp8_e4m3", 4, 1, 64, 900, 32, False, 0, None),
     (2, "fp8_ds_mla", 4, 1, 16, 900, 64, False, 0, None),
     (5, "bf16", 4, 1, 128, 1000, 64, False, 0, None),  # two row tiles: paired in clusters
-    (5, "bf16", 48, 1, 128, 300, 64, False, 0, None),  # several items per part: the next one's tiles loaded early
+    (5, "bf16", 48, 1, 128, 300, 64, False, 0, None),  # several items per part: the flag of each its own
     (5, "fp16", 3, 2, 32, 900, 128, True, 1, None),    # one row tile
     (6, "bf16", 4, 1, 16, 1000, 64, False, 0, None),   # TMA
     (6, "fp16", 3, 2, 16, 700, 16, True, 1, True),     # cp.async
@@ -791,7 +787,6 @@ for over, pattern in [
     (dict(variant=5, tma_loads=True, paired=True), "paired=true needs variant 5 and an even number of 64-row tiles"),
     (dict(variant=5, tma_loads=True, fuse_combine=True), "fuse_combine must be false for variant 5 .it has no combine"),
     (dict(fuse_combine=True, fixed_splits=True), "fuse_combine must be false with fixed_splits=true"),
-    (dict(sparse=False, attn_sink=None, overlap_items=True), "overlap_items=true needs variant 5, got variant 2"),
     # sparse launches: etap in row tiles of its fp8 tile; fp8t_convert and etap over fp8 caches, seesaw_fp8 over the
     # scaled ones only
     (dict(variant=6, tile_rows=32, sparse=True), "tile_rows must be 16 for a sparse launch of variant 6 .its fp8 tile., "
@@ -902,17 +897,14 @@ def test_the_plans_launch_reaches_the_bound_call(gen):
     """The bound native call runs the plan's frozen launch (forced here through backend_options); neither can be
     changed after planning."""
     case = make_case(2, 1, 16, 200, page_size=64, device="cuda", generator=gen)
-    for options, invariant, want in [
-            (dict(variant=2, fuse_combine=True), False, (2, 64, False, False, True, False, False)),
-            (dict(variant=6, fuse_combine=False), False, (6, 16, True, False, False, False, False)),
-            (dict(variant=2), True, (2, 64, False, False, False, True, False)),
-            (dict(variant=5, overlap_items=False), False, (5, 64, True, False, False, False, False)),
-            (dict(variant=5, overlap_items=True), False, (5, 64, True, False, False, False, True))]:
+    for options, invariant, want in [(dict(variant=2, fuse_combine=True), False, (2, 64, False, False, True, False)),
+                                     (dict(variant=6, fuse_combine=False), False, (6, 16, True, False, False, False)),
+                                     (dict(variant=2), True, (2, 64, False, False, False, True))]:
         plan = plan_decode(*case.args(), **case.kwargs(), backend="cuda_sm90", backend_options=options,
                            batch_invariant=invariant)
         b = plan.state.bound
         assert dataclasses.astuple(plan.state.launch) == (b.variant, b.tile_rows, b.tma_loads, b.paired,
-                                                          b.fuse_combine, b.fixed_splits, b.overlap_items) == want
+                                                          b.fuse_combine, b.fixed_splits) == want
         assert dict(plan.backend_options) == options
     with pytest.raises(AttributeError):
         plan.state.bound.variant = 2

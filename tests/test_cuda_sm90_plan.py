@@ -67,10 +67,8 @@ def test_plan_constants_match_config_h():
 
 
 @pytest.mark.parametrize("p,want", [
-    # the FlashMLA grid: v5 with its two row tiles paired, each item's successor loaded under it, the second kernel
-    # merges (v5 has no tail)
-    (problem(), Sm90Launch(variant=5, tile_rows=64, tma_loads=True, paired=True, fuse_combine=False,
-                           overlap_items=True)),
+    # the FlashMLA grid: v5 with its two row tiles paired, the second kernel merges (v5 has no tail)
+    (problem(), Sm90Launch(variant=5, tile_rows=64, tma_loads=True, paired=True, fuse_combine=False)),
     # fp8_e4m3 there: v9, never paired
     (problem(kv_format="fp8_e4m3"), Sm90Launch(9, 64, True, False, False)),
     # b=1: v2, the split rows merged in the decode launch
@@ -94,10 +92,8 @@ def test_options_override_the_plans_choices():
     assert plan_launch(problem(), variant=2) == Sm90Launch(2, 64, False, False, False)
     assert plan_launch(problem(), variant=2, fuse_combine=True).fuse_combine
     assert not plan_launch(problem(batch=1), fuse_combine=False).fuse_combine
-    # v5 with three row tiles per KV head: its CTAs run alone; the item overlap forced off
-    assert plan_launch(problem(q_len=3, h_q=64), variant=5) == Sm90Launch(5, 64, True, False, False,
-                                                                          overlap_items=True)
-    assert not plan_launch(problem(), overlap_items=False).overlap_items
+    # v5 with three row tiles per KV head: its CTAs run alone
+    assert plan_launch(problem(q_len=3, h_q=64), variant=5) == Sm90Launch(5, 64, True, False, False)
     # v6 takes 20 rows in its 32-row tile; v6 on fp8 caches loads through registers
     assert plan_launch(problem(batch=8, h_q=20), variant=6) == Sm90Launch(6, 32, True, False, True)
     assert plan_launch(problem(h_q=16, kv_format="fp8_ds_mla"), variant=6).tma_loads is False
@@ -116,10 +112,7 @@ def test_options_override_the_plans_choices():
                                                            r"combine tail"),
     (problem(batch=2, h_q=256, h_kv=256, max_blocks=2), dict(fuse_combine=True),
      r"its grid of 256 CTAs does not fit the 132 SMs at once"),
-    (problem(batch=1), dict(overlap_items=True), r"overlap_items'\]=True needs variant 5 \(seesaw\), the plan runs "
-                                                 r"variant 2 \(wgmma\)"),
-], ids=["v7-bf16", "v5-fp8", "v6-64rows", "v6-fp8-32rows", "v8-page32", "v5-qlen80", "v5-fused", "fused-too-big",
-        "overlap-v2"])
+], ids=["v7-bf16", "v5-fp8", "v6-64rows", "v6-fp8-32rows", "v8-page32", "v5-qlen80", "v5-fused", "fused-too-big"])
 def test_options_that_cannot_run_raise(p, options, match):
     with pytest.raises(ValueError, match=match):
         plan_launch(p, **options)
@@ -130,7 +123,7 @@ def test_options_that_cannot_run_raise(p, options, match):
     (dict(variant="5"), r"backend_options\['variant'\]='5'"),
     (dict(fuse_combine=1), r"backend_options\['fuse_combine'\]=1 \(supported: False, True\)"),
     (dict(tile_rows=32), r"cuda_sm90 has no option .tile_rows. \(accepted: fuse_combine, min_chunks_per_part, "
-     r"overlap_items, schedule_overhead, split_tokens, variant\)"),
+     r"schedule_overhead, split_tokens, variant\)"),
 ], ids=["deleted-variant", "str-variant", "int-flag", "unknown"])
 def test_declared_options_are_checked(options, match):
     with pytest.raises(ValueError, match=match):

@@ -31,8 +31,8 @@ from mla_dispatch.numerics.tolerance import compare_outputs
 PACKAGE = str(pathlib.Path(mla_dispatch.__file__).resolve().parent)
 
 #: the functions that decide a launch, by module
-CUDA_SM90_CHOOSERS = ("choose_variant", "invariant_variant", "choose_fuse_combine", "choose_overlap_items",
-                      "launch_config", "split_parts", "fuse_combine_reasons", "_shape_plan")
+CUDA_SM90_CHOOSERS = ("choose_variant", "invariant_variant", "choose_fuse_combine", "launch_config", "split_parts",
+                      "fuse_combine_reasons", "_shape_plan")
 TRITON_CHOOSERS = {
     "mla_dispatch.kernels.triton.decode": ("choose_config", "tma_applies", "q_tma_applies", "tma_fits",
                                            "launch_decode_kernel"),
@@ -148,9 +148,8 @@ def test_cuda_sm90_run_launches_the_frozen_record(monkeypatch, kw):
     assert watched.ours == []
     assert len(launches) == 2 and tuple(launches[0][13:]) == tuple(launches[1][13:])
     args = launches[0]
-    # (..., variant, tile_rows, tma_loads, paired, fuse_combine, fixed_splits, sparse, attn_sink, overlap_items): the
-    # plan's record
-    assert (*args[16:22], args[24]) == dataclasses.astuple(frozen)
+    # (..., variant, tile_rows, tma_loads, paired, fuse_combine, fixed_splits, sparse): the plan's record
+    assert tuple(args[16:22]) == dataclasses.astuple(frozen)
     assert args[3] is state.split.lengths  # the plan's own lengths (docs/design.md §2)
     assert args[4] is state.schedule.items and args[11] is state.schedule.num_splits
 

@@ -45,7 +45,7 @@ from mla_dispatch.dispatch.problem import DecodeProblem
 from mla_dispatch.kvcache.formats import KV_FORMAT_CODES
 
 __all__ = ["CudaSM90Backend", "Mainloop", "MAINLOOPS", "Sm90Launch", "choose_variant", "invariant_variant",
-           "choose_fuse_combine", "choose_overlap_items", "launch_config", "load_ops", "load_module"]
+           "choose_fuse_combine", "launch_config", "load_ops", "load_module"]
 
 # ---- kernels/cuda/mla_decode_sm90/config.h, mirrored: the plan runs before (and without) a build; the CPU test
 # tests/test_cuda_sm90_plan.py::test_plan_constants_match_config_h reads that file and compares ----
@@ -278,14 +278,6 @@ def invariant_variant(problem: DecodeProblem) -> int:
     return WGMMA
 
 
-def choose_overlap_items(problem: DecodeProblem) -> bool:
-    """Whether v5 loads each part's next work item's Q and first two KV tiles under the current item's tail
-    (seesaw/seesaw.cuh, "Items in a row"; FlashMLA's kernel loads the next request's Q under the current one's
-    output stores). It changes only parts that hold two items or more, and there removes the wait for an item's
-    first loads."""
-    return True
-
-
 def choose_fuse_combine(problem: DecodeProblem, num_parts: int, ctas: int) -> bool:
     """Whether the decode launch merges the split rows itself (one launch instead of two).
 
@@ -318,8 +310,6 @@ class Sm90Launch:
     fuse_combine: bool
     #: a batch-invariant schedule (fixed-size pieces, any request split anywhere): the second kernel merges per request
     fixed_splits: bool = False
-    #: v5: each item loads the next item's Q and first two KV tiles under its own tail (:func:`choose_overlap_items`)
-    overlap_items: bool = False
 
 
 def split_parts(problem: DecodeProblem, num_sms: int, min_chunks_per_part: int,
@@ -385,15 +375,7 @@ def launch_config(problem: DecodeProblem, num_parts: int, max_chunks: int, num_s
             raise OptionNotSupported("backend_options['fuse_combine']=True cannot run: " + "; ".join(cannot_fuse))
     else:
         fuse = not cannot_fuse and choose_fuse_combine(p, num_parts, ctas)
-    if "overlap_items" in options:
-        overlap = bool(options["overlap_items"])
-        if overlap and variant != SEESAW:
-            raise OptionNotSupported(f"backend_options['overlap_items']=True needs variant {SEESAW} (seesaw), the plan "
-                                     f"runs variant {variant} ({mainloop.name})")
-    else:
-        overlap = variant == SEESAW and choose_overlap_items(p)
-    return Sm90Launch(variant, tile_rows, tma_loads, paired, fuse, fixed_splits=p.batch_invariant,
-                      overlap_items=overlap)
+    return Sm90Launch(variant, tile_rows, tma_loads, paired, fuse, fixed_splits=p.batch_invariant)
 
 
 @functools.lru_cache(maxsize=256)
@@ -479,7 +461,7 @@ def load_ops():
         def _decode_fake(q, kv_cache, block_table, cache_seqlens, items, part_offsets, kv_scale, out, lse,
                          partial_out, partial_lse, num_splits, first_slot, softmax_scale, causal, kv_format,
                          variant, tile_rows, tma_loads, paired, fuse_combine, fixed_splits, sparse=False,
-                         attn_sink=None, overlap_items=False):
+                         attn_sink=None):
             return None
 
         _fake_registered = True
@@ -597,9 +579,6 @@ class CudaSM90Backend(MLABackend):
         "fuse_combine": BackendOption((False, True), "merge split rows inside the decode launch (True) or in a second "
                                       "kernel (False), instead of the plan's choice (choose_fuse_combine); a sparse "
                                       "plan with an extra cache merges its two lists in a second kernel either way"),
-        "overlap_items": BackendOption((False, True), "variant 5: load the next work item's Q and first KV tiles "
-                                       "under each item's tail (True) or at the item's start (False), instead of the "
-                                       "plan's choice (choose_overlap_items)"),
         "split_tokens": BackendOption(SPLIT_TOKENS_CHOICES, "tokens per piece of a batch_invariant=True plan "
                                       f"(default {BATCH_INVARIANT_SPLIT_TOKENS})"),
         "min_chunks_per_part": BackendOption(tuple(range(1, 65)), "fewest 64-token chunks a split-KV part gets, "
@@ -748,8 +727,7 @@ class CudaSM90Backend(MLABackend):
                 block_table, state.lengths, s.items, s.part_offsets, state.partial_out, state.partial_lse,
                 s.num_splits, state.first_slot, p.q_dtype, kv_dtype, p.q_len, p.num_heads_q, p.num_heads_kv,
                 p.page_size, 656 if p.kv_format == "fp8_ds_mla" else p.head_dim_qk, softmax_scale, p.causal,
-                state.kv_format_code, c.variant, c.tile_rows, c.tma_loads, c.paired, c.fuse_combine, c.fixed_splits,
-                c.overlap_items)
+                state.kv_format_code, c.variant, c.tile_rows, c.tma_loads, c.paired, c.fuse_combine, c.fixed_splits)
         except ValueError:  # e.g. a block table with strided rows: run raises the binding's message per call
             return None
         return state.bound.run
@@ -799,7 +777,7 @@ class CudaSM90Backend(MLABackend):
             q, kv_cache, block_table, cache_seqlens, items, s.part_offsets,
             kv_scale if state.kv_format_code == 1 else None, out, lse, partial_out, partial_lse,
             num_splits, first_slot, softmax_scale, causal, state.kv_format_code, c.variant,
-            c.tile_rows, c.tma_loads, c.paired, c.fuse_combine, c.fixed_splits, sparse, attn_sink, c.overlap_items)
+            c.tile_rows, c.tma_loads, c.paired, c.fuse_combine, c.fixed_splits, sparse, attn_sink)
 
     @classmethod
     def _run_sparse(cls, state: Sm90State, q, kv_cache, indices, *, problem: DecodeProblem, softmax_scale: float,

@@ -216,7 +216,6 @@ void check_config(const mla_sm90::LaunchConfig& c, const Geometry& g) {
   // paired: v5's row tiles in clusters of two
   const int64_t row_tiles =
       on_m_tiles ? (rows + kEtapFp8MaxRows - 1) / kEtapFp8MaxRows : on_m ? 1 : (rows + kBlockM - 1) / kBlockM;
-  if (c.overlap_items) MLA_CHECK(m == kSeesaw, "overlap_items=true needs variant 5, got variant ", m);
   if (c.paired)
     MLA_CHECK(m == kSeesaw && row_tiles % 2 == 0, "paired=true needs variant 5 and an even number of ", kBlockM,
               "-row tiles per KV head, got variant ", m, " and ", row_tiles);
@@ -327,9 +326,8 @@ void set_call_params(mla_sm90::DecodeParams& p, const at::Tensor& q, const at::T
 }
 
 mla_sm90::LaunchConfig launch_config(int64_t variant, int64_t tile_rows, bool tma_loads, bool paired,
-                                     bool fuse_combine, bool fixed_splits, bool overlap_items) {
-  return {static_cast<int>(variant), static_cast<int>(tile_rows), tma_loads, paired, fuse_combine, fixed_splits,
-          overlap_items};
+                                     bool fuse_combine, bool fixed_splits) {
+  return {static_cast<int>(variant), static_cast<int>(tile_rows), tma_loads, paired, fuse_combine, fixed_splits};
 }
 
 // The decode launch, then the combine launch unless the decode merges the split rows itself.
@@ -364,8 +362,7 @@ void cuda_sm90_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tenso
                       const at::Tensor& partial_out, const at::Tensor& partial_lse, const at::Tensor& num_splits,
                       const at::Tensor& first_slot, double softmax_scale, bool causal, int64_t kv_format,
                       int64_t variant, int64_t tile_rows, bool tma_loads, bool paired, bool fuse_combine,
-                      bool fixed_splits, bool sparse, const c10::optional<at::Tensor>& attn_sink,
-                      bool overlap_items) {
+                      bool fixed_splits, bool sparse, const c10::optional<at::Tensor>& attn_sink) {
   check_call(q, kv, kv_scale, out, lse, kv_format, tma_loads);
   MLA_CHECK(!sparse || !causal, "sparse=true cannot be causal (the top-k indexer chose the keys)");
   MLA_CHECK(sparse || kv_format != mla_sm90::kKvFp8DsV4, "kv_format 3 (fp8_ds_v4) needs sparse=true");
@@ -378,8 +375,7 @@ void cuda_sm90_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tenso
   }
   check_plan(q.size(0), q.size(1), q.size(2), q.device(), block_table, cache_seqlens, items, part_offsets, partial_out,
              partial_lse, num_splits, first_slot, softmax_scale);
-  const mla_sm90::LaunchConfig cfg =
-      launch_config(variant, tile_rows, tma_loads, paired, fuse_combine, fixed_splits, overlap_items);
+  const mla_sm90::LaunchConfig cfg = launch_config(variant, tile_rows, tma_loads, paired, fuse_combine, fixed_splits);
   check_config(cfg, {kv_format, q.size(1), q.size(2), kv.size(2), kv.size(1), part_offsets.size(0) - 1, sparse});
   mla_sm90::DecodeParams p = plan_params(block_table, cache_seqlens, items, part_offsets, partial_out, partial_lse,
                                          num_splits, first_slot, softmax_scale, causal, kv_format);
@@ -406,8 +402,8 @@ class PlannedDecode {
                 at::ScalarType q_dtype, at::ScalarType kv_dtype, int64_t q_len, int64_t heads_q, int64_t heads_kv,
                 int64_t page_size, int64_t kv_dim, double softmax_scale, bool causal, int64_t kv_format,
                 int64_t variant, int64_t tile_rows, bool tma_loads, bool paired, bool fuse_combine,
-                bool fixed_splits, bool overlap_items)
-      : cfg_(launch_config(variant, tile_rows, tma_loads, paired, fuse_combine, fixed_splits, overlap_items)),
+                bool fixed_splits)
+      : cfg_(launch_config(variant, tile_rows, tma_loads, paired, fuse_combine, fixed_splits)),
         block_table_(std::move(block_table)),
         cache_seqlens_(std::move(cache_seqlens)), items_(std::move(items)), part_offsets_(std::move(part_offsets)),
         partial_out_(std::move(partial_out)), partial_lse_(std::move(partial_lse)), num_splits_(std::move(num_splits)),
@@ -566,7 +562,7 @@ TORCH_LIBRARY_FRAGMENT(mla_dispatch, m) {
       "Tensor part_offsets, Tensor? kv_scale, Tensor(a!) out, Tensor(b!) lse, Tensor(c!) partial_out, "
       "Tensor(d!) partial_lse, Tensor num_splits, Tensor first_slot, float softmax_scale, bool causal, "
       "int kv_format, int variant, int tile_rows, bool tma_loads, bool paired, bool fuse_combine, "
-      "bool fixed_splits, bool sparse=False, Tensor? attn_sink=None, bool overlap_items=False) -> ()");
+      "bool fixed_splits, bool sparse=False, Tensor? attn_sink=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(mla_dispatch, CUDA, m) { m.impl("cuda_sm90_decode", &cuda_sm90_decode); }
@@ -594,7 +590,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                   "one plan's decode: schedule, workspace and launch config bound once")
       .def(pybind11::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                           at::Tensor, at::ScalarType, at::ScalarType, int64_t, int64_t, int64_t, int64_t, int64_t,
-                          double, bool, int64_t, int64_t, int64_t, bool, bool, bool, bool, bool>(),
+                          double, bool, int64_t, int64_t, int64_t, bool, bool, bool, bool>(),
            pybind11::arg("block_table"), pybind11::arg("cache_seqlens"), pybind11::arg("items"),
            pybind11::arg("part_offsets"), pybind11::arg("partial_out"), pybind11::arg("partial_lse"),
            pybind11::arg("num_splits"), pybind11::arg("first_slot"), pybind11::arg("q_dtype"),
@@ -602,7 +598,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("page_size"), pybind11::arg("kv_dim"), pybind11::arg("softmax_scale"),
            pybind11::arg("causal"), pybind11::arg("kv_format"), pybind11::arg("variant"), pybind11::arg("tile_rows"),
            pybind11::arg("tma_loads"), pybind11::arg("paired"), pybind11::arg("fuse_combine"),
-           pybind11::arg("fixed_splits"), pybind11::arg("overlap_items") = false)
+           pybind11::arg("fixed_splits"))
       .def("run", &PlannedDecode::run,
            "run(q, kv_cache, kv_scale, out, lse) -> (out, lse) or None: launched (out and lse allocated when None), "
            "or None (nothing done) when an argument does not match the plan")
@@ -611,6 +607,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("tma_loads", [](const PlannedDecode& d) { return d.config().tma_loads; })
       .def_property_readonly("paired", [](const PlannedDecode& d) { return d.config().paired; })
       .def_property_readonly("fuse_combine", [](const PlannedDecode& d) { return d.config().fuse_combine; })
-      .def_property_readonly("fixed_splits", [](const PlannedDecode& d) { return d.config().fixed_splits; })
-      .def_property_readonly("overlap_items", [](const PlannedDecode& d) { return d.config().overlap_items; });
+      .def_property_readonly("fixed_splits", [](const PlannedDecode& d) { return d.config().fixed_splits; });
 }

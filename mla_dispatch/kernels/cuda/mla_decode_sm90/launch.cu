@@ -51,7 +51,6 @@ static int launch_format(const DecodeParams& p, const LaunchConfig& cfg, cudaStr
 int launch_decode(const DecodeParams& params, const LaunchConfig& cfg, void* stream) {
   DecodeParams p = params;
   p.fuse_combine = cfg.fuse_combine ? 1 : 0;
-  p.overlap_items = cfg.overlap_items ? 1 : 0;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   return p.q_is_bf16 ? launch_format<__nv_bfloat16>(p, cfg, s) : launch_format<__half>(p, cfg, s);
 }

@@ -52,9 +52,6 @@ struct DecodeParams {
   // 1: the kernel merges the split rows itself after a grid-wide barrier (combine.cuh, combine_in_grid); only in
   // cooperative launches: LaunchConfig::fuse_combine, set by the launcher (launch.cu)
   int fuse_combine;
-  // 1: seesaw loads the next item's Q and first KV tiles under the current item's tail (seesaw.cuh);
-  // LaunchConfig::overlap_items, set by the launcher (launch.cu)
-  int overlap_items;
   // geometry
   int batch, q_len, heads_q, heads_kv, page_size;
   int64_t num_blocks;    // kv_cache.size(0) (the TMA tensor maps)
@@ -90,7 +87,6 @@ struct LaunchConfig {
   bool paired;        // v5: the two row-tile CTAs of a part in a cluster
   bool fuse_combine;  // the split rows merged by the decode launch itself (a cooperative launch)
   bool fixed_splits;  // a batch-invariant schedule: any request may be split anywhere; the combine runs per request
-  bool overlap_items;  // v5: the next item's Q and first KV tiles loaded under the current item's tail
 };
 
 struct CombineParams {

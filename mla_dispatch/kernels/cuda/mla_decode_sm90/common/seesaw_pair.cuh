@@ -27,24 +27,13 @@ struct SeesawPair {
   // stage
   static constexpr int kBadFlags = 4;
   // then a sparse seesaw_fp8's tile words, 4 per stage: the tile's row mask (64 bits: row r holds a key) and a byte
-  // per converter warp, nonzero where the warp met a bad id; seesaw keeps its SeesawNext there
+  // per converter warp, nonzero where the warp met a bad id
   static constexpr int kTileWords = 8;
   static constexpr int kSmemBytes = 2 * (Cfg::kQElems + Cfg::kStages * Cfg::kKElems + Cfg::kPElems) +
                                     7 * Cfg::kBlockM * (int)sizeof(float) + kBars * 8 + kBadFlags * 4 +
                                     kTileWords * 4 + 1024;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory over the SM90 per-block limit");
 };
-
-// seesaw's look-up of the part's next item (seesaw.cuh, "Items in a row"): its request (-1: none, or not loaded
-// early: its Q is then loaded when it starts) and, per tile k of its first two, the tile's first token and page (-1:
-// not loaded early).
-struct SeesawNext {
-  int req;
-  int page[2];
-  int t0[2];
-  static __device__ __forceinline__ SeesawNext none() { return {-1, {-1, -1}, {0, 0}}; }
-};
-static_assert(sizeof(SeesawNext) <= SeesawPair::kTileWords * 4, "SeesawNext lives in the tile words");
 
 // A consumer warpgroup's steps of a pair, the same in seesaw and seesaw_fp8 (where they refill or release the stages,
 // and in which order S takes the column blocks, differs). Over the warpgroup's registers: acc_o, its 256 output

@@ -46,18 +46,8 @@
 // item: a tile with >= 65 more tokens of the item after it needs neither (q_len <= 64).
 //
 // Bad block ids (docs/design.md §1): the thread that issues a tile's TMA boxes checks its page (loads.cuh, page_ok),
-// loads block 0 in its place and sets the item's flag in shared memory (sBad[item % 2], read by every thread after
-// the epilogue's barrier), so the item ends with NaN row sums, out and lse. Two flags, by item parity: an item's first
-// tiles may be looked up under the item before it (below). Thread 0 clears the next item's flag when an item starts,
-// and the item's own where the item before did not load its tiles.
-//
-// Items in a row (DecodeParams::overlap_items; FlashMLA's kernel loads the next request's Q under the current one's
-// output stores, csrc/sm90/decode/dense/splitkv_mla.cuh): where the part's next item is a request, its first two
-// tiles are loaded where this item's last tiles free their stages (each refill site that has no tile a + 2 / b + 2 of
-// this item loads the next item's tile 0 / 1 instead) and its Q under this item's epilogue, so the next item starts on
-// tiles in flight. Thread 0 looks the next item's pages up when the item starts, into sNext (SeesawNext), so a refill
-// site reads two words of shared memory and no global memory. The mbarrier phases are unchanged: those are the stages'
-// next loads either way.
+// loads block 0 in its place and sets the item's flag in shared memory (sBad[0], cleared by thread 0 when the item
+// starts, read by every thread after the epilogue's barrier), so the item ends with NaN row sums, out and lse.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -116,7 +106,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   float* sSum = sScale1 + 2 * Cfg::kBlockM;                    // [2][64]
   uint64_t* bars = reinterpret_cast<uint64_t*>(sSum + 2 * Cfg::kBlockM);  // [stage][column block]
   int* sBad = reinterpret_cast<int*>(bars + SeesawPair::kBars);              // [SeesawPair::kBadFlags]
-  SeesawNext* sNext = reinterpret_cast<SeesawNext*>(sBad + SeesawPair::kBadFlags);  // in the tile words
 
   const int part = blockIdx.x, row_tile = blockIdx.y, kvh = blockIdx.z;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -135,7 +124,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
   bool row_ok[2];
   acc_rows(p, row_tile, kvh, rg, lane, row_local, row_i, row_head, row_ok);
   uint32_t loads_done[2] = {0, 0};  // completed loads per stage before the current item (mbarrier phases)
-  SeesawNext loaded = SeesawNext::none();  // what the item before loaded of this one (sNext of that item)
 
   const int item_begin = p.part_offsets[part], item_end = p.part_offsets[part + 1];
   for (int item = item_begin; item < item_end; ++item) {
@@ -160,45 +148,17 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       tma_tile<0, 4>(p, &kv_map, stage_of(1), bars1, page, kvh, t0);
       tma_tile<8, 9>(p, &kv_map, stage_of(1), bars1, page, kvh, t0);
     };
-    int* bad = sBad + (item & 1);
-    auto page_of = [&](int j) { return tile_page(p, req, t0_of(j), bad); };
-    // tile k (0 or 1) of the next item into stage k, column blocks [B0, B1), where this item looked one up (sNext): in
-    // place of tile a + 2 / b + 2 where this item has none
-    auto next_tile = [&](int k, auto b0, auto b1) {
-      const int page = sNext->page[k];
-      if (page >= 0)
-        tma_tile<decltype(b0)::value, decltype(b1)::value>(p, &kv_map, stage_of(k), k ? bars1 : bars0, page, kvh,
-                                                           sNext->t0[k]);
-    };
-    // The bad-id flags: their last readers passed the closing barrier of the item before; their writers are thread 0
-    // (program order) and thread 128 (after the barrier below). Then the next item's pages (overlap_items): tile 0
-    // where this item has a tile (its last frees stage 0), tile 1 where it has two.
-    if (tid == 0) {
-      if (loaded.page[0] < 0 && loaded.page[1] < 0) *bad = 0;
-      sBad[(item + 1) & 1] = 0;
-      SeesawNext next = SeesawNext::none();
-      if (p.overlap_items && item + 1 < item_end) {
-        const WorkItem nw = load_item(p, item + 1);
-        next.req = nw.req;
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-          next.t0[k] = nw.tok_begin + k * Cfg::kBlockN;
-          if (nw.req >= 0 && next.t0[k] < nw.tok_end && k < num_tiles)
-            next.page[k] = tile_page(p, nw.req, next.t0[k], sBad + ((item + 1) & 1));
-        }
-      }
-      *sNext = next;
-    }
+    auto page_of = [&](int j) { return tile_page(p, req, t0_of(j), sBad); };
+    // the item's bad-id flag: its last readers passed the previous item's closing barrier; its writers are thread 0
+    // (program order) and thread 128 (after the barrier below)
+    if (tid == 0) sBad[0] = 0;
     // -- first two tiles (TMA), Q (cp.async), sM, issued in the order S needs them: tile 0 and Q (S of tile 0),
     // then tile 1. Issuing tile 1 ahead of Q measured 0-1% slower where v5 runs (b = 32..96, h_q = 128;
     // [notes], "Seventeenth session"), which also has the per-column-block Q wait that was tried instead.
-    if (tid == 0 && num_tiles > 0 && loaded.page[0] < 0)
-      tma_tile<0, 9>(p, &kv_map, stage_of(0), bars0, page_of(0), kvh, t0_of(0));
-    if (loaded.req < 0) {
-      load_q_tile_async<T, L>(p, sQ, req, row_tile, kvh);
-      cp_async_commit();
-    }
-    if (tid == 0 && num_tiles > 1 && loaded.page[1] < 0) {
+    if (tid == 0 && num_tiles > 0) tma_tile<0, 9>(p, &kv_map, stage_of(0), bars0, page_of(0), kvh, t0_of(0));
+    load_q_tile_async<T, L>(p, sQ, req, row_tile, kvh);
+    cp_async_commit();
+    if (tid == 0 && num_tiles > 1) {
       const int page = page_of(1);
       tma_tile<4, 8>(p, &kv_map, stage_of(1), bars1, page, kvh, t0_of(1));
       tma_stage1_lo(page, t0_of(1));
@@ -315,9 +275,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         cute::warpgroup_commit_batch();
         cute::warpgroup_wait<0>();
         fence_regs<128>(acc_o);
-        if (tid_wg == 0) {  // stage 0, blocks 0..3: WG0 was the last reader
-          if constexpr (kNextA) tma_tile<0, 4>(p, &kv_map, stage_of(a), bars0, page_of(a + 2), kvh, t0_of(a + 2));
-          else next_tile(0, I0{}, I4{});
+        if constexpr (kNextA) {  // stage 0, blocks 0..3: WG0 was the last reader
+          if (tid_wg == 0) tma_tile<0, 4>(p, &kv_map, stage_of(a), bars0, page_of(a + 2), kvh, t0_of(a + 2));
         }
         named_barrier(SeesawPair::kBarScale1, 256);  // WG1's softmax of tile b: sM, sScale1
         float sc1[2];
@@ -365,12 +324,6 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           cute::warpgroup_commit_batch();
         }
         cute::warpgroup_wait<0>();
-        if constexpr (kHasB && !kNextB) {  // sP1 V_bL done: stage 1, blocks 0..3 and 8 are free
-          if (tid_wg == 0) {
-            next_tile(1, I0{}, I4{});
-            next_tile(1, I8{}, I9{});
-          }
-        }
         fence_regs<128>(acc_o);
         fence_regs<32>(acc_s);
       };
@@ -442,10 +395,8 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         }
         cute::warpgroup_wait<0>();
         fence_regs<128>(acc_o);
-        if (tid_wg == 0) {  // stage 0, blocks 4..8: WG1 was the last reader
-          if constexpr (kNextA) tma_tile<4, 9>(p, &kv_map, stage_of(a), bars0, page_of(a + 2), kvh, t0_of(a + 2));
-          else next_tile(0, I4{}, I9{});
-          if constexpr (kHasB && !kNextB) next_tile(1, I4{}, I8{});  // P_b V_bR done: stage 1, blocks 4..7
+        if constexpr (kNextA) {  // stage 0, blocks 4..8: WG1 was the last reader
+          if (tid_wg == 0) tma_tile<4, 9>(p, &kv_map, stage_of(a), bars0, page_of(a + 2), kvh, t0_of(a + 2));
         }
         if constexpr (kNextB) {
           fence_regs<32>(acc_s);
@@ -477,7 +428,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       if (lane % 4 == 0) sSum[wg * Cfg::kBlockM + row_local[h]] = row_sum[h];
     }
     __syncthreads();
-    const bool poisoned = *bad != 0;  // the item met a bad block id
+    const bool poisoned = sBad[0] != 0;  // the item met a bad block id
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float total = poison_sum(sSum[row_local[h]] + sSum[Cfg::kBlockM + row_local[h]], poisoned);
@@ -489,14 +440,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
       store_acc_row<T>(p, acc_o, h, wg * 256, inv, lse_val, req, slot, row_i[h], row_head[h],
                        wg == 0 && lane % 4 == 0);
     }
-    // every S of the item is done (the barrier above): sQ takes the next item's Q while the stores above drain, once
-    // they are issued (with acc_o live, the Q load's addresses spilled). sNext is rewritten after the closing barrier.
-    loaded = *sNext;
-    if (loaded.req >= 0) {
-      load_q_tile_async<T, L>(p, sQ, loaded.req, row_tile, kvh);
-      cp_async_commit();
-    }
-    // sK, sM, sSum, sNext are reused by the next item
+    // sQ, sK, sM, sSum are reused by the next item
     if constexpr (kPaired) cluster_sync();
     else __syncthreads();
   }
