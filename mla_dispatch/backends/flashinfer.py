@@ -43,7 +43,7 @@ from mla_dispatch.dispatch.backend import ArchSupport, BackendState, CGSupport, 
 from mla_dispatch.numerics.tolerance import Tolerance
 from mla_dispatch.metadata.conversions import repage_block_table
 from mla_dispatch.metadata.page_lists import PageLists
-from mla_dispatch.metadata.reuse import ReusePool, reuse_key, stream_of
+from mla_dispatch.metadata.reuse import ReusePool, reuse_key
 from mla_dispatch.dispatch.platform import Platform
 from mla_dispatch.dispatch.problem import DecodeProblem
 
@@ -108,13 +108,9 @@ def _signature_has(func_qualname: str, param: str) -> bool:
 #: (benchmarks/RESULTS.md, "NVIDIA H200, 2026-11-29 (afternoon)"). A wrapper is meant to be planned again and again
 #: (FlashInfer's engines keep one and re-plan it every step); the plan's state gives it back when it is collected
 #: (``weakref.finalize``). A re-plan writes the wrapper's workspace on the current stream, hence the stream in the
-#: key (:func:`_wrapper_key`). CUDA-graph plans keep their own (their buffers are captured).
+#: key (:func:`~mla_dispatch.metadata.reuse.reuse_key`, the wrapper class beside it). CUDA-graph plans keep their own
+#: (their buffers are captured), and nothing is pooled while the stream captures a graph.
 _WRAPPERS = ReusePool(keep=8)
-
-
-def _wrapper_key(device: torch.device, cls) -> tuple:
-    return device.type, device.index, stream_of(device), cls
-
 
 #: The other per-plan objects of dropped eager plans, by shapes (batch, s_q, table width, page size, h_q) on the
 #: wrapper's key: the query offsets, the page lists with their kept launch (metadata/page_lists.py) and the LSE
@@ -124,9 +120,11 @@ def _wrapper_key(device: torch.device, cls) -> tuple:
 _BUFFERS = ReusePool(keep=2)
 
 
-def _give_back(wrapper_key: tuple, wrapper, buffers_key: tuple | None, buffers: tuple) -> None:
-    """A dropped eager plan's wrapper and buffers, to the pools (``weakref.finalize`` of its state)."""
-    _WRAPPERS.give(wrapper_key, wrapper)
+def _give_back(wrapper_key: tuple | None, wrapper, buffers_key: tuple | None, buffers: tuple) -> None:
+    """A dropped eager plan's wrapper and buffers, to the pools (``weakref.finalize`` of its state; a key of None:
+    not pooled)."""
+    if wrapper_key is not None:
+        _WRAPPERS.give(wrapper_key, wrapper)
     if buffers_key is not None:
         _BUFFERS.give(buffers_key, buffers)
 
@@ -267,8 +265,8 @@ class FlashInferBackend(MLABackend):
         else:
             graph_indices = None
             make = flashinfer.mla.BatchMLAPagedAttentionWrapper
-            pool_key = _wrapper_key(device, make)
-            wrapper = _WRAPPERS.take(pool_key)
+            pool_key = reuse_key(device, make)
+            wrapper = None if pool_key is None else _WRAPPERS.take(pool_key)
             if wrapper is None:
                 wrapper = make(cls._workspace(device))
         state = BackendState(kind="wrapper", wrapper=wrapper, qo_indptr=qo_indptr, softmax_scale=softmax_scale,
