@@ -83,8 +83,8 @@ def fit_cost(points: Sequence[tuple[float, float, int, float]]) -> Cost:
     solved for each pair, then Levenberg-Marquardt steps from each of the grid's :data:`FIT_STARTS` best local minima.
     The error's valleys are narrow across the multiplier of the resource most buckets are bound by and flat along the
     other: refining only the grid's best cell settles in the wrong valley in about 1% of random exact-time tests (a
-    memory multiplier 15-85% off) and in 61% of those where every bucket is compute-bound (tests/test_transfer.py). :data:`ROOFLINE` for fewer than :data:`MIN_BUCKETS`
-    points."""
+    memory multiplier 15-85% off) and in 61% of those where every bucket is compute-bound (tests/test_transfer.py).
+    :data:`ROOFLINE` for fewer than :data:`MIN_BUCKETS` points."""
     if len(points) < MIN_BUCKETS:
         return ROOFLINE
     m, f, n, t = (np.asarray(col, dtype=np.float64) for col in zip(*points))
@@ -123,7 +123,10 @@ def _refine(x: np.ndarray, m, f, n, t, steps: int = 50) -> tuple[float, np.ndarr
     r, jac = _relative_residuals(x, m, f, n, t)
     for _ in range(steps):
         jtj = jac.T @ jac
-        step = np.linalg.solve(jtj + damping * np.diag(np.diag(jtj) + 1e-12), -jac.T @ r)
+        try:
+            step = np.linalg.solve(jtj + damping * np.diag(np.diag(jtj) + 1e-12), -jac.T @ r)
+        except np.linalg.LinAlgError:  # a degenerate system: keep the best point so far
+            break
         trial = np.clip(x + step, _FIT_LOW, _FIT_HIGH)
         r_t, jac_t = _relative_residuals(trial, m, f, n, t)
         if r_t @ r_t < r @ r:
