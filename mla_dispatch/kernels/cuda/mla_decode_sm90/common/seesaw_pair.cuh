@@ -4,6 +4,7 @@
 #pragma once
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 #include "common/gmma.cuh"
@@ -68,6 +69,21 @@ __device__ inline uint64_t seesaw_desc_v(const void* base) {
 // The maximum is taken over raw scores (score_scale > 0) and the scale folded into the
 // exponent's FFMA: p = 2^(s * scale - m).
 // kBits (sparse seesaw_fp8, in place of kMask): token n of the tile becomes -inf unless bit n of `bits` is set.
+// An item's tile pairs (a, a + 1), a = 0, 2, 4, ..., each run as pair(a, has_b, next_a, next_b): whether tiles a + 1,
+// a + 2 and a + 3 exist, as std::bool_constant template arguments (a runtime branch around a wgmma still in flight makes
+// ptxas serialise every wgmma of the kernel, C7515; FlashMLA specialises its pair the same way).
+template <class Pair>
+__device__ __forceinline__ void seesaw_pairs(int num_tiles, Pair&& pair) {
+  using T_ = std::true_type;
+  using F_ = std::false_type;
+  for (int a = 0; a < num_tiles; a += 2) {
+    if (a + 3 < num_tiles) pair(a, T_{}, T_{}, T_{});
+    else if (a + 2 < num_tiles) pair(a, T_{}, T_{}, F_{});
+    else if (a + 1 < num_tiles) pair(a, T_{}, F_{}, F_{});
+    else pair(a, F_{}, F_{}, F_{});
+  }
+}
+
 template <bool kMask, bool kBits = false>
 __device__ inline void seesaw_softmax(float (&acc_s)[32], float* sM, const int (&row_local)[2], int lane,
                                       int tok_begin, int j, int tok_end, const int (&limit)[2], float score_scale,

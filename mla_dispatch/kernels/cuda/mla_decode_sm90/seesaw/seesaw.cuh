@@ -327,14 +327,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
         fence_regs<128>(acc_o);
         fence_regs<32>(acc_s);
       };
-      using T_ = std::true_type;
-      using F_ = std::false_type;
-      for (int a = 0; a < num_tiles; a += 2) {
-        if (a + 3 < num_tiles) pair(a, T_{}, T_{}, T_{});
-        else if (a + 2 < num_tiles) pair(a, T_{}, T_{}, F_{});
-        else if (a + 1 < num_tiles) pair(a, T_{}, F_{}, F_{});
-        else pair(a, F_{}, F_{}, F_{});
-      }
+      seesaw_pairs(num_tiles, pair);
     } else {
       // ================= warpgroup 1: tiles 1, 3, 5, ...; O[:, 256:512)
       if (num_tiles > 1) {
@@ -408,14 +401,7 @@ __global__ void __launch_bounds__(Cfg::kThreads, 1)
           fence_regs<32>(acc_s);
         }
       };
-      using T_ = std::true_type;
-      using F_ = std::false_type;
-      for (int a = 0; a < num_tiles; a += 2) {
-        if (a + 3 < num_tiles) pair(a, T_{}, T_{}, T_{});
-        else if (a + 2 < num_tiles) pair(a, T_{}, T_{}, F_{});
-        else if (a + 1 < num_tiles) pair(a, T_{}, F_{}, F_{});
-        else pair(a, F_{}, F_{}, F_{});
-      }
+      seesaw_pairs(num_tiles, pair);
     }
     loads_done[0] += (uint32_t)(num_tiles + 1) / 2;
     loads_done[1] += (uint32_t)num_tiles / 2;
