@@ -78,10 +78,10 @@ def _points(cost: Cost, gen: torch.Generator, n: int = 12, intensity: tuple[floa
     ``intensity``), timed by ``cost``: (memory_us, compute_us, configs, us)."""
     mem = 20 + 2000 * torch.rand(n, generator=gen, dtype=torch.float64)
     low, high = intensity
-    intensity = low + (high - low) * torch.rand(n, generator=gen, dtype=torch.float64)
+    ratio = low + (high - low) * torch.rand(n, generator=gen, dtype=torch.float64)
     configs = torch.randint(1, 4, (n,), generator=gen)
     return [(float(m), float(m * i), int(c), cost.us(float(m), float(m * i), int(c)))
-            for m, i, c in zip(mem, intensity, configs)]
+            for m, i, c in zip(mem, ratio, configs)]
 
 
 def test_fit_recovers_the_cost_that_made_the_times(gen):
