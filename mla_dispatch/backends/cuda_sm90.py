@@ -224,25 +224,26 @@ def choose_variant(problem: DecodeProblem, num_parts: int, max_chunks: int) -> i
 
 
 def choose_sparse_variant(view: DecodeProblem) -> int:
-    """The mainloop of a sparse problem's flattened view (:func:`sparse_view`): fp8t_convert (tokens on the wgmma M
-    side in one tile of 16 or 32 rows, a warpgroup gathering and converting each tile while two others compute) for
-    at most FP8T_MAX_ROWS heads per KV head (its one tile) over an fp8 cache (:attr:`Mainloop.sparse_formats`), so a
-    64-token tile costs the tensor time of its rows, not of wgmma's 64-row tile (three quarters padding at h_q = 16,
-    issue 57); wgmma otherwise. Chosen from the heads and the cache format alone, so it holds for a batch-invariant plan too (the
+    """The mainloop of a sparse problem's flattened view (:func:`sparse_view`): fp8t_convert (tokens on the wgmma M side
+    in one tile of 16 or 32 rows, a warpgroup gathering and converting each tile while two others compute) for at most
+    FP8T_MAX_ROWS heads per KV head (its one tile) over an fp8 cache (:attr:`Mainloop.sparse_formats`), so a 64-token
+    tile costs the tensor time of its rows, not of wgmma's 64-row tile (three quarters padding at h_q = 16, issue 57);
+    wgmma otherwise. Chosen from the heads and the cache format alone, so it holds for a batch-invariant plan too (the
     choice never follows the batch).
 
     Measured on the H200 (benchmarks/RESULTS.md, 2026-11-29, "sparse decode of <= 32 heads"; top-k 2048 of L-bar 32K,
-    b=128 s_q=2, CUDA-graph replay), fp8t_convert / etap / wgmma us: h_q=16 234.8 / 247.3 / 291.0 (fp8_ds_mla), 240.3 / 247.9 / 291.4
-    (fp8_ds_v4); h_q=32 268.5 / 447.6 (etap in two row tiles) / 301.5. At 64 heads (b=64 s_q=1) etap in four row tiles
-    took 231.2 against wgmma's 97.9: each extra row tile gathers the tokens again. etap (each warpgroup loading,
-    converting and computing its own tiles in turn) runs sparse views in row tiles of 16 when forced (backend_options
-    variant=6), for tests and measurements.
+    b=128 s_q=2, CUDA-graph replay), fp8t_convert / etap / wgmma us: h_q=16 234.8 / 247.3 / 291.0 (fp8_ds_mla), 240.3 /
+    247.9 / 291.4 (fp8_ds_v4); h_q=32 268.5 / 447.6 (etap in two row tiles) / 301.5. At 64 heads (b=64 s_q=1) etap in
+    four row tiles took 231.2 against wgmma's 97.9: each extra row tile gathers the tokens again. etap (each warpgroup
+    loading, converting and computing its own tiles in turn) runs sparse views in row tiles of 16 when forced
+    (backend_options variant=6), for tests and measurements.
 
     seesaw_fp8 (a warpgroup gathering each tile's rows by id and converting them while two compute, on seesaw's
-    schedule: FlashMLA's producer-warpgroup design) takes the fp8_ds_mla / fp8_ds_v4 views when forced (variant=9),
-    but measured slower than wgmma above 32 heads (RESULTS.md, 2026-11-29 session 6; graph us, wgmma / seesaw_fp8 /
-    FlashMLA): b=64 h_q=64 s_q=1 97.1 / 115.8 / 81.2, b=128 h_q=128 s_q=2 581.3 / 614.5 / 351.7, b=2 h_q=128 29.6 /
-    34.3 / 23.3 (fp8_ds_mla); fp8_ds_v4 98.1 / 133.2 / 84.1 and 578.2 / 744.6 / 341.0, so the plan never picks it."""
+    schedule: FlashMLA's producer-warpgroup design) takes the fp8_ds_mla / fp8_ds_v4 views when forced (variant=9), but
+    measured slower than wgmma above 32 heads (RESULTS.md, 2026-11-29, "the producer-warpgroup design for sparse decode
+    of 64 / 128 heads"; graph us, wgmma / seesaw_fp8 / FlashMLA): b=64 h_q=64 s_q=1 97.1 / 115.8 / 81.2, b=128 h_q=128
+    s_q=2 581.3 / 614.5 / 351.7, b=2 h_q=128 29.6 / 34.3 / 23.3 (fp8_ds_mla); fp8_ds_v4 98.1 / 133.2 / 84.1 and 578.2 /
+    744.6 / 341.0, so the plan never picks it."""
     if view.kv_format in MAINLOOPS[FP8T_CONVERT].sparse_formats and rows_per_kv_head(view) <= FP8T_MAX_ROWS:
         return FP8T_CONVERT
     return WGMMA

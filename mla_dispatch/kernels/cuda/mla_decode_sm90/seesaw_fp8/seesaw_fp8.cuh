@@ -188,8 +188,8 @@ __device__ __forceinline__ void seesaw_fp8_converter(const DecodeParams& p, cons
 // reads block 8. A row without a key (a -1 id, or past the list's length) is zero-filled by the copies and cleared in
 // the stage's row mask, which the tile's softmax applies (seesaw_softmax, kBits); a bad id reads token 0 in its place
 // and sets its warp's byte in the stage's bad flags, which the tile's owner moves into the item's flag as the dense
-// flag is (release). Measured slower than wgmma's sparse instances on the H200 (benchmarks/RESULTS.md, 2026-11-29
-// session 6), so the plan runs it only when backend_options force variant 9 (cuda_sm90.py, choose_sparse_variant).
+// flag is (release). Measured slower than wgmma's sparse instances on the H200 (benchmarks/RESULTS.md, 2026-11-29, "the
+// producer-warpgroup design"), so the plan runs it only when backend_options force variant 9 (choose_sparse_variant).
 template <int KvFmt>
 struct SeesawFp8Sparse {
   static constexpr bool kV4 = KvFmt == kKvFp8DsV4;
@@ -248,7 +248,7 @@ __device__ __forceinline__ void seesaw_fp8_sparse_converter(const DecodeParams& 
   };
   // The ids of the thread's two rows, a queue per stage of the stage's next two tiles ([0] the next, [1] the one
   // after; -1 past the list): a tile's copies never wait for its ids. (An L2 prefetch of the rows of the stage's next
-  // tile, as fp8t's converter asks for its rows ahead, was slower: benchmarks/RESULTS.md, 2026-11-29 session 6.)
+  // tile, as fp8t's converter asks for its rows ahead, was slower: RESULTS.md, 2026-11-29, "the producer-warpgroup".)
   int queue0[2][2], queue1[2][2];
   auto tile_ids = [&](int (&ids)[2], int req, int t0, int t_end) {
 #pragma unroll
